@@ -1,0 +1,459 @@
+"""The emulator's HTTP surface: Fleet's control plane and the instances' APIs.
+
+Wire shapes follow the fleet-python SDK (``fleet/models.py``,
+``fleet/_async/client.py``, ``fleet/_async/base.py``): bodies are the SDK's
+models as JSON, and error bodies are shaped so that the SDK raises its own
+typed exceptions (``{"detail": "..."}``, or a structured ``detail`` for the
+instance limit and for retryable errors).
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+from fleet.models import InstanceRequest
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from fleetroll.emulator.envs.base import SampleEnv
+from fleetroll.emulator.faults import FaultInjector
+from fleetroll.emulator.instances import Instance, InstanceStore
+from fleetroll.emulator.ledger import Ledger
+from fleetroll.emulator.mcp_routing import McpRouter
+from fleetroll.emulator.verifiers import BundleError, VerifierRunner
+
+__all__ = ["EmulatorApp"]
+
+_REAPER_INTERVAL_S = 0.25
+
+
+def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"detail": detail}, status_code=status, headers=headers)
+
+
+async def _hang(request: Request, seconds: float) -> bool:
+    """Wait ``seconds`` or until the client goes away; True if it went away."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await request.is_disconnected():
+            return True
+        await anyio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+    return False
+
+
+class EmulatorApp:
+    """An ASGI app serving one emulated Fleet: control plane, instances, MCP."""
+
+    def __init__(
+        self,
+        envs: Sequence[SampleEnv],
+        store: InstanceStore,
+        faults: FaultInjector,
+        ledger: Ledger,
+        verifiers: VerifierRunner,
+        *,
+        api_key: str | None,
+    ) -> None:
+        self.envs = {env.key: env for env in envs}
+        self.store = store
+        self.faults = faults
+        self.ledger = ledger
+        self.verifiers = verifiers
+        self.base_url = ""  # set once the server knows its port
+        self._api_key = api_key
+        self._create_queue = anyio.Lock()
+        self._next_create_slot = 0.0
+        self.mcp = McpRouter(envs, store, faults, ledger)
+        self._starlette = Starlette(
+            routes=[
+                Route("/v1/env/", self.list_envs, methods=["GET"]),
+                Route("/v1/env/instances", self.list_instances, methods=["GET"]),
+                Route("/v1/env/instances", self.create_instance, methods=["POST"]),
+                Route("/v1/env/instances/batch", self.delete_batch, methods=["DELETE"]),
+                Route("/v1/env/instances/{instance_id}", self.get_instance, methods=["GET"]),
+                Route("/v1/env/instances/{instance_id}", self.delete_instance, methods=["DELETE"]),
+                Route(
+                    "/v1/env/instances/{instance_id}/heartbeat", self.heartbeat, methods=["POST"]
+                ),
+                Route("/v1/env/{env_key}", self.get_env, methods=["GET"]),
+                Route("/v1/account", self.account, methods=["GET"]),
+                Route("/v1/verifiers/check", self.check_bundle, methods=["GET"]),
+                Route("/v1/verifiers/execute", self.execute_verifier, methods=["POST"]),
+                Route("/_emulator/ledger", self.get_ledger, methods=["GET"]),
+                Route("/instances/{instance_id}/api/v1/env/reset", self.reset, methods=["POST"]),
+                Route("/instances/{instance_id}/api/v1/env/health", self.health, methods=["GET"]),
+                Route(
+                    "/instances/{instance_id}/api/v1/env/resources", self.resources, methods=["GET"]
+                ),
+                Route(
+                    "/instances/{instance_id}/api/v1/env/resources/sqlite/{name}/query",
+                    self.query,
+                    methods=["POST"],
+                ),
+            ],
+            lifespan=self._lifespan,
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            matched = McpRouter.match(scope["path"])
+            if matched is not None:
+                await self.mcp.handle(*matched, scope, receive, send)
+                return
+        await self._starlette(scope, receive, send)
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with self.mcp.run(), anyio.create_task_group() as tg:
+            tg.start_soon(self._reap)
+            yield
+            tg.cancel_scope.cancel()
+
+    async def _reap(self) -> None:
+        """Apply TTL expiry and instance deaths even to instances nobody asks about."""
+        while True:
+            self.store.refresh_all()
+            await anyio.sleep(_REAPER_INTERVAL_S)
+
+    # -- helpers ------------------------------------------------------------
+
+    def _authorized(self, request: Request) -> bool:
+        header = request.headers.get("authorization", "")
+        if not header.startswith("Bearer ") or not header[7:].strip():
+            return False
+        if self._api_key is None:
+            return True
+        return secrets.compare_digest(header[7:].strip(), self._api_key)
+
+    def _unauthorized(self) -> JSONResponse:
+        return _error(401, "Invalid or missing API key")
+
+    def _instance(self, request: Request, *, alive: bool = False) -> Instance | JSONResponse:
+        instance_id = request.path_params["instance_id"]
+        inst = self.store.get(instance_id)
+        if inst is None or (alive and not inst.alive):
+            return _error(404, f"Instance '{instance_id}' not found")
+        return inst
+
+    # -- control plane ------------------------------------------------------
+
+    async def list_envs(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        return JSONResponse([env.describe() for env in self.envs.values()])
+
+    async def get_env(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        env = self.envs.get(request.path_params["env_key"])
+        if env is None:
+            return _error(404, f"Environment '{request.path_params['env_key']}' not found")
+        return JSONResponse(env.describe())
+
+    async def account(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        limit = self.faults.profile.instance_limit
+        return JSONResponse(
+            {
+                "team_id": "team-emulator",
+                "team_name": "fleetroll emulator",
+                "instance_limit": -1 if limit is None else limit,
+                "instance_count": self.ledger.running,
+            }
+        )
+
+    async def create_instance(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        try:
+            body = InstanceRequest.model_validate(await request.json())
+        except (ValueError, ValidationError) as exc:
+            return _error(422, f"Invalid instance request: {exc}")
+        env = self.envs.get(body.env_key)
+        if env is None:
+            return _error(400, f"Environment '{body.env_key}' not found")
+        version = body.env_version or env.versions[-1]
+        if version not in env.versions:
+            return _error(400, f"Version '{version}' not found for env '{env.key}'")
+        data_key = body.data_key
+        if data_key is not None and data_key not in env.data_keys:
+            return _error(400, f"Data key '{data_key}' is not available for env '{env.key}'")
+
+        self.ledger.create_started()
+        outcome = "error"
+        try:
+            response, outcome = await self._create(request, body, env, version)
+        finally:
+            self.ledger.create_finished(outcome)
+        return response
+
+    async def _create(
+        self, request: Request, body: InstanceRequest, env: SampleEnv, version: str
+    ) -> tuple[Response, str]:
+        faults = self.faults
+        decision = faults.create_outcome(self.ledger.running)
+        if decision == "instance_limit":
+            limit = faults.profile.instance_limit
+            return _error(
+                403,
+                {
+                    "error_type": "instance_limit_exceeded",
+                    "message": (
+                        f"Instance limit reached: You have {self.ledger.running} running "
+                        f"instances out of a maximum of {limit}."
+                    ),
+                    "running_instances": self.ledger.running,
+                    "instance_limit": limit,
+                },
+            ), "instance_limit"
+        if decision == "hang":
+            gone = await _hang(request, faults.profile.create_hang_s)
+            return _error(504, "Create timed out upstream"), "hang_abandoned" if gone else "hang"
+        if decision == "429":
+            return _error(
+                429,
+                "Rate limit exceeded: too many instance creates",
+                headers={"Retry-After": f"{faults.profile.retry_after_s:g}"},
+            ), "429"
+        if decision == "5xx":
+            status = faults.server_error_status()
+            if faults.chance(faults.profile.p_retryable_body):
+                detail: Any = {"message": "Provisioning backend unavailable", "retryable": True}
+            else:
+                detail = "Provisioning backend unavailable"
+            return _error(status, detail), str(status)
+
+        await self._wait_create_slot()
+        latency = faults.create_latency()
+        if latency and await _hang(request, latency):
+            return _error(499, "client went away"), "abandoned"
+
+        ttl = body.ttl_seconds if body.ttl_seconds is not None else faults.profile.default_ttl_s
+        inst = self.store.create(
+            env,
+            version=version,
+            data_key=body.data_key,
+            data_version=body.data_version,
+            region=body.region or "us-west-1",
+            run_id=body.run_id,
+            env_variables=body.env_variables,
+            image_type=body.image_type,
+            ttl_s=ttl,
+            dies_after_s=faults.death_after(),
+            heartbeat_interval=body.heartbeat_interval,
+        )
+        return JSONResponse(inst.to_response(self.base_url)), "ok"
+
+    async def _wait_create_slot(self) -> None:
+        interval = self.faults.profile.create_queue_interval_s
+        if not interval:
+            return
+        async with self._create_queue:
+            wait = self._next_create_slot - time.monotonic()
+            if wait > 0:
+                await anyio.sleep(wait)
+            self._next_create_slot = time.monotonic() + interval
+
+    async def list_instances(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        status = request.query_params.get("status")
+        run_id = request.query_params.get("run_id")
+        self.store.refresh_all()
+        out = [
+            inst.to_response(self.base_url)
+            for inst in self.store
+            if (status is None or inst.status.value == status)
+            and (run_id is None or inst.run_id == run_id)
+        ]
+        return JSONResponse(out)
+
+    async def get_instance(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        inst = self._instance(request)
+        if isinstance(inst, Response):
+            return inst
+        return JSONResponse(inst.to_response(self.base_url))
+
+    async def delete_instance(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        inst = self._instance(request)
+        if isinstance(inst, Response):
+            return inst
+        self.store.delete(inst)
+        return JSONResponse(inst.to_response(self.base_url))
+
+    async def delete_batch(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        run_id = request.query_params.get("run_id")
+        if not run_id:
+            return _error(400, "run_id or profile_id is required")
+        deleted = []
+        for inst in self.store:
+            if inst.run_id == run_id and inst.alive:
+                self.store.delete(inst)
+                deleted.append(inst.to_response(self.base_url))
+        return JSONResponse(deleted)
+
+    async def heartbeat(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        inst = self._instance(request, alive=True)
+        if isinstance(inst, Response):
+            return inst
+        inst.last_heartbeat_mono = time.monotonic()
+        inst.last_heartbeat_at = datetime.now(UTC).isoformat()
+        interval = inst.heartbeat_interval
+        return JSONResponse(
+            {
+                "success": True,
+                "instance_id": inst.instance_id,
+                "last_heartbeat": inst.last_heartbeat_at,
+                "deadline_timestamp": time.time() + 2 * interval if interval else None,
+                "interval_seconds": interval,
+            }
+        )
+
+    async def get_ledger(self, request: Request) -> Response:
+        self.store.refresh_all()
+        return JSONResponse(self.ledger.snapshot())
+
+    # -- verifiers ----------------------------------------------------------
+
+    async def check_bundle(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        sha = request.query_params.get("sha256", "")
+        return JSONResponse({"success": self.verifiers.has_bundle(sha), "key": None})
+
+    async def execute_verifier(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
+        try:
+            body = await request.json()
+            sha = str(body["sha256"])
+            function_name = str(body["function_name"])
+            args_b64 = str(body.get("args") or "")
+            args_array = body.get("args_array") or []
+            timeout = float(body.get("timeout") or 30)
+        except (ValueError, KeyError, TypeError) as exc:
+            return _error(422, f"Invalid verifier execute request: {exc!r}")
+        if self.faults.chance(self.faults.profile.p_verifier_error):
+            self.ledger.verifier_ran("injected_error")
+            return _error(503, "Verifier runtime unavailable (injected fault)")
+        if body.get("bundle"):
+            import base64
+
+            try:
+                self.verifiers.add_bundle(sha, base64.b64decode(body["bundle"]))
+            except (BundleError, ValueError) as exc:
+                return _error(400, f"Invalid verifier bundle: {exc}")
+        instance_id = next(
+            (a["env"] for a in reversed(args_array) if isinstance(a, dict) and "env" in a), None
+        )
+        inst = self.store.get(str(instance_id)) if instance_id else None
+        base = {
+            "key": body.get("key"),
+            "version": 1,
+            "verifier_id": sha[:16],
+            "bundle_cache_hit": not body.get("bundle"),
+        }
+        if inst is None or not inst.alive:
+            self.ledger.verifier_ran("instance_gone")
+            return JSONResponse(
+                {
+                    **base,
+                    "success": False,
+                    "result": None,
+                    "execution_id": None,
+                    "execution_time_ms": 0,
+                    "stdout": "",
+                    "error": {
+                        "type": "RuntimeError",
+                        "message": f"Instance '{instance_id}' not running",
+                    },
+                }
+            )
+        try:
+            answer = await self.verifiers.execute(
+                sha256=sha,
+                function_name=function_name,
+                args_b64=args_b64,
+                instance_id=inst.instance_id,
+                databases={"current": str(inst.db_path)},
+                timeout_s=timeout,
+            )
+        except BundleError as exc:
+            return _error(404, str(exc))
+        self.ledger.verifier_ran("ok" if answer["success"] else "error")
+        return JSONResponse({**base, **answer})
+
+    # -- instance manager API -----------------------------------------------
+
+    async def reset(self, request: Request) -> Response:
+        inst = self._instance(request, alive=True)
+        if isinstance(inst, Response):
+            return inst
+        if self.faults.chance(self.faults.profile.p_reset_hang):
+            await _hang(request, self.faults.profile.reset_hang_s)
+            return _error(504, "Reset timed out")
+        self.store.reseed(inst)
+        self.ledger.resets += 1
+        return JSONResponse({"success": True, "message": f"Instance {inst.instance_id} reset"})
+
+    async def health(self, request: Request) -> Response:
+        inst = self._instance(request, alive=True)
+        if isinstance(inst, Response):
+            return inst
+        return JSONResponse(
+            {
+                "status": "healthy",
+                "service": inst.env.key,
+                "timestamp": datetime.now(UTC).isoformat(),
+            }
+        )
+
+    async def resources(self, request: Request) -> Response:
+        inst = self._instance(request, alive=True)
+        if isinstance(inst, Response):
+            return inst
+        return JSONResponse([{"name": "current", "type": "sqlite", "mode": "rw"}])
+
+    async def query(self, request: Request) -> Response:
+        inst = self._instance(request, alive=True)
+        if isinstance(inst, Response):
+            return inst
+        if request.path_params["name"] != "current":
+            return _error(404, f"Resource '{request.path_params['name']}' not found")
+        body = await request.json()
+        try:
+            cursor = inst.conn.execute(str(body["query"]), body.get("args") or [])
+            rows = [list(row) for row in cursor.fetchall()]
+        except (KeyError, TypeError) as exc:
+            return _error(422, f"Invalid query request: {exc!r}")
+        except Exception as exc:  # sqlite errors are answers, as on Fleet
+            return JSONResponse({"success": False, "error": str(exc), "message": "query failed"})
+        columns = [d[0] for d in cursor.description or ()]
+        return JSONResponse(
+            {
+                "success": True,
+                "columns": columns,
+                "rows": rows,
+                "rows_affected": cursor.rowcount,
+                "message": f"{len(rows)} rows",
+            }
+        )

@@ -1,0 +1,126 @@
+"""Fault injection for the emulator: what can go wrong, and how often.
+
+A :class:`FaultProfile` is plain data (from ``[emulator.profiles.NAME]`` in a
+TOML file, or built in a test); a :class:`FaultInjector` turns it into
+decisions with one seeded RNG, so a run with the same seed and the same order
+of requests injects the same faults.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["CreateOutcome", "FaultInjector", "FaultProfile", "Latency"]
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+Seconds = Annotated[float, Field(ge=0.0)]
+
+
+class Latency(BaseModel):
+    """A delay drawn uniformly from ``[min_s, max_s]`` (``max_s`` defaults to ``min_s``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_s: Seconds = 0.0
+    max_s: Seconds | None = None
+
+    def draw(self, rng: random.Random) -> float:
+        high = self.min_s if self.max_s is None else max(self.max_s, self.min_s)
+        if high == self.min_s:
+            return self.min_s
+        return rng.uniform(self.min_s, high)
+
+
+class FaultProfile(BaseModel):
+    """Every fault knob of the emulator. All default to "no fault"."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    seed: int = 0
+
+    # -- provisioning -------------------------------------------------------
+    create_latency: Latency = Latency()
+    #: Serialise creates: at most one create finishes every this many seconds
+    #: (Fleet under load served about one create per 10 s). 0 = no queue.
+    create_queue_interval_s: Seconds = 0.0
+    #: Probability that a create answers 500, 502 or 503 (chosen evenly).
+    p_create_5xx: Probability = 0.0
+    #: Probability that a create answers 429 with ``Retry-After``.
+    p_create_429: Probability = 0.0
+    retry_after_s: Seconds = 1.0
+    #: Probability that a 5xx body is marked ``"retryable": true``.
+    p_retryable_body: Probability = 0.0
+    #: Running instances allowed at once; a create past it answers 403
+    #: ``instance_limit_exceeded``. None = unlimited.
+    instance_limit: int | None = Field(default=None, ge=0)
+    #: Probability that a create hangs for ``create_hang_s`` before answering 504.
+    p_create_hang: Probability = 0.0
+    create_hang_s: Seconds = 3600.0
+
+    # -- MCP and tools ------------------------------------------------------
+    #: MCP endpoints answer 503 for this long after an instance is created.
+    mcp_warmup_s: Seconds = 0.0
+    tool_latency: Latency = Latency()
+    #: Probability that a tool call hangs for ``tool_hang_s``.
+    p_tool_hang: Probability = 0.0
+    tool_hang_s: Seconds = 3600.0
+    #: Probability that a tool call answers with an injected MCP tool error.
+    p_tool_error: Probability = 0.0
+
+    # -- instance manager ---------------------------------------------------
+    #: Probability that a reset hangs for ``reset_hang_s``.
+    p_reset_hang: Probability = 0.0
+    reset_hang_s: Seconds = 3600.0
+    #: Probability that an instance dies, and when (seconds after creation).
+    p_instance_death: Probability = 0.0
+    death_after: Latency = Latency(min_s=5.0)
+    #: TTL applied when a create does not ask for one. None = no TTL.
+    default_ttl_s: Seconds | None = None
+
+    # -- verifier -----------------------------------------------------------
+    #: Probability that a verifier execution fails on the platform's side.
+    p_verifier_error: Probability = 0.0
+
+
+CreateOutcome = Literal["ok", "5xx", "429", "instance_limit", "hang"]
+
+
+class FaultInjector:
+    """Draws fault decisions for one emulator from its profile's seeded RNG."""
+
+    def __init__(self, profile: FaultProfile) -> None:
+        self.profile = profile
+        self._rng = random.Random(profile.seed)
+
+    def chance(self, p: float) -> bool:
+        return p > 0.0 and self._rng.random() < p
+
+    def create_outcome(self, running: int) -> CreateOutcome:
+        p = self.profile
+        if p.instance_limit is not None and running >= p.instance_limit:
+            return "instance_limit"
+        if self.chance(p.p_create_hang):
+            return "hang"
+        if self.chance(p.p_create_429):
+            return "429"
+        if self.chance(p.p_create_5xx):
+            return "5xx"
+        return "ok"
+
+    def server_error_status(self) -> int:
+        return self._rng.choice((500, 502, 503))
+
+    def create_latency(self) -> float:
+        return self.profile.create_latency.draw(self._rng)
+
+    def tool_latency(self) -> float:
+        return self.profile.tool_latency.draw(self._rng)
+
+    def death_after(self) -> float | None:
+        """Seconds after creation at which a new instance dies, or None."""
+        if self.chance(self.profile.p_instance_death):
+            return self.profile.death_after.draw(self._rng)
+        return None

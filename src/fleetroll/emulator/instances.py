@@ -1,0 +1,229 @@
+"""Instances of the emulator: their state, lifetimes and SQLite databases.
+
+Each instance owns one SQLite file (its ``current`` database), seeded by its
+environment from the create's ``data_key``. The file is what tools change and
+what the verifier subprocess reads, so scoring always sees the real state.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fleetroll.emulator.ledger import Ledger
+
+if TYPE_CHECKING:
+    from fleetroll.emulator.envs.base import SampleEnv
+
+__all__ = ["Instance", "InstanceStatus", "InstanceStore"]
+
+TEAM_ID = "team-emulator"
+
+
+def _now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class InstanceStatus(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    STOPPED = "stopped"
+    ERROR = "error"
+
+
+@dataclass(eq=False)
+class Instance:
+    """One emulated Fleet instance."""
+
+    instance_id: str
+    env: SampleEnv
+    version: str
+    data_key: str | None
+    data_version: str | None
+    region: str
+    run_id: str | None
+    env_variables: dict[str, Any] | None
+    image_type: str | None
+    db_path: Path
+    conn: sqlite3.Connection
+    created_mono: float
+    ttl_s: float | None
+    dies_at_mono: float | None
+    heartbeat_interval: int | None
+    status: InstanceStatus = InstanceStatus.RUNNING
+    created_at: str = field(default_factory=_now_iso)
+    updated_at: str = field(default_factory=_now_iso)
+    terminated_at: str | None = None
+    last_heartbeat_mono: float | None = None
+    last_heartbeat_at: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.status is InstanceStatus.RUNNING
+
+    def age(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.created_mono
+
+    def to_response(self, base_url: str) -> dict[str, Any]:
+        """The instance as Fleet's ``InstanceResponse`` JSON."""
+        root = f"{base_url}/instances/{self.instance_id}/"
+        manager = f"{root}api/v1/env"
+        return {
+            "instance_id": self.instance_id,
+            "env_key": self.env.key,
+            "version": self.version,
+            "status": self.status.value,
+            "subdomain": self.instance_id,
+            "created_at": self.created_at,
+            "updated_at": self.updated_at,
+            "terminated_at": self.terminated_at,
+            "team_id": TEAM_ID,
+            "region": self.region,
+            "env_variables": self.env_variables,
+            "data_key": self.data_key,
+            "data_version": self.data_version,
+            "urls": {
+                "root": root,
+                "app": [root],
+                "api": f"{root}raw",
+                "health": f"{manager}/health",
+                "api_docs": f"{manager}/docs",
+                "manager": {
+                    "api": manager,
+                    "docs": f"{manager}/docs",
+                    "reset": f"{manager}/reset",
+                    "diff": f"{manager}/diff",
+                    "snapshot": f"{manager}/snapshot",
+                    "execute_verifier_function": f"{manager}/execute_verifier_function",
+                    "execute_verifier_function_with_upload": (
+                        f"{manager}/execute_verifier_function_with_upload"
+                    ),
+                },
+            },
+            "health": self.alive,
+            "run_id": self.run_id,
+            "profile_id": None,
+            "heartbeat_interval": self.heartbeat_interval,
+            "heartbeat_region": None,
+        }
+
+
+def open_db(path: Path) -> sqlite3.Connection:
+    # The emulator is a test double: durability buys nothing, speed does.
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.execute("PRAGMA synchronous=OFF")
+    return conn
+
+
+class InstanceStore:
+    """All instances of one emulator, keyed by id, with the ledger kept in step."""
+
+    def __init__(self, data_dir: Path, ledger: Ledger) -> None:
+        self._dir = data_dir
+        self._ledger = ledger
+        self._instances: dict[str, Instance] = {}
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(list(self._instances.values()))
+
+    def create(
+        self,
+        env: SampleEnv,
+        *,
+        version: str,
+        data_key: str | None,
+        data_version: str | None,
+        region: str,
+        run_id: str | None,
+        env_variables: dict[str, Any] | None,
+        image_type: str | None,
+        ttl_s: float | None,
+        dies_after_s: float | None,
+        heartbeat_interval: int | None,
+    ) -> Instance:
+        instance_id = uuid.uuid4().hex[:16]
+        db_path = self._dir / f"{instance_id}.db"
+        conn = open_db(db_path)
+        env.seed(conn, data_key or env.default_data_key)
+        now = time.monotonic()
+        inst = Instance(
+            instance_id=instance_id,
+            env=env,
+            version=version,
+            data_key=data_key,
+            data_version=data_version,
+            region=region,
+            run_id=run_id,
+            env_variables=env_variables,
+            image_type=image_type,
+            db_path=db_path,
+            conn=conn,
+            created_mono=now,
+            ttl_s=ttl_s,
+            dies_at_mono=None if dies_after_s is None else now + dies_after_s,
+            heartbeat_interval=heartbeat_interval,
+        )
+        self._instances[instance_id] = inst
+        self._ledger.instance_started(env.key)
+        return inst
+
+    def get(self, instance_id: str) -> Instance | None:
+        """The instance, with its time-based transitions (TTL, death) applied."""
+        inst = self._instances.get(instance_id)
+        if inst is not None:
+            self.refresh(inst)
+        return inst
+
+    def refresh(self, inst: Instance, now: float | None = None) -> None:
+        if not inst.alive:
+            return
+        now = time.monotonic() if now is None else now
+        if inst.dies_at_mono is not None and now >= inst.dies_at_mono:
+            self._end(inst, InstanceStatus.ERROR, "died")
+        elif self._expired(inst, now):
+            self._end(inst, InstanceStatus.STOPPED, "expired")
+
+    @staticmethod
+    def _expired(inst: Instance, now: float) -> bool:
+        if inst.ttl_s is not None and inst.age(now) >= inst.ttl_s:
+            return True
+        # With heartbeats on, two missed intervals end the instance.
+        return bool(
+            inst.heartbeat_interval
+            and inst.last_heartbeat_mono is not None
+            and now - inst.last_heartbeat_mono > 2 * inst.heartbeat_interval
+        )
+
+    def refresh_all(self) -> None:
+        now = time.monotonic()
+        for inst in self:
+            self.refresh(inst, now)
+
+    def delete(self, inst: Instance) -> None:
+        if inst.alive:
+            self._end(inst, InstanceStatus.STOPPED, "deleted")
+
+    def reseed(self, inst: Instance) -> None:
+        inst.env.reset_db(inst.conn, inst.data_key or inst.env.default_data_key)
+        inst.updated_at = _now_iso()
+
+    def _end(self, inst: Instance, status: InstanceStatus, how: str) -> None:
+        inst.status = status
+        inst.terminated_at = inst.updated_at = _now_iso()
+        self._ledger.instance_ended(how)
+        # The file stays until the emulator stops: a verifier may still be reading it.
+        inst.conn.close()
+
+    def close(self) -> None:
+        for inst in self:
+            if inst.alive:
+                inst.conn.close()
+        self._instances.clear()

@@ -1,0 +1,220 @@
+"""Settings: one object, built once at the entry point and passed down.
+
+Sources, later ones winning, tables deep-merged:
+
+1. the shipped defaults, ``config/fleetroll.toml``;
+2. an optional user TOML file (``--config``);
+3. ``FLEETROLL_*`` environment variables, nested with ``__``
+   (``FLEETROLL_TIMEOUTS__CALL_TOOL_S=30``); ``FLEET_API_KEY``,
+   ``FLEET_BASE_URL`` and ``LOGFIRE_TOKEN`` keep their usual names;
+4. explicit keyword arguments to :func:`load_settings`.
+
+No module reads the environment on import: only :func:`load_settings` does.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from fleetroll.emulator.faults import FaultProfile
+from fleetroll.errors import ConfigError
+
+__all__ = [
+    "EmulatorSettings",
+    "ModalitySettings",
+    "PoolSettings",
+    "ProvisioningSettings",
+    "Settings",
+    "TelemetrySettings",
+    "TimeoutSettings",
+    "config_dir",
+    "load_settings",
+]
+
+
+def config_dir() -> Path:
+    """The folder holding the shipped ``fleetroll.toml`` and example tasks."""
+    here = Path(__file__).resolve().parent
+    packaged = here / "_config"  # wheel installs: force-included by the build
+    if packaged.is_dir():
+        return packaged
+    return here.parent.parent / "config"  # source checkout / editable install
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TimeoutSettings(_Section):
+    """Hard deadlines, in seconds, one per operation that leaves the process."""
+
+    provision_create_s: float = Field(900.0, gt=0)
+    provision_total_s: float = Field(1800.0, gt=0)
+    reset_s: float = Field(10.0, gt=0)
+    mcp_connect_s: float = Field(30.0, gt=0)
+    list_tools_s: float = Field(60.0, gt=0)
+    call_tool_s: float = Field(60.0, gt=0)
+    policy_s: float = Field(300.0, gt=0)
+    verifier_s: float = Field(120.0, gt=0)
+    release_s: float = Field(30.0, gt=0)
+    telemetry_s: float = Field(5.0, gt=0)
+    rollout_s: float = Field(1800.0, gt=0)
+
+
+class ProvisioningSettings(_Section):
+    """How instances are created: limits and the one retry policy."""
+
+    max_concurrent_creates: int = Field(32, ge=1)
+    creates_per_second: float = Field(8.0, gt=0)
+    max_attempts: int = Field(5, ge=1)
+    backoff_initial_s: float = Field(2.0, ge=0)
+    backoff_max_s: float = Field(60.0, ge=0)
+    retry_instance_limit: bool = False
+    region: str | None = None
+
+
+class ModalitySettings(_Section):
+    """One row of the modality routing table (DESIGN.md §3)."""
+
+    endpoint: str = Field(description="MCP URL template; {root} is the instance's urls.root")
+    image_type: str | None = None
+    ttl_s: int = Field(900, ge=1)
+    tools: Literal["api", "computer"] = "api"
+
+
+class PoolSettings(_Section):
+    concurrency: int = Field(128, ge=1)
+    max_steps: int = Field(30, ge=1)
+
+
+class TelemetrySettings(_Section):
+    db_path: Path = Path(".fleetroll/telemetry.db")
+    environment: str = "local"
+    console_level: Literal["debug", "info", "warning", "error"] = "info"
+
+
+class EmulatorSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    profile: str = "clean"
+    verifier_memory_mb: int = Field(512, ge=64)
+    profiles: dict[str, FaultProfile] = Field(default_factory=dict)
+
+    def fault_profile(self, name: str | None = None) -> FaultProfile:
+        """The named profile (default: ``profile``).
+
+        Raises:
+            ConfigError: no profile has that name.
+        """
+        name = name or self.profile
+        try:
+            return self.profiles[name]
+        except KeyError:
+            known = ", ".join(sorted(self.profiles)) or "none"
+            raise ConfigError(
+                f"unknown emulator profile {name!r} (known profiles: {known})"
+            ) from None
+
+
+_user_config: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "fleetroll_user_config", default=None
+)
+
+
+class Settings(BaseSettings):
+    """All of fleetroll's configuration. Build it with :func:`load_settings`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="FLEETROLL_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        frozen=True,
+        populate_by_name=True,
+    )
+
+    fleet_api_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("FLEET_API_KEY", "fleet_api_key")
+    )
+    fleet_base_url: str | None = Field(
+        None, validation_alias=AliasChoices("FLEET_BASE_URL", "fleet_base_url")
+    )
+    logfire_token: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("LOGFIRE_TOKEN", "logfire_token")
+    )
+
+    timeouts: TimeoutSettings = TimeoutSettings()
+    provisioning: ProvisioningSettings = ProvisioningSettings()
+    modalities: dict[str, ModalitySettings] = Field(default_factory=dict)
+    pool: PoolSettings = PoolSettings()
+    telemetry: TelemetrySettings = TelemetrySettings()
+    emulator: EmulatorSettings = EmulatorSettings()
+
+    @property
+    def uses_emulator(self) -> bool:
+        """True when no Fleet is configured, so the embedded emulator is the backend."""
+        return self.fleet_api_key is None and self.fleet_base_url is None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        files = [config_dir() / "fleetroll.toml"]
+        user = _user_config.get()
+        if user is not None:
+            files.append(user)
+        toml = TomlConfigSettingsSource(settings_cls, toml_file=files, deep_merge=True)
+        return init_settings, env_settings, toml
+
+
+def load_settings(config_file: str | Path | None = None, /, **overrides: Any) -> Settings:
+    """Build the settings from every source (see the module docstring).
+
+    Args:
+        config_file: an optional user TOML file, merged over the shipped defaults.
+        **overrides: explicit values, winning over every other source.
+
+    Raises:
+        ConfigError: a file is missing or unreadable, or a value is invalid; the
+            message names the field and the reason.
+    """
+    path: Path | None = None
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            tomllib.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: not a valid TOML file: {exc}") from exc
+    token = _user_config.set(path)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        source = f" (with {path})" if path else ""
+        raise ConfigError(f"invalid configuration{source}:\n{_describe(exc)}") from None
+    finally:
+        _user_config.reset(token)
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False):
+        where = ".".join(str(part) for part in error["loc"]) or "(root)"
+        lines.append(f"  {where}: {error['msg']}")
+    return "\n".join(lines)

@@ -13,7 +13,6 @@ from typing import Self
 
 import anyio
 import uvicorn
-from anyio.abc import TaskStatus
 
 from fleetroll.emulator.app import EmulatorApp
 from fleetroll.emulator.envs import default_envs
@@ -100,7 +99,14 @@ class Emulator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._stack.__aexit__(exc_type, exc, tb)
+        try:
+            await self._stack.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            # The server's task group wraps the caller's own exception; hand it
+            # back as it was raised, so `async with Emulator()` is transparent.
+            if exc is not None and group.exceptions == (exc,):
+                raise exc from exc.__cause__
+            raise
 
     @contextlib.asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
@@ -163,11 +169,3 @@ class Emulator:
         if self._data_dir is not None:
             shutil.rmtree(self._data_dir, ignore_errors=True)
             self._data_dir = None
-
-    async def serve_forever(
-        self, *, task_status: TaskStatus[Self] = anyio.TASK_STATUS_IGNORED
-    ) -> None:
-        """Run until cancelled (``fleetroll emulator``)."""
-        async with self:
-            task_status.started(self)
-            await anyio.sleep_forever()

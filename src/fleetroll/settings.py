@@ -33,6 +33,7 @@ from fleetroll.errors import ConfigError
 __all__ = [
     "EmulatorSettings",
     "ModalitySettings",
+    "PolicySettings",
     "PoolSettings",
     "ProvisioningSettings",
     "Settings",
@@ -96,6 +97,27 @@ class ModalitySettings(_Section):
 class PoolSettings(_Section):
     concurrency: int = Field(128, ge=1)
     max_steps: int = Field(30, ge=1)
+    #: Keep screenshots (data URLs) in result transcripts; off, they are
+    #: replaced by a short placeholder (a screenshot is ~65 KB of base64).
+    transcript_images: bool = False
+
+
+class PolicySettings(_Section):
+    """The default policy, and the OpenAI-compatible endpoint's parameters."""
+
+    kind: Literal["scripted", "openai"] = "scripted"
+    #: Scripted policy: seconds of "think time" before each turn (benchmarks).
+    think_time_s: float = Field(0.0, ge=0)
+    model: str = "gpt-4o-mini"
+    base_url: str = "http://127.0.0.1:8000/v1"
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    #: Extra body fields sent with every chat completion (e.g. vLLM's top_k).
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    system_prompt: str | None = None
+    #: Retries on 429/5xx/connection errors, inside the policy_s deadline.
+    max_retries: int = Field(2, ge=0)
 
 
 class TelemetrySettings(_Section):
@@ -152,11 +174,16 @@ class Settings(BaseSettings):
     logfire_token: SecretStr | None = Field(
         None, validation_alias=AliasChoices("LOGFIRE_TOKEN", "logfire_token")
     )
+    #: API key of the OpenAI-compatible policy endpoint, if it needs one.
+    openai_api_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("OPENAI_API_KEY", "openai_api_key")
+    )
 
     timeouts: TimeoutSettings = TimeoutSettings()
     provisioning: ProvisioningSettings = ProvisioningSettings()
     modalities: dict[str, ModalitySettings] = Field(default_factory=dict)
     pool: PoolSettings = PoolSettings()
+    policy: PolicySettings = PolicySettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     emulator: EmulatorSettings = EmulatorSettings()
 

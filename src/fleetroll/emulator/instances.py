@@ -211,6 +211,11 @@ class InstanceStore:
         if inst.alive:
             self._end(inst, InstanceStatus.STOPPED, "deleted")
 
+    def kill(self, inst: Instance) -> None:
+        """Make a running instance die now, as the ``p_instance_death`` fault does."""
+        if inst.alive:
+            self._end(inst, InstanceStatus.ERROR, "died")
+
     def reseed(self, inst: Instance) -> None:
         inst.env.reset_db(inst.conn, inst.data_key or inst.env.default_data_key)
         inst.updated_at = _now_iso()

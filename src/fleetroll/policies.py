@@ -1,0 +1,564 @@
+"""Policies: what decides the agent's next move.
+
+A :class:`Policy` is stateless with respect to rollouts: it gets the task, the
+transcript so far (OpenAI chat format, the single source of truth) and the
+tools the agent may use, and answers one :class:`AssistantTurn`. A turn with
+no tool calls ends the episode.
+
+Two policies ship:
+
+- :class:`ScriptedPolicy` plays a task's known solution, one call per turn
+  (smoke tests, benchmarks of the orchestrator itself);
+- :class:`OpenAIChatPolicy` asks an OpenAI-compatible ``/chat/completions``
+  endpoint (OpenAI, vLLM, SGLang, a proxy in front of a trainer).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
+from types import MappingProxyType, TracebackType
+from typing import Any, Protocol, Self, runtime_checkable
+
+import anyio
+import httpx
+from pydantic import SecretStr
+
+from fleetroll.errors import PolicyError
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+
+__all__ = [
+    "AssistantTurn",
+    "OpenAIChatPolicy",
+    "Policy",
+    "ScriptedPolicy",
+    "ToolCall",
+    "ToolSpec",
+    "policy_from_settings",
+]
+
+Message = Mapping[str, Any]
+
+_OPERATION = "policy"
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+#: A connection that cannot even be opened in this long will not be opened by
+#: waiting longer; failing it early leaves the rest of the deadline to retries.
+_CONNECT_TIMEOUT_S = 10.0
+#: How much of an error body goes into a PolicyError's message.
+_EXCERPT_CHARS = 300
+#: Statuses worth trying again: rate limits, timeouts and server-side failures.
+_TRANSIENT_STATUSES = frozenset({408, 409, 429})
+
+
+@dataclass(frozen=True, slots=True)
+class ToolSpec:
+    """A tool as the agent sees it."""
+
+    name: str
+    description: str
+    input_schema: Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """One call the policy asks for.
+
+    ``arguments_error`` is set (and ``arguments`` empty) when the model's
+    arguments could not be parsed; the rollout answers it with a tool error
+    instead of calling anything.
+
+    ``raw_arguments`` is the arguments string exactly as the model produced it,
+    when the policy got one (:class:`OpenAIChatPolicy`), so the transcript can
+    record what the model said rather than a re-serialisation of it.
+    """
+
+    id: str
+    name: str
+    arguments: Mapping[str, Any] = field(default_factory=dict)
+    arguments_error: str | None = None
+    raw_arguments: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AssistantTurn:
+    """The policy's answer: optional text and zero or more tool calls."""
+
+    content: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    usage: Mapping[str, int] | None = None
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Decides the next turn of a rollout."""
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        """The next turn.
+
+        Raises:
+            PolicyError: the policy could not answer (endpoint down, garbage).
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the policy holds (HTTP clients)."""
+        ...
+
+
+def policy_from_settings(settings: Settings) -> ScriptedPolicy | OpenAIChatPolicy:
+    """The policy ``settings.policy.kind`` names, configured from ``settings``."""
+    if settings.policy.kind == "openai":
+        return OpenAIChatPolicy.from_settings(settings)
+    return ScriptedPolicy(think_time_s=settings.policy.think_time_s)
+
+
+# --------------------------------------------------------------------- scripted
+
+
+class ScriptedPolicy:
+    """Plays ``task.solution``, one tool call per turn, then says ``"done"``.
+
+    The turn number is the number of assistant messages already in the
+    transcript, so one instance serves any number of concurrent rollouts.
+
+    Args:
+        think_time_s: seconds to wait before each turn, standing in for a
+            model's latency in benchmarks.
+
+    Raises:
+        ValueError: ``think_time_s`` is negative.
+    """
+
+    def __init__(self, think_time_s: float = 0.0) -> None:
+        if think_time_s < 0:
+            raise ValueError(f"think_time_s must be >= 0, not {think_time_s}")
+        self.think_time_s = think_time_s
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        """The solution's next step as a tool call, or ``"done"`` after the last.
+
+        Raises:
+            PolicyError: the task has no solution (never transient).
+        """
+        if task.solution is None:
+            raise PolicyError(
+                f"task {task.key!r} has no solution, so the scripted policy cannot play it;"
+                " give the task a 'solution' or use policy kind 'openai'",
+                operation=_OPERATION,
+                transient=False,
+            )
+        await anyio.sleep(self.think_time_s)
+        turn = sum(1 for message in messages if message.get("role") == "assistant")
+        if turn >= len(task.solution):
+            return AssistantTurn(content="done")
+        step = task.solution[turn]
+        call = ToolCall(id=f"call_{turn}", name=step.name, arguments=dict(step.arguments))
+        return AssistantTurn(tool_calls=(call,))
+
+    async def aclose(self) -> None:
+        """Nothing to release."""
+
+
+# ----------------------------------------------------------------------- openai
+
+
+class OpenAIChatPolicy:
+    """Asks an OpenAI-compatible ``/chat/completions`` endpoint for each turn.
+
+    Use it as an async context manager, or call :meth:`aclose` when done::
+
+        async with OpenAIChatPolicy(base_url="http://127.0.0.1:8000/v1", model="m") as p:
+            turn = await p.act(task, messages, tools)
+
+    Args:
+        base_url: the API root, e.g. ``https://api.openai.com/v1``.
+        model: the ``model`` field of every request.
+        api_key: sent as ``Authorization: Bearer``; None sends no header.
+        temperature, top_p, max_tokens: sampling parameters, sent when set.
+        extra_body: more body fields for every request (vLLM's ``top_k``...);
+            they win over the fields above.
+        system_prompt: prepended when the transcript does not start with a
+            system message.
+        timeout_s: the deadline of one :meth:`act`, retries included.
+        max_retries: how many times a 408/409/429/5xx answer, a connection error
+            or a transport timeout is retried.
+        backoff_initial_s, backoff_max_s: exponential backoff between retries
+            (with jitter); a Retry-After from the server replaces it, capped
+            at ``backoff_max_s``.
+        http_client: a client to use (and leave open); by default the policy
+            makes its own and closes it in :meth:`aclose`.
+
+    Raises:
+        ValueError: a number is out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str,
+        api_key: SecretStr | str | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        extra_body: Mapping[str, Any] = _EMPTY,
+        system_prompt: str | None = None,
+        timeout_s: float = 300.0,
+        max_retries: int = 2,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, not {max_retries}")
+        if backoff_initial_s < 0 or backoff_max_s < 0:
+            raise ValueError("backoff_initial_s and backoff_max_s must be >= 0")
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self._api_key = SecretStr(api_key) if isinstance(api_key, str) else api_key
+        self._sampling = {
+            name: value
+            for name, value in (
+                ("temperature", temperature),
+                ("top_p", top_p),
+                ("max_tokens", max_tokens),
+            )
+            if value is not None
+        }
+        self._extra_body = dict(extra_body)
+        self.system_prompt = system_prompt
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._owns_client = http_client is None
+        self._client = http_client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S)),
+            # The rollout pool bounds concurrency; a second, smaller limit here
+            # would only queue turns behind each other.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Self:
+        """A policy configured by ``settings.policy``, ``settings.openai_api_key``
+        and ``settings.timeouts.policy_s``."""
+        policy = settings.policy
+        return cls(
+            base_url=policy.base_url,
+            model=policy.model,
+            api_key=settings.openai_api_key,
+            temperature=policy.temperature,
+            top_p=policy.top_p,
+            max_tokens=policy.max_tokens,
+            extra_body=policy.extra_body,
+            system_prompt=policy.system_prompt,
+            timeout_s=settings.timeouts.policy_s,
+            max_retries=policy.max_retries,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r}, model={self.model!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client, if the policy made it."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        """One chat completion, parsed into a turn.
+
+        Tool-call arguments that are not a JSON object do not raise: the call
+        comes back with ``arguments_error`` set.
+
+        Raises:
+            PolicyError: the endpoint failed (transient for 408/409/429/5xx,
+                connection errors and the deadline, once retries are spent;
+                not transient for other statuses), or answered something that
+                is not a chat completion (not transient).
+        """
+        content = self._encode(self._body(messages, tools))
+        try:
+            with anyio.fail_after(self.timeout_s) as scope:
+                payload = await self._post(content, deadline=scope.deadline)
+        except TimeoutError:
+            raise PolicyError(
+                f"no answer from {self.url} within the policy deadline of {self.timeout_s:g}s"
+                " (retries included); raise timeouts.policy_s if the model is just slow",
+                operation=_OPERATION,
+                transient=True,
+            ) from None
+        return self._parse(payload)
+
+    # ------------------------------------------------------------- request
+
+    def _body(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:
+        sent: list[Message] = list(messages)
+        if self.system_prompt is not None and (not sent or sent[0].get("role") != "system"):
+            sent.insert(0, {"role": "system", "content": self.system_prompt})
+        body: dict[str, Any] = {"model": self.model, "messages": sent}
+        if tools:
+            # OpenAI rejects tool_choice without tools, so both or neither.
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": tool.name,
+                        "description": tool.description,
+                        "parameters": tool.input_schema,
+                    },
+                }
+                for tool in tools
+            ]
+            body["tool_choice"] = "auto"
+        body.update(self._sampling)
+        body.update(self._extra_body)
+        return body
+
+    def _encode(self, body: dict[str, Any]) -> bytes:
+        def mapping_to_dict(value: object) -> object:
+            if isinstance(value, Mapping):
+                return dict(value)
+            raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+        try:
+            return json.dumps(body, default=mapping_to_dict, ensure_ascii=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(
+                f"the request to {self.url} cannot be encoded as JSON: {exc}",
+                operation=_OPERATION,
+                transient=False,
+            ) from None
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
+        return headers
+
+    async def _post(self, content: bytes, *, deadline: float) -> Any:
+        """POST until an answer, a permanent failure, or no retries or time left."""
+        attempts = self.max_retries + 1
+        cause: httpx.TransportError | None = None
+        for attempt in range(1, attempts + 1):
+            retry_after: float | None = None
+            cause = None
+            try:
+                response = await self._client.post(
+                    self.url, content=content, headers=self._headers()
+                )
+            except httpx.TransportError as exc:
+                # The exception's text can hold the URL, never the headers; redact anyway.
+                problem = f"could not reach {self.url}: {type(exc).__name__}: {exc}"
+                cause = exc
+            else:
+                if response.is_success:
+                    return self._decode(response)
+                status = response.status_code
+                problem = f"{self.url} answered HTTP {status}: {self._excerpt(response)}"
+                if status not in _TRANSIENT_STATUSES and status < 500:
+                    raise PolicyError(self._redact(problem), operation=_OPERATION, transient=False)
+                retry_after = _retry_after_s(response.headers)
+            if attempt == attempts:
+                break
+            delay = self._delay(attempt, retry_after)
+            if anyio.current_time() + delay >= deadline:
+                problem += f" (a retry in {delay:.3g}s would pass the policy deadline)"
+                break
+            await anyio.sleep(delay)
+        raise PolicyError(
+            self._redact(f"{problem} (attempt {attempt} of {attempts})"),
+            operation=_OPERATION,
+            transient=True,
+        ) from cause
+
+    def _delay(self, attempt: int, retry_after: float | None) -> float:
+        if retry_after is not None:
+            return min(retry_after, self._backoff_max_s)
+        backoff = self._backoff_initial_s * 2.0 ** (attempt - 1)
+        # Jitter spreads the retries of many rollouts that failed together.
+        return min(backoff * random.uniform(1.0, 1.5), self._backoff_max_s)
+
+    # ------------------------------------------------------------ response
+
+    def _decode(self, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise PolicyError(
+                self._redact(
+                    f"{self.url} answered HTTP {response.status_code} with a body that is"
+                    f" not JSON: {self._excerpt(response)}"
+                ),
+                operation=_OPERATION,
+                transient=False,
+            ) from None
+
+    def _parse(self, payload: Any) -> AssistantTurn:
+        def malformed(what: str) -> PolicyError:
+            excerpt = _shorten(json.dumps(payload, ensure_ascii=False, default=str))
+            return PolicyError(
+                self._redact(f"{self.url} answered a malformed chat completion: {what}: {excerpt}"),
+                operation=_OPERATION,
+                transient=False,
+            )
+
+        if not isinstance(payload, dict):
+            raise malformed("the body is not a JSON object")
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise malformed("no 'choices'")
+        choice = choices[0]
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            raise malformed("choices[0] has no 'message' object")
+
+        content = message.get("content")
+        if isinstance(content, list):  # some servers answer content parts
+            content = "".join(
+                part.get("text", "")
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+        elif content is not None and not isinstance(content, str):
+            raise malformed("message.content is neither a string, parts nor null")
+
+        raw_calls = message.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raise malformed("message.tool_calls is not a list")
+        calls = []
+        for index, raw in enumerate(raw_calls):
+            function = raw.get("function") if isinstance(raw, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(function, dict) or not isinstance(name, str) or not name:
+                raise malformed(f"tool_calls[{index}] has no function name")
+            call_id = raw.get("id")
+            if not isinstance(call_id, str) or not call_id:
+                call_id = f"call_{secrets.token_hex(12)}"
+            calls.append(_tool_call(call_id, name, function.get("arguments")))
+
+        usage = payload.get("usage")
+        return AssistantTurn(
+            content=content,
+            tool_calls=tuple(calls),
+            usage=_int_fields(usage) if isinstance(usage, dict) else None,
+        )
+
+    def _excerpt(self, response: httpx.Response) -> str:
+        text = response.text
+        try:
+            error = json.loads(text)["error"]
+            # OpenAI-style {"error": {"message": ...}}: the message is the useful part.
+            text = error["message"] if isinstance(error, dict) else str(error)
+        except (ValueError, KeyError, TypeError):
+            pass
+        return _shorten(str(text)) or "(empty body)"
+
+    def _redact(self, text: str) -> str:
+        """Remove the API key (and any bearer token an error body echoed)."""
+        if self._api_key is not None and (secret := self._api_key.get_secret_value()):
+            text = text.replace(secret, "***")
+        return _BEARER.sub("Bearer ***", text)
+
+
+_BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
+
+
+def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
+    """A ToolCall, with ``arguments_error`` instead of an exception for bad arguments."""
+    if isinstance(arguments, dict):  # a lenient server sent an object, not a string
+        return ToolCall(id=call_id, name=name, arguments=arguments)
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        # No arguments at all: a call to a tool that takes none.
+        return ToolCall(id=call_id, name=name, arguments={}, raw_arguments=arguments)
+    raw = arguments if isinstance(arguments, str) else None
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError as exc:
+        reason = f"{exc.msg} at character {exc.pos}"
+        return ToolCall(
+            id=call_id,
+            name=name,
+            arguments={},
+            arguments_error=f"arguments are not a JSON object: {reason} in {_shorten(raw or '')!r}",
+            raw_arguments=raw,
+        )
+    if not isinstance(parsed, dict):
+        return ToolCall(
+            id=call_id,
+            name=name,
+            arguments={},
+            arguments_error=(
+                f"arguments are not a JSON object: got {type(parsed).__name__}"
+                f" {_shorten(json.dumps(parsed, default=str))}"
+            ),
+            raw_arguments=raw,
+        )
+    return ToolCall(id=call_id, name=name, arguments=parsed, raw_arguments=raw)
+
+
+def _retry_after_s(headers: httpx.Headers) -> float | None:
+    """The server's requested wait: ``retry-after-ms`` (OpenAI) or ``Retry-After``."""
+    if (millis := headers.get("retry-after-ms")) is not None:
+        try:
+            value = float(millis) / 1000
+        except ValueError:
+            pass
+        else:
+            if math.isfinite(value) and value >= 0:
+                return value
+    header = headers.get("retry-after")
+    if header is None:
+        return None
+    try:
+        value = float(header)
+    except ValueError:
+        try:
+            when = parsedate_to_datetime(header)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        value = (when - datetime.now(UTC)).total_seconds()
+    return max(value, 0.0) if math.isfinite(value) else None
+
+
+def _int_fields(usage: Mapping[str, Any]) -> dict[str, int]:
+    """The token counts of ``usage``; nested details are dropped."""
+    return {
+        key: value
+        for key, value in usage.items()
+        if isinstance(value, int) and not isinstance(value, bool)
+    }
+
+
+def _shorten(text: str, limit: int = _EXCERPT_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -1,0 +1,360 @@
+"""Provisioning: Fleet instances through the real SDK, with one retry policy.
+
+* ``AsyncFleet(max_retries=0)``: the SDK's own transport retries (which would
+  re-POST creates) are off, so every retry decision is made here, once.
+* :func:`classify` decides transient vs permanent from the SDK's typed
+  exceptions (``fleet._async.exceptions``, not ``fleet.FleetAPIError``), then
+  status codes, then structured bodies (``"retryable"``), text last.
+* Creates retry with exponential backoff and full jitter (or the server's
+  Retry-After) inside a total budget; each attempt has its own hard deadline.
+* Creates have their own concurrency limit and rate (a token bucket), apart
+  from running rollouts, so a slow Fleet queue never starves them.
+* :meth:`FleetProvider.release` runs shielded and bounded: cancellation
+  cannot leak an instance, and a hung delete cannot hang the caller.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx
+import stamina
+from fleet._async import exceptions as fleet_errors
+from fleet._async.client import AsyncEnv, AsyncFleet
+
+from fleetroll.errors import ProvisionError
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+
+__all__ = ["Classification", "FleetProvider", "Provisioned", "TokenBucket", "classify"]
+
+_retry_after: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "fleetroll_retry_after", default=None
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """What one failed create means for the next attempt."""
+
+    transient: bool
+    status_code: int | None = None
+    retry_after_s: float | None = None
+
+
+_PERMANENT_TYPES: tuple[type[Exception], ...] = (
+    fleet_errors.FleetAuthenticationError,
+    fleet_errors.FleetPermissionError,  # includes environment access, team not found
+    fleet_errors.FleetBadRequestError,  # includes region, env and version not found
+    fleet_errors.FleetConfigurationError,
+)
+_TRANSIENT_TEXT = (
+    "retryable",
+    "try again",
+    "temporarily",
+    "timed out",
+    "timeout",
+    "unavailable",
+    "overloaded",
+    "rate limit",
+)
+
+
+def classify(exc: BaseException, *, retry_instance_limit: bool = False) -> Classification:
+    """Decide whether a failed create is worth another attempt.
+
+    Order: our own deadline, the SDK's exception type, the HTTP status, a
+    structured ``retryable`` flag in the body, and only then the message text.
+    """
+    retry_after = _retry_after.get()
+    status: int | None = getattr(exc, "status_code", None)
+    if isinstance(exc, TimeoutError | fleet_errors.FleetTimeoutError):
+        return Classification(True, status)
+    if isinstance(exc, fleet_errors.FleetRateLimitError):
+        return Classification(True, 429, retry_after)
+    if isinstance(exc, fleet_errors.FleetInstanceLimitError):
+        return Classification(retry_instance_limit, 403, retry_after)
+    if isinstance(exc, fleet_errors.FleetConflictError):
+        # A duplicate-create 409 that the SDK could not recover: a new request may work.
+        return Classification(exc.instance_id is not None, 409)
+    if isinstance(exc, _PERMANENT_TYPES):
+        return Classification(False, status)
+    if isinstance(exc, fleet_errors.FleetEnvironmentError):  # health / readiness failures
+        return Classification(True, status)
+    if isinstance(exc, fleet_errors.FleetAPIError):
+        body = getattr(exc, "response_data", None) or {}
+        detail = body.get("detail") if isinstance(body, dict) else None
+        flag = detail.get("retryable") if isinstance(detail, dict) else None
+        if isinstance(flag, bool):
+            return Classification(flag, status, retry_after)
+        if status is None:  # the SDK's wrapper of transport errors (connection refused...)
+            return Classification(True, None)
+        if status >= 500 or status in (408, 425, 429):
+            return Classification(True, status, retry_after)
+        if 400 <= status < 500:
+            return Classification(False, status)
+    if isinstance(exc, httpx.TransportError):
+        return Classification(True, None)
+    text = str(exc).lower()
+    return Classification(any(word in text for word in _TRANSIENT_TEXT), status, retry_after)
+
+
+class TokenBucket:
+    """An async rate limiter: ``rate`` tokens a second, bursts up to ``burst``."""
+
+    def __init__(self, rate: float, burst: int = 1) -> None:
+        self._rate = rate
+        self._burst = float(max(1, burst))
+        self._tokens = self._burst
+        self._updated = time.monotonic()
+        self._lock = anyio.Lock()
+
+    async def acquire(self) -> None:
+        async with self._lock:
+            now = time.monotonic()
+            self._tokens = min(self._burst, self._tokens + (now - self._updated) * self._rate)
+            self._updated = now
+            if self._tokens < 1.0:
+                await anyio.sleep((1.0 - self._tokens) / self._rate)
+                self._updated = time.monotonic()
+                self._tokens = 1.0
+            self._tokens -= 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Provisioned:
+    """An instance made for one rollout."""
+
+    instance_id: str
+    root_url: str
+    env: Any  # the SDK's AsyncEnv: reset, verify and close go through it
+    attempts: int
+    provision_s: float
+    created_mono: float
+
+
+async def _remember_retry_after(response: httpx.Response) -> None:
+    value = response.headers.get("retry-after")
+    if response.status_code >= 400 and value:
+        try:
+            _retry_after.set(max(0.0, float(value)))
+        except ValueError:  # an HTTP date: not worth parsing, the backoff applies
+            _retry_after.set(None)
+
+
+class FleetProvider:
+    """Makes and releases instances through ``AsyncFleet``."""
+
+    def __init__(
+        self, settings: Settings, events: Events, *, api_key: str, base_url: str | None = None
+    ) -> None:
+        self._settings = settings
+        self._events = events
+        p = settings.provisioning
+        t = settings.timeouts
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(t.provision_create_s, connect=t.mcp_connect_s),
+            limits=httpx.Limits(
+                max_connections=max(100, settings.pool.concurrency * 2),
+                max_keepalive_connections=max(20, settings.pool.concurrency),
+            ),
+            event_hooks={"response": [_remember_retry_after]},
+        )
+        self.fleet = AsyncFleet(
+            api_key=api_key, base_url=base_url, max_retries=0, httpx_client=self._http
+        )
+        self._create_slots = anyio.CapacityLimiter(p.max_concurrent_creates)
+        self._rate = TokenBucket(p.creates_per_second, burst=p.max_concurrent_creates)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Provisioned:
+        """Create a running instance for ``task``, retrying transient failures.
+
+        Raises:
+            ProvisionError: permanent failure, or the attempts or the total
+                budget ran out; ``transient`` says which.
+        """
+        p = self._settings.provisioning
+        budget = self._settings.timeouts.provision_total_s
+        started = time.monotonic()
+        attempt = 0
+        last: BaseException | None = None
+
+        def backoff(exc: Exception) -> bool | float:
+            verdict = classify(exc, retry_instance_limit=p.retry_instance_limit)
+            remaining = budget - (time.monotonic() - started)
+            if not verdict.transient or attempt >= p.max_attempts or remaining <= 0:
+                return False
+            ceiling = min(p.backoff_max_s, p.backoff_initial_s * 2 ** (attempt - 1))
+            delay = (
+                verdict.retry_after_s
+                if verdict.retry_after_s is not None
+                else random.uniform(0, ceiling)
+            )  # full jitter
+            delay = min(delay, max(0.0, remaining))
+            self._events.emit(
+                "fleet_make_retry",
+                level="warn",
+                attempt=attempt,
+                error_type=type(exc).__name__,
+                error_message=str(exc)[:500],
+                status_code=verdict.status_code,
+                retry_delay_s=round(delay, 3),
+            )
+            return delay
+
+        try:
+            with anyio.fail_after(budget):
+                async for retry in stamina.retry_context(
+                    on=backoff,
+                    attempts=p.max_attempts,
+                    timeout=None,
+                    wait_initial=p.backoff_initial_s,
+                    wait_max=p.backoff_max_s,
+                ):
+                    with retry:
+                        attempt += 1
+                        _retry_after.set(None)
+                        try:
+                            env = await self._create_once(task, run_id)
+                        except Exception as exc:
+                            last = exc
+                            raise
+        except Exception as exc:
+            failure = last if isinstance(exc, TimeoutError) and last is not None else exc
+            verdict = classify(failure, retry_instance_limit=p.retry_instance_limit)
+            if isinstance(exc, TimeoutError) and exc is not last:
+                message = (
+                    f"provisioning {task.env_spec} ran out of its "
+                    f"{budget:g} s budget after {attempt} attempt(s)"
+                )
+            else:
+                message = (
+                    f"provisioning {task.env_spec} failed after {attempt} attempt(s): "
+                    f"{type(failure).__name__}: {failure}"
+                )
+            self._events.emit(
+                "fleet_make_failed",
+                level="error",
+                attempt=attempt,
+                error_type=type(failure).__name__,
+                error_message=str(failure)[:500],
+                status_code=verdict.status_code,
+            )
+            raise ProvisionError(
+                message,
+                transient=verdict.transient,
+                status_code=verdict.status_code,
+                retry_after_s=verdict.retry_after_s,
+                attempts=attempt,
+            ) from exc
+        elapsed = time.monotonic() - started
+        self._events.emit(
+            "fleet_provisioning_completed",
+            provisioning_time_s=round(elapsed, 4),
+            attempts=attempt,
+            instance_id=env.instance_id,
+        )
+        assert env.urls is not None
+        return Provisioned(
+            instance_id=env.instance_id,
+            root_url=env.urls.root,
+            env=env,
+            attempts=attempt,
+            provision_s=elapsed,
+            created_mono=time.monotonic(),
+        )
+
+    async def _create_once(self, task: TaskSpec, run_id: str | None) -> AsyncEnv:
+        modality = self._settings.modalities[task.modality]
+        create_timeout = self._settings.timeouts.provision_create_s
+        async with self._create_slots:
+            await self._rate.acquire()
+            with anyio.fail_after(create_timeout):
+                env = await self.fleet.make(
+                    task.env_spec,
+                    data_key=task.data_spec,
+                    region=self._settings.provisioning.region,
+                    env_variables=task.env_variables or None,
+                    image_type=modality.image_type,
+                    ttl_seconds=modality.ttl_s,
+                    run_id=run_id,
+                    timeout=create_timeout,
+                )
+        if env.status != "running" or env.urls is None:
+            # Not usable: give it back before trying again.
+            await self._close(env)
+            raise fleet_errors.FleetEnvironmentError(
+                f"instance {env.instance_id} came up {env.status!r}, not running"
+            )
+        return env
+
+    async def is_alive(self, instance: Provisioned) -> bool:
+        """Whether Fleet still reports the instance running.
+
+        Used to tell "the instance died" from "a call failed". When the control
+        plane cannot be asked in time, the instance is presumed alive.
+        """
+        with anyio.move_on_after(min(10.0, self._settings.timeouts.release_s)):
+            try:
+                current = await self.fleet.instance(instance.instance_id)
+            except fleet_errors.FleetAPIError as exc:
+                return "not found" not in str(exc).lower()
+            except Exception:
+                return True
+            return bool(current.status == "running")
+        return True
+
+    async def release(self, instance: Provisioned) -> bool:
+        """Delete the instance; shielded from cancellation and bounded in time.
+
+        Returns whether Fleet confirmed the release (a 404 counts: it is gone).
+        Never raises.
+        """
+        timeout = self._settings.timeouts.release_s
+        error: str | None = None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
+            try:
+                await instance.env.close()
+            except fleet_errors.FleetAPIError as exc:
+                if "not found" not in str(exc).lower():
+                    error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # a failed release is reported, never raised
+                error = f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            error = f"release timed out after {timeout:g} s"
+        lifetime = round(time.monotonic() - instance.created_mono, 3)
+        if error is None:
+            self._events.emit(
+                "fleet_instance_released", instance_id=instance.instance_id, lifetime_s=lifetime
+            )
+            return True
+        self._events.emit(
+            "fleet_instance_release_failed",
+            level="error",
+            instance_id=instance.instance_id,
+            lifetime_s=lifetime,
+            error_message=error[:500],
+        )
+        return False
+
+    async def _close(self, env: AsyncEnv) -> None:
+        timeout = self._settings.timeouts.release_s
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            try:
+                await env.close()
+            except Exception as exc:  # best effort; the instance was unusable anyway
+                self._events.emit(
+                    "fleet_instance_release_failed",
+                    level="error",
+                    instance_id=env.instance_id,
+                    error_message=str(exc)[:500],
+                )

@@ -1,0 +1,88 @@
+"""The result of one rollout: the output contract (DESIGN.md §5).
+
+One :class:`RolloutResult` per rollout, on every path. An infrastructure
+failure never yields a fabricated zero: ``reward`` is None with a
+``failure_reason``, so a trainer can drop the sample instead of learning from
+a fake signal.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["FailureReason", "RolloutResult", "Timings", "VerifierOutcome"]
+
+
+class FailureReason(StrEnum):
+    """Why a rollout did not complete normally (``null`` when it did)."""
+
+    INIT_ERROR = "init_error"
+    TOOLS_ERROR = "tools_error"
+    COMPUTER_TOOL_MISSING = "computer_tool_missing"
+    INSTANCE_LOST = "instance_lost"
+    TIMEOUT = "timeout"
+    POLICY_ERROR = "policy_error"
+    VERIFIER_ERROR = "verifier_error"
+    MAX_STEPS = "max_steps"
+    ABANDONED = "abandoned"
+    CANCELLED = "cancelled"
+
+
+#: Reasons after which the verifier still scores the rollout (DESIGN.md §5);
+#: for every other reason the reward is None.
+SCORED_REASONS = frozenset(
+    {FailureReason.TIMEOUT, FailureReason.MAX_STEPS, FailureReason.ABANDONED}
+)
+
+
+class Timings(BaseModel):
+    """Seconds spent per phase. ``total_s`` runs from the rollout's start."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    provision_s: float = 0.0
+    reset_s: float = 0.0
+    tools_s: float = 0.0
+    policy_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+
+class VerifierOutcome(BaseModel):
+    """What the verifier said, kept whole for debugging."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    success: bool
+    execution_id: str | None = None
+    stdout: str = ""
+    error: str | None = None
+
+
+class RolloutResult(BaseModel):
+    """One rollout's outcome, written as soon as the rollout ends."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str
+    batch_id: str
+    task_key: str
+    sample_index: int = 0
+    group_id: str | None = None
+    env_key: str
+    env_version: str | None = None
+    modality: str
+    instance_id: str | None = None
+    status: Literal["completed", "failed"]
+    failure_reason: FailureReason | None = None
+    error: str | None = Field(default=None, description="What went wrong, for people")
+    reward: float | None = None
+    steps: int = 0
+    tool_errors: int = 0
+    final_answer: str | None = None
+    timings: Timings = Field(default_factory=Timings)
+    verifier: VerifierOutcome | None = None
+    transcript: list[dict[str, Any]] = Field(default_factory=list)

@@ -1,0 +1,664 @@
+"""One rollout's lifecycle, as an explicit state machine.
+
+::
+
+    PENDING → PROVISIONING → RESETTING → CONNECTING → ACTING → VERIFYING → DONE
+                   │              (reset failures are logged, not fatal)
+                   └── any phase may end early; RELEASING always runs
+
+Every operation runs under its own deadline, and everything after the
+instance is ready runs under the rollout's (``timeouts.rollout_s``: the
+agent's clock starts when its instance is ready). Whatever happens — an
+error, a timeout, cancellation — the instance is released (shielded and
+bounded), ``fleet_rollout_completed`` is emitted exactly once, and
+:attr:`Rollout.result` holds a result with the right ``failure_reason``.
+
+Controllers that drive the model themselves use :meth:`RolloutEngine.session`
+(``reset()``, ``step()``, ``close()``); closing a session that has not
+finished scores it anyway (``abandoned``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, TypeVar
+
+import anyio
+import httpx2
+
+from fleetroll.errors import InstanceLostError, PolicyError, ProvisionError, ToolsError
+from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
+from fleetroll.provisioning import FleetProvider, Provisioned
+from fleetroll.results import (
+    SCORED_REASONS,
+    FailureReason,
+    RolloutResult,
+    Timings,
+    VerifierOutcome,
+)
+from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route, route
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe, open_tool_session
+from fleetroll.verification import Verifier
+
+T = TypeVar("T")
+
+__all__ = ["EnvSession", "Phase", "Rollout", "RolloutEngine", "RolloutIds", "StepResult"]
+
+
+class Phase(StrEnum):
+    PENDING = "pending"
+    PROVISIONING = "provisioning"
+    RESETTING = "resetting"
+    CONNECTING = "connecting"
+    ACTING = "acting"
+    VERIFYING = "verifying"
+    RELEASING = "releasing"
+    DONE = "done"
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutIds:
+    batch_id: str
+    rollout_id: str
+    sample_index: int = 0
+    group_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :meth:`EnvSession.step` answers."""
+
+    observation: ToolResult
+    done: bool
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+class RolloutEngine:
+    """What rollouts share: settings, the instance provider, telemetry, HTTP."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        provider: FleetProvider,
+        events: Events,
+        mcp_http: httpx2.AsyncClient,
+    ) -> None:
+        self.settings = settings
+        self.provider = provider
+        self.events = events
+        self.mcp_http = mcp_http
+        self.verifier = Verifier(timeout_s=settings.timeouts.verifier_s)
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, settings: Settings, events: Events, *, api_key: str, base_url: str | None
+    ) -> AsyncIterator[RolloutEngine]:
+        """An engine with its own provider and MCP HTTP client, closed on exit."""
+        t = settings.timeouts
+        provider = FleetProvider(settings, events, api_key=api_key, base_url=base_url)
+        http = httpx2.AsyncClient(
+            timeout=httpx2.Timeout(
+                max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
+            ),
+            limits=httpx2.Limits(
+                max_connections=max(100, settings.pool.concurrency * 2),
+                max_keepalive_connections=max(20, settings.pool.concurrency),
+            ),
+        )
+        try:
+            yield cls(settings, provider, events, http)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await http.aclose()
+                await provider.aclose()
+
+    def rollout(self, task: TaskSpec, ids: RolloutIds, *, run_id: str | None = None) -> Rollout:
+        return Rollout(self, task, ids, run_id=run_id)
+
+    async def run(
+        self, task: TaskSpec, policy: Policy, ids: RolloutIds, *, run_id: str | None = None
+    ) -> RolloutResult:
+        """Run one rollout to its result (see :meth:`Rollout.run`)."""
+        return await self.rollout(task, ids, run_id=run_id).run(policy)
+
+    @asynccontextmanager
+    async def session(
+        self, task: TaskSpec, ids: RolloutIds, *, run_id: str | None = None
+    ) -> AsyncIterator[EnvSession]:
+        """An env-style session for a controller that drives the model itself.
+
+        Raises:
+            ToolsError, ProvisionError: the environment could not be set up;
+                the result is still recorded on the returned rollout.
+        """
+        rollout = self.rollout(task, ids, run_id=run_id)
+        async with rollout.lifecycle() as ready:
+            if not ready:
+                raise rollout.setup_error()
+            env = EnvSession(rollout)
+            yield env
+            await env.close()
+
+
+@dataclass
+class _Progress:
+    """The mutable state of one rollout (only its own task touches it)."""
+
+    reason: FailureReason | None = None
+    error: str | None = None
+    steps: int = 0
+    tool_errors: int = 0
+    final_answer: str | None = None
+    finished: bool = False  # the episode ended on its own (no more tool calls / answer)
+    scored: bool = False
+    reward: float | None = None
+    verifier: VerifierOutcome | None = None
+    timings: Timings = field(default_factory=Timings)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Rollout:
+    """One rollout: its phase, its progress, and (at the end) its result."""
+
+    def __init__(
+        self, engine: RolloutEngine, task: TaskSpec, ids: RolloutIds, *, run_id: str | None
+    ) -> None:
+        self.engine = engine
+        self.task = task
+        self.ids = ids
+        self.run_id = run_id
+        self.phase = Phase.PENDING
+        self.instance: Provisioned | None = None
+        self.route: Route | None = None
+        self.tools: list[ToolSpec] = []
+        self.session: ToolSession | None = None
+        self.result: RolloutResult | None = None
+        self._p = _Progress()
+        self._started = time.monotonic()
+        self._deadline = float("inf")
+        self._setup_exc: BaseException | None = None
+        s = engine.settings
+        self.max_steps = task.max_steps or s.pool.max_steps
+
+    # -- the whole rollout --------------------------------------------------
+
+    async def run(self, policy: Policy) -> RolloutResult:
+        """Provision, act with ``policy``, verify, release. Returns the result.
+
+        On cancellation the result (``cancelled``) is still recorded in
+        :attr:`result` and the completed event emitted before re-raising.
+        """
+        async with self.lifecycle(enforce_deadline=True) as ready:
+            if ready:
+                await self._guarded(self._act(policy))
+        assert self.result is not None
+        return self.result
+
+    @asynccontextmanager
+    async def lifecycle(self, *, enforce_deadline: bool = False) -> AsyncIterator[bool]:
+        """Set up (provision, reset, connect, discover), yield, score, tear down.
+
+        Yields whether the rollout is ready to act. With ``enforce_deadline``,
+        the block is cancelled when the rollout's deadline passes (and the
+        rollout ends as ``timeout``, still scored). Failures of set-up and
+        scoring become the result's ``failure_reason``; an exception from the
+        caller's own block is recorded (``abandoned``) and re-raised.
+        """
+        e = self.engine
+        t = self.task
+        base = {
+            "batch_id": self.ids.batch_id,
+            "rollout_id": self.ids.rollout_id,
+            "task_key": t.key,
+            "sample_index": self.ids.sample_index,
+            "env_key": t.env_key,
+            "env_version": t.env_version,
+            "modality": t.modality,
+        }
+        with Events.bind(**base):
+            e.events.emit("fleet_rollout_started")
+            try:
+                # One scope spans set-up and the block, so that the MCP session
+                # opened inside nests properly; its deadline is set once the
+                # instance is ready (the agent's clock starts then).
+                with anyio.CancelScope() as deadline:
+                    async with AsyncExitStack() as stack:
+                        ready = await self._guarded(
+                            self._set_up(stack, deadline if enforce_deadline else None),
+                            default=False,
+                        )
+                        try:
+                            yield bool(ready)
+                        except Exception:
+                            self.abandon()
+                            raise
+                if deadline.cancelled_caught:
+                    self.time_out()
+                await self._guarded(self._score())
+            except anyio.get_cancelled_exc_class():
+                self._fail(FailureReason.CANCELLED, "the rollout was cancelled", force=True)
+                raise
+            finally:
+                await self._tear_down()
+
+    async def _guarded(self, work: Awaitable[T], default: T | None = None) -> T | None:
+        """Await our own work; a crash becomes this rollout's failure, not an exception."""
+        try:
+            return await work
+        except Exception as exc:  # the boundary: one rollout's bug must not escape
+            self._fail(self._crash_reason(), f"unexpected error in {self.phase}: {describe(exc)}")
+            return default
+
+    async def _set_up(self, stack: AsyncExitStack, deadline: anyio.CancelScope | None) -> bool:
+        e = self.engine
+        s = e.settings
+        self.phase = Phase.PROVISIONING
+        began = time.monotonic()
+        try:
+            self.instance = await e.provider.provision(self.task, run_id=self.run_id)
+        except ProvisionError as exc:
+            self._setup_exc = exc
+            self._fail(FailureReason.INIT_ERROR, str(exc))
+            return False
+        finally:
+            self._p.timings.provision_s = time.monotonic() - began
+        self._deadline = anyio.current_time() + s.timeouts.rollout_s
+        if deadline is not None:
+            deadline.deadline = self._deadline
+        stack.enter_context(Events.bind(instance_id=self.instance.instance_id))
+
+        await self._reset()
+
+        self.phase = Phase.CONNECTING
+        self.route = route(
+            self.task.modality,
+            s.modalities,
+            self.instance.root_url,
+            final_answer=self.task.requires_final_answer,
+        )
+        try:
+            self.session = await stack.enter_async_context(
+                open_tool_session(
+                    self.route.url,
+                    e.mcp_http,
+                    connect_timeout_s=s.timeouts.mcp_connect_s,
+                    call_timeout_s=s.timeouts.call_tool_s,
+                    list_timeout_s=s.timeouts.list_tools_s,
+                )
+            )
+            available = await self.session.list_tools()
+            self.tools = self.route.select(available)
+        except ComputerToolMissing as exc:
+            self._setup_exc = exc
+            self._fail(FailureReason.COMPUTER_TOOL_MISSING, str(exc))
+            return False
+        except (ToolsError, TimeoutError) as exc:
+            self._setup_exc = exc
+            lost = not await e.provider.is_alive(self.instance)
+            if lost:
+                reason = FailureReason.INSTANCE_LOST
+            elif self.session is None:
+                reason = FailureReason.INIT_ERROR
+            else:
+                reason = FailureReason.TOOLS_ERROR
+            detail = str(exc) or f"timed out after {s.timeouts.mcp_connect_s:g} s"
+            self._fail(
+                reason,
+                f"instance {self.instance.instance_id} is gone: {detail}" if lost else detail,
+            )
+            return False
+        self._p.messages.append({"role": "user", "content": self.task.prompt})
+        self.phase = Phase.ACTING
+        return True
+
+    async def _reset(self) -> None:
+        assert self.instance is not None
+        self.phase = Phase.RESETTING
+        timeout = self.engine.settings.timeouts.reset_s
+        began = time.monotonic()
+        try:
+            with anyio.fail_after(timeout):
+                await self.instance.env.reset()
+        except Exception as exc:  # reset is best effort: the instance is fresh anyway
+            self.engine.events.emit(
+                "fleet_env_reset_failed",
+                level="warn",
+                timeout_s=timeout,
+                error_type=type(exc).__name__,
+                error_message=str(exc)[:500],
+            )
+        finally:
+            self._p.timings.reset_s = time.monotonic() - began
+
+    # -- acting -------------------------------------------------------------
+
+    async def _act(self, policy: Policy) -> None:
+        timeout = self.engine.settings.timeouts.policy_s
+        while not self._p.finished and self._p.reason is None:
+            if self._p.steps >= self.max_steps:
+                self._fail(FailureReason.MAX_STEPS, f"the step budget of {self.max_steps} ran out")
+                return
+            began = time.monotonic()
+            try:
+                with anyio.fail_after(timeout):
+                    turn = await policy.act(self.task, self._p.messages, self.tools)
+            except TimeoutError:
+                self._fail(FailureReason.POLICY_ERROR, f"the policy took over {timeout:g} s")
+                return
+            except PolicyError as exc:
+                self._fail(FailureReason.POLICY_ERROR, str(exc))
+                return
+            finally:
+                self._p.timings.policy_s += time.monotonic() - began
+            await self.apply(turn)
+
+    async def apply(self, turn: AssistantTurn) -> None:
+        """Record an assistant turn and run its tool calls."""
+        self._p.messages.append(_assistant_message(turn))
+        if not turn.tool_calls:
+            self._p.finished = True
+            return
+        self._p.steps += 1
+        for call in turn.tool_calls:
+            if self._p.finished or self._p.reason is not None:
+                return
+            await self._call(call)
+
+    async def _call(self, call: ToolCall) -> ToolResult | None:
+        """Run one tool call and record its answer; None if the instance is gone."""
+        e = self.engine
+        if call.name == SUBMIT_FINAL_ANSWER.name and self.route and self.route.offers_final_answer:
+            answer = call.arguments.get("answer")
+            self._p.final_answer = answer if isinstance(answer, str) else json.dumps(answer)
+            self._p.finished = True
+            result = ToolResult(text="Final answer recorded.")
+            self._record(call, result)
+            return result
+        allowed = {t.name for t in self.tools}
+        if call.arguments_error:
+            result = ToolResult(text=f"Error: {call.arguments_error}", is_error=True)
+        elif call.name not in allowed:
+            result = ToolResult(
+                text=f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(allowed))}",
+                is_error=True,
+            )
+        else:
+            assert self.session is not None and self.instance is not None
+            began = time.monotonic()
+            try:
+                result = await self.session.call(call.name, call.arguments)
+            except ToolCallFailed as exc:
+                self._p.tool_errors += 1
+                e.events.emit(
+                    "fleet_tool_call_failed",
+                    level="warn",
+                    tool_name=call.name,
+                    step_count=self._p.steps,
+                    error_type=type(exc.__cause__ or exc).__name__,
+                    error_message=str(exc)[:500],
+                )
+                if not await e.provider.is_alive(self.instance):
+                    self._fail(
+                        FailureReason.INSTANCE_LOST,
+                        f"instance {self.instance.instance_id} is gone ({exc})",
+                    )
+                    return None
+                result = ToolResult(text=f"Error: the tool call failed: {exc}", is_error=True)
+                self._record(call, result)
+                return result
+            finally:
+                self._p.timings.tools_s += time.monotonic() - began
+            if result.is_error:
+                e.events.emit(
+                    "fleet_mcp_tool_error",
+                    level="warn",
+                    tool_name=call.name,
+                    step_count=self._p.steps,
+                    error_message=result.text[:500],
+                )
+        if result.is_error:
+            self._p.tool_errors += 1
+        self._record(call, result)
+        return result
+
+    def _record(self, call: ToolCall, result: ToolResult) -> None:
+        self._p.messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})
+        if result.images:
+            parts: list[dict[str, Any]] = [
+                {"type": "text", "text": f"Screenshot after {call.name} ({call.id}):"}
+            ]
+            parts += [{"type": "image_url", "image_url": {"url": url}} for url in result.images]
+            self._p.messages.append({"role": "user", "content": parts})
+
+    # -- the end ------------------------------------------------------------
+
+    async def _score(self) -> None:
+        """Run the verifier when the outcome calls for a reward."""
+        p = self._p
+        if (
+            p.scored
+            or self.instance is None
+            or (p.reason is not None and p.reason not in SCORED_REASONS)
+        ):
+            return
+        p.scored = True
+        self.phase = Phase.VERIFYING
+        began = time.monotonic()
+        # The verifier has its own deadline, outside the rollout's: a rollout
+        # that timed out is still scored (DESIGN.md §5).
+        verdict = await self.engine.verifier.verify(self.task, self.instance.env, p.final_answer)
+        p.timings.verify_s = time.monotonic() - began
+        p.verifier = verdict.outcome
+        if verdict.ok:
+            p.reward = verdict.reward
+            return
+        self.engine.events.emit(
+            "fleet_verifier_failed",
+            level="error",
+            error_type=verdict.error_type,
+            error_message=(verdict.outcome.error or "")[:500],
+        )
+        if p.reason is None:
+            lost = not await self.engine.provider.is_alive(self.instance)
+            self._fail(
+                FailureReason.INSTANCE_LOST if lost else FailureReason.VERIFIER_ERROR,
+                f"the verifier could not run: {verdict.outcome.error}",
+            )
+
+    async def _tear_down(self) -> None:
+        self.phase = Phase.RELEASING
+        if self.instance is not None:
+            await self.engine.provider.release(self.instance)
+        self.phase = Phase.DONE
+        self.result = self._build_result()
+        r = self.result
+        self.engine.events.emit(
+            "fleet_rollout_completed",
+            level="info" if r.status == "completed" else "warn",
+            instance_id=r.instance_id,
+            status=r.status,
+            failure_reason=r.failure_reason.value if r.failure_reason else None,
+            reward=r.reward,
+            step_count=r.steps,
+            duration_s=round(r.timings.total_s, 4),
+            tool_errors=r.tool_errors,
+            error_message=(r.error or "")[:500] or None,
+        )
+
+    def _fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
+        """Record the first failure (``force``: cancellation overrides)."""
+        p = self._p
+        if p.reason is None or force:
+            p.reason = reason
+            p.error = error
+            if reason not in SCORED_REASONS:
+                p.reward = None
+
+    def _crash_reason(self) -> FailureReason:
+        if self.phase in (Phase.PROVISIONING, Phase.RESETTING, Phase.CONNECTING):
+            return FailureReason.INIT_ERROR
+        if self.phase is Phase.VERIFYING:
+            return FailureReason.VERIFIER_ERROR
+        return FailureReason.TOOLS_ERROR
+
+    def setup_error(self) -> Exception:
+        """Why set-up failed, for session callers."""
+        exc = self._setup_exc
+        if isinstance(exc, ProvisionError | ToolsError):
+            return exc
+        return ToolsError(self._p.error or "the environment could not be set up", operation="setup")
+
+    def _build_result(self) -> RolloutResult:
+        p = self._p
+        p.timings.total_s = time.monotonic() - self._started
+        reward = p.reward if (p.reason is None or p.reason in SCORED_REASONS) else None
+        keep_images = self.engine.settings.pool.transcript_images
+        return RolloutResult(
+            rollout_id=self.ids.rollout_id,
+            batch_id=self.ids.batch_id,
+            task_key=self.task.key,
+            sample_index=self.ids.sample_index,
+            group_id=self.ids.group_id,
+            env_key=self.task.env_key,
+            env_version=self.task.env_version,
+            modality=self.task.modality,
+            instance_id=self.instance.instance_id if self.instance else None,
+            status="completed" if p.reason is None else "failed",
+            failure_reason=p.reason,
+            error=p.error,
+            reward=reward,
+            steps=p.steps,
+            tool_errors=p.tool_errors,
+            final_answer=p.final_answer,
+            timings=p.timings.model_copy(),
+            verifier=p.verifier,
+            transcript=p.messages if keep_images else [_elide_images(m) for m in p.messages],
+        )
+
+    # -- session support ----------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self._p.finished or self._p.reason is not None
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self._p.messages
+
+    def out_of_time(self) -> bool:
+        return anyio.current_time() >= self._deadline
+
+    def abandon(self) -> None:
+        if not self.finished:
+            self._fail(FailureReason.ABANDONED, "the session was closed before the episode ended")
+
+    def time_out(self) -> None:
+        self._fail(
+            FailureReason.TIMEOUT,
+            f"the rollout passed its {self.engine.settings.timeouts.rollout_s:g} s deadline",
+        )
+
+
+class EnvSession:
+    """The env-style API: ``reset()``, ``step(call)``, ``close()``."""
+
+    def __init__(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+        self._count = 0
+
+    @property
+    def tools(self) -> list[ToolSpec]:
+        return list(self._rollout.tools)
+
+    @property
+    def instance_id(self) -> str | None:
+        inst = self._rollout.instance
+        return inst.instance_id if inst else None
+
+    async def reset(self) -> list[dict[str, Any]]:
+        """The opening messages (the task prompt). The instance is fresh already."""
+        return list(self._rollout.messages)
+
+    async def step(self, call: ToolCall | Mapping[str, Any]) -> StepResult:
+        """Run one tool call; ``done`` once the episode is over.
+
+        Raises:
+            InstanceLostError: the instance is gone.
+        """
+        r = self._rollout
+        if isinstance(call, Mapping):
+            self._count += 1
+            call = ToolCall(
+                id=str(call.get("id") or f"call_{self._count}"),
+                name=str(call["name"]),
+                arguments=dict(call.get("arguments") or {}),
+            )
+        if r.finished:
+            return StepResult(ToolResult(text="The episode is over.", is_error=True), True)
+        if r.out_of_time():
+            r.time_out()
+            return StepResult(
+                ToolResult(text="The rollout's deadline passed.", is_error=True), True
+            )
+        if r.max_steps <= r._p.steps:
+            r._fail(FailureReason.MAX_STEPS, f"the step budget of {r.max_steps} ran out")
+            return StepResult(ToolResult(text="The step budget ran out.", is_error=True), True)
+        with anyio.CancelScope(deadline=r._deadline):
+            before = len(r.messages)
+            await r.apply(AssistantTurn(tool_calls=(call,)))
+        if r._p.reason is FailureReason.INSTANCE_LOST:
+            raise InstanceLostError(
+                r._p.error or "the instance is gone", operation="step", rollout_id=r.ids.rollout_id
+            )
+        tool_messages = [m for m in r.messages[before:] if m.get("role") == "tool"]
+        text = tool_messages[-1]["content"] if tool_messages else ""
+        observation = ToolResult(text=text, is_error=text.startswith("Error:"))
+        return StepResult(observation, r.finished, tuple(r.messages[before:]))
+
+    async def close(self) -> RolloutResult | None:
+        """End the episode (``abandoned`` if it had not ended); it is scored on exit."""
+        self._rollout.abandon()
+        return self._rollout.result
+
+
+def _assistant_message(turn: AssistantTurn) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                # The model's own string when there is one: the transcript is training data.
+                "function": {
+                    "name": c.name,
+                    "arguments": c.raw_arguments
+                    if c.raw_arguments is not None
+                    else json.dumps(dict(c.arguments)),
+                },
+            }
+            for c in turn.tool_calls
+        ]
+    return message
+
+
+def _elide_images(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            url = str(part.get("image_url", {}).get("url", ""))
+            parts.append({"type": "text", "text": f"[image: {len(url) * 3 // 4 // 1024} KB]"})
+        else:
+            parts.append(part)
+    return {**message, "content": parts}

@@ -1,0 +1,272 @@
+"""MCP tool sessions: one per endpoint per rollout, every call under a deadline.
+
+* :func:`open_tool_session` connects with retries while a fresh instance's
+  MCP service is still starting (502/503, refused connections): backoff
+  inside ``mcp_connect_s``, never a fixed sleep. The session is then reused for
+  every call (a fresh session per call costs ~10x a call).
+* :meth:`ToolSession.call` runs each call under ``call_tool_s``; a timeout or
+  a transport failure raises :class:`ToolCallFailed`, and the session stays
+  usable.
+* :func:`normalise` turns a ``CallToolResult`` into what a model consumes:
+  text, parsed JSON, images as data URLs, errors flagged; malformed answers
+  (``{"base64_image": null}``, empty images) become tool errors, not crashes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import random
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import httpx2
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp.types import CallToolResult, ImageContent, TextContent
+
+from fleetroll.errors import OperationTimeout, ToolsError
+from fleetroll.policies import ToolSpec
+
+__all__ = ["ToolCallFailed", "ToolResult", "ToolSession", "normalise", "open_tool_session"]
+
+_CONNECT_BACKOFF_INITIAL_S = 0.05
+_CONNECT_BACKOFF_MAX_S = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """A tool's answer, ready for a model."""
+
+    text: str
+    images: tuple[str, ...] = ()  # data URLs
+    is_error: bool = False
+    structured: Any = None
+
+
+class ToolCallFailed(ToolsError):
+    """A tool call raised or timed out (as opposed to answering an error)."""
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an exception, with exception groups flattened."""
+    leaves = _leaves(exc)
+    return "; ".join(f"{type(e).__name__}: {e}" for e in leaves)
+
+
+def _connect_transient(exc: BaseException) -> bool:
+    """Worth another connect attempt: the service may still be starting."""
+    for leaf in _leaves(exc):
+        if isinstance(leaf, httpx2.TransportError | TimeoutError):
+            continue
+        # The transport reports 5xx (and 404 from a router that has not seen
+        # the instance yet) as MCP errors; whether the instance is really gone
+        # is decided from the control plane, not from here.
+        if isinstance(leaf, MCPError):
+            continue
+        return False
+    return True
+
+
+class ToolSession:
+    """An open MCP session on one endpoint, and the tools it lists."""
+
+    def __init__(
+        self, client: Client, url: str, *, call_timeout_s: float, list_timeout_s: float
+    ) -> None:
+        self._client = client
+        self.url = url
+        self._call_timeout_s = call_timeout_s
+        self._list_timeout_s = list_timeout_s
+
+    async def list_tools(self) -> list[ToolSpec]:
+        """Every tool of the endpoint.
+
+        Raises:
+            ToolsError: listing failed or timed out.
+        """
+        try:
+            with anyio.fail_after(self._list_timeout_s):
+                listed = await self._client.list_tools()
+        except TimeoutError:
+            raise OperationTimeout(
+                f"list_tools at {self.url} took over {self._list_timeout_s:g} s",
+                operation="list_tools",
+                timeout_s=self._list_timeout_s,
+            ) from None
+        except Exception as exc:
+            raise ToolsError(
+                f"list_tools at {self.url} failed: {describe(exc)}",
+                operation="list_tools",
+                transient=True,
+            ) from exc
+        return [
+            ToolSpec(
+                name=t.name, description=t.description or "", input_schema=dict(t.input_schema)
+            )
+            for t in listed.tools
+        ]
+
+    async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
+        """Call a tool; an error *answer* is a result with ``is_error``.
+
+        Raises:
+            ToolCallFailed: the call raised or passed its deadline.
+        """
+        timeout = self._call_timeout_s
+        try:
+            # The MCP read timeout ends the request cleanly; the outer deadline
+            # (a little later) is the hard bound if anything else hangs.
+            with anyio.fail_after(timeout + 1.0):
+                result = await self._client.call_tool(
+                    name, dict(arguments), read_timeout_seconds=timeout
+                )
+        except TimeoutError:
+            raise ToolCallFailed(
+                f"{name} took over {timeout:g} s", operation="call_tool", transient=True
+            ) from None
+        except Exception as exc:
+            text = describe(exc)
+            if "timed out" in text.lower():
+                text = f"{name} took over {timeout:g} s ({text})"
+            raise ToolCallFailed(text, operation="call_tool", transient=True) from exc
+        return normalise(result)
+
+
+@asynccontextmanager
+async def open_tool_session(
+    url: str,
+    http: httpx2.AsyncClient,
+    *,
+    connect_timeout_s: float,
+    call_timeout_s: float,
+    list_timeout_s: float,
+) -> AsyncIterator[ToolSession]:
+    """Connect to an MCP endpoint, retrying while its service starts.
+
+    Raises:
+        ToolsError: no connection within ``connect_timeout_s`` (or a failure
+            that retrying cannot fix).
+    """
+    started = time.monotonic()
+    attempt = 0
+    last: BaseException | None = None
+    while True:
+        attempt += 1
+        remaining = connect_timeout_s - (time.monotonic() - started)
+        connected = False
+        # The connect deadline must wrap the whole `async with Client` so that
+        # cancel scopes nest; it is lifted once the handshake is done.
+        with anyio.CancelScope(deadline=anyio.current_time() + max(0.0, remaining)) as scope:
+            try:
+                async with Client(
+                    streamable_http_client(url, http_client=http),
+                    read_timeout_seconds=call_timeout_s,
+                ) as client:
+                    connected = True
+                    scope.deadline = math.inf
+                    yield ToolSession(
+                        client, url, call_timeout_s=call_timeout_s, list_timeout_s=list_timeout_s
+                    )
+                return
+            except Exception as exc:
+                if connected:
+                    raise
+                last = exc
+                if not _connect_transient(exc):
+                    raise ToolsError(
+                        f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect"
+                    ) from exc
+        if scope.cancelled_caught and not connected:
+            raise OperationTimeout(
+                f"no MCP session at {url} within {connect_timeout_s:g} s "
+                f"({attempt} attempts; last: {describe(last) if last else 'timeout'})",
+                operation="connect",
+                timeout_s=connect_timeout_s,
+            )
+        delay = random.uniform(
+            0, min(_CONNECT_BACKOFF_MAX_S, _CONNECT_BACKOFF_INITIAL_S * 2 ** (attempt - 1))
+        )
+        remaining = connect_timeout_s - (time.monotonic() - started)
+        if remaining <= 0:
+            raise OperationTimeout(
+                f"no MCP session at {url} within {connect_timeout_s:g} s "
+                f"({attempt} attempts; last: {describe(last) if last else 'timeout'})",
+                operation="connect",
+                timeout_s=connect_timeout_s,
+            )
+        await anyio.sleep(min(delay, remaining))
+
+
+def _image(data: str | None, mime: str | None) -> str | None:
+    """A data URL for base64 image data, or None when the data is unusable."""
+    if not data or not isinstance(data, str):
+        return None
+    try:
+        base64.b64decode(data[:64] + "=" * (-len(data[:64]) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    return f"data:{mime or 'image/png'};base64,{data}"
+
+
+def normalise(result: CallToolResult) -> ToolResult:
+    """What a model should see of a tool's answer."""
+    texts: list[str] = []
+    images: list[str] = []
+    problems: list[str] = []
+    for block in result.content or ():
+        if isinstance(block, TextContent):
+            parsed = _maybe_json(block.text)
+            if isinstance(parsed, dict) and "base64_image" in parsed:
+                url = _image(parsed.get("base64_image"), parsed.get("mime_type"))
+                if url is None:
+                    problems.append("the screenshot came back empty")
+                else:
+                    images.append(url)
+                rest = {k: v for k, v in parsed.items() if k not in ("base64_image", "mime_type")}
+                if rest:
+                    texts.append(json.dumps(rest))
+            else:
+                texts.append(block.text)
+        elif isinstance(block, ImageContent):
+            url = _image(block.data, block.mime_type)
+            if url is None:
+                problems.append("the image came back empty or not base64")
+            else:
+                images.append(url)
+        else:
+            texts.append(f"[{block.type} content]")
+    structured = result.structured_content
+    if not texts and structured is not None:
+        texts.append(json.dumps(structured))
+    if problems:
+        texts.append("Malformed tool answer: " + "; ".join(problems))
+    return ToolResult(
+        text="\n".join(texts),
+        images=tuple(images),
+        is_error=bool(result.is_error) or bool(problems),
+        structured=structured,
+    )
+
+
+def _maybe_json(text: str) -> Any:
+    stripped = text.lstrip()
+    if not stripped.startswith(("{", "[")):
+        return None
+    try:
+        return json.loads(stripped)
+    except ValueError:
+        return None

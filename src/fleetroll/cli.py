@@ -58,12 +58,19 @@ def main() -> None:
 @click.option("--port", type=int, default=None, help="Port (default from config; 0 = free).")
 @click.option("--profile", default=None, help="Fault profile: clean, realistic, chaos, ...")
 @click.option("--seed", type=int, default=None, help="Override the profile's RNG seed.")
+@click.option(
+    "--profile-json",
+    default=None,
+    hidden=True,
+    help="A whole fault profile as JSON (used by EmulatorProcess).",
+)
 @_CONFIG_OPTION
 def emulator(
     host: str | None,
     port: int | None,
     profile: str | None,
     seed: int | None,
+    profile_json: str | None,
     config_file: Path | None,
 ) -> None:
     """Run the Fleet-compatible emulator until interrupted.
@@ -71,13 +78,16 @@ def emulator(
     Point the Fleet SDK (or `fleetroll run`) at it with FLEET_BASE_URL and
     any non-empty FLEET_API_KEY.
     """
-    from fleetroll.emulator import Emulator
+    from fleetroll.emulator import Emulator, FaultProfile
 
     settings = _settings(config_file)
     emu_settings = settings.emulator
     try:
-        fault_profile = emu_settings.fault_profile(profile)
-    except FleetrollError as exc:
+        if profile_json is not None:
+            fault_profile = FaultProfile.model_validate_json(profile_json)
+        else:
+            fault_profile = emu_settings.fault_profile(profile)
+    except (FleetrollError, ValueError) as exc:
         raise Failed(str(exc)) from None
     if seed is not None:
         fault_profile = fault_profile.model_copy(update={"seed": seed})
@@ -103,3 +113,110 @@ def emulator(
         anyio.run(run)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
+
+
+@main.command()
+@click.argument("tasks_file", metavar="TASKS", type=click.Path(path_type=Path))
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Journal: results as JSON Lines, appended as rollouts end.",
+)
+@click.option(
+    "--samples",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Rollouts per task (a group, for GRPO-style training).",
+)
+@click.option(
+    "--policy",
+    "policy_kind",
+    type=click.Choice(["scripted", "openai"]),
+    default=None,
+    help="Default from config: scripted.",
+)
+@click.option("--model", default=None, help="Model name for --policy openai.")
+@click.option(
+    "--base-url", default=None, help="OpenAI-compatible endpoint for --policy openai (…/v1)."
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Rollouts acting at once (default from config).",
+)
+@click.option(
+    "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
+)
+@click.option("--resume", is_flag=True, help="Continue the batch journaled in --out.")
+@_CONFIG_OPTION
+def run(
+    tasks_file: Path,
+    out: Path | None,
+    samples: int,
+    policy_kind: str | None,
+    model: str | None,
+    base_url: str | None,
+    concurrency: int | None,
+    profile: str | None,
+    resume: bool,
+    config_file: Path | None,
+) -> None:
+    """Run every task in TASKS (JSON Lines or a JSON array) and report.
+
+    Runs on the embedded emulator unless FLEET_API_KEY or FLEET_BASE_URL is
+    set. Exit code 0 when the batch ran (failed rollouts are data); 2 for bad
+    input or configuration; 130 when interrupted.
+    """
+    from rich.console import Console
+
+    from fleetroll.policies import policy_from_settings
+    from fleetroll.runner import print_report, run_job
+    from fleetroll.tasks import load_tasks
+
+    overrides: dict[str, Any] = {}
+    if concurrency is not None:
+        overrides["pool"] = {"concurrency": concurrency}
+    policy_overrides = {
+        k: v
+        for k, v in (("kind", policy_kind), ("model", model), ("base_url", base_url))
+        if v is not None
+    }
+    settings = _settings(config_file, **overrides)
+    if policy_overrides:
+        settings = settings.model_copy(
+            update={"policy": settings.policy.model_copy(update=policy_overrides)}
+        )
+    try:
+        tasks = load_tasks(tasks_file, modalities=settings.modalities)
+        if settings.uses_emulator:
+            settings.emulator.fault_profile(profile)  # fail early on a bad name
+    except FleetrollError as exc:
+        raise Failed(str(exc)) from None
+    console = Console(stderr=True, soft_wrap=True)
+
+    async def job() -> Any:
+        policy = policy_from_settings(settings)
+        try:
+            return await run_job(
+                settings,
+                tasks,
+                policy,
+                samples=samples,
+                out=out,
+                resume=resume,
+                emulator_profile=profile,
+                console=console,
+            )
+        finally:
+            await policy.aclose()
+
+    try:
+        report = anyio.run(job)
+    except FleetrollError as exc:
+        raise Failed(str(exc)) from None
+    print_report(report, console)
+    if report.interrupted:
+        raise SystemExit(130)

@@ -26,6 +26,7 @@ import httpx
 import stamina
 from fleet._async import exceptions as fleet_errors
 from fleet._async.client import AsyncEnv, AsyncFleet
+from fleet.runner_auth import RunnerTokenProvider
 
 from fleetroll.errors import ProvisionError
 from fleetroll.settings import Settings
@@ -169,6 +170,11 @@ class FleetProvider:
         self.fleet = AsyncFleet(
             api_key=api_key, base_url=base_url, max_retries=0, httpx_client=self._http
         )
+        # The SDK resolves the instance-router token once per *instance*, each
+        # time building a new HTTP client (~20 ms of blocking TLS set-up on
+        # the loop). One provider, resolved once, is shared by every instance.
+        self._runner_tokens = RunnerTokenProvider(self.fleet.client)
+        self._runner_lock = anyio.Lock()
         self._create_slots = anyio.CapacityLimiter(p.max_concurrent_creates)
         self._rate = TokenBucket(p.creates_per_second, burst=p.max_concurrent_creates)
 
@@ -289,6 +295,7 @@ class FleetProvider:
                     run_id=run_id,
                     timeout=create_timeout,
                 )
+        await self._share_runner_token(env)
         if env.status != "running" or env.urls is None:
             # Not usable: give it back before trying again.
             await self._close(env)
@@ -296,6 +303,12 @@ class FleetProvider:
                 f"instance {env.instance_id} came up {env.status!r}, not running"
             )
         return env
+
+    async def _share_runner_token(self, env: AsyncEnv) -> None:
+        async with self._runner_lock:
+            with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
+                await self._runner_tokens.token_async()
+        env._runner_token_provider = self._runner_tokens
 
     async def is_alive(self, instance: Provisioned) -> bool:
         """Whether Fleet still reports the instance running.

@@ -2,7 +2,7 @@
 
 ::
 
-    PENDING → PROVISIONING → RESETTING → CONNECTING → ACTING → VERIFYING → DONE
+    PENDING → PROVISIONING → (WAITING) → RESETTING → CONNECTING → ACTING → VERIFYING → DONE
                    │              (reset failures are logged, not fatal)
                    └── any phase may end early; RELEASING always runs
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -56,6 +56,7 @@ __all__ = ["EnvSession", "Phase", "Rollout", "RolloutEngine", "RolloutIds", "Ste
 class Phase(StrEnum):
     PENDING = "pending"
     PROVISIONING = "provisioning"
+    WAITING = "waiting"  # instance ready, waiting for an active slot
     RESETTING = "resetting"
     CONNECTING = "connecting"
     ACTING = "acting"
@@ -84,45 +85,54 @@ class StepResult:
 class RolloutEngine:
     """What rollouts share: settings, the instance provider, telemetry, HTTP."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        provider: FleetProvider,
-        events: Events,
-        mcp_http: httpx2.AsyncClient,
-    ) -> None:
+    def __init__(self, settings: Settings, provider: FleetProvider, events: Events) -> None:
         self.settings = settings
         self.provider = provider
         self.events = events
-        self.mcp_http = mcp_http
         self.verifier = Verifier(timeout_s=settings.timeouts.verifier_s)
+        # Built once: building TLS settings costs ~20 ms of blocking work.
+        self._ssl = httpx2.create_ssl_context()
+
+    def mcp_client(self) -> httpx2.AsyncClient:
+        """An HTTP client for one rollout's MCP session.
+
+        One per rollout: each Fleet instance is its own host anyway, and one
+        shared pool of thousands of connections costs a scan of all of them
+        on every request.
+        """
+        t = self.settings.timeouts
+        return httpx2.AsyncClient(
+            verify=self._ssl,
+            timeout=httpx2.Timeout(
+                max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
+            ),
+            limits=httpx2.Limits(max_connections=8, max_keepalive_connections=4),
+        )
 
     @classmethod
     @asynccontextmanager
     async def open(
         cls, settings: Settings, events: Events, *, api_key: str, base_url: str | None
     ) -> AsyncIterator[RolloutEngine]:
-        """An engine with its own provider and MCP HTTP client, closed on exit."""
-        t = settings.timeouts
+        """An engine with its own instance provider, closed on exit."""
         provider = FleetProvider(settings, events, api_key=api_key, base_url=base_url)
-        http = httpx2.AsyncClient(
-            timeout=httpx2.Timeout(
-                max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
-            ),
-            limits=httpx2.Limits(
-                max_connections=max(100, settings.pool.concurrency * 2),
-                max_keepalive_connections=max(20, settings.pool.concurrency),
-            ),
-        )
         try:
-            yield cls(settings, provider, events, http)
+            yield cls(settings, provider, events)
         finally:
             with anyio.CancelScope(shield=True):
-                await http.aclose()
                 await provider.aclose()
 
-    def rollout(self, task: TaskSpec, ids: RolloutIds, *, run_id: str | None = None) -> Rollout:
-        return Rollout(self, task, ids, run_id=run_id)
+    def rollout(
+        self,
+        task: TaskSpec,
+        ids: RolloutIds,
+        *,
+        run_id: str | None = None,
+        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+    ) -> Rollout:
+        """A rollout, not started. ``gate`` is entered once its instance is ready
+        and held until it ends (the pool's limit on active rollouts)."""
+        return Rollout(self, task, ids, run_id=run_id, gate=gate)
 
     async def run(
         self, task: TaskSpec, policy: Policy, ids: RolloutIds, *, run_id: str | None = None
@@ -132,7 +142,12 @@ class RolloutEngine:
 
     @asynccontextmanager
     async def session(
-        self, task: TaskSpec, ids: RolloutIds, *, run_id: str | None = None
+        self,
+        task: TaskSpec,
+        ids: RolloutIds,
+        *,
+        run_id: str | None = None,
+        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> AsyncIterator[EnvSession]:
         """An env-style session for a controller that drives the model itself.
 
@@ -140,7 +155,7 @@ class RolloutEngine:
             ToolsError, ProvisionError: the environment could not be set up;
                 the result is still recorded on the returned rollout.
         """
-        rollout = self.rollout(task, ids, run_id=run_id)
+        rollout = self.rollout(task, ids, run_id=run_id, gate=gate)
         async with rollout.lifecycle() as ready:
             if not ready:
                 raise rollout.setup_error()
@@ -170,9 +185,16 @@ class Rollout:
     """One rollout: its phase, its progress, and (at the end) its result."""
 
     def __init__(
-        self, engine: RolloutEngine, task: TaskSpec, ids: RolloutIds, *, run_id: str | None
+        self,
+        engine: RolloutEngine,
+        task: TaskSpec,
+        ids: RolloutIds,
+        *,
+        run_id: str | None,
+        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> None:
         self.engine = engine
+        self._gate = gate
         self.task = task
         self.ids = ids
         self.run_id = run_id
@@ -224,6 +246,7 @@ class Rollout:
             "env_version": t.env_version,
             "modality": t.modality,
         }
+        self._started = time.monotonic()
         with Events.bind(**base):
             e.events.emit("fleet_rollout_started")
             try:
@@ -271,6 +294,9 @@ class Rollout:
             return False
         finally:
             self._p.timings.provision_s = time.monotonic() - began
+        if self._gate is not None:
+            self.phase = Phase.WAITING
+            await stack.enter_async_context(self._gate())
         self._deadline = anyio.current_time() + s.timeouts.rollout_s
         if deadline is not None:
             deadline.deadline = self._deadline
@@ -286,10 +312,11 @@ class Rollout:
             final_answer=self.task.requires_final_answer,
         )
         try:
+            http = await stack.enter_async_context(e.mcp_client())
             self.session = await stack.enter_async_context(
                 open_tool_session(
                     self.route.url,
-                    e.mcp_http,
+                    http,
                     connect_timeout_s=s.timeouts.mcp_connect_s,
                     call_timeout_s=s.timeouts.call_tool_s,
                     list_timeout_s=s.timeouts.list_tools_s,
@@ -356,6 +383,9 @@ class Rollout:
                 return
             except PolicyError as exc:
                 self._fail(FailureReason.POLICY_ERROR, str(exc))
+                return
+            except Exception as exc:  # the policy is an adapter: its bugs are its failures
+                self._fail(FailureReason.POLICY_ERROR, f"the policy raised {describe(exc)}")
                 return
             finally:
                 self._p.timings.policy_s += time.monotonic() - began
@@ -543,6 +573,13 @@ class Rollout:
             verifier=p.verifier,
             transcript=p.messages if keep_images else [_elide_images(m) for m in p.messages],
         )
+
+    def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
+        """The result of a rollout that ended before it started (no events)."""
+        self._fail(reason, error)
+        self.phase = Phase.DONE
+        self.result = self._build_result()
+        return self.result
 
     # -- session support ----------------------------------------------------
 

@@ -114,10 +114,13 @@ class EmulatorApp:
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
-        async with self.mcp.run(), anyio.create_task_group() as tg:
-            tg.start_soon(self._reap)
-            yield
-            tg.cancel_scope.cancel()
+        try:
+            async with self.mcp.run(), anyio.create_task_group() as tg:
+                tg.start_soon(self._reap)
+                yield
+                tg.cancel_scope.cancel()
+        finally:
+            await self.verifiers.aclose()
 
     async def _reap(self) -> None:
         """Apply TTL expiry and instance deaths even to instances nobody asks about."""

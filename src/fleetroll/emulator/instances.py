@@ -118,7 +118,7 @@ class Instance:
 def open_db(path: Path) -> sqlite3.Connection:
     # The emulator is a test double: durability buys nothing, speed does.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    conn.execute("PRAGMA journal_mode=DELETE")
+    conn.execute("PRAGMA journal_mode=MEMORY")
     conn.execute("PRAGMA synchronous=OFF")
     return conn
 
@@ -152,7 +152,9 @@ class InstanceStore:
         instance_id = uuid.uuid4().hex[:16]
         db_path = self._dir / f"{instance_id}.db"
         conn = open_db(db_path)
-        env.seed(conn, data_key or env.default_data_key)
+        with conn:  # one transaction for the whole seed
+            conn.execute("BEGIN")
+            env.seed(conn, data_key or env.default_data_key)
         now = time.monotonic()
         inst = Instance(
             instance_id=instance_id,
@@ -217,7 +219,9 @@ class InstanceStore:
             self._end(inst, InstanceStatus.ERROR, "died")
 
     def reseed(self, inst: Instance) -> None:
-        inst.env.reset_db(inst.conn, inst.data_key or inst.env.default_data_key)
+        with inst.conn:
+            inst.conn.execute("BEGIN")
+            inst.env.reset_db(inst.conn, inst.data_key or inst.env.default_data_key)
         inst.updated_at = _now_iso()
 
     def _end(self, inst: Instance, status: InstanceStatus, how: str) -> None:

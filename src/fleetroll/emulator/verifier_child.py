@@ -1,11 +1,13 @@
 """Runs one verifier, in its own process. Started by :mod:`.verifiers` as a script.
 
-This file imports nothing from fleetroll (so it starts fast) and runs the
-verifier's code under an address-space cap. It reads one JSON request on
-stdin and writes one JSON answer on stdout:
+This file imports nothing from fleetroll (so it starts fast) and runs
+verifiers' code under an address-space cap (``argv[1]``, MB). It serves one
+request per line: a JSON request on stdin, a JSON answer on stdout:
 
-request: ``{"code", "function_name", "args_b64", "instance_id", "databases",
-"memory_mb"}``; answer: ``{"success", "result", "error", "stdout"}``.
+request: ``{"code", "function_name", "args_b64", "instance_id", "databases"}``;
+answer: ``{"success", "result", "error", "stdout"}``. Each run gets a fresh
+namespace; the parent recycles a worker after a timeout, a crash, or a
+number of runs.
 
 The verifier gets an ``env`` offering the part of Fleet's environment API
 that verifiers use: ``env.db(name).query(sql, args)`` answering an object with
@@ -148,12 +150,16 @@ def run(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    request = json.loads(sys.stdin.read())
-    limit = int(request.get("memory_mb", 512)) * 1024 * 1024
+    """Serve requests, one JSON line in, one JSON line out, until stdin closes."""
+    limit = int(sys.argv[1]) * 1024 * 1024 if len(sys.argv) > 1 else 512 * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    answer = run(request)
-    sys.stdout.write(json.dumps(answer))
-    sys.stdout.flush()
+    out = sys.stdout
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        answer = run(json.loads(line))
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
 
 
 if __name__ == "__main__":

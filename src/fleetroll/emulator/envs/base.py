@@ -24,10 +24,21 @@ if TYPE_CHECKING:
     from fleetroll.emulator.instances import Instance, InstanceStore
     from fleetroll.emulator.ledger import Ledger
 
-__all__ = ["INSTANCE_SCOPE_KEY", "SampleEnv", "ToolGate"]
+__all__ = ["INSTANCE_SCOPE_KEY", "SampleEnv", "ToolGate", "create_schema"]
 
 #: Key of the ASGI scope entry that carries the instance id to MCP tools.
 INSTANCE_SCOPE_KEY = "fleetroll.instance_id"
+
+
+def create_schema(conn: sqlite3.Connection, schema: str) -> None:
+    """Run a schema's statements inside the caller's transaction.
+
+    (``executescript`` would commit first, splitting the seed into many
+    transactions: a journal file each.)
+    """
+    for statement in schema.split(";"):
+        if statement.strip():
+            conn.execute(statement)
 
 
 class SampleEnv(abc.ABC):

@@ -20,7 +20,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from fleetroll.emulator.computer import Screen
-from fleetroll.emulator.envs.base import SampleEnv, ToolGate
+from fleetroll.emulator.envs.base import SampleEnv, ToolGate, create_schema
 from fleetroll.emulator.envs.desktop_screen import (
     MAX_CHARS,
     ROW_H,
@@ -256,7 +256,7 @@ class DesktopEnv(SampleEnv):
 
     def seed(self, conn: sqlite3.Connection, data_key: str) -> None:
         form = _FORMS[data_key]
-        conn.executescript(_SCHEMA)
+        create_schema(conn, _SCHEMA)
         conn.executemany(
             "INSERT INTO widgets (name, kind, label, x, y, w, h, value, checked, required, rule,"
             " action) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -18,7 +18,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from PIL import Image
 
 from fleetroll.emulator.computer import Screen, blank, font
-from fleetroll.emulator.envs.base import SampleEnv, ToolGate
+from fleetroll.emulator.envs.base import SampleEnv, ToolGate, create_schema
 
 __all__ = ["LedgerEnv"]
 
@@ -216,7 +216,7 @@ class LedgerEnv(SampleEnv):
     data_keys: ClassVar[tuple[str, ...]] = ("seed", "busy")
 
     def seed(self, conn: sqlite3.Connection, data_key: str) -> None:
-        conn.executescript(_SCHEMA)
+        create_schema(conn, _SCHEMA)
         conn.executemany(
             "INSERT INTO accounts (name, kind, balance_cents) VALUES (?, ?, ?)", _ACCOUNTS[data_key]
         )

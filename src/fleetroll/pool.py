@@ -1,0 +1,377 @@
+"""RolloutPool: batches of rollouts for a training controller.
+
+::
+
+    async with RolloutPool(settings, api_key=..., base_url=...) as pool:
+        batch = pool.run_batch(tasks, policy, samples_per_task=8)
+        async for result in batch:      # each result as soon as its rollout ends
+            ...
+
+A batch always yields exactly ``len(tasks) * samples_per_task`` results, one
+per rollout id: a crash, a timeout or cancellation each still yields one.
+
+Limits, each a ``CapacityLimiter`` named for what it protects:
+
+* ``instances``: instances held at once (provisioning, waiting or active):
+  ``concurrency + max_concurrent_creates``, so instances for waiting rollouts
+  are created while others run (provisioning is pipelined);
+* ``active``: rollouts acting at once (``pool.concurrency``); a rollout's
+  agent clock starts when it gets its slot;
+* creates (concurrency and rate) live in the provider, shared by every batch
+  of the pool.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Collection, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Self
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from fleetroll.policies import Policy
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout import EnvSession, Phase, Rollout, RolloutEngine, RolloutIds
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+
+__all__ = ["Batch", "BatchCounts", "RolloutPool", "rollout_id"]
+
+_NAMESPACE = uuid.UUID("6c3f2a64-0f8e-4c1e-9d2a-7f1b5e9a4c10")
+
+
+def rollout_id(batch_id: str, task_key: str, sample_index: int) -> str:
+    """The deterministic id of one rollout (the same on every resume)."""
+    return uuid.uuid5(_NAMESPACE, f"{batch_id}/{task_key}/{sample_index}").hex
+
+
+def group_id(batch_id: str, task_key: str) -> str:
+    """The id shared by the samples of one task in one batch (a GRPO group)."""
+    return uuid.uuid5(_NAMESPACE, f"{batch_id}/{task_key}").hex
+
+
+@dataclass(frozen=True, slots=True)
+class BatchCounts:
+    """A snapshot of a batch, for progress displays."""
+
+    total: int
+    queued: int
+    provisioning: int
+    running: int
+    done: int
+    failed: int
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+
+class Batch:
+    """A running batch: an async iterator of its results.
+
+    Iterate it to receive results as rollouts end; :meth:`aclose` (or leaving
+    ``async with batch``) cancels what is still in flight, and the iterator
+    still yields a result for every rollout.
+    """
+
+    def __init__(self, batch_id: str, rollouts: list[Rollout], skipped: int) -> None:
+        self.batch_id = batch_id
+        self.rollouts = rollouts
+        self.skipped = skipped
+        self.scope = anyio.CancelScope()
+        self._send: MemoryObjectSendStream[RolloutResult]
+        self._receive: MemoryObjectReceiveStream[RolloutResult]
+        # Unbounded by count but bounded by the batch size: a result is never
+        # held back, so an instance is never held waiting for a slow reader.
+        self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
+            max_buffer_size=max(1, len(rollouts))
+        )
+        self._delivered: set[str] = set()
+        self.finished = anyio.Event()
+
+    @property
+    def total(self) -> int:
+        return len(self.rollouts)
+
+    def counts(self) -> BatchCounts:
+        phases = Counter(r.phase for r in self.rollouts)
+        results = [r.result for r in self.rollouts if r.result is not None]
+        failed = sum(1 for r in results if r.status == "failed")
+        return BatchCounts(
+            total=self.total,
+            queued=phases[Phase.PENDING],
+            provisioning=phases[Phase.PROVISIONING] + phases[Phase.WAITING],
+            running=self.total
+            - phases[Phase.PENDING]
+            - phases[Phase.PROVISIONING]
+            - phases[Phase.WAITING]
+            - len(results),
+            done=len(results) - failed,
+            failed=failed,
+        )
+
+    def deliver(self, result: RolloutResult) -> None:
+        if result.rollout_id in self._delivered:  # belt and braces: exactly once
+            return
+        self._delivered.add(result.rollout_id)
+        self._send.send_nowait(result)
+
+    def close_stream(self) -> None:
+        self._send.close()
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+    async def aclose(self) -> None:
+        """Cancel whatever is still running; results keep coming until all are in."""
+        self.cancel()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> RolloutResult:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._receive.close()
+            raise StopAsyncIteration from None
+
+    async def results(self) -> list[RolloutResult]:
+        """Every result, once all rollouts have ended."""
+        return [r async for r in self]
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+
+class RolloutPool:
+    """Runs batches of rollouts under shared limits. An async context manager."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        api_key: str,
+        base_url: str | None = None,
+        events: Events | None = None,
+    ) -> None:
+        self.settings = settings
+        self.events = events or Events()
+        self._api_key = api_key
+        self._base_url = base_url
+        self._engine: RolloutEngine | None = None
+        self._tg: TaskGroup | None = None
+        self._stack: AsyncExitStack | None = None
+        concurrency = settings.pool.concurrency
+        self.active = anyio.CapacityLimiter(concurrency)
+        self.instances = anyio.CapacityLimiter(
+            concurrency + settings.provisioning.max_concurrent_creates
+        )
+        self.batches: dict[str, Batch] = {}
+
+    @property
+    def engine(self) -> RolloutEngine:
+        if self._engine is None:
+            raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
+        return self._engine
+
+    async def __aenter__(self) -> Self:
+        stack = AsyncExitStack()
+        async with stack:
+            self._engine = await stack.enter_async_context(
+                RolloutEngine.open(
+                    self.settings, self.events, api_key=self._api_key, base_url=self._base_url
+                )
+            )
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.push_async_callback(self._cancel_all)
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._stack is not None
+        try:
+            await self._stack.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            if exc is not None and group.exceptions == (exc,):
+                raise exc from exc.__cause__
+            raise
+        finally:
+            self._engine = None
+            self._tg = None
+
+    async def _cancel_all(self) -> None:
+        for batch in self.batches.values():
+            batch.cancel()
+
+    def run_batch(
+        self,
+        tasks: Sequence[TaskSpec],
+        policy: Policy,
+        *,
+        samples_per_task: int = 1,
+        batch_id: str | None = None,
+        deadline_s: float | None = None,
+        skip: Collection[str] = (),
+    ) -> Batch:
+        """Start a batch; iterate the returned :class:`Batch` for its results.
+
+        Args:
+            samples_per_task: rollouts per task (a group, for GRPO-style training).
+            batch_id: reuse an id to resume a batch (rollout ids are derived from it).
+            deadline_s: cancel whatever is still running after this many seconds.
+            skip: rollout ids already finished (a resumed batch runs only the rest).
+        """
+        if self._tg is None:
+            raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
+        if samples_per_task < 1:
+            raise ValueError("samples_per_task must be at least 1")
+        batch_id = batch_id or uuid.uuid4().hex[:12]
+        if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
+            raise ValueError(f"batch {batch_id} is already running")
+        skip = set(skip)
+        rollouts = []
+        for task in tasks:
+            for sample in range(samples_per_task):
+                rid = rollout_id(batch_id, task.key, sample)
+                if rid in skip:
+                    continue
+                ids = RolloutIds(
+                    batch_id=batch_id,
+                    rollout_id=rid,
+                    sample_index=sample,
+                    group_id=group_id(batch_id, task.key),
+                )
+                rollouts.append(
+                    self.engine.rollout(task, ids, run_id=batch_id, gate=lambda: self.active)
+                )
+        batch = Batch(batch_id, rollouts, skipped=len(tasks) * samples_per_task - len(rollouts))
+        if deadline_s is not None:
+            batch.scope.deadline = anyio.current_time() + deadline_s
+        self.batches[batch_id] = batch
+        self._tg.start_soon(self._run_batch, batch, policy)
+        return batch
+
+    async def _run_batch(self, batch: Batch, policy: Policy) -> None:
+        e = self.engine
+        e.events.emit(
+            "fleet_batch_started",
+            batch_id=batch.batch_id,
+            rollouts=batch.total,
+            concurrency=self.settings.pool.concurrency,
+        )
+        try:
+            with batch.scope:
+                async with anyio.create_task_group() as tg:
+                    for rollout in batch.rollouts:
+                        tg.start_soon(self._one, batch, rollout, policy)
+        finally:
+            # Rollouts cancelled before they started still get their result.
+            for rollout in batch.rollouts:
+                if rollout.result is None:
+                    batch.deliver(
+                        rollout.never_started(
+                            FailureReason.CANCELLED,
+                            "the batch was cancelled before this rollout started",
+                        )
+                    )
+            batch.close_stream()
+            batch.finished.set()
+            with anyio.CancelScope(shield=True):
+                await self._sweep(batch.batch_id)
+            statuses = Counter(
+                (r.result.failure_reason.value if r.result.failure_reason else "completed")
+                for r in batch.rollouts
+                if r.result is not None
+            )
+            e.events.emit(
+                "fleet_batch_completed",
+                batch_id=batch.batch_id,
+                rollouts=batch.total,
+                counts=dict(statuses),
+            )
+
+    async def _one(self, batch: Batch, rollout: Rollout, policy: Policy) -> None:
+        try:
+            async with self.instances:
+                await rollout.run(policy)
+        except anyio.get_cancelled_exc_class():
+            if rollout.result is not None:
+                batch.deliver(rollout.result)
+            raise
+        except Exception as exc:  # the rollout's own boundary failed: still one result
+            if rollout.result is None:
+                rollout.never_started(FailureReason.INIT_ERROR, f"fleetroll bug: {exc!r}")
+        assert rollout.result is not None
+        batch.deliver(rollout.result)
+
+    async def _sweep(self, run_id: str) -> None:
+        """Release instances of this batch that no rollout knows about.
+
+        A create whose answer never arrived (our deadline fired first) may
+        still have made an instance; it carries the batch id as ``run_id``.
+        """
+        timeout = self.settings.timeouts.release_s
+        with anyio.move_on_after(timeout):
+            try:
+                orphans = await self.engine.provider.fleet.instances(
+                    status="running", run_id=run_id
+                )
+            except Exception as exc:  # best effort: report and go on
+                self.events.emit(
+                    "fleet_instance_release_failed",
+                    level="warn",
+                    error_message=f"orphan sweep failed: {exc}"[:500],
+                )
+                return
+            for env in orphans:
+                try:
+                    await env.close()
+                    self.events.emit(
+                        "fleet_instance_released", instance_id=env.instance_id, orphan=True
+                    )
+                except Exception as exc:  # best effort, per instance
+                    self.events.emit(
+                        "fleet_instance_release_failed",
+                        level="warn",
+                        instance_id=env.instance_id,
+                        error_message=str(exc)[:500],
+                    )
+
+    @asynccontextmanager
+    async def session(
+        self, task: TaskSpec, *, batch_id: str | None = None, sample_index: int = 0
+    ) -> AsyncIterator[EnvSession]:
+        """An env-style session (``reset``/``step``/``close``) under the pool's limits."""
+        batch_id = batch_id or "sessions"
+        ids = RolloutIds(
+            batch_id=batch_id,
+            sample_index=sample_index,
+            rollout_id=uuid.uuid4().hex,
+            group_id=group_id(batch_id, task.key),
+        )
+        async with (
+            self.instances,
+            self.engine.session(task, ids, run_id=batch_id, gate=lambda: self.active) as env,
+        ):
+            yield env

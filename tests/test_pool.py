@@ -1,0 +1,241 @@
+"""RolloutPool: exactly one result per rollout, under load, faults and cancellation.
+
+The load tests run the emulator in its own process (``EmulatorProcess``), so
+it has the other core; everything else talks to an in-process emulator.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from fleetroll.emulator import Emulator, FaultProfile, Latency
+from fleetroll.emulator.process import EmulatorProcess
+from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
+from fleetroll.pool import RolloutPool, rollout_id
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout import Phase
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import TaskSpec, load_tasks
+from fleetroll.telemetry import Events, MemorySink
+
+SETTINGS = load_settings()
+LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
+FAST = {
+    "creates_per_second": 1000,
+    "max_concurrent_creates": 64,
+    "backoff_initial_s": 0.05,
+    "backoff_max_s": 0.5,
+}
+
+
+def pool_for(emu: Any, sink: MemorySink | None = None, **overrides: Any) -> RolloutPool:
+    settings = load_settings(**{"provisioning": FAST, **overrides})
+    return RolloutPool(
+        settings, api_key=emu.api_key, base_url=emu.base_url, events=Events([sink] if sink else [])
+    )
+
+
+def assert_pairs(sink: MemorySink) -> None:
+    started = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_started"))
+    completed = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed"))
+    assert started == completed and set(completed.values()) <= {1}
+
+
+def assert_one_result_each(results: Sequence[RolloutResult], expected: int) -> None:
+    ids = [r.rollout_id for r in results]
+    assert len(ids) == expected and len(set(ids)) == expected
+
+
+@pytest.mark.slow
+async def test_a_thousand_rollouts_yield_a_thousand_results_each_once() -> None:
+    sink = MemorySink()
+    tasks, samples = LEDGER[:25], 40
+    async with EmulatorProcess() as emu:
+        async with pool_for(emu, sink, pool={"concurrency": 200}) as pool:
+            with anyio.fail_after(300):
+                results = await pool.run_batch(
+                    tasks, ScriptedPolicy(), samples_per_task=samples
+                ).results()
+        ledger = await emu.ledger()
+    assert_one_result_each(results, 1000)
+    assert Counter(r.status for r in results) == {"completed": 1000}
+    assert all(r.reward == 1.0 for r in results)
+    assert ledger["running"] == 0 and ledger["created"] == ledger["deleted"] == 1000
+    assert ledger["peak_concurrent_creates"] <= FAST["max_concurrent_creates"]
+    assert_pairs(sink)
+
+
+CHAOS_TIMEOUTS = {
+    "provision_create_s": 3.0,
+    "provision_total_s": 30.0,
+    "reset_s": 1.0,
+    "mcp_connect_s": 5.0,
+    "list_tools_s": 3.0,
+    "call_tool_s": 2.0,
+    "policy_s": 10.0,
+    "verifier_s": 10.0,
+    "release_s": 5.0,
+    "rollout_s": 30.0,
+}
+
+
+@pytest.mark.slow
+async def test_a_thousand_rollouts_under_chaos_lose_nothing_and_leak_nothing() -> None:
+    sink = MemorySink()
+    chaos = SETTINGS.emulator.fault_profile("chaos")
+    async with EmulatorProcess(chaos) as emu:
+        async with pool_for(emu, sink, pool={"concurrency": 250}, timeouts=CHAOS_TIMEOUTS) as pool:
+            with anyio.fail_after(400):
+                results = await pool.run_batch(
+                    LEDGER, ScriptedPolicy(), samples_per_task=40
+                ).results()
+        ledger = await emu.ledger()
+    assert_one_result_each(results, 1000)
+    reasons = Counter(r.failure_reason for r in results)
+    # Chaos shows up as failures of the right kinds, never as fake zeros.
+    assert reasons[None] > 500, reasons
+    assert all(
+        r.reward is None
+        for r in results
+        if r.failure_reason not in (None, FailureReason.TIMEOUT, FailureReason.MAX_STEPS)
+    )
+    assert ledger["running"] == 0, ledger
+    assert_pairs(sink)
+
+
+class ExplodingPolicy(ScriptedPolicy):
+    """Plays solutions, but raises a bug of its own on one task."""
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Any], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        if task.key == LEDGER[3].key:
+            raise RuntimeError("tokenizer exploded on turn 1")
+        return await super().act(task, messages, tools)
+
+
+async def test_one_rollout_crashing_in_its_policy_leaves_every_other_result_intact(
+    emulator: Emulator,
+) -> None:
+    async with pool_for(emulator) as pool:
+        with anyio.fail_after(120):
+            results = await pool.run_batch(LEDGER[:8], ExplodingPolicy()).results()
+    assert_one_result_each(results, 8)
+    crashed = [r for r in results if r.task_key == LEDGER[3].key]
+    assert crashed[0].failure_reason is FailureReason.POLICY_ERROR
+    assert "RuntimeError: tokenizer exploded on turn 1" in (crashed[0].error or "")
+    assert all(r.reward == 1.0 for r in results if r.task_key != LEDGER[3].key)
+    assert emulator.ledger.running == 0
+
+
+async def test_cancelling_a_batch_halfway_releases_everything_and_yields_every_result() -> None:
+    sink = MemorySink()
+    profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.2))
+    async with Emulator(profile) as emu:
+        async with pool_for(emu, sink, pool={"concurrency": 8}) as pool:
+            batch = pool.run_batch(LEDGER, ScriptedPolicy(think_time_s=0.2), samples_per_task=4)
+            results = []
+            with anyio.fail_after(120):
+                async for result in batch:
+                    results.append(result)
+                    if len(results) == 10:
+                        await batch.aclose()
+        assert emu.ledger.running == 0
+    assert_one_result_each(results, len(LEDGER) * 4)
+    reasons = Counter(r.failure_reason for r in results)
+    assert reasons[None] >= 10 and reasons[FailureReason.CANCELLED] > 0
+    assert all(r.reward is None for r in results if r.failure_reason is FailureReason.CANCELLED)
+    assert_pairs(sink)
+
+
+async def test_a_batch_deadline_cancels_what_is_left() -> None:
+    async with Emulator() as emu:
+        async with pool_for(emu) as pool:
+            batch = pool.run_batch(LEDGER[:4], ScriptedPolicy(think_time_s=3600), deadline_s=0.5)
+            with anyio.fail_after(60):
+                results = await batch.results()
+        assert emu.ledger.running == 0
+    assert {r.failure_reason for r in results} == {FailureReason.CANCELLED}
+
+
+async def test_create_limits_hold_in_the_emulators_ledger() -> None:
+    profile = FaultProfile(create_latency=Latency(min_s=0.05, max_s=0.1))
+    async with Emulator(profile) as emu:
+        async with pool_for(emu, provisioning={**FAST, "max_concurrent_creates": 3}) as pool:
+            with anyio.fail_after(120):
+                results = await pool.run_batch(
+                    LEDGER[:6], ScriptedPolicy(), samples_per_task=3
+                ).results()
+        assert emu.ledger.peak_concurrent_creates == 3
+        assert emu.ledger.running == 0
+    assert_one_result_each(results, 18)
+
+
+async def test_active_rollouts_are_limited_while_provisioning_runs_ahead() -> None:
+    acting = {Phase.RESETTING, Phase.CONNECTING, Phase.ACTING}
+    async with Emulator() as emu:
+        async with pool_for(emu, pool={"concurrency": 2}) as pool:
+            batch = pool.run_batch(LEDGER[:10], ScriptedPolicy(think_time_s=0.05))
+            peak_acting = 0
+
+            async def watch() -> None:
+                nonlocal peak_acting
+                while not batch.finished.is_set():
+                    now = sum(1 for r in batch.rollouts if r.phase in acting)
+                    peak_acting = max(peak_acting, now)
+                    await anyio.sleep(0.005)
+
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watch)
+                    results = await batch.results()
+        # Instances held: active (2) plus those made ahead (max_concurrent_creates).
+        assert emu.ledger.peak_running <= 2 + FAST["max_concurrent_creates"]
+    assert peak_acting == 2 and len(results) == 10
+
+
+async def test_samples_of_a_task_form_a_group_with_deterministic_ids(emulator) -> None:
+    async with pool_for(emulator) as pool:
+        batch = pool.run_batch(
+            LEDGER[:2], ScriptedPolicy(), samples_per_task=3, batch_id="grpo-step-7"
+        )
+        with anyio.fail_after(120):
+            results = await batch.results()
+    by_task: dict[str, list[RolloutResult]] = {}
+    for r in results:
+        by_task.setdefault(r.task_key, []).append(r)
+    for key, group in by_task.items():
+        assert sorted(r.sample_index for r in group) == [0, 1, 2]
+        assert len({r.group_id for r in group}) == 1
+        for r in group:
+            assert r.rollout_id == rollout_id("grpo-step-7", key, r.sample_index)
+    assert len({g[0].group_id for g in by_task.values()}) == 2
+
+
+async def test_a_resumed_batch_runs_only_what_is_missing(emulator: Emulator) -> None:
+    done = {rollout_id("b", LEDGER[0].key, 0), rollout_id("b", LEDGER[1].key, 1)}
+    async with pool_for(emulator) as pool:
+        batch = pool.run_batch(
+            LEDGER[:2], ScriptedPolicy(), samples_per_task=2, batch_id="b", skip=done
+        )
+        with anyio.fail_after(120):
+            results = await batch.results()
+    assert batch.skipped == 2 and len(results) == 2
+    assert not {r.rollout_id for r in results} & done
+
+
+async def test_sessions_run_under_the_pools_limits(emulator: Emulator) -> None:
+    task = LEDGER[0]
+    async with pool_for(emulator, pool={"concurrency": 1}) as pool:
+        async with pool.session(task) as env:
+            assert pool.active.borrowed_tokens == 1
+            for step in task.solution or ():
+                await env.step({"name": step.name, "arguments": step.arguments})
+        result = await env.close()
+    assert result is not None and result.reward == 1.0
+    assert emulator.ledger.running == 0

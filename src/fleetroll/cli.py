@@ -116,7 +116,9 @@ def emulator(
 
 
 @main.command()
-@click.argument("tasks_file", metavar="TASKS", type=click.Path(path_type=Path))
+@click.argument(
+    "tasks_paths", metavar="TASKS...", nargs=-1, required=True, type=click.Path(path_type=Path)
+)
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -153,7 +155,7 @@ def emulator(
 @click.option("--resume", is_flag=True, help="Continue the batch journaled in --out.")
 @_CONFIG_OPTION
 def run(
-    tasks_file: Path,
+    tasks_paths: tuple[Path, ...],
     out: Path | None,
     samples: int,
     policy_kind: str | None,
@@ -164,7 +166,7 @@ def run(
     resume: bool,
     config_file: Path | None,
 ) -> None:
-    """Run every task in TASKS (JSON Lines or a JSON array) and report.
+    """Run every task in TASKS (files: JSON Lines or a JSON array; or folders) and report.
 
     Runs on the embedded emulator unless FLEET_API_KEY or FLEET_BASE_URL is
     set. Exit code 0 when the batch ran (failed rollouts are data); 2 for bad
@@ -173,8 +175,7 @@ def run(
     from rich.console import Console
 
     from fleetroll.policies import policy_from_settings
-    from fleetroll.runner import print_report, run_job
-    from fleetroll.tasks import load_tasks
+    from fleetroll.runner import load_task_paths, print_report, run_job
 
     overrides: dict[str, Any] = {}
     if concurrency is not None:
@@ -190,7 +191,7 @@ def run(
             update={"policy": settings.policy.model_copy(update=policy_overrides)}
         )
     try:
-        tasks = load_tasks(tasks_file, modalities=settings.modalities)
+        tasks = load_task_paths(tasks_paths, settings.modalities)
         if settings.uses_emulator:
             settings.emulator.fault_profile(profile)  # fail early on a bad name
     except FleetrollError as exc:

@@ -13,7 +13,7 @@ import statistics
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,16 +23,16 @@ import anyio
 from rich.console import Console
 from rich.table import Table
 
-from fleetroll.errors import ConfigError
+from fleetroll.errors import ConfigError, TaskFileError
 from fleetroll.journal import Journal, read_journal
 from fleetroll.policies import Policy
 from fleetroll.pool import Batch, BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings
-from fleetroll.tasks import TaskSpec
+from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry.events import Events
 
-__all__ = ["JobReport", "run_job", "summary_table"]
+__all__ = ["JobReport", "load_task_paths", "run_job", "summary_table"]
 
 _PLAIN_PROGRESS_EVERY_S = 10.0
 
@@ -124,6 +124,37 @@ async def run_job(
         interrupted=interrupted.is_set(),
         backend=backend,
     )
+
+
+def load_task_paths(paths: Sequence[Path], modalities: Collection[str]) -> list[TaskSpec]:
+    """Tasks from files and folders (a folder means its ``*.jsonl`` and ``*.json``).
+
+    Raises:
+        TaskFileError: a file is invalid, a folder holds no task file, or a key
+            appears in two files.
+    """
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
+            if not found:
+                raise TaskFileError("no .jsonl or .json task file in this folder", path=str(path))
+            files += found
+        else:
+            files.append(path)
+    tasks: list[TaskSpec] = []
+    seen: dict[str, Path] = {}
+    for file in files:
+        for task in load_tasks(file, modalities=modalities):
+            if task.key in seen:
+                raise TaskFileError(
+                    f"duplicate key {task.key!r}, also in {seen[task.key]}",
+                    path=str(file),
+                    field="key",
+                )
+            seen[task.key] = file
+            tasks.append(task)
+    return tasks
 
 
 def _previous_results(

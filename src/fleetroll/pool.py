@@ -35,6 +35,7 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from fleetroll._serving import exit_transparently
 from fleetroll.policies import Policy
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import EnvSession, Phase, Rollout, RolloutEngine, RolloutIds
@@ -211,11 +212,7 @@ class RolloutPool:
     ) -> None:
         assert self._stack is not None
         try:
-            await self._stack.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            if exc is not None and group.exceptions == (exc,):
-                raise exc from exc.__cause__
-            raise
+            await exit_transparently(self._stack, exc_type, exc, tb)
         finally:
             self._engine = None
             self._tg = None

@@ -6,14 +6,12 @@ import contextlib
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-import anyio
-import uvicorn
-
+from fleetroll._serving import exit_transparently, serve_asgi
 from fleetroll.emulator.app import EmulatorApp
 from fleetroll.emulator.envs import default_envs
 from fleetroll.emulator.envs.base import SampleEnv
@@ -27,14 +25,6 @@ __all__ = ["Emulator"]
 
 _STARTUP_TIMEOUT_S = 30.0
 _SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class _EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves the host process's signal handlers alone."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
 
 
 class Emulator:
@@ -99,14 +89,7 @@ class Emulator:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            await self._stack.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            # The server's task group wraps the caller's own exception; hand it
-            # back as it was raised, so `async with Emulator()` is transparent.
-            if exc is not None and group.exceptions == (exc,):
-                raise exc from exc.__cause__
-            raise
+        await exit_transparently(self._stack, exc_type, exc, tb)
 
     @contextlib.asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
@@ -120,48 +103,24 @@ class Emulator:
             VerifierRunner(memory_mb=self._verifier_memory_mb),
             api_key=self._api_key,
         )
-        config = uvicorn.Config(
-            self.app,
-            host=self._host,
-            port=self._port,
-            log_level="warning",
-            lifespan="on",
-            timeout_graceful_shutdown=1,
-            access_log=False,
-            # Thousands of concurrent rollouts hold thousands of connections.
-            backlog=4096,
-        )
-        server = _EmbeddedServer(config)
         # Keep the host's logs clean: the MCP SDK and httpx log every request.
         for name in ("mcp", "httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.WARNING)
-        stopped = anyio.Event()
-
-        async def serve() -> None:
-            try:
-                await server.serve()
-            finally:
-                stopped.set()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(serve)
-            try:
-                with anyio.fail_after(_STARTUP_TIMEOUT_S):
-                    while not server.started:
-                        if stopped.is_set():
-                            raise EmulatorError(
-                                f"the emulator could not listen on {self._host}:{self._port}"
-                            )
-                        await anyio.sleep(0.01)
-                port = server.servers[0].sockets[0].getsockname()[1]
-                self.base_url = f"http://{self._host}:{port}"
-                self.app.base_url = self.base_url
+        try:
+            # Thousands of concurrent rollouts hold thousands of connections.
+            async with serve_asgi(
+                self.app,
+                host=self._host,
+                port=self._port,
+                startup_timeout_s=_STARTUP_TIMEOUT_S,
+                shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S,
+                backlog=4096,
+            ) as base_url:
+                self.base_url = base_url
+                self.app.base_url = base_url
                 yield
-            finally:
-                server.should_exit = True
-                with anyio.move_on_after(_SHUTDOWN_TIMEOUT_S, shield=True):
-                    await stopped.wait()
-                tg.cancel_scope.cancel()
+        except OSError as exc:
+            raise EmulatorError(f"the emulator could not start: {exc}") from exc
 
     def _cleanup(self) -> None:
         if self.app is not None:

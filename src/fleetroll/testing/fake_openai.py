@@ -25,17 +25,18 @@ import contextlib
 import inspect
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
 from typing import Any, Self, TypeAlias
 
 import anyio
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from fleetroll._serving import exit_transparently, serve_asgi
 
 __all__ = [
     "HANG",
@@ -158,14 +159,6 @@ def tool_calling_script(
     return script
 
 
-class _EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves the host process's signal handlers alone."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 class FakeChatServer:
     """An OpenAI-compatible chat completions server on loopback.
 
@@ -217,58 +210,27 @@ class FakeChatServer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        try:
-            await self._stack.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            # The server's task group wraps the caller's own exception; hand it
-            # back as it was raised, so `async with FakeChatServer()` is transparent.
-            if exc is not None and group.exceptions == (exc,):
-                raise exc from exc.__cause__
-            raise
+        await exit_transparently(self._stack, exc_type, exc, tb)
 
     @contextlib.asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
         app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
-        # Let uvicorn bind the port itself: handing it a pre-bound socket was
-        # measured at ~40 ms per request.
-        config = uvicorn.Config(
-            app,
-            host=self._host,
-            port=0,
-            log_level="warning",
-            lifespan="off",
-            access_log=False,
-            timeout_graceful_shutdown=1,
-        )
-        server = _EmbeddedServer(config)
-        stopped = anyio.Event()
         self._release_hung = anyio.Event()
-
-        async def serve() -> None:
-            try:
-                await server.serve()
-            finally:
-                stopped.set()
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(serve)
-            try:
-                with anyio.fail_after(_STARTUP_TIMEOUT_S):
-                    while not server.started:
-                        if stopped.is_set():
-                            raise RuntimeError(
-                                f"the fake OpenAI server could not listen on {self._host}"
-                            )
-                        await anyio.sleep(0.005)
-                port = server.servers[0].sockets[0].getsockname()[1]
-                self.base_url = f"http://{self._host}:{port}/v1"
-                yield
-            finally:
-                self._release_hung.set()  # answer HANG requests, so shutdown is quick
-                server.should_exit = True
-                with anyio.move_on_after(_SHUTDOWN_TIMEOUT_S, shield=True):
-                    await stopped.wait()
-                tg.cancel_scope.cancel()
+        try:
+            async with serve_asgi(
+                app,
+                host=self._host,
+                lifespan="off",
+                startup_timeout_s=_STARTUP_TIMEOUT_S,
+                shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S,
+            ) as url:
+                self.base_url = f"{url}/v1"
+                try:
+                    yield
+                finally:
+                    self._release_hung.set()  # answer HANG requests, so shutdown is quick
+        except OSError as exc:
+            raise RuntimeError(f"the fake OpenAI server could not start: {exc}") from exc
 
     async def _chat(self, request: Request) -> Response:
         number = len(self.requests)

@@ -574,6 +574,40 @@ class Rollout:
             transcript=p.messages if keep_images else [_elide_images(m) for m in p.messages],
         )
 
+    async def step(self, call: ToolCall) -> StepResult:
+        """One tool call driven from outside (the env-style session API).
+
+        Raises:
+            InstanceLostError: the instance is gone.
+        """
+        over = None
+        if self.finished:
+            over = "The episode is over."
+        elif anyio.current_time() >= self._deadline:
+            self.time_out()
+            over = "The rollout's deadline passed."
+        elif self._p.steps >= self.max_steps:
+            self._fail(FailureReason.MAX_STEPS, f"the step budget of {self.max_steps} ran out")
+            over = "The step budget ran out."
+        if over is not None:
+            return StepResult(ToolResult(text=over, is_error=True), True)
+        before = len(self._p.messages)
+        self._p.messages.append(_assistant_message(AssistantTurn(tool_calls=(call,))))
+        self._p.steps += 1
+        result: ToolResult | None = None
+        with anyio.CancelScope(deadline=self._deadline) as scope:
+            result = await self._call(call)
+        if scope.cancelled_caught:
+            self.time_out()
+            result = ToolResult(text="The rollout's deadline passed.", is_error=True)
+        if result is None:  # the instance is gone
+            raise InstanceLostError(
+                self._p.error or "the instance is gone",
+                operation="step",
+                rollout_id=self.ids.rollout_id,
+            )
+        return StepResult(result, self.finished, tuple(self._p.messages[before:]))
+
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         """The result of a rollout that ended before it started (no events)."""
         self._fail(reason, error)
@@ -590,9 +624,6 @@ class Rollout:
     @property
     def messages(self) -> list[dict[str, Any]]:
         return self._p.messages
-
-    def out_of_time(self) -> bool:
-        return anyio.current_time() >= self._deadline
 
     def abandon(self) -> None:
         if not self.finished:
@@ -639,27 +670,7 @@ class EnvSession:
                 name=str(call["name"]),
                 arguments=dict(call.get("arguments") or {}),
             )
-        if r.finished:
-            return StepResult(ToolResult(text="The episode is over.", is_error=True), True)
-        if r.out_of_time():
-            r.time_out()
-            return StepResult(
-                ToolResult(text="The rollout's deadline passed.", is_error=True), True
-            )
-        if r.max_steps <= r._p.steps:
-            r._fail(FailureReason.MAX_STEPS, f"the step budget of {r.max_steps} ran out")
-            return StepResult(ToolResult(text="The step budget ran out.", is_error=True), True)
-        with anyio.CancelScope(deadline=r._deadline):
-            before = len(r.messages)
-            await r.apply(AssistantTurn(tool_calls=(call,)))
-        if r._p.reason is FailureReason.INSTANCE_LOST:
-            raise InstanceLostError(
-                r._p.error or "the instance is gone", operation="step", rollout_id=r.ids.rollout_id
-            )
-        tool_messages = [m for m in r.messages[before:] if m.get("role") == "tool"]
-        text = tool_messages[-1]["content"] if tool_messages else ""
-        observation = ToolResult(text=text, is_error=text.startswith("Error:"))
-        return StepResult(observation, r.finished, tuple(r.messages[before:]))
+        return await r.step(call)
 
     async def close(self) -> RolloutResult | None:
         """End the episode (``abandoned`` if it had not ended); it is scored on exit."""

@@ -245,6 +245,13 @@ def summary_table(results: Sequence[RolloutResult]) -> Table:
 
 def print_report(report: JobReport, console: Console, out: TextIO = sys.stderr) -> None:
     console.print(summary_table(report.results))
+    failed = [r for r in report.results if r.status == "failed"]
+    common = Counter(r.error for r in failed).most_common(1)
+    if failed and len(failed) == len(report.results) and common:
+        # Every rollout failed, most often in one way: say it plainly (a wrong
+        # API key or an unknown environment looks like this).
+        error, count = common[0]
+        console.print(f"fleetroll: every rollout failed; {count} of them with: {error}")
     new = len(report.results) - report.resumed
     rate = new / report.elapsed_s if report.elapsed_s > 0 else 0.0
     console.print(

@@ -436,3 +436,18 @@ async def test_a_model_calling_an_unknown_tool_gets_a_tool_error_and_goes_on(emu
             await policy.aclose()
     assert result.reward == 1.0 and result.tool_errors == 1
     assert "unknown tool 'no_such_tool'" in result.transcript[2]["content"]
+
+
+async def test_an_error_in_the_callers_session_block_is_raised_as_is_after_scoring(
+    emulator: Emulator,
+) -> None:
+    sink = MemorySink()
+    async with engine(emulator, sink) as eng:
+        with pytest.raises(KeyError, match="controller bug"):
+            async with eng.session(MULTI_STEP, ids()) as env:
+                raise KeyError("controller bug")
+    result = await env.close()
+    assert result is not None and result.failure_reason is FailureReason.ABANDONED
+    assert result.reward == 0.0 and result.verifier is not None  # scored all the same
+    assert emulator.ledger.running == 0
+    assert_one_started_and_one_completed(sink)

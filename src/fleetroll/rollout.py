@@ -247,6 +247,7 @@ class Rollout:
             "modality": t.modality,
         }
         self._started = time.monotonic()
+        caller_error: Exception | None = None
         with Events.bind(**base):
             e.events.emit("fleet_rollout_started")
             try:
@@ -261,9 +262,11 @@ class Rollout:
                         )
                         try:
                             yield bool(ready)
-                        except Exception:
+                        except Exception as exc:
+                            # Scored as abandoned, then raised again outside the
+                            # MCP session (whose task group would wrap it).
                             self.abandon()
-                            raise
+                            caller_error = exc
                 if deadline.cancelled_caught:
                     self.time_out()
                 await self._guarded(self._score())
@@ -272,6 +275,8 @@ class Rollout:
                 raise
             finally:
                 await self._tear_down()
+        if caller_error is not None:
+            raise caller_error
 
     async def _guarded(self, work: Awaitable[T], default: T | None = None) -> T | None:
         """Await our own work; a crash becomes this rollout's failure, not an exception."""
@@ -673,7 +678,12 @@ class EnvSession:
         return await r.step(call)
 
     async def close(self) -> RolloutResult | None:
-        """End the episode (``abandoned`` if it had not ended); it is scored on exit."""
+        """End the episode (``abandoned`` if it had not ended).
+
+        The rollout is scored and its instance released when the session's
+        ``async with`` block exits; called after the block, this returns the
+        result, inside it None.
+        """
         self._rollout.abandon()
         return self._rollout.result
 

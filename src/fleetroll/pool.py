@@ -37,6 +37,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from fleetroll._serving import exit_transparently
 from fleetroll.policies import Policy
+from fleetroll.provisioning import CreateGate
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import EnvSession, Phase, Rollout, RolloutEngine, RolloutIds
 from fleetroll.settings import Settings
@@ -82,8 +83,11 @@ class Batch:
     still yields a result for every rollout.
     """
 
-    def __init__(self, batch_id: str, rollouts: list[Rollout], skipped: int) -> None:
+    def __init__(
+        self, batch_id: str, rollouts: list[Rollout], skipped: int, run_id: str | None = None
+    ) -> None:
         self.batch_id = batch_id
+        self.run_id = run_id or batch_id
         self.rollouts = rollouts
         self.skipped = skipped
         self.scope = anyio.CancelScope()
@@ -170,10 +174,12 @@ class RolloutPool:
         api_key: str,
         base_url: str | None = None,
         events: Events | None = None,
+        create_gate: CreateGate | None = None,
     ) -> None:
         self.settings = settings
         self.events = events or Events()
         self._api_key = api_key
+        self._create_gate = create_gate
         self._base_url = base_url
         self._engine: RolloutEngine | None = None
         self._tg: TaskGroup | None = None
@@ -196,7 +202,11 @@ class RolloutPool:
         async with stack:
             self._engine = await stack.enter_async_context(
                 RolloutEngine.open(
-                    self.settings, self.events, api_key=self._api_key, base_url=self._base_url
+                    self.settings,
+                    self.events,
+                    api_key=self._api_key,
+                    base_url=self._base_url,
+                    create_gate=self._create_gate,
                 )
             )
             self._tg = await stack.enter_async_context(anyio.create_task_group())
@@ -230,6 +240,8 @@ class RolloutPool:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         skip: Collection[str] = (),
+        only: Collection[str] | None = None,
+        run_id: str | None = None,
     ) -> Batch:
         """Start a batch; iterate the returned :class:`Batch` for its results.
 
@@ -238,6 +250,9 @@ class RolloutPool:
             batch_id: reuse an id to resume a batch (rollout ids are derived from it).
             deadline_s: cancel whatever is still running after this many seconds.
             skip: rollout ids already finished (a resumed batch runs only the rest).
+            only: run just these rollout ids (a shard of a larger batch).
+            run_id: Fleet's ``run_id`` for the instances (default: the batch id);
+                instances left behind are swept by it when the batch ends.
         """
         if self._tg is None:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
@@ -251,7 +266,7 @@ class RolloutPool:
         for task in tasks:
             for sample in range(samples_per_task):
                 rid = rollout_id(batch_id, task.key, sample)
-                if rid in skip:
+                if rid in skip or (only is not None and rid not in only):
                     continue
                 ids = RolloutIds(
                     batch_id=batch_id,
@@ -260,9 +275,16 @@ class RolloutPool:
                     group_id=group_id(batch_id, task.key),
                 )
                 rollouts.append(
-                    self.engine.rollout(task, ids, run_id=batch_id, gate=lambda: self.active)
+                    self.engine.rollout(
+                        task, ids, run_id=run_id or batch_id, gate=lambda: self.active
+                    )
                 )
-        batch = Batch(batch_id, rollouts, skipped=len(tasks) * samples_per_task - len(rollouts))
+        batch = Batch(
+            batch_id,
+            rollouts,
+            skipped=len(tasks) * samples_per_task - len(rollouts),
+            run_id=run_id or batch_id,
+        )
         if deadline_s is not None:
             batch.scope.deadline = anyio.current_time() + deadline_s
         self.batches[batch_id] = batch
@@ -295,7 +317,7 @@ class RolloutPool:
             batch.close_stream()
             batch.finished.set()
             with anyio.CancelScope(shield=True):
-                await self._sweep(batch.batch_id)
+                await self._sweep(batch.run_id)
             statuses = Counter(
                 (r.result.failure_reason.value if r.result.failure_reason else "completed")
                 for r in batch.rollouts

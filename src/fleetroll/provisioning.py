@@ -18,8 +18,10 @@ from __future__ import annotations
 import contextvars
 import random
 import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import httpx
@@ -33,7 +35,15 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 
-__all__ = ["Classification", "FleetProvider", "Provisioned", "TokenBucket", "classify"]
+__all__ = [
+    "Classification",
+    "CreateGate",
+    "FleetProvider",
+    "LocalCreateGate",
+    "Provisioned",
+    "TokenBucket",
+    "classify",
+]
 
 _retry_after: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "fleetroll_retry_after", default=None
@@ -128,6 +138,32 @@ class TokenBucket:
             self._tokens -= 1.0
 
 
+class CreateGate(Protocol):
+    """Admission for instance creates: a concurrency slot, then the rate.
+
+    Local by default; fleetroll's Ray pool passes one that holds across
+    every process of the cluster (Fleet's limits are per account).
+    """
+
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        """Held for the duration of one create request."""
+        ...
+
+
+class LocalCreateGate:
+    """Creates limited within this process: a limiter and a token bucket."""
+
+    def __init__(self, max_concurrent: int, per_second: float) -> None:
+        self._slots = anyio.CapacityLimiter(max_concurrent)
+        self._rate = TokenBucket(per_second, burst=max_concurrent)
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        async with self._slots:
+            await self._rate.acquire()
+            yield
+
+
 @dataclass(frozen=True, slots=True)
 class Provisioned:
     """An instance made for one rollout."""
@@ -153,7 +189,13 @@ class FleetProvider:
     """Makes and releases instances through ``AsyncFleet``."""
 
     def __init__(
-        self, settings: Settings, events: Events, *, api_key: str, base_url: str | None = None
+        self,
+        settings: Settings,
+        events: Events,
+        *,
+        api_key: str,
+        base_url: str | None = None,
+        create_gate: CreateGate | None = None,
     ) -> None:
         self._settings = settings
         self._events = events
@@ -175,8 +217,7 @@ class FleetProvider:
         # the loop). One provider, resolved once, is shared by every instance.
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
-        self._create_slots = anyio.CapacityLimiter(p.max_concurrent_creates)
-        self._rate = TokenBucket(p.creates_per_second, burst=p.max_concurrent_creates)
+        self._gate = create_gate or LocalCreateGate(p.max_concurrent_creates, p.creates_per_second)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -282,8 +323,7 @@ class FleetProvider:
     async def _create_once(self, task: TaskSpec, run_id: str | None) -> AsyncEnv:
         modality = self._settings.modalities[task.modality]
         create_timeout = self._settings.timeouts.provision_create_s
-        async with self._create_slots:
-            await self._rate.acquire()
+        async with self._gate.slot():
             with anyio.fail_after(create_timeout):
                 env = await self.fleet.make(
                     task.env_spec,

@@ -33,7 +33,7 @@ import httpx2
 
 from fleetroll.errors import InstanceLostError, PolicyError, ProvisionError, ToolsError
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
-from fleetroll.provisioning import FleetProvider, Provisioned
+from fleetroll.provisioning import CreateGate, FleetProvider, Provisioned
 from fleetroll.results import (
     SCORED_REASONS,
     FailureReason,
@@ -112,10 +112,18 @@ class RolloutEngine:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, settings: Settings, events: Events, *, api_key: str, base_url: str | None
+        cls,
+        settings: Settings,
+        events: Events,
+        *,
+        api_key: str,
+        base_url: str | None,
+        create_gate: CreateGate | None = None,
     ) -> AsyncIterator[RolloutEngine]:
         """An engine with its own instance provider, closed on exit."""
-        provider = FleetProvider(settings, events, api_key=api_key, base_url=base_url)
+        provider = FleetProvider(
+            settings, events, api_key=api_key, base_url=base_url, create_gate=create_gate
+        )
         try:
             yield cls(settings, provider, events)
         finally:

@@ -17,7 +17,7 @@ from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Protocol, TextIO
 
 import anyio
 from rich.console import Console
@@ -26,11 +26,14 @@ from rich.table import Table
 from fleetroll.errors import ConfigError, TaskFileError
 from fleetroll.journal import Journal, read_journal
 from fleetroll.policies import Policy
-from fleetroll.pool import Batch, BatchCounts, RolloutPool
+from fleetroll.pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry.events import Events
+
+if TYPE_CHECKING:
+    from fleetroll.ray_pool import RayRolloutPool
 
 __all__ = ["JobReport", "load_task_paths", "run_job", "summary_table"]
 
@@ -59,6 +62,8 @@ async def run_job(
     emulator_profile: str | None = None,
     console: Console | None = None,
     batch_id: str | None = None,
+    ray_address: str | None = None,
+    ray_actors: int = 2,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
 
@@ -89,9 +94,22 @@ async def run_job(
             api_key = key.get_secret_value() if key else "fleetroll-no-key"
             base_url = settings.fleet_base_url
             backend = base_url or "Fleet"
-        pool = await stack.enter_async_context(
-            RolloutPool(settings, api_key=api_key, base_url=base_url, events=events)
-        )
+        pool: RolloutPool | RayRolloutPool
+        if ray_address is not None:
+            from fleetroll.ray_pool import RayRolloutPool
+
+            pool = RayRolloutPool(
+                settings,
+                api_key=api_key,
+                base_url=base_url,
+                events=events,
+                num_actors=ray_actors,
+                address=None if ray_address == "local" else ray_address,
+            )
+            backend += f" over {ray_actors} Ray actors"
+        else:
+            pool = RolloutPool(settings, api_key=api_key, base_url=base_url, events=events)
+        await stack.enter_async_context(pool)
         tg = await stack.enter_async_context(anyio.create_task_group())
         journal = await stack.enter_async_context(Journal(out, tg)) if out else None
         started = time.monotonic()
@@ -183,14 +201,31 @@ def _previous_results(
     return previous
 
 
-async def _watch_signals(batch: Batch, interrupted: anyio.Event) -> None:
+class _RunningBatch(Protocol):
+    """What the job needs of a batch (a RolloutPool's or a RayRolloutPool's)."""
+
+    @property
+    def batch_id(self) -> str: ...
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def finished(self) -> anyio.Event: ...
+
+    def counts(self) -> BatchCounts: ...
+
+    async def aclose(self) -> None: ...
+
+
+async def _watch_signals(batch: _RunningBatch, interrupted: anyio.Event) -> None:
     """First SIGINT/SIGTERM: cancel the batch cleanly. Second: stop waiting."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
             if interrupted.is_set():
                 raise KeyboardInterrupt
             interrupted.set()
-            batch.cancel()
+            await batch.aclose()
 
 
 def _describe(counts: BatchCounts, elapsed: float) -> str:
@@ -204,7 +239,7 @@ def _describe(counts: BatchCounts, elapsed: float) -> str:
     )
 
 
-async def _show_progress(batch: Batch, console: Console, started: float) -> None:
+async def _show_progress(batch: _RunningBatch, console: Console, started: float) -> None:
     if console.is_terminal:
         with console.status("starting…") as status:
             while not batch.finished.is_set():

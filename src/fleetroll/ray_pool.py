@@ -1,0 +1,589 @@
+"""Scale-out on Ray: one batch over several actors, each running a RolloutPool.
+
+::
+
+    async with RayRolloutPool(settings, api_key=..., base_url=..., num_actors=4) as pool:
+        async for result in pool.run_batch(tasks, ScriptedPolicy(), samples_per_task=8):
+            ...
+
+The same interface and guarantees as :class:`~fleetroll.pool.RolloutPool`:
+
+* exactly one result per rollout, with the same deterministic ids;
+* creates limited cluster-wide (Fleet's limits are per account) by a small
+  limiter actor; active rollouts are limited per actor;
+* cancellation reaches every actor;
+* an actor that dies has its unfinished rollouts re-run on a healthy actor,
+  and the instances it held are released (each shard has its own Fleet
+  ``run_id``, swept when the actor is found dead);
+* telemetry events from actors come back with their results and are emitted
+  by the driver's :class:`~fleetroll.telemetry.events.Events`, so local
+  stores and ``fleetroll stats --check`` see the whole batch.
+
+Ray is optional: ``pip install 'fleetroll[ray]'``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Collection, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from fleetroll._serving import exit_transparently
+from fleetroll.errors import ConfigError
+from fleetroll.policies import Policy
+from fleetroll.pool import BatchCounts, group_id, rollout_id
+from fleetroll.provisioning import FleetProvider, TokenBucket
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Event, Events
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
+
+__all__ = ["RayBatch", "RayRolloutPool"]
+
+_TAKE_WAIT_S = 0.5
+_RELEASE_TIMEOUT_S = 10.0
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("Ray is not installed: pip install 'fleetroll[ray]'") from None
+    return ray
+
+
+# -- actors (their classes are made Ray actors when the pool opens) ----------
+
+
+class CreateLimiter:
+    """Cluster-wide admission for creates: a semaphore and a token bucket."""
+
+    def __init__(self, max_concurrent: int, per_second: float) -> None:
+        self._max = max_concurrent
+        self._per_second = per_second
+        self._bucket: TokenBucket | None = None  # made on the actor's event loop
+        self._held: dict[str, int] = {}
+        self._dead: set[str] = set()
+        self._in_use = 0
+        self._changed: anyio.Event | None = None
+        self.peak = 0
+
+    async def acquire(self, holder: str) -> None:
+        while self._in_use >= self._max and holder not in self._dead:
+            self._changed = self._changed or anyio.Event()
+            await self._changed.wait()
+        if holder in self._dead:
+            # A call sent before its worker died: it must not take a slot that
+            # nobody will ever give back.
+            raise RuntimeError(f"{holder} is gone")
+        self._in_use += 1
+        self.peak = max(self.peak, self._in_use)
+        self._held[holder] = self._held.get(holder, 0) + 1
+        if self._bucket is None:
+            self._bucket = TokenBucket(self._per_second, burst=self._max)
+        await self._bucket.acquire()
+
+    def _free(self, count: int) -> None:
+        self._in_use -= count
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def release(self, holder: str) -> None:
+        if self._held.get(holder, 0) > 0:
+            self._held[holder] -= 1
+            self._free(1)
+
+    async def release_all(self, holder: str) -> int:
+        """Free every slot a dead holder still had, and refuse it any more."""
+        self._dead.add(holder)
+        count = self._held.pop(holder, 0)
+        self._free(count)
+        if self._changed is not None:  # wake its pending calls, so they fail
+            self._changed.set()
+            self._changed = None
+        return count
+
+    async def stats(self) -> dict[str, int]:
+        return {"in_use": self._in_use, "peak": self.peak}
+
+
+class _RemoteGate:
+    """A :class:`~fleetroll.provisioning.CreateGate` backed by the limiter actor."""
+
+    def __init__(self, limiter: Any, holder: str) -> None:
+        self._limiter = limiter
+        self._holder = holder
+
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        return self._slot()
+
+    @asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        await self._limiter.acquire.remote(self._holder)
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_RELEASE_TIMEOUT_S):
+                await self._limiter.release.remote(self._holder)
+
+
+class _Buffer:
+    """Results and events of one shard, waiting for the driver to take them."""
+
+    def __init__(self) -> None:
+        self.results: list[RolloutResult] = []
+        self.events: list[Event] = []
+        self.done = False
+        self.error: str | None = None
+        self.changed = anyio.Event()
+
+    def emit(self, event: Event) -> None:  # an EventSink
+        self.events.append(event)
+        self.changed.set()
+
+
+class RolloutWorker:
+    """Runs shards of batches in its own process, one RolloutPool per shard."""
+
+    def __init__(
+        self, settings: Settings, api_key: str, base_url: str | None, limiter: Any, worker_id: str
+    ) -> None:
+        self._settings = settings
+        self._api_key = api_key
+        self._base_url = base_url
+        self._limiter = limiter
+        self._worker_id = worker_id
+        self._buffers: dict[str, _Buffer] = {}
+        self._cancel: dict[str, anyio.Event] = {}
+
+    async def run_shard(
+        self,
+        shard_id: str,
+        tasks: list[TaskSpec],
+        policy: Policy,
+        samples: int,
+        batch_id: str,
+        only: list[str],
+    ) -> int:
+        buffer = self._buffers[shard_id] = _Buffer()
+        cancel = self._cancel[shard_id] = anyio.Event()
+        try:
+            pool = _pool_module().RolloutPool(
+                self._settings,
+                api_key=self._api_key,
+                base_url=self._base_url,
+                events=Events([buffer]),
+                create_gate=_RemoteGate(self._limiter, self._worker_id),
+            )
+            async with pool, anyio.create_task_group() as tg:
+                batch = pool.run_batch(
+                    tasks,
+                    policy,
+                    samples_per_task=samples,
+                    batch_id=batch_id,
+                    only=set(only),
+                    run_id=shard_id,
+                )
+
+                async def cancel_on_request() -> None:
+                    await cancel.wait()
+                    await batch.aclose()
+
+                tg.start_soon(cancel_on_request)
+                async for result in batch:
+                    buffer.results.append(result)
+                    buffer.changed.set()
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # reported to the driver, which accounts for every rollout
+            buffer.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            buffer.done = True
+            buffer.changed.set()
+        return len(buffer.results)
+
+    async def take(
+        self, shard_id: str, wait_s: float
+    ) -> tuple[list[RolloutResult], list[Event], bool, str | None]:
+        """What the shard produced since the last take (waiting up to ``wait_s``)."""
+        buffer = self._buffers.get(shard_id)
+        if buffer is None:
+            return [], [], False, None
+        if not (buffer.results or buffer.events or buffer.done):
+            with anyio.move_on_after(wait_s):
+                await buffer.changed.wait()
+        buffer.changed = anyio.Event()
+        results, buffer.results = buffer.results, []
+        events, buffer.events = buffer.events, []
+        done = buffer.done and not buffer.results
+        if done:
+            self._buffers.pop(shard_id, None)
+            self._cancel.pop(shard_id, None)
+        return results, events, done, buffer.error
+
+    async def cancel(self, shard_id: str) -> None:
+        if shard_id in self._cancel:
+            self._cancel[shard_id].set()
+
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+def _pool_module() -> Any:
+    from fleetroll import pool
+
+    return pool
+
+
+# -- the driver -----------------------------------------------------------------
+
+
+@dataclass
+class _Shard:
+    shard_id: str
+    worker: int
+    ids: list[str]
+
+
+@dataclass
+class _Plan:
+    tasks: list[TaskSpec]
+    policy: Policy
+    samples: int
+    batch_id: str
+    by_id: dict[str, tuple[TaskSpec, int]] = field(default_factory=dict)
+    dead_shards: list[str] = field(default_factory=list)
+
+
+class RayBatch:
+    """A batch over Ray actors: an async iterator of its results."""
+
+    def __init__(self, batch_id: str, total: int) -> None:
+        self.batch_id = batch_id
+        self.total = total
+        self.delivered: set[str] = set()
+        self.finished = anyio.Event()
+        self._send: MemoryObjectSendStream[RolloutResult]
+        self._receive: MemoryObjectReceiveStream[RolloutResult]
+        self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
+            max_buffer_size=max(1, total)
+        )
+        self.cancelled = False
+        self.failed = 0
+        self._on_cancel: list[Any] = []
+
+    def counts(self) -> BatchCounts:
+        """A snapshot for progress displays (phases live in the actors)."""
+        done = len(self.delivered)
+        return BatchCounts(
+            total=self.total,
+            queued=0,
+            provisioning=0,
+            running=self.total - done,
+            done=done - self.failed,
+            failed=self.failed,
+        )
+
+    def deliver(self, result: RolloutResult) -> None:
+        if result.rollout_id not in self.delivered:
+            if result.status == "failed":
+                self.failed += 1
+            self.delivered.add(result.rollout_id)
+            self._send.send_nowait(result)
+
+    def close_stream(self) -> None:
+        self._send.close()
+        self.finished.set()
+
+    async def aclose(self) -> None:
+        """Cancel what is still running on every actor; results keep coming."""
+        self.cancelled = True
+        for cancel in list(self._on_cancel):
+            await cancel()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> RolloutResult:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._receive.close()
+            raise StopAsyncIteration from None
+
+    async def results(self) -> list[RolloutResult]:
+        return [r async for r in self]
+
+
+class RayRolloutPool:
+    """A RolloutPool spread over Ray actors. An async context manager.
+
+    Args:
+        num_actors: actors to create; each runs its own RolloutPool with
+            ``pool.concurrency`` active rollouts.
+        address: a Ray cluster to join (default: join the one this process
+            is in, or start a local one).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        api_key: str,
+        base_url: str | None = None,
+        num_actors: int = 2,
+        address: str | None = None,
+        events: Events | None = None,
+    ) -> None:
+        if num_actors < 1:
+            raise ValueError("num_actors must be at least 1")
+        self.settings = settings
+        self.events = events or Events()
+        self._api_key = api_key
+        self._base_url = base_url
+        self._num_actors = num_actors
+        self._address = address
+        self._started_ray = False
+        self.workers: list[Any] = []
+        self.alive: list[bool] = []
+        self.limiter: Any = None
+        self._tg: TaskGroup | None = None
+        self._stack = AsyncExitStack()
+        self._provider: FleetProvider | None = None
+        self._seen_started: set[str] = set()
+
+    async def __aenter__(self) -> Self:
+        ray = _ray()
+        async with AsyncExitStack() as stack:
+            if not ray.is_initialized():
+                ray.init(
+                    address=self._address,
+                    include_dashboard=False,
+                    log_to_driver=False,
+                    ignore_reinit_error=True,
+                )
+                self._started_ray = True
+                stack.callback(ray.shutdown)
+            p = self.settings.provisioning
+            limiter_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(CreateLimiter)
+            worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(RolloutWorker)
+            self.limiter = limiter_cls.remote(p.max_concurrent_creates, p.creates_per_second)
+            for n in range(self._num_actors):
+                self.workers.append(
+                    worker_cls.remote(
+                        self.settings, self._api_key, self._base_url, self.limiter, f"worker-{n}"
+                    )
+                )
+                self.alive.append(True)
+            await anyio.to_thread.run_sync(  # actors are up (and importable) before work
+                ray.get, [w.pid.remote() for w in self.workers]
+            )
+            stack.callback(self._kill_actors)
+            self._provider = FleetProvider(
+                self.settings, self.events, api_key=self._api_key, base_url=self._base_url
+            )
+            stack.push_async_callback(self._provider.aclose)
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await exit_transparently(self._stack, exc_type, exc, tb)
+
+    def _kill_actors(self) -> None:
+        ray = _ray()
+        for worker in [*self.workers, self.limiter]:
+            try:
+                ray.kill(worker)
+            except Exception:  # already dead
+                continue
+
+    def run_batch(
+        self,
+        tasks: Sequence[TaskSpec],
+        policy: Policy,
+        *,
+        samples_per_task: int = 1,
+        batch_id: str | None = None,
+        skip: Collection[str] = (),
+    ) -> RayBatch:
+        """Start a batch sharded round-robin over the actors (see RolloutPool.run_batch)."""
+        if self._tg is None:
+            raise RuntimeError("the pool is not open: use `async with RayRolloutPool(...)`")
+        plan = _Plan(list(tasks), policy, samples_per_task, batch_id or uuid.uuid4().hex[:12])
+        for task in tasks:
+            for sample in range(samples_per_task):
+                rid = rollout_id(plan.batch_id, task.key, sample)
+                if rid not in skip:
+                    plan.by_id[rid] = (task, sample)
+        batch = RayBatch(plan.batch_id, len(plan.by_id))
+        ids = list(plan.by_id)
+        live = [n for n, ok in enumerate(self.alive) if ok]
+        shards = [
+            _Shard(f"{plan.batch_id}-{n}-{uuid.uuid4().hex[:6]}", n, ids[i :: len(live)])
+            for i, n in enumerate(live)
+        ]
+        self._tg.start_soon(self._run, plan, batch, [s for s in shards if s.ids])
+        return batch
+
+    async def _run(self, plan: _Plan, batch: RayBatch, shards: list[_Shard]) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                for shard in shards:
+                    tg.start_soon(self._drive, plan, batch, shard, tg)
+        finally:
+            # Once more at the end: a create a dead worker had in flight may
+            # have made its instance after the first sweep.
+            with anyio.CancelScope(shield=True):
+                for run_id in plan.dead_shards:
+                    await self._sweep(run_id)
+            for rid, (task, sample) in plan.by_id.items():
+                if rid not in batch.delivered:  # never reached an actor: still one result
+                    batch.deliver(
+                        _lost(plan, rid, task, sample, "the rollout was lost with its worker")
+                    )
+            batch.close_stream()
+
+    async def _drive(self, plan: _Plan, batch: RayBatch, shard: _Shard, tg: TaskGroup) -> None:
+        ray = _ray()
+        worker = self.workers[shard.worker]
+        worker.run_shard.remote(
+            shard.shard_id, plan.tasks, plan.policy, plan.samples, plan.batch_id, shard.ids
+        )
+
+        async def cancel() -> None:
+            with suppress(ray.exceptions.RayActorError):
+                await worker.cancel.remote(shard.shard_id)
+
+        batch._on_cancel.append(cancel)
+        if batch.cancelled:
+            await cancel()
+        try:
+            while True:
+                try:
+                    results, events, done, error = await worker.take.remote(
+                        shard.shard_id, _TAKE_WAIT_S
+                    )
+                except ray.exceptions.RayActorError:
+                    await self._worker_died(plan, batch, shard, tg)
+                    return
+                for event in events:
+                    self._reemit(event)
+                for result in results:
+                    batch.deliver(result)
+                if done:
+                    if error:
+                        for rid in shard.ids:
+                            if rid not in batch.delivered:
+                                task, sample = plan.by_id[rid]
+                                batch.deliver(
+                                    _lost(plan, rid, task, sample, f"worker error: {error}")
+                                )
+                    return
+        finally:
+            batch._on_cancel.remove(cancel)
+
+    def _reemit(self, event: Event) -> None:
+        rid = event.attributes.get("rollout_id")
+        if event.name == "fleet_rollout_started" and rid is not None:
+            if rid in self._seen_started:  # a re-run of a rollout whose worker died
+                return
+            self._seen_started.add(rid)
+        attributes = dict(event.attributes)
+        self.events.emit(event.name, level=event.level, **attributes)
+
+    async def _worker_died(
+        self, plan: _Plan, batch: RayBatch, shard: _Shard, tg: TaskGroup
+    ) -> None:
+        self.alive[shard.worker] = False
+        plan.dead_shards.append(shard.shard_id)
+        self.events.emit(
+            "fleet_worker_lost",
+            level="error",
+            batch_id=plan.batch_id,
+            worker=shard.worker,
+            shard_id=shard.shard_id,
+        )
+        with anyio.CancelScope(shield=True):
+            await self.limiter.release_all.remote(f"worker-{shard.worker}")
+            await self._sweep(shard.shard_id)
+        missing = [rid for rid in shard.ids if rid not in batch.delivered]
+        live = [n for n, ok in enumerate(self.alive) if ok]
+        if not missing:
+            return
+        if not live or batch.cancelled:
+            for rid in missing:
+                task, sample = plan.by_id[rid]
+                batch.deliver(
+                    _lost(
+                        plan,
+                        rid,
+                        task,
+                        sample,
+                        "its worker died" + ("" if live else " and no worker is left"),
+                    )
+                )
+            return
+        retry = _Shard(f"{plan.batch_id}-{live[0]}-{uuid.uuid4().hex[:6]}", live[0], missing)
+        tg.start_soon(self._drive, plan, batch, retry, tg)
+
+    async def _sweep(self, run_id: str) -> None:
+        """Release the instances a dead worker held (they carry its shard's run_id)."""
+        assert self._provider is not None
+        with anyio.move_on_after(self.settings.timeouts.release_s * 2):
+            try:
+                orphans = await self._provider.fleet.instances(status="running", run_id=run_id)
+            except Exception as exc:  # best effort: report it
+                self.events.emit(
+                    "fleet_instance_release_failed",
+                    level="warn",
+                    error_message=f"sweep of {run_id} failed: {exc}"[:500],
+                )
+                return
+            for env in orphans:
+                try:
+                    await env.close()
+                    self.events.emit(
+                        "fleet_instance_released", instance_id=env.instance_id, orphan=True
+                    )
+                except Exception as exc:  # best effort, per instance
+                    self.events.emit(
+                        "fleet_instance_release_failed",
+                        level="warn",
+                        instance_id=env.instance_id,
+                        error_message=str(exc)[:500],
+                    )
+
+
+def _lost(plan: _Plan, rid: str, task: TaskSpec, sample: int, why: str) -> RolloutResult:
+    reason = FailureReason.CANCELLED if "cancel" in why else FailureReason.INIT_ERROR
+    return RolloutResult(
+        rollout_id=rid,
+        batch_id=plan.batch_id,
+        task_key=task.key,
+        sample_index=sample,
+        group_id=group_id(plan.batch_id, task.key),
+        env_key=task.env_key,
+        env_version=task.env_version,
+        modality=task.modality,
+        status="failed",
+        failure_reason=reason,
+        error=why,
+    )

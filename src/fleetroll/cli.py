@@ -153,6 +153,22 @@ def emulator(
     "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
 )
 @click.option("--resume", is_flag=True, help="Continue the batch journaled in --out.")
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="local",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Shard the batch over Ray actors (a local Ray, or the cluster at ADDRESS).",
+)
+@click.option(
+    "--ray-actors",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Ray actors, each running its own pool (with --ray).",
+)
 @_CONFIG_OPTION
 def run(
     tasks_paths: tuple[Path, ...],
@@ -164,6 +180,8 @@ def run(
     concurrency: int | None,
     profile: str | None,
     resume: bool,
+    ray_address: str | None,
+    ray_actors: int,
     config_file: Path | None,
 ) -> None:
     """Run every task in TASKS (files: JSON Lines or a JSON array; or folders) and report.
@@ -199,20 +217,26 @@ def run(
     console = Console(stderr=True, soft_wrap=True)
 
     async def job() -> Any:
-        policy = policy_from_settings(settings)
-        try:
-            return await run_job(
-                settings,
-                tasks,
-                policy,
-                samples=samples,
-                out=out,
-                resume=resume,
-                emulator_profile=profile,
-                console=console,
-            )
-        finally:
-            await policy.aclose()
+        from fleetroll.telemetry import open_telemetry
+
+        async with open_telemetry(settings) as events:
+            policy = policy_from_settings(settings)
+            try:
+                return await run_job(
+                    settings,
+                    tasks,
+                    policy,
+                    samples=samples,
+                    out=out,
+                    resume=resume,
+                    events=events,
+                    emulator_profile=profile,
+                    console=console,
+                    ray_address=ray_address,
+                    ray_actors=ray_actors,
+                )
+            finally:
+                await policy.aclose()
 
     try:
         report = anyio.run(job)
@@ -221,3 +245,10 @@ def run(
     print_report(report, console)
     if report.interrupted:
         raise SystemExit(130)
+
+
+# fleetroll query | stats (src/fleetroll/telemetry/cli.py)
+from fleetroll.telemetry.cli import query, stats  # noqa: E402
+
+main.add_command(query)
+main.add_command(stats)

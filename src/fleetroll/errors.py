@@ -6,6 +6,9 @@
     ├── ConfigError              settings or a config file are invalid
     ├── TaskFileError            a task file is invalid (file, line, field)
     ├── EmulatorError            the embedded emulator failed to start or stop
+    ├── StoreError               the local telemetry store (fleetroll.telemetry.store)
+    │   └── QueryError           a query failed (fleetroll.telemetry.queries)
+    │       └── ReadOnlyError    a query tried to write
     └── RolloutError             one rollout's operation failed; carries
         │                        rollout_id, operation, transient
         ├── ProvisionError       creating an instance failed

@@ -36,6 +36,7 @@ __all__ = [
     "PolicySettings",
     "PoolSettings",
     "ProvisioningSettings",
+    "ServiceSettings",
     "Settings",
     "TelemetrySettings",
     "TimeoutSettings",
@@ -121,9 +122,23 @@ class PolicySettings(_Section):
 
 
 class TelemetrySettings(_Section):
+    """Telemetry (DESIGN.md §8): the local store, Logfire cloud, the console."""
+
+    #: The local SQLite store; ``/dev/null`` (``os.devnull``) turns it off.
     db_path: Path = Path(".fleetroll/telemetry.db")
+    #: ``deployment_environment`` of every record.
     environment: str = "local"
+    #: Console lines at or above this level (see fleetroll.telemetry.sinks).
     console_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: Send records to Logfire cloud when LOGFIRE_TOKEN is set; false keeps them local.
+    send_to_logfire: bool = True
+    #: The store commits a batch every this many seconds or records, whichever comes first.
+    flush_interval_s: float = Field(0.2, gt=0)
+    flush_records: int = Field(512, ge=1)
+    #: Records waiting for the store; past this, new ones are dropped (and counted).
+    max_queued: int = Field(100_000, ge=1)
+    #: Each of the final flushes (store, Logfire cloud) gives up after this long.
+    shutdown_timeout_s: float = Field(10.0, gt=0)
 
 
 class EmulatorSettings(_Section):
@@ -147,6 +162,34 @@ class EmulatorSettings(_Section):
             raise ConfigError(
                 f"unknown emulator profile {name!r} (known profiles: {known})"
             ) from None
+
+
+class ServiceSettings(_Section):
+    """``fleetroll serve``: the HTTP service for remote training controllers.
+
+    The bearer token is not here: it comes only from ``FLEETROLL_SERVICE_TOKEN``
+    (:attr:`Settings.service_token`).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8750, ge=0, le=65535)
+    #: Largest request body accepted (413 beyond).
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    #: A session nobody steps for this long closes itself and releases its instance.
+    session_idle_s: float = Field(600.0, gt=0)
+    #: Rollouts one batch may hold (tasks × samples_per_task); 422 beyond.
+    max_batch_rollouts: int = Field(10_000, ge=1)
+    #: Finished batches whose results stay readable (oldest forgotten first).
+    keep_finished_batches: int = Field(64, ge=0)
+    #: Ended sessions whose result a late ``DELETE`` can still fetch.
+    keep_ended_sessions: int = Field(256, ge=0)
+    #: An idle results stream sends a heartbeat line this often.
+    stream_heartbeat_s: float = Field(15.0, gt=0)
+    #: ``tasks_file`` in a request must lie under this folder (relative: to the cwd).
+    tasks_root: Path = Path(".")
+    #: ``POST /v1/query``: rows returned at most, and each query's time budget.
+    query_max_rows: int = Field(10_000, ge=1)
+    query_timeout_s: float = Field(10.0, gt=0)
 
 
 _user_config: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
@@ -178,6 +221,10 @@ class Settings(BaseSettings):
     openai_api_key: SecretStr | None = Field(
         None, validation_alias=AliasChoices("OPENAI_API_KEY", "openai_api_key")
     )
+    #: Bearer token of ``fleetroll serve``; required to bind anything but loopback.
+    service_token: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("FLEETROLL_SERVICE_TOKEN", "service_token")
+    )
 
     timeouts: TimeoutSettings = TimeoutSettings()
     provisioning: ProvisioningSettings = ProvisioningSettings()
@@ -186,6 +233,7 @@ class Settings(BaseSettings):
     policy: PolicySettings = PolicySettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     emulator: EmulatorSettings = EmulatorSettings()
+    service: ServiceSettings = ServiceSettings()
 
     @property
     def uses_emulator(self) -> bool:

@@ -10,6 +10,7 @@ A failing sink is logged and skipped; it never breaks a rollout.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import re
 import time
@@ -69,17 +70,79 @@ class MemorySink:
 
 
 class Redactor:
-    """Replaces secrets (and bearer tokens) in string attributes."""
+    """Removes secrets from text and attribute values before they leave the process.
 
-    _BEARER = re.compile(r"(?i)(bearer\s+)[^\s'\"]+")
+    Three nets, widest last: the known secrets (API keys and tokens from the
+    settings) wherever they appear; credentials in well-known shapes
+    (``Bearer``/``Basic`` headers, ``api_key=...``/``"token": "..."`` pairs,
+    Logfire write tokens); and whole values of attributes whose *name* says
+    they hold a credential (``authorization``, ``*api_key``, ``*token``,
+    ``*secret``, ``*password``).
+    """
+
+    MASK = "[REDACTED]"
+    _MASK_AFTER_GROUP_1 = r"\1[REDACTED]"
+    # Each pattern keeps group 1 (what names the credential) and masks the rest.
+    _PATTERNS = (
+        # A whole Authorization header value, whatever its scheme.
+        re.compile(
+            r"(?i)\b((?:proxy-)?authorization\\?[\"']?\s*[:=]\s*\\?[\"']?)(?!\[REDACTED\])[^\r\n'\"\\]+"
+        ),
+        re.compile(r"(?i)\b(bearer\s+)[^\s'\",;]+"),
+        re.compile(r"(?i)\b(basic\s+)[A-Za-z0-9+/]{8,}={0,2}"),
+        # key=value, key: value, "key": "value"
+        re.compile(
+            r"(?i)\b((?:x-)?(?:api[_-]?key|apikey|access[_-]?token|auth[_-]?token|refresh[_-]?token"
+            r"|token|secret|password|passwd)\\?[\"']?\s*[:=]\s*\\?[\"']?)"
+            r"(?!\[REDACTED\])[^\s'\",;&}\\]+"
+        ),
+        re.compile(r"()\bpylf_v\d+_[A-Za-z0-9_-]+"),  # Logfire write tokens
+    )
+    # Cheap first pass, on the lower-cased text (a case-insensitive alternation is
+    # five times slower): most strings (ids, env keys) contain none of these words.
+    _HINT = re.compile(r"bearer|basic|authori|key|token|secret|passw|pylf_")
+    _SENSITIVE_NAME = re.compile(
+        r"(?i)^(?:(?:proxy[_-])?authorization|cookie|.*api[_-]?key|.*token|.*secret|.*password)$"
+    )
 
     def __init__(self, secrets: Iterable[str | None] = ()) -> None:
         self._secrets = sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
 
     def __call__(self, text: str) -> str:
         for secret in self._secrets:
-            text = text.replace(secret, "[REDACTED]")
-        return self._BEARER.sub(r"\1[REDACTED]", text)
+            if secret in text:
+                text = text.replace(secret, self.MASK)
+        if self._HINT.search(text.lower()):
+            for pattern in self._PATTERNS:
+                text = pattern.sub(self._MASK_AFTER_GROUP_1, text)
+        return text
+
+    def value(self, value: Any) -> Any:
+        """``value`` with every string inside it redacted (mappings and sequences too)."""
+        if isinstance(value, str):
+            return self(value)
+        if isinstance(value, Mapping):
+            return self.attributes(value)
+        if isinstance(value, list | tuple | set | frozenset):
+            return [self.value(v) for v in value]
+        return value
+
+    def attributes(self, attributes: Mapping[str, Any]) -> dict[str, Any]:
+        """A redacted copy; a credential-named key keeps only the mask (or None)."""
+        out: dict[str, Any] = {}
+        for key, value in attributes.items():
+            if isinstance(value, str):
+                out[key] = self.MASK if _sensitive_name(str(key)) else self(value)
+            elif value is None or isinstance(value, int | float):
+                out[key] = value
+            else:
+                out[key] = self.MASK if _sensitive_name(str(key)) else self.value(value)
+        return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _sensitive_name(key: str) -> bool:
+    return Redactor._SENSITIVE_NAME.match(key) is not None
 
 
 class Events:
@@ -107,10 +170,7 @@ class Events:
         return _base.get()
 
     def emit(self, name: str, *, level: Level = "info", **attributes: Any) -> Event:
-        attrs = {**_base.get(), **attributes}
-        for key, value in attrs.items():
-            if isinstance(value, str):
-                attrs[key] = self._redact(value)
+        attrs = self._redact.attributes({**_base.get(), **attributes})
         event = Event(name, level, attrs)
         for sink in self._sinks:
             try:

@@ -1,0 +1,280 @@
+"""``fleetroll query`` and ``fleetroll stats``: SQL over the telemetry.
+
+Registered on the ``fleetroll`` group at the end of :mod:`fleetroll.cli`.
+Exit codes: 0 done; 1 ``stats --check`` found rollouts that broke the
+invariant; 2 bad input (no store, SQL error, a write refused, no read token).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import click
+
+from fleetroll.errors import FleetrollError
+from fleetroll.telemetry.store import StoreError
+
+__all__ = ["query", "stats"]
+
+_DB_OPTION = click.option(
+    "--db",
+    "db_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="The telemetry store (default: telemetry.db_path from the config).",
+)
+_CONFIG_OPTION = click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A TOML file merged over the shipped defaults.",
+)
+
+
+def _failed(message: str) -> click.ClickException:
+    from fleetroll.cli import Failed  # here: fleetroll.cli imports this module
+
+    return Failed(message)
+
+
+def _db(db_path: Path | None, config_file: Path | None) -> Path:
+    if db_path is not None:
+        return db_path
+    from fleetroll.settings import load_settings
+
+    try:
+        return load_settings(config_file).telemetry.db_path
+    except FleetrollError as exc:
+        raise _failed(str(exc)) from None
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for i, name in enumerate(columns):
+        numeric = bool(rows) and all(
+            isinstance(row[i], int | float) or row[i] is None for row in rows
+        )
+        table.add_column(name, justify="right" if numeric else "left", overflow="fold")
+    for row in rows:
+        table.add_row(*(_cell(v) for v in row))
+    console = Console()
+    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 200))
+    console.print(table)
+
+
+def _print_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> None:
+    if fmt == "json":
+        records = [dict(zip(columns, row, strict=True)) for row in rows]
+        click.echo(json.dumps(records, indent=2, default=str))
+    elif fmt == "csv":
+        writer = csv.writer(sys.stdout, lineterminator="\n")
+        writer.writerow(columns)
+        writer.writerows(["" if v is None else v for v in row] for row in rows)
+    else:
+        _print_table(columns, rows, title=None)
+        click.echo(f"{len(rows)} row{'s' if len(rows) != 1 else ''}", err=True)
+
+
+def _format_option(func: Any) -> Any:
+    func = click.option("--csv", "fmt", flag_value="csv", help="CSV with a header row, on stdout.")(
+        func
+    )
+    func = click.option("--json", "fmt", flag_value="json", help="A JSON array of objects.")(func)
+    return click.option("--table", "fmt", flag_value="table", default=True, hidden=True)(func)
+
+
+@click.command()
+@click.argument("sql")
+@_format_option
+@click.option(
+    "--logfire",
+    "on_logfire",
+    is_flag=True,
+    help="Run the SQL on Logfire cloud instead (read token from LOGFIRE_READ_TOKEN).",
+)
+@click.option(
+    "--since",
+    default="24h",
+    show_default=True,
+    help="With --logfire: only records newer than this (e.g. 30m, 6h, 7d).",
+)
+@_DB_OPTION
+@_CONFIG_OPTION
+def query(
+    sql: str,
+    fmt: str,
+    on_logfire: bool,
+    since: str,
+    db_path: Path | None,
+    config_file: Path | None,
+) -> None:
+    """Run SQL on the telemetry records, the same SQL as on Logfire.
+
+    The local store (a SQLite file) has Logfire's `records` table, e.g.:
+
+    \b
+      fleetroll query "SELECT attributes->>'env_key' AS env, COUNT(*)
+        FROM records WHERE message = 'fleet_rollout_completed' GROUP BY 1"
+
+    The store is opened read-only: statements that write are refused.
+    """
+    if on_logfire:
+        columns, rows = _query_logfire(sql, since)
+    else:
+        from fleetroll.telemetry.queries import query as run_query
+
+        try:
+            result = run_query(_db(db_path, config_file), sql)
+        except StoreError as exc:
+            raise _failed(str(exc)) from None
+        columns, rows = result.columns, result.rows
+    _print_rows(columns, rows, fmt)
+
+
+def _since(text: str) -> timedelta:
+    units = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+    try:
+        amount, unit = float(text[:-1]), units[text[-1]]
+    except (ValueError, KeyError, IndexError):
+        raise _failed(f"--since {text!r}: use a number and a unit: 30m, 6h, 7d") from None
+    return timedelta(**{unit: amount})
+
+
+def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    import anyio
+    from logfire.query_client import AsyncLogfireQueryClient
+
+    from fleetroll.telemetry.events import Redactor
+
+    token = os.environ.get("LOGFIRE_READ_TOKEN")
+    if not token:
+        raise _failed("--logfire needs a read token in LOGFIRE_READ_TOKEN (Logfire → Settings)")
+    min_timestamp = datetime.now(UTC) - _since(since)
+
+    async def run() -> Any:
+        async with AsyncLogfireQueryClient(read_token=token) as client:
+            return await client.query_json_rows(sql, min_timestamp=min_timestamp)
+
+    try:
+        answer = anyio.run(run)
+    except Exception as exc:  # HTTP and API errors of the query client: one clear line
+        message = Redactor([token])(f"{type(exc).__name__}: {exc}")
+        raise _failed(f"the Logfire query failed: {message}") from None
+    records: list[dict[str, Any]] = list(answer.get("rows") or [])
+    columns = [c["name"] for c in answer.get("columns") or []]
+    if not columns and records:
+        columns = list(records[0])
+    return columns, [tuple(r.get(c) for c in columns) for r in records]
+
+
+@click.command()
+@click.option("--batch", "batch_id", default=None, help="Only this batch.")
+@click.option(
+    "--check",
+    "run_check",
+    is_flag=True,
+    help="Check that every rollout started once and completed once; exit 1 if not.",
+)
+@click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
+@_DB_OPTION
+@_CONFIG_OPTION
+def stats(
+    batch_id: str | None,
+    run_check: bool,
+    as_json: bool,
+    db_path: Path | None,
+    config_file: Path | None,
+) -> None:
+    """Rollouts per environment: outcomes, failure reasons, reward, provisioning time.
+
+    With --check, verify instead that every rollout id has exactly one
+    fleet_rollout_started and one fleet_rollout_completed event (exit code 1,
+    with the offending ids, if not).
+    """
+    from fleetroll.telemetry import queries
+
+    db = _db(db_path, config_file)
+    try:
+        if run_check:
+            result = queries.check(db, batch_id)
+        else:
+            rows = queries.stats(db, batch_id)
+    except StoreError as exc:
+        raise _failed(str(exc)) from None
+    if run_check:
+        if as_json:
+            click.echo(
+                json.dumps(
+                    {
+                        "ok": result.ok,
+                        "rollouts": result.rollouts,
+                        "never_completed": result.never_completed,
+                        "completed_more_than_once": result.completed_more_than_once,
+                        "completed_without_start": result.completed_without_start,
+                    },
+                    indent=2,
+                )
+            )
+        else:
+            click.echo(result.describe(), err=not result.ok)
+        if not result.ok:
+            raise SystemExit(1)
+        return
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    _print_stats(rows, batch_id)
+
+
+def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
+    reasons = sorted({reason for row in rows for reason in row["failure_reasons"]})
+    columns = [
+        "env",
+        "modality",
+        "started",
+        "completed",
+        *reasons,
+        "reward mean",
+        "provision p50 s",
+        "provision p95 s",
+        "tool errors",
+        "verifier errors",
+    ]
+    table_rows = []
+    for row in rows:
+        env = f"{row['env_key']}:{row['env_version']}" if row["env_version"] else row["env_key"]
+        table_rows.append(
+            [
+                env,
+                row["modality"],
+                row["started"],
+                row["completed"],
+                *(row["failure_reasons"].get(reason, 0) for reason in reasons),
+                row["reward_mean"],
+                row["provisioning_p50_s"],
+                row["provisioning_p95_s"],
+                row["tool_errors"],
+                row["verifier_errors"],
+            ]
+        )
+    title = "rollouts by environment" + (f" (batch {batch_id})" if batch_id else "")
+    _print_table(columns, table_rows, title=title)

@@ -1,0 +1,228 @@
+"""Setting telemetry up once, at the entry point, and tearing it down cleanly.
+
+:func:`open_telemetry` (async) and :class:`Telemetry` (sync) build, from the
+settings, an :class:`~fleetroll.telemetry.events.Events` whose sinks are
+Logfire (local store always, Logfire cloud when ``LOGFIRE_TOKEN`` is set) and
+the console, with a :class:`~fleetroll.telemetry.events.Redactor` that knows
+every secret in the settings.
+
+Logfire is configured with ``local=True``: each set-up owns its own Logfire
+instance and tracer provider, and the process-wide ``logfire`` object is left
+alone. Setting telemetry up twice in one process (tests, or a trainer that
+configured Logfire for itself before using fleetroll) is therefore safe: each
+set-up gets exactly its own records, and shutting one down leaves the others
+running.
+
+Frames of this package are marked as Logfire "non-user code", so a record's
+``code.filepath``/``code.lineno`` point at the line that emitted the event
+(``rollout.py``...), not at the sink. stamina's default retry log lines
+(printed on stdout through structlog's default configuration, one per
+retry) are turned off: each retry is already a ``fleet_make_retry`` event.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import TracebackType
+from typing import TextIO
+
+import anyio
+import logfire
+import stamina.instrumentation
+
+from fleetroll.settings import Settings
+from fleetroll.telemetry.events import Events, EventSink, Redactor
+from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink
+from fleetroll.telemetry.store import SQLiteSpanProcessor, is_disabled
+
+__all__ = ["Telemetry", "open_telemetry", "redactor_for"]
+
+_log = logging.getLogger(__name__)
+
+
+def redactor_for(settings: Settings) -> Redactor:
+    """A redactor that knows every secret in ``settings``."""
+    secrets = (settings.fleet_api_key, settings.logfire_token, settings.openai_api_key)
+    return Redactor(s.get_secret_value() for s in secrets if s is not None)
+
+
+@functools.cache
+def _mark_telemetry_frames_as_library_code() -> None:
+    # Once per process: logfire appends to a global tuple on every call.
+    logfire.add_non_user_code_prefix(Path(__file__).parent)
+
+
+def _quiet_stamina_console_hooks() -> None:
+    """Drop stamina's own retry log lines; our ``fleet_make_retry`` event records each retry.
+
+    stamina logs every scheduled retry through structlog's (or logging's)
+    *default* configuration, on stdout, one line per retry: under a bad
+    provisioning day that floods the console. Other hooks (Prometheus, or
+    ones the process installed itself) are kept.
+    """
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    kept = [
+        hook
+        for hook in hooks
+        if getattr(hook, "__module__", "")
+        not in ("stamina.instrumentation._structlog", "stamina.instrumentation._logging")
+    ]
+    if len(kept) != len(hooks):
+        stamina.instrumentation.set_on_retry_hooks(kept)
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return importlib.metadata.version("fleetroll")
+    except importlib.metadata.PackageNotFoundError:  # a source tree not installed
+        return "0+unknown"
+
+
+class Telemetry:
+    """Telemetry of one process: Logfire, the local store and the console.
+
+    Build it once at the entry point, emit through :attr:`events`, and close it
+    (or use it as a context manager) before the process ends, so that every
+    record is flushed. Async code uses :func:`open_telemetry` instead, which
+    does the blocking parts in a worker thread.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        service_name: str = "fleetroll",
+        console: TextIO | None = None,
+        extra_sinks: Sequence[EventSink] = (),
+    ) -> None:
+        """Configure Logfire, open the store (unless its path is ``os.devnull``), wire the sinks.
+
+        Args:
+            settings: ``settings.telemetry`` says where and how; the secrets in
+                ``settings`` are redacted from every event.
+            service_name: the ``service_name`` of every record.
+            console: where console lines go (default: the current ``sys.stderr``).
+            extra_sinks: more sinks for the same events (e.g. a ``MemorySink``).
+
+        Raises:
+            StoreError: the local store cannot be opened or created.
+        """
+        _mark_telemetry_frames_as_library_code()
+        _quiet_stamina_console_hooks()
+        t = settings.telemetry
+        self.settings = settings
+        self.redactor = redactor_for(settings)
+        self.store: SQLiteSpanProcessor | None = None
+        if not is_disabled(t.db_path):
+            self.store = SQLiteSpanProcessor(
+                t.db_path,
+                flush_interval_s=t.flush_interval_s,
+                flush_records=t.flush_records,
+                max_queued=t.max_queued,
+                shutdown_timeout_s=t.shutdown_timeout_s,
+            )
+        token = settings.logfire_token
+        send = token is not None and t.send_to_logfire
+        try:
+            self.logfire = logfire.configure(
+                local=True,
+                send_to_logfire=send,
+                token=token.get_secret_value() if send and token is not None else None,
+                console=False,
+                service_name=service_name,
+                service_version=_version(),
+                environment=t.environment,
+                additional_span_processors=[self.store] if self.store is not None else [],
+                metrics=False,
+                inspect_arguments=False,
+                # Secrets are removed once, by our Redactor, before an event
+                # reaches any sink. Logfire's own scrubbing would blank whole
+                # error messages that merely contain words like "session" or
+                # "auth", and it doubles the cost of each record.
+                scrubbing=False,
+            )
+        except BaseException:
+            if self.store is not None:
+                self.store.shutdown()
+            raise
+        self.console = ConsoleSink(t.console_level, file=console)
+        self.events = Events([LogfireSink(self.logfire), self.console, *extra_sinks], self.redactor)
+        self._closed = False
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Push every record emitted so far to the store (and Logfire cloud); blocking.
+
+        Returns False when that took longer than ``timeout_s`` (default
+        ``telemetry.shutdown_timeout_s``).
+        """
+        timeout = self.settings.telemetry.shutdown_timeout_s if timeout_s is None else timeout_s
+        return self.logfire.force_flush(timeout_millis=int(timeout * 1000))
+
+    def close(self) -> None:
+        """Flush and shut every processor down, each bounded by ``shutdown_timeout_s``; blocking."""
+        if self._closed:
+            return
+        self._closed = True
+        timeout_ms = int(self.settings.telemetry.shutdown_timeout_s * 1000)
+        try:
+            self.logfire.shutdown(timeout_millis=timeout_ms, flush=True)
+        except Exception:  # shutting down must not mask the job's own outcome
+            _log.exception("telemetry: logfire shutdown failed")
+        finally:
+            if self.store is not None:
+                self.store.shutdown()  # idempotent; covers a provider that did not call it
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+@asynccontextmanager
+async def open_telemetry(
+    settings: Settings,
+    *,
+    service_name: str = "fleetroll",
+    console: TextIO | None = None,
+    extra_sinks: Sequence[EventSink] = (),
+) -> AsyncIterator[Events]:
+    """Telemetry for an async entry point: yields the :class:`Events` to pass down.
+
+    Set-up and teardown (Logfire configuration, opening the store, the final
+    flush) run in a worker thread, never on the event loop. On exit every
+    record is flushed and the processors shut down, shielded from
+    cancellation and bounded by ``telemetry.shutdown_timeout_s``.
+
+    Raises:
+        StoreError: the local store cannot be opened or created.
+    """
+    telemetry = await anyio.to_thread.run_sync(
+        functools.partial(
+            Telemetry,
+            settings,
+            service_name=service_name,
+            console=console,
+            extra_sinks=extra_sinks,
+        )
+    )
+    try:
+        yield telemetry.events
+    finally:
+        # Two shutdowns in a row at most (the Logfire pipeline, then the store).
+        budget = 2 * settings.telemetry.shutdown_timeout_s + 1
+        with anyio.CancelScope(shield=True), anyio.move_on_after(budget) as scope:
+            await anyio.to_thread.run_sync(telemetry.close, abandon_on_cancel=True)
+        if scope.cancelled_caught:
+            _log.warning("telemetry: shutdown took over %g s; some records may be lost", budget)

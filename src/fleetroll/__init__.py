@@ -13,6 +13,7 @@ The embedded emulator lives in :mod:`fleetroll.emulator`. Everything not in
 ``__all__`` may change between versions.
 """
 
+from fleetroll.client import FleetrollClient, ServiceError
 from fleetroll.errors import (
     ConfigError,
     FleetrollError,
@@ -47,6 +48,7 @@ __all__ = [
     "ConfigError",
     "EnvSession",
     "FailureReason",
+    "FleetrollClient",
     "FleetrollError",
     "InstanceLostError",
     "OpenAIChatPolicy",
@@ -58,6 +60,7 @@ __all__ = [
     "RolloutPool",
     "RolloutResult",
     "ScriptedPolicy",
+    "ServiceError",
     "Settings",
     "StepResult",
     "TaskFileError",

@@ -34,6 +34,7 @@ async def serve_asgi(
     lifespan: Literal["auto", "on", "off"] = "on",
     startup_timeout_s: float = 30.0,
     shutdown_timeout_s: float = 10.0,
+    graceful_shutdown_s: int = 1,
     **config: Any,
 ) -> AsyncIterator[str]:
     """Serve ``app`` in a task of the current loop; yield its base URL.
@@ -52,7 +53,7 @@ async def serve_asgi(
             log_level="warning",
             lifespan=lifespan,
             access_log=False,
-            timeout_graceful_shutdown=1,
+            timeout_graceful_shutdown=graceful_shutdown_s,
             **config,
         )
     )
@@ -72,8 +73,9 @@ async def serve_asgi(
                     if stopped.is_set():
                         raise OSError(f"could not listen on {host}:{port}")
                     await anyio.sleep(0.005)
-            bound = server.servers[0].sockets[0].getsockname()[1]
-            yield f"http://{host}:{bound}"
+            address = server.servers[0].sockets[0].getsockname()
+            shown = f"[{address[0]}]" if ":" in address[0] else address[0]
+            yield f"http://{shown}:{address[1]}"
         finally:
             server.should_exit = True
             with anyio.move_on_after(shutdown_timeout_s, shield=True):

@@ -252,3 +252,9 @@ from fleetroll.telemetry.cli import query, stats  # noqa: E402
 
 main.add_command(query)
 main.add_command(stats)
+
+
+# `fleetroll serve` (HTTP service for remote controllers) lives in fleetroll.service.
+from fleetroll.service.cli import serve  # noqa: E402
+
+main.add_command(serve)

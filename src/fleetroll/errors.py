@@ -6,6 +6,7 @@
     ├── ConfigError              settings or a config file are invalid
     ├── TaskFileError            a task file is invalid (file, line, field)
     ├── EmulatorError            the embedded emulator failed to start or stop
+    ├── ServiceError             the HTTP service answered an error (fleetroll.client)
     ├── StoreError               the local telemetry store (fleetroll.telemetry.store)
     │   └── QueryError           a query failed (fleetroll.telemetry.queries)
     │       └── ReadOnlyError    a query tried to write

@@ -35,7 +35,14 @@ from fleetroll.telemetry.events import Events
 if TYPE_CHECKING:
     from fleetroll.ray_pool import RayRolloutPool
 
-__all__ = ["JobReport", "load_task_paths", "run_job", "summary_table"]
+__all__ = [
+    "FleetTarget",
+    "JobReport",
+    "load_task_paths",
+    "open_fleet",
+    "run_job",
+    "summary_table",
+]
 
 _PLAIN_PROGRESS_EVERY_S = 10.0
 
@@ -76,24 +83,9 @@ async def run_job(
     previous = _previous_results(out, resume, tasks)
     if previous:
         batch_id = previous[0].batch_id
-    base_url: str | None
     async with AsyncExitStack() as stack:
-        if settings.uses_emulator:
-            from fleetroll.emulator import Emulator
-
-            emu = await stack.enter_async_context(
-                Emulator(
-                    settings.emulator.fault_profile(emulator_profile),
-                    verifier_memory_mb=settings.emulator.verifier_memory_mb,
-                )
-            )
-            api_key, base_url, backend = emu.api_key, emu.base_url, f"emulator {emu.base_url}"
-        else:
-            key = settings.fleet_api_key
-            # A standalone emulator (FLEET_BASE_URL only) takes any key.
-            api_key = key.get_secret_value() if key else "fleetroll-no-key"
-            base_url = settings.fleet_base_url
-            backend = base_url or "Fleet"
+        fleet = await open_fleet(stack, settings, emulator_profile)
+        api_key, base_url, backend = fleet.api_key, fleet.base_url, fleet.description
         pool: RolloutPool | RayRolloutPool
         if ray_address is not None:
             from fleetroll.ray_pool import RayRolloutPool
@@ -141,6 +133,43 @@ async def run_job(
         elapsed_s=time.monotonic() - started,
         interrupted=interrupted.is_set(),
         backend=backend,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTarget:
+    """Where instances come from: Fleet, a Fleet at FLEET_BASE_URL, or the emulator."""
+
+    api_key: str
+    base_url: str | None
+    description: str
+
+
+async def open_fleet(
+    stack: AsyncExitStack, settings: Settings, emulator_profile: str | None = None
+) -> FleetTarget:
+    """The Fleet to use; starts the embedded emulator (on ``stack``) when none is set.
+
+    Raises:
+        ConfigError: an unknown emulator profile.
+        EmulatorError: the emulator could not start.
+    """
+    if settings.uses_emulator:
+        from fleetroll.emulator import Emulator
+
+        emu = await stack.enter_async_context(
+            Emulator(
+                settings.emulator.fault_profile(emulator_profile),
+                verifier_memory_mb=settings.emulator.verifier_memory_mb,
+            )
+        )
+        return FleetTarget(emu.api_key, emu.base_url, f"emulator {emu.base_url}")
+    key = settings.fleet_api_key
+    # A standalone emulator (FLEET_BASE_URL only) takes any key.
+    return FleetTarget(
+        key.get_secret_value() if key else "fleetroll-no-key",
+        settings.fleet_base_url,
+        settings.fleet_base_url or "Fleet",
     )
 
 

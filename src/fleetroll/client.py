@@ -1,0 +1,535 @@
+"""``fleetroll.client``: the HTTP service from Python, shaped like the in-process pool.
+
+A controller switches between in-process and remote by changing one line,
+the one that makes the pool::
+
+    async with RolloutPool(settings, api_key=key, base_url=fleet) as pool:   # in-process
+    async with FleetrollClient("http://10.0.0.5:8750", token=token) as pool: # remote
+
+        batch = pool.run_batch(tasks, ScriptedPolicy(), samples_per_task=8)
+        async for result in batch:          # each result as soon as its rollout ends
+            ...
+        async with pool.session(task) as env:
+            messages = await env.reset()
+            step = await env.step({"name": "list_accounts", "arguments": {}})
+        result = await env.close()
+
+Everything below that line is the same: ``run_batch`` returns an async
+iterator of :class:`~fleetroll.results.RolloutResult` (one per rollout), and
+``session`` an object with ``reset``/``step``/``close`` and ``tools``.
+Remotely, ``tasks`` may be :class:`~fleetroll.tasks.TaskSpec` objects or task
+dicts, and ``policy`` a :class:`~fleetroll.policies.ScriptedPolicy`, a
+:class:`~fleetroll.service.models.PolicyConfig` (e.g. for an OpenAI-compatible
+endpoint: ``PolicyConfig(kind="openai", base_url=..., model=...)``), a dict
+of its fields, or None for the server's configured policy.
+
+A results stream that breaks (a proxy, a network blip, a server restart
+behind a load balancer) is reopened on its own with ``?after=<cursor>``:
+nothing is lost and nothing arrives twice. Retries are bounded, with
+exponential backoff and full jitter; a batch submission is retried safely
+because the batch id is chosen here, before the first attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager, suppress
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import httpx
+
+from fleetroll.errors import FleetrollError, InstanceLostError
+from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
+from fleetroll.results import RolloutResult
+from fleetroll.rollout import StepResult
+from fleetroll.service.models import BatchState, PolicyConfig
+from fleetroll.tasks import TaskSpec
+from fleetroll.tools import ToolResult
+
+__all__ = ["FleetrollClient", "RemoteBatch", "RemoteSession", "ServiceError"]
+
+#: Statuses worth another try: the service is busy or briefly unavailable.
+_RETRY_STATUSES = frozenset({429, 503})
+
+
+class ServiceError(FleetrollError):
+    """The service answered with an error, or could not be reached in time.
+
+    Attributes:
+        status_code: the HTTP status, or None when no answer came.
+        detail: the service's explanation (for a 422: ``loc: msg`` per problem).
+    """
+
+    def __init__(self, message: str, *, status_code: int | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.detail = detail
+
+
+class FleetrollClient:
+    """An async client of ``fleetroll serve``. Use it as an async context manager.
+
+    Args:
+        base_url: the service, e.g. ``http://127.0.0.1:8750``.
+        token: the bearer token (the server's ``FLEETROLL_SERVICE_TOKEN``), if it has one.
+        timeout_s: deadline of one ordinary request.
+        stream_read_timeout_s: longest silence on a results stream before it
+            counts as broken (the server sends heartbeats while idle).
+        session_timeout_s: deadline of opening and of closing a session
+            (provisioning, and the verifier at close, can take a while).
+        max_retries: consecutive failed attempts (connection errors, 429, 503,
+            broken streams) tolerated before giving up with :class:`ServiceError`.
+        backoff_initial_s, backoff_max_s: exponential backoff between attempts.
+        http_client: an ``httpx.AsyncClient`` to use and leave open (tests, proxies).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        *,
+        timeout_s: float = 30.0,
+        stream_read_timeout_s: float = 60.0,
+        session_timeout_s: float = 1200.0,
+        max_retries: int = 5,
+        backoff_initial_s: float = 0.1,
+        backoff_max_s: float = 5.0,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, not {max_retries}")
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.timeout_s = timeout_s
+        self.stream_read_timeout_s = stream_read_timeout_s
+        self.session_timeout_s = session_timeout_s
+        self.max_retries = max_retries
+        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._owns_client = http_client is None
+        self._http = http_client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.base_url!r})"  # never the token
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client, if this client made it."""
+        if self._owns_client:
+            await self._http.aclose()
+
+    # -- batches ---------------------------------------------------------------
+
+    def run_batch(
+        self,
+        tasks: Sequence[TaskSpec | Mapping[str, Any]],
+        policy: PolicyConfig | ScriptedPolicy | Mapping[str, Any] | None = None,
+        *,
+        samples_per_task: int = 1,
+        batch_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> RemoteBatch:
+        """A batch on the service; it is submitted when first iterated (or entered).
+
+        Iterate it for its results. Submitting an identical request under
+        the same ``batch_id`` again returns the same batch (so retries and
+        controller restarts are safe); different content under it is a 409.
+
+        Raises:
+            TypeError: ``policy`` is an in-process policy the service cannot
+                rebuild (use a :class:`PolicyConfig`).
+        """
+        payload: dict[str, Any] = {
+            "tasks": [_task_record(t) for t in tasks],
+            "samples_per_task": samples_per_task,
+            "batch_id": batch_id or uuid.uuid4().hex[:12],
+        }
+        if policy is not None:
+            payload["policy"] = _policy_record(policy)
+        if deadline_s is not None:
+            payload["deadline_s"] = deadline_s
+        return RemoteBatch(self, payload["batch_id"], payload=payload)
+
+    def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
+        """An existing batch, its results read from cursor ``after`` on (e.g. after a restart)."""
+        return RemoteBatch(self, batch_id, after=after)
+
+    # -- sessions --------------------------------------------------------------
+
+    @asynccontextmanager
+    async def session(
+        self,
+        task: TaskSpec | Mapping[str, Any],
+        *,
+        batch_id: str | None = None,
+        sample_index: int = 0,
+    ) -> AsyncIterator[RemoteSession]:
+        """An env-style session on the service (``reset``/``step``/``close``).
+
+        Leaving the block closes it (scored, released), also on error.
+
+        Raises:
+            ServiceError: the session could not be opened (422: the task is
+                invalid; 502/503: the environment could not be set up).
+        """
+        body: dict[str, Any] = {"task": _task_record(task), "sample_index": sample_index}
+        if batch_id is not None:
+            body["batch_id"] = batch_id
+        # Not retried once sent: a second attempt could open a second session.
+        opened = await self._call(
+            "POST",
+            "/v1/sessions",
+            json=body,
+            request_timeout_s=self.session_timeout_s,
+            idempotent=False,
+        )
+        env = RemoteSession(self, opened)
+        try:
+            yield env
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.session_timeout_s):
+                await env.close()
+
+    # -- plumbing --------------------------------------------------------------
+
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        request_timeout_s: float | None = None,
+        idempotent: bool = True,
+    ) -> Any:
+        """One JSON request, retried (if ``idempotent``) on connection errors, 429 and 503."""
+        failures = 0
+        while True:
+            try:
+                response = await self._http.request(
+                    method,
+                    self._url(path),
+                    json=json,
+                    headers=self._headers,
+                    timeout=(
+                        httpx.USE_CLIENT_DEFAULT if request_timeout_s is None else request_timeout_s
+                    ),
+                )
+            except httpx.TransportError as exc:
+                # Only a request that never left is safe to resend when not idempotent.
+                if not idempotent and not isinstance(exc, httpx.ConnectError):
+                    raise ServiceError(f"{method} {path}: {_describe(exc)}") from exc
+                failures += 1
+                if failures > self.max_retries:
+                    raise ServiceError(
+                        f"{method} {path}: gave up after {failures} attempts: {_describe(exc)}"
+                    ) from exc
+                await self._sleep(failures)
+                continue
+            if response.status_code in _RETRY_STATUSES and idempotent:
+                failures += 1
+                if failures <= self.max_retries:
+                    await self._sleep(failures, response.headers.get("retry-after"))
+                    continue
+            if response.is_error:
+                raise _error(method, path, response)
+            return response.json()
+
+    async def _sleep(self, failures: int, retry_after: str | None = None) -> None:
+        initial, cap = self._backoff
+        delay = random.uniform(0, min(cap, initial * 2 ** (failures - 1)))
+        if retry_after is not None:
+            with suppress(ValueError):
+                delay = min(cap, max(delay, float(retry_after)))
+        await anyio.sleep(delay)
+
+
+class RemoteBatch:
+    """A batch on the service: an async iterator of its results.
+
+    Attributes:
+        batch_id: the batch's id (chosen by the client unless given).
+        cursor: the cursor of the last result received; resume a batch
+            elsewhere with ``client.batch(batch_id, after=cursor)``.
+        reconnects: how many times the results stream was reopened.
+    """
+
+    def __init__(
+        self,
+        client: FleetrollClient,
+        batch_id: str,
+        *,
+        payload: dict[str, Any] | None = None,
+        after: int = 0,
+    ) -> None:
+        self._client = client
+        self.batch_id = batch_id
+        self._payload = payload
+        self.total: int | None = None
+        self.cursor = after
+        self.reconnects = 0
+        self._response: httpx.Response | None = None
+        self._lines: AsyncIterator[str] | None = None
+        self._ended = False
+
+    async def submit(self) -> Self:
+        """Submit the batch (once; iterating or entering does it for you).
+
+        Raises:
+            ServiceError: 422 (invalid tasks), 409 (the id holds another batch).
+        """
+        if self._payload is not None:
+            created = await self._client._call("POST", "/v1/batches", json=self._payload)
+            self.total = int(created["rollouts"])
+            self._payload = None
+        return self
+
+    async def status(self) -> BatchState:
+        """The batch's status and counts."""
+        await self.submit()
+        return BatchState.model_validate(
+            await self._client._call("GET", f"/v1/batches/{self.batch_id}")
+        )
+
+    async def cancel(self) -> None:
+        """Cancel what is still running; iteration still yields every result."""
+        await self.submit()
+        await self._client._call("DELETE", f"/v1/batches/{self.batch_id}")
+
+    async def aclose(self) -> None:
+        """Cancel the batch (as ``Batch.aclose`` does in-process)."""
+        await self.cancel()
+
+    async def results(self) -> list[RolloutResult]:
+        """Every (remaining) result, once all rollouts have ended."""
+        return [r async for r in self]
+
+    async def __aenter__(self) -> Self:
+        return await self.submit()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._client.timeout_s):
+                if not self._ended:
+                    await self.cancel()
+        finally:
+            await self._disconnect()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> RolloutResult:
+        if self._ended:
+            raise StopAsyncIteration
+        await self.submit()
+        failures = 0
+        while True:
+            try:
+                if self._lines is None:
+                    await self._connect()
+                    assert self._lines is not None
+                line = await anext(self._lines)
+                message = json.loads(line) if line.strip() else {}
+            except (httpx.TransportError, httpx.StreamError, StopAsyncIteration, ValueError) as exc:
+                # Cut (a proxy, the network), a torn line, or no end line: resume.
+                await self._disconnect()
+                failures += 1
+                if failures > self._client.max_retries:
+                    raise ServiceError(
+                        f"lost the results stream of batch {self.batch_id} {failures} times in a"
+                        f" row ({_describe(exc)}); resume later with"
+                        f" client.batch({self.batch_id!r}, after={self.cursor})"
+                    ) from exc
+                self.reconnects += 1
+                await self._client._sleep(failures)
+                continue
+            except ServiceError as exc:
+                if exc.status_code not in _RETRY_STATUSES:
+                    raise
+                failures += 1
+                if failures > self._client.max_retries:
+                    raise
+                await self._client._sleep(failures)
+                continue
+            failures = 0
+            kind = message.get("type")
+            if kind == "result":
+                cursor = int(message["cursor"])
+                if cursor <= self.cursor:
+                    continue  # already seen (cannot happen with ?after=, but cheap to guard)
+                self.cursor = cursor
+                return RolloutResult.model_validate(message["result"])
+            if kind == "end":
+                self._ended = True
+                await self._disconnect()
+                raise StopAsyncIteration
+            # heartbeat, or a line type this client does not know: keep reading
+
+    async def _connect(self) -> None:
+        c = self._client
+        request = c._http.build_request(
+            "GET",
+            c._url(f"/v1/batches/{self.batch_id}/results"),
+            params={"after": self.cursor},
+            headers={**c._headers, "Accept": "application/x-ndjson"},
+            timeout=httpx.Timeout(c.timeout_s, read=c.stream_read_timeout_s),
+        )
+        response = await c._http.send(request, stream=True)
+        if response.is_error:
+            await response.aread()
+            await response.aclose()
+            raise _error("GET", request.url.path, response)
+        self._response = response
+        self._lines = response.aiter_lines()
+
+    async def _disconnect(self) -> None:
+        lines, response = self._lines, self._response
+        self._lines = self._response = None
+        with anyio.CancelScope(shield=True):
+            if lines is not None and hasattr(lines, "aclose"):
+                with suppress(Exception):
+                    await lines.aclose()
+            if response is not None:
+                await response.aclose()
+
+
+class RemoteSession:
+    """An env-style session on the service, like :class:`~fleetroll.rollout.EnvSession`."""
+
+    def __init__(self, client: FleetrollClient, opened: Mapping[str, Any]) -> None:
+        self._client = client
+        self.session_id: str = opened["session_id"]
+        self._messages: list[dict[str, Any]] = list(opened["messages"])
+        self.tools = [
+            ToolSpec(name=t["name"], description=t["description"], input_schema=t["input_schema"])
+            for t in opened["tools"]
+        ]
+        self._result: RolloutResult | None = None
+        self._closed = False
+
+    async def reset(self) -> list[dict[str, Any]]:
+        """The opening messages (the task prompt). The instance is fresh already."""
+        return list(self._messages)
+
+    async def step(self, call: ToolCall | Mapping[str, Any]) -> StepResult:
+        """Run one tool call; ``done`` once the episode is over.
+
+        Raises:
+            InstanceLostError: the instance is gone (the session has ended).
+            ServiceError: the service refused or failed the step.
+        """
+        if isinstance(call, ToolCall):
+            body: dict[str, Any] = {"name": call.name, "arguments": dict(call.arguments)}
+            body["id"] = call.id
+        else:
+            body = {"name": str(call["name"]), "arguments": dict(call.get("arguments") or {})}
+            if call.get("id"):
+                body["id"] = str(call["id"])
+        try:
+            answer = await self._client._call(
+                "POST", f"/v1/sessions/{self.session_id}/step", json=body, idempotent=False
+            )
+        except ServiceError as exc:
+            if exc.status_code == 502:
+                raise InstanceLostError(
+                    exc.detail or str(exc), operation="step", rollout_id=None
+                ) from exc
+            raise
+        observation = ToolResult(text=answer["text"], is_error=bool(answer["is_error"]))
+        return StepResult(observation, bool(answer["done"]), tuple(answer["messages"]))
+
+    async def close(self) -> RolloutResult | None:
+        """End the episode (``abandoned`` if it had not ended); returns its result.
+
+        Closing twice returns the same result.
+        """
+        if not self._closed:
+            answer = await self._client._call(
+                "DELETE",
+                f"/v1/sessions/{self.session_id}",
+                request_timeout_s=self._client.session_timeout_s,
+            )
+            self._result = RolloutResult.model_validate(answer)
+            self._closed = True
+        return self._result
+
+
+def _task_record(task: TaskSpec | Mapping[str, Any]) -> dict[str, Any]:
+    """A task as the service takes it (short form for a TaskSpec)."""
+    if not isinstance(task, TaskSpec):
+        return dict(task)
+    record: dict[str, Any] = {
+        "key": task.key,
+        "prompt": task.prompt,
+        "env_key": task.env_spec,
+        "data_key": task.data_spec,
+        "modality": task.modality,
+        "verifier_func": task.verifier_func,
+        "max_steps": task.max_steps,
+        "env_variables": task.env_variables,
+        "solution": [s.model_dump() for s in task.solution] if task.solution else None,
+        "requires_final_answer": task.requires_final_answer or None,
+        "metadata": task.metadata or None,
+    }
+    return {k: v for k, v in record.items() if v is not None}
+
+
+def _policy_record(policy: PolicyConfig | ScriptedPolicy | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(policy, ScriptedPolicy):
+        return {"kind": "scripted", "think_time_s": policy.think_time_s}
+    if isinstance(policy, PolicyConfig):
+        record = policy.model_dump(exclude_none=True, exclude={"api_key"})
+        if policy.api_key is not None:
+            record["api_key"] = policy.api_key.get_secret_value()
+        return record
+    if isinstance(policy, Mapping):
+        return dict(policy)
+    raise TypeError(
+        f"a {type(policy).__name__} runs in this process only; describe the policy for the"
+        " service with PolicyConfig(kind='openai', base_url=..., model=...)"
+    )
+
+
+def _error(method: str, path: str, response: httpx.Response) -> ServiceError:
+    try:
+        detail: Any = response.json().get("detail", "")
+    except (ValueError, AttributeError):
+        detail = response.text[:300]
+    if isinstance(detail, list):  # a 422: where and what, per problem
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in item.get('loc', []))}: {item.get('msg', '')}"
+            for item in detail
+            if isinstance(item, dict)
+        )
+    status = response.status_code
+    return ServiceError(
+        f"{method} {path}: HTTP {status}: {detail}", status_code=status, detail=str(detail)
+    )
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

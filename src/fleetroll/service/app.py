@@ -1,0 +1,361 @@
+"""The HTTP service's ASGI app: routes over one shared :class:`RolloutPool`.
+
+::
+
+    async with RolloutPool(settings, api_key=..., base_url=...) as pool:
+        service = Service(pool, settings)
+        async with serve_app(create_app(service), "127.0.0.1", 8750) as url:
+            ...
+
+Routes (all JSON unless said otherwise; the OpenAPI document at
+``/openapi.json`` has every body):
+
+=========================================  ======================================
+``POST /v1/batches``                       start a batch → ``{batch_id, rollouts}``
+``GET /v1/batches/{id}``                   status and counts
+``GET /v1/batches/{id}/results?after=n``   NDJSON results, resumable by cursor
+``DELETE /v1/batches/{id}``                cancel
+``POST /v1/sessions``                      open a session → messages and tools
+``POST /v1/sessions/{id}/step``            one tool call → observation
+``DELETE /v1/sessions/{id}``               close → the rollout's result
+``POST /v1/query``                         read-only SQL on the telemetry store
+``GET /v1/stats?batch_id=``                rollouts per env, the telemetry invariant
+``GET /healthz``, ``/metrics``,            liveness, Prometheus text, the API
+``/openapi.json``
+``/mcp``                                   the same verbs as MCP tools
+=========================================  ======================================
+
+Every await a route makes on a rollout, a session or the pool is bounded.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from fleetroll.pool import RolloutPool
+from fleetroll.results import RolloutResult
+from fleetroll.rollout import Rollout
+from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
+from fleetroll.service.errors import ApiError
+from fleetroll.service.metrics import CONTENT_TYPE, Metrics
+from fleetroll.service.models import (
+    BatchCreated,
+    BatchRequest,
+    ErrorItem,
+    Health,
+    PolicyConfig,
+    QueryRequest,
+    SessionRequest,
+    StepRequest,
+    ValidationErrorBody,
+)
+from fleetroll.service.openapi import openapi_document
+from fleetroll.service.query import run_query, run_stats
+from fleetroll.service.security import Guard
+from fleetroll.service.sessions import SessionRegistry
+from fleetroll.settings import Settings
+from fleetroll.telemetry import Redactor
+
+__all__ = ["Service", "create_app"]
+
+M = TypeVar("M", bound=BaseModel)
+_NDJSON = "application/x-ndjson"
+
+
+class Service:
+    """What the routes (and the MCP tools) share: the pool, batches, sessions.
+
+    Run it with :meth:`running` (the app's lifespan does): its task group
+    holds one consumer task per batch and one actor task per session.
+    """
+
+    def __init__(self, pool: RolloutPool, settings: Settings) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.metrics = Metrics()
+        secrets = (
+            settings.fleet_api_key,
+            settings.service_token,
+            settings.openai_api_key,
+            settings.logfire_token,
+        )
+        self.redact = Redactor(s.get_secret_value() for s in secrets if s is not None)
+        self.batches = BatchRegistry(pool, settings, self.metrics)
+        self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
+        #: MCP rollouts: rollout id → the id of its one-rollout batch.
+        self.rollouts: dict[str, str] = {}
+        self.batches.on_forget.append(self._forget_rollouts)
+        self._queries = anyio.CapacityLimiter(2)
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            self.batches.tg = tg
+            self.sessions.tg = tg
+            try:
+                yield
+            finally:
+                self.stop()
+                # Let each batch's consumer see its batch to the end (the pool answers
+                # a cancelled batch at once), so nothing is left half-read.
+                with anyio.CancelScope(shield=True):
+                    await self.batches.cancel_all(self.settings.timeouts.release_s + 5.0)
+                tg.cancel_scope.cancel()
+
+    def stop(self) -> None:
+        """End every results stream (the server is about to stop)."""
+        self.batches.stop()
+
+    # -- one-rollout batches, for the MCP tools --------------------------------
+
+    async def start_rollout(
+        self, task: Mapping[str, Any], policy: PolicyConfig | None = None
+    ) -> Rollout:
+        """Start one rollout as a batch of its own; it is found again by its id.
+
+        Raises:
+            ApiError: 422, the task is invalid.
+        """
+        spec = parse_one(task, self.settings.modalities, loc=["task"])
+        record, _ = await self.batches.start([spec], policy, batch_id=f"mcp-{uuid.uuid4().hex}")
+        rollout = record.batch.rollouts[0]
+        self.rollouts[rollout.ids.rollout_id] = record.batch_id
+        return rollout
+
+    def find_rollout(self, rollout_id: str) -> tuple[BatchRecord, Rollout]:
+        """Raises: ApiError: 404, no such rollout."""
+        batch_id = self.rollouts.get(rollout_id)
+        if batch_id is None:
+            raise ApiError(404, f"no rollout {rollout_id!r} (unknown, or finished long ago)")
+        record = self.batches.get(batch_id)
+        return record, record.batch.rollouts[0]
+
+    async def finish_rollout(self, rollout_id: str, timeout_s: float) -> RolloutResult:
+        """Wait for the rollout's end (at most ``timeout_s``) and return its result.
+
+        Raises:
+            ApiError: 404 (no such rollout), 504 (still running after ``timeout_s``).
+        """
+        record, _ = self.find_rollout(rollout_id)
+        with anyio.move_on_after(timeout_s):
+            await record.wait_done()
+        if not record.results:
+            raise ApiError(504, f"rollout {rollout_id} is still running after {timeout_s:g} s")
+        return record.results[0]
+
+    @property
+    def rollout_wait_s(self) -> float:
+        """The longest a rollout can take from start to result."""
+        t = self.settings.timeouts
+        return t.provision_total_s + t.rollout_s + t.verifier_s + t.release_s + 30.0
+
+    def _forget_rollouts(self, record: BatchRecord) -> None:
+        for rollout in record.batch.rollouts:
+            self.rollouts.pop(rollout.ids.rollout_id, None)
+
+
+# ---------------------------------------------------------------------- routes
+
+
+class _InvalidBody(Exception):
+    def __init__(self, error: ValidationError) -> None:
+        self.error = error
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, "send the body as JSON, with Content-Type: application/json")
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise _InvalidBody(exc) from None
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status, media_type="application/json")
+
+
+def _problem(exc: ApiError) -> Response:
+    if exc.status == 422:
+        body = ValidationErrorBody(detail=[ErrorItem(loc=exc.loc, msg=exc.detail, type=exc.type)])
+        return Response(body.model_dump_json(), 422, exc.headers, "application/json")
+    return JSONResponse({"detail": exc.detail}, exc.status, exc.headers)
+
+
+def _invalid(exc: ValidationError) -> Response:
+    # Never include the input: it may hold a secret (a policy's api_key).
+    items = [
+        ErrorItem(loc=["body", *e["loc"]], msg=e["msg"], type=e["type"])
+        for e in exc.errors(include_url=False, include_input=False, include_context=False)
+    ]
+    return Response(
+        ValidationErrorBody(detail=items).model_dump_json(), 422, None, "application/json"
+    )
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _route(path: str, handler: Handler, methods: list[str]) -> Route:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _problem(exc)
+        except _InvalidBody as exc:
+            return _invalid(exc.error)
+
+    return Route(path, endpoint, methods=methods)
+
+
+def _routes(service: Service) -> list[Route]:
+    s = service.settings
+    try:
+        app_version = version("fleetroll")
+    except PackageNotFoundError:  # a source tree without installed metadata
+        app_version = "0"
+
+    async def healthz(request: Request) -> Response:
+        return _json(Health())
+
+    async def metrics(request: Request) -> Response:
+        batches = Counter[str](r.status for r in service.batches)
+        text = service.metrics.render(
+            in_flight=service.batches.in_flight(),
+            sessions_open=service.sessions.open_count,
+            batches=batches,
+        )
+        return Response(text, media_type=CONTENT_TYPE)
+
+    async def openapi(request: Request) -> Response:
+        doc = openapi_document(version=app_version, token_required=s.service_token is not None)
+        return JSONResponse(doc)
+
+    async def create_batch(request: Request) -> Response:
+        body = await _parse(request, BatchRequest)
+        record, created = await service.batches.submit(body)
+        answer = BatchCreated(batch_id=record.batch_id, rollouts=record.total, created=created)
+        return _json(answer, 201 if created else 200)
+
+    async def get_batch(request: Request) -> Response:
+        return _json(service.batches.get(request.path_params["batch_id"]).state())
+
+    async def cancel_batch(request: Request) -> Response:
+        return _json(service.batches.cancel(request.path_params["batch_id"]).state(), 202)
+
+    async def results(request: Request) -> Response:
+        record = service.batches.get(request.path_params["batch_id"])
+        raw = request.query_params.get("after", "0")
+        if not raw.isdigit() or not raw.isascii():
+            raise ApiError(422, "must be a whole number ≥ 0", loc=["query", "after"])
+        after = int(raw)
+        if after > len(record.results):
+            raise ApiError(
+                422,
+                f"cursor {after} is ahead of this batch's {len(record.results)} results",
+                loc=["query", "after"],
+            )
+        lines = record.lines(
+            after,
+            heartbeat_s=s.service.stream_heartbeat_s,
+            stopping=lambda: service.batches.stopping,
+        )
+        # No buffering by proxies: each line should reach the controller as it is made.
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
+
+    async def open_session(request: Request) -> Response:
+        body = await _parse(request, SessionRequest)
+        task = parse_one(body.task.record(), s.modalities, loc=["body", "task"])
+        opened = await service.sessions.open(
+            task, batch_id=body.batch_id, sample_index=body.sample_index
+        )
+        return _json(opened, 201)
+
+    async def step_session(request: Request) -> Response:
+        body = await _parse(request, StepRequest)
+        call = body.model_dump(exclude_none=True)
+        observation = await service.sessions.step(request.path_params["session_id"], call)
+        return _json(observation)
+
+    async def close_session(request: Request) -> Response:
+        return _json(await service.sessions.close(request.path_params["session_id"]))
+
+    async def query(request: Request) -> Response:
+        body = await _parse(request, QueryRequest)
+        limit = min(body.max_rows or s.service.query_max_rows, s.service.query_max_rows)
+        result = await anyio.to_thread.run_sync(
+            lambda: run_query(
+                s.telemetry.db_path,
+                body.sql,
+                body.params,
+                max_rows=limit,
+                timeout_s=s.service.query_timeout_s,
+            ),
+            limiter=service._queries,
+        )
+        return _json(result)
+
+    async def stats(request: Request) -> Response:
+        batch_id = request.query_params.get("batch_id")
+        result = await anyio.to_thread.run_sync(
+            lambda: run_stats(s.telemetry.db_path, batch_id), limiter=service._queries
+        )
+        return _json(result)
+
+    return [
+        _route("/healthz", healthz, ["GET"]),
+        _route("/metrics", metrics, ["GET"]),
+        _route("/openapi.json", openapi, ["GET"]),
+        _route("/v1/batches", create_batch, ["POST"]),
+        _route("/v1/batches/{batch_id}", get_batch, ["GET"]),
+        _route("/v1/batches/{batch_id}", cancel_batch, ["DELETE"]),
+        _route("/v1/batches/{batch_id}/results", results, ["GET"]),
+        _route("/v1/sessions", open_session, ["POST"]),
+        _route("/v1/sessions/{session_id}/step", step_session, ["POST"]),
+        _route("/v1/sessions/{session_id}", close_session, ["DELETE"]),
+        _route("/v1/query", query, ["POST"]),
+        _route("/v1/stats", stats, ["GET"]),
+    ]
+
+
+def create_app(service: Service) -> ASGIApp:
+    """The service's ASGI app: routes, MCP tools at ``/mcp``, behind the :class:`Guard`."""
+    from fleetroll.service.mcp_tools import build_mcp_server, mcp_app
+
+    mcp = build_mcp_server(service)
+    mcp_asgi = mcp_app(mcp)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        async with service.running(), mcp.session_manager.run():
+            yield
+
+    routes = Starlette(routes=_routes(service), lifespan=lifespan)
+
+    async def root(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in ("/mcp", "/mcp/"):
+            scope = dict(scope, path="/mcp", raw_path=b"/mcp")
+            await mcp_asgi(scope, receive, send)
+        else:
+            await routes(scope, receive, send)
+
+    return Guard(
+        root,
+        token=service.settings.service_token,
+        max_body_bytes=service.settings.service.max_body_bytes,
+    )

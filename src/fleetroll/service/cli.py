@@ -1,0 +1,90 @@
+"""``fleetroll serve``: the HTTP service (and MCP tools) until interrupted.
+
+Kept apart from :mod:`fleetroll.cli`, which registers :func:`serve` with one
+import at its end (so this module must not import that one at load time).
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import anyio
+import click
+
+from fleetroll.errors import FleetrollError
+from fleetroll.service.security import check_bind
+from fleetroll.settings import Settings, load_settings
+
+__all__ = ["serve"]
+
+
+class _Refused(click.ClickException):
+    """Bad input or configuration: a clear message and exit code 2."""
+
+    exit_code = 2
+
+
+@click.command()
+@click.option("--host", default=None, help="Address to listen on (default from config: loopback).")
+@click.option("--port", type=int, default=None, help="Port (default from config; 0 = a free one).")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A TOML file merged over the shipped defaults.",
+)
+@click.option(
+    "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
+)
+def serve(
+    host: str | None, port: int | None, config_file: Path | None, profile: str | None
+) -> None:
+    """Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.
+
+    One rollout pool serves every request: on the embedded emulator unless
+    FLEET_API_KEY or FLEET_BASE_URL is set. Binding anything but loopback
+    needs FLEETROLL_SERVICE_TOKEN (then every route but /healthz wants
+    `Authorization: Bearer <token>`). Exit code 2 for bad configuration.
+    """
+    try:
+        settings = load_settings(config_file)
+        host = host or settings.service.host
+        port = settings.service.port if port is None else port
+        check_bind(host, settings.service_token)
+        if settings.uses_emulator:
+            settings.emulator.fault_profile(profile)  # fail early on a bad name
+    except FleetrollError as exc:
+        raise _Refused(str(exc)) from None
+    try:
+        anyio.run(_serve, settings, host, port, profile)
+    except FleetrollError as exc:
+        raise _Refused(str(exc)) from None
+
+
+async def _serve(settings: Settings, host: str, port: int, profile: str | None) -> None:
+    from fleetroll.pool import RolloutPool
+    from fleetroll.runner import open_fleet
+    from fleetroll.service.app import Service, create_app
+    from fleetroll.service.server import serve_app
+    from fleetroll.telemetry import open_telemetry
+
+    async with AsyncExitStack() as stack:
+        events = await stack.enter_async_context(open_telemetry(settings))
+        fleet = await open_fleet(stack, settings, profile)
+        api_key, base_url, backend = fleet.api_key, fleet.base_url, fleet.description
+        pool = await stack.enter_async_context(
+            RolloutPool(settings, api_key=api_key, base_url=base_url, events=events)
+        )
+        service = Service(pool, settings)
+        url = await stack.enter_async_context(
+            serve_app(create_app(service), host, port, before_stop=service.stop)
+        )
+        auth = "bearer token required" if settings.service_token else "no token (loopback only)"
+        click.echo(f"fleetroll serve: {url} on {backend}; {auth}", err=True)
+        click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+    click.echo("fleetroll serve: stopped", err=True)

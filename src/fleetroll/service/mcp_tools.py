@@ -1,0 +1,181 @@
+"""The service's verbs as MCP tools, at ``/mcp`` (streamable HTTP).
+
+==================  =====================================================
+``run_rollout``     task (+ policy) → the result; blocks until the end
+``start_rollout``   task (+ policy) → ``rollout_id`` at once
+``get_state``       phase, steps so far, and the outcome once it is over
+``get_messages``    the transcript so far (``after``: skip what you have)
+``abort_rollout``   cancel it (its result still comes: ``cancelled``)
+``finalize_rollout`` wait for the end → the result
+==================  =====================================================
+
+Each started rollout is a batch of its own (id ``mcp-…``) in the service's
+one pool: it shares the pool's limits with every other batch, gets the
+pool's exactly-once result delivery, cancellation and orphan sweep for free,
+and shows up in ``GET /v1/batches/{id}`` too. The tools read the live
+:class:`~fleetroll.rollout.Rollout` (its phase and transcript) while it runs
+and its result once it is over. Results are kept as long as the batch is
+(``service.keep_finished_batches``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp.server.transport_security import TransportSecuritySettings
+from pydantic import BaseModel, Field
+from starlette.types import ASGIApp
+
+from fleetroll.results import RolloutResult
+from fleetroll.rollout import Rollout
+from fleetroll.service.errors import ApiError
+from fleetroll.service.models import PolicyConfig
+
+if TYPE_CHECKING:
+    from fleetroll.service.app import Service
+
+__all__ = ["RolloutState", "build_mcp_server", "mcp_app"]
+
+_INSTRUCTIONS = (
+    "Run RL rollouts of Fleet tasks. A task is a JSON object in Fleet's export format or"
+    " the short form (key, prompt, env_key 'name:version', data_key, modality, solution...)."
+    " start_rollout returns a rollout_id at once; poll get_state / get_messages while it"
+    " runs; finalize_rollout waits for the result (reward null means an infrastructure"
+    " failure, never a zero). run_rollout does all of it in one blocking call."
+)
+
+
+class RolloutStarted(BaseModel):
+    rollout_id: str
+    batch_id: str
+
+
+class RolloutState(BaseModel):
+    rollout_id: str
+    batch_id: str
+    task_key: str
+    phase: str = Field(description="pending, provisioning, waiting, ..., acting, verifying, done")
+    steps: int = Field(description="Tool-calling turns so far")
+    done: bool
+    status: str | None = Field(None, description="completed or failed, once done")
+    failure_reason: str | None = None
+    reward: float | None = None
+
+
+class RolloutMessages(BaseModel):
+    rollout_id: str
+    messages: list[dict[str, Any]]
+    next: int = Field(description="Pass as `after` next time to get only newer messages")
+    done: bool
+
+
+def _state(rollout: Rollout) -> RolloutState:
+    result = rollout.result
+    return RolloutState(
+        rollout_id=rollout.ids.rollout_id,
+        batch_id=rollout.ids.batch_id,
+        task_key=rollout.task.key,
+        phase=rollout.phase.value,
+        steps=result.steps if result else _steps(rollout.messages),
+        done=result is not None,
+        status=result.status if result else None,
+        failure_reason=result.failure_reason.value if result and result.failure_reason else None,
+        reward=result.reward if result else None,
+    )
+
+
+def _steps(messages: list[dict[str, Any]]) -> int:
+    return sum(1 for m in messages if m.get("role") == "assistant" and m.get("tool_calls"))
+
+
+def _tool_error(exc: ApiError) -> ToolError:
+    where = ".".join(str(p) for p in exc.loc)
+    return ToolError(f"{where}: {exc.detail}" if where else exc.detail)
+
+
+def build_mcp_server(service: Service) -> MCPServer:
+    """An MCP server whose tools drive rollouts on ``service`` (a :class:`Service`)."""
+    server = MCPServer("fleetroll", instructions=_INSTRUCTIONS)
+
+    def find(rollout_id: str) -> Rollout:
+        try:
+            return service.find_rollout(rollout_id)[1]
+        except ApiError as exc:
+            raise _tool_error(exc) from None
+
+    async def start(task: dict[str, Any], policy: PolicyConfig | None) -> Rollout:
+        try:
+            return await service.start_rollout(task, policy)
+        except ApiError as exc:
+            raise _tool_error(exc) from None
+
+    async def finish(rollout_id: str, timeout_s: float | None) -> RolloutResult:
+        wait = min(timeout_s or service.rollout_wait_s, service.rollout_wait_s)
+        try:
+            return await service.finish_rollout(rollout_id, wait)
+        except ApiError as exc:
+            raise _tool_error(exc) from None
+
+    @server.tool(description="Run one rollout of `task` to its end and return its result.")
+    async def run_rollout(
+        task: dict[str, Any], policy: PolicyConfig | None = None
+    ) -> RolloutResult:
+        rollout = await start(task, policy)
+        try:
+            return await finish(rollout.ids.rollout_id, None)
+        except anyio.get_cancelled_exc_class():
+            # The caller went away: nobody will read this result, stop spending on it.
+            service.find_rollout(rollout.ids.rollout_id)[0].batch.cancel()
+            raise
+
+    @server.tool(description="Start one rollout of `task`; returns its rollout_id at once.")
+    async def start_rollout(
+        task: dict[str, Any], policy: PolicyConfig | None = None
+    ) -> RolloutStarted:
+        rollout = await start(task, policy)
+        return RolloutStarted(rollout_id=rollout.ids.rollout_id, batch_id=rollout.ids.batch_id)
+
+    @server.tool(description="The rollout's phase and steps so far; its outcome once done.")
+    async def get_state(rollout_id: str) -> RolloutState:
+        return _state(find(rollout_id))
+
+    @server.tool(description="The rollout's transcript so far, from message number `after`.")
+    async def get_messages(rollout_id: str, after: int = 0) -> RolloutMessages:
+        rollout = find(rollout_id)
+        messages = rollout.result.transcript if rollout.result else rollout.messages
+        return RolloutMessages(
+            rollout_id=rollout_id,
+            messages=list(messages[max(after, 0) :]),
+            next=len(messages),
+            done=rollout.result is not None,
+        )
+
+    @server.tool(description="Cancel the rollout; finalize_rollout then returns `cancelled`.")
+    async def abort_rollout(rollout_id: str) -> RolloutState:
+        rollout = find(rollout_id)
+        if rollout.result is None:
+            service.batches.cancel(rollout.ids.batch_id)
+        return _state(rollout)
+
+    @server.tool(
+        description="Wait for the rollout to end (at most timeout_s) and return its result."
+    )
+    async def finalize_rollout(rollout_id: str, timeout_s: float | None = None) -> RolloutResult:
+        return await finish(rollout_id, timeout_s)
+
+    return server
+
+
+def mcp_app(server: MCPServer) -> ASGIApp:
+    """The server's streamable-HTTP app, to mount at ``/mcp``.
+
+    Its session manager must run in the parent's lifespan. DNS-rebinding
+    protection is the service's own Guard (Host check, or a bearer token).
+    """
+    return server.streamable_http_app(
+        streamable_http_path="/mcp",
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )

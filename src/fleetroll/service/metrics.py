@@ -1,0 +1,78 @@
+"""``GET /metrics``: Prometheus text exposition, written by hand (no client library).
+
+Counters accumulate over the service's life; gauges are read when scraped.
+Labels carry only statuses and failure reasons: never an id, a URL or a key.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+from collections.abc import Mapping
+
+from fleetroll.results import RolloutResult
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Provisioning latency buckets, in seconds (a Fleet create takes 1 s to minutes).
+PROVISION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+
+
+class Metrics:
+    """What the service has seen: rollouts by outcome, provisioning latency."""
+
+    def __init__(self) -> None:
+        self.rollouts: Counter[tuple[str, str]] = Counter()
+        self._buckets = [0] * len(PROVISION_BUCKETS)
+        self._provision_count = 0
+        self._provision_sum = 0.0
+
+    def observe(self, result: RolloutResult) -> None:
+        """Count one finished rollout (batch or session)."""
+        reason = result.failure_reason.value if result.failure_reason else ""
+        self.rollouts[(result.status, reason)] += 1
+        if result.instance_id is not None:  # it was provisioned: its latency counts
+            seconds = result.timings.provision_s
+            self._provision_count += 1
+            self._provision_sum += seconds
+            i = bisect.bisect_left(PROVISION_BUCKETS, seconds)
+            if i < len(self._buckets):
+                self._buckets[i] += 1
+
+    def render(self, *, in_flight: int, sessions_open: int, batches: Mapping[str, int]) -> str:
+        lines = [
+            "# HELP fleetroll_rollouts_total Rollouts ended, by status and failure reason.",
+            "# TYPE fleetroll_rollouts_total counter",
+        ]
+        for (status, reason), n in sorted(self.rollouts.items()):
+            lines.append(f'fleetroll_rollouts_total{{status="{status}",reason="{reason}"}} {n}')
+        lines += [
+            "# HELP fleetroll_rollouts_in_flight Rollouts of running batches not ended yet,"
+            " plus open sessions.",
+            "# TYPE fleetroll_rollouts_in_flight gauge",
+            f"fleetroll_rollouts_in_flight {in_flight + sessions_open}",
+            "# HELP fleetroll_sessions_open Env-style sessions open now.",
+            "# TYPE fleetroll_sessions_open gauge",
+            f"fleetroll_sessions_open {sessions_open}",
+            "# HELP fleetroll_batches Batches the service holds, by status.",
+            "# TYPE fleetroll_batches gauge",
+        ]
+        for status in ("running", "finished", "cancelled"):
+            lines.append(f'fleetroll_batches{{status="{status}"}} {batches.get(status, 0)}')
+        lines += [
+            "# HELP fleetroll_provision_seconds Time to provision an instance"
+            " (RolloutResult.timings.provision_s).",
+            "# TYPE fleetroll_provision_seconds histogram",
+        ]
+        cumulative = 0
+        for bound, n in zip(PROVISION_BUCKETS, self._buckets, strict=True):
+            cumulative += n
+            lines.append(f'fleetroll_provision_seconds_bucket{{le="{bound:g}"}} {cumulative}')
+        lines += [
+            f'fleetroll_provision_seconds_bucket{{le="+Inf"}} {self._provision_count}',
+            f"fleetroll_provision_seconds_sum {self._provision_sum:.6f}",
+            f"fleetroll_provision_seconds_count {self._provision_count}",
+        ]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,308 @@
+"""The HTTP API's request and response bodies (pydantic), and the results-stream lines.
+
+These models are the API's contract: the routes validate requests with them,
+answer with them, and the OpenAPI document is built from their JSON schemas.
+Request models forbid unknown fields, so a typo is a 422, not a silent default.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from fleetroll.results import RolloutResult
+
+__all__ = [
+    "BatchCounts",
+    "BatchCreated",
+    "BatchRequest",
+    "BatchState",
+    "BatchStatus",
+    "ErrorBody",
+    "ErrorItem",
+    "Health",
+    "Observation",
+    "PolicyConfig",
+    "QueryRequest",
+    "QueryResult",
+    "SessionOpened",
+    "SessionRequest",
+    "StatsResult",
+    "StepRequest",
+    "StreamLine",
+    "TaskObject",
+    "ToolInfo",
+    "ValidationErrorBody",
+]
+
+#: Batch ids travel in URLs and become part of rollout ids.
+BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+
+BatchStatus = Literal["running", "finished", "cancelled"]
+
+#: A task in the short form, as the OpenAPI document shows it.
+EXAMPLE_TASK: dict[str, Any] = {
+    "key": "ledger-003",
+    "prompt": "Transfer $5,000 from Savings to Checking.",
+    "env_key": "ledger:v1",
+    "data_key": "seed:v1",
+    "modality": "tool_use",
+    "solution": [
+        {
+            "name": "record_transaction",
+            "arguments": {"from_account": "Savings", "to_account": "Checking", "amount": 5000},
+        }
+    ],
+}
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class TaskObject(BaseModel):
+    """One task, in Fleet's export format or the short form (DESIGN.md §4).
+
+    Only the shape is checked here; the task-file rules (required fields,
+    formats agreeing, modality known, verifier parses...) are applied by
+    :func:`fleetroll.tasks.parse_tasks`, whose errors name the item and field.
+    Other fields of Fleet's export (``created_at``, ``verifier_id``...) are
+    accepted and ignored; any other unknown field is a 422.
+    """
+
+    model_config = ConfigDict(
+        extra="allow", strict=True, json_schema_extra={"examples": [EXAMPLE_TASK]}
+    )
+
+    key: str = Field(description="Unique within the batch")
+    prompt: str
+    env_key: str | None = Field(None, description='Short form: "name" or "name:version"')
+    env_id: str | None = Field(None, description="Fleet export form of env_key")
+    version: str | None = Field(None, description="Fleet export form: the env's version")
+    data_key: str | None = Field(None, description='Short form: "name" or "name:version"')
+    data_id: str | None = None
+    data_version: str | None = None
+    modality: str | None = Field(None, description="tool_use (default) or computer_use")
+    task_modality: str | None = None
+    verifier_func: str | None = Field(
+        None, description="Python source defining the verifier; parsed, never run here"
+    )
+    max_steps: int | None = None
+    env_variables: dict[str, Any] | None = None
+    solution: list[dict[str, Any]] | None = Field(
+        None, description='Tool calls solving the task: [{"name": ..., "arguments": {...}}]'
+    )
+    requires_final_answer: bool | None = None
+    metadata: dict[str, Any] | None = None
+
+    def record(self) -> dict[str, Any]:
+        """The task as the client sent it (only the fields it set)."""
+        return self.model_dump(exclude_unset=True)
+
+
+class PolicyConfig(_Request):
+    """The policy driving a batch's rollouts. Unset fields come from the server's
+    ``[policy]`` settings.
+
+    ``api_key`` is write-only: it is never echoed, logged or stored in results.
+    The server's own ``OPENAI_API_KEY`` is sent only to the server's configured
+    ``base_url``, never to one named in a request.
+    """
+
+    kind: Literal["scripted", "openai"] | None = None
+    model: str | None = Field(None, min_length=1, max_length=256)
+    base_url: str | None = Field(
+        None, pattern=r"^https?://[^\s]+$", max_length=2048, description="…/v1 of the endpoint"
+    )
+    api_key: SecretStr | None = Field(None, max_length=4096, json_schema_extra={"writeOnly": True})
+    temperature: float | None = Field(None, ge=0, le=10)
+    top_p: float | None = Field(None, ge=0, le=1)
+    max_tokens: int | None = Field(None, ge=1, le=10_000_000)
+    extra_body: dict[str, Any] | None = None
+    system_prompt: str | None = Field(None, max_length=1_000_000)
+    think_time_s: float | None = Field(None, ge=0, le=3600, description="scripted: delay per turn")
+    max_retries: int | None = Field(None, ge=0, le=10)
+
+
+class BatchRequest(_Request):
+    """``POST /v1/batches``: give ``tasks`` inline or a ``tasks_file`` on the server."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"tasks": [EXAMPLE_TASK], "samples_per_task": 2, "policy": {"kind": "scripted"}}
+            ]
+        }
+    )
+
+    tasks: list[TaskObject] | None = Field(None, min_length=1)
+    tasks_file: str | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description="A task file on the server, under its service.tasks_root",
+    )
+    samples_per_task: int = Field(1, ge=1, le=100_000)
+    policy: PolicyConfig | None = None
+    batch_id: str | None = Field(
+        None,
+        pattern=BATCH_ID_PATTERN,
+        description="Idempotency key: resubmitting the same request returns the same batch",
+    )
+    deadline_s: float | None = Field(
+        None, gt=0, le=7 * 86400, description="Cancel what is still running after this long"
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> BatchRequest:
+        if (self.tasks is None) == (self.tasks_file is None):
+            raise ValueError("give exactly one of 'tasks' (a list) or 'tasks_file' (a path)")
+        return self
+
+
+class BatchCreated(BaseModel):
+    batch_id: str
+    rollouts: int = Field(description="Rollouts in the batch (tasks × samples_per_task)")
+    created: bool = Field(description="False when an identical earlier request made it")
+
+
+class BatchCounts(BaseModel):
+    total: int
+    queued: int
+    provisioning: int
+    running: int
+    done: int
+    failed: int
+
+
+class BatchState(BaseModel):
+    batch_id: str
+    status: BatchStatus = Field(
+        description="running until every result is in; then finished, or cancelled if it was"
+    )
+    cancel_requested: bool
+    counts: BatchCounts
+    results: int = Field(description="Results available: the cursor of the latest one")
+
+
+class StreamLine(BaseModel):
+    """One line of ``GET /v1/batches/{id}/results`` (NDJSON).
+
+    * ``{"type": "result", "cursor": n, "result": {...}}``: the n-th result
+      (1-based, in arrival order). Reconnect with ``?after=n`` to get the rest.
+    * ``{"type": "heartbeat", "cursor": n}``: nothing new yet (sent while idle).
+    * ``{"type": "end", "cursor": n, "status": ...}``: the last line; the batch
+      is over and all ``n`` results were sent. A stream that stops without it
+      was cut: reconnect with ``?after=`` the last cursor seen.
+    """
+
+    type: Literal["result", "heartbeat", "end"]
+    cursor: int = Field(ge=0)
+    result: RolloutResult | None = None
+    status: BatchStatus | None = None
+
+
+class SessionRequest(_Request):
+    """``POST /v1/sessions``: an env-style session on one task (no policy)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"task": EXAMPLE_TASK}]})
+
+    task: TaskObject
+    batch_id: str | None = Field(
+        None, pattern=BATCH_ID_PATTERN, description="Recorded on the result (default: sessions)"
+    )
+    sample_index: int = Field(0, ge=0, le=1_000_000)
+
+
+class ToolInfo(BaseModel):
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+class SessionOpened(BaseModel):
+    session_id: str
+    messages: list[dict[str, Any]] = Field(description="The opening messages (the task prompt)")
+    tools: list[ToolInfo]
+
+
+class StepRequest(_Request):
+    """``POST /v1/sessions/{id}/step``: one tool call."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"examples": [{"name": "get_balance", "arguments": {"account": "Rent"}}]}
+    )
+
+    name: str = Field(min_length=1, max_length=256)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    id: str | None = Field(None, max_length=256, description="The call's id (default: made up)")
+
+
+class Observation(BaseModel):
+    text: str
+    is_error: bool
+    done: bool = Field(description="The episode is over: DELETE the session for its result")
+    messages: list[dict[str, Any]] = Field(description="Messages this step added")
+
+
+class QueryRequest(_Request):
+    """``POST /v1/query``: one read-only SQL statement on the telemetry store."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "sql": "SELECT span_name, count(*) FROM records WHERE span_name LIKE ?"
+                    " GROUP BY span_name",
+                    "params": ["fleet_%"],
+                }
+            ]
+        }
+    )
+
+    sql: str = Field(min_length=1, max_length=100_000)
+    params: list[Any] | dict[str, Any] | None = None
+    max_rows: int | None = Field(None, ge=1, description="Capped by the server's query_max_rows")
+
+
+class QueryResult(BaseModel):
+    columns: list[str]
+    rows: list[list[Any]]
+    truncated: bool = Field(description="More rows matched than were returned")
+
+
+class StatsResult(BaseModel):
+    """``GET /v1/stats``: rollouts per environment, and the telemetry invariant."""
+
+    batch_id: str | None = None
+    envs: list[dict[str, Any]] = Field(
+        description="Per (env_key, env_version, modality): started, completed, failed,"
+        " failure_reasons, reward_mean, provisioning_p50_s/p95_s, tool_errors,"
+        " verifier_errors"
+    )
+    invariant_ok: bool = Field(description="Every rollout id started once and completed once")
+    rollouts: int
+    never_completed: list[str]
+    completed_more_than_once: list[str]
+    completed_without_start: list[str]
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class ErrorItem(BaseModel):
+    loc: list[str | int] = Field(description='Where: e.g. ["body", "tasks", 2, "env_key"]')
+    msg: str
+    type: str
+
+
+class ValidationErrorBody(BaseModel):
+    """422: what is wrong, field by field."""
+
+    detail: list[ErrorItem]
+
+
+class ErrorBody(BaseModel):
+    detail: str

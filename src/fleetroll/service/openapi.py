@@ -1,0 +1,301 @@
+"""``GET /openapi.json``: the API described from the pydantic models themselves.
+
+The schemas come from the models' JSON schemas (requests in validation mode,
+responses in serialization mode), so the document cannot drift from what the
+routes accept and answer. No example, default or description holds a secret.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import JsonSchemaMode, models_json_schema
+
+from fleetroll.results import RolloutResult
+from fleetroll.service.models import (
+    BatchCreated,
+    BatchRequest,
+    BatchState,
+    ErrorBody,
+    Health,
+    Observation,
+    QueryRequest,
+    QueryResult,
+    SessionOpened,
+    SessionRequest,
+    StatsResult,
+    StepRequest,
+    StreamLine,
+    ValidationErrorBody,
+)
+
+__all__ = ["openapi_document"]
+
+_REQUESTS: tuple[type[BaseModel], ...] = (BatchRequest, SessionRequest, StepRequest, QueryRequest)
+_RESPONSES: tuple[type[BaseModel], ...] = (
+    BatchCreated,
+    BatchState,
+    StreamLine,
+    SessionOpened,
+    Observation,
+    RolloutResult,
+    QueryResult,
+    StatsResult,
+    Health,
+    ErrorBody,
+    ValidationErrorBody,
+)
+_REF = "#/components/schemas/{model}"
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model.__name__)}
+
+
+def _json(model: type[BaseModel], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(model)}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(ErrorBody, description)
+
+
+_INVALID = _json(ValidationErrorBody, "Invalid request: each problem with its location")
+_UNSUPPORTED = _error("The body must be JSON (Content-Type: application/json)")
+_TOO_LARGE = _error("The request body is over service.max_body_bytes")
+
+
+def _body(model: type[BaseModel]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": _ref(model)}}}
+
+
+def _path_param(name: str, description: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "description": description,
+        "schema": {"type": "string"},
+    }
+
+
+_BATCH_ID = _path_param("batch_id", "The batch's id")
+_SESSION_ID = _path_param("session_id", "The session's id")
+
+
+def _paths() -> dict[str, Any]:
+    no_batch = _error("No such batch (unknown, or finished long ago and forgotten)")
+    no_session = _error("No such session")
+    return {
+        "/healthz": {
+            "get": {
+                "summary": "Liveness (needs no token)",
+                "operationId": "healthz",
+                "security": [],
+                "responses": {"200": _json(Health, "The service is up")},
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics (text exposition format)",
+                "operationId": "metrics",
+                "responses": {
+                    "200": {
+                        "description": "Rollouts by status, in flight, provisioning latency",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "This document",
+                "operationId": "openapi",
+                "responses": {
+                    "200": {
+                        "description": "The OpenAPI document",
+                        "content": {"application/json": {"schema": {"type": "object"}}},
+                    }
+                },
+            }
+        },
+        "/v1/batches": {
+            "post": {
+                "summary": "Start a batch of rollouts (idempotent with batch_id)",
+                "operationId": "createBatch",
+                "requestBody": _body(BatchRequest),
+                "responses": {
+                    "201": _json(BatchCreated, "The batch started"),
+                    "200": _json(BatchCreated, "An identical request already started it"),
+                    "409": _error("The batch_id is taken by a different request"),
+                    "413": _TOO_LARGE,
+                    "415": _UNSUPPORTED,
+                    "422": _INVALID,
+                },
+            }
+        },
+        "/v1/batches/{batch_id}": {
+            "parameters": [_BATCH_ID],
+            "get": {
+                "summary": "A batch's status and counts",
+                "operationId": "getBatch",
+                "responses": {"200": _json(BatchState, "The batch"), "404": no_batch},
+            },
+            "delete": {
+                "summary": "Cancel a batch (every result still arrives, cancelled ones too)",
+                "operationId": "cancelBatch",
+                "responses": {"202": _json(BatchState, "Cancelling"), "404": no_batch},
+            },
+        },
+        "/v1/batches/{batch_id}/results": {
+            "parameters": [_BATCH_ID],
+            "get": {
+                "summary": "The batch's results as NDJSON, streamed as rollouts end",
+                "description": (
+                    "One JSON object per line (StreamLine): `result` lines carry the n-th"
+                    " result with `cursor` n; `heartbeat` lines keep an idle stream alive;"
+                    " an `end` line closes a complete stream. A stream that stops without"
+                    " an `end` line was cut: reconnect with `?after=<last cursor>` to get"
+                    " the rest, nothing lost and nothing twice."
+                ),
+                "operationId": "streamResults",
+                "parameters": [
+                    {
+                        "name": "after",
+                        "in": "query",
+                        "required": False,
+                        "description": "Send only results with a cursor above this one",
+                        "schema": {"type": "integer", "minimum": 0, "default": 0},
+                    }
+                ],
+                "responses": {
+                    "200": {
+                        "description": "NDJSON: one StreamLine per line",
+                        "content": {"application/x-ndjson": {"schema": _ref(StreamLine)}},
+                    },
+                    "404": no_batch,
+                    "422": _INVALID,
+                },
+            },
+        },
+        "/v1/sessions": {
+            "post": {
+                "summary": "Open an env-style session on one task (provisions an instance)",
+                "operationId": "openSession",
+                "requestBody": _body(SessionRequest),
+                "responses": {
+                    "201": _json(SessionOpened, "The opening messages and the tools"),
+                    "413": _TOO_LARGE,
+                    "415": _UNSUPPORTED,
+                    "422": _INVALID,
+                    "502": _error("The environment could not be set up"),
+                    "503": _error("No instance in time, or a transient platform failure"),
+                },
+            }
+        },
+        "/v1/sessions/{session_id}/step": {
+            "parameters": [_SESSION_ID],
+            "post": {
+                "summary": "Run one tool call in the session",
+                "operationId": "stepSession",
+                "requestBody": _body(StepRequest),
+                "responses": {
+                    "200": _json(Observation, "The tool's answer"),
+                    "404": no_session,
+                    "410": _error("The session has ended: DELETE it for its result"),
+                    "413": _TOO_LARGE,
+                    "415": _UNSUPPORTED,
+                    "422": _INVALID,
+                    "502": _error("The instance is gone: the session has ended"),
+                    "504": _error("The session did not answer in time"),
+                },
+            },
+        },
+        "/v1/sessions/{session_id}": {
+            "parameters": [_SESSION_ID],
+            "delete": {
+                "summary": "Close the session: score it (if not yet), release it, get its result",
+                "operationId": "closeSession",
+                "responses": {
+                    "200": _json(RolloutResult, "The rollout's result"),
+                    "404": no_session,
+                    "502": _error("Closing failed"),
+                    "504": _error("The session did not answer in time"),
+                },
+            },
+        },
+        "/v1/query": {
+            "post": {
+                "summary": "Run one read-only SQL statement on the local telemetry store",
+                "operationId": "query",
+                "requestBody": _body(QueryRequest),
+                "responses": {
+                    "200": _json(QueryResult, "The rows"),
+                    "400": _error("Invalid SQL, too slow, or more than one statement"),
+                    "403": _error("The statement tries to change something"),
+                    "404": _error("No telemetry store yet"),
+                    "413": _TOO_LARGE,
+                    "415": _UNSUPPORTED,
+                    "422": _INVALID,
+                },
+            }
+        },
+        "/v1/stats": {
+            "get": {
+                "summary": "Rollouts per environment from the telemetry store, and its invariant",
+                "operationId": "stats",
+                "parameters": [
+                    {
+                        "name": "batch_id",
+                        "in": "query",
+                        "required": False,
+                        "description": "Only this batch's rollouts",
+                        "schema": {"type": "string"},
+                    }
+                ],
+                "responses": {
+                    "200": _json(StatsResult, "The statistics"),
+                    "404": _error("No telemetry store yet"),
+                },
+            }
+        },
+    }
+
+
+@cache
+def openapi_document(*, version: str, token_required: bool) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the service (built once per configuration)."""
+    models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
+        *((m, "validation") for m in _REQUESTS),
+        *((m, "serialization") for m in _RESPONSES),
+    ]
+    _, top = models_json_schema(models, ref_template=_REF)
+    paths = _paths()
+    common: dict[str, Any] = {"421": _error("The Host header does not name loopback")}
+    if token_required:
+        common = {"401": _error("Missing or invalid bearer token")}
+    for route, item in paths.items():
+        for method, operation in item.items():
+            if method == "parameters" or route == "/healthz":
+                continue
+            operation["responses"].update(common)
+    document: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "fleetroll",
+            "version": version,
+            "description": (
+                "Rollout orchestration for RL training on Fleet environments: batches"
+                " streamed as NDJSON, env-style sessions, read-only telemetry queries."
+                " The same verbs are MCP tools at /mcp (streamable HTTP)."
+            ),
+        },
+        "paths": paths,
+        "components": {"schemas": top.get("$defs", {})},
+    }
+    if token_required:
+        document["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        document["security"] = [{"bearer": []}]
+    return document

@@ -1,0 +1,204 @@
+"""Batches over HTTP: one result per rollout, resumable streams, idempotency, validation."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.abc import SocketStream
+from service_helpers import LEDGER, GatedPolicy, Running, running_service, task_record
+
+from fleetroll.client import FleetrollClient
+from fleetroll.emulator import Emulator
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.results import FailureReason
+from fleetroll.service import batches as service_batches
+
+
+class DroppingProxy:
+    """A TCP proxy in front of the service whose connections can all be cut at once."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.connections = 0
+        self._scopes: set[anyio.CancelScope] = set()
+        self.url = ""
+
+    async def run(self, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        async with listener:
+            self.url = f"http://127.0.0.1:{listener.extra(anyio.abc.SocketAttribute.local_port)}"
+            task_status.started()
+            await listener.serve(self._handle)
+
+    def drop(self) -> None:
+        for scope in self._scopes:
+            scope.cancel()
+
+    async def _handle(self, client: SocketStream) -> None:
+        self.connections += 1
+        async with client, await anyio.connect_tcp("127.0.0.1", self.target_port) as upstream:
+            with anyio.CancelScope() as scope:
+                self._scopes.add(scope)
+                async with anyio.create_task_group() as tg:
+
+                    async def pump(src: SocketStream, dst: SocketStream) -> None:
+                        async for chunk in src:
+                            await dst.send(chunk)
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(pump, client, upstream)
+                    tg.start_soon(pump, upstream, client)
+            self._scopes.discard(scope)
+
+
+@pytest.fixture
+async def proxy(served: Running) -> AsyncIterator[DroppingProxy]:
+    port = int(served.url.rsplit(":", 1)[1])
+    proxy = DroppingProxy(port)
+    async with anyio.create_task_group() as tg:
+        await tg.start(proxy.run)
+        yield proxy
+        tg.cancel_scope.cancel()
+
+
+async def test_the_client_gets_exactly_one_result_per_rollout(
+    served: Running, emulator: Emulator
+) -> None:
+    async with FleetrollClient(served.url) as client:
+        batch = client.run_batch(LEDGER[:3], ScriptedPolicy(), samples_per_task=2)
+        with anyio.fail_after(60):
+            results = await batch.results()
+        status = await batch.status()
+    assert len({r.rollout_id for r in results}) == len(results) == 6
+    assert Counter(r.task_key for r in results) == {t.key: 2 for t in LEDGER[:3]}
+    assert all(r.reward == 1.0 for r in results)
+    assert status.status == "finished" and status.results == 6
+    assert emulator.ledger.running == 0
+
+
+async def test_a_stream_cut_mid_way_resumes_with_nothing_lost_or_twice(
+    proxy: DroppingProxy, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tasks = LEDGER[:4]
+    policy = GatedPolicy(held={t.key for t in tasks[2:]})
+    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    async with FleetrollClient(proxy.url, backoff_initial_s=0.01) as client:
+        batch = client.run_batch(tasks, samples_per_task=2)
+        results = []
+        with anyio.fail_after(60):
+            async for result in batch:
+                results.append(result)
+                if len(results) == 4:  # all the free ones; the rest wait for the release
+                    proxy.drop()
+                    policy.release.set()
+    assert batch.reconnects >= 1 and proxy.connections >= 2
+    assert len(results) == 8 and len({r.rollout_id for r in results}) == 8
+    assert batch.cursor == 8
+    assert all(r.reward == 1.0 for r in results)
+    assert emulator.ledger.running == 0
+
+
+async def test_reading_from_a_cursor_sends_only_later_results_then_the_end(
+    served: Running,
+) -> None:
+    async with FleetrollClient(served.url) as client:
+        batch = client.run_batch(LEDGER[:2], samples_per_task=2)
+        with anyio.fail_after(60):
+            first = await batch.results()
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            response = await http.get(f"/v1/batches/{batch.batch_id}/results", params={"after": 3})
+            ahead = await http.get(f"/v1/batches/{batch.batch_id}/results", params={"after": 9})
+    lines = [json.loads(line) for line in response.text.splitlines()]
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    assert [(line["type"], line["cursor"]) for line in lines] == [("result", 4), ("end", 4)]
+    assert lines[0]["result"]["rollout_id"] == first[3].rollout_id
+    assert lines[1]["status"] == "finished"
+    assert ahead.status_code == 422 and ahead.json()["detail"][0]["loc"] == ["query", "after"]
+
+
+async def test_resubmitting_a_batch_id_is_idempotent_and_other_content_under_it_conflicts(
+    served: Running,
+) -> None:
+    body = {"tasks": [task_record(LEDGER[0])], "batch_id": "step-42", "samples_per_task": 2}
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            first = await http.post("/v1/batches", json=body)
+            again = await http.post("/v1/batches", json=body)
+            other = await http.post("/v1/batches", json={**body, "samples_per_task": 3})
+            await http.get("/v1/batches/step-42/results")  # to the end
+    assert first.status_code == 201 and first.json() == {
+        "batch_id": "step-42",
+        "rollouts": 2,
+        "created": True,
+    }
+    assert again.status_code == 200 and again.json()["created"] is False
+    assert other.status_code == 409 and "step-42" in other.json()["detail"]
+
+
+async def test_cancelling_a_batch_still_streams_every_result_and_releases_everything(
+    served: Running, emulator: Emulator
+) -> None:
+    async with FleetrollClient(served.url) as client:
+        batch = client.run_batch(LEDGER[:3], ScriptedPolicy(think_time_s=3600))
+        await batch.submit()
+        await batch.cancel()
+        with anyio.fail_after(60):
+            results = await batch.results()
+        status = await batch.status()
+    assert len(results) == 3
+    assert {r.failure_reason for r in results} == {FailureReason.CANCELLED}
+    assert all(r.reward is None for r in results)
+    assert status.status == "cancelled" and status.cancel_requested
+    assert emulator.ledger.running == 0
+
+
+async def test_a_bad_task_is_a_422_naming_the_item_and_field(served: Running) -> None:
+    good = task_record(LEDGER[0])
+    no_env = {k: v for k, v in task_record(LEDGER[1]).items() if k != "env_key"}
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            missing = await http.post("/v1/batches", json={"tasks": [good, no_env]})
+            wrong_type = await http.post(
+                "/v1/batches", json={"tasks": [{**good, "max_steps": "ten"}]}
+            )
+            both = await http.post("/v1/batches", json={"tasks": [good], "tasks_file": "x"})
+            outside = await http.post("/v1/batches", json={"tasks_file": "/etc/passwd"})
+            not_json = await http.post("/v1/batches", content=b"tasks=1")
+    problem = missing.json()["detail"][0]
+    assert missing.status_code == 422
+    assert problem["loc"] == ["body", "tasks", 1, "env_key"]
+    assert "missing required field 'env_key'" in problem["msg"]
+    assert wrong_type.status_code == 422
+    assert wrong_type.json()["detail"][0]["loc"] == ["body", "tasks", 0, "max_steps"]
+    assert both.status_code == 422 and "exactly one" in both.json()["detail"][0]["msg"]
+    assert outside.status_code == 422
+    assert outside.json()["detail"][0]["loc"] == ["body", "tasks_file"]
+    assert "root:" not in outside.text  # the file was not read
+    assert not_json.status_code == 415
+
+
+async def test_a_task_file_on_the_server_runs_and_its_errors_name_line_and_field(
+    emulator: Emulator, tmp_path: Path
+) -> None:
+
+    good = tmp_path / "tasks.jsonl"
+    good.write_text(json.dumps(task_record(LEDGER[0])) + "\n")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(task_record(LEDGER[0])) + "\n" + '{"key": "x", "prompt": "p"}\n')
+    settings = {"service": {"tasks_root": str(tmp_path)}}
+    async with running_service(emulator, **settings) as served, served.http() as http:
+        with anyio.fail_after(60):
+            ok = await http.post("/v1/batches", json={"tasks_file": "tasks.jsonl"})
+            invalid = await http.post("/v1/batches", json={"tasks_file": "bad.jsonl"})
+            await http.get(f"/v1/batches/{ok.json()['batch_id']}/results")
+    assert ok.status_code == 201 and ok.json()["rollouts"] == 1
+    problem = invalid.json()["detail"][0]
+    assert invalid.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
+    assert "bad.jsonl:2: field 'env_key'" in problem["msg"]

@@ -1,0 +1,70 @@
+"""The MCP tools at /mcp, driven by a real MCP client over streamable HTTP."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from mcp import Client
+from service_helpers import LEDGER, Running, task_record
+
+from fleetroll.emulator import Emulator
+
+
+def structured(result: Any) -> dict[str, Any]:
+    assert not result.is_error, result.content
+    assert isinstance(result.structured_content, dict)
+    return result.structured_content
+
+
+async def test_an_mcp_client_starts_polls_and_finalizes_a_rollout(
+    served: Running, emulator: Emulator
+) -> None:
+    task = task_record(LEDGER[2])
+    with anyio.fail_after(60):
+        async with Client(f"{served.url}/mcp") as mcp:
+            names = {tool.name for tool in (await mcp.list_tools()).tools}
+            started = structured(await mcp.call_tool("start_rollout", {"task": task}))
+            rollout_id = started["rollout_id"]
+            state = structured(await mcp.call_tool("get_state", {"rollout_id": rollout_id}))
+            final = structured(await mcp.call_tool("finalize_rollout", {"rollout_id": rollout_id}))
+            after = structured(await mcp.call_tool("get_state", {"rollout_id": rollout_id}))
+            transcript = structured(
+                await mcp.call_tool("get_messages", {"rollout_id": rollout_id, "after": 1})
+            )
+            unknown = await mcp.call_tool("get_state", {"rollout_id": "nope"})
+    assert names == {
+        "run_rollout",
+        "start_rollout",
+        "get_state",
+        "get_messages",
+        "abort_rollout",
+        "finalize_rollout",
+    }
+    assert state["rollout_id"] == rollout_id and state["task_key"] == LEDGER[2].key
+    assert final["rollout_id"] == rollout_id and final["reward"] == 1.0
+    assert after["done"] and after["phase"] == "done" and after["steps"] == final["steps"]
+    assert transcript["done"] and transcript["messages"][0]["role"] == "assistant"
+    assert transcript["next"] == len(final["transcript"])
+    assert unknown.is_error and "no rollout 'nope'" in unknown.content[0].text
+    assert emulator.ledger.running == 0
+
+
+async def test_an_mcp_client_aborts_a_rollout_and_runs_one_to_the_end(served: Running) -> None:
+    slow = {"kind": "scripted", "think_time_s": 3600}
+    with anyio.fail_after(60):
+        async with Client(f"{served.url}/mcp") as mcp:
+            started = structured(
+                await mcp.call_tool(
+                    "start_rollout", {"task": task_record(LEDGER[3]), "policy": slow}
+                )
+            )
+            await mcp.call_tool("abort_rollout", {"rollout_id": started["rollout_id"]})
+            aborted = structured(
+                await mcp.call_tool("finalize_rollout", {"rollout_id": started["rollout_id"]})
+            )
+            ran = structured(await mcp.call_tool("run_rollout", {"task": task_record(LEDGER[4])}))
+            invalid = await mcp.call_tool("run_rollout", {"task": {"key": "k", "prompt": "p"}})
+    assert aborted["failure_reason"] == "cancelled" and aborted["reward"] is None
+    assert ran["reward"] == 1.0
+    assert invalid.is_error and "env_key" in invalid.content[0].text

@@ -247,6 +247,11 @@ def run(
         raise SystemExit(130)
 
 
+# fleetroll bench (src/fleetroll/bench/)
+from fleetroll.bench.cli import bench  # noqa: E402
+
+main.add_command(bench)
+
 # fleetroll query | stats (src/fleetroll/telemetry/cli.py)
 from fleetroll.telemetry.cli import query, stats  # noqa: E402
 

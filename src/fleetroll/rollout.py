@@ -263,18 +263,24 @@ class Rollout:
                 # opened inside nests properly; its deadline is set once the
                 # instance is ready (the agent's clock starts then).
                 with anyio.CancelScope() as deadline:
-                    async with AsyncExitStack() as stack:
-                        ready = await self._guarded(
-                            self._set_up(stack, deadline if enforce_deadline else None),
-                            default=False,
-                        )
-                        try:
-                            yield bool(ready)
-                        except Exception as exc:
-                            # Scored as abandoned, then raised again outside the
-                            # MCP session (whose task group would wrap it).
-                            self.abandon()
-                            caller_error = exc
+                    try:
+                        async with AsyncExitStack() as stack:
+                            ready = await self._guarded(
+                                self._set_up(stack, deadline if enforce_deadline else None),
+                                default=False,
+                            )
+                            try:
+                                yield bool(ready)
+                            except Exception as exc:
+                                # Scored as abandoned, then raised again outside the
+                                # MCP session (whose task group would wrap it).
+                                self.abandon()
+                                caller_error = exc
+                    except Exception as exc:
+                        # The MCP session failed under us (its transport task
+                        # died and cancelled what we were doing, or closing it
+                        # failed): whatever we were doing did not finish.
+                        await self._session_failed(exc)
                 if deadline.cancelled_caught:
                     self.time_out()
                 await self._guarded(self._score())
@@ -359,6 +365,24 @@ class Rollout:
         self._p.messages.append({"role": "user", "content": self.task.prompt})
         self.phase = Phase.ACTING
         return True
+
+    async def _session_failed(self, exc: Exception) -> None:
+        if self._p.reason is not None or self._p.finished or self.instance is None:
+            # The episode had ended already: only closing failed, which costs nothing.
+            self.engine.events.emit(
+                "fleet_tool_call_failed",
+                level="warn",
+                tool_name=None,
+                step_count=self._p.steps,
+                error_type=type(exc).__name__,
+                error_message=f"closing the MCP session: {describe(exc)}"[:500],
+            )
+            return
+        lost = not await self.engine.provider.is_alive(self.instance)
+        self._fail(
+            FailureReason.INSTANCE_LOST if lost else FailureReason.TOOLS_ERROR,
+            f"the MCP session failed: {describe(exc)}",
+        )
 
     async def _reset(self) -> None:
         assert self.instance is not None
@@ -563,6 +587,11 @@ class Rollout:
     def _build_result(self) -> RolloutResult:
         p = self._p
         p.timings.total_s = time.monotonic() - self._started
+        if p.reason is None and p.reward is None:
+            # A completed rollout always has a reward; if a path ever skips
+            # scoring, say so rather than report "completed" without one.
+            p.reason = FailureReason.VERIFIER_ERROR if p.scored else FailureReason.TOOLS_ERROR
+            p.error = p.error or "the rollout ended without being scored (a fleetroll bug)"
         reward = p.reward if (p.reason is None or p.reason in SCORED_REASONS) else None
         keep_images = self.engine.settings.pool.transcript_images
         return RolloutResult(

@@ -1,0 +1,170 @@
+"""``fleetroll bench``: run benchmark scenarios and write their reports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import click
+
+from fleetroll.bench.scenarios import BASELINES, SCENARIOS
+from fleetroll.errors import FleetrollError
+from fleetroll.settings import load_settings
+
+__all__ = ["bench"]
+
+
+class _Failed(click.ClickException):
+    exit_code = 2
+
+
+def _concurrency(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int]:
+    if not value:
+        return []
+    try:
+        levels = [int(part) for part in value.split(",") if part.strip()]
+    except ValueError:
+        raise click.BadParameter("a comma-separated list of integers, e.g. 100,500,1000") from None
+    if not levels or min(levels) < 1:
+        raise click.BadParameter("concurrency levels must be at least 1")
+    return levels
+
+
+def _baselines(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    if value is None:
+        return None
+    if value.strip() == "none":
+        return []
+    names = [part.strip() for part in value.split(",") if part.strip()]
+    unknown = sorted(set(names) - set(BASELINES))
+    if unknown:
+        raise click.BadParameter(
+            f"unknown baseline(s) {', '.join(unknown)}; known: {', '.join(BASELINES)} or none"
+        )
+    return names
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@click.command()
+@click.option(
+    "--scenario",
+    "scenario_names",
+    multiple=True,
+    type=click.Choice(sorted(SCENARIOS)),
+    help="Scenario to run (repeatable; default: smoke). See --list.",
+)
+@click.option("--list", "list_only", is_flag=True, help="List the scenarios and exit.")
+@click.option(
+    "--rollouts", type=click.IntRange(min=1), default=None, help="Rollouts (calls for tool-call)."
+)
+@click.option(
+    "--concurrency",
+    callback=_concurrency,
+    default=None,
+    help="Comma-separated concurrency levels, e.g. 100,500,1000.",
+)
+@click.option("--profile", default=None, help="Emulator fault profile instead of the scenario's.")
+@click.option(
+    "--baselines",
+    callback=_baselines,
+    default=None,
+    help="fresh-session,naive-gather (default: the scenario's) or none.",
+)
+@click.option(
+    "--discovery-wait",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="fresh-session's fixed wait before tool discovery, seconds (reference: 8).",
+)
+@click.option(
+    "--wall-limit",
+    type=click.FloatRange(min=1),
+    default=None,
+    help="Stop any run after this many seconds (default: the scenario's).",
+)
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("fleetroll-bench"),
+    show_default=True,
+    help="Folder for <scenario>.json, .md and .png.",
+)
+@click.option("--no-plot", is_flag=True, help="Skip the PNG plot.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A TOML file merged over the shipped defaults.",
+)
+def bench(
+    scenario_names: tuple[str, ...],
+    list_only: bool,
+    rollouts: int | None,
+    concurrency: list[int],
+    profile: str | None,
+    baselines: list[str] | None,
+    discovery_wait: float | None,
+    wall_limit: float | None,
+    out: Path,
+    no_plot: bool,
+    config_file: Path | None,
+) -> None:
+    """Benchmark fleetroll against the baselines on the embedded emulator.
+
+    Every run gets a fresh emulator in its own process (its CPU is reported
+    apart from fleetroll's) and stops on its own: runs are bounded by the
+    scenario's wall limit. Loopback only.
+    """
+    # Imported here: `fleetroll --help` should not pay for the SDK and MCP imports.
+    from fleetroll.bench.report import PLOT_HINT, write_report
+    from fleetroll.bench.runner import quiet_libraries, run_scenario, with_overrides
+
+    if list_only:
+        for s in SCENARIOS.values():
+            levels = ",".join(str(c) for c in s.concurrency)
+            click.echo(f"{s.name:<11} {s.rollouts:>6} x C={levels:<16} {s.description}")
+        return
+    config = str(config_file) if config_file is not None else None
+    try:
+        settings = load_settings(config)
+        scenarios = [
+            with_overrides(
+                SCENARIOS[name],
+                settings,
+                rollouts=rollouts,
+                concurrency=concurrency,
+                profile=profile,
+                discovery_wait_s=discovery_wait,
+                wall_limit_s=wall_limit,
+            )
+            for name in scenario_names or ("smoke",)
+        ]
+    except FleetrollError as exc:
+        raise _Failed(str(exc)) from None
+    plots = not no_plot
+    if plots and not _has_matplotlib():
+        click.echo(PLOT_HINT + "; writing JSON and markdown only.", err=True)
+        plots = False
+
+    def echo(line: str) -> None:
+        click.echo(line, err=True)
+
+    async def main() -> None:
+        for scenario in scenarios:
+            chosen = scenario.baselines if baselines is None else baselines
+            report = await run_scenario(scenario, baselines=chosen, config_file=config, echo=echo)
+            for path in write_report(report, out, with_plot=plots):
+                click.echo(str(path))
+
+    try:
+        with quiet_libraries():
+            anyio.run(main)
+    except FleetrollError as exc:
+        raise _Failed(str(exc)) from None

@@ -1,0 +1,158 @@
+"""What a benchmark run records: the JSON written by ``fleetroll bench``."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleetroll.results import Timings
+
+__all__ = [
+    "PHASES",
+    "Machine",
+    "Percentiles",
+    "RunRecord",
+    "Sample",
+    "ScenarioReport",
+    "ToolCallRecord",
+    "ToolCallStats",
+    "load_average",
+]
+
+#: Per-phase timings reported, by their :class:`~fleetroll.results.Timings` field.
+PHASES = ("provision_s", "reset_s", "policy_s", "tools_s", "verify_s", "total_s")
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One rollout's outcome as the harness sees it, whatever system ran it."""
+
+    reward: float | None
+    failure: str | None
+    timings: Timings = field(default_factory=Timings)
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Percentiles(_Model):
+    """p50 / p95 / p99 of one phase, in seconds, over the rollouts that had it."""
+
+    p50: float | None
+    p95: float | None
+    p99: float | None
+
+
+class RunRecord(_Model):
+    """One system's run of one scenario at one concurrency."""
+
+    scenario: str
+    system: str
+    concurrency: int | None = Field(description="None: no limit (naive-gather)")
+    requested: int
+    returned: int = Field(description="results handed back to the caller")
+    scored: int = Field(description="results with a reward")
+    failures: dict[str, int]
+    finished_on_its_own: bool
+    makespan_s: float
+    ideal_s: float | None
+    overhead: float | None
+    rollouts_per_s: float = Field(description="scored rollouts per second of makespan")
+    phases: dict[str, Percentiles]
+    loop_lag_p99_ms: float | None
+    loop_lag_max_ms: float | None
+    peak_rss_mb: float
+    peak_rss_of_run: bool = Field(description="False: the process's peak, not this run's")
+    cpu_s: float
+    cpu_ms_per_rollout: float
+    cpu_utilisation: float = Field(description="fleetroll-process CPU seconds / makespan")
+    emulator_cpu_s: float | None
+    emulator_cpu_utilisation: float | None
+    leaked: int = Field(description="instances still running after the run, before cleanup")
+    leaked_after_cleanup: int | None = Field(
+        None, description="still running after the harness cancelled what the run left behind"
+    )
+    past_deadline: int = Field(description="rollouts over their deadline budget + 5 s")
+    deadline_budget_s: float
+    load_average_before: float | None
+    other_cpu_utilisation: float | None = Field(
+        description="CPU of every other process on the machine during the run, in cores"
+    )
+    provisional: bool = Field(description="the machine was busy with others during the run")
+    ledger: dict[str, Any]
+    notes: list[str] = Field(default_factory=list)
+
+
+class ToolCallStats(_Model):
+    """Per-call wall and CPU time of one client, in milliseconds."""
+
+    client: str
+    calls: int
+    wall_mean_ms: float
+    wall_p50_ms: float
+    wall_p95_ms: float
+    cpu_mean_ms: float
+
+
+class ToolCallRecord(_Model):
+    """The per-call micro-benchmark: fleetroll's ToolSession vs a bare mcp session."""
+
+    calls: int
+    tool: str
+    clients: list[ToolCallStats]
+    ratio_mean: float = Field(description="fleetroll / bare, mean wall time per call")
+    ratio_p50: float = Field(description="fleetroll / bare, median wall time per call")
+    load_average_before: float | None
+    other_cpu_utilisation: float | None
+    provisional: bool
+
+
+class Machine(_Model):
+    nproc: int
+    cpu_model: str
+    python: str
+    platform: str
+
+    @classmethod
+    def here(cls) -> Machine:
+        model = "unknown"
+        try:
+            for line in Path("/proc/cpuinfo").read_text().splitlines():
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+        except OSError:
+            pass
+        return cls(
+            nproc=os.cpu_count() or 0,
+            cpu_model=model,
+            python=platform.python_version(),
+            platform=platform.platform(),
+        )
+
+
+class ScenarioReport(_Model):
+    """Everything one ``fleetroll bench`` invocation measured for one scenario."""
+
+    scenario: str
+    description: str
+    command: str
+    started_at: str
+    machine: Machine
+    parameters: dict[str, Any]
+    runs: list[RunRecord] = Field(default_factory=list)
+    tool_calls: ToolCallRecord | None = None
+
+
+def load_average() -> float | None:
+    """The 1-minute load average, or None where it is not available."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None

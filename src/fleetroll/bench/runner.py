@@ -1,0 +1,190 @@
+"""One scenario, end to end: every system at every concurrency, then the report."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import stamina.instrumentation
+
+from fleetroll.bench.baselines import BASELINE_SYSTEMS
+from fleetroll.bench.ideal import IdealModel, ideal_makespan
+from fleetroll.bench.records import Machine, RunRecord, ScenarioReport
+from fleetroll.bench.scenarios import Scenario, bench_tasks, fleetroll_settings
+from fleetroll.bench.systems import measure_run, run_fleetroll
+from fleetroll.bench.toolcall import tool_call_bench
+from fleetroll.settings import Settings
+
+__all__ = ["quiet_libraries", "run_scenario", "with_overrides"]
+
+_UNLIMITED_RATE = 1e9
+
+
+#: Library loggers silenced during runs (see :func:`quiet_libraries`).
+_NOISY_LOGGERS = ("httpx_retries", "mcp")
+
+
+@contextmanager
+def quiet_libraries() -> Iterator[None]:
+    """Silence library log lines during runs: stamina's and the SDK retry
+    transport's line per retry, and the mcp client's tracebacks when a
+    session is cancelled (the naive baseline's clean-up).
+
+    Under chaos they print thousands of console lines, whose cost would be
+    charged to whichever system is running; retries and failures are counted
+    elsewhere (results, the emulator's ledger).
+    """
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    stamina.instrumentation.set_on_retry_hooks([])
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        stamina.instrumentation.set_on_retry_hooks(hooks)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _ideal(
+    scenario: Scenario, settings: Settings, rollouts: int, limit: int | None
+) -> float | None:
+    if scenario.faulty:
+        return None  # failures and retries have no ideal
+    p = settings.provisioning
+    model = IdealModel.of(
+        scenario.profile,
+        rollouts=rollouts,
+        concurrency=limit or rollouts,
+        max_creates=p.max_concurrent_creates if limit else rollouts,
+        creates_per_second=p.creates_per_second if limit else _UNLIMITED_RATE,
+        steps=scenario.steps,
+        think_s=scenario.think_s,
+    )
+    return ideal_makespan(model)
+
+
+def _summary(run: RunRecord) -> str:
+    overhead = f"{run.overhead:.3f}x ideal" if run.overhead else "no ideal"
+    return (
+        f"  {run.system:<14} C={run.concurrency or 'inf':<5} "
+        f"{run.returned}/{run.requested} returned, {run.scored} scored, "
+        f"{run.makespan_s:.1f} s ({overhead}), {run.rollouts_per_s:.2f}/s, "
+        f"lag p99 {run.loop_lag_p99_ms or 0:.0f} ms, leaked {run.leaked}, "
+        f"{'finished' if run.finished_on_its_own else 'DID NOT FINISH on its own'}"
+    )
+
+
+async def run_scenario(
+    scenario: Scenario,
+    *,
+    baselines: Sequence[str],
+    config_file: str | None = None,
+    echo: Callable[[str], None] = print,
+) -> ScenarioReport:
+    """Run ``scenario`` for fleetroll and each baseline; the report holds every run.
+
+    Raises:
+        ConfigError: the settings (or the scenario's overrides) are invalid.
+        EmulatorError: an emulator process did not start.
+    """
+    report = ScenarioReport(
+        scenario=scenario.name,
+        description=scenario.description,
+        command=shlex.join(["fleetroll", "bench", *sys.argv[2:]])
+        if len(sys.argv) > 1 and sys.argv[1] == "bench"
+        else f"fleetroll bench --scenario {scenario.name}",
+        started_at=datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        machine=Machine.here(),
+        parameters={
+            "rollouts": scenario.rollouts,
+            "concurrency": list(scenario.concurrency),
+            "steps": scenario.steps,
+            "think_s": scenario.think_s,
+            "profile": scenario.profile_name or scenario.profile.model_dump(exclude_defaults=True),
+            "timeouts": dict(scenario.timeouts),
+            "baselines": list(baselines),
+            "discovery_wait_s": scenario.discovery_wait_s,
+            "wall_limit_s": scenario.wall_limit_s,
+        },
+    )
+    if scenario.kind == "tool-call":
+        settings = fleetroll_settings(scenario, 1, config_file)
+        echo(f"{scenario.name}: {scenario.rollouts} calls per client, interleaved")
+        report.tool_calls = await tool_call_bench(scenario, scenario.rollouts, settings)
+        r = report.tool_calls
+        echo(f"  fleetroll / bare: {r.ratio_mean:.3f}x mean, {r.ratio_p50:.3f}x median")
+        return report
+
+    tasks, samples = bench_tasks(scenario.rollouts, scenario.steps, scenario.samples_per_task)
+    n = len(tasks) * samples
+    echo(f"{scenario.name}: {n} rollouts ({len(tasks)} tasks x {samples}), {scenario.description}")
+    for concurrency in scenario.concurrency:
+        settings = fleetroll_settings(scenario, concurrency, config_file)
+        ideal = _ideal(scenario, settings, n, concurrency)
+        systems = [("fleetroll", run_fleetroll)]
+        if "fresh-session" in baselines:
+            systems.append(("fresh-session", BASELINE_SYSTEMS["fresh-session"]))
+        for name, system in systems:
+            run = await measure_run(
+                name,
+                system,
+                scenario=scenario,
+                concurrency=concurrency,
+                tasks=tasks,
+                samples_per_task=samples,
+                settings=settings,
+                ideal_s=ideal,
+            )
+            report.runs.append(run)
+            echo(_summary(run))
+    if "naive-gather" in baselines:
+        # No limit of its own: one run, whatever the concurrency list says.
+        settings = fleetroll_settings(scenario, max(scenario.concurrency), config_file)
+        run = await measure_run(
+            "naive-gather",
+            BASELINE_SYSTEMS["naive-gather"],
+            scenario=scenario,
+            concurrency=None,
+            tasks=tasks,
+            samples_per_task=samples,
+            settings=settings,
+            ideal_s=_ideal(scenario, settings, n, None),
+        )
+        report.runs.append(run)
+        echo(_summary(run))
+    return report
+
+
+def with_overrides(
+    scenario: Scenario,
+    settings: Settings,
+    *,
+    rollouts: int | None,
+    concurrency: Sequence[int] | None,
+    profile: str | None,
+    discovery_wait_s: float | None,
+    wall_limit_s: float | None,
+) -> Scenario:
+    """``scenario`` with the command line's overrides applied.
+
+    Raises:
+        ConfigError: ``profile`` names no profile of the settings.
+    """
+    scenario = scenario.with_profile(settings, profile)
+    return replace(
+        scenario,
+        rollouts=scenario.rollouts if rollouts is None else rollouts,
+        concurrency=tuple(concurrency) if concurrency else scenario.concurrency,
+        discovery_wait_s=(
+            scenario.discovery_wait_s if discovery_wait_s is None else discovery_wait_s
+        ),
+        wall_limit_s=scenario.wall_limit_s if wall_limit_s is None else wall_limit_s,
+    )

@@ -1,0 +1,64 @@
+"""`fleetroll bench` end to end on its smoke scenario: structure only, never timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from fleetroll.bench.records import ScenarioReport
+
+
+def clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_"))
+    }
+    env["FLEETROLL_TELEMETRY__DB_PATH"] = os.devnull
+    return env
+
+
+def bench(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fleetroll", "bench", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=clean_env(),
+    )
+
+
+def test_the_smoke_scenario_runs_every_system_and_writes_its_report(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    done = bench("--scenario", "smoke", "--out", str(out), "--no-plot", cwd=tmp_path, timeout=110)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["smoke.json", "smoke.md"]
+    report = ScenarioReport.model_validate(json.loads((out / "smoke.json").read_text()))
+    assert [r.system for r in report.runs] == ["fleetroll", "fresh-session", "naive-gather"]
+    for run in report.runs:
+        assert run.requested == 8
+        assert run.returned == 8, run
+        assert run.leaked == 0, run
+        assert run.finished_on_its_own, run
+    fleetroll = report.runs[0]
+    assert fleetroll.scored == 8 and fleetroll.failures == {"none": 8}
+    assert fleetroll.ledger["created"] == fleetroll.ledger["deleted"] == 8
+    markdown = (out / "smoke.md").read_text()
+    assert "| fleetroll | 8 | 8 / 8 |" in markdown
+
+
+def test_the_scenario_list_names_every_scenario(tmp_path: Path) -> None:
+    done = bench("--list", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    names = [line.split()[0] for line in done.stdout.splitlines()]
+    assert names == ["smoke", "realistic", "tool-heavy", "scale", "chaos", "tool-call"]
+
+
+def test_an_unknown_baseline_is_a_usage_error(tmp_path: Path) -> None:
+    done = bench("--baselines", "ray", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "unknown baseline(s) ray" in done.stderr

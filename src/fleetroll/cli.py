@@ -253,10 +253,11 @@ from fleetroll.bench.cli import bench  # noqa: E402
 main.add_command(bench)
 
 # fleetroll query | stats (src/fleetroll/telemetry/cli.py)
-from fleetroll.telemetry.cli import query, stats  # noqa: E402
+from fleetroll.telemetry.cli import dashboard, query, stats  # noqa: E402
 
 main.add_command(query)
 main.add_command(stats)
+main.add_command(dashboard)
 
 
 # `fleetroll serve` (HTTP service for remote controllers) lives in fleetroll.service.

@@ -231,3 +231,11 @@ async def test_metrics_count_rollouts_and_provisioning_in_prometheus_text(
         == (samples["fleetroll_provision_seconds_count"])
     )
     assert "fleetroll_rollouts_in_flight 0" in text
+
+
+async def test_the_dashboard_is_served_by_the_service(served: Running) -> None:
+    async with served.http() as client:
+        page = await client.get("/dashboard")
+        data = await client.get("/dashboard/data")
+    assert page.status_code == 200 and "<svg" in page.text
+    assert data.status_code == 200 and "totals" in data.json()

@@ -68,6 +68,7 @@ from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.settings import Settings
 from fleetroll.telemetry import Redactor
+from fleetroll.telemetry.dashboard import dashboard_routes
 
 __all__ = ["Service", "create_app"]
 
@@ -345,7 +346,11 @@ def create_app(service: Service) -> ASGIApp:
         async with service.running(), mcp.session_manager.run():
             yield
 
-    routes = Starlette(routes=_routes(service), lifespan=lifespan)
+    s = service.settings
+    dashboard = dashboard_routes(
+        s.telemetry.db_path, query_timeout_s=s.service.query_timeout_s, limiter=service._queries
+    )
+    routes = Starlette(routes=[*_routes(service), *dashboard], lifespan=lifespan)
 
     async def root(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] in ("/mcp", "/mcp/"):

@@ -1,4 +1,4 @@
-"""``fleetroll query`` and ``fleetroll stats``: SQL over the telemetry.
+"""``fleetroll query``, ``fleetroll stats`` and ``fleetroll dashboard``: the telemetry, read.
 
 Registered on the ``fleetroll`` group at the end of :mod:`fleetroll.cli`.
 Exit codes: 0 done; 1 ``stats --check`` found rollouts that broke the
@@ -21,7 +21,7 @@ import click
 from fleetroll.errors import FleetrollError
 from fleetroll.telemetry.store import StoreError
 
-__all__ = ["query", "stats"]
+__all__ = ["dashboard", "query", "stats"]
 
 _DB_OPTION = click.option(
     "--db",
@@ -278,3 +278,44 @@ def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
         )
     title = "rollouts by environment" + (f" (batch {batch_id})" if batch_id else "")
     _print_table(columns, table_rows, title=title)
+
+
+@click.command()
+@_DB_OPTION
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=int, default=8377, show_default=True, help="Port to listen on (0: a free one)."
+)
+@_CONFIG_OPTION
+def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | None) -> None:
+    """Serve the live dashboard of the telemetry store until Ctrl-C.
+
+    Rollouts over time, failure reasons by environment, provisioning latency,
+    rewards and the slowest rollouts, refreshed every two seconds: open the
+    printed URL in a browser. The store is only ever read.
+    """
+    import anyio
+
+    from fleetroll.settings import load_settings
+
+    try:
+        settings = load_settings(config_file)
+    except FleetrollError as exc:
+        raise _failed(str(exc)) from None
+    db = db_path if db_path is not None else settings.telemetry.db_path
+
+    async def serve() -> None:
+        from fleetroll._serving import serve_asgi
+        from fleetroll.cli import _until_signalled
+        from fleetroll.telemetry.dashboard import dashboard_app
+
+        app = dashboard_app(db, query_timeout_s=settings.service.query_timeout_s)
+        async with serve_asgi(app, host=host, port=port) as url:
+            click.echo(f"fleetroll dashboard: {url}/dashboard  (store {db}; Ctrl-C to stop)")
+            await _until_signalled()
+        click.echo("fleetroll dashboard: stopped", err=True)
+
+    try:
+        anyio.run(serve)
+    except OSError as exc:
+        raise _failed(f"cannot serve the dashboard on {host}:{port}: {exc}") from None

@@ -1,0 +1,453 @@
+"""The dashboard: one self-contained page over the local telemetry store.
+
+Two routes, mountable in any Starlette app (the HTTP service adds
+:func:`dashboard_routes` to its own; ``fleetroll dashboard`` serves
+:func:`dashboard_app` alone):
+
+- ``GET /dashboard``: the page (``dashboard.html``, shipped in this package:
+  inline CSS and vanilla JS drawing SVG charts, no network beyond this server);
+- ``GET /dashboard/data?since=&batch=``: a JSON snapshot the page polls every
+  two seconds (see :func:`snapshot` for its shape).
+
+Every snapshot is a handful of read-only SQL queries (:func:`queries.query`:
+``mode=ro``, an authorizer that allows reading only, a time limit), run in a
+worker thread under a :class:`anyio.CapacityLimiter`, so a slow store never
+blocks the event loop and a dozen open tabs cannot queue up unbounded work.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from datetime import UTC, datetime, timedelta
+from functools import cache, partial
+from importlib.resources import files
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from starlette.routing import Route
+
+from fleetroll.telemetry.queries import QueryError, QueryResult, query
+from fleetroll.telemetry.store import StoreError
+
+__all__ = [
+    "DEFAULT_QUERY_TIMEOUT_S",
+    "SinceError",
+    "dashboard_app",
+    "dashboard_routes",
+    "parse_since",
+    "snapshot",
+]
+
+#: Time limit of each SQL query behind one snapshot (callers pass their setting).
+DEFAULT_QUERY_TIMEOUT_S: Final = 10.0
+#: At most this many time buckets in the timeline.
+_MAX_BUCKETS: Final = 60
+#: Bucket widths the timeline picks from, in seconds.
+_BUCKET_WIDTHS: Final = (
+    1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200, 10800, 21600, 43200, 86400,
+)  # fmt: skip
+_SLOWEST: Final = 12
+_PROVISIONING_BINS: Final = 20
+_REWARD_BINS: Final = 10
+_STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
+_UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
+
+
+class SinceError(ValueError):
+    """A ``since`` value that is neither a duration (``15m``) nor an ISO 8601 time."""
+
+
+def parse_since(text: str, *, now: datetime | None = None) -> str:
+    """``since`` as the store's timestamp text (UTC, microseconds, ``Z``).
+
+    Accepts a duration back from now (``90s``, ``15m``, ``6h``, ``7d``) or an
+    ISO 8601 time (without an offset: UTC).
+
+    Raises:
+        SinceError: neither; the message says what is accepted.
+    """
+    match = _RELATIVE.match(text)
+    if match:
+        amount, unit = float(match.group(1)), _UNITS[match.group(2)]
+        when = (now or datetime.now(UTC)) - timedelta(**{unit: amount})
+    else:
+        try:
+            when = datetime.fromisoformat(text.strip())
+        except ValueError:
+            raise SinceError(
+                f"since={text!r} is not a time: give a duration back from now "
+                "(90s, 15m, 6h, 7d) or an ISO 8601 time (2026-01-01T12:00:00Z)"
+            ) from None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# -- the snapshot ----------------------------------------------------------------------
+
+
+def _where(since: str | None, batch: str | None) -> str:
+    clauses = ["service_name = :service"]
+    if since is not None:
+        clauses.append("start_timestamp >= :since")
+    if batch is not None:
+        clauses.append("attributes->>'batch_id' = :batch")
+    return " AND ".join(clauses)
+
+
+def _iso(epoch_s: float) -> str:
+    return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _epoch(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp).timestamp()
+
+
+def _nice_step(span: float, bins: int) -> float:
+    """A round bin width (1, 2 or 5 times a power of ten) giving at most ``bins`` bins."""
+    if span <= 0:
+        return 1.0
+    raw = span / bins
+    power = 10 ** math.floor(math.log10(raw))
+    for factor in (1, 2, 5, 10):
+        if factor * power >= raw:
+            return float(factor * power)
+    return float(10 * power)  # pragma: no cover - the loop always returns
+
+
+def _histogram(values: Sequence[float], lo: float, hi: float, bins: int) -> list[list[float]]:
+    """``[[lo, hi], ...]`` edges and counts: ``bins`` equal bins, the last one closed."""
+    width = (hi - lo) / bins if hi > lo else 1.0
+    counts = [0] * bins
+    for value in values:
+        index = min(bins - 1, max(0, int((value - lo) / width)))
+        counts[index] += 1
+    return [[lo + i * width, lo + (i + 1) * width, counts[i]] for i in range(bins)]
+
+
+def _percentile(ordered: Sequence[float], q: float) -> float | None:
+    if not ordered:
+        return None
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _timeline(
+    run: Callable[[str, Mapping[str, Any]], QueryResult],
+    where: str,
+    params: Mapping[str, Any],
+    since: str | None,
+) -> tuple[int, list[dict[str, Any]]]:
+    (first, last), *_ = run(
+        f"SELECT MIN(start_timestamp), MAX(start_timestamp) FROM records "
+        f"WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}",
+        params,
+    ).rows
+    if first is None:
+        return 1, []
+    start, end = _epoch(first), _epoch(last)
+    width = next(
+        (w for w in _BUCKET_WIDTHS if (end - start) / w < _MAX_BUCKETS), _BUCKET_WIDTHS[-1]
+    )
+    rows = run(
+        f"""
+        SELECT CAST((julianday(start_timestamp) - 2440587.5) * 86400.0 / :width AS INTEGER),
+            COUNT(*) FILTER (WHERE message = '{_STARTED}'),
+            COUNT(*) FILTER (WHERE message = '{_COMPLETED}')
+        FROM records WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}
+        GROUP BY 1 ORDER BY 1
+        """,
+        {**params, "width": width},
+    ).rows
+    # Rollouts started before the window and still running are in flight in it too.
+    in_flight = 0
+    if since is not None:
+        before = where.replace("start_timestamp >= :since", "start_timestamp < :since")
+        ((in_flight,),) = run(
+            f"SELECT COUNT(*) FILTER (WHERE message = '{_STARTED}') "
+            f"- COUNT(*) FILTER (WHERE message = '{_COMPLETED}') "
+            f"FROM records WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {before}",
+            params,
+        ).rows
+    counts = {int(bucket): (int(s), int(c)) for bucket, s, c in rows}
+    buckets, started, completed = [], 0, 0
+    for bucket in range(min(counts), max(counts) + 1):
+        s, c = counts.get(bucket, (0, 0))
+        started, completed, in_flight = started + s, completed + c, in_flight + s - c
+        buckets.append(
+            {
+                "t": _iso(bucket * width),
+                "started": s,
+                "completed": c,
+                "started_total": started,
+                "completed_total": completed,
+                "in_flight": max(0, in_flight),
+            }
+        )
+    return width, buckets
+
+
+def snapshot(
+    db: str | os.PathLike[str],
+    *,
+    since: str | None = None,
+    batch: str | None = None,
+    service_name: str = "fleetroll",
+    timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Everything the page draws, from the store at ``db`` (blocking: run it in a thread).
+
+    ``since`` is a store timestamp (see :func:`parse_since`); ``batch`` a batch
+    id. The answer::
+
+        {"generated_at": iso, "since": iso|null, "batch": str|null,
+         "batches": [{"batch_id", "started", "first_seen"}],      # newest first
+         "totals": {"started", "completed", "in_flight", "failed", "failed_pct",
+                    "reward_mean", "rewarded"},
+         "timeline": {"bucket_s", "buckets": [{"t", "started", "completed",
+                      "started_total", "completed_total", "in_flight"}]},
+         "failures": {"reasons": [str], "envs": [{"env", "completed", "failed",
+                      "reasons": {reason: n}}]},
+         "provisioning": {"count", "p50_s", "p95_s", "max_s", "bins": [[lo, hi, n]]},
+         "rewards": {"envs": [{"env", "count", "mean", "bins": [[lo, hi, n]]}]},
+         "slowest": [{"rollout_id", "task_key", "env", "duration_s",
+                      "failure_reason", "reward", "time"}]}
+
+    Raises:
+        StoreError: there is no store at ``db``, or it cannot be read.
+        QueryError: a query failed or ran over ``timeout_s``.
+    """
+    run = partial(query, db, timeout_s=timeout_s)
+    where = _where(since, batch)
+    params: dict[str, Any] = {"service": service_name, "since": since, "batch": batch}
+
+    batches = [
+        {"batch_id": b, "started": int(n), "first_seen": first}
+        for b, n, first in run(
+            f"SELECT attributes->>'batch_id', COUNT(*), MIN(start_timestamp) FROM records "
+            f"WHERE message = '{_STARTED}' AND service_name = :service "
+            "AND attributes->>'batch_id' IS NOT NULL GROUP BY 1 ORDER BY 3 DESC LIMIT 50",
+            params,
+        ).rows
+    ]
+    bucket_s, buckets = _timeline(run, where, params, since)
+
+    reasons: set[str] = set()
+    envs: dict[str, dict[str, Any]] = {}
+    for env, reason, n in run(
+        f"SELECT COALESCE(attributes->>'env_key', '?'), attributes->>'failure_reason', COUNT(*) "
+        f"FROM records WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2 ORDER BY 1",
+        params,
+    ).rows:
+        entry = envs.setdefault(env, {"env": env, "completed": 0, "failed": 0, "reasons": {}})
+        entry["completed"] += n
+        if reason is not None:
+            entry["failed"] += n
+            entry["reasons"][reason] = n
+            reasons.add(reason)
+
+    provisioning = sorted(
+        float(v)
+        for (v,) in run(
+            "SELECT attributes->>'provisioning_time_s' FROM records "
+            f"WHERE message = 'fleet_provisioning_completed' AND {where} "
+            "AND attributes->>'provisioning_time_s' IS NOT NULL",
+            params,
+        ).rows
+        if isinstance(v, int | float)
+    )
+    high = provisioning[-1] if provisioning else 0.0
+    step = _nice_step(high, _PROVISIONING_BINS)
+    provisioning_bins = math.ceil(high / step) if high > 0 else 1
+    rewards_by_env: dict[str, list[float]] = defaultdict(list)
+    for env, reward in run(
+        f"SELECT COALESCE(attributes->>'env_key', '?'), attributes->>'reward' FROM records "
+        f"WHERE message = '{_COMPLETED}' AND {where} AND attributes->>'reward' IS NOT NULL",
+        params,
+    ).rows:
+        if isinstance(reward, int | float):
+            rewards_by_env[env].append(float(reward))
+    all_rewards = [r for values in rewards_by_env.values() for r in values]
+    # Rewards are usually in [0, 1]: keep that range so envs and polls compare.
+    r_lo = min([0.0, *all_rewards])
+    r_hi = max([1.0, *all_rewards])
+
+    slowest = [
+        {
+            "rollout_id": rid,
+            "task_key": task,
+            "env": env,
+            "duration_s": duration,
+            "failure_reason": reason,
+            "reward": reward,
+            "time": time,
+        }
+        for rid, task, env, duration, reason, reward, time in run(
+            "SELECT attributes->>'rollout_id', attributes->>'task_key', attributes->>'env_key', "
+            "attributes->>'duration_s' AS d, attributes->>'failure_reason', "
+            "attributes->>'reward', start_timestamp FROM records "
+            f"WHERE message = '{_COMPLETED}' AND {where} AND d IS NOT NULL "
+            "ORDER BY d DESC LIMIT :limit",
+            {**params, "limit": _SLOWEST},
+        ).rows
+    ]
+
+    started = sum(b["started"] for b in buckets)
+    completed = sum(e["completed"] for e in envs.values())
+    failed = sum(e["failed"] for e in envs.values())
+    return {
+        "generated_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "since": since,
+        "batch": batch,
+        "batches": batches,
+        "totals": {
+            "started": started,
+            "completed": completed,
+            "in_flight": buckets[-1]["in_flight"] if buckets else 0,
+            "failed": failed,
+            "failed_pct": 100.0 * failed / completed if completed else None,
+            "reward_mean": sum(all_rewards) / len(all_rewards) if all_rewards else None,
+            "rewarded": len(all_rewards),
+        },
+        "timeline": {"bucket_s": bucket_s, "buckets": buckets},
+        "failures": {"reasons": sorted(reasons), "envs": list(envs.values())},
+        "provisioning": {
+            "count": len(provisioning),
+            "p50_s": _percentile(provisioning, 0.50),
+            "p95_s": _percentile(provisioning, 0.95),
+            "max_s": high if provisioning else None,
+            "bins": _histogram(provisioning, 0.0, provisioning_bins * step, provisioning_bins)
+            if provisioning
+            else [],
+        },
+        "rewards": {
+            "envs": [
+                {
+                    "env": env,
+                    "count": len(values),
+                    "mean": sum(values) / len(values),
+                    "bins": _histogram(values, r_lo, r_hi, _REWARD_BINS),
+                }
+                for env, values in sorted(rewards_by_env.items())
+            ]
+        },
+        "slowest": slowest,
+    }
+
+
+def _empty(since: str | None, batch: str | None, note: str) -> dict[str, Any]:
+    return {
+        "generated_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+        "since": since,
+        "batch": batch,
+        "note": note,
+        "batches": [],
+        "totals": {
+            "started": 0,
+            "completed": 0,
+            "in_flight": 0,
+            "failed": 0,
+            "failed_pct": None,
+            "reward_mean": None,
+            "rewarded": 0,
+        },
+        "timeline": {"bucket_s": 1, "buckets": []},
+        "failures": {"reasons": [], "envs": []},
+        "provisioning": {"count": 0, "p50_s": None, "p95_s": None, "max_s": None, "bins": []},
+        "rewards": {"envs": []},
+        "slowest": [],
+    }
+
+
+# -- routes ----------------------------------------------------------------------------
+
+
+@cache
+def page() -> str:
+    """The dashboard page (a package resource)."""
+    return (files("fleetroll.telemetry") / "dashboard.html").read_text(encoding="utf-8")
+
+
+def _invalid(loc: list[str], message: str) -> JSONResponse:
+    # The service's validation error shape, so clients handle one kind of 422.
+    return JSONResponse({"detail": [{"loc": loc, "msg": message, "type": "value_error"}]}, 422)
+
+
+def dashboard_routes(
+    db_path: str | os.PathLike[str],
+    *,
+    service_name: str = "fleetroll",
+    query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S,
+    limiter: anyio.CapacityLimiter | None = None,
+) -> list[Route]:
+    """``GET /dashboard`` and ``GET /dashboard/data``, to add to a Starlette app's routes.
+
+    Args:
+        db_path: the telemetry store (it may not exist yet: the page says "no data yet").
+        service_name: whose records to show.
+        query_timeout_s: time limit of each SQL query.
+        limiter: bounds the worker threads running queries (default: two, for these routes).
+    """
+    db = Path(db_path)
+    store_readers = limiter or anyio.CapacityLimiter(2)
+
+    async def dashboard(request: Request) -> Response:
+        return HTMLResponse(page(), headers={"Cache-Control": "no-store"})
+
+    async def data(request: Request) -> Response:
+        raw_since = request.query_params.get("since") or None
+        batch = request.query_params.get("batch") or None
+        since = None
+        if raw_since is not None:
+            try:
+                since = parse_since(raw_since)
+            except SinceError as exc:
+                return _invalid(["query", "since"], str(exc))
+        try:
+            answer = await anyio.to_thread.run_sync(
+                partial(
+                    snapshot,
+                    db,
+                    since=since,
+                    batch=batch,
+                    service_name=service_name,
+                    timeout_s=query_timeout_s,
+                ),
+                limiter=store_readers,
+            )
+        except QueryError as exc:
+            return JSONResponse({"detail": str(exc)}, 503)
+        except StoreError as exc:
+            # No store yet (nothing has run): an empty dashboard, with the reason.
+            answer = _empty(since, batch, str(exc))
+        return JSONResponse(answer, headers={"Cache-Control": "no-store"})
+
+    return [
+        Route("/dashboard", dashboard, methods=["GET"]),
+        Route("/dashboard/data", data, methods=["GET"]),
+    ]
+
+
+def dashboard_app(
+    db_path: str | os.PathLike[str],
+    *,
+    service_name: str = "fleetroll",
+    query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S,
+) -> Starlette:
+    """The dashboard alone (``fleetroll dashboard``): its routes, and ``/`` leading to it."""
+
+    async def root(request: Request) -> Response:
+        return RedirectResponse("dashboard")
+
+    routes = dashboard_routes(db_path, service_name=service_name, query_timeout_s=query_timeout_s)
+    return Starlette(routes=[Route("/", root, methods=["GET"]), *routes])

@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import contextvars
+import itertools
+import math
 import random
 import time
 from collections.abc import AsyncIterator
@@ -65,6 +67,7 @@ _PERMANENT_TYPES: tuple[type[Exception], ...] = (
     fleet_errors.FleetBadRequestError,  # includes region, env and version not found
     fleet_errors.FleetConfigurationError,
 )
+_CONNECTIONS_PER_LANE = 64
 _TRANSIENT_TEXT = (
     "retryable",
     "try again",
@@ -201,17 +204,31 @@ class FleetProvider:
         self._events = events
         p = settings.provisioning
         t = settings.timeouts
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(t.provision_create_s, connect=t.mcp_connect_s),
-            limits=httpx.Limits(
-                max_connections=max(100, settings.pool.concurrency * 2),
-                max_keepalive_connections=max(20, settings.pool.concurrency),
-            ),
-            event_hooks={"response": [_remember_retry_after]},
-        )
-        self.fleet = AsyncFleet(
-            api_key=api_key, base_url=base_url, max_retries=0, httpx_client=self._http
-        )
+        # Several small HTTP clients ("lanes") instead of one big one: httpcore
+        # scans every connection of a pool on each request, so one pool of
+        # hundreds of connections made the control plane cost grow with the
+        # square of concurrency (the largest CPU cost in `fleetroll bench`).
+        # An instance stays on the lane that made it (reset, verify, delete).
+        held = settings.pool.concurrency + p.max_concurrent_creates
+        lanes = max(1, math.ceil(held / _CONNECTIONS_PER_LANE))
+        self._clients = [
+            httpx.AsyncClient(
+                timeout=httpx.Timeout(t.provision_create_s, connect=t.mcp_connect_s),
+                limits=httpx.Limits(
+                    max_connections=_CONNECTIONS_PER_LANE * 2,
+                    max_keepalive_connections=_CONNECTIONS_PER_LANE,
+                ),
+                event_hooks={"response": [_remember_retry_after]},
+            )
+            for _ in range(lanes)
+        ]
+        self._lanes = [
+            AsyncFleet(api_key=api_key, base_url=base_url, max_retries=0, httpx_client=client)
+            for client in self._clients
+        ]
+        self._lane = itertools.cycle(self._lanes)
+        #: For calls that belong to no instance (listing, sweeping).
+        self.fleet = self._lanes[0]
         # The SDK resolves the instance-router token once per *instance*, each
         # time building a new HTTP client (~20 ms of blocking TLS set-up on
         # the loop). One provider, resolved once, is shared by every instance.
@@ -220,7 +237,8 @@ class FleetProvider:
         self._gate = create_gate or LocalCreateGate(p.max_concurrent_creates, p.creates_per_second)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for client in self._clients:
+            await client.aclose()
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Provisioned:
         """Create a running instance for ``task``, retrying transient failures.
@@ -325,7 +343,7 @@ class FleetProvider:
         create_timeout = self._settings.timeouts.provision_create_s
         async with self._gate.slot():
             with anyio.fail_after(create_timeout):
-                env = await self.fleet.make(
+                env = await next(self._lane).make(
                     task.env_spec,
                     data_key=task.data_spec,
                     region=self._settings.provisioning.region,

@@ -316,8 +316,8 @@ class RolloutPool:
                     )
             batch.close_stream()
             batch.finished.set()
-            with anyio.CancelScope(shield=True):
-                await self._sweep(batch.run_id)
+            # Instances of this batch no rollout knows about carry its run_id.
+            await self.engine.provider.sweep(batch.run_id)
             statuses = Counter(
                 (r.result.failure_reason.value if r.result.failure_reason else "completed")
                 for r in batch.rollouts
@@ -343,39 +343,6 @@ class RolloutPool:
                 rollout.never_started(FailureReason.INIT_ERROR, f"fleetroll bug: {exc!r}")
         assert rollout.result is not None
         batch.deliver(rollout.result)
-
-    async def _sweep(self, run_id: str) -> None:
-        """Release instances of this batch that no rollout knows about.
-
-        A create whose answer never arrived (our deadline fired first) may
-        still have made an instance; it carries the batch id as ``run_id``.
-        """
-        timeout = self.settings.timeouts.release_s
-        with anyio.move_on_after(timeout):
-            try:
-                orphans = await self.engine.provider.fleet.instances(
-                    status="running", run_id=run_id
-                )
-            except Exception as exc:  # best effort: report and go on
-                self.events.emit(
-                    "fleet_instance_release_failed",
-                    level="warn",
-                    error_message=f"orphan sweep failed: {exc}"[:500],
-                )
-                return
-            for env in orphans:
-                try:
-                    await env.close()
-                    self.events.emit(
-                        "fleet_instance_released", instance_id=env.instance_id, orphan=True
-                    )
-                except Exception as exc:  # best effort, per instance
-                    self.events.emit(
-                        "fleet_instance_release_failed",
-                        level="warn",
-                        instance_id=env.instance_id,
-                        error_message=str(exc)[:500],
-                    )
 
     @asynccontextmanager
     async def session(

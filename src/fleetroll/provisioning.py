@@ -417,6 +417,44 @@ class FleetProvider:
         )
         return False
 
+    async def sweep(self, run_id: str) -> int:
+        """Release every running instance tagged with ``run_id``; never raises.
+
+        Instances nobody knows about end up there: a create whose answer never
+        came back (our deadline fired first), or those of a worker that died.
+        Returns how many were released.
+        """
+        released = 0
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(self._settings.timeouts.release_s * 2),
+        ):
+            try:
+                orphans = await self.fleet.instances(status="running", run_id=run_id)
+            except Exception as exc:  # best effort: report it
+                self._events.emit(
+                    "fleet_instance_release_failed",
+                    level="warn",
+                    error_message=f"sweep of {run_id} failed: {exc}"[:500],
+                )
+                return 0
+            for env in orphans:
+                try:
+                    await env.close()
+                except Exception as exc:  # best effort, per instance
+                    self._events.emit(
+                        "fleet_instance_release_failed",
+                        level="warn",
+                        instance_id=env.instance_id,
+                        error_message=str(exc)[:500],
+                    )
+                    continue
+                released += 1
+                self._events.emit(
+                    "fleet_instance_released", instance_id=env.instance_id, orphan=True
+                )
+        return released
+
     async def _close(self, env: AsyncEnv) -> None:
         timeout = self._settings.timeouts.release_s
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):

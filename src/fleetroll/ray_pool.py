@@ -453,7 +453,7 @@ class RayRolloutPool:
             # have made its instance after the first sweep.
             with anyio.CancelScope(shield=True):
                 for run_id in plan.dead_shards:
-                    await self._sweep(run_id)
+                    await self._provider_sweep(run_id)
             for rid, (task, sample) in plan.by_id.items():
                 if rid not in batch.delivered:  # never reached an actor: still one result
                     batch.deliver(
@@ -500,6 +500,10 @@ class RayRolloutPool:
         finally:
             batch._on_cancel.remove(cancel)
 
+    async def _provider_sweep(self, run_id: str) -> None:
+        assert self._provider is not None
+        await self._provider.sweep(run_id)
+
     def _reemit(self, event: Event) -> None:
         rid = event.attributes.get("rollout_id")
         if event.name == "fleet_rollout_started" and rid is not None:
@@ -523,7 +527,7 @@ class RayRolloutPool:
         )
         with anyio.CancelScope(shield=True):
             await self.limiter.release_all.remote(f"worker-{shard.worker}")
-            await self._sweep(shard.shard_id)
+            await self._provider_sweep(shard.shard_id)
         missing = [rid for rid in shard.ids if rid not in batch.delivered]
         live = [n for n, ok in enumerate(self.alive) if ok]
         if not missing:
@@ -543,33 +547,6 @@ class RayRolloutPool:
             return
         retry = _Shard(f"{plan.batch_id}-{live[0]}-{uuid.uuid4().hex[:6]}", live[0], missing)
         tg.start_soon(self._drive, plan, batch, retry, tg)
-
-    async def _sweep(self, run_id: str) -> None:
-        """Release the instances a dead worker held (they carry its shard's run_id)."""
-        assert self._provider is not None
-        with anyio.move_on_after(self.settings.timeouts.release_s * 2):
-            try:
-                orphans = await self._provider.fleet.instances(status="running", run_id=run_id)
-            except Exception as exc:  # best effort: report it
-                self.events.emit(
-                    "fleet_instance_release_failed",
-                    level="warn",
-                    error_message=f"sweep of {run_id} failed: {exc}"[:500],
-                )
-                return
-            for env in orphans:
-                try:
-                    await env.close()
-                    self.events.emit(
-                        "fleet_instance_released", instance_id=env.instance_id, orphan=True
-                    )
-                except Exception as exc:  # best effort, per instance
-                    self.events.emit(
-                        "fleet_instance_release_failed",
-                        level="warn",
-                        instance_id=env.instance_id,
-                        error_message=str(exc)[:500],
-                    )
 
 
 def _lost(plan: _Plan, rid: str, task: TaskSpec, sample: int, why: str) -> RolloutResult:

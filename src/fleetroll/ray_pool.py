@@ -362,7 +362,7 @@ class RayRolloutPool:
         self._tg: TaskGroup | None = None
         self._stack = AsyncExitStack()
         self._provider: FleetProvider | None = None
-        self._seen_started: set[str] = set()
+        self._seen: dict[str, set[str]] = {}
 
     async def __aenter__(self) -> Self:
         ray = _ray()
@@ -506,12 +506,14 @@ class RayRolloutPool:
 
     def _reemit(self, event: Event) -> None:
         rid = event.attributes.get("rollout_id")
-        if event.name == "fleet_rollout_started" and rid is not None:
-            if rid in self._seen_started:  # a re-run of a rollout whose worker died
+        if rid is not None and event.name in ("fleet_rollout_started", "fleet_rollout_completed"):
+            # A rollout re-run after its worker died may have had either event
+            # shipped already: each is emitted once per rollout, first wins.
+            seen = self._seen.setdefault(event.name, set())
+            if rid in seen:
                 return
-            self._seen_started.add(rid)
-        attributes = dict(event.attributes)
-        self.events.emit(event.name, level=event.level, **attributes)
+            seen.add(rid)
+        self.events.emit(event.name, level=event.level, **dict(event.attributes))
 
     async def _worker_died(
         self, plan: _Plan, batch: RayBatch, shard: _Shard, tg: TaskGroup

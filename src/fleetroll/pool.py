@@ -75,7 +75,49 @@ class BatchCounts:
         return self.done + self.failed
 
 
-class Batch:
+class ResultStream:
+    """Results of a batch, each delivered once, read as an async iterator.
+
+    The buffer holds the whole batch: a result is never held back, so an
+    instance is never held waiting for a slow reader.
+    """
+
+    def __init__(self, size: int) -> None:
+        self._send: MemoryObjectSendStream[RolloutResult]
+        self._receive: MemoryObjectReceiveStream[RolloutResult]
+        self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
+            max_buffer_size=max(1, size)
+        )
+        self.delivered: set[str] = set()
+        self.finished = anyio.Event()
+
+    def deliver(self, result: RolloutResult) -> None:
+        """Pass a result on, unless one with its id already was (exactly once)."""
+        if result.rollout_id in self.delivered:
+            return
+        self.delivered.add(result.rollout_id)
+        self._send.send_nowait(result)
+
+    def close_stream(self) -> None:
+        self._send.close()
+        self.finished.set()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> RolloutResult:
+        try:
+            return await self._receive.receive()
+        except (anyio.EndOfStream, anyio.ClosedResourceError):
+            self._receive.close()
+            raise StopAsyncIteration from None
+
+    async def results(self) -> list[RolloutResult]:
+        """Every result, once all rollouts have ended."""
+        return [r async for r in self]
+
+
+class Batch(ResultStream):
     """A running batch: an async iterator of its results.
 
     Iterate it to receive results as rollouts end; :meth:`aclose` (or leaving
@@ -91,15 +133,7 @@ class Batch:
         self.rollouts = rollouts
         self.skipped = skipped
         self.scope = anyio.CancelScope()
-        self._send: MemoryObjectSendStream[RolloutResult]
-        self._receive: MemoryObjectReceiveStream[RolloutResult]
-        # Unbounded by count but bounded by the batch size: a result is never
-        # held back, so an instance is never held waiting for a slow reader.
-        self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
-            max_buffer_size=max(1, len(rollouts))
-        )
-        self._delivered: set[str] = set()
-        self.finished = anyio.Event()
+        super().__init__(len(rollouts))
 
     @property
     def total(self) -> int:
@@ -122,35 +156,12 @@ class Batch:
             failed=failed,
         )
 
-    def deliver(self, result: RolloutResult) -> None:
-        if result.rollout_id in self._delivered:  # belt and braces: exactly once
-            return
-        self._delivered.add(result.rollout_id)
-        self._send.send_nowait(result)
-
-    def close_stream(self) -> None:
-        self._send.close()
-
     def cancel(self) -> None:
         self.scope.cancel()
 
     async def aclose(self) -> None:
         """Cancel whatever is still running; results keep coming until all are in."""
         self.cancel()
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> RolloutResult:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self._receive.close()
-            raise StopAsyncIteration from None
-
-    async def results(self) -> list[RolloutResult]:
-        """Every result, once all rollouts have ended."""
-        return [r async for r in self]
 
     async def __aenter__(self) -> Self:
         return self
@@ -315,7 +326,6 @@ class RolloutPool:
                         )
                     )
             batch.close_stream()
-            batch.finished.set()
             # Instances of this batch no rollout knows about carry its run_id.
             await self.engine.provider.sweep(batch.run_id)
             statuses = Counter(

@@ -33,12 +33,11 @@ from typing import TYPE_CHECKING, Any, Self
 
 import anyio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from fleetroll._serving import exit_transparently
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
-from fleetroll.pool import BatchCounts, group_id, rollout_id
+from fleetroll.pool import BatchCounts, ResultStream, group_id, rollout_id
 from fleetroll.provisioning import FleetProvider, TokenBucket
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import Settings
@@ -267,19 +266,13 @@ class _Plan:
     dead_shards: list[str] = field(default_factory=list)
 
 
-class RayBatch:
+class RayBatch(ResultStream):
     """A batch over Ray actors: an async iterator of its results."""
 
     def __init__(self, batch_id: str, total: int) -> None:
+        super().__init__(total)
         self.batch_id = batch_id
         self.total = total
-        self.delivered: set[str] = set()
-        self.finished = anyio.Event()
-        self._send: MemoryObjectSendStream[RolloutResult]
-        self._receive: MemoryObjectReceiveStream[RolloutResult]
-        self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
-            max_buffer_size=max(1, total)
-        )
         self.cancelled = False
         self.failed = 0
         self._on_cancel: list[Any] = []
@@ -297,34 +290,15 @@ class RayBatch:
         )
 
     def deliver(self, result: RolloutResult) -> None:
-        if result.rollout_id not in self.delivered:
-            if result.status == "failed":
-                self.failed += 1
-            self.delivered.add(result.rollout_id)
-            self._send.send_nowait(result)
-
-    def close_stream(self) -> None:
-        self._send.close()
-        self.finished.set()
+        if result.rollout_id not in self.delivered and result.status == "failed":
+            self.failed += 1
+        super().deliver(result)
 
     async def aclose(self) -> None:
         """Cancel what is still running on every actor; results keep coming."""
         self.cancelled = True
         for cancel in list(self._on_cancel):
             await cancel()
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> RolloutResult:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self._receive.close()
-            raise StopAsyncIteration from None
-
-    async def results(self) -> list[RolloutResult]:
-        return [r async for r in self]
 
 
 class RayRolloutPool:

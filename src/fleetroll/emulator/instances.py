@@ -195,7 +195,9 @@ class InstanceStore:
 
     @staticmethod
     def _expired(inst: Instance, now: float) -> bool:
-        if inst.ttl_s is not None and inst.age(now) >= inst.ttl_s:
+        # Compared at the instant of expiry, not by subtracting: `now - created`
+        # can round to just under the TTL at exactly `created + ttl`.
+        if inst.ttl_s is not None and now >= inst.created_mono + inst.ttl_s:
             return True
         # With heartbeats on, two missed intervals end the instance.
         return bool(

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections import Counter
 
 import anyio
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
 
+from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import FaultProfile, Latency  # noqa: E402
 from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
 from fleetroll.policies import ScriptedPolicy  # noqa: E402
+from fleetroll.pool import RolloutPool  # noqa: E402
 from fleetroll.ray_pool import RayRolloutPool  # noqa: E402
+from fleetroll.results import FailureReason  # noqa: E402
+from fleetroll.service import Service, create_app, serve_app  # noqa: E402
 from fleetroll.settings import config_dir, load_settings  # noqa: E402
 from fleetroll.tasks import load_tasks  # noqa: E402
 from fleetroll.telemetry import Events, MemorySink  # noqa: E402
@@ -33,8 +39,9 @@ def local_ray():
     ray.shutdown()
 
 
-def settings():
+def settings(**overrides):
     return load_settings(
+        **overrides,
         pool={"concurrency": 32},
         provisioning={
             "max_concurrent_creates": CREATE_LIMIT,
@@ -106,3 +113,61 @@ async def test_killing_an_actor_mid_batch_still_yields_300_results(local_ray):
     assert ledger["running"] == 0
     assert sink.named("fleet_worker_lost")
     assert_pairs(sink)
+
+
+async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_still_serves_sessions(
+    local_ray,
+):
+    s = settings(service={"tasks_root": str(config_dir())})
+    profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
+    async with EmulatorProcess(profile) as emu:
+        fleet = {"api_key": emu.api_key, "base_url": emu.base_url}
+        async with (
+            RolloutPool(s, **fleet) as local,
+            RayRolloutPool(s, **fleet, num_actors=2) as on_ray,
+        ):
+            service = Service(local, s, batch_pool=on_ray)
+            async with (
+                serve_app(create_app(service), "127.0.0.1", 0, before_stop=service.stop) as url,
+                httpx.AsyncClient(base_url=url, timeout=30) as http,
+                FleetrollClient(url) as client,
+            ):
+                with anyio.fail_after(120):
+                    created = await http.post(
+                        "/v1/batches",
+                        json={"tasks_file": "tasks/ledger.jsonl", "batch_id": "on-ray"},
+                    )
+                    lines = []
+                    async with http.stream("GET", "/v1/batches/on-ray/results?after=0") as body:
+                        async for line in body.aiter_lines():
+                            lines.append(json.loads(line))
+                            if lines[-1]["type"] == "end":
+                                break
+                    # Past its deadline, a batch on Ray is cancelled on every actor.
+                    late = client.run_batch(
+                        LEDGER[:4],
+                        {"kind": "scripted", "think_time_s": 60},
+                        samples_per_task=2,
+                        deadline_s=1,
+                    )
+                    cancelled = [r async for r in late]
+                    async with client.session(LEDGER[0]) as env:
+                        await env.reset()
+                        for step in LEDGER[0].solution or ():
+                            await env.step({"name": step.name, "arguments": step.arguments})
+                    session = await env.close()
+            assert "on-ray" in on_ray.batches and "on-ray" not in local.batches
+        ledger = await emu.ledger()
+    assert created.status_code == 201 and created.json()["rollouts"] == len(LEDGER)
+    results = [line["result"] for line in lines if line["type"] == "result"]
+    ids = Counter(r["rollout_id"] for r in results)
+    assert len(ids) == len(LEDGER) and set(ids.values()) == {1}
+    assert [line["cursor"] for line in lines if line["type"] == "result"] == list(
+        range(1, len(LEDGER) + 1)
+    )
+    assert lines[-1] == {"type": "end", "cursor": len(LEDGER), "status": "finished"}
+    assert all(r["reward"] == 1.0 for r in results)
+    assert len({r.rollout_id for r in cancelled}) == 8
+    assert {r.failure_reason for r in cancelled} == {FailureReason.CANCELLED}
+    assert session is not None and session.reward == 1.0
+    assert ledger["running"] == 0

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import click
 
+from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.settings import Settings, load_settings
 
@@ -153,22 +154,7 @@ def emulator(
     "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
 )
 @click.option("--resume", is_flag=True, help="Continue the batch journaled in --out.")
-@click.option(
-    "--ray",
-    "ray_address",
-    is_flag=False,
-    flag_value="local",
-    default=None,
-    metavar="[ADDRESS]",
-    help="Shard the batch over Ray actors (a local Ray, or the cluster at ADDRESS).",
-)
-@click.option(
-    "--ray-actors",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Ray actors, each running its own pool (with --ray).",
-)
+@ray_options
 @_CONFIG_OPTION
 def run(
     tasks_paths: tuple[Path, ...],

@@ -176,7 +176,8 @@ class RolloutWorker:
         only: list[str],
     ) -> int:
         buffer = self._buffers[shard_id] = _Buffer()
-        cancel = self._cancel[shard_id] = anyio.Event()
+        # A cancel may have come first (the actor's calls run concurrently).
+        cancel = self._cancel.setdefault(shard_id, anyio.Event())
         try:
             pool = _pool_module().RolloutPool(
                 self._settings,
@@ -231,8 +232,7 @@ class RolloutWorker:
         return results, events, done, buffer.error
 
     async def cancel(self, shard_id: str) -> None:
-        if shard_id in self._cancel:
-            self._cancel[shard_id].set()
+        self._cancel.setdefault(shard_id, anyio.Event()).set()
 
     async def pid(self) -> int:
         import os
@@ -262,6 +262,7 @@ class _Plan:
     policy: Policy
     samples: int
     batch_id: str
+    deadline: float | None = None  # on the driver's clock: then the batch is cancelled
     by_id: dict[str, tuple[TaskSpec, int]] = field(default_factory=dict)
     dead_shards: list[str] = field(default_factory=list)
 
@@ -294,9 +295,17 @@ class RayBatch(ResultStream):
             self.failed += 1
         super().deliver(result)
 
+    def cancel(self) -> None:
+        """Cancel what is still running on every actor; results keep coming.
+
+        The driver tells the actors within a poll (``_TAKE_WAIT_S``);
+        :meth:`aclose` tells them before it returns.
+        """
+        self.cancelled = True
+
     async def aclose(self) -> None:
         """Cancel what is still running on every actor; results keep coming."""
-        self.cancelled = True
+        self.cancel()
         for cancel in list(self._on_cancel):
             await cancel()
 
@@ -337,6 +346,8 @@ class RayRolloutPool:
         self._stack = AsyncExitStack()
         self._provider: FleetProvider | None = None
         self._seen: dict[str, set[str]] = {}
+        #: Every batch run, by id (as RolloutPool's; a long-lived caller forgets them).
+        self.batches: dict[str, RayBatch] = {}
 
     async def __aenter__(self) -> Self:
         ray = _ray()
@@ -396,12 +407,23 @@ class RayRolloutPool:
         *,
         samples_per_task: int = 1,
         batch_id: str | None = None,
+        deadline_s: float | None = None,
         skip: Collection[str] = (),
     ) -> RayBatch:
-        """Start a batch sharded round-robin over the actors (see RolloutPool.run_batch)."""
+        """Start a batch sharded round-robin over the actors (see RolloutPool.run_batch).
+
+        Raises:
+            ValueError: a batch with this id is still running.
+        """
         if self._tg is None:
             raise RuntimeError("the pool is not open: use `async with RayRolloutPool(...)`")
-        plan = _Plan(list(tasks), policy, samples_per_task, batch_id or uuid.uuid4().hex[:12])
+        if samples_per_task < 1:
+            raise ValueError("samples_per_task must be at least 1")
+        batch_id = batch_id or uuid.uuid4().hex[:12]
+        if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
+            raise ValueError(f"batch {batch_id} is already running")
+        deadline = None if deadline_s is None else anyio.current_time() + deadline_s
+        plan = _Plan(list(tasks), policy, samples_per_task, batch_id, deadline)
         for task in tasks:
             for sample in range(samples_per_task):
                 rid = rollout_id(plan.batch_id, task.key, sample)
@@ -414,6 +436,7 @@ class RayRolloutPool:
             _Shard(f"{plan.batch_id}-{n}-{uuid.uuid4().hex[:6]}", n, ids[i :: len(live)])
             for i, n in enumerate(live)
         ]
+        self.batches[plan.batch_id] = batch
         self._tg.start_soon(self._run, plan, batch, [s for s in shards if s.ids])
         return batch
 
@@ -442,15 +465,22 @@ class RayRolloutPool:
             shard.shard_id, plan.tasks, plan.policy, plan.samples, plan.batch_id, shard.ids
         )
 
+        told = False
+
         async def cancel() -> None:
-            with suppress(ray.exceptions.RayActorError):
-                await worker.cancel.remote(shard.shard_id)
+            nonlocal told
+            if not told:
+                told = True
+                with suppress(ray.exceptions.RayActorError):
+                    await worker.cancel.remote(shard.shard_id)
 
         batch._on_cancel.append(cancel)
-        if batch.cancelled:
-            await cancel()
         try:
             while True:
+                if plan.deadline is not None and anyio.current_time() >= plan.deadline:
+                    batch.cancel()
+                if batch.cancelled:
+                    await cancel()
                 try:
                     results, events, done, error = await worker.take.remote(
                         shard.shard_id, _TAKE_WAIT_S

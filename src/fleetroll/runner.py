@@ -17,23 +17,21 @@ from collections.abc import Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TextIO
+from typing import TextIO
 
 import anyio
 from rich.console import Console
 from rich.table import Table
 
+from fleetroll.batch_pool import RunningBatch, open_batch_pool
 from fleetroll.errors import ConfigError, TaskFileError
 from fleetroll.journal import Journal, read_journal
 from fleetroll.policies import Policy
-from fleetroll.pool import BatchCounts, RolloutPool
+from fleetroll.pool import BatchCounts
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry.events import Events
-
-if TYPE_CHECKING:
-    from fleetroll.ray_pool import RayRolloutPool
 
 __all__ = [
     "FleetTarget",
@@ -85,23 +83,9 @@ async def run_job(
         batch_id = previous[0].batch_id
     async with AsyncExitStack() as stack:
         fleet = await open_fleet(stack, settings, emulator_profile)
-        api_key, base_url, backend = fleet.api_key, fleet.base_url, fleet.description
-        pool: RolloutPool | RayRolloutPool
-        if ray_address is not None:
-            from fleetroll.ray_pool import RayRolloutPool
-
-            pool = RayRolloutPool(
-                settings,
-                api_key=api_key,
-                base_url=base_url,
-                events=events,
-                num_actors=ray_actors,
-                address=None if ray_address == "local" else ray_address,
-            )
-            backend += f" over {ray_actors} Ray actors"
-        else:
-            pool = RolloutPool(settings, api_key=api_key, base_url=base_url, events=events)
-        await stack.enter_async_context(pool)
+        pool, backend = await open_batch_pool(
+            stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
+        )
         tg = await stack.enter_async_context(anyio.create_task_group())
         journal = await stack.enter_async_context(Journal(out, tg)) if out else None
         started = time.monotonic()
@@ -230,24 +214,7 @@ def _previous_results(
     return previous
 
 
-class _RunningBatch(Protocol):
-    """What the job needs of a batch (a RolloutPool's or a RayRolloutPool's)."""
-
-    @property
-    def batch_id(self) -> str: ...
-
-    @property
-    def total(self) -> int: ...
-
-    @property
-    def finished(self) -> anyio.Event: ...
-
-    def counts(self) -> BatchCounts: ...
-
-    async def aclose(self) -> None: ...
-
-
-async def _watch_signals(batch: _RunningBatch, interrupted: anyio.Event) -> None:
+async def _watch_signals(batch: RunningBatch, interrupted: anyio.Event) -> None:
     """First SIGINT/SIGTERM: cancel the batch cleanly. Second: stop waiting."""
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for _ in signals:
@@ -268,7 +235,7 @@ def _describe(counts: BatchCounts, elapsed: float) -> str:
     )
 
 
-async def _show_progress(batch: _RunningBatch, console: Console, started: float) -> None:
+async def _show_progress(batch: RunningBatch, console: Console, started: float) -> None:
     if console.is_terminal:
         with console.status("starting…") as status:
             while not batch.finished.is_set():

@@ -7,6 +7,10 @@
         async with serve_app(create_app(service), "127.0.0.1", 8750) as url:
             ...
 
+With ``Service(pool, settings, batch_pool=ray_pool)``, batches run on another
+:class:`~fleetroll.batch_pool.BatchPool` (a RayRolloutPool); sessions and the
+MCP tools' rollouts, held by one task and read live, stay on ``pool``.
+
 Routes (all JSON unless said otherwise; the OpenAPI document at
 ``/openapi.json`` has every body):
 
@@ -45,6 +49,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleetroll.batch_pool import BatchPool
 from fleetroll.pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import Rollout
@@ -77,14 +82,21 @@ _NDJSON = "application/x-ndjson"
 
 
 class Service:
-    """What the routes (and the MCP tools) share: the pool, batches, sessions.
+    """What the routes (and the MCP tools) share: the pools, batches, sessions.
 
     Run it with :meth:`running` (the app's lifespan does): its task group
     holds one consumer task per batch and one actor task per session.
+
+    Args:
+        pool: runs sessions and the MCP tools' rollouts, in this process.
+        batch_pool: runs the batches of ``POST /v1/batches`` (default: ``pool``).
     """
 
-    def __init__(self, pool: RolloutPool, settings: Settings) -> None:
+    def __init__(
+        self, pool: RolloutPool, settings: Settings, *, batch_pool: BatchPool | None = None
+    ) -> None:
         self.pool = pool
+        self.batch_pool = batch_pool or pool
         self.settings = settings
         self.metrics = Metrics()
         secrets = (
@@ -94,7 +106,7 @@ class Service:
             settings.logfire_token,
         )
         self.redact = Redactor(s.get_secret_value() for s in secrets if s is not None)
-        self.batches = BatchRegistry(pool, settings, self.metrics)
+        self.batches = BatchRegistry(self.batch_pool, settings, self.metrics, local=pool)
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
         #: MCP rollouts: rollout id → the id of its one-rollout batch.
         self.rollouts: dict[str, str] = {}
@@ -131,8 +143,10 @@ class Service:
             ApiError: 422, the task is invalid.
         """
         spec = parse_one(task, self.settings.modalities, loc=["task"])
-        record, _ = await self.batches.start([spec], policy, batch_id=f"mcp-{uuid.uuid4().hex}")
-        rollout = record.batch.rollouts[0]
+        record, _ = await self.batches.start(
+            [spec], policy, batch_id=f"mcp-{uuid.uuid4().hex}", local=True
+        )
+        rollout = record.rollouts[0]
         self.rollouts[rollout.ids.rollout_id] = record.batch_id
         return rollout
 
@@ -142,7 +156,7 @@ class Service:
         if batch_id is None:
             raise ApiError(404, f"no rollout {rollout_id!r} (unknown, or finished long ago)")
         record = self.batches.get(batch_id)
-        return record, record.batch.rollouts[0]
+        return record, record.rollouts[0]
 
     async def finish_rollout(self, rollout_id: str, timeout_s: float) -> RolloutResult:
         """Wait for the rollout's end (at most ``timeout_s``) and return its result.
@@ -164,7 +178,7 @@ class Service:
         return t.provision_total_s + t.rollout_s + t.verifier_s + t.release_s + 30.0
 
     def _forget_rollouts(self, record: BatchRecord) -> None:
-        for rollout in record.batch.rollouts:
+        for rollout in record.rollouts:
             self.rollouts.pop(rollout.ids.rollout_id, None)
 
 

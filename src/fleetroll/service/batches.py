@@ -23,10 +23,12 @@ import anyio
 import anyio.lowlevel
 from anyio.abc import TaskGroup
 
+from fleetroll.batch_pool import BatchPool, RunningBatch
 from fleetroll.errors import TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
-from fleetroll.pool import Batch, RolloutPool
+from fleetroll.pool import Batch
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout import Rollout
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import (
@@ -51,11 +53,16 @@ _RECORDS_PER_CHECKPOINT = 32
 
 
 class BatchRecord:
-    """One batch and its results so far, in arrival order."""
+    """One batch and its results so far, in arrival order.
 
-    def __init__(self, batch: Batch, fingerprint: str) -> None:
+    ``rollouts`` are the live rollouts of a batch run in this process (the
+    MCP tools read them), and empty for one run elsewhere (on Ray actors).
+    """
+
+    def __init__(self, batch: RunningBatch, fingerprint: str) -> None:
         self.batch = batch
         self.fingerprint = fingerprint
+        self.rollouts: Sequence[Rollout] = batch.rollouts if isinstance(batch, Batch) else ()
         self.results: list[RolloutResult] = []
         self.done = False  # every result is in
         self.cancel_requested = False
@@ -146,10 +153,22 @@ class BatchRecord:
 
 
 class BatchRegistry:
-    """The service's batches, by id. Needs a task group (``tg``) before use."""
+    """The service's batches, by id. Needs a task group (``tg``) before use.
 
-    def __init__(self, pool: RolloutPool, settings: Settings, metrics: Metrics) -> None:
+    Batches run on ``pool``; those started with ``local=True`` (the MCP
+    tools' one-rollout batches, read live) on ``local`` (default: ``pool``).
+    """
+
+    def __init__(
+        self,
+        pool: BatchPool,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        local: BatchPool | None = None,
+    ) -> None:
         self._pool = pool
+        self._local = local or pool
         self._settings = settings
         self._metrics = metrics
         self._records: dict[str, BatchRecord] = {}
@@ -205,8 +224,11 @@ class BatchRegistry:
         samples_per_task: int = 1,
         batch_id: str | None = None,
         deadline_s: float | None = None,
+        local: bool = False,
     ) -> tuple[BatchRecord, bool]:
         """Start a batch of validated tasks (or find the identical one).
+
+        ``local``: on the local pool, whose batches have live ``rollouts``.
 
         Raises:
             ApiError: 409, the id is taken by a different request.
@@ -226,7 +248,8 @@ class BatchRegistry:
             return existing, False
         policy = build_policy(policy_config, self._settings)
         try:
-            batch = self._pool.run_batch(
+            pool = self._local if local else self._pool
+            batch = pool.run_batch(
                 tasks,
                 policy,
                 samples_per_task=samples_per_task,
@@ -285,9 +308,10 @@ class BatchRegistry:
             old = self._records.pop(self._finished.popleft(), None)
             if old is None:
                 continue
-            # The pool keeps every batch it ran; a long-lived service must let go.
-            if self._pool.batches.get(old.batch_id) is old.batch:
-                del self._pool.batches[old.batch_id]
+            # A pool keeps every batch it ran; a long-lived service must let go.
+            for pool in (self._pool, self._local):
+                if pool.batches.get(old.batch_id) is old.batch:
+                    del pool.batches[old.batch_id]
             for forget in self.on_forget:
                 forget(old)
 

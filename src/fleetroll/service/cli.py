@@ -13,6 +13,7 @@ from pathlib import Path
 import anyio
 import click
 
+from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.service.security import check_bind
 from fleetroll.settings import Settings, load_settings
@@ -38,15 +39,23 @@ class _Refused(click.ClickException):
 @click.option(
     "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
 )
+@ray_options
 def serve(
-    host: str | None, port: int | None, config_file: Path | None, profile: str | None
+    host: str | None,
+    port: int | None,
+    config_file: Path | None,
+    profile: str | None,
+    ray_address: str | None,
+    ray_actors: int,
 ) -> None:
     """Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.
 
     One rollout pool serves every request: on the embedded emulator unless
-    FLEET_API_KEY or FLEET_BASE_URL is set. Binding anything but loopback
-    needs FLEETROLL_SERVICE_TOKEN (then every route but /healthz wants
-    `Authorization: Bearer <token>`). Exit code 2 for bad configuration.
+    FLEET_API_KEY or FLEET_BASE_URL is set. With --ray, batches are sharded
+    over Ray actors; sessions and MCP rollouts stay in this process. Binding
+    anything but loopback needs FLEETROLL_SERVICE_TOKEN (then every route but
+    /healthz wants `Authorization: Bearer <token>`). Exit code 2 for bad
+    configuration.
     """
     try:
         settings = load_settings(config_file)
@@ -58,12 +67,20 @@ def serve(
     except FleetrollError as exc:
         raise _Refused(str(exc)) from None
     try:
-        anyio.run(_serve, settings, host, port, profile)
+        anyio.run(_serve, settings, host, port, profile, ray_address, ray_actors)
     except FleetrollError as exc:
         raise _Refused(str(exc)) from None
 
 
-async def _serve(settings: Settings, host: str, port: int, profile: str | None) -> None:
+async def _serve(
+    settings: Settings,
+    host: str,
+    port: int,
+    profile: str | None,
+    ray_address: str | None,
+    ray_actors: int,
+) -> None:
+    from fleetroll.batch_pool import BatchPool, open_batch_pool
     from fleetroll.pool import RolloutPool
     from fleetroll.runner import open_fleet
     from fleetroll.service.app import Service, create_app
@@ -73,11 +90,16 @@ async def _serve(settings: Settings, host: str, port: int, profile: str | None) 
     async with AsyncExitStack() as stack:
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
-        api_key, base_url, backend = fleet.api_key, fleet.base_url, fleet.description
         pool = await stack.enter_async_context(
-            RolloutPool(settings, api_key=api_key, base_url=base_url, events=events)
+            RolloutPool(settings, api_key=fleet.api_key, base_url=fleet.base_url, events=events)
         )
-        service = Service(pool, settings)
+        batch_pool: BatchPool = pool
+        backend = fleet.description
+        if ray_address is not None:  # batches on Ray; sessions stay on the local pool
+            batch_pool, backend = await open_batch_pool(
+                stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
+            )
+        service = Service(pool, settings, batch_pool=batch_pool)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)
         )

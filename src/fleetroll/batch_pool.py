@@ -1,0 +1,141 @@
+"""The pool batches run on: this process (RolloutPool) or Ray actors (RayRolloutPool).
+
+``fleetroll run`` and ``fleetroll serve`` take the same ``--ray [ADDRESS]``
+and ``--ray-actors N`` options (:func:`ray_options`) and open the pool they
+ask for with :func:`open_batch_pool`. What a caller needs of either pool is a
+:class:`BatchPool`, and of either's batches a :class:`RunningBatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from contextlib import AsyncExitStack
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+import anyio
+import click
+
+from fleetroll.policies import Policy
+from fleetroll.pool import BatchCounts, RolloutPool
+from fleetroll.results import RolloutResult
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+
+if TYPE_CHECKING:
+    from fleetroll.runner import FleetTarget
+
+__all__ = ["BatchPool", "BatchTable", "RunningBatch", "open_batch_pool", "ray_options"]
+
+F = TypeVar("F", bound=Callable[..., object])
+
+
+class RunningBatch(Protocol):
+    """A batch as it runs: a RolloutPool's ``Batch`` or a RayRolloutPool's ``RayBatch``."""
+
+    @property
+    def batch_id(self) -> str: ...
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def finished(self) -> anyio.Event: ...
+
+    def counts(self) -> BatchCounts: ...
+
+    def cancel(self) -> None:
+        """Cancel what is still running; every result still arrives."""
+
+    async def aclose(self) -> None: ...
+
+    def __aiter__(self) -> AsyncIterator[RolloutResult]: ...
+
+
+class BatchTable(Protocol):
+    """A pool's batches by id: a long-lived caller lets finished ones go."""
+
+    def get(self, batch_id: str, /) -> RunningBatch | None: ...
+
+    def __delitem__(self, batch_id: str, /) -> None: ...
+
+
+class BatchPool(Protocol):
+    """What callers need of a pool that runs batches (see ``RolloutPool.run_batch``)."""
+
+    @property
+    def batches(self) -> BatchTable: ...
+
+    def run_batch(
+        self,
+        tasks: Sequence[TaskSpec],
+        policy: Policy,
+        *,
+        samples_per_task: int = 1,
+        batch_id: str | None = None,
+        deadline_s: float | None = None,
+        skip: Collection[str] = (),
+    ) -> RunningBatch: ...
+
+
+def ray_options(command: F) -> F:
+    """The options ``--ray [ADDRESS]`` and ``--ray-actors N`` of a click command.
+
+    They reach the command as ``ray_address`` (None, ``"local"``, or an
+    address) and ``ray_actors``.
+    """
+    command = click.option(
+        "--ray-actors",
+        type=click.IntRange(min=1),
+        default=2,
+        show_default=True,
+        help="Ray actors, each running its own pool (with --ray).",
+    )(command)
+    return click.option(
+        "--ray",
+        "ray_address",
+        is_flag=False,
+        flag_value="local",
+        default=None,
+        metavar="[ADDRESS]",
+        help="Shard batches over Ray actors (a local Ray, or the cluster at ADDRESS).",
+    )(command)
+
+
+async def open_batch_pool(
+    stack: AsyncExitStack,
+    settings: Settings,
+    fleet: FleetTarget,
+    events: Events,
+    *,
+    ray_address: str | None = None,
+    ray_actors: int = 2,
+) -> tuple[BatchPool, str]:
+    """The pool to run batches on, entered on ``stack``, and where it runs (for humans).
+
+    Without ``ray_address``, a :class:`RolloutPool` in this process; with it, a
+    :class:`~fleetroll.ray_pool.RayRolloutPool` of ``ray_actors`` actors on a
+    local Ray (``"local"``) or on the cluster at ``ray_address``.
+
+    Raises:
+        ConfigError: Ray is asked for but not installed.
+    """
+    pool: BatchPool
+    if ray_address is None:
+        pool = await stack.enter_async_context(
+            RolloutPool(settings, api_key=fleet.api_key, base_url=fleet.base_url, events=events)
+        )
+        return pool, fleet.description
+    from fleetroll.ray_pool import RayRolloutPool
+
+    pool = await stack.enter_async_context(
+        RayRolloutPool(
+            settings,
+            api_key=fleet.api_key,
+            base_url=fleet.base_url,
+            events=events,
+            num_actors=ray_actors,
+            address=None if ray_address == "local" else ray_address,
+        )
+    )
+    return pool, f"{fleet.description} over {ray_actors} Ray actors"

@@ -221,6 +221,7 @@ class FleetProvider:
                 limits=httpx.Limits(
                     max_connections=_CONNECTIONS_PER_LANE * 2,
                     max_keepalive_connections=_CONNECTIONS_PER_LANE,
+                    keepalive_expiry=t.http_keepalive_s,
                 ),
                 event_hooks={"response": [_remember_retry_after]},
             )

@@ -106,7 +106,9 @@ class RolloutEngine:
             timeout=httpx2.Timeout(
                 max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
             ),
-            limits=httpx2.Limits(max_connections=8, max_keepalive_connections=4),
+            limits=httpx2.Limits(
+                max_connections=8, max_keepalive_connections=4, keepalive_expiry=t.http_keepalive_s
+            ),
         )
 
     @classmethod

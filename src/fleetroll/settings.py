@@ -72,6 +72,11 @@ class TimeoutSettings(_Section):
     release_s: float = Field(30.0, gt=0)
     telemetry_s: float = Field(5.0, gt=0)
     rollout_s: float = Field(1800.0, gt=0)
+    #: An idle HTTP connection (control plane, MCP) is not reused after this
+    #: long. Keep it below the idle timeout of Fleet's servers and load
+    #: balancers: one that closes an idle connection just as a request goes
+    #: out fails that request (and an MCP session with it).
+    http_keepalive_s: float = Field(15.0, gt=0)
 
 
 class ProvisioningSettings(_Section):

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import click
 
+from fleetroll._eventloop import run as run_on_loop
 from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.settings import Settings, load_settings
@@ -111,7 +112,7 @@ def emulator(
         click.echo("emulator stopped")
 
     try:
-        anyio.run(run)
+        run_on_loop(run)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
 
@@ -225,7 +226,7 @@ def run(
                 await policy.aclose()
 
     try:
-        report = anyio.run(job)
+        report = run_on_loop(job)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
     print_report(report, console)

@@ -21,6 +21,7 @@ import sys
 import time
 import uuid
 import zipfile
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,11 @@ class _Worker:
 
     async def kill(self) -> None:
         with anyio.CancelScope(shield=True):
-            self.process.kill()
+            if self.process.returncode is None:
+                # It may have exited since (e.g. on Ctrl-C, with the whole
+                # process group): killing a reaped process raises.
+                with suppress(ProcessLookupError):
+                    self.process.kill()
             with anyio.move_on_after(5):
                 await self.process.wait()
             await self.process.aclose()

@@ -14,7 +14,6 @@ from typing import Any
 import anyio
 import click
 
-from fleetroll._eventloop import run as run_on_loop
 from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.settings import Settings, load_settings
@@ -112,7 +111,7 @@ def emulator(
         click.echo("emulator stopped")
 
     try:
-        run_on_loop(run)
+        anyio.run(run)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
 
@@ -226,7 +225,7 @@ def run(
                 await policy.aclose()
 
     try:
-        report = run_on_loop(job)
+        report = anyio.run(job)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
     print_report(report, console)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anyio
 import click
 
-from fleetroll._eventloop import run
 from fleetroll.bench.scenarios import BASELINES, SCENARIOS
 from fleetroll.errors import FleetrollError
 from fleetroll.settings import load_settings
@@ -165,6 +165,6 @@ def bench(
 
     try:
         with quiet_libraries():
-            run(main)
+            anyio.run(main)
     except FleetrollError as exc:
         raise _Failed(str(exc)) from None

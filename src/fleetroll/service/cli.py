@@ -13,7 +13,6 @@ from pathlib import Path
 import anyio
 import click
 
-from fleetroll._eventloop import run as run_on_loop
 from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.service.security import check_bind
@@ -68,7 +67,7 @@ def serve(
     except FleetrollError as exc:
         raise _Refused(str(exc)) from None
     try:
-        run_on_loop(_serve, settings, host, port, profile, ray_address, ray_actors)
+        anyio.run(_serve, settings, host, port, profile, ray_address, ray_actors)
     except FleetrollError as exc:
         raise _Refused(str(exc)) from None
 

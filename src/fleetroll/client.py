@@ -55,6 +55,8 @@ __all__ = ["FleetrollClient", "RemoteBatch", "RemoteSession", "ServiceError"]
 
 #: Statuses worth another try: the service is busy or briefly unavailable.
 _RETRY_STATUSES = frozenset({429, 503})
+#: How long an idle connection to the service is reused (it keeps them 65 s).
+_KEEPALIVE_S = 15.0
 
 
 class ServiceError(FleetrollError):
@@ -112,7 +114,13 @@ class FleetrollClient:
         self._backoff = (backoff_initial_s, backoff_max_s)
         self._owns_client = http_client is None
         self._http = http_client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0))
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            # Below the service's idle timeout (65 s), so a request never goes
+            # out on a connection the server is closing: a session step, which
+            # is not resent, would fail.
+            limits=httpx.Limits(
+                max_connections=100, max_keepalive_connections=20, keepalive_expiry=_KEEPALIVE_S
+            ),
         )
 
     def __repr__(self) -> str:

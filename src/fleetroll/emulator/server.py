@@ -23,10 +23,6 @@ from fleetroll.errors import EmulatorError
 
 __all__ = ["Emulator"]
 
-#: How long an idle keep-alive connection stays open: a cloud load balancer's
-#: idle timeout (60 s and more), not uvicorn's 5 s default, which closed
-#: connections under clients that had just picked them for a request.
-_KEEP_ALIVE_S = 65
 _STARTUP_TIMEOUT_S = 30.0
 _SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -119,7 +115,6 @@ class Emulator:
                 startup_timeout_s=_STARTUP_TIMEOUT_S,
                 shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S,
                 backlog=4096,
-                timeout_keep_alive=_KEEP_ALIVE_S,
             ) as base_url:
                 self.base_url = base_url
                 self.app.base_url = base_url

@@ -56,11 +56,10 @@ class _Worker:
 
     async def kill(self) -> None:
         with anyio.CancelScope(shield=True):
-            if self.process.returncode is None:
-                # It may have exited since (e.g. on Ctrl-C, with the whole
-                # process group): killing a reaped process raises.
-                with suppress(ProcessLookupError):
-                    self.process.kill()
+            # It may have exited since (e.g. on Ctrl-C, with the whole process
+            # group): killing a reaped process raises.
+            with suppress(ProcessLookupError):
+                self.process.kill()
             with anyio.move_on_after(5):
                 await self.process.wait()
             await self.process.aclose()

@@ -158,6 +158,22 @@ async def test_the_scripted_policy_plays_the_solution_then_says_done() -> None:
     await policy.aclose()
 
 
+async def test_the_scripted_policy_plays_a_step_again_after_an_error_answer() -> None:
+    policy = ScriptedPolicy(max_attempts=2)
+    first = {"role": "assistant", "content": None}
+    error = {"role": "tool", "tool_call_id": "call_0", "content": "Error: injected fault"}
+    ok = {"role": "tool", "tool_call_id": "call_1", "content": "Balance: 850"}
+    user = {"role": "user", "content": TASK.prompt}
+
+    again = await act(policy, [user, first, error])
+    after_ok = await act(policy, [user, first, error, first, ok])
+    gave_up = await act(policy, [user, first, error, first, error])
+
+    assert [(c.id, c.name) for c in again.tool_calls] == [("call_1", "get_balance")]
+    assert [c.name for c in after_ok.tool_calls] == ["record_transaction"]
+    assert [c.name for c in gave_up.tool_calls] == ["record_transaction"]
+
+
 async def test_the_scripted_policy_refuses_a_task_without_a_solution() -> None:
     task = TASK.model_copy(update={"solution": None})
 

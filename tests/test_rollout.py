@@ -202,7 +202,8 @@ async def test_computer_use_without_a_computer_tool_is_computer_tool_missing(emu
 async def test_an_instance_that_dies_mid_rollout_is_instance_lost(emulator: Emulator) -> None:
     result = await run_one(emulator, MULTI_STEP, KillingPolicy(emulator))
     assert result.failure_reason is FailureReason.INSTANCE_LOST and result.reward is None
-    assert result.steps == 2 and result.tool_errors == 1  # the second step hit the dead instance
+    # The second step hit the dead instance: a failure, not an answer from the environment.
+    assert result.steps == 2 and result.tool_failures == 1 and result.tool_errors == 0
 
 
 async def test_a_rollout_past_its_deadline_is_timeout_and_still_scored() -> None:
@@ -451,3 +452,153 @@ async def test_an_error_in_the_callers_session_block_is_raised_as_is_after_scori
     assert result.reward == 0.0 and result.verifier is not None  # scored all the same
     assert emulator.ledger.running == 0
     assert_one_started_and_one_completed(sink)
+
+
+# -- tool failures: infrastructure, not feedback -------------------------------
+
+
+async def test_a_hung_tool_call_ends_the_rollout_as_tool_failure_with_no_reward() -> None:
+    sink = MemorySink()
+    async with Emulator(FaultProfile(p_tool_hang=1.0)) as emu:
+        result = await run_one(emu, MULTI_STEP, sink=sink, timeouts={"call_tool_s": 0.3})
+    assert result.status == "failed" and result.failure_reason is FailureReason.TOOL_FAILURE
+    assert result.reward is None and result.verifier is None  # never a fabricated zero
+    assert result.steps == 1 and result.tool_failures == 1 and result.tool_errors == 0
+    completed = sink.named("fleet_rollout_completed")[0].attributes
+    assert completed["tool_failures"] == 1 and completed["failure_reason"] == "tool_failure"
+
+
+async def test_with_on_tool_failure_continue_the_agent_goes_on_and_failures_are_counted() -> None:
+    async with Emulator(FaultProfile(p_tool_hang=1.0)) as emu:
+        result = await run_one(
+            emu, MULTI_STEP, timeouts={"call_tool_s": 0.3}, pool={"on_tool_failure": "continue"}
+        )
+    steps = len(MULTI_STEP.solution or ())
+    assert result.status == "completed" and result.failure_reason is None
+    assert result.steps == steps and result.tool_failures == steps and result.tool_errors == 0
+    assert result.reward == 0.0  # the verifier's verdict on a task left undone, as configured
+
+
+async def test_an_error_the_environment_answers_is_feedback_not_a_failure() -> None:
+    async with Emulator(FaultProfile(p_tool_error=1.0)) as emu:
+        result = await run_one(emu, MULTI_STEP)
+    steps = len(MULTI_STEP.solution or ())
+    assert result.status == "completed" and result.failure_reason is None
+    assert result.tool_errors == steps and result.tool_failures == 0
+
+
+# -- MCP connect timeouts say what timed out -----------------------------------
+
+
+async def test_an_mcp_endpoint_that_never_comes_up_is_init_error_saying_what_timed_out() -> None:
+    async with Emulator(FaultProfile(mcp_warmup_s=3600)) as emu:
+        result = await run_one(emu, MULTI_STEP, timeouts={"mcp_connect_s": 0.5})
+    assert result.failure_reason is FailureReason.INIT_ERROR and result.reward is None
+    error = result.error or ""
+    assert "connecting to the MCP endpoint http" in error and "timed out after 0.5 s" in error
+    assert "unexpected error" not in error
+
+
+@pytest.mark.slow
+async def test_an_instance_that_dies_while_mcp_connects_is_instance_lost() -> None:
+    sink = MemorySink()
+    async with Emulator(FaultProfile(mcp_warmup_s=3600)) as emu:
+        async with engine(emu, sink, timeouts={"mcp_connect_s": 2.0}) as eng:
+            rollout = eng.rollout(MULTI_STEP, ids())
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(rollout.run, ScriptedPolicy())
+                    await wait_for_phase(rollout, Phase.CONNECTING)
+                    for inst in emu.store:
+                        emu.store.kill(inst)
+        assert emu.ledger.running == 0
+    result = rollout.result
+    assert result is not None and result.failure_reason is FailureReason.INSTANCE_LOST
+    assert result.reward is None and "is gone" in (result.error or "")
+    assert "timed out after 2 s" in (result.error or "")
+    assert_one_started_and_one_completed(sink)
+
+
+# -- sessions that end on their own complete -------------------------------------
+
+
+async def test_a_session_the_controller_ends_with_done_completes_and_is_scored(emulator) -> None:
+    sink = MemorySink()
+    solution = MULTI_STEP.solution or ()
+    async with engine(emulator, sink) as eng:
+        async with eng.session(MULTI_STEP, ids()) as env:
+            for step in solution:
+                outcome = await env.step({"name": step.name, "arguments": step.arguments})
+                assert not outcome.done
+            env.done()
+            after = await env.step({"name": "list_accounts", "arguments": {}})
+            assert after.done and after.observation.text == "The episode is over."
+        result = await env.close()
+    assert result is not None and result.status == "completed" and result.failure_reason is None
+    assert result.reward == 1.0 and result.steps == len(solution)
+    assert emulator.ledger.running == 0
+    assert_one_started_and_one_completed(sink)
+
+
+# -- secrets never reach a result ------------------------------------------------
+
+SECRET = "sk-test-0123456789abcdef"
+SERVICE_TOKEN = "svc-token-fedcba9876543210"
+BEARER = "sk-live-abcdefghijklmnop"
+
+
+class CallsPolicy:
+    """Plays fixed tool calls, one per turn, then says "done"."""
+
+    def __init__(self, calls: Sequence[tuple[str, dict[str, Any]]]) -> None:
+        self.calls = calls
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Any], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        turn = sum(1 for m in messages if m["role"] == "assistant")
+        if turn >= len(self.calls):
+            return AssistantTurn(content="done")
+        name, arguments = self.calls[turn]
+        return AssistantTurn(
+            tool_calls=(ToolCall(id=f"call_{turn}", name=name, arguments=arguments),)
+        )
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("verifier_fails", [False, True], ids=["stdout", "error"])
+async def test_secrets_in_tool_answers_verifier_output_and_answers_are_redacted(
+    emulator: Emulator, verifier_fails: bool
+) -> None:
+    verifier = (
+        "def verify(env, final_answer=None):\n"
+        f"    print('key {SECRET} and token {SERVICE_TOKEN}')\n"
+        f"    print('Authorization: Bearer {BEARER}')\n"
+        + (f"    raise RuntimeError('leaked {SECRET}')\n" if verifier_fails else "    return 1.0\n")
+    )
+    task = MULTI_STEP.model_copy(update={"verifier_func": verifier, "requires_final_answer": True})
+    policy = CallsPolicy(
+        [
+            ("get_balance", {"account": f"Authorization: Bearer {BEARER}"}),
+            ("get_balance", {"account": SECRET}),
+            ("submit_final_answer", {"answer": f"my key is {SECRET}"}),
+        ]
+    )
+    result = await run_one(
+        emulator, task, policy, openai_api_key=SECRET, service_token=SERVICE_TOKEN
+    )
+    dumped = result.model_dump_json()
+    for secret in (SECRET, SERVICE_TOKEN, BEARER):
+        assert secret not in dumped
+    tool_answers = [m["content"] for m in result.transcript if m["role"] == "tool"]
+    assert all("[REDACTED]" in text for text in tool_answers[:2])
+    assert result.final_answer == "my key is [REDACTED]"
+    assert result.verifier is not None
+    if verifier_fails:
+        assert result.failure_reason is FailureReason.VERIFIER_ERROR
+        assert "leaked [REDACTED]" in (result.verifier.error or "")
+        assert "leaked [REDACTED]" in (result.error or "")
+    else:
+        assert result.reward == 1.0 and "[REDACTED]" in result.verifier.stdout

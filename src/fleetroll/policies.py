@@ -128,21 +128,28 @@ def policy_from_settings(settings: Settings) -> ScriptedPolicy | OpenAIChatPolic
 class ScriptedPolicy:
     """Plays ``task.solution``, one tool call per turn, then says ``"done"``.
 
-    The turn number is the number of assistant messages already in the
-    transcript, so one instance serves any number of concurrent rollouts.
+    Where it is in the solution is read off the transcript, so one instance
+    serves any number of concurrent rollouts. A step the environment answered
+    with an error (a tool message starting ``Error``) is played again, up to
+    ``max_attempts`` times in all, as an agent would retry a transient error;
+    after that the policy goes on with the next step.
 
     Args:
         think_time_s: seconds to wait before each turn, standing in for a
             model's latency in benchmarks.
+        max_attempts: how many times one step is played at most.
 
     Raises:
-        ValueError: ``think_time_s`` is negative.
+        ValueError: ``think_time_s`` is negative or ``max_attempts`` < 1.
     """
 
-    def __init__(self, think_time_s: float = 0.0) -> None:
+    def __init__(self, think_time_s: float = 0.0, max_attempts: int = 3) -> None:
         if think_time_s < 0:
             raise ValueError(f"think_time_s must be >= 0, not {think_time_s}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, not {max_attempts}")
         self.think_time_s = think_time_s
+        self.max_attempts = max_attempts
 
     async def act(
         self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
@@ -160,12 +167,26 @@ class ScriptedPolicy:
                 transient=False,
             )
         await anyio.sleep(self.think_time_s)
-        turn = sum(1 for message in messages if message.get("role") == "assistant")
-        if turn >= len(task.solution):
+        step_index = self._next_step(messages)
+        if step_index >= len(task.solution):
             return AssistantTurn(content="done")
-        step = task.solution[turn]
+        step = task.solution[step_index]
+        turn = sum(1 for message in messages if message.get("role") == "assistant")
         call = ToolCall(id=f"call_{turn}", name=step.name, arguments=dict(step.arguments))
         return AssistantTurn(tool_calls=(call,))
+
+    def _next_step(self, messages: Sequence[Message]) -> int:
+        """The index of the solution step to play next."""
+        step_index = attempt = 0
+        for message in messages:
+            if message.get("role") != "tool":
+                continue
+            content = message.get("content")
+            failed = isinstance(content, str) and content.startswith("Error")
+            attempt += 1
+            if not failed or attempt >= self.max_attempts:
+                step_index, attempt = step_index + 1, 0
+        return step_index
 
     async def aclose(self) -> None:
         """Nothing to release."""

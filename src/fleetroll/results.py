@@ -29,6 +29,9 @@ class FailureReason(StrEnum):
     MAX_STEPS = "max_steps"
     ABANDONED = "abandoned"
     CANCELLED = "cancelled"
+    #: A tool call failed for infrastructure reasons (timeout, transport
+    #: error), with ``pool.on_tool_failure = "fail"`` (the default).
+    TOOL_FAILURE = "tool_failure"
 
 
 #: Reasons after which the verifier still scores the rollout (DESIGN.md §5);
@@ -81,7 +84,13 @@ class RolloutResult(BaseModel):
     error: str | None = Field(default=None, description="What went wrong, for people")
     reward: float | None = None
     steps: int = 0
-    tool_errors: int = 0
+    tool_errors: int = Field(
+        default=0, description="Errors the environment answered (feedback for the agent)"
+    )
+    tool_failures: int = Field(
+        default=0,
+        description="Tool calls that failed for infrastructure reasons (timeout, transport)",
+    )
     final_answer: str | None = None
     timings: Timings = Field(default_factory=Timings)
     verifier: VerifierOutcome | None = None

@@ -14,8 +14,17 @@ bounded), ``fleet_rollout_completed`` is emitted exactly once, and
 :attr:`Rollout.result` holds a result with the right ``failure_reason``.
 
 Controllers that drive the model themselves use :meth:`RolloutEngine.session`
-(``reset()``, ``step()``, ``close()``); closing a session that has not
+(``reset()``, ``step()``, ``done()``, ``close()``): an episode that ends (the
+task's final answer, or ``done()``) completes; closing a session that has not
 finished scores it anyway (``abandoned``).
+
+A tool call that fails for infrastructure reasons (timeout, transport error,
+instance gone) is counted in ``tool_failures`` and, unless
+``pool.on_tool_failure = "continue"``, ends the rollout as ``tool_failure``
+with no reward; an error the environment *answers* is feedback for the agent
+(``tool_errors``). Every string of a result that came from outside (tool
+answers, the verifier's output, errors, the final answer) is redacted, like
+telemetry, before the result exists.
 """
 
 from __future__ import annotations
@@ -30,8 +39,15 @@ from typing import Any, TypeVar
 
 import anyio
 import httpx2
+from pydantic import SecretStr
 
-from fleetroll.errors import InstanceLostError, PolicyError, ProvisionError, ToolsError
+from fleetroll.errors import (
+    InstanceLostError,
+    OperationTimeout,
+    PolicyError,
+    ProvisionError,
+    ToolsError,
+)
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.provisioning import CreateGate, FleetProvider, Provisioned
 from fleetroll.results import (
@@ -44,7 +60,7 @@ from fleetroll.results import (
 from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route, route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry.events import Events
+from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe, open_tool_session
 from fleetroll.verification import Verifier
 
@@ -89,7 +105,17 @@ class RolloutEngine:
         self.settings = settings
         self.provider = provider
         self.events = events
-        self.verifier = Verifier(timeout_s=settings.timeouts.verifier_s)
+        #: Telemetry's redactor, knowing every secret of ``settings`` too; results
+        #: go through it (an ``Events`` built without settings knows none).
+        self.redactor: Redactor = events.redactor.extended(
+            value.get_secret_value()
+            for value in settings.__dict__.values()
+            if isinstance(value, SecretStr)
+        )
+        self.verifier = Verifier(
+            timeout_s=settings.timeouts.verifier_s,
+            max_source_bytes=settings.pool.max_verifier_bytes,
+        )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._ssl = httpx2.create_ssl_context()
 
@@ -182,6 +208,7 @@ class _Progress:
     error: str | None = None
     steps: int = 0
     tool_errors: int = 0
+    tool_failures: int = 0
     final_answer: str | None = None
     finished: bool = False  # the episode ended on its own (no more tool calls / answer)
     scored: bool = False
@@ -349,7 +376,8 @@ class Rollout:
             self._setup_exc = exc
             self._fail(FailureReason.COMPUTER_TOOL_MISSING, str(exc))
             return False
-        except (ToolsError, TimeoutError) as exc:
+        except (ToolsError, OperationTimeout, TimeoutError) as exc:
+            # OperationTimeout: the connect or the listing passed its deadline.
             self._setup_exc = exc
             lost = not await e.provider.is_alive(self.instance)
             if lost:
@@ -358,7 +386,8 @@ class Rollout:
                 reason = FailureReason.INIT_ERROR
             else:
                 reason = FailureReason.TOOLS_ERROR
-            detail = str(exc) or f"timed out after {s.timeouts.mcp_connect_s:g} s"
+            doing = "connecting to" if self.session is None else "listing the tools of"
+            detail = str(exc) or f"{doing} the MCP endpoint {self.route.url} timed out"
             self._fail(
                 reason,
                 f"instance {self.instance.instance_id} is gone: {detail}" if lost else detail,
@@ -442,8 +471,8 @@ class Rollout:
                 return
             await self._call(call)
 
-    async def _call(self, call: ToolCall) -> ToolResult | None:
-        """Run one tool call and record its answer; None if the instance is gone."""
+    async def _call(self, call: ToolCall) -> ToolResult:
+        """Run one tool call and record its answer (a failure may end the rollout)."""
         e = self.engine
         if call.name == SUBMIT_FINAL_ANSWER.name and self.route and self.route.offers_final_answer:
             answer = call.arguments.get("answer")
@@ -466,7 +495,8 @@ class Rollout:
             try:
                 result = await self.session.call(call.name, call.arguments)
             except ToolCallFailed as exc:
-                self._p.tool_errors += 1
+                # Not an answer from the environment: an infrastructure failure.
+                self._p.tool_failures += 1
                 e.events.emit(
                     "fleet_tool_call_failed",
                     level="warn",
@@ -480,7 +510,12 @@ class Rollout:
                         FailureReason.INSTANCE_LOST,
                         f"instance {self.instance.instance_id} is gone ({exc})",
                     )
-                    return None
+                elif e.settings.pool.on_tool_failure == "fail":
+                    self._fail(
+                        FailureReason.TOOL_FAILURE,
+                        f"the tool call {call.name} failed: {exc} "
+                        '(pool.on_tool_failure = "continue" would go on)',
+                    )
                 result = ToolResult(text=f"Error: the tool call failed: {exc}", is_error=True)
                 self._record(call, result)
                 return result
@@ -560,6 +595,7 @@ class Rollout:
             step_count=r.steps,
             duration_s=round(r.timings.total_s, 4),
             tool_errors=r.tool_errors,
+            tool_failures=r.tool_failures,
             error_message=(r.error or "")[:500] or None,
         )
 
@@ -596,6 +632,15 @@ class Rollout:
             p.error = p.error or "the rollout ended without being scored (a fleetroll bug)"
         reward = p.reward if (p.reason is None or p.reason in SCORED_REASONS) else None
         keep_images = self.engine.settings.pool.transcript_images
+        redact = self.engine.redactor
+        verifier = p.verifier
+        if verifier is not None:
+            verifier = verifier.model_copy(
+                update={
+                    "stdout": redact(verifier.stdout),
+                    "error": None if verifier.error is None else redact(verifier.error),
+                }
+            )
         return RolloutResult(
             rollout_id=self.ids.rollout_id,
             batch_id=self.ids.batch_id,
@@ -608,14 +653,17 @@ class Rollout:
             instance_id=self.instance.instance_id if self.instance else None,
             status="completed" if p.reason is None else "failed",
             failure_reason=p.reason,
-            error=p.error,
+            error=None if p.error is None else redact(p.error),
             reward=reward,
             steps=p.steps,
             tool_errors=p.tool_errors,
-            final_answer=p.final_answer,
+            tool_failures=p.tool_failures,
+            final_answer=None if p.final_answer is None else redact(p.final_answer),
             timings=p.timings.model_copy(),
-            verifier=p.verifier,
-            transcript=p.messages if keep_images else [_elide_images(m) for m in p.messages],
+            verifier=verifier,
+            transcript=[
+                _redact_message(m if keep_images else _elide_images(m), redact) for m in p.messages
+            ],
         )
 
     async def step(self, call: ToolCall) -> StepResult:
@@ -641,10 +689,10 @@ class Rollout:
         result: ToolResult | None = None
         with anyio.CancelScope(deadline=self._deadline) as scope:
             result = await self._call(call)
-        if scope.cancelled_caught:
+        if scope.cancelled_caught or result is None:
             self.time_out()
             result = ToolResult(text="The rollout's deadline passed.", is_error=True)
-        if result is None:  # the instance is gone
+        if self._p.reason is FailureReason.INSTANCE_LOST:
             raise InstanceLostError(
                 self._p.error or "the instance is gone",
                 operation="step",
@@ -669,6 +717,11 @@ class Rollout:
     def messages(self) -> list[dict[str, Any]]:
         return self._p.messages
 
+    def finish(self) -> None:
+        """The controller ended the episode: it completes (and is scored)."""
+        if not self.finished:
+            self._p.finished = True
+
     def abandon(self) -> None:
         if not self.finished:
             self._fail(FailureReason.ABANDONED, "the session was closed before the episode ended")
@@ -681,7 +734,14 @@ class Rollout:
 
 
 class EnvSession:
-    """The env-style API: ``reset()``, ``step(call)``, ``close()``."""
+    """The env-style API: ``reset()``, ``step(call)``, ``done()``, ``close()``.
+
+    The episode ends when the agent submits the task's final answer (a
+    ``submit_final_answer`` step), when the controller calls :meth:`done`,
+    or on a failure (deadline, step budget, a lost instance...). An episode
+    that ended so is ``completed`` and scored; closing the session before
+    that is ``abandoned`` (still scored).
+    """
 
     def __init__(self, rollout: Rollout) -> None:
         self._rollout = rollout
@@ -716,8 +776,17 @@ class EnvSession:
             )
         return await r.step(call)
 
+    def done(self) -> None:
+        """Say the episode is over: the agent finished the task.
+
+        The result is then ``completed`` (the verifier decides the reward);
+        later steps answer "The episode is over.". Without it, a session
+        whose task needs no final answer ends ``abandoned`` when closed.
+        """
+        self._rollout.finish()
+
     async def close(self) -> RolloutResult | None:
-        """End the episode (``abandoned`` if it had not ended).
+        """End the episode (``abandoned`` if it had not ended, see :meth:`done`).
 
         The rollout is scored and its instance released when the session's
         ``async with`` block exits; called after the block, this returns the
@@ -745,6 +814,21 @@ def _assistant_message(turn: AssistantTurn) -> dict[str, Any]:
             for c in turn.tool_calls
         ]
     return message
+
+
+def _redact_message(message: dict[str, Any], redact: Redactor) -> dict[str, Any]:
+    """``message`` with every string in it redacted, images (data URLs) left alone."""
+
+    def clean(value: Any) -> Any:
+        if isinstance(value, str):
+            return value if value.startswith("data:") else redact(value)
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return value
+
+    return {k: clean(v) for k, v in message.items()}
 
 
 def _elide_images(message: dict[str, Any]) -> dict[str, Any]:

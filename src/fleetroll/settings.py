@@ -106,6 +106,14 @@ class PoolSettings(_Section):
     #: Keep screenshots (data URLs) in result transcripts; off, they are
     #: replaced by a short placeholder (a screenshot is ~65 KB of base64).
     transcript_images: bool = False
+    #: A tool call that fails for infrastructure reasons (timeout, transport
+    #: error, instance gone): "fail" ends the rollout as ``tool_failure`` with
+    #: no reward; "continue" feeds the error to the agent and goes on. Either
+    #: way it is counted in the result's ``tool_failures``.
+    on_tool_failure: Literal["fail", "continue"] = "fail"
+    #: Largest verifier source (``verifier_func``, UTF-8 bytes) a rollout
+    #: accepts; a bigger one is a ``verifier_error``, never parsed.
+    max_verifier_bytes: int = Field(1024 * 1024, ge=1)
 
 
 class PolicySettings(_Section):

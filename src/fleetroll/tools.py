@@ -203,8 +203,8 @@ async def open_tool_session(
     """Connect to an MCP endpoint, retrying while its service starts.
 
     Raises:
-        ToolsError: no connection within ``connect_timeout_s`` (or a failure
-            that retrying cannot fix).
+        OperationTimeout: no connection within ``connect_timeout_s``.
+        ToolsError: a failure that retrying cannot fix.
     """
     started = time.monotonic()
     attempt = 0
@@ -236,24 +236,27 @@ async def open_tool_session(
                         f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect"
                     ) from exc
         if scope.cancelled_caught and not connected:
-            raise OperationTimeout(
-                f"no MCP session at {url} within {connect_timeout_s:g} s "
-                f"({attempt} attempts; last: {describe(last) if last else 'timeout'})",
-                operation="connect",
-                timeout_s=connect_timeout_s,
-            )
+            raise _connect_timeout(url, connect_timeout_s, attempt, last)
         delay = random.uniform(
             0, min(_CONNECT_BACKOFF_MAX_S, _CONNECT_BACKOFF_INITIAL_S * 2 ** (attempt - 1))
         )
         remaining = connect_timeout_s - (time.monotonic() - started)
         if remaining <= 0:
-            raise OperationTimeout(
-                f"no MCP session at {url} within {connect_timeout_s:g} s "
-                f"({attempt} attempts; last: {describe(last) if last else 'timeout'})",
-                operation="connect",
-                timeout_s=connect_timeout_s,
-            )
+            raise _connect_timeout(url, connect_timeout_s, attempt, last)
         await anyio.sleep(min(delay, remaining))
+
+
+def _connect_timeout(
+    url: str, timeout_s: float, attempts: int, last: BaseException | None
+) -> OperationTimeout:
+    s = "" if attempts == 1 else "s"
+    why = describe(last) if last else "no answer"
+    return OperationTimeout(
+        f"connecting to the MCP endpoint {url} timed out after {timeout_s:g} s "
+        f"({attempts} attempt{s}; last: {why})",
+        operation="connect",
+        timeout_s=timeout_s,
+    )
 
 
 def _image(data: str | None, mime: str | None) -> str | None:

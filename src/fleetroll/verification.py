@@ -6,13 +6,22 @@ upload, execute), and it runs there. It never runs in this process: the
 function's name is read with ``ast``, not by executing the code (the SDK's
 ``Task.verify_detailed_async`` would ``exec`` it here to find that name).
 
+Everything cached here is keyed by the verifier's content (the sha256 of its
+code), never by a name a caller chooses: two tasks (or two batches) that use
+one key with different verifiers are each scored by their own. The code is
+parsed once per content, in a worker thread (a large or hostile source must
+not stall the event loop), and only up to ``pool.max_verifier_bytes``.
+
 A verifier that cannot run gives ``reward=None`` and an error, never 0.
 """
 
 from __future__ import annotations
 
 import ast
+import hashlib
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +36,14 @@ from fleetroll.tasks import TaskSpec
 __all__ = ["Verdict", "Verifier", "verifier_signature"]
 
 _ATTEMPTS = 3
+
+#: CPython 3.11's parser keeps some state per interpreter, not per thread:
+#: two threads parsing at once can fail ("AST constructor recursion depth
+#: mismatch"). Parsing here is rare (once per verifier content), so serialise it.
+_PARSE_LOCK = threading.Lock()
+
+#: Verifiers remembered (by content) per engine; the oldest is forgotten first.
+_CACHE_MAX = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,17 +63,59 @@ def verifier_signature(code: str) -> tuple[str, bool]:
     """The verifier function's name, and whether it takes ``final_answer``.
 
     The first top-level function is the verifier (as Fleet's runner takes it).
+    Blocking (it parses): call it from a worker thread for anything large.
 
     Raises:
-        ValueError: the code does not parse, or defines no function.
+        ValueError: the code does not parse (including code nested too deeply
+            for Python's parser), or defines no function.
     """
-    tree = ast.parse(code)
+    try:
+        with _PARSE_LOCK:
+            tree = ast.parse(code, filename="<verifier_func>")
+    except SyntaxError as exc:
+        at = f" at line {exc.lineno}" if exc.lineno else ""
+        raise ValueError(f"the verifier is not valid Python: {exc.msg}{at}") from None
+    except (MemoryError, RecursionError):
+        # The parser's own limit on nesting (e.g. thousands of unary minuses).
+        raise ValueError(
+            "the verifier is nested too deeply for Python's parser to read it"
+        ) from None
+    except ValueError as exc:  # null bytes
+        raise ValueError(f"the verifier is not valid Python: {exc}") from None
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             args = node.args
             names = {a.arg for a in args.args + args.kwonlyargs}
             return node.name, "final_answer" in names or args.kwarg is not None
     raise ValueError("the verifier code defines no function")
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    """A verifier, ready to send, or why it cannot be."""
+
+    function: AsyncVerifierFunction | None
+    takes_answer: bool = False
+    error: str | None = None
+
+
+def _compile(code: str, sha256: str) -> _Compiled:
+    """Parse ``code`` (blocking) and wrap it for the SDK's remote execution."""
+    try:
+        name, takes_answer = verifier_signature(code)
+    except ValueError as exc:
+        return _Compiled(None, error=f"bad verifier: {exc}")
+
+    def remote_only(env: Any, *args: Any, **kwargs: Any) -> float:
+        raise RuntimeError("this verifier runs remotely only")
+
+    remote_only.__name__ = remote_only.__qualname__ = name
+    # Key and id are the content's, never a task's key: Fleet sees one
+    # verifier per content, and the SDK's bundle sha is of the content too.
+    function = AsyncVerifierFunction(
+        remote_only, f"fleetroll-{sha256[:32]}", verifier_id=sha256, raw_code=code
+    )
+    return _Compiled(function, takes_answer)
 
 
 def _reward(result: Any) -> float | None:
@@ -82,27 +141,51 @@ def _transient(exc: BaseException) -> bool:
 
 
 class Verifier:
-    """Scores rollouts; one bundle per task, built once."""
+    """Scores rollouts; each verifier content is parsed and bundled once."""
 
-    def __init__(self, *, timeout_s: float) -> None:
+    def __init__(self, *, timeout_s: float, max_source_bytes: int = 1024 * 1024) -> None:
         self._timeout_s = timeout_s
-        self._functions: dict[str, tuple[AsyncVerifierFunction, bool]] = {}
+        self._max_source_bytes = max_source_bytes
+        self._compiled: OrderedDict[str, _Compiled] = OrderedDict()
+        self._compiling: dict[str, anyio.Event] = {}
+        self._parsing: anyio.CapacityLimiter | None = None
 
-    def _function(self, task: TaskSpec) -> tuple[AsyncVerifierFunction, bool]:
-        cached = self._functions.get(task.key)
-        if cached is None:
-            assert task.verifier_func is not None
-            name, takes_answer = verifier_signature(task.verifier_func)
-
-            def remote_only(env: Any, *args: Any, **kwargs: Any) -> float:
-                raise RuntimeError("this verifier runs remotely only")
-
-            remote_only.__name__ = remote_only.__qualname__ = name
-            function = AsyncVerifierFunction(
-                remote_only, task.key, verifier_id=task.key, raw_code=task.verifier_func
+    async def _function(self, code: str) -> _Compiled:
+        """The compiled verifier for ``code``, parsed once per content."""
+        limit = self._max_source_bytes
+        # Checked before any work: each character is at least one byte.
+        data = b"" if len(code) > limit else code.encode("utf-8", "surrogatepass")
+        if len(code) > limit or len(data) > limit:
+            size = f"over {len(code):,}" if len(code) > limit else f"{len(data):,}"
+            return _Compiled(
+                None,
+                error=(
+                    f"bad verifier: its code is {size} bytes, over the limit of {limit:,} "
+                    "(pool.max_verifier_bytes)"
+                ),
             )
-            cached = self._functions[task.key] = (function, takes_answer)
-        return cached
+        sha256 = hashlib.sha256(data).hexdigest()
+        while True:
+            cached = self._compiled.get(sha256)
+            if cached is not None:
+                self._compiled.move_to_end(sha256)
+                return cached
+            pending = self._compiling.get(sha256)
+            if pending is None:
+                break
+            await pending.wait()  # another rollout is parsing the same code
+        done = self._compiling[sha256] = anyio.Event()
+        try:
+            if self._parsing is None:
+                self._parsing = anyio.CapacityLimiter(1)
+            compiled = await anyio.to_thread.run_sync(_compile, code, sha256, limiter=self._parsing)
+            self._compiled[sha256] = compiled
+            while len(self._compiled) > _CACHE_MAX:
+                self._compiled.popitem(last=False)
+        finally:
+            del self._compiling[sha256]
+            done.set()
+        return compiled
 
     async def verify(self, task: TaskSpec, env: Any, final_answer: str | None) -> Verdict:
         """Run the task's verifier against the instance behind ``env``.
@@ -115,15 +198,12 @@ class Verifier:
             return Verdict(
                 None, VerifierOutcome(success=False, error="the task has no verifier"), "NoVerifier"
             )
-        try:
-            function, takes_answer = self._function(task)
-        except (ValueError, SyntaxError) as exc:
-            return Verdict(
-                None,
-                VerifierOutcome(success=False, error=f"bad verifier: {exc}"),
-                type(exc).__name__,
-            )
-        kwargs = {"final_answer": final_answer} if takes_answer else {}
+        compiled = await self._function(task.verifier_func)
+        function = compiled.function
+        if function is None:
+            outcome = VerifierOutcome(success=False, error=compiled.error)
+            return Verdict(None, outcome, "BadVerifier")
+        kwargs = {"final_answer": final_answer} if compiled.takes_answer else {}
         try:
             with anyio.fail_after(self._timeout_s):
                 async for attempt in stamina.retry_context(

@@ -108,6 +108,10 @@ class Redactor:
     def __init__(self, secrets: Iterable[str | None] = ()) -> None:
         self._secrets = sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
 
+    def extended(self, secrets: Iterable[str | None]) -> Redactor:
+        """A redactor that also knows ``secrets``."""
+        return Redactor([*self._secrets, *secrets])
+
     def __call__(self, text: str) -> str:
         for secret in self._secrets:
             if secret in text:
@@ -151,6 +155,11 @@ class Events:
     def __init__(self, sinks: Sequence[EventSink] = (), redactor: Redactor | None = None) -> None:
         self._sinks = list(sinks)
         self._redact = redactor or Redactor()
+
+    @property
+    def redactor(self) -> Redactor:
+        """What every event goes through; use it for anything else leaving the process."""
+        return self._redact
 
     def add_sink(self, sink: EventSink) -> None:
         self._sinks.append(sink)

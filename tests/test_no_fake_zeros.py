@@ -1,0 +1,65 @@
+"""Issue 13's acceptance check: on the emulator's faulty profiles, with the
+scripted policy (whose solutions are correct), no rollout is scored 0.0.
+
+Every result is either the solution's reward, 1.0, or an infrastructure
+failure with a ``failure_reason`` and ``reward: null``; a fault never turns
+into a fabricated zero a trainer would learn from.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from fleetroll.emulator import Emulator
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool import RolloutPool
+from fleetroll.results import RolloutResult
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import load_tasks
+
+SETTINGS = load_settings()
+TASKS = [
+    t
+    for f in sorted((config_dir() / "tasks").glob("*.jsonl"))
+    for t in load_tasks(f, modalities=SETTINGS.modalities)
+]
+
+#: Small deadlines, so that the profile's hangs end in seconds: a hang passes
+#: its deadline (and is a failure) instead of holding the test for an hour.
+TIMEOUTS = {
+    "provision_create_s": 3.0,
+    "provision_total_s": 30.0,
+    "reset_s": 1.0,
+    "mcp_connect_s": 10.0,
+    "list_tools_s": 5.0,
+    "call_tool_s": 1.0,
+    "verifier_s": 20.0,
+    "release_s": 5.0,
+    "rollout_s": 60.0,
+}
+#: The profile's hangs, shortened (whatever the shipped config says), yet
+#: each longer than the deadline it must trip.
+HANGS = {"create_hang_s": 6.0, "tool_hang_s": 6.0, "reset_hang_s": 3.0}
+PROVISIONING = {"creates_per_second": 1000, "backoff_initial_s": 0.05, "backoff_max_s": 0.5}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile_name", ["realistic", "chaos"])
+async def test_faults_never_give_a_zero_reward_to_a_correct_solution(profile_name: str) -> None:
+    profile = SETTINGS.emulator.fault_profile(profile_name).model_copy(update=HANGS)
+    settings = load_settings(timeouts=TIMEOUTS, provisioning=PROVISIONING)
+    results: list[RolloutResult] = []
+    async with Emulator(profile) as emu:
+        async with RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool:
+            with anyio.fail_after(240):
+                async for result in pool.run_batch(TASKS, ScriptedPolicy()):
+                    results.append(result)
+        assert emu.ledger.running == 0
+    assert len(results) == len(TASKS)
+    fake = [
+        (r.task_key, r.status, r.failure_reason, r.reward, r.error)
+        for r in results
+        if not (r.reward == 1.0 or (r.failure_reason is not None and r.reward is None))
+    ]
+    assert fake == []

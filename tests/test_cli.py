@@ -4,17 +4,30 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
+import anyio
 import pytest
+from anyio.abc import Process
 
+from fleetroll.emulator import Emulator
+from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.journal import read_journal
-from fleetroll.settings import config_dir
+from fleetroll.policies import policy_from_settings
+from fleetroll.pool import RolloutPool
+from fleetroll.results import FailureReason
+from fleetroll.runner import Progress, _describe, _Watch
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import load_tasks
 
 LEDGER = config_dir() / "tasks" / "ledger.jsonl"
 TASKS = sum(1 for line in LEDGER.read_text().splitlines() if line.strip())
@@ -141,3 +154,322 @@ def test_a_run_killed_with_sigkill_resumes_to_exactly_one_result_per_rollout(
     assert {r.rollout_id for r in before} <= set(counts)  # nothing finished was lost
     assert len({r.batch_id for r in after}) == 1
     assert out.read_bytes().endswith(b"\n")
+
+
+# -- interrupts, resume, the journal's lock and identity, the live line (B1) ------
+
+
+def run_args(tasks: Path, out: Path, *more: str, samples: int = 4) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "fleetroll",
+        "run",
+        str(tasks),
+        "--out",
+        str(out),
+        "--samples",
+        str(samples),
+        *more,
+    ]
+
+
+def slow_config(tmp_path: Path) -> Path:
+    path = tmp_path / "slow.toml"
+    path.write_text("[policy]\nthink_time_s = 0.3\n[pool]\nconcurrency = 4\n")
+    return path
+
+
+@asynccontextmanager
+async def started(
+    tmp_path: Path, args: list[str], env: dict[str, str] | None = None
+) -> AsyncIterator[tuple[Process, Path]]:
+    """``args`` as a child process, its stderr in a file; killed if still running at the end."""
+    log = tmp_path / f"stderr-{len(list(tmp_path.glob('stderr-*')))}.txt"
+    with log.open("wb") as stderr:
+        child = await anyio.open_process(
+            args,
+            cwd=tmp_path,
+            env=env or clean_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        yield child, log
+    finally:
+        with anyio.CancelScope(shield=True):
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+            await child.aclose()
+
+
+async def until(condition: Callable[[], bool], child: Process) -> None:
+    """Return once ``condition()`` holds (the caller bounds the wait with fail_after)."""
+    while not condition():
+        assert child.returncode is None, "the run ended first"
+        await anyio.sleep(0.05)
+
+
+def lines_in(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+@pytest.mark.slow
+async def test_ctrl_c_then_resume_reruns_exactly_the_cancelled_and_missing_rollouts(
+    tmp_path: Path,
+) -> None:
+    out, samples = tmp_path / "results.jsonl", 4
+    args = run_args(LEDGER, out, "--config", str(slow_config(tmp_path)), samples=samples)
+    async with started(tmp_path, args) as (child, log):
+        with anyio.fail_after(120):
+            await until(lambda: lines_in(out) >= 5, child)
+        child.send_signal(signal.SIGINT)
+        with anyio.fail_after(60):
+            await child.wait()
+    assert child.returncode == 130, log.read_text()
+    before = read_journal(out)
+    kept = {r.rollout_id for r in before if r.failure_reason is not FailureReason.CANCELLED}
+    assert len(kept) >= 5 and len(kept) < len(before), "nothing was cancelled"
+    lines_before = lines_in(out)
+
+    with anyio.fail_after(300):
+        done = await anyio.run_process(
+            run_args(LEDGER, out, "--resume", samples=samples),
+            cwd=tmp_path,
+            env=clean_env(),
+            check=False,
+        )
+    assert done.returncode == 0, done.stderr.decode()
+    assert f"{len(kept)} already done" in done.stderr.decode()
+    rerun = read_journal(out, latest=False)[lines_before:]
+    rerun_ids = {r.rollout_id for r in rerun}
+    # Exactly the cancelled and the missing ones ran again, each once.
+    assert len(rerun_ids) == len(rerun) == samples * TASKS - len(kept)
+    assert not rerun_ids & kept
+    after = read_journal(out)
+    assert len(after) == samples * TASKS
+    assert not [r for r in after if r.failure_reason is FailureReason.CANCELLED]
+
+
+def telemetry_pairs(db: Path) -> tuple[Counter[str], Counter[str]]:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute(
+            "SELECT span_name, attributes ->> 'rollout_id' FROM records "
+            "WHERE span_name IN ('fleet_rollout_started', 'fleet_rollout_completed')"
+        ).fetchall()
+    started = Counter(rid for name, rid in rows if name == "fleet_rollout_started")
+    completed = Counter(rid for name, rid in rows if name == "fleet_rollout_completed")
+    return started, completed
+
+
+@pytest.mark.slow
+async def test_a_second_ctrl_c_exits_130_with_every_result_journaled_and_nothing_leaked(
+    tmp_path: Path,
+) -> None:
+    out, db, samples = tmp_path / "results.jsonl", tmp_path / "telemetry.db", 4
+    args = run_args(LEDGER, out, "--config", str(slow_config(tmp_path)), samples=samples)
+    async with EmulatorProcess() as emu:
+        env = clean_env() | {
+            "FLEET_BASE_URL": emu.base_url,
+            "FLEET_API_KEY": emu.api_key,
+            "FLEETROLL_TELEMETRY__DB_PATH": str(db),
+        }
+        async with started(tmp_path, args, env) as (child, log):
+            with anyio.fail_after(120):
+                await until(lambda: lines_in(out) >= 5, child)
+            child.send_signal(signal.SIGINT)
+            with anyio.fail_after(30):  # two signals, not one the kernel merged
+                await until(lambda: "interrupted" in log.read_text(), child)
+            child.send_signal(signal.SIGINT)
+            with anyio.fail_after(90):
+                await child.wait()
+        ledger = await emu.ledger()
+    stderr = log.read_text()
+    assert child.returncode == 130, stderr
+    assert "Traceback" not in stderr and "already stopping" in stderr
+    lines = read_journal(out, latest=False)  # every line is a whole, valid result
+    delivered = re.search(r"batch \w+: (\d+) results", stderr)
+    assert delivered is not None, stderr
+    assert len(lines) == int(delivered[1]) == samples * TASKS
+    assert len({r.rollout_id for r in lines}) == len(lines)
+    assert ledger["running"] == 0, ledger
+    started_events, completed_events = telemetry_pairs(db)
+    assert started_events == completed_events and set(started_events.values()) == {1}
+
+
+@pytest.mark.slow
+async def test_a_second_run_on_a_journal_in_use_gets_one_line_and_exit_code_2(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "results.jsonl"
+    args = run_args(LEDGER, out, "--config", str(slow_config(tmp_path)))
+    async with started(tmp_path, args) as (child, log):
+        with anyio.fail_after(120):
+            await until(lambda: lines_in(out) >= 1, child)
+            second = await anyio.run_process(
+                run_args(LEDGER, out, "--resume"), cwd=tmp_path, env=clean_env(), check=False
+            )
+        child.send_signal(signal.SIGINT)
+        with anyio.fail_after(60):
+            await child.wait()
+    message = second.stderr.decode().strip()
+    assert second.returncode == 2, message
+    assert "in use by another fleetroll run" in message and len(message.splitlines()) == 1
+    assert child.returncode == 130, log.read_text()
+    ids = [r.rollout_id for r in read_journal(out, latest=False)]
+    assert len(ids) == len(set(ids))  # the refused run wrote nothing
+
+
+def two_tasks(tmp_path: Path, verifier_suffix: str = "") -> Path:
+    records = [json.loads(line) for line in LEDGER.read_text().splitlines() if line.strip()][:2]
+    records[0]["verifier_func"] += verifier_suffix
+    path = tmp_path / f"tasks{len(verifier_suffix)}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_a_resume_with_other_samples_or_a_changed_task_is_refused_with_exit_code_2(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "results.jsonl"
+    tasks = two_tasks(tmp_path)
+    first = fleetroll("run", str(tasks), "--out", str(out), "--samples", "2", tmp_path=tmp_path)
+    assert first.returncode == 0, first.stderr
+    journaled = out.read_bytes()
+
+    more = fleetroll(
+        "run", str(tasks), "--out", str(out), "--samples", "3", "--resume", tmp_path=tmp_path
+    )
+    assert more.returncode == 2 and "started with --samples 2" in more.stderr, more.stderr
+
+    changed = two_tasks(tmp_path, "\n# changed\n")
+    edited = fleetroll(
+        "run", str(changed), "--out", str(out), "--samples", "2", "--resume", tmp_path=tmp_path
+    )
+    assert edited.returncode == 2 and "has changed since it was started" in edited.stderr
+    assert "Traceback" not in more.stderr + edited.stderr
+    assert out.read_bytes() == journaled
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device"])
+def test_out_refuses_a_fifo_or_a_device_in_one_line(tmp_path: Path, kind: str) -> None:
+    if kind == "fifo":
+        target = tmp_path / "pipe"
+        os.mkfifo(target)
+    else:
+        target = Path("/dev/zero")
+    done = fleetroll("run", str(LEDGER), "--out", str(target), "--resume", tmp_path=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "not a regular file" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_the_closing_lines_say_where_results_and_telemetry_were_written(tmp_path: Path) -> None:
+    out, db = tmp_path / "results.jsonl", tmp_path / "telemetry.db"
+    done = subprocess.run(
+        [*run_args(LEDGER, out, "--concurrency", "2", samples=1)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=clean_env() | {"FLEETROLL_TELEMETRY__DB_PATH": str(db)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"fleetroll: results: {out}" in done.stderr
+    assert f"fleetroll: telemetry: {db}" in done.stderr
+    # The last progress line: nothing acting any more, and the limit it is held to.
+    assert re.search(rf"{TASKS}/{TASKS} done · 0 acting \(max 2\)", done.stderr), done.stderr
+
+
+async def test_no_more_rollouts_count_as_acting_than_the_concurrency_allows(
+    emulator: Emulator,
+) -> None:
+    settings = load_settings(None, pool={"concurrency": 2})
+    tasks = load_tasks(LEDGER, modalities=settings.modalities)
+    policy = policy_from_settings(settings)
+    looks: list[Progress] = []
+    async with RolloutPool(settings, api_key=emulator.api_key, base_url=emulator.base_url) as pool:
+        batch = pool.run_batch(tasks, policy, samples_per_task=3)
+        watch = _Watch(batch, settings.pool.concurrency)
+        with anyio.fail_after(120):
+            async for _ in batch:
+                looks.append(watch.look(time.monotonic()))
+    await policy.aclose()
+    assert len(looks) == 3 * TASKS
+    for p in looks:
+        assert p.acting is not None and p.acting <= 2, p
+        assert p.provisioning + p.waiting + p.acting + p.finishing == p.in_flight, p
+        assert p.in_flight + p.queued + p.finished == p.total, p
+
+
+def test_the_eta_is_unknown_before_any_rollout_has_finished() -> None:
+    p = Progress(total=10, done=0, failed=0, in_flight=4, acting=4, queued=6, concurrency=4)
+    assert _describe(p, 30.0).endswith("ETA ?")
+
+
+def test_the_eta_is_unknown_when_overdue_rollouts_are_most_of_what_is_left() -> None:
+    # 48 done in 60 s: the rate alone would say 2 more take 2 s; both have been
+    # provisioning for over twice the mean duration (a hung create).
+    p = Progress(
+        total=50,
+        done=48,
+        failed=0,
+        in_flight=2,
+        provisioning=2,
+        acting=0,
+        concurrency=4,
+        mean_s=1.0,
+        overdue=2,
+    )
+    assert _describe(p, 60.0).endswith("ETA ? (2 overdue)")
+
+
+def test_the_eta_is_a_lower_bound_while_a_few_rollouts_are_overdue() -> None:
+    p = Progress(
+        total=100,
+        done=40,
+        failed=0,
+        in_flight=8,
+        acting=8,
+        concurrency=8,
+        mean_s=2.0,
+        overdue=1,
+        queued=52,
+    )
+    assert _describe(p, 40.0).endswith("ETA >1m00s (1 overdue)")
+
+
+def test_the_eta_follows_the_rate_when_nothing_is_overdue() -> None:
+    p = Progress(
+        total=100, done=45, failed=5, in_flight=8, acting=8, concurrency=8, mean_s=2.0, queued=42
+    )
+    assert _describe(p, 50.0).endswith("1.0/s · ETA 50s")
+
+
+def test_the_live_line_says_what_each_number_counts() -> None:
+    p = Progress(
+        total=20,
+        done=3,
+        failed=1,
+        in_flight=7,
+        queued=8,
+        provisioning=2,
+        waiting=1,
+        acting=3,
+        finishing=1,
+        concurrency=4,
+    )
+    line = _describe(p, 10.0)
+    for part in (
+        "4/20 done",
+        "3 acting (max 4)",
+        "1 finishing",
+        "2 provisioning",
+        "1 waiting for a slot",
+        "8 queued",
+        "1 failed",
+    ):
+        assert part in line, line
+    ray = _describe(Progress(total=20, done=3, failed=1, in_flight=16), 10.0)
+    assert "16 in flight" in ray and "acting" not in ray

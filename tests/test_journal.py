@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import anyio
 import pytest
 
-from fleetroll.journal import Journal, read_journal
-from fleetroll.results import RolloutResult
+from fleetroll.errors import ConfigError
+from fleetroll.journal import BatchIdentity, Journal, claim_journal, meta_path, read_journal
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.tasks import TaskSpec
 
 
 def result(n: int) -> RolloutResult:
@@ -62,3 +66,105 @@ def test_a_complete_line_that_is_not_a_result_is_an_error_naming_the_line(tmp_pa
 
 def test_a_missing_journal_reads_as_empty(tmp_path: Path) -> None:
     assert read_journal(tmp_path / "nothing.jsonl") == []
+
+
+# -- one result per rollout, the lock, the batch's identity (B1) ------------------
+
+
+def cancelled(n: int) -> RolloutResult:
+    return result(n).model_copy(
+        update={"status": "failed", "failure_reason": FailureReason.CANCELLED, "reward": None}
+    )
+
+
+def task(key: str, verifier: str = "def verify(env):\n    return 1.0\n") -> TaskSpec:
+    return TaskSpec(key=key, prompt="p", env_key="ledger", verifier_func=verifier)
+
+
+TASKS = [task("t"), task("u")]
+
+
+def write_lines(path: Path, *results: RolloutResult) -> None:
+    path.write_text("".join(r.model_dump_json() + "\n" for r in results))
+
+
+def test_the_reader_keeps_the_last_result_of_each_rollout(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    write_lines(path, cancelled(1), result(2), result(1))
+    assert [(r.rollout_id, r.status) for r in read_journal(path)] == [
+        ("r2", "completed"),
+        ("r1", "completed"),
+    ]
+    assert len(read_journal(path, latest=False)) == 3
+
+
+def test_a_resume_keeps_every_rollout_but_those_whose_last_result_is_cancelled(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "results.jsonl"
+    first = claim_journal(path, BatchIdentity.of("b", TASKS, 2), resume=False)
+    first.close()
+    write_lines(path, result(1), cancelled(2), cancelled(3), result(3))
+    claim = claim_journal(path, BatchIdentity.of("other", TASKS, 2), resume=True)
+    try:
+        assert claim.batch_id == "b"  # the journaled batch, not a new one
+        assert sorted(r.rollout_id for r in claim.done) == ["r1", "r3"]
+    finally:
+        claim.close()
+
+
+def test_a_journal_in_use_by_another_run_is_refused_until_it_is_released(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "results.jsonl"
+    held = claim_journal(path, BatchIdentity.of("b", TASKS, 1), resume=False)
+    with pytest.raises(ConfigError, match="in use by another fleetroll run"):
+        claim_journal(path, BatchIdentity.of("b2", TASKS, 1), resume=True)
+    held.close()
+    claim_journal(path, BatchIdentity.of("b2", TASKS, 1), resume=True).close()
+
+
+@pytest.mark.parametrize(
+    ("tasks", "samples", "message"),
+    [
+        (TASKS, 3, "started with --samples 2, this run asks for 3"),
+        ([task("t", "def verify(env):\n    return 0.25\n"), task("u")], 2, "'t' has changed"),
+        ([task("t")], 2, "'u' is not among this run's tasks"),
+        ([*TASKS, task("v")], 2, "'v' was not in the batch"),
+    ],
+)
+def test_a_resume_of_another_batch_is_refused_saying_what_differs(
+    tmp_path: Path, tasks: list[TaskSpec], samples: int, message: str
+) -> None:
+    path = tmp_path / "results.jsonl"
+    claim_journal(path, BatchIdentity.of("b", TASKS, 2), resume=False).close()
+    write_lines(path, result(1))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        claim_journal(path, BatchIdentity.of("b", tasks, samples), resume=True)
+
+
+def test_a_journal_with_results_is_not_reused_without_resume(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    claim_journal(path, BatchIdentity.of("b", TASKS, 1), resume=False).close()
+    write_lines(path, result(1))
+    with pytest.raises(ConfigError, match="already exists: pass --resume"):
+        claim_journal(path, BatchIdentity.of("b2", TASKS, 1), resume=False)
+
+
+def test_a_journal_from_before_identities_resumes_and_gets_one(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    write_lines(path, result(1).model_copy(update={"task_key": "t"}))
+    claim = claim_journal(path, BatchIdentity.of("new", TASKS, 1), resume=True)
+    claim.close()
+    assert claim.batch_id == "b"
+    assert BatchIdentity.from_json(meta_path(path).read_bytes()).batch_id == "b"
+
+
+def test_a_fifo_or_a_device_is_refused_as_a_journal_without_reading_it(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    for path in (fifo, Path("/dev/zero")):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            claim_journal(path, BatchIdentity.of("b", TASKS, 1), resume=True)
+        with pytest.raises(ValueError, match="not a regular file"):
+            read_journal(path)

@@ -179,7 +179,8 @@ def run(
     from rich.console import Console
 
     from fleetroll.policies import policy_from_settings
-    from fleetroll.runner import load_task_paths, print_report, run_job
+    from fleetroll.runner import print_report, run_job
+    from fleetroll.tasks import load_task_paths
 
     overrides: dict[str, Any] = {}
     if concurrency is not None:
@@ -205,30 +206,38 @@ def run(
     async def job() -> Any:
         from fleetroll.telemetry import open_telemetry
 
-        async with open_telemetry(settings) as events:
-            policy = policy_from_settings(settings)
-            try:
-                return await run_job(
-                    settings,
-                    tasks,
-                    policy,
-                    samples=samples,
-                    out=out,
-                    resume=resume,
-                    events=events,
-                    emulator_profile=profile,
-                    console=console,
-                    ray_address=ray_address,
-                    ray_actors=ray_actors,
-                )
-            finally:
-                await policy.aclose()
+        # Signals are ours until telemetry is flushed: a Ctrl-C during the
+        # shutdown is then one more notice, never a KeyboardInterrupt half-way.
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_telemetry(settings) as events:
+                policy = policy_from_settings(settings)
+                try:
+                    return await run_job(
+                        settings,
+                        tasks,
+                        policy,
+                        samples=samples,
+                        out=out,
+                        resume=resume,
+                        events=events,
+                        emulator_profile=profile,
+                        console=console,
+                        ray_address=ray_address,
+                        ray_actors=ray_actors,
+                        signals=signals,
+                    )
+                finally:
+                    await policy.aclose()
 
     try:
         report = anyio.run(job)
+        print_report(report, console, settings)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
-    print_report(report, console)
+    except KeyboardInterrupt:
+        # A Ctrl-C outside the job (before its signal handlers, or while the
+        # report prints): everything was already released and journaled.
+        raise SystemExit(130) from None
     if report.interrupted:
         raise SystemExit(130)
 

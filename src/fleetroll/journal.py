@@ -6,41 +6,73 @@ thread (never on the event loop). A line is written whole or the reader
 drops it: :func:`read_journal` ignores (and :class:`Journal` truncates) a
 last line without its newline, which is all a ``kill -9`` mid-write can
 leave behind.
+
+A rollout may have several lines (a resumed batch re-runs the rollouts it
+had cancelled): the last one is its result.
+
+One run writes a journal at a time: :func:`claim_journal` takes an
+exclusive lock on the file for the run's lifetime, and keeps the batch's
+identity (its id, samples, and a digest of each task's content) in a
+sidecar ``<journal>.meta.json``, so that a resume with other tasks or
+other samples is refused instead of mixing results of two batches.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
+import json
 import os
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import BinaryIO, Self
+from typing import Any, BinaryIO, Self
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from fleetroll.results import RolloutResult
+from fleetroll.errors import ConfigError
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.tasks import TaskSpec
 
-__all__ = ["Journal", "read_journal"]
+__all__ = [
+    "BatchIdentity",
+    "Journal",
+    "JournalClaim",
+    "claim_journal",
+    "meta_path",
+    "read_journal",
+]
 
 _MAX_LINES_PER_WRITE = 512
+_META_FORMAT = 1
 
 
-def read_journal(path: Path) -> list[RolloutResult]:
-    """Every complete result line in ``path`` (none when it does not exist).
+def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
+    """The results in ``path`` (none when it does not exist).
 
+    With ``latest`` (the default), one result per rollout id: its last line,
+    in the order of those last lines. Otherwise every line, in file order.
     A last line without a newline (a write cut short) is ignored; a complete
     line that is not a result is an error.
 
     Raises:
-        ValueError: a complete line is not a valid result (the message names it).
+        ValueError: ``path`` is not a regular file, or a complete line is not
+            a valid result (the message names it).
     """
-    if not path.exists():
+    try:
+        info = path.stat()
+    except FileNotFoundError:
         return []
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{path}: not a regular file")
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    results = []
+    results: list[RolloutResult] = []
     for number, line in enumerate(complete.splitlines(), start=1):
         if not line.strip():
             continue
@@ -48,12 +80,237 @@ def read_journal(path: Path) -> list[RolloutResult]:
             results.append(RolloutResult.model_validate_json(line))
         except ValueError as exc:
             raise ValueError(f"{path}:{number}: not a rollout result: {exc}") from None
-    return results
+    if not latest:
+        return results
+    last: dict[str, RolloutResult] = {}
+    for r in results:
+        last.pop(r.rollout_id, None)
+        last[r.rollout_id] = r
+    return list(last.values())
+
+
+def meta_path(path: Path) -> Path:
+    """Where the journal at ``path`` keeps its batch's identity."""
+    return path.with_name(path.name + ".meta.json")
+
+
+def task_digest(task: TaskSpec) -> str:
+    """A digest of everything a task says (prompt, env, verifier, solution...).
+
+    Fields left at their defaults are left out, so a field added to
+    :class:`TaskSpec` later does not change the digest of existing tasks.
+    """
+    spec = task.model_dump(mode="json", exclude_defaults=True)
+    canonical = json.dumps(spec, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchIdentity:
+    """What makes a batch the same batch: its id, its samples, its tasks' content."""
+
+    batch_id: str
+    samples: int
+    tasks: Mapping[str, str] = field(repr=False)  # task key -> task_digest
+
+    @classmethod
+    def of(cls, batch_id: str, tasks: Sequence[TaskSpec], samples: int) -> BatchIdentity:
+        return cls(batch_id, samples, {t.key: task_digest(t) for t in tasks})
+
+    def difference(self, other: BatchIdentity) -> str | None:
+        """How ``other`` (this run) differs from this batch, or None (batch ids aside)."""
+        if other.samples != self.samples:
+            return (
+                f"it was started with --samples {self.samples}, this run asks for {other.samples}"
+            )
+        for key, digest in self.tasks.items():
+            if key not in other.tasks:
+                return f"its task {key!r} is not among this run's tasks"
+            if other.tasks[key] != digest:
+                return f"task {key!r} has changed since it was started"
+        for key in other.tasks:
+            if key not in self.tasks:
+                return f"task {key!r} was not in the batch it was started with"
+        return None
+
+    def to_json(self) -> bytes:
+        return json.dumps(
+            {
+                "format": _META_FORMAT,
+                "batch_id": self.batch_id,
+                "samples": self.samples,
+                "tasks": dict(self.tasks),
+            },
+            sort_keys=True,
+        ).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes) -> BatchIdentity:
+        """Raises: ValueError: not a batch identity this version writes."""
+        try:
+            raw: Any = json.loads(data)
+            if raw.get("format") != _META_FORMAT:
+                raise ValueError(f"unknown format {raw.get('format')!r}")
+            tasks = raw["tasks"]
+            if not isinstance(tasks, dict):
+                raise ValueError("'tasks' is not an object")
+            return cls(str(raw["batch_id"]), int(raw["samples"]), tasks)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a batch identity: {exc}") from None
+
+
+@dataclass(slots=True)
+class JournalClaim:
+    """A journal this run holds the lock of, and what a resume starts from.
+
+    Attributes:
+        batch_id: the batch's id (the journaled one on resume).
+        previous: the last result of every rollout journaled, cancelled ones
+            included (use :attr:`done` for what a resume skips).
+    """
+
+    path: Path
+    batch_id: str
+    previous: list[RolloutResult]
+    _fd: int | None
+
+    @property
+    def done(self) -> list[RolloutResult]:
+        """Results a resume keeps: every last result that is not ``cancelled``."""
+        return [r for r in self.previous if r.failure_reason is not FailureReason.CANCELLED]
+
+    def close(self) -> None:
+        """Release the lock."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+
+def claim_journal(path: Path, identity: BatchIdentity, *, resume: bool) -> JournalClaim:
+    """Lock the journal at ``path`` for one run and check the batch it holds.
+
+    A fresh journal (absent or empty) gets ``identity`` written beside it. A
+    journal with results needs ``resume`` and must belong to the same batch:
+    the same tasks (key and content) and samples. Blocking file I/O: call it
+    from a worker thread.
+
+    Raises:
+        ConfigError: ``path`` is not a regular file, another run holds its
+            lock, it has results and ``resume`` was not asked, or it belongs
+            to another batch. The message says which and what to do.
+    """
+    fd = _open_locked(path)
+    with contextlib.ExitStack() as undo:
+        undo.callback(os.close, fd)  # unless the claim is made
+        claim = _check(path, fd, identity, resume=resume)
+        undo.pop_all()
+    return claim
+
+
+def _open_locked(path: Path) -> int:
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        raise ConfigError(f"--out {path}: {exc.strerror}") from None
+    else:
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError(f"--out {path}: not a regular file (a journal must be a plain file)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # O_NONBLOCK: opening whatever replaced the file since (a FIFO) must not hang.
+    flags = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"--out {path}: cannot open it: {exc.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"--out {path}: not a regular file (a journal must be a plain file)")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(
+            f"--out {path} is in use by another fleetroll run; "
+            "wait for it to end, or choose another --out"
+        ) from None
+    return fd
+
+
+def _check(path: Path, fd: int, identity: BatchIdentity, *, resume: bool) -> JournalClaim:
+    meta = meta_path(path)
+    if os.fstat(fd).st_size == 0:
+        _write_atomically(meta, identity.to_json())
+        return JournalClaim(path, identity.batch_id, [], fd)
+    if not resume:
+        raise ConfigError(
+            f"{path} already exists: pass --resume to continue that batch, or choose another --out"
+        )
+    try:
+        previous = read_journal(path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    batches = sorted({r.batch_id for r in previous})
+    if len(batches) > 1:
+        raise ConfigError(f"{path} holds results of several batches ({', '.join(batches)})")
+    try:
+        started: BatchIdentity | None = BatchIdentity.from_json(meta.read_bytes())
+    except FileNotFoundError:
+        started = None  # a journal from before identities were kept
+    except ValueError as exc:
+        raise ConfigError(f"{meta}: {exc}") from None
+    if started is not None:
+        if batches and batches != [started.batch_id]:
+            raise ConfigError(
+                f"{path} holds batch {batches[0]}, but {meta} says {started.batch_id}"
+            )
+        why = started.difference(identity)
+        if why is not None:
+            raise ConfigError(
+                f"cannot resume {path}: {why}; resume with the same tasks and --samples, "
+                "or choose another --out"
+            )
+        return JournalClaim(path, started.batch_id, previous, fd)
+    unknown = sorted({r.task_key for r in previous} - set(identity.tasks))
+    if unknown:
+        raise ConfigError(
+            f"cannot resume {path}: it holds results for tasks not among this run's tasks: "
+            + ", ".join(unknown[:5])
+        )
+    beyond = max((r.sample_index for r in previous), default=0)
+    if beyond >= identity.samples:
+        raise ConfigError(
+            f"cannot resume {path}: it holds sample {beyond} of a task, "
+            f"this run asks for --samples {identity.samples}"
+        )
+    batch_id = batches[0] if batches else identity.batch_id
+    _write_atomically(meta, BatchIdentity(batch_id, identity.samples, identity.tasks).to_json())
+    return JournalClaim(path, batch_id, previous, fd)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):  # the rename reaches the disk with its folder
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _truncate_partial_tail(path: Path) -> None:
-    if not path.exists():
+    try:
+        info = path.stat()
+    except FileNotFoundError:
         return
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(f"{path}: not a regular file (a journal must be a plain file)")
     with path.open("rb+") as f:
         data = f.read()
         keep = data.rfind(b"\n") + 1

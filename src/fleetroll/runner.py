@@ -8,41 +8,46 @@ shows progress, and returns every result of the batch.
 
 from __future__ import annotations
 
+import functools
+import os
 import signal
 import statistics
-import sys
 import time
+import uuid
 from collections import Counter, defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from types import TracebackType
 
 import anyio
+from anyio.abc import TaskGroup
 from rich.console import Console
 from rich.table import Table
 
+from fleetroll._serving import exit_transparently
 from fleetroll.batch_pool import RunningBatch, open_batch_pool
-from fleetroll.errors import ConfigError, TaskFileError
-from fleetroll.journal import Journal, read_journal
+from fleetroll.errors import ConfigError
+from fleetroll.journal import BatchIdentity, Journal, claim_journal
 from fleetroll.policies import Policy
-from fleetroll.pool import BatchCounts
+from fleetroll.pool import Batch
 from fleetroll.results import RolloutResult
+from fleetroll.rollout import Phase
 from fleetroll.settings import Settings
-from fleetroll.tasks import TaskSpec, load_tasks
+from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 
 __all__ = [
     "FleetTarget",
     "JobReport",
-    "load_task_paths",
     "open_fleet",
     "run_job",
     "summary_table",
 ]
 
 _PLAIN_PROGRESS_EVERY_S = 10.0
+_LIVE_EVERY_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +58,7 @@ class JobReport:
     elapsed_s: float
     interrupted: bool
     backend: str
+    journal: Path | None = None
 
 
 async def run_job(
@@ -69,25 +75,51 @@ async def run_job(
     batch_id: str | None = None,
     ray_address: str | None = None,
     ray_actors: int = 2,
+    signals: AsyncIterator[int] | None = None,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
 
+    On resume, every rollout whose last journaled result is ``cancelled`` runs
+    again, with those never journaled; the others are kept.
+
+    The first SIGINT or SIGTERM cancels the batch: every rollout still gets
+    its result, every instance is released. Later ones change nothing but say
+    so: they never interrupt the shutdown. ``signals`` are those signals as
+    ``anyio.open_signal_receiver`` delivers them; a caller with work of its own
+    after this job (a telemetry flush) opens the receiver around both, so
+    that a Ctrl-C then is not a ``KeyboardInterrupt`` either. Without it, the
+    job opens its own.
+
     Raises:
-        ConfigError: the journal cannot be resumed (it belongs to other tasks
-            or another batch), or it exists and ``resume`` was not asked.
+        ConfigError: the journal cannot be used: not a regular file, in use
+            by another run, it exists and ``resume`` was not asked, or it
+            belongs to another batch (other tasks or samples).
     """
     console = console or Console(stderr=True)
     events = events or Events()
-    previous = _previous_results(out, resume, tasks)
-    if previous:
-        batch_id = previous[0].batch_id
+    if resume and out is None:
+        raise ConfigError("--resume needs --out (the journal to resume)")
+    batch_id = batch_id or uuid.uuid4().hex[:12]
+    previous: list[RolloutResult] = []
     async with AsyncExitStack() as stack:
+        if signals is None:
+            signals = stack.enter_context(anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
+        if out is not None:
+            identity = await anyio.to_thread.run_sync(BatchIdentity.of, batch_id, tasks, samples)
+            claim = await anyio.to_thread.run_sync(
+                functools.partial(claim_journal, out, identity, resume=resume)
+            )
+            stack.callback(claim.close)  # the lock is held until the journal is closed
+            batch_id, previous = claim.batch_id, claim.done
+        # The journal's writer and the signal watcher outlive the pool: results
+        # delivered while it shuts down are journaled, and a Ctrl-C meanwhile
+        # is handled, never a KeyboardInterrupt.
+        background = await stack.enter_async_context(_Background())
+        journal = await stack.enter_async_context(Journal(out, background)) if out else None
         fleet = await open_fleet(stack, settings, emulator_profile)
         pool, backend = await open_batch_pool(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
-        tg = await stack.enter_async_context(anyio.create_task_group())
-        journal = await stack.enter_async_context(Journal(out, tg)) if out else None
         started = time.monotonic()
         batch = pool.run_batch(
             tasks,
@@ -102,14 +134,14 @@ async def run_job(
             + (f", {len(previous)} already done" if previous else "")
         )
         interrupted = anyio.Event()
-        tg.start_soon(_watch_signals, batch, interrupted)
-        tg.start_soon(_show_progress, batch, console, started)
+        background.start_soon(_watch_signals, signals, batch, interrupted, console, settings)
         results = list(previous)
-        async for result in batch:
-            if journal:
-                journal.append(result)
-            results.append(result)
-        tg.cancel_scope.cancel()
+        async with _Background() as foreground:
+            foreground.start_soon(_show_progress, batch, console, started, settings)
+            async for result in batch:
+                if journal:
+                    journal.append(result)
+                results.append(result)
     return JobReport(
         batch_id=batch.batch_id,
         results=results,
@@ -117,7 +149,29 @@ async def run_job(
         elapsed_s=time.monotonic() - started,
         interrupted=interrupted.is_set(),
         backend=backend,
+        journal=out,
     )
+
+
+class _Background:
+    """A task group whose tasks live as long as its block, cancelled when it ends.
+
+    An exception of the block itself leaves as it was raised, not in a group.
+    """
+
+    async def __aenter__(self) -> TaskGroup:
+        self._stack = AsyncExitStack()
+        tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.callback(tg.cancel_scope.cancel)
+        return tg
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await exit_transparently(self._stack, exc_type, exc, tb)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,95 +211,175 @@ async def open_fleet(
     )
 
 
-def load_task_paths(paths: Sequence[Path], modalities: Collection[str]) -> list[TaskSpec]:
-    """Tasks from files and folders (a folder means its ``*.jsonl`` and ``*.json``).
+async def _watch_signals(
+    signals: AsyncIterator[int],
+    batch: RunningBatch,
+    interrupted: anyio.Event,
+    console: Console,
+    settings: Settings,
+) -> None:
+    """First SIGINT/SIGTERM: cancel the batch. Later ones: say what is left to do.
 
-    Raises:
-        TaskFileError: a file is invalid, a folder holds no task file, or a key
-            appears in two files.
+    Never a ``KeyboardInterrupt``: that would stop a rollout's release or the
+    journal's last write half-way.
     """
-    files: list[Path] = []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
-            if not found:
-                raise TaskFileError("no .jsonl or .json task file in this folder", path=str(path))
-            files += found
-        else:
-            files.append(path)
-    tasks: list[TaskSpec] = []
-    seen: dict[str, Path] = {}
-    for file in files:
-        for task in load_tasks(file, modalities=modalities):
-            if task.key in seen:
-                raise TaskFileError(
-                    f"duplicate key {task.key!r}, also in {seen[task.key]}",
-                    path=str(file),
-                    field="key",
-                )
-            seen[task.key] = file
-            tasks.append(task)
-    return tasks
-
-
-def _previous_results(
-    out: Path | None, resume: bool, tasks: Sequence[TaskSpec]
-) -> list[RolloutResult]:
-    if out is None or not out.exists() or out.stat().st_size == 0:
-        if resume and out is None:
-            raise ConfigError("--resume needs --out (the journal to resume)")
-        return []
-    if not resume:
-        raise ConfigError(
-            f"{out} already exists: pass --resume to continue that batch, or choose another --out"
-        )
-    try:
-        previous = read_journal(out)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    batches = {r.batch_id for r in previous}
-    if len(batches) > 1:
-        raise ConfigError(f"{out} holds results of several batches ({', '.join(batches)})")
-    unknown = {r.task_key for r in previous} - {t.key for t in tasks}
-    if unknown:
-        raise ConfigError(
-            f"{out} holds results for tasks not in this task file: {', '.join(sorted(unknown)[:5])}"
-        )
-    return previous
-
-
-async def _watch_signals(batch: RunningBatch, interrupted: anyio.Event) -> None:
-    """First SIGINT/SIGTERM: cancel the batch cleanly. Second: stop waiting."""
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            if interrupted.is_set():
-                raise KeyboardInterrupt
+    async for _ in signals:
+        if not interrupted.is_set():
             interrupted.set()
+            console.print(
+                "fleetroll: interrupted: cancelling unfinished rollouts and releasing "
+                "their instances (their results are journaled as cancelled)"
+            )
             await batch.aclose()
+        else:
+            console.print(
+                "fleetroll: already stopping: instances still held are being released "
+                f"(each within {settings.timeouts.release_s:g} s) and every result "
+                "delivered is being journaled"
+            )
 
 
-def _describe(counts: BatchCounts, elapsed: float) -> str:
-    rate = counts.finished / elapsed if elapsed > 0 else 0.0
-    left = counts.total - counts.finished
-    eta = f"{left / rate:.0f}s" if rate > 0 else "?"
-    return (
-        f"{counts.finished}/{counts.total} done · {counts.running} running · "
-        f"{counts.provisioning} provisioning · {counts.queued} queued · "
-        f"{counts.failed} failed · {rate:.1f}/s · ETA {eta}"
-    )
+#: An unfinished rollout older than this many times the mean duration of the
+#: finished ones is overdue: it may take any time yet (a hung create, a stuck
+#: tool), so the ETA becomes a lower bound, or unknown when they dominate.
+_OVERDUE_FACTOR = 2.0
 
 
-async def _show_progress(batch: RunningBatch, console: Console, started: float) -> None:
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One look at a running batch, for the live line.
+
+    ``acting`` counts rollouts holding an active slot (resetting, connecting,
+    acting), at most ``pool.concurrency``; None when the pool cannot tell
+    (Ray: the phases live in the actors), and then ``in_flight`` is all there is.
+    """
+
+    total: int
+    done: int
+    failed: int
+    in_flight: int = 0  # started and not finished: every phase below
+    queued: int = 0  # not started
+    provisioning: int = 0  # creating an instance
+    waiting: int = 0  # instance ready, waiting for an active slot
+    acting: int | None = None
+    finishing: int = 0  # verifying or releasing, slot given back
+    concurrency: int = 0
+    mean_s: float | None = None  # mean duration of the finished rollouts
+    overdue: int = 0  # in flight for over _OVERDUE_FACTOR x mean_s
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+
+class _Watch:
+    """Looks at a batch now and then; remembers when each rollout started."""
+
+    def __init__(self, batch: RunningBatch, concurrency: int) -> None:
+        self._batch = batch
+        self._concurrency = concurrency
+        self._started: dict[str, float] = {}
+
+    def look(self, now: float) -> Progress:
+        batch = self._batch
+        if not isinstance(batch, Batch):
+            c = batch.counts()
+            return Progress(
+                total=c.total, done=c.done, failed=c.failed, in_flight=c.running, queued=c.queued
+            )
+        phases: Counter[Phase] = Counter()
+        durations: list[float] = []
+        ages: list[float] = []
+        failed = 0
+        for rollout in batch.rollouts:
+            result = rollout.result
+            if result is not None:
+                durations.append(result.timings.total_s)
+                failed += result.status == "failed"
+                continue
+            phases[rollout.phase] += 1
+            if rollout.phase is not Phase.PENDING:
+                ages.append(now - self._started.setdefault(rollout.ids.rollout_id, now))
+        mean = statistics.fmean(durations) if durations else None
+        return Progress(
+            total=batch.total,
+            done=len(durations) - failed,
+            failed=failed,
+            in_flight=len(ages),
+            queued=phases[Phase.PENDING],
+            provisioning=phases[Phase.PROVISIONING],
+            waiting=phases[Phase.WAITING],
+            acting=phases[Phase.RESETTING] + phases[Phase.CONNECTING] + phases[Phase.ACTING],
+            finishing=phases[Phase.VERIFYING] + phases[Phase.RELEASING],
+            concurrency=self._concurrency,
+            mean_s=mean,
+            overdue=0 if mean is None else sum(a > _OVERDUE_FACTOR * mean for a in ages),
+        )
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _eta(p: Progress, elapsed: float) -> str:
+    left = p.total - p.finished
+    if left <= 0:
+        return "ETA 0s"
+    if p.finished == 0 or elapsed <= 0:
+        return "ETA ?"  # no rate to go by yet
+    estimate = _duration(left * elapsed / p.finished)
+    if p.overdue and 2 * p.overdue >= left:
+        return f"ETA ? ({p.overdue} overdue)"
+    if p.overdue:
+        return f"ETA >{estimate} ({p.overdue} overdue)"
+    return f"ETA {estimate}"
+
+
+def _describe(p: Progress, elapsed: float) -> str:
+    rate = p.finished / elapsed if elapsed > 0 else 0.0
+    parts = [f"{p.finished}/{p.total} done"]
+    if p.acting is None:
+        parts.append(f"{p.in_flight} in flight")
+    else:
+        parts += [
+            f"{p.acting} acting (max {p.concurrency})",
+            f"{p.finishing} finishing",
+            f"{p.provisioning} provisioning",
+            f"{p.waiting} waiting for a slot",
+            f"{p.queued} queued",
+        ]
+    parts += [f"{p.failed} failed", f"{rate:.1f}/s", _eta(p, elapsed)]
+    return " · ".join(parts)
+
+
+async def _show_progress(
+    batch: RunningBatch, console: Console, started: float, settings: Settings
+) -> None:
+    watch = _Watch(batch, settings.pool.concurrency)
+
+    def line() -> str:
+        now = time.monotonic()
+        return _describe(watch.look(now), now - started)
+
     if console.is_terminal:
         with console.status("starting…") as status:
             while not batch.finished.is_set():
-                status.update(_describe(batch.counts(), time.monotonic() - started))
-                await anyio.sleep(0.5)
+                status.update(line())
+                await anyio.sleep(_LIVE_EVERY_S)
         return
+    printed = time.monotonic()
     while not batch.finished.is_set():
-        with anyio.move_on_after(_PLAIN_PROGRESS_EVERY_S):
+        with anyio.move_on_after(_LIVE_EVERY_S):
             await batch.finished.wait()
-        console.print(f"fleetroll: {_describe(batch.counts(), time.monotonic() - started)}")
+        text = line()  # looked at often, so that the ages of rollouts are right
+        if batch.finished.is_set() or time.monotonic() - printed >= _PLAIN_PROGRESS_EVERY_S:
+            console.print(f"fleetroll: {text}")
+            printed = time.monotonic()
 
 
 def summary_table(results: Sequence[RolloutResult]) -> Table:
@@ -274,7 +408,8 @@ def summary_table(results: Sequence[RolloutResult]) -> Table:
     return table
 
 
-def print_report(report: JobReport, console: Console, out: TextIO = sys.stderr) -> None:
+def print_report(report: JobReport, console: Console, settings: Settings | None = None) -> None:
+    """The closing table, the batch's totals, and where results and telemetry went."""
     console.print(summary_table(report.results))
     failed = [r for r in report.results if r.status == "failed"]
     common = Counter(r.error for r in failed).most_common(1)
@@ -288,5 +423,27 @@ def print_report(report: JobReport, console: Console, out: TextIO = sys.stderr) 
     console.print(
         f"fleetroll: batch {report.batch_id}: {len(report.results)} results "
         f"({new} this run, {rate:.1f}/s over {report.elapsed_s:.1f}s)"
-        + (" — interrupted: unfinished rollouts were cancelled" if report.interrupted else "")
+        + (
+            " — interrupted: unfinished rollouts were cancelled; --resume runs them"
+            if report.interrupted
+            else ""
+        )
     )
+    if report.journal is not None:
+        console.print(f"fleetroll: results: {report.journal} (one JSON line per rollout)")
+    else:
+        console.print("fleetroll: results: not kept (pass --out FILE to journal them)")
+    if settings is not None:
+        console.print(f"fleetroll: telemetry: {_telemetry_where(settings, report.batch_id)}")
+
+
+def _telemetry_where(settings: Settings, batch_id: str) -> str:
+    db = settings.telemetry.db_path
+    where = (
+        "local store off (telemetry.db_path is the null device)"
+        if str(db) == os.devnull
+        else f"{db} (fleetroll stats --db {db} --batch {batch_id})"
+    )
+    if settings.logfire_token is not None and settings.telemetry.send_to_logfire:
+        where += ", and Logfire"
+    return where

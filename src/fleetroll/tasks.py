@@ -3,21 +3,30 @@
 A :class:`TaskSpec` is one validated task. Fleet's export format (``env_id``,
 ``version``, ``data_id``, ``data_version``, ``metadata.task_modality``) and the
 short form (``env_key: "ledger:v1"``, ``data_key: "seed:v1"``, ``modality``)
-both become the same TaskSpec. Reading is pure: a verifier's code is parsed
-with :func:`ast.parse`, never run, so a task file cannot run code in the
+both become the same TaskSpec. Reading is pure: a verifier's code is compiled
+with :func:`compile`, never run, so a task file cannot run code in the
 orchestrator's process. The first problem raises :class:`TaskFileError` naming
 the file, the line and the field.
+
+Loading is blocking work: async callers run it in a worker thread
+(``anyio.to_thread.run_sync``) with :class:`TaskLimits` checked before the
+work they bound (file size, task count, verifier size). Each distinct
+verifier is compiled once per load (by its sha256), and tasks sharing one
+share one string, so 100k tasks over a few verifiers load in seconds.
 """
 
 from __future__ import annotations
 
-import ast
 import difflib
+import hashlib
+import inspect
+import itertools
 import json
-from collections.abc import Callable, Collection, Mapping, Sequence
+import os
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import IO, Any, Final, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,7 +35,9 @@ from fleetroll.errors import TaskFileError
 __all__ = [
     "FLEET_IGNORED_FIELDS",
     "SolutionStep",
+    "TaskLimits",
     "TaskSpec",
+    "load_task_paths",
     "load_tasks",
     "parse_task",
     "parse_tasks",
@@ -90,53 +101,146 @@ class TaskSpec(BaseModel):
         return f"{self.data_key}:{self.data_version}" if self.data_version else self.data_key
 
 
-def load_tasks(path: str | Path, *, modalities: Collection[str]) -> list[TaskSpec]:
+@dataclass(frozen=True, slots=True)
+class TaskLimits:
+    """Limits on loading tasks, each checked before the work it bounds (None: no limit).
+
+    Attributes:
+        max_file_bytes: a task file's size (a folder's task files together),
+            checked with ``stat`` before reading and again while reading.
+        max_tasks: tasks in all; reading stops at the first one over.
+        max_verifier_bytes: one ``verifier_func``'s UTF-8 size, checked before
+            it is compiled.
+    """
+
+    max_file_bytes: int | None = None
+    max_tasks: int | None = None
+    max_verifier_bytes: int | None = None
+
+
+_NO_LIMITS: Final = TaskLimits()
+
+
+def load_task_paths(
+    paths: Sequence[str | Path], modalities: Collection[str], limits: TaskLimits = _NO_LIMITS
+) -> list[TaskSpec]:
+    """Tasks from files and folders (a folder means its ``*.jsonl`` and ``*.json``).
+
+    Blocking: async code calls it through ``anyio.to_thread.run_sync``.
+
+    Raises:
+        TaskFileError: a file is invalid or over a limit, a folder holds no
+            task file, or a key appears twice (in one file or in two).
+    """
+    files = task_files(paths)
+    if limits.max_file_bytes is not None:
+        total = 0
+        for file in files:
+            total += _size(file)
+            if total > limits.max_file_bytes:
+                reason = _too_big("the task files hold", total, limits.max_file_bytes)
+                raise TaskFileError(reason, path=str(file))
+    tasks: list[TaskSpec] = []
+    seen: dict[str, Path] = {}
+    verifiers = _Verifiers(limits.max_verifier_bytes)
+    for file in files:
+        left = None if limits.max_tasks is None else limits.max_tasks - len(tasks)
+        remaining = TaskLimits(limits.max_file_bytes, left, limits.max_verifier_bytes)
+        for task in _load(file, modalities, remaining, verifiers):
+            if task.key in seen:
+                raise TaskFileError(
+                    f"duplicate key {task.key!r}, also in {seen[task.key]}",
+                    path=str(file),
+                    field="key",
+                )
+            seen[task.key] = file
+            tasks.append(task)
+    if not tasks:
+        raise TaskFileError("no tasks", path=", ".join(str(p) for p in paths))
+    return tasks
+
+
+def task_files(paths: Iterable[str | Path]) -> list[Path]:
+    """The task files ``paths`` name: files as given, folders' ``*.jsonl``/``*.json`` sorted.
+
+    Raises:
+        TaskFileError: a folder holds no task file, or cannot be listed.
+    """
+    files: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if not path.is_dir():
+            files.append(path)
+            continue
+        try:
+            found = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
+        except OSError as exc:
+            reason = f"cannot list the folder: {exc.strerror or exc}"
+            raise TaskFileError(reason, path=str(path)) from None
+        if not found:
+            raise TaskFileError("no .jsonl or .json task file in this folder", path=str(path))
+        files += found
+    return files
+
+
+def load_tasks(
+    path: str | Path, *, modalities: Collection[str], limits: TaskLimits = _NO_LIMITS
+) -> list[TaskSpec]:
     """Read and validate every task of a file, before anything runs.
 
     The file holds JSON Lines (one task per line, blank lines skipped) or a JSON
     array, recognised by its first non-blank character ``[`` whatever the
     extension. For an array, errors give the line the item starts on and say
-    which item it is.
+    which item it is. Blocking: async code calls it in a worker thread.
 
     Args:
         path: the task file.
         modalities: the modality names routed here (``Settings.modalities``' keys).
+        limits: sizes and counts refused before the work (default: none).
 
     Raises:
-        TaskFileError: the file cannot be read, is not valid JSON, holds no
-            tasks, holds an invalid task, or uses one key twice.
+        TaskFileError: the file cannot be read, is over a limit, is not valid
+            JSON, holds no tasks, holds an invalid task, or uses one key twice.
     """
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as exc:
-        raise TaskFileError(f"not UTF-8 text (byte {exc.start})", path=source) from None
-    except OSError as exc:
-        raise TaskFileError(f"cannot read the file: {exc.strerror or exc}", path=source) from None
-    read = _read_array if text.lstrip().startswith("[") else _read_lines
-    return _parse_all(read(text, source), source, modalities)
+    return list(_load(Path(path), modalities, limits, _Verifiers(limits.max_verifier_bytes)))
 
 
 def parse_tasks(
-    records: Sequence[Mapping[str, Any]], *, source: str, modalities: Collection[str]
+    records: Sequence[Mapping[str, Any]],
+    *,
+    source: str,
+    modalities: Collection[str],
+    limits: TaskLimits = _NO_LIMITS,
 ) -> list[TaskSpec]:
     """Validate in-memory task records (e.g. a request body) as :func:`load_tasks` does.
+
+    Blocking for large lists (each verifier is compiled): async code calls it
+    in a worker thread.
 
     Args:
         records: task objects, in either format.
         source: what to call the records in errors (e.g. ``"request body"``).
         modalities: the modality names this deployment routes.
+        limits: ``max_tasks`` and ``max_verifier_bytes`` apply.
 
     Raises:
-        TaskFileError: there are no records, one is invalid (the message says
-            which, e.g. "the 3rd task in the list"), or two share a key.
+        TaskFileError: there are no records or too many, one is invalid (the
+            message says which, e.g. "the 3rd task in the list"), or two share a key.
     """
-    entries = [(rec, _Where(source, nth=i, container="list")) for i, rec in enumerate(records, 1)]
-    return _parse_all(entries, source, modalities)
+    if limits.max_tasks is not None and len(records) > limits.max_tasks:
+        raise TaskFileError(_too_many(limits.max_tasks), path=source)
+    entries = ((rec, _Where(source, nth=i, container="list")) for i, rec in enumerate(records, 1))
+    verifiers = _Verifiers(limits.max_verifier_bytes)
+    return list(_parse_all(entries, source, modalities, verifiers))
 
 
 def parse_task(
-    record: Mapping[str, Any], *, source: str, line: int | None = None, modalities: Collection[str]
+    record: Mapping[str, Any],
+    *,
+    source: str,
+    line: int | None = None,
+    modalities: Collection[str],
+    max_verifier_bytes: int | None = None,
 ) -> TaskSpec:
     """Validate one task record, in Fleet's export format or the short form.
 
@@ -145,13 +249,162 @@ def parse_task(
         source: the file (or other origin) to name in errors.
         line: the record's 1-based line in ``source``, if it has one.
         modalities: the modality names this deployment routes.
+        max_verifier_bytes: the largest ``verifier_func`` accepted (UTF-8 bytes).
 
     Raises:
         TaskFileError: a field is missing, unknown, of the wrong type or at odds
-            with another, the modality is unknown, or ``verifier_func`` is not
-            Python defining a top-level function.
+            with another, the modality is unknown, or ``verifier_func`` is too
+            large or not Python defining a top-level function.
     """
-    return _parse(record, _Where(source, line=line), modalities)
+    return _parse(record, _Where(source, line=line), modalities, _Verifiers(max_verifier_bytes))
+
+
+def _too_many(limit: int) -> str:
+    return f"more than {limit:,} tasks, over the limit of {limit:,}"
+
+
+def _too_big(what: str, size: int, limit: int) -> str:
+    return f"{what} {size:,} bytes, over the limit of {limit:,}"
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError as exc:
+        reason = f"cannot read the file: {exc.strerror or exc}"
+        raise TaskFileError(reason, path=str(path)) from None
+
+
+def _load(
+    path: Path, modalities: Collection[str], limits: TaskLimits, verifiers: _Verifiers
+) -> Iterator[TaskSpec]:
+    source = str(path)
+    try:
+        with open(path, "rb") as f:
+            budget = limits.max_file_bytes
+            if budget is not None:
+                size = os.fstat(f.fileno()).st_size
+                if size > budget:
+                    raise TaskFileError(_too_big("is", size, budget), path=source)
+            lines = _raw_lines(f, source, budget)
+            head: list[tuple[int, bytes]] = []
+            for number, raw in lines:
+                head.append((number, raw))
+                if raw.strip():
+                    break
+            if head and head[-1][1].lstrip().startswith(b"["):
+                entries = iter(_array(_chain(head, lines), source))
+            else:
+                entries = _read_lines(_chain(head, lines), source)
+            capped = _capped(entries, limits.max_tasks, source)
+            yield from _parse_all(capped, source, modalities, verifiers)
+    except OSError as exc:
+        raise TaskFileError(f"cannot read the file: {exc.strerror or exc}", path=source) from None
+
+
+def _chain(
+    head: list[tuple[int, bytes]], rest: Iterator[tuple[int, bytes]]
+) -> Iterator[tuple[int, bytes]]:
+    yield from head
+    yield from rest
+
+
+def _array(lines: Iterator[tuple[int, bytes]], source: str) -> list[tuple[object, _Where]]:
+    """Every item of a JSON array: the whole array is valid JSON before any task is checked."""
+    text = _decode(b"".join(raw for _, raw in lines), source, None)
+    return list(_read_array(text, source))
+
+
+def _raw_lines(f: IO[bytes], source: str, budget: int | None) -> Iterator[tuple[int, bytes]]:
+    """Numbered lines of ``f`` (split on ``\\n`` only), never reading past ``budget`` bytes."""
+    read = 0
+    number = 0
+    while True:
+        raw = f.readline() if budget is None else f.readline(budget - read + 1)
+        if not raw:
+            return
+        read += len(raw)
+        if budget is not None and read > budget:
+            raise TaskFileError(_too_big("holds more than", budget, budget), path=source)
+        number += 1
+        if number == 1 and raw.startswith(_BOM):
+            raw = raw[len(_BOM) :]
+        yield number, raw
+
+
+_BOM: Final = b"\xef\xbb\xbf"
+
+
+def _decode(raw: bytes, source: str, line: int | None) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskFileError(f"not UTF-8 text (byte {exc.start})", path=source, line=line) from None
+
+
+def _capped(
+    entries: Iterator[tuple[object, _Where]], limit: int | None, source: str
+) -> Iterator[tuple[object, _Where]]:
+    for count, entry in enumerate(entries, 1):
+        if limit is not None and count > limit:
+            raise TaskFileError(_too_many(limit), path=source, line=entry[1].line)
+        yield entry
+
+
+class _Verifiers:
+    """Checks verifiers, compiling each distinct source once (keyed by its sha256).
+
+    Tasks sharing a verifier get one shared string. ``compile`` to bytecode,
+    not ``ast.parse``: it builds no Python AST objects, whose constructor keeps
+    per-interpreter state that two threads parsing at once can corrupt on
+    CPython 3.11 ("AST constructor recursion depth mismatch"), so this can
+    run in a worker thread while the event loop's thread parses.
+    """
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self._seen: dict[bytes, str] = {}  # digest → the source, or "\0" + why not
+        self.compiled = 0
+
+    def check(self, code: str, where: _Where) -> str:
+        data = code.encode("utf-8", "surrogatepass")
+        if self.max_bytes is not None and len(data) > self.max_bytes:
+            raise where.error(_too_big("is", len(data), self.max_bytes), "verifier_func")
+        digest = hashlib.sha256(data).digest()
+        known = self._seen.get(digest)
+        if known is None:
+            self.compiled += 1
+            known = self._seen[digest] = _compile_check(code)
+        if known.startswith("\0"):
+            raise where.error(known[1:], "verifier_func")
+        return known
+
+
+def _compile_check(code: str) -> str:
+    """``code`` if it is Python defining a top-level function, else ``"\\0"`` + why not."""
+    try:
+        module = compile(code, "<verifier_func>", "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        at = f" at line {exc.lineno} of the verifier" if exc.lineno else ""
+        text = f": {exc.text.strip()[:80]!r}" if exc.text and exc.text.strip() else ""
+        return f"\0is not valid Python: {exc.msg}{at}{text}"
+    except (MemoryError, RecursionError):  # the parser's limit on nesting (e.g. "-" * 10_000)
+        return "\0is not valid Python: nested too deeply for Python's parser"
+    except (ValueError, UnicodeError) as exc:  # null bytes, lone surrogates
+        return f"\0is not valid Python: {str(exc)[:200]}"
+    if not any(_is_function(const) for const in module.co_consts):
+        example = "def verify(env, final_answer=None): ..."
+        return f"\0defines no top-level function (e.g. {example!r})"
+    return code
+
+
+def _is_function(const: object) -> bool:
+    """A function's code (not a class body, a lambda or a comprehension)."""
+    return (
+        inspect.iscode(const)
+        and bool(const.co_flags & inspect.CO_OPTIMIZED)
+        and not const.co_name.startswith("<")
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,21 +426,26 @@ class _Where:
 
 
 def _parse_all(
-    entries: Sequence[tuple[object, _Where]], source: str, modalities: Collection[str]
-) -> list[TaskSpec]:
-    if not entries:
-        raise TaskFileError("no tasks", path=source)
-    tasks = [(_parse(record, where, modalities), where) for record, where in entries]
+    entries: Iterable[tuple[object, _Where]],
+    source: str,
+    modalities: Collection[str],
+    verifiers: _Verifiers,
+) -> Iterator[TaskSpec]:
     first_use: dict[str, _Where] = {}
-    for task, where in tasks:
+    for record, where in entries:
+        task = _parse(record, where, modalities, verifiers)
         first = first_use.setdefault(task.key, where)
         if first is not where:
             at = f"on line {first.line}" if first.line is not None else f"by {first.ordinal}"
             raise where.error(f"duplicate key {task.key!r}, first used {at}", "key")
-    return [task for task, _ in tasks]
+        yield task
+    if not first_use:
+        raise TaskFileError("no tasks", path=source)
 
 
-def _parse(record: object, where: _Where, modalities: Collection[str]) -> TaskSpec:
+def _parse(
+    record: object, where: _Where, modalities: Collection[str], verifiers: _Verifiers
+) -> TaskSpec:
     if not isinstance(record, Mapping):
         raise where.error(f"each task must be a JSON object, got {_describe(record)}")
     unknown = sorted(set(record) - _KNOWN_FIELDS - FLEET_IGNORED_FIELDS)
@@ -219,7 +477,10 @@ def _parse(record: object, where: _Where, modalities: Collection[str]) -> TaskSp
     if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
         raise where.error(f"must be a whole number ≥ 1, got {_describe(max_steps)}", "max_steps")
     verifier = record.get("verifier_func")
-    return TaskSpec(
+    if verifier is not None:
+        verifier = verifiers.check(_string(verifier, "verifier_func", where), where)
+    # Every field is checked above: construct without validating it all again.
+    return TaskSpec.model_construct(
         key=_string(record.get("key", _MISSING), "key", where),
         prompt=_string(record.get("prompt", _MISSING), "prompt", where),
         env_key=env_key,
@@ -227,7 +488,7 @@ def _parse(record: object, where: _Where, modalities: Collection[str]) -> TaskSp
         data_key=data_key,
         data_version=data_version,
         modality=modality,
-        verifier_func=None if verifier is None else _verifier(verifier, where),
+        verifier_func=verifier,
         max_steps=max_steps,
         env_variables=_object(record.get("env_variables"), "env_variables", where),
         solution=_solution(record.get("solution"), where),
@@ -292,23 +553,6 @@ def _object(value: object, field: str, where: _Where) -> dict[str, Any] | None:
     return None if value is None else dict(value)
 
 
-def _verifier(value: object, where: _Where) -> str:
-    """Check the verifier is Python defining a function: parsed only, never run."""
-    code = _string(value, "verifier_func", where)
-    try:
-        tree = ast.parse(code, filename="<verifier_func>")
-    except SyntaxError as exc:
-        at = f" at line {exc.lineno} of the verifier" if exc.lineno else ""
-        text = f": {exc.text.strip()!r}" if exc.text and exc.text.strip() else ""
-        raise where.error(f"is not valid Python: {exc.msg}{at}{text}", "verifier_func") from None
-    except (ValueError, RecursionError) as exc:  # null bytes; absurd nesting
-        raise where.error(f"is not valid Python: {exc}", "verifier_func") from None
-    if not any(isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) for node in tree.body):
-        example = "def verify(env, final_answer=None): ..."
-        raise where.error(f"defines no top-level function (e.g. {example!r})", "verifier_func")
-    return code
-
-
 def _solution(value: object, where: _Where) -> tuple[SolutionStep, ...] | None:
     if value is None:
         return None
@@ -327,43 +571,64 @@ def _solution(value: object, where: _Where) -> tuple[SolutionStep, ...] | None:
             raise where.error(reason, f"{field}.{extra[0]}")
         name = _string(step.get("name", _MISSING), f"{field}.name", where)
         arguments = _object(step.get("arguments"), f"{field}.arguments", where) or {}
-        steps.append(SolutionStep(name=name, arguments=arguments))
+        steps.append(SolutionStep.model_construct(name=name, arguments=arguments))
     return tuple(steps)
 
 
-def _read_lines(text: str, source: str) -> list[tuple[object, _Where]]:
-    entries: list[tuple[object, _Where]] = []
-    # split("\n"), not splitlines(): JSON strings may hold a raw U+2028.
-    for number, raw in enumerate(text.split("\n"), start=1):
+def _read_lines(lines: Iterable[tuple[int, bytes]], source: str) -> Iterator[tuple[object, _Where]]:
+    # Split on "\n" only (see _raw_lines), not splitlines(): JSON strings may hold a raw U+2028.
+    for number, raw in lines:
         if not raw.strip():
             continue
+        text = _decode(raw, source, number)
         try:
-            record = json.loads(raw)
+            record = json.loads(text)
         except json.JSONDecodeError as exc:
-            cut = exc.pos >= len(raw.rstrip())
+            cut = exc.pos >= len(text.rstrip())
             hint = " (JSON Lines needs each task on one line, or use a JSON array)" if cut else ""
             reason = f"invalid JSON at column {exc.colno}: {exc.msg}{hint}"
             raise TaskFileError(reason, path=source, line=number) from None
-        entries.append((record, _Where(source, line=number)))
-    return entries
+        except RecursionError:
+            raise TaskFileError("JSON nested too deeply", path=source, line=number) from None
+        yield record, _Where(source, line=number)
 
 
-def _read_array(text: str, source: str) -> list[tuple[object, _Where]]:
-    try:
-        count = len(json.loads(text))
-    except json.JSONDecodeError as exc:
-        reason = f"invalid JSON at column {exc.colno}: {exc.msg}"
-        raise TaskFileError(reason, path=source, line=exc.lineno) from None
-    # The text is a valid array: walk it item by item to learn where each starts.
-    entries: list[tuple[object, _Where]] = []
-    pos, line, counted = text.index("[") + 1, 1, 0
-    for nth in range(1, count + 1):
-        pos = _skip_blank(text, pos)
+def _read_array(text: str, source: str) -> Iterator[tuple[object, _Where]]:
+    """The items of a JSON array, each with the line it starts on."""
+    pos = _skip_blank(text, 0) + 1  # past the "["
+    line, counted = 1, 0
+    pos = _skip_blank(text, pos)
+    if pos < len(text) and text[pos] == "]":
+        pos = _skip_blank(text, pos + 1)
+        if pos < len(text):
+            _array_error(text, pos, "Extra data", source)
+        return
+    for nth in itertools.count(1):
         line, counted = line + text.count("\n", counted, pos), pos
-        record, pos = _DECODER.raw_decode(text, pos)
-        entries.append((record, _Where(source, line=line, nth=nth)))
-        pos = _skip_blank(text, pos) + 1  # past the ',' (or the closing ']')
-    return entries
+        try:
+            record, pos = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError as exc:
+            reason = f"invalid JSON at column {exc.colno}: {exc.msg}"
+            raise TaskFileError(reason, path=source, line=exc.lineno) from None
+        except RecursionError:
+            raise TaskFileError("JSON nested too deeply", path=source, line=line) from None
+        yield record, _Where(source, line=line, nth=nth)
+        pos = _skip_blank(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_blank(text, pos + 1)
+            continue
+        if pos < len(text) and text[pos] == "]":
+            pos = _skip_blank(text, pos + 1)
+            if pos < len(text):
+                _array_error(text, pos, "Extra data", source)
+            return
+        _array_error(text, pos, "Expecting ',' delimiter", source)
+
+
+def _array_error(text: str, pos: int, msg: str, source: str) -> None:
+    exc = json.JSONDecodeError(msg, text, pos)
+    reason = f"invalid JSON at column {exc.colno}: {exc.msg}"
+    raise TaskFileError(reason, path=source, line=exc.lineno)
 
 
 def _skip_blank(text: str, pos: int) -> int:

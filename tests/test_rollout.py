@@ -530,7 +530,7 @@ async def test_a_session_the_controller_ends_with_done_completes_and_is_scored(e
             for step in solution:
                 outcome = await env.step({"name": step.name, "arguments": step.arguments})
                 assert not outcome.done
-            env.done()
+            await env.done()
             after = await env.step({"name": "list_accounts", "arguments": {}})
             assert after.done and after.observation.text == "The episode is over."
         result = await env.close()

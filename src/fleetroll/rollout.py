@@ -776,10 +776,12 @@ class EnvSession:
             )
         return await r.step(call)
 
-    def done(self) -> None:
+    async def done(self) -> None:
         """Say the episode is over: the agent finished the task.
 
-        The result is then ``completed`` (the verifier decides the reward);
+        Async, like the HTTP client's session, so a controller's code is the
+        same for both. The result is then ``completed`` (the verifier decides
+        the reward);
         later steps answer "The episode is over.". Without it, a session
         whose task needs no final answer ends ``abandoned`` when closed.
         """

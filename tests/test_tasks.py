@@ -13,7 +13,9 @@ from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import (
     FLEET_IGNORED_FIELDS,
     SolutionStep,
+    TaskLimits,
     TaskSpec,
+    load_task_paths,
     load_tasks,
     parse_task,
     parse_tasks,
@@ -359,3 +361,74 @@ def test_every_shipped_example_task_file_loads() -> None:
         tasks = load_tasks(path, modalities=modalities)
         assert tasks, path
         assert all(task.verifier_func and task.solution for task in tasks), path
+
+
+# -- limits, checked before the work they bound (issue 12.7, 12.8) -----------------
+
+
+def test_a_task_file_over_the_size_limit_is_refused_without_being_read(tmp_path: Path) -> None:
+    path = tmp_path / "huge.jsonl"
+    with path.open("wb") as f:
+        f.truncate(50 * 1024**3)  # 50 GiB of holes: reading it would take minutes
+
+    with pytest.raises(TaskFileError, match="over") as caught:
+        load_tasks(path, modalities=MODALITIES, limits=TaskLimits(max_file_bytes=1024**2))
+
+    assert caught.value.path == str(path)
+
+
+def test_a_folder_whose_files_together_are_over_the_limit_is_refused(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(short(key=name)) + "\n")
+    one_file = (tmp_path / "a.jsonl").stat().st_size
+
+    with pytest.raises(TaskFileError, match="over"):
+        load_task_paths([tmp_path], MODALITIES, TaskLimits(max_file_bytes=one_file + 1))
+    assert len(load_task_paths([tmp_path], MODALITIES, TaskLimits(max_file_bytes=2 * one_file)))
+
+
+def test_reading_stops_at_the_first_task_over_the_count_limit(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path, *(short(key=f"t{n}") for n in range(5)))
+
+    with pytest.raises(TaskFileError, match="3") as caught:
+        load_tasks(path, modalities=MODALITIES, limits=TaskLimits(max_tasks=3))
+
+    assert caught.value.line == 4
+    with pytest.raises(TaskFileError, match="3"):
+        parse_tasks(
+            [short(key=f"t{n}") for n in range(5)],
+            modalities=MODALITIES,
+            limits=TaskLimits(max_tasks=3),
+        )
+
+
+def test_a_verifier_over_the_size_limit_is_refused_naming_its_line(tmp_path: Path) -> None:
+    big = VERIFIER + "# " + "x" * 2000 + "\n"
+    path = write_jsonl(
+        tmp_path, short(key="ok", verifier_func=VERIFIER), short(key="big", verifier_func=big)
+    )
+
+    with pytest.raises(TaskFileError) as caught:
+        load_tasks(path, modalities=MODALITIES, limits=TaskLimits(max_verifier_bytes=1000))
+
+    assert caught.value.line == 2 and caught.value.field == "verifier_func"
+
+
+def test_a_verifier_nested_too_deeply_for_the_parser_is_a_task_file_error(
+    tmp_path: Path,
+) -> None:
+    deep = "def verify(env):\n    return " + "-" * 10_000 + "1\n"
+    path = write_jsonl(tmp_path, short(key="deep", verifier_func=deep))
+
+    with pytest.raises(TaskFileError) as caught:
+        load_tasks(path, modalities=MODALITIES)
+
+    assert caught.value.line == 1 and caught.value.field == "verifier_func"
+
+
+def test_tasks_sharing_a_verifier_share_one_string(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path, *(short(key=f"t{n}", verifier_func=VERIFIER) for n in range(3)))
+
+    tasks = load_tasks(path, modalities=MODALITIES)
+
+    assert len({id(t.verifier_func) for t in tasks}) == 1

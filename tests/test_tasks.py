@@ -397,6 +397,7 @@ def test_reading_stops_at_the_first_task_over_the_count_limit(tmp_path: Path) ->
     with pytest.raises(TaskFileError, match="3"):
         parse_tasks(
             [short(key=f"t{n}") for n in range(5)],
+            source="request",
             modalities=MODALITIES,
             limits=TaskLimits(max_tasks=3),
         )

@@ -471,7 +471,11 @@ async def test_a_hung_tool_call_ends_the_rollout_as_tool_failure_with_no_reward(
 async def test_with_on_tool_failure_continue_the_agent_goes_on_and_failures_are_counted() -> None:
     async with Emulator(FaultProfile(p_tool_hang=1.0)) as emu:
         result = await run_one(
-            emu, MULTI_STEP, timeouts={"call_tool_s": 0.3}, pool={"on_tool_failure": "continue"}
+            emu,
+            MULTI_STEP,
+            ScriptedPolicy(max_attempts=1),  # one call per step, however it ends
+            timeouts={"call_tool_s": 0.3},
+            pool={"on_tool_failure": "continue"},
         )
     steps = len(MULTI_STEP.solution or ())
     assert result.status == "completed" and result.failure_reason is None

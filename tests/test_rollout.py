@@ -485,7 +485,7 @@ async def test_with_on_tool_failure_continue_the_agent_goes_on_and_failures_are_
 
 async def test_an_error_the_environment_answers_is_feedback_not_a_failure() -> None:
     async with Emulator(FaultProfile(p_tool_error=1.0)) as emu:
-        result = await run_one(emu, MULTI_STEP)
+        result = await run_one(emu, MULTI_STEP, ScriptedPolicy(max_attempts=1))
     steps = len(MULTI_STEP.solution or ())
     assert result.status == "completed" and result.failure_reason is None
     assert result.tool_errors == steps and result.tool_failures == 0

@@ -200,8 +200,10 @@ class ServiceSettings(_Section):
     stream_heartbeat_s: float = Field(15.0, gt=0)
     #: ``tasks_file`` in a request must lie under this folder (relative: to the cwd).
     tasks_root: Path = Path(".")
-    #: ``POST /v1/query``: rows returned at most, and each query's time budget.
+    #: ``POST /v1/query`` (and ``fleetroll query``): rows and bytes of values
+    #: returned at most (fetching stops there), and each query's time budget.
     query_max_rows: int = Field(10_000, ge=1)
+    query_max_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     query_timeout_s: float = Field(10.0, gt=0)
 
 

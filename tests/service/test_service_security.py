@@ -184,6 +184,27 @@ async def test_query_reads_and_refuses_every_kind_of_write(store: tuple[Running,
     assert body["envs"][0]["env_key"] == "ledger" and body["envs"][0]["reward_mean"] == 1.0
 
 
+async def test_query_bounds_bytes_while_fetching_and_stats_of_an_unknown_batch_is_404(
+    store: tuple[Running, Path],
+) -> None:
+    served, _ = store
+    endless = (  # 10 KB rows, without end: only a bound applied while fetching can answer
+        "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+        "SELECT i, hex(zeroblob(5000)) AS big FROM n"
+    )
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            big = await http.post("/v1/query", json={"sql": endless})
+            many = await http.post("/v1/query", json={"sql": endless, "max_rows": 3})
+            unknown = await http.get("/v1/stats", params={"batch_id": "nope"})
+    max_bytes = served.service.settings.service.query_max_bytes
+    assert big.status_code == 200 and big.json()["truncated"] is True
+    assert max_bytes // 2 < len(big.content) < 2 * max_bytes
+    assert [row[0] for row in many.json()["rows"]] == [1, 2, 3] and many.json()["truncated"]
+    assert unknown.status_code == 404
+    assert unknown.json() == {"detail": "no such batch: nope; recent batches: b1"}
+
+
 async def test_the_openapi_document_lists_every_route_with_its_schemas(served: Running) -> None:
     async with served.http() as http:
         with anyio.fail_after(30):

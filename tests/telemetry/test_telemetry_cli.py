@@ -141,6 +141,23 @@ def test_stats_check_fails_on_a_rollout_completed_twice(
     assert verdict["ok"] is False and verdict["completed_more_than_once"] == ["r1"]
 
 
+@pytest.mark.parametrize("check", [False, True])
+def test_stats_of_an_unknown_batch_says_no_such_batch_with_exit_code_2(
+    filled: Path, check: bool
+) -> None:
+    code, out, err = invoke("stats", "--batch", "nope", "--db", str(filled), *["--check"] * check)
+    assert code == 2 and out == ""
+    assert err.strip() == "Error: no such batch: nope; recent batches: b1"
+
+
+def test_query_stops_at_max_rows_and_says_the_answer_was_truncated(filled: Path) -> None:
+    endless = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) SELECT i FROM n"
+    code, out, err = invoke("query", endless, "--max-rows", "50", "--json", "--db", str(filled))
+    assert code == 0
+    assert [row["i"] for row in json.loads(out)] == list(range(1, 51))
+    assert err.startswith("truncated: only the first 50 rows")
+
+
 @pytest.mark.slow
 def test_fleetroll_run_records_every_rollout_in_the_store(tmp_path: Path) -> None:
     db = tmp_path / "store" / "telemetry.db"

@@ -17,7 +17,14 @@ from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import open_telemetry
-from fleetroll.telemetry.queries import QueryError, ReadOnlyError, check, query, stats
+from fleetroll.telemetry.queries import (
+    NoSuchBatchError,
+    QueryError,
+    ReadOnlyError,
+    check,
+    query,
+    stats,
+)
 from fleetroll.telemetry.store import StoreError
 
 SETTINGS = load_settings()
@@ -139,7 +146,10 @@ def test_check_reports_a_rollout_that_started_and_never_completed(
     assert not verdict.ok
     assert verdict.rollouts == 3 and verdict.never_completed == ["r2"]
     assert "r2" in verdict.describe() and "never completed" in verdict.describe()
-    assert check(db, batch_id="other").ok  # another batch's rollouts are not counted
+    insert_event(conn, "fleet_rollout_started", n=10, rollout_id="o1", batch_id="other")
+    insert_event(conn, "fleet_rollout_completed", n=11, rollout_id="o1", batch_id="other")
+    other = check(db, batch_id="other")  # another batch's rollouts are not counted
+    assert other.ok and other.rollouts == 1
 
 
 def test_check_reports_a_rollout_completed_twice_and_one_never_started(
@@ -152,7 +162,7 @@ def test_check_reports_a_rollout_completed_twice_and_one_never_started(
     insert_event(conn, "fleet_rollout_completed", n=4, rollout_id="r9")
     verdict = check(db)
     assert verdict.completed_more_than_once == ["r1"]
-    assert verdict.completed_without_start == ["r1", "r9"]
+    assert verdict.completed_without_start == ["r9"]
     assert verdict.never_completed == []
 
 
@@ -212,7 +222,8 @@ def test_stats_group_by_env_version_and_modality_with_percentiles(
     desktop = by_env["desktop"]
     assert (desktop["started"], desktop["completed"], desktop["reward_mean"]) == (1, 0, None)
     assert desktop["provisioning_p50_s"] is None
-    assert stats(db, batch_id="nope") == []
+    with pytest.raises(NoSuchBatchError, match="no such batch: nope"):
+        stats(db, batch_id="nope")
 
 
 @pytest.mark.parametrize(
@@ -265,3 +276,69 @@ def test_a_bad_query_and_a_missing_store_fail_with_a_clear_message(
         query(db, "SELECT nope FROM records")
     with pytest.raises(StoreError, match="no telemetry store at"):
         query(tmp_path / "missing.db", "SELECT 1")
+
+
+def test_check_passes_rollouts_rerun_after_a_resume_and_counts_them(
+    store: tuple[Path, sqlite3.Connection],
+) -> None:
+    """Killed after r1's completion reached telemetry but not the journal: resume re-runs r1."""
+    db, conn = store
+    n = 0
+    for rid in ["r1", "r2", "r1"]:  # the first run, then the resumed one
+        insert_event(conn, "fleet_rollout_started", n=n, rollout_id=rid, batch_id="b")
+        insert_event(conn, "fleet_rollout_completed", n=n + 1, rollout_id=rid, batch_id="b")
+        n += 2
+    verdict = check(db, batch_id="b")
+    assert verdict.ok, verdict.describe()
+    assert (verdict.rollouts, verdict.rerun) == (2, 1)
+    assert verdict.describe() == (
+        "ok: 2 rollouts, every start completed once (1 re-run after a resume)"
+    )
+    insert_event(conn, "fleet_rollout_completed", n=n, rollout_id="r2", batch_id="b")
+    assert check(db, batch_id="b").completed_more_than_once == ["r2"]
+
+
+def test_stats_and_check_of_an_unknown_batch_say_so_and_name_recent_batches(
+    store: tuple[Path, sqlite3.Connection],
+) -> None:
+    db, conn = store
+    for n, batch in enumerate(["step-1", "step-2"]):
+        insert_event(conn, "fleet_rollout_started", n=n, rollout_id=f"r{n}", batch_id=batch)
+    for run in (stats, check):
+        with pytest.raises(NoSuchBatchError) as caught:
+            run(db, batch_id="nope")
+        assert str(caught.value) == "no such batch: nope; recent batches: step-2, step-1"
+    assert check(db, batch_id="step-1").rollouts == 1
+
+
+ENDLESS = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n) "
+
+
+def test_a_query_over_endless_rows_stops_at_max_rows_while_fetching(
+    store: tuple[Path, sqlite3.Connection],
+) -> None:
+    db, _ = store
+    result = query(db, ENDLESS + "SELECT i FROM n", max_rows=1000, timeout_s=30)
+    assert result.truncated and result.rows == [(i,) for i in range(1, 1001)]
+    exact = query(db, "SELECT 1 UNION ALL SELECT 2", max_rows=2)
+    assert exact.rows == [(1,), (2,)] and not exact.truncated
+
+
+def test_a_query_over_endless_big_rows_stops_at_max_bytes_while_fetching(
+    store: tuple[Path, sqlite3.Connection],
+) -> None:
+    db, _ = store
+    sql = ENDLESS + "SELECT hex(zeroblob(5000)) AS big FROM n"  # 10 KB per row, forever
+    result = query(db, sql, max_bytes=1_000_000, timeout_s=30)
+    assert result.truncated
+    assert 90 <= len(result.rows) <= 100
+    assert sum(len(big) for (big,) in result.rows) <= 1_000_000
+
+
+def test_a_single_value_over_max_bytes_is_refused_with_a_clear_message(
+    store: tuple[Path, sqlite3.Connection],
+) -> None:
+    db, _ = store
+    with pytest.raises(QueryError, match="over the 100000 byte limit"):
+        query(db, "SELECT zeroblob(200000)", max_bytes=100_000)
+    assert query(db, "SELECT length(zeroblob(90000))", max_bytes=100_000).rows == [(90000,)]

@@ -320,6 +320,7 @@ def _routes(service: Service) -> list[Route]:
                 body.params,
                 max_rows=limit,
                 timeout_s=s.service.query_timeout_s,
+                max_bytes=s.service.query_max_bytes,
             ),
             limiter=service._queries,
         )

@@ -29,15 +29,25 @@ def run_query(
     *,
     max_rows: int,
     timeout_s: float,
+    max_bytes: int | None = None,
 ) -> QueryResult:
-    """Run one statement read-only; at most ``max_rows`` rows come back.
+    """Run one statement read-only; at most ``max_rows`` rows and about ``max_bytes`` come back.
+
+    The bounds apply while fetching: rows past them are never read.
 
     Raises:
         ApiError: 404 (no store yet), 403 (the statement tries to change
             something), 400 (invalid SQL, too slow, or not one statement).
     """
     try:
-        result = queries.query(db_path, sql, params or (), timeout_s=timeout_s)
+        result = queries.query(
+            db_path,
+            sql,
+            params or (),
+            timeout_s=timeout_s,
+            max_rows=max_rows,
+            max_bytes=max_bytes,
+        )
     except queries.ReadOnlyError as exc:
         raise ApiError(403, str(exc)) from None
     except queries.QueryError as exc:
@@ -48,8 +58,8 @@ def run_query(
         raise ApiError(400, f"the query failed: {exc}") from None
     return QueryResult(
         columns=result.columns,
-        rows=[[_json_value(v) for v in row] for row in result.rows[:max_rows]],
-        truncated=len(result.rows) > max_rows,
+        rows=[[_json_value(v) for v in row] for row in result.rows],
+        truncated=result.truncated,
     )
 
 
@@ -57,11 +67,13 @@ def run_stats(db_path: Path, batch_id: str | None) -> StatsResult:
     """Rollouts per environment, and the started/completed invariant.
 
     Raises:
-        ApiError: 404, no store yet.
+        ApiError: 404, no store yet or no such batch.
     """
     try:
         envs = queries.stats(db_path, batch_id)
         check = queries.check(db_path, batch_id)
+    except queries.NoSuchBatchError as exc:
+        raise ApiError(404, str(exc)) from None
     except StoreError as exc:
         raise ApiError(404, f"{exc} (nothing recorded yet?)") from None
     return StatsResult(

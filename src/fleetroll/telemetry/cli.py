@@ -14,12 +14,15 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from fleetroll.errors import FleetrollError
 from fleetroll.telemetry.store import StoreError
+
+if TYPE_CHECKING:
+    from fleetroll.settings import Settings
 
 __all__ = ["dashboard", "query", "stats"]
 
@@ -44,15 +47,19 @@ def _failed(message: str) -> click.ClickException:
     return Failed(message)
 
 
-def _db(db_path: Path | None, config_file: Path | None) -> Path:
-    if db_path is not None:
-        return db_path
+def _settings(config_file: Path | None) -> Settings:
     from fleetroll.settings import load_settings
 
     try:
-        return load_settings(config_file).telemetry.db_path
+        return load_settings(config_file)
     except FleetrollError as exc:
         raise _failed(str(exc)) from None
+
+
+def _db(db_path: Path | None, config_file: Path | None) -> Path:
+    if db_path is not None:
+        return db_path
+    return _settings(config_file).telemetry.db_path
 
 
 def _cell(value: Any) -> str:
@@ -117,6 +124,12 @@ def _format_option(func: Any) -> Any:
     show_default=True,
     help="With --logfire: only records newer than this (e.g. 30m, 6h, 7d).",
 )
+@click.option(
+    "--max-rows",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Stop after this many rows (default: service.query_max_rows from the config).",
+)
 @_DB_OPTION
 @_CONFIG_OPTION
 def query(
@@ -124,6 +137,7 @@ def query(
     fmt: str,
     on_logfire: bool,
     since: str,
+    max_rows: int | None,
     db_path: Path | None,
     config_file: Path | None,
 ) -> None:
@@ -135,18 +149,30 @@ def query(
       fleetroll query "SELECT attributes->>'env_key' AS env, COUNT(*)
         FROM records WHERE message = 'fleet_rollout_completed' GROUP BY 1"
 
-    The store is opened read-only: statements that write are refused.
+    The store is opened read-only: statements that write are refused. Rows
+    are fetched up to --max-rows and service.query_max_bytes of values; past
+    either, the answer is cut short and a note on stderr says so.
     """
     if on_logfire:
         columns, rows = _query_logfire(sql, since)
     else:
         from fleetroll.telemetry.queries import query as run_query
 
+        settings = _settings(config_file)
+        limit = max_rows if max_rows is not None else settings.service.query_max_rows
+        db = db_path if db_path is not None else settings.telemetry.db_path
         try:
-            result = run_query(_db(db_path, config_file), sql)
+            result = run_query(db, sql, max_rows=limit, max_bytes=settings.service.query_max_bytes)
         except StoreError as exc:
             raise _failed(str(exc)) from None
         columns, rows = result.columns, result.rows
+        if result.truncated:
+            click.echo(
+                f"truncated: only the first {len(rows)} rows (limits: {limit} rows, "
+                f"{settings.service.query_max_bytes} bytes; --max-rows, "
+                "service.query_max_bytes)",
+                err=True,
+            )
     _print_rows(columns, rows, fmt)
 
 
@@ -230,6 +256,7 @@ def stats(
                         "never_completed": result.never_completed,
                         "completed_more_than_once": result.completed_more_than_once,
                         "completed_without_start": result.completed_without_start,
+                        "rerun": result.rerun,
                     },
                     indent=2,
                 )

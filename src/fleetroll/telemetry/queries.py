@@ -25,6 +25,7 @@ __all__ = [
     "CHECK_SQL",
     "STATS_SQL",
     "CheckResult",
+    "NoSuchBatchError",
     "QueryError",
     "QueryResult",
     "ReadOnlyError",
@@ -42,10 +43,27 @@ class ReadOnlyError(QueryError):
     """The SQL tried to change the store, which is only ever opened for reading."""
 
 
+class NoSuchBatchError(StoreError):
+    """``--batch``/``batch_id`` names no batch in the store.
+
+    Attributes:
+        batch_id: the id asked for.
+        recent: the most recent batch ids in the store, newest first.
+    """
+
+    def __init__(self, batch_id: str, recent: Sequence[str]) -> None:
+        known = f"; recent batches: {', '.join(recent)}" if recent else "; the store has none"
+        super().__init__(f"no such batch: {batch_id}{known}")
+        self.batch_id = batch_id
+        self.recent = list(recent)
+
+
 @dataclass(frozen=True, slots=True)
 class QueryResult:
     columns: list[str]
     rows: list[tuple[Any, ...]]
+    #: More rows matched than ``max_rows``/``max_bytes`` let through.
+    truncated: bool = False
 
     def dicts(self) -> list[dict[str, Any]]:
         """The rows as ``{column: value}`` (a later duplicate column name wins)."""
@@ -83,28 +101,67 @@ def _open(db: str | os.PathLike[str]) -> sqlite3.Connection:
     return conn
 
 
+#: Rows fetched from SQLite at a time while the bounds are checked.
+_FETCH_ROWS: Final = 512
+
+
+def _size(value: object) -> int:
+    """About how many bytes ``value`` takes in an answer (JSON or a table cell)."""
+    if isinstance(value, str | bytes):
+        return len(value) + 2
+    return 8
+
+
 def query(
     db: str | os.PathLike[str],
     sql: str,
     params: Sequence[Any] | Mapping[str, Any] = (),
     *,
     timeout_s: float | None = 60.0,
+    max_rows: int | None = None,
+    max_bytes: int | None = None,
 ) -> QueryResult:
     """Run one SQL statement on the store, read-only.
+
+    Rows are fetched a few hundred at a time and fetching stops at ``max_rows``
+    rows or ``max_bytes`` bytes of values, whichever comes first
+    (``truncated`` is then true), so a query that matches a huge table never
+    holds more than about those bounds in memory. With ``max_bytes``, no
+    single value the query builds may be longer than that either.
 
     Raises:
         StoreError: there is no store at ``db``.
         ReadOnlyError: the statement would write (INSERT, DELETE, DROP, PRAGMA...).
-        QueryError: any other SQL error, or the query ran over ``timeout_s``.
+        QueryError: any other SQL error, a value over ``max_bytes``, or the
+            query ran over ``timeout_s``.
     """
     conn = _open(db)
     try:
         if timeout_s is not None:
             deadline = time.monotonic() + timeout_s
             conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+        if max_bytes is not None:
+            # A single string or blob (json_group_array over everything,
+            # zeroblob(...)) is built whole by SQLite before any bound applies.
+            conn.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, max(max_bytes, 1024))
+        rows: list[tuple[Any, ...]] = []
+        truncated = False
         try:
             cursor = conn.execute(sql, params)
-            rows = cursor.fetchall()
+            size = 0
+            while not truncated:
+                chunk = cursor.fetchmany(_FETCH_ROWS)
+                if not chunk:
+                    break
+                for row in chunk:
+                    if max_rows is not None and len(rows) >= max_rows:
+                        truncated = True
+                        break
+                    size += sum(_size(v) for v in row)
+                    if max_bytes is not None and size > max_bytes and rows:
+                        truncated = True
+                        break
+                    rows.append(row)
         except sqlite3.Error as exc:
             text = str(exc)
             if any(refusal in text for refusal in _REFUSALS):
@@ -114,9 +171,13 @@ def query(
                 ) from None
             if text == "interrupted":
                 raise QueryError(f"the query ran over its {timeout_s:g} s limit") from None
+            if "too big" in text and max_bytes is not None:
+                raise QueryError(
+                    f"the query builds a value over the {max_bytes} byte limit (sqlite: {text})"
+                ) from None
             raise QueryError(f"the query failed: {text}") from None
         columns = [d[0] for d in cursor.description or ()]
-        return QueryResult(columns, rows)
+        return QueryResult(columns, rows, truncated)
     finally:
         conn.close()
 
@@ -183,6 +244,33 @@ def _sql(template: str, batch_id: str | None) -> str:
     return template.replace("{batch}", _BATCH_FILTER if batch_id is not None else "")
 
 
+_BATCH_EXISTS_SQL: Final = """
+SELECT 1 FROM records
+WHERE service_name = :service AND attributes->>'batch_id' = :batch_id
+LIMIT 1
+"""
+
+_RECENT_BATCHES_SQL: Final = """
+SELECT attributes->>'batch_id' FROM records
+WHERE service_name = :service AND message = 'fleet_rollout_started'
+  AND attributes->>'batch_id' IS NOT NULL
+GROUP BY 1
+ORDER BY MAX(start_timestamp) DESC
+LIMIT 5
+"""
+
+
+def _require_batch(db: str | os.PathLike[str], batch_id: str | None, service_name: str) -> None:
+    """Raise :class:`NoSuchBatchError` when ``batch_id`` is given but has no record."""
+    if batch_id is None:
+        return
+    params = {"service": service_name, "batch_id": batch_id}
+    if query(db, _BATCH_EXISTS_SQL, params).rows:
+        return
+    recent = [str(b) for (b,) in query(db, _RECENT_BATCHES_SQL, params).rows]
+    raise NoSuchBatchError(batch_id, recent)
+
+
 def _percentile(ordered: Sequence[float], q: float) -> float | None:
     """Linear interpolation between closest ranks (numpy's default)."""
     if not ordered:
@@ -204,8 +292,10 @@ def stats(
     ``verifier_errors``.
 
     Raises:
+        NoSuchBatchError: ``batch_id`` names no batch in the store.
         StoreError: there is no store at ``db``, or it cannot be read.
     """
+    _require_batch(db, batch_id, service_name)
     params = {"service": service_name, "batch_id": batch_id}
     main = query(db, _sql(STATS_SQL, batch_id), params).dicts()
     reasons: dict[tuple[Any, ...], dict[str, int]] = defaultdict(dict)
@@ -229,7 +319,9 @@ def stats(
 
 # -- the invariant ------------------------------------------------------------------
 
-#: Rollout ids that break "one started, one completed"; ``{batch}`` as above.
+#: Rollout ids whose starts and completions do not pair up; ``{batch}`` as above.
+#: A rollout re-run after ``--resume`` (its first completion reached telemetry
+#: but not the journal) starts and completes twice: that is not an offence.
 CHECK_SQL: Final = """
 SELECT
     attributes->>'rollout_id' AS rollout_id,
@@ -239,27 +331,36 @@ FROM records
 WHERE service_name = :service
   AND message IN ('fleet_rollout_started', 'fleet_rollout_completed'){batch}
 GROUP BY 1
-HAVING started != 1 OR completed != 1
+HAVING started != completed
 ORDER BY 1
 """
 
 _ROLLOUTS_SQL: Final = """
-SELECT COUNT(DISTINCT attributes->>'rollout_id') FROM records
-WHERE service_name = :service AND message = 'fleet_rollout_started'{batch}
+SELECT COUNT(*), COALESCE(SUM(started > 1), 0) FROM (
+    SELECT COUNT(*) AS started FROM records
+    WHERE service_name = :service AND message = 'fleet_rollout_started'{batch}
+    GROUP BY attributes->>'rollout_id'
+)
 """
 
 
 @dataclass(frozen=True, slots=True)
 class CheckResult:
-    """The invariant of DESIGN.md §8: each rollout id started once and completed once."""
+    """The invariant of DESIGN.md §8: each start of a rollout id has one completion.
+
+    A rollout started and completed once, or re-run after a resume (started
+    twice, completed twice), passes.
+    """
 
     rollouts: int
     #: Rollout ids with more starts than completions (a telemetry gap).
     never_completed: list[str] = field(default_factory=list)
-    #: Rollout ids completed more than once.
+    #: Rollout ids with more completions than starts (started at least once).
     completed_more_than_once: list[str] = field(default_factory=list)
-    #: Rollout ids completed without a start (or with fewer starts than completions).
+    #: Rollout ids completed without ever being started.
     completed_without_start: list[str] = field(default_factory=list)
+    #: Rollouts started more than once, each start completed (re-runs after a resume).
+    rerun: int = 0
 
     @property
     def ok(self) -> bool:
@@ -268,8 +369,13 @@ class CheckResult:
         )
 
     def describe(self) -> str:
-        """One line when it holds; otherwise a line per kind of offence, ids included."""
+        """One line when it holds; otherwise a count per kind of offence, ids included."""
         if self.ok:
+            if self.rerun:
+                return (
+                    f"ok: {self.rollouts} rollouts, every start completed once"
+                    f" ({self.rerun} re-run after a resume)"
+                )
             return f"ok: {self.rollouts} rollouts, all started and completed once"
         lines = [f"FAILED: {self.rollouts} rollouts; the started/completed invariant is broken"]
         for label, ids in (
@@ -287,20 +393,22 @@ class CheckResult:
 def check(
     db: str | os.PathLike[str], batch_id: str | None = None, *, service_name: str = "fleetroll"
 ) -> CheckResult:
-    """Check that every rollout id has exactly one started and one completed event.
+    """Check that every start of each rollout id has exactly one completion.
 
     Raises:
+        NoSuchBatchError: ``batch_id`` names no batch in the store.
         StoreError: there is no store at ``db``, or it cannot be read.
     """
+    _require_batch(db, batch_id, service_name)
     params = {"service": service_name, "batch_id": batch_id}
-    (rollouts,) = query(db, _sql(_ROLLOUTS_SQL, batch_id), params).rows[0]
+    (rollouts, rerun) = query(db, _sql(_ROLLOUTS_SQL, batch_id), params).rows[0]
     never, twice, orphan = [], [], []
     for rollout_id, started, completed in query(db, _sql(CHECK_SQL, batch_id), params).rows:
         rid = str(rollout_id)
         if started > completed:
             never.append(rid)
-        elif completed > started:
+        elif started == 0:
             orphan.append(rid)
-        if completed > 1:
+        else:
             twice.append(rid)
-    return CheckResult(int(rollouts), never, twice, orphan)
+    return CheckResult(int(rollouts), never, twice, orphan, int(rerun))

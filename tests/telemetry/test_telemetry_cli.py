@@ -5,18 +5,26 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import sqlite3
 import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from click.testing import CliRunner
-from telemetry_helpers import PYTHON, child_env, insert_event
+from telemetry_helpers import PYTHON, child_env, insert_event, local_settings
 
+import fleetroll
 from fleetroll.cli import main
+from fleetroll.emulator import Emulator
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool import RolloutPool
 from fleetroll.settings import config_dir
+from fleetroll.tasks import load_tasks
+from fleetroll.telemetry import open_telemetry
 
 
 @pytest.fixture
@@ -156,6 +164,32 @@ def test_query_stops_at_max_rows_and_says_the_answer_was_truncated(filled: Path)
     assert code == 0
     assert [row["i"] for row in json.loads(out)] == list(range(1, 51))
     assert err.startswith("truncated: only the first 50 rows")
+
+
+def readme_query_sql() -> str:
+    """The SQL of the README's ``fleetroll query "..."`` example, as written there."""
+    readme = Path(fleetroll.__file__).resolve().parents[2] / "README.md"
+    found = re.search(r'^fleetroll query "(.+?)"', readme.read_text(), re.MULTILINE | re.DOTALL)
+    assert found, "the README has no fleetroll query example"
+    return found.group(1)
+
+
+async def test_the_readme_query_runs_after_a_run_with_one_row_per_env(tmp_path: Path) -> None:
+    db = tmp_path / "telemetry.db"
+    settings = local_settings(db)
+    tasks = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=settings.modalities)[:2]
+    async with (
+        open_telemetry(settings) as events,
+        Emulator() as emu,
+        RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events) as pool,
+    ):
+        with anyio.fail_after(60):
+            results = [r async for r in pool.run_batch(tasks, ScriptedPolicy(), batch_id="b")]
+    code, out, err = invoke("query", readme_query_sql(), "--db", str(db), "--json")
+    assert code == 0, err
+    assert json.loads(out) == [
+        {"env": "ledger", "total_rollouts": 2, "completed": 2, "init_errors": 0}
+    ], results
 
 
 @pytest.mark.slow

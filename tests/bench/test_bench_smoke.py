@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from fleetroll.bench.records import ScenarioReport
 
 
@@ -49,6 +51,19 @@ def test_the_smoke_scenario_runs_every_system_and_writes_its_report(tmp_path: Pa
     assert fleetroll.ledger["created"] == fleetroll.ledger["deleted"] == 8
     markdown = (out / "smoke.md").read_text()
     assert "| fleetroll | 8 | 8 / 8 |" in markdown
+
+
+@pytest.mark.slow
+def test_reports_go_under_dot_fleetroll_by_default_and_the_output_says_where(
+    tmp_path: Path,
+) -> None:
+    args = ("--scenario", "smoke", "--rollouts", "2", "--baselines", "none", "--no-plot")
+    done = bench(*args, cwd=tmp_path, timeout=110)
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / ".fleetroll" / "bench"
+    assert sorted(p.name for p in out.iterdir()) == ["smoke.json", "smoke.md"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".fleetroll"]
+    assert f"fleetroll bench: reports go to {out}" in done.stderr
 
 
 def test_the_scenario_list_names_every_scenario(tmp_path: Path) -> None:

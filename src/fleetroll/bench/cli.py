@@ -14,6 +14,10 @@ from fleetroll.settings import load_settings
 __all__ = ["bench"]
 
 
+#: Where reports go without --out (relative to the working directory).
+_DEFAULT_OUT = Path(".fleetroll") / "bench"
+
+
 class _Failed(click.ClickException):
     exit_code = 2
 
@@ -92,9 +96,8 @@ def _has_matplotlib() -> bool:
 @click.option(
     "--out",
     type=click.Path(file_okay=False, path_type=Path),
-    default=Path("fleetroll-bench"),
-    show_default=True,
-    help="Folder for <scenario>.json, .md and .png.",
+    default=None,
+    help="Folder for <scenario>.json, .md and .png [default: .fleetroll/bench].",
 )
 @click.option("--no-plot", is_flag=True, help="Skip the PNG plot.")
 @click.option(
@@ -112,7 +115,7 @@ def bench(
     baselines: list[str] | None,
     discovery_wait: float | None,
     wall_limit: float | None,
-    out: Path,
+    out: Path | None,
     no_plot: bool,
     config_file: Path | None,
 ) -> None:
@@ -155,6 +158,11 @@ def bench(
 
     def echo(line: str) -> None:
         click.echo(line, err=True)
+
+    # Not the working tree's top level: .fleetroll/ is where fleetroll keeps
+    # what it writes (telemetry store too), and projects ignore it.
+    out = out if out is not None else _DEFAULT_OUT
+    echo(f"fleetroll bench: reports go to {out.absolute()}")
 
     async def main() -> None:
         for scenario in scenarios:

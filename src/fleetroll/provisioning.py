@@ -36,6 +36,7 @@ from fleetroll.errors import ProvisionError
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
+from fleetroll.telemetry.retries import route_retries_to_logging
 
 __all__ = [
     "Classification",
@@ -281,6 +282,7 @@ class FleetProvider:
             )
             return delay
 
+        route_retries_to_logging()  # stamina prints on stdout otherwise
         try:
             with anyio.fail_after(budget):
                 async for retry in stamina.retry_context(

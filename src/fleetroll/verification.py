@@ -32,6 +32,7 @@ from fleet._async.verifiers.verifier import AsyncVerifierFunction
 
 from fleetroll.results import VerifierOutcome
 from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.retries import route_retries_to_logging
 
 __all__ = ["Verdict", "Verifier", "verifier_signature"]
 
@@ -204,6 +205,7 @@ class Verifier:
             outcome = VerifierOutcome(success=False, error=compiled.error)
             return Verdict(None, outcome, "BadVerifier")
         kwargs = {"final_answer": final_answer} if compiled.takes_answer else {}
+        route_retries_to_logging()  # stamina prints on stdout otherwise
         try:
             with anyio.fail_after(self._timeout_s):
                 async for attempt in stamina.retry_context(

@@ -17,7 +17,8 @@ Frames of this package are marked as Logfire "non-user code", so a record's
 ``code.filepath``/``code.lineno`` point at the line that emitted the event
 (``rollout.py``...), not at the sink. stamina's default retry log lines
 (printed on stdout through structlog's default configuration, one per
-retry) are turned off: each retry is already a ``fleet_make_retry`` event.
+retry) go to logging at debug instead (:mod:`fleetroll.telemetry.retries`):
+each retry is already a ``fleet_make_retry`` event.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from typing import TextIO
 
 import anyio
 import logfire
-import stamina.instrumentation
 
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events, EventSink, Redactor
+from fleetroll.telemetry.retries import route_retries_to_logging
 from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink
 from fleetroll.telemetry.store import SQLiteSpanProcessor, is_disabled
 
@@ -60,25 +61,6 @@ def redactor_for(settings: Settings) -> Redactor:
 def _mark_telemetry_frames_as_library_code() -> None:
     # Once per process: logfire appends to a global tuple on every call.
     logfire.add_non_user_code_prefix(Path(__file__).parent)
-
-
-def _quiet_stamina_console_hooks() -> None:
-    """Drop stamina's own retry log lines; our ``fleet_make_retry`` event records each retry.
-
-    stamina logs every scheduled retry through structlog's (or logging's)
-    *default* configuration, on stdout, one line per retry: under a bad
-    provisioning day that floods the console. Other hooks (Prometheus, or
-    ones the process installed itself) are kept.
-    """
-    hooks = stamina.instrumentation.get_on_retry_hooks()
-    kept = [
-        hook
-        for hook in hooks
-        if getattr(hook, "__module__", "")
-        not in ("stamina.instrumentation._structlog", "stamina.instrumentation._logging")
-    ]
-    if len(kept) != len(hooks):
-        stamina.instrumentation.set_on_retry_hooks(kept)
 
 
 @functools.cache
@@ -119,7 +101,7 @@ class Telemetry:
             StoreError: the local store cannot be opened or created.
         """
         _mark_telemetry_frames_as_library_code()
-        _quiet_stamina_console_hooks()
+        route_retries_to_logging()
         t = settings.telemetry
         self.settings = settings
         self.redactor = redactor_for(settings)

@@ -1,0 +1,54 @@
+"""stamina's retry hooks: to :mod:`logging` at debug, never a line on stdout.
+
+stamina's default hooks log each scheduled retry through structlog's
+*default* configuration, which prints to stdout (or, without structlog,
+through logging at warning). A Python program that uses fleetroll as a
+library would get a line on its stdout per retry; every retry is already
+counted in telemetry (``fleet_make_retry``) and in results. So wherever
+fleetroll retries, it first swaps those two default hooks for one that logs
+on the ``fleetroll.retries`` logger at debug. Other hooks (Prometheus, or
+any a program installed itself) are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+import stamina.instrumentation
+from stamina.instrumentation import RetryDetails, RetryHook
+
+__all__ = ["log_retry", "route_retries_to_logging"]
+
+_log = logging.getLogger("fleetroll.retries")
+
+#: Modules of stamina's own console hooks (structlog's default config: stdout).
+_CONSOLE_HOOK_MODULES: Final = frozenset(
+    {"stamina.instrumentation._structlog", "stamina.instrumentation._logging"}
+)
+
+
+def log_retry(details: RetryDetails) -> None:
+    """A stamina retry hook: one debug record on ``fleetroll.retries``."""
+    _log.debug(
+        "retry %d of %s in %.2f s after %s",
+        details.retry_num,
+        details.name,
+        details.wait_for,
+        type(details.caused_by).__name__,
+    )
+
+
+def route_retries_to_logging() -> None:
+    """Replace stamina's default console hooks with :func:`log_retry`; keep the others.
+
+    Cheap and idempotent: call it before each ``stamina.retry_context``.
+    """
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    kept: list[RetryHook] = [
+        hook for hook in hooks if getattr(hook, "__module__", "") not in _CONSOLE_HOOK_MODULES
+    ]
+    if log_retry not in kept:
+        kept.append(log_retry)
+    if tuple(kept) != hooks:
+        stamina.instrumentation.set_on_retry_hooks(kept)

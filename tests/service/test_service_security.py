@@ -51,7 +51,9 @@ async def test_a_missing_or_wrong_token_gets_401_and_healthz_stays_open(
     async with guarded.http() as anonymous, guarded.http(Authorization="Bearer wrong") as wrong:
         with anyio.fail_after(30):
             health = await anonymous.get("/healthz")
+            page = await anonymous.get("/dashboard")  # no data in it; it sends the token
             answers = [
+                await anonymous.get("/dashboard/data"),
                 await anonymous.get("/metrics"),
                 await anonymous.get("/openapi.json"),
                 await anonymous.post("/v1/batches", json={}),
@@ -59,7 +61,7 @@ async def test_a_missing_or_wrong_token_gets_401_and_healthz_stays_open(
                 await wrong.get("/v1/batches/x"),
                 await wrong.get("/metrics", headers={"Authorization": f"Basic {TOKEN}"}),
             ]
-    assert health.status_code == 200
+    assert health.status_code == 200 and page.status_code == 200
     assert [a.status_code for a in answers] == [401] * len(answers)
     assert answers[0].headers["www-authenticate"].startswith("Bearer")
     assert all(TOKEN not in a.text for a in answers)

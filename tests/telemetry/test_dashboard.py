@@ -8,6 +8,7 @@ import shutil
 import signal
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
@@ -15,10 +16,12 @@ from pathlib import Path
 import anyio
 import httpx
 import pytest
+from click.testing import CliRunner
 from PIL import Image, ImageStat
 from telemetry_helpers import PYTHON, child_env, local_settings
 
 from fleetroll._serving import serve_asgi
+from fleetroll.cli import main
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool import RolloutPool
@@ -205,6 +208,67 @@ async def test_fleetroll_dashboard_serves_until_interrupted(batch: Batch) -> Non
             assert data["totals"]["started"] == len(batch.results)
             process.send_signal(signal.SIGINT)
             assert await process.wait() == 0
+
+
+@asynccontextmanager
+async def fleetroll_dashboard(db: Path, *args: str, **env: str) -> AsyncIterator[str]:
+    """``fleetroll dashboard`` in a child process; yields the first line it prints."""
+    command = [PYTHON, "-m", "fleetroll", "dashboard", "--db", str(db), "--port", "0", *args]
+    async with await anyio.open_process(command, env={**child_env(), **env}) as process:
+        assert process.stdout is not None
+        with anyio.fail_after(60):
+            line = b""
+            while b"\n" not in line:
+                line += await process.stdout.receive()
+            yield line.decode()
+            process.send_signal(signal.SIGINT)
+            assert await process.wait() == 0
+
+
+def test_fleetroll_dashboard_beyond_loopback_without_a_token_is_refused_in_one_line() -> None:
+    done = CliRunner().invoke(main, ["dashboard", "--host", "0.0.0.0", "--port", "0"])
+    assert done.exit_code == 2
+    assert done.stderr.startswith("Error: refusing to serve on 0.0.0.0")
+    assert len(done.stderr.splitlines()) == 1 and done.stdout == ""
+
+
+@pytest.mark.slow
+async def test_fleetroll_dashboard_with_a_token_wants_it_for_data_but_not_for_the_page(
+    batch: Batch,
+) -> None:
+    token = "a-dashboard-token-of-32-characters"
+    async with fleetroll_dashboard(batch.db, FLEETROLL_SERVICE_TOKEN=token) as line:
+        assert token not in line
+        found = re.search(r"(http://\S+/dashboard)#token=<FLEETROLL_SERVICE_TOKEN>", line)
+        assert found is not None, line
+        page_url = found.group(1)
+        async with httpx.AsyncClient(timeout=30) as client:
+            page_answer = await client.get(page_url)
+            anonymous = await client.get(page_url + "/data")
+            wrong = await client.get(page_url + "/data", headers={"Authorization": "Bearer nope"})
+            right = await client.get(
+                page_url + "/data", headers={"Authorization": f"Bearer {token}"}
+            )
+    assert page_answer.status_code == 200 and "location.hash" in page_answer.text
+    assert (anonymous.status_code, wrong.status_code) == (401, 401)
+    assert right.status_code == 200
+    assert right.json()["totals"]["started"] == len(batch.results)
+
+
+@pytest.mark.slow
+async def test_fleetroll_dashboard_without_a_token_answers_only_loopback_host_names(
+    batch: Batch,
+) -> None:
+    async with fleetroll_dashboard(batch.db) as line:
+        page_url = re.search(r"http://\S+/dashboard", line)
+        assert page_url is not None, line
+        async with httpx.AsyncClient(timeout=30) as client:
+            rebound = await client.get(
+                page_url.group() + "/data", headers={"Host": "attacker.example"}
+            )
+            local = await client.get(page_url.group() + "/data")
+    assert rebound.status_code == 421
+    assert local.status_code == 200
 
 
 # -- a real browser ----------------------------------------------------------------------

@@ -73,7 +73,7 @@ from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.settings import Settings
 from fleetroll.telemetry import Redactor
-from fleetroll.telemetry.dashboard import dashboard_routes
+from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_routes
 
 __all__ = ["Service", "create_app"]
 
@@ -378,4 +378,5 @@ def create_app(service: Service) -> ASGIApp:
         root,
         token=service.settings.service_token,
         max_body_bytes=service.settings.service.max_body_bytes,
+        open_paths={"/healthz", *PAGE_PATHS},  # the page holds no data; it sends the token
     )

@@ -320,13 +320,18 @@ def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | No
     Rollouts over time, failure reasons by environment, provisioning latency,
     rewards and the slowest rollouts, refreshed every two seconds: open the
     printed URL in a browser. The store is only ever read.
+
+    Guarded as `fleetroll serve` is: anything but loopback needs
+    FLEETROLL_SERVICE_TOKEN (open the page as /dashboard#token=<token>);
+    without a token, only requests naming a loopback host are answered.
     """
     import anyio
 
-    from fleetroll.settings import load_settings
+    from fleetroll.service.security import check_bind
 
+    settings = _settings(config_file)
     try:
-        settings = load_settings(config_file)
+        check_bind(host, settings.service_token)
     except FleetrollError as exc:
         raise _failed(str(exc)) from None
     db = db_path if db_path is not None else settings.telemetry.db_path
@@ -334,11 +339,20 @@ def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | No
     async def serve() -> None:
         from fleetroll._serving import serve_asgi
         from fleetroll.cli import _until_signalled
-        from fleetroll.telemetry.dashboard import dashboard_app
+        from fleetroll.service.security import Guard
+        from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_app
 
-        app = dashboard_app(db, query_timeout_s=settings.service.query_timeout_s)
+        app = Guard(
+            dashboard_app(db, query_timeout_s=settings.service.query_timeout_s),
+            token=settings.service_token,
+            max_body_bytes=settings.service.max_body_bytes,
+            open_paths={"/healthz", *PAGE_PATHS},
+        )
         async with serve_asgi(app, host=host, port=port) as url:
-            click.echo(f"fleetroll dashboard: {url}/dashboard  (store {db}; Ctrl-C to stop)")
+            page = f"{url}/dashboard"
+            if settings.service_token is not None:
+                page += "#token=<FLEETROLL_SERVICE_TOKEN>"
+            click.echo(f"fleetroll dashboard: {page}  (store {db}; Ctrl-C to stop)")
             await _until_signalled()
         click.echo("fleetroll dashboard: stopped", err=True)
 

@@ -9,6 +9,11 @@ Two routes, mountable in any Starlette app (the HTTP service adds
 - ``GET /dashboard/data?since=&batch=``: a JSON snapshot the page polls every
   two seconds (see :func:`snapshot` for its shape).
 
+Behind a bearer token (the service's :class:`~fleetroll.service.security.Guard`)
+the page itself holds no data and stays open (:data:`PAGE_PATHS`); it reads
+the token from its URL fragment (``/dashboard#token=...``) and sends it with
+each data request.
+
 Every snapshot is a handful of read-only SQL queries (:func:`queries.query`:
 ``mode=ro``, an authorizer that allows reading only, a time limit), run in a
 worker thread under a :class:`anyio.CapacityLimiter`, so a slow store never
@@ -39,6 +44,7 @@ from fleetroll.telemetry.store import StoreError
 
 __all__ = [
     "DEFAULT_QUERY_TIMEOUT_S",
+    "PAGE_PATHS",
     "SinceError",
     "dashboard_app",
     "dashboard_routes",
@@ -381,6 +387,11 @@ def page() -> str:
 def _invalid(loc: list[str], message: str) -> JSONResponse:
     # The service's validation error shape, so clients handle one kind of 422.
     return JSONResponse({"detail": [{"loc": loc, "msg": message, "type": "value_error"}]}, 422)
+
+
+#: Paths that serve no telemetry (the page, and ``/`` leading to it): a browser
+#: opens them without an Authorization header, so a token guard lets them through.
+PAGE_PATHS: Final = frozenset({"/", "/dashboard"})
 
 
 def dashboard_routes(

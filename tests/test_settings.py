@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+import fleetroll.settings
+from fleetroll.cli import main
 from fleetroll.errors import ConfigError
 from fleetroll.settings import load_settings
 
@@ -92,3 +96,50 @@ def test_an_invalid_value_names_the_field_and_the_reason(tmp_path: Path) -> None
 def test_an_unknown_fault_profile_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="known profiles: chaos, clean, realistic"):
         load_settings().emulator.fault_profile("nope")
+
+
+def test_a_variable_holding_malformed_json_is_one_line_naming_it_and_the_json_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLEETROLL_POOL", '{"concurrency": 2')
+    with pytest.raises(ConfigError) as caught:
+        load_settings()
+    assert str(caught.value) == (
+        "FLEETROLL_POOL is not valid JSON: Expecting ',' delimiter: line 1 column 18 (char 17)"
+    )
+    result = CliRunner().invoke(main, ["stats"])
+    assert result.exit_code == 2
+    assert result.stderr == f"Error: {caught.value}\n"
+    monkeypatch.setenv("FLEETROLL_POOL", '{"concurrency": 2}')
+    assert load_settings().pool.concurrency == 2
+
+
+def test_unknown_variables_are_ignored_with_one_warning_each_and_the_closest_setting(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(fleetroll.settings, "_warned", set())  # warned: once per process
+    for name in (
+        "FLEETROLL_POOL__CONCURENCY",
+        "FLEETROLL_TIMEOUT__CALL_TOOL_S",
+        "FLEETROLL_MODALITIES__TOOL_USE__TTL_SS",
+        "FLEETROLL_NOTHING_LIKE_IT",
+    ):
+        monkeypatch.setenv(name, "5")
+    monkeypatch.setenv("FLEETROLL_POOL__MAX_STEPS", "4")  # known: no warning
+    monkeypatch.setenv("FLEETROLL_POLICY__EXTRA_BODY__TOP_K", "3")  # any key of a dict
+    monkeypatch.setenv("FLEETROLL_SERVICE_TOKEN", "a-token-of-sixteen-or-more")
+    with caplog.at_level(logging.WARNING, logger="fleetroll.settings"):
+        settings = load_settings()
+        load_settings()
+    assert settings.pool.concurrency == 128 and settings.pool.max_steps == 4
+    assert settings.policy.extra_body == {"top_k": "3"}
+    assert settings.service_token is not None
+    assert sorted(r.getMessage() for r in caplog.records) == [
+        "FLEETROLL_MODALITIES__TOOL_USE__TTL_SS is not a fleetroll setting and is ignored;"
+        " did you mean FLEETROLL_MODALITIES__TOOL_USE__TTL_S?",
+        "FLEETROLL_NOTHING_LIKE_IT is not a fleetroll setting and is ignored",
+        "FLEETROLL_POOL__CONCURENCY is not a fleetroll setting and is ignored;"
+        " did you mean FLEETROLL_POOL__CONCURRENCY?",
+        "FLEETROLL_TIMEOUT__CALL_TOOL_S is not a fleetroll setting and is ignored;"
+        " did you mean FLEETROLL_TIMEOUTS__CALL_TOOL_S?",
+    ]

@@ -6,7 +6,10 @@ Sources, later ones winning, tables deep-merged:
 2. an optional user TOML file (``--config``);
 3. ``FLEETROLL_*`` environment variables, nested with ``__``
    (``FLEETROLL_TIMEOUTS__CALL_TOOL_S=30``); ``FLEET_API_KEY``,
-   ``FLEET_BASE_URL`` and ``LOGFIRE_TOKEN`` keep their usual names;
+   ``FLEET_BASE_URL`` and ``LOGFIRE_TOKEN`` keep their usual names. A
+   ``FLEETROLL_*`` variable that names no setting is ignored, with one
+   warning per name (logger ``fleetroll.settings``) suggesting the closest
+   setting;
 4. explicit keyword arguments to :func:`load_settings`.
 
 No module reads the environment on import: only :func:`load_settings` does.
@@ -15,15 +18,24 @@ No module reads the environment on import: only :func:`load_settings` does.
 from __future__ import annotations
 
 import contextvars
+import difflib
+import json
+import logging
+import os
+import re
 import tomllib
+import types
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, ValidationError
 from pydantic_settings import (
     BaseSettings,
+    EnvSettingsSource,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
@@ -207,6 +219,130 @@ class ServiceSettings(_Section):
     query_timeout_s: float = Field(10.0, gt=0)
 
 
+_log = logging.getLogger("fleetroll.settings")
+
+_ENV_PREFIX = "FLEETROLL_"
+_NESTED = "__"
+#: Unknown variable names already warned about (once per name per process).
+_warned: set[str] = set()
+
+
+def _unwrap(annotation: Any) -> Any:
+    """``X`` from ``X | None`` and ``Annotated[X, ...]``."""
+    while True:
+        origin = get_origin(annotation)
+        if origin is Annotated:
+            annotation = get_args(annotation)[0]
+        elif origin in (Union, types.UnionType):
+            options = [a for a in get_args(annotation) if a is not type(None)]
+            if len(options) != 1:
+                return annotation
+            annotation = options[0]
+        else:
+            return annotation
+
+
+def _settable(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's fields that ``FLEETROLL_<PATH>`` reaches (aliased ones have their own names)."""
+    return {
+        name: info.annotation
+        for name, info in model.model_fields.items()
+        if info.validation_alias is None
+    }
+
+
+def _corrected(annotation: Any, parts: list[str]) -> list[str] | None:
+    """``parts`` (a lower-case variable name split at ``__``) as they should be spelled.
+
+    Equal to ``parts`` when they name a setting (or a key of a dict setting);
+    a guess with the closest field name at each level otherwise; None when
+    there is no guess.
+    """
+    annotation = _unwrap(annotation)
+    if not parts:
+        return []
+    if annotation is Any:
+        return parts
+    if get_origin(annotation) in (dict, Mapping):
+        args = get_args(annotation)
+        rest = _corrected(args[1] if len(args) == 2 else Any, parts[1:])
+        return None if rest is None else [parts[0], *rest]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        fields = _settable(annotation)
+        head = parts[0]
+        if head not in fields:
+            close = difflib.get_close_matches(head, list(fields), n=1, cutoff=0.6)
+            if not close:
+                return None
+            head = close[0]
+        rest = _corrected(fields[head], parts[1:])
+        return None if rest is None else [head, *rest]
+    return None  # a plain value has nothing below it
+
+
+def _flat_names(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
+    """Every ``section__field`` a variable can name (dict settings: their own name)."""
+    for name, annotation in _settable(model).items():
+        inner = _unwrap(annotation)
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            yield from _flat_names(inner, f"{prefix}{name}{_NESTED}")
+        else:
+            yield f"{prefix}{name}"
+
+
+def _alias_names(model: type[BaseModel]) -> set[str]:
+    names: set[str] = set()
+    for info in model.model_fields.values():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            names.update(str(choice).lower() for choice in alias.choices)
+        elif isinstance(alias, str):
+            names.add(alias.lower())
+    return names
+
+
+def _unknown_variable(name: str, model: type[BaseModel]) -> str | None:
+    """Why the lower-case variable ``name`` is ignored (with a guess), or None if it is known."""
+    if name in _alias_names(model):
+        return None
+    prefix = _ENV_PREFIX.lower()
+    rest = name[len(prefix) :]
+    parts = rest.split(_NESTED)
+    guess = _corrected(model, parts)
+    if guess == parts:
+        return None
+    aliases = [a[len(_ENV_PREFIX) :] for a in _alias_names(model) if a.startswith(prefix)]
+    candidates = [*_flat_names(model), *aliases]
+    if guess is not None:
+        candidates.append(_NESTED.join(guess))
+    close = difflib.get_close_matches(rest, candidates, n=1, cutoff=0.6)
+    suggestion = close[0] if close else None
+    hint = f"; did you mean {(_ENV_PREFIX + suggestion).upper()}?" if suggestion else ""
+    return f"is not a fleetroll setting and is ignored{hint}"
+
+
+class _EnvironmentSource(EnvSettingsSource):
+    """``EnvSettingsSource`` that drops, and warns about, ``FLEETROLL_*`` names of no setting."""
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        loaded = super()._load_env_vars()
+        spelled = {name.lower(): name for name in os.environ}
+        kept: dict[str, str | None] = {}
+        prefix = _ENV_PREFIX.lower()
+        for name, value in loaded.items():
+            problem = (
+                _unknown_variable(name, self.settings_cls) if name.startswith(prefix) else None
+            )
+            if problem is None:
+                kept[name] = value
+                continue
+            shown = spelled.get(name, name.upper())
+            if shown not in _warned:
+                _warned.add(shown)
+                _log.warning("%s %s", shown, problem)
+        return kept
+
+
 _user_config: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
     "fleetroll_user_config", default=None
 )
@@ -269,7 +405,7 @@ class Settings(BaseSettings):
         if user is not None:
             files.append(user)
         toml = TomlConfigSettingsSource(settings_cls, toml_file=files, deep_merge=True)
-        return init_settings, env_settings, toml
+        return init_settings, _EnvironmentSource(settings_cls), toml
 
 
 def load_settings(config_file: str | Path | None = None, /, **overrides: Any) -> Settings:
@@ -298,8 +434,30 @@ def load_settings(config_file: str | Path | None = None, /, **overrides: Any) ->
     except ValidationError as exc:
         source = f" (with {path})" if path else ""
         raise ConfigError(f"invalid configuration{source}:\n{_describe(exc)}") from None
+    except SettingsError as exc:  # a variable holding a table (JSON) that does not parse
+        raise ConfigError(_describe_environment_error(exc)) from None
     finally:
         _user_config.reset(token)
+
+
+def _describe_environment_error(exc: SettingsError) -> str:
+    """Which ``FLEETROLL_*`` variable is not valid JSON, and the JSON error."""
+    found = re.search(r'field "([^"]+)"', str(exc))
+    field = found.group(1) if found else None
+    cause = exc.__cause__ or exc.__context__
+    if field is not None:
+        stem = f"{_ENV_PREFIX}{field}".lower()
+        for name, value in sorted(os.environ.items()):
+            lowered = name.lower()
+            if lowered != stem and not lowered.startswith(stem + _NESTED):
+                continue
+            try:
+                json.loads(value)
+            except ValueError as error:
+                if value.lstrip().startswith(("{", "[")):
+                    return f"{name} is not valid JSON: {error}"
+        return f"{_ENV_PREFIX}{field.upper()}: cannot be read: {cause or exc}"
+    return f"the environment cannot be read: {cause or exc}"
 
 
 def _describe(exc: ValidationError) -> str:

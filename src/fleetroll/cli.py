@@ -17,6 +17,7 @@ import click
 from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.settings import Settings, load_settings
+from fleetroll.telemetry.console import configure_console_logging
 
 __all__ = ["main"]
 
@@ -36,9 +37,11 @@ class Failed(click.ClickException):
 
 def _settings(config_file: Path | None, **overrides: Any) -> Settings:
     try:
-        return load_settings(config_file, **overrides)
+        settings = load_settings(config_file, **overrides)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
+    configure_console_logging(settings.telemetry.console_level)
+    return settings
 
 
 async def _until_signalled() -> None:
@@ -52,6 +55,9 @@ async def _until_signalled() -> None:
 @click.version_option(package_name="fleetroll")
 def main() -> None:
     """fleetroll: rollout orchestration for RL training on Fleet environments."""
+    # Library log records (the mcp client's tracebacks under faults) only at
+    # debug, and every line above a live display; the config may lower it.
+    configure_console_logging("info")
 
 
 @main.command()

@@ -155,6 +155,9 @@ class TelemetrySettings(_Section):
     environment: str = "local"
     #: Console lines at or above this level (see fleetroll.telemetry.sinks).
     console_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: On a terminal, failed rollouts are summed up per failure reason: one
+    #: line with a count at most this often per reason.
+    console_repeat_s: float = Field(10.0, gt=0)
     #: Send records to Logfire cloud when LOGFIRE_TOKEN is set; false keeps them local.
     send_to_logfire: bool = True
     #: The store commits a batch every this many seconds or records, whichever comes first.

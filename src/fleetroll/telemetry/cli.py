@@ -49,11 +49,14 @@ def _failed(message: str) -> click.ClickException:
 
 def _settings(config_file: Path | None) -> Settings:
     from fleetroll.settings import load_settings
+    from fleetroll.telemetry.console import configure_console_logging
 
     try:
-        return load_settings(config_file)
+        settings = load_settings(config_file)
     except FleetrollError as exc:
         raise _failed(str(exc)) from None
+    configure_console_logging(settings.telemetry.console_level)
+    return settings
 
 
 def _db(db_path: Path | None, config_file: Path | None) -> Path:

@@ -138,7 +138,7 @@ class Telemetry:
             if self.store is not None:
                 self.store.shutdown()
             raise
-        self.console = ConsoleSink(t.console_level, file=console)
+        self.console = ConsoleSink(t.console_level, file=console, repeat_s=t.console_repeat_s)
         self.events = Events([LogfireSink(self.logfire), self.console, *extra_sinks], self.redactor)
         self._closed = False
 

@@ -17,18 +17,27 @@ level of its own (:func:`console_level`), separate from its record level:
   ``fleet_env_reset_failed``, ``fleet_tool_call_failed``,
   ``fleet_mcp_tool_error``, ``fleet_verifier_failed``);
 - ``info``: batch start and end, and a rollout that ran out of steps;
-- ``warning``: a rollout that failed for any other reason (one line per
-  failed rollout, with its ``failure_reason`` and error);
+- ``warning``: a rollout that failed for any other reason. On a terminal
+  (where a live progress line is drawn) failures are summed up per
+  ``failure_reason``: one short line (``12× tools_error: <error>``) at most
+  every ``telemetry.console_repeat_s`` per reason, and the counts not shown
+  yet when the batch ends. Elsewhere (a log file, CI) one line per failed
+  rollout, cut to :data:`LINE_CHARS` characters;
 - ``error``: an instance that could not be released (it may be leaking).
 
 With the default ``console_level = "info"`` a healthy batch prints two lines.
+
+Stdlib logging goes to the same place, at the same level:
+:func:`fleetroll.telemetry.console.configure_console_logging`.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, TextIO
 
 import logfire
@@ -36,7 +45,29 @@ import structlog
 
 from fleetroll.telemetry.events import Event
 
-__all__ = ["CONSOLE_LEVELS", "ConsoleSink", "LogfireSink", "console_level"]
+__all__ = [
+    "CONSOLE_LEVELS",
+    "LINE_CHARS",
+    "ConsoleSink",
+    "LogfireSink",
+    "console_level",
+]
+
+#: A failed rollout's line off a terminal is cut to this many characters.
+LINE_CHARS: Final = 160
+#: On a terminal, the error shown with a failure count is cut to this many.
+_SUMMARY_ERROR_CHARS: Final = 100
+#: What a console line starts with: ``12:00:00 [warning  ] ``.
+_PREFIX_CHARS: Final = 21
+#: A failed rollout's fields on its one line (off a terminal), most useful first.
+_FAILURE_KEYS: Final = (
+    "failure_reason",
+    "task_key",
+    "sample_index",
+    "error_message",
+    "env_key",
+    "rollout_id",
+)
 
 DEBUG, INFO, WARNING, ERROR = logging.DEBUG, logging.INFO, logging.WARNING, logging.ERROR
 
@@ -112,6 +143,16 @@ class _StderrLogger:
     debug = info = warning = warn = error = critical = exception = log = msg
 
 
+@dataclass(slots=True)
+class _Tally:
+    """Failed rollouts of one ``failure_reason`` (terminal summaries)."""
+
+    count: int = 0
+    shown: int = 0  # the count last printed
+    shown_at: float | None = None
+    error: str = ""
+
+
 class ConsoleSink:
     """Human-readable lines via structlog, at or above ``level`` (see the module docstring)."""
 
@@ -121,8 +162,18 @@ class ConsoleSink:
         *,
         file: TextIO | None = None,
         colors: bool | None = None,
+        summarize: bool | None = None,
+        repeat_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Print events at or above ``level`` (``debug``, ``info``, ``warning``, ``error``).
+
+        Args:
+            summarize: sum failed rollouts up per failure reason (default: when
+                the output is a terminal).
+            repeat_s: with ``summarize``, a reason's count is printed at most
+                this often.
+            clock: monotonic seconds (tests pass their own).
 
         Raises:
             ValueError: ``level`` is not one of those names.
@@ -131,9 +182,14 @@ class ConsoleSink:
             self.level = _BY_SETTING[level]
         except KeyError:
             raise ValueError(f"unknown console level {level!r}") from None
+        stream = file or sys.stderr
+        terminal = bool(getattr(stream, "isatty", lambda: False)())
         if colors is None:
-            stream = file or sys.stderr
-            colors = bool(getattr(stream, "isatty", lambda: False)())
+            colors = terminal
+        self.summarize = terminal if summarize is None else summarize
+        self._repeat_s = repeat_s
+        self._clock = clock
+        self._tallies: dict[str, _Tally] = {}
         self._logger: Any = structlog.wrap_logger(
             _StderrLogger(file),
             processors=[
@@ -149,9 +205,52 @@ class ConsoleSink:
         level = console_level(event)
         if level < self.level:
             return
+        if event.name == "fleet_rollout_completed" and level >= WARNING:
+            self._failed(level, event.attributes)
+            return
+        if event.name == "fleet_batch_completed":
+            self._flush_tallies()
         attributes = {
             (f"{k}_" if k in _RESERVED else k): v
             for k, v in event.attributes.items()
             if v is not None
         }
         self._logger.log(level, event.name, **attributes)
+
+    def _failed(self, level: int, attributes: Mapping[str, Any]) -> None:
+        reason = str(attributes.get("failure_reason"))
+        error = " ".join(str(attributes.get("error_message") or "").split())
+        if not self.summarize:
+            fields = [
+                f"{key}={error!r}" if key == "error_message" else f"{key}={attributes[key]}"
+                for key in _FAILURE_KEYS
+                if attributes.get(key) is not None
+            ]
+            line = " ".join(["fleet_rollout_completed", *fields])
+            self._logger.log(level, _cut(line, LINE_CHARS - _PREFIX_CHARS))
+            return
+        tally = self._tallies.setdefault(reason, _Tally())
+        tally.count += 1
+        tally.error = error
+        now = self._clock()
+        if tally.shown_at is None or now - tally.shown_at >= self._repeat_s:
+            self._show(tally, reason, level, now)
+
+    def _show(self, tally: _Tally, reason: str, level: int, now: float) -> None:
+        tally.shown, tally.shown_at = tally.count, now
+        error = _cut(tally.error, _SUMMARY_ERROR_CHARS)
+        self._logger.log(
+            level, f"{tally.count}× {reason}: {error}" if error else f"{tally.count}× {reason}"
+        )
+
+    def _flush_tallies(self) -> None:
+        """Counts not shown yet (the batch ended inside a reason's quiet period)."""
+        now = self._clock()
+        for reason, tally in self._tallies.items():
+            if tally.count != tally.shown:
+                self._show(tally, reason, WARNING, now)
+        self._tallies.clear()
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -269,7 +269,10 @@ class QueryRequest(_Request):
 class QueryResult(BaseModel):
     columns: list[str]
     rows: list[list[Any]]
-    truncated: bool = Field(description="More rows matched than were returned")
+    truncated: bool = Field(
+        description="More rows matched than were returned (service.query_max_rows or"
+        " service.query_max_bytes reached; fetching stopped there)"
+    )
 
 
 class StatsResult(BaseModel):

@@ -257,7 +257,7 @@ def _paths() -> dict[str, Any]:
                 ],
                 "responses": {
                     "200": _json(StatsResult, "The statistics"),
-                    "404": _error("No telemetry store yet"),
+                    "404": _error("No telemetry store yet, or no such batch"),
                 },
             }
         },

@@ -185,3 +185,16 @@ async def test_error_messages_never_carry_the_api_key() -> None:
         await p.aclose()
     assert secret not in str(err.value)
     assert all(secret not in str(e.attributes) for e in sink.events)
+
+
+async def test_a_create_that_never_answers_says_which_deadline_it_passed() -> None:
+    async with Emulator(FaultProfile(p_create_hang=1.0, create_hang_s=30.0)) as emu:
+        settings = load_settings(
+            provisioning={**FAST, "max_attempts": 2}, timeouts={"provision_create_s": 0.2}
+        )
+        p = FleetProvider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
+        with pytest.raises(ProvisionError) as err:
+            await p.provision(TASK)
+        await p.aclose()
+    assert "no answer within 0.2 s (timeouts.provision_create_s)" in str(err.value)
+    assert err.value.transient and err.value.attempts == 2

@@ -255,6 +255,7 @@ class FleetProvider:
         """
         p = self._settings.provisioning
         budget = self._settings.timeouts.provision_total_s
+        p_create_s = self._settings.timeouts.provision_create_s
         started = time.monotonic()
         attempt = 0
         last: BaseException | None = None
@@ -309,10 +310,10 @@ class FleetProvider:
                     f"{budget:g} s budget after {attempt} attempt(s)"
                 )
             else:
-                message = (
-                    f"provisioning {task.env_spec} failed after {attempt} attempt(s): "
-                    f"{type(failure).__name__}: {failure}"
-                )
+                why = f"{type(failure).__name__}: {failure}"
+                if isinstance(failure, TimeoutError) and not str(failure):
+                    why = f"no answer within {p_create_s:g} s (timeouts.provision_create_s)"
+                message = f"provisioning {task.env_spec} failed after {attempt} attempt(s): {why}"
             self._events.emit(
                 "fleet_make_failed",
                 level="error",

@@ -410,10 +410,13 @@ class Rollout:
             )
             return
         lost = not await self.engine.provider.is_alive(self.instance)
-        self._fail(
-            FailureReason.INSTANCE_LOST if lost else FailureReason.TOOLS_ERROR,
-            f"the MCP session failed: {describe(exc)}",
-        )
+        if lost:
+            reason = FailureReason.INSTANCE_LOST
+        elif self.session is None:  # it never opened: the environment was not set up
+            reason = FailureReason.INIT_ERROR
+        else:
+            reason = FailureReason.TOOLS_ERROR
+        self._fail(reason, f"the MCP session failed: {describe(exc)}")
 
     async def _reset(self) -> None:
         assert self.instance is not None

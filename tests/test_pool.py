@@ -6,6 +6,8 @@ it has the other core; everything else talks to an in-process emulator.
 
 from __future__ import annotations
 
+import gc
+import os
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
+from fleetroll.errors import PoolFullError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.pool import RolloutPool, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
@@ -239,3 +242,105 @@ async def test_sessions_run_under_the_pools_limits(emulator: Emulator) -> None:
         result = await env.close()
     assert result is not None and result.reward == 1.0
     assert emulator.ledger.running == 0
+
+
+class HeldPolicy(ScriptedPolicy):
+    """Plays solutions once ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = anyio.Event()
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Any], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        await self.release.wait()
+        return await super().act(task, messages, tools)
+
+
+async def test_a_long_lived_pool_keeps_only_the_last_few_batches_it_delivered(
+    emulator: Emulator,
+) -> None:
+    async with pool_for(emulator, pool={"keep_finished_batches": 2}) as pool:
+        with anyio.fail_after(120):
+            for n in range(5):
+                await pool.run_batch(LEDGER[:1], ScriptedPolicy(), batch_id=f"b{n}").results()
+            unread = pool.run_batch(LEDGER[:1], ScriptedPolicy(), batch_id="unread")
+            await unread.finished.wait()
+            held = HeldPolicy()
+            running = pool.run_batch(LEDGER[:1], held, batch_id="running")
+            kept = set(pool.batches)
+            with pytest.raises(ValueError, match="still running"):
+                pool.forget("running")
+            pool.forget("b4")
+            pool.forget("no-such-batch")  # nothing to let go
+            after_forget = set(pool.batches)
+            held.release.set()
+            await running.results()
+            await unread.results()
+            at_the_end = set(pool.batches)
+    # Drained batches beyond the last two are gone; one nobody read yet stays.
+    assert kept == {"b3", "b4", "unread", "running"}
+    assert after_forget == {"b3", "unread", "running"}
+    assert at_the_end == {"unread", "running"}
+
+
+async def test_two_tasks_sharing_a_key_are_refused_before_anything_runs(
+    emulator: Emulator,
+) -> None:
+    created = emulator.ledger.created
+    async with pool_for(emulator) as pool:
+        with pytest.raises(ValueError, match=f"duplicate task key '{LEDGER[1].key}'"):
+            pool.run_batch([LEDGER[0], LEDGER[1], LEDGER[1]], ScriptedPolicy())
+        assert not pool.batches
+    assert emulator.ledger.created == created
+
+
+async def test_a_batch_past_the_cap_on_queued_rollouts_is_refused_until_room_is_made(
+    emulator: Emulator,
+) -> None:
+    async with pool_for(emulator, pool={"max_queued_rollouts": 3}) as pool:
+        held = HeldPolicy()
+        first = pool.run_batch(LEDGER[:1], held, samples_per_task=2)
+        with pytest.raises(PoolFullError) as refused:
+            pool.run_batch(LEDGER[1:2], ScriptedPolicy(), samples_per_task=2)
+        held.release.set()
+        with anyio.fail_after(120):
+            await first.results()
+            later = await pool.run_batch(
+                LEDGER[1:2], ScriptedPolicy(), samples_per_task=2
+            ).results()
+    assert (refused.value.queued, refused.value.requested, refused.value.limit) == (2, 2, 3)
+    assert "pool.max_queued_rollouts" in str(refused.value)
+    assert [r.reward for r in later] == [1.0, 1.0]
+
+
+def resident_mib() -> float:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+async def test_memory_stays_flat_over_hundreds_of_batches_in_one_pool() -> None:
+    """A soak: a training controller's pool runs batch after batch for days.
+
+    Before, every finished batch stayed in ``pool.batches`` with its
+    transcripts: ~46 KB per ledger rollout, ~30 MiB over these 160 batches.
+    """
+    batches, warm_up, samples = 200, 40, 4
+    async with EmulatorProcess() as emu, pool_for(emu) as pool:
+        with anyio.fail_after(360):
+            for n in range(batches):
+                results = await pool.run_batch(
+                    LEDGER[:1], ScriptedPolicy(), samples_per_task=samples
+                ).results()
+                assert [r.reward for r in results] == [1.0] * samples
+                if n + 1 == warm_up:
+                    gc.collect()
+                    before = resident_mib()
+        gc.collect()
+        growth = resident_mib() - before
+        held = len(pool.batches)
+    assert growth < 8.0, f"resident memory grew {growth:.1f} MiB over {batches - warm_up} batches"
+    assert held == SETTINGS.pool.keep_finished_batches

@@ -25,7 +25,7 @@ from fleetroll.telemetry.events import Events
 if TYPE_CHECKING:
     from fleetroll.runner import FleetTarget
 
-__all__ = ["BatchPool", "BatchTable", "RunningBatch", "open_batch_pool", "ray_options"]
+__all__ = ["BatchPool", "RunningBatch", "open_batch_pool", "ray_options"]
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -52,19 +52,11 @@ class RunningBatch(Protocol):
     def __aiter__(self) -> AsyncIterator[RolloutResult]: ...
 
 
-class BatchTable(Protocol):
-    """A pool's batches by id: a long-lived caller lets finished ones go."""
-
-    def get(self, batch_id: str, /) -> RunningBatch | None: ...
-
-    def __delitem__(self, batch_id: str, /) -> None: ...
-
-
 class BatchPool(Protocol):
     """What callers need of a pool that runs batches (see ``RolloutPool.run_batch``)."""
 
-    @property
-    def batches(self) -> BatchTable: ...
+    def forget(self, batch_id: str) -> None:
+        """Let a finished batch go (a long-lived caller's; unknown ids are ignored)."""
 
     def run_batch(
         self,

@@ -6,6 +6,7 @@
     ├── ConfigError              settings or a config file are invalid
     ├── TaskFileError            a task file is invalid (file, line, field)
     ├── EmulatorError            the embedded emulator failed to start or stop
+    ├── PoolFullError            a pool has too many unfinished rollouts to take a batch
     ├── ServiceError             the HTTP service answered an error (fleetroll.client)
     ├── StoreError               the local telemetry store (fleetroll.telemetry.store)
     │   └── QueryError           a query failed (fleetroll.telemetry.queries)
@@ -34,6 +35,7 @@ __all__ = [
     "InstanceLostError",
     "OperationTimeout",
     "PolicyError",
+    "PoolFullError",
     "ProvisionError",
     "RolloutError",
     "TaskFileError",
@@ -71,6 +73,28 @@ class TaskFileError(FleetrollError):
 
 class EmulatorError(FleetrollError):
     """The embedded Fleet emulator could not start, or failed while running."""
+
+
+class PoolFullError(FleetrollError):
+    """A pool refused a batch: its unfinished rollouts would pass ``pool.max_queued_rollouts``.
+
+    Nothing of the batch has started; submit it again once earlier batches
+    have finished (the HTTP service answers 503 with Retry-After).
+
+    Attributes:
+        queued: rollouts not yet finished across the pool's batches.
+        requested: rollouts of the refused batch.
+        limit: ``pool.max_queued_rollouts``.
+    """
+
+    def __init__(self, *, queued: int, requested: int, limit: int) -> None:
+        super().__init__(
+            f"the pool is full: {queued} rollouts not yet finished + {requested} of this batch"
+            f" would pass pool.max_queued_rollouts = {limit}; retry once earlier batches end"
+        )
+        self.queued = queued
+        self.requested = requested
+        self.limit = limit
 
 
 class RolloutError(FleetrollError):

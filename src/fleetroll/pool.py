@@ -18,24 +18,33 @@ Limits, each a ``CapacityLimiter`` named for what it protects:
 * ``active``: rollouts acting at once (``pool.concurrency``); a rollout's
   agent clock starts when it gets its slot;
 * creates (concurrency and rate) live in the provider, shared by every batch
-  of the pool.
+  of the pool;
+* ``pool.max_queued_rollouts``: rollouts not yet finished across batches; a
+  batch that would pass it is refused with :class:`~fleetroll.errors.PoolFullError`.
+
+A pool runs for as long as its controller (days, for a training run), so it
+does not keep what it has delivered: ``pool.batches`` holds the running
+batches and at most ``pool.keep_finished_batches`` finished ones whose results
+were all read, the oldest forgotten first (:meth:`RolloutPool.forget` lets one
+go at once).
 """
 
 from __future__ import annotations
 
 import uuid
-from collections import Counter
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections import Counter, deque
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Self
+from typing import Self, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from fleetroll._serving import exit_transparently
+from fleetroll.errors import PoolFullError
 from fleetroll.policies import Policy
 from fleetroll.provisioning import CreateGate
 from fleetroll.results import FailureReason, RolloutResult
@@ -44,7 +53,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 
-__all__ = ["Batch", "BatchCounts", "RolloutPool", "rollout_id"]
+__all__ = ["Batch", "BatchCounts", "BatchMap", "RolloutPool", "rollout_id"]
 
 _NAMESPACE = uuid.UUID("6c3f2a64-0f8e-4c1e-9d2a-7f1b5e9a4c10")
 
@@ -57,6 +66,22 @@ def rollout_id(batch_id: str, task_key: str, sample_index: int) -> str:
 def group_id(batch_id: str, task_key: str) -> str:
     """The id shared by the samples of one task in one batch (a GRPO group)."""
     return uuid.uuid5(_NAMESPACE, f"{batch_id}/{task_key}").hex
+
+
+def check_unique_keys(tasks: Sequence[TaskSpec]) -> None:
+    """Refuse a batch whose tasks share a key (their rollout ids would collide).
+
+    Raises:
+        ValueError: naming the key and the two tasks (0-based positions).
+    """
+    first: dict[str, int] = {}
+    for i, task in enumerate(tasks):
+        j = first.setdefault(task.key, i)
+        if j != i:
+            raise ValueError(
+                f"duplicate task key {task.key!r} (tasks {j} and {i} of the batch):"
+                " keys must be unique within a batch, as in a task file"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,10 +104,14 @@ class ResultStream:
     """Results of a batch, each delivered once, read as an async iterator.
 
     The buffer holds the whole batch: a result is never held back, so an
-    instance is never held waiting for a slow reader.
+    instance is never held waiting for a slow reader. Once the stream is closed
+    and read to its end, it is ``drained`` and calls its ``on_drained`` callbacks.
     """
 
+    batch_id: str
+
     def __init__(self, size: int) -> None:
+        self._expected = size
         self._send: MemoryObjectSendStream[RolloutResult]
         self._receive: MemoryObjectReceiveStream[RolloutResult]
         self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
@@ -90,6 +119,8 @@ class ResultStream:
         )
         self.delivered: set[str] = set()
         self.finished = anyio.Event()
+        self.drained = False
+        self.on_drained: list[Callable[[], None]] = []
 
     def deliver(self, result: RolloutResult) -> None:
         """Pass a result on, unless one with its id already was (exactly once)."""
@@ -102,6 +133,10 @@ class ResultStream:
         self._send.close()
         self.finished.set()
 
+    def unfinished(self) -> int:
+        """Rollouts of this batch whose result is not in yet."""
+        return 0 if self.finished.is_set() else max(0, self._expected - len(self.delivered))
+
     def __aiter__(self) -> Self:
         return self
 
@@ -110,11 +145,77 @@ class ResultStream:
             return await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             self._receive.close()
+            if not self.drained:
+                self.drained = True
+                for callback in self.on_drained:
+                    callback()
             raise StopAsyncIteration from None
 
     async def results(self) -> list[RolloutResult]:
         """Every result, once all rollouts have ended."""
         return [r async for r in self]
+
+
+B = TypeVar("B", bound=ResultStream)
+
+
+class BatchMap(dict[str, B]):
+    """A pool's batches by id: the running ones, and the last ``keep`` drained ones.
+
+    A batch is kept after its end until its results were all read (its stream
+    is drained); then it joins the kept ones, and the oldest of those beyond
+    ``keep`` is forgotten.
+    """
+
+    def __init__(self, keep: int) -> None:
+        super().__init__()
+        self.keep = keep
+        self._drained: deque[B] = deque()
+
+    def add(self, batch: B) -> None:
+        """Hold a new batch (a finished one of the same id gives way)."""
+        self.forget(batch.batch_id)
+        self[batch.batch_id] = batch
+        batch.on_drained.append(lambda: self._retain(batch))
+
+    def forget(self, batch_id: str) -> None:
+        """Let a finished batch go; unknown ids are ignored.
+
+        Raises:
+            ValueError: the batch is still running.
+        """
+        batch = self.get(batch_id)
+        if batch is None:
+            return
+        if not batch.finished.is_set():
+            raise ValueError(f"batch {batch_id} is still running: cancel it, or wait for its end")
+        del self[batch_id]
+        if batch in self._drained:
+            self._drained.remove(batch)
+
+    def queued(self) -> int:
+        """Rollouts not yet finished, across every batch held."""
+        return sum(batch.unfinished() for batch in self.values())
+
+    def _retain(self, batch: B) -> None:
+        if self.get(batch.batch_id) is not batch:
+            return  # forgotten already, or its id was reused by a newer batch
+        self._drained.append(batch)
+        while len(self._drained) > self.keep:
+            old = self._drained.popleft()
+            if self.get(old.batch_id) is old:
+                del self[old.batch_id]
+
+
+def check_capacity(batches: BatchMap[B], requested: int, limit: int) -> None:
+    """Refuse a batch that would take the unfinished rollouts past ``limit``.
+
+    Raises:
+        PoolFullError: it would.
+    """
+    queued = batches.queued()
+    if queued + requested > limit:
+        raise PoolFullError(queued=queued, requested=requested, limit=limit)
 
 
 class Batch(ResultStream):
@@ -200,7 +301,8 @@ class RolloutPool:
         self.instances = anyio.CapacityLimiter(
             concurrency + settings.provisioning.max_concurrent_creates
         )
-        self.batches: dict[str, Batch] = {}
+        #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
+        self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
 
     @property
     def engine(self) -> RolloutEngine:
@@ -242,6 +344,16 @@ class RolloutPool:
         for batch in self.batches.values():
             batch.cancel()
 
+    def forget(self, batch_id: str) -> None:
+        """Let a finished batch go: ``pool.batches`` no longer holds it (nor its transcripts).
+
+        Unknown ids are ignored (the pool may have forgotten it already).
+
+        Raises:
+            ValueError: the batch is still running.
+        """
+        self.batches.forget(batch_id)
+
     def run_batch(
         self,
         tasks: Sequence[TaskSpec],
@@ -264,11 +376,18 @@ class RolloutPool:
             only: run just these rollout ids (a shard of a larger batch).
             run_id: Fleet's ``run_id`` for the instances (default: the batch id);
                 instances left behind are swept by it when the batch ends.
+
+        Raises:
+            ValueError: ``samples_per_task`` is below 1, two tasks share a key,
+                or a batch with this id is still running.
+            PoolFullError: the batch would take the pool's unfinished
+                rollouts past ``pool.max_queued_rollouts``.
         """
         if self._tg is None:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
         if samples_per_task < 1:
             raise ValueError("samples_per_task must be at least 1")
+        check_unique_keys(tasks)
         batch_id = batch_id or uuid.uuid4().hex[:12]
         if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
             raise ValueError(f"batch {batch_id} is already running")
@@ -290,6 +409,7 @@ class RolloutPool:
                         task, ids, run_id=run_id or batch_id, gate=lambda: self.active
                     )
                 )
+        check_capacity(self.batches, len(rollouts), self.settings.pool.max_queued_rollouts)
         batch = Batch(
             batch_id,
             rollouts,
@@ -298,7 +418,7 @@ class RolloutPool:
         )
         if deadline_s is not None:
             batch.scope.deadline = anyio.current_time() + deadline_s
-        self.batches[batch_id] = batch
+        self.batches.add(batch)
         self._tg.start_soon(self._run_batch, batch, policy)
         return batch
 

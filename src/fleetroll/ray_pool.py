@@ -37,7 +37,15 @@ from anyio.abc import TaskGroup
 from fleetroll._serving import exit_transparently
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
-from fleetroll.pool import BatchCounts, ResultStream, group_id, rollout_id
+from fleetroll.pool import (
+    BatchCounts,
+    BatchMap,
+    ResultStream,
+    check_capacity,
+    check_unique_keys,
+    group_id,
+    rollout_id,
+)
 from fleetroll.provisioning import FleetProvider, TokenBucket
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import Settings
@@ -345,9 +353,11 @@ class RayRolloutPool:
         self._tg: TaskGroup | None = None
         self._stack = AsyncExitStack()
         self._provider: FleetProvider | None = None
-        self._seen: dict[str, set[str]] = {}
-        #: Every batch run, by id (as RolloutPool's; a long-lived caller forgets them).
-        self.batches: dict[str, RayBatch] = {}
+        #: Per batch id, per event name: rollout ids whose event was emitted.
+        self._seen: dict[str, dict[str, set[str]]] = {}
+        #: Running batches, and the last ``pool.keep_finished_batches`` drained
+        #: ones (as RolloutPool's).
+        self.batches = BatchMap[RayBatch](settings.pool.keep_finished_batches)
 
     async def __aenter__(self) -> Self:
         ray = _ray()
@@ -413,12 +423,15 @@ class RayRolloutPool:
         """Start a batch sharded round-robin over the actors (see RolloutPool.run_batch).
 
         Raises:
-            ValueError: a batch with this id is still running.
+            ValueError: two tasks share a key, or a batch with this id is still running.
+            PoolFullError: the batch would take the unfinished rollouts past
+                ``pool.max_queued_rollouts``.
         """
         if self._tg is None:
             raise RuntimeError("the pool is not open: use `async with RayRolloutPool(...)`")
         if samples_per_task < 1:
             raise ValueError("samples_per_task must be at least 1")
+        check_unique_keys(tasks)
         batch_id = batch_id or uuid.uuid4().hex[:12]
         if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
             raise ValueError(f"batch {batch_id} is already running")
@@ -429,6 +442,7 @@ class RayRolloutPool:
                 rid = rollout_id(plan.batch_id, task.key, sample)
                 if rid not in skip:
                     plan.by_id[rid] = (task, sample)
+        check_capacity(self.batches, len(plan.by_id), self.settings.pool.max_queued_rollouts)
         batch = RayBatch(plan.batch_id, len(plan.by_id))
         ids = list(plan.by_id)
         live = [n for n, ok in enumerate(self.alive) if ok]
@@ -436,7 +450,7 @@ class RayRolloutPool:
             _Shard(f"{plan.batch_id}-{n}-{uuid.uuid4().hex[:6]}", n, ids[i :: len(live)])
             for i, n in enumerate(live)
         ]
-        self.batches[plan.batch_id] = batch
+        self.batches.add(batch)
         self._tg.start_soon(self._run, plan, batch, [s for s in shards if s.ids])
         return batch
 
@@ -457,6 +471,15 @@ class RayRolloutPool:
                         _lost(plan, rid, task, sample, "the rollout was lost with its worker")
                     )
             batch.close_stream()
+            self._seen.pop(plan.batch_id, None)
+
+    def forget(self, batch_id: str) -> None:
+        """Let a finished batch go (see :meth:`RolloutPool.forget`).
+
+        Raises:
+            ValueError: the batch is still running.
+        """
+        self.batches.forget(batch_id)
 
     async def _drive(self, plan: _Plan, batch: RayBatch, shard: _Shard, tg: TaskGroup) -> None:
         ray = _ray()
@@ -513,7 +536,8 @@ class RayRolloutPool:
         if rid is not None and event.name in ("fleet_rollout_started", "fleet_rollout_completed"):
             # A rollout re-run after its worker died may have had either event
             # shipped already: each is emitted once per rollout, first wins.
-            seen = self._seen.setdefault(event.name, set())
+            batch_seen = self._seen.setdefault(str(event.attributes.get("batch_id")), {})
+            seen = batch_seen.setdefault(event.name, set())
             if rid in seen:
                 return
             seen.add(rid)

@@ -126,6 +126,13 @@ class PoolSettings(_Section):
     #: Largest verifier source (``verifier_func``, UTF-8 bytes) a rollout
     #: accepts; a bigger one is a ``verifier_error``, never parsed.
     max_verifier_bytes: int = Field(1024 * 1024, ge=1)
+    #: Finished batches a pool still holds (``pool.batches``) once their results
+    #: were all read; the oldest is forgotten first. A long-lived pool (a
+    #: training controller's) would otherwise keep every transcript it made.
+    keep_finished_batches: int = Field(16, ge=0)
+    #: Rollouts not yet finished across all of a pool's batches; a batch that
+    #: would go over is refused (``PoolFullError``; HTTP 503 with Retry-After).
+    max_queued_rollouts: int = Field(100_000, ge=1)
 
 
 class PolicySettings(_Section):

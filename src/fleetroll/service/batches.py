@@ -308,10 +308,9 @@ class BatchRegistry:
             old = self._records.pop(self._finished.popleft(), None)
             if old is None:
                 continue
-            # A pool keeps every batch it ran; a long-lived service must let go.
-            for pool in (self._pool, self._local):
-                if pool.batches.get(old.batch_id) is old.batch:
-                    del pool.batches[old.batch_id]
+            for pool in (self._pool, self._local):  # the pools let go of the transcripts too
+                if old.batch.finished.is_set():
+                    pool.forget(old.batch_id)
             for forget in self.on_forget:
                 forget(old)
 

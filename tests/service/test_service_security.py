@@ -45,6 +45,21 @@ def test_binding_beyond_loopback_without_a_token_refuses_to_start() -> None:
         check_bind("0.0.0.0", SecretStr("short"))
 
 
+def test_a_blank_or_padded_short_token_refuses_to_start_in_one_line() -> None:
+    for token in (" " * 16, "\t\n" * 10, "  short-token  \n  "):
+        with pytest.raises(ConfigError, match="blank or too short"):
+            check_bind("127.0.0.1", SecretStr(token))
+        result = CliRunner(env={"FLEETROLL_SERVICE_TOKEN": token}).invoke(
+            main, ["serve", "--host", "127.0.0.1", "--port", "0"]
+        )
+        assert result.exit_code == 2
+        assert [line for line in result.output.splitlines() if line.strip()] == [
+            "Error: FLEETROLL_SERVICE_TOKEN is blank or too short: use at least 16 characters"
+            " besides surrounding whitespace"
+        ]
+    check_bind("0.0.0.0", SecretStr(f"  {TOKEN}\n"))  # a stray newline around a good one is fine
+
+
 async def test_a_missing_or_wrong_token_gets_401_and_healthz_stays_open(
     guarded: Running,
 ) -> None:

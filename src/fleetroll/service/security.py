@@ -31,6 +31,7 @@ __all__ = ["Guard", "check_bind", "is_loopback"]
 
 _OPEN_PATHS = frozenset({"/healthz"})
 _LOOPBACK_NAMES = frozenset({"localhost", "localhost.", "ip6-localhost"})
+_MIN_TOKEN_CHARS = 16
 
 
 def is_loopback(host: str) -> bool:
@@ -48,7 +49,9 @@ def check_bind(host: str, token: SecretStr | None) -> None:
     """Refuse to serve beyond loopback without a token.
 
     Raises:
-        ConfigError: ``host`` is not loopback and there is no token.
+        ConfigError: ``host`` is not loopback and there is no token, or the
+            token is shorter than 16 characters once surrounding whitespace
+            is stripped (a blank one included).
     """
     if token is None and not is_loopback(host):
         raise ConfigError(
@@ -56,8 +59,16 @@ def check_bind(host: str, token: SecretStr | None) -> None:
             " localhost) requires a bearer token; set FLEETROLL_SERVICE_TOKEN to a long"
             " random secret (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)"
         )
-    if token is not None and len(token.get_secret_value()) < 16:
-        raise ConfigError("FLEETROLL_SERVICE_TOKEN is too short: use at least 16 characters")
+    if token is not None:
+        _check_token(token)
+
+
+def _check_token(token: SecretStr) -> None:
+    if len(token.get_secret_value().strip()) < _MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"FLEETROLL_SERVICE_TOKEN is blank or too short: use at least {_MIN_TOKEN_CHARS}"
+            " characters besides surrounding whitespace"
+        )
 
 
 class _TooLarge(Exception):
@@ -65,7 +76,11 @@ class _TooLarge(Exception):
 
 
 class Guard:
-    """ASGI middleware: authentication, Host check and body limit (see the module doc)."""
+    """ASGI middleware: authentication, Host check and body limit (see the module doc).
+
+    Raises:
+        ConfigError: the token is blank or too short (as :func:`check_bind`).
+    """
 
     def __init__(
         self,
@@ -76,7 +91,11 @@ class Guard:
         open_paths: Iterable[str] = _OPEN_PATHS,
     ) -> None:
         self.app = app
-        self._token = token.get_secret_value().encode() if token is not None else None
+        if token is not None:
+            _check_token(token)
+        # Stripped, as a client's header value is: a token set with a stray
+        # newline (``$(cat token)``) still matches.
+        self._token = token.get_secret_value().strip().encode() if token is not None else None
         self._max = max_body_bytes
         self._open = frozenset(open_paths)
 

@@ -202,3 +202,25 @@ async def test_a_task_file_on_the_server_runs_and_its_errors_name_line_and_field
     problem = invalid.json()["detail"][0]
     assert invalid.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
     assert "bad.jsonl:2: field 'env_key'" in problem["msg"]
+
+
+async def test_a_string_where_a_number_belongs_is_a_422_naming_the_field(
+    served: Running,
+) -> None:
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            response = await http.post(
+                "/v1/batches", json={"tasks": [task_record(LEDGER[0])], "samples_per_task": "4"}
+            )
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["body", "samples_per_task"]
+
+
+async def test_tasks_sharing_a_key_are_a_422_naming_the_key(served: Running) -> None:
+    tasks = [task_record(LEDGER[0]), task_record(LEDGER[1]), task_record(LEDGER[0])]
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            response = await http.post("/v1/batches", json={"tasks": tasks})
+    problem = response.json()["detail"][0]
+    assert response.status_code == 422 and problem["loc"] == ["body", "tasks", 2, "key"]
+    assert f"duplicate key {LEDGER[0].key!r}" in problem["msg"]

@@ -2,7 +2,8 @@
 
 These models are the API's contract: the routes validate requests with them,
 answer with them, and the OpenAPI document is built from their JSON schemas.
-Request models forbid unknown fields, so a typo is a 422, not a silent default.
+Request models forbid unknown fields, so a typo is a 422, not a silent default,
+and are strict: ``"samples_per_task": "4"`` is a 422 naming the field, not a 4.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ EXAMPLE_TASK: dict[str, Any] = {
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class TaskObject(BaseModel):

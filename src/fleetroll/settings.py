@@ -222,6 +222,9 @@ class ServiceSettings(_Section):
     stream_heartbeat_s: float = Field(15.0, gt=0)
     #: ``tasks_file`` in a request must lie under this folder (relative: to the cwd).
     tasks_root: Path = Path(".")
+    #: Largest ``tasks_file`` (a folder: its task files together) a request may
+    #: name; checked before reading (422 beyond).
+    max_tasks_file_bytes: int = Field(64 * 1024 * 1024, ge=1)
     #: ``POST /v1/query`` (and ``fleetroll query``): rows and bytes of values
     #: returned at most (fetching stops there), and each query's time budget.
     query_max_rows: int = Field(10_000, ge=1)

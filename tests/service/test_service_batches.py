@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -137,6 +138,7 @@ async def test_resubmitting_a_batch_id_is_idempotent_and_other_content_under_it_
         "batch_id": "step-42",
         "rollouts": 2,
         "created": True,
+        "rerun": 0,
     }
     assert again.status_code == 200 and again.json()["created"] is False
     assert other.status_code == 409 and "step-42" in other.json()["detail"]
@@ -201,7 +203,40 @@ async def test_a_task_file_on_the_server_runs_and_its_errors_name_line_and_field
     assert ok.status_code == 201 and ok.json()["rollouts"] == 1
     problem = invalid.json()["detail"][0]
     assert invalid.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
-    assert "bad.jsonl:2: field 'env_key'" in problem["msg"]
+    assert problem["msg"].startswith("bad.jsonl:2: field 'env_key'")
+
+
+async def test_a_batch_resubmitted_after_a_cancel_reruns_its_cancelled_rollouts(
+    served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tasks = LEDGER[:3]
+    policy = GatedPolicy(held={tasks[2].key})
+    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    body = {"tasks": [task_record(t) for t in tasks], "samples_per_task": 2, "batch_id": "rerun-7"}
+    async with FleetrollClient(served.url) as client, served.http() as http:
+        first = []
+        with anyio.fail_after(60):
+            assert (await http.post("/v1/batches", json=body)).status_code == 201
+            batch = client.batch("rerun-7")
+            async for result in batch:
+                first.append(result)
+                if len(first) == 4:  # the free ones; the held task's two wait
+                    await batch.cancel()
+            policy.release.set()
+            again = await http.post("/v1/batches", json=body)
+            newest = await client.batch("rerun-7").results()
+            status = await batch.status()
+            once_more = await http.post("/v1/batches", json=body)
+    cancelled = {r.rollout_id for r in first if r.failure_reason is FailureReason.CANCELLED}
+    assert len(first) == 6 and len(cancelled) == 2
+    assert again.status_code == 200, again.text
+    assert again.json() == {"batch_id": "rerun-7", "rollouts": 6, "created": False, "rerun": 2}
+    # From the start, the stream gives one result per rollout: the newest.
+    assert sorted(r.rollout_id for r in newest) == sorted(r.rollout_id for r in first)
+    assert all(r.reward == 1.0 for r in newest)
+    assert status.status == "finished" and status.counts.done == 6 and status.results == 8
+    assert once_more.json()["rerun"] == 0  # nothing cancelled is left
+    assert emulator.ledger.running == 0
 
 
 async def test_a_string_where_a_number_belongs_is_a_422_naming_the_field(
@@ -224,3 +259,73 @@ async def test_tasks_sharing_a_key_are_a_422_naming_the_key(served: Running) -> 
     problem = response.json()["detail"][0]
     assert response.status_code == 422 and problem["loc"] == ["body", "tasks", 2, "key"]
     assert f"duplicate key {LEDGER[0].key!r}" in problem["msg"]
+
+
+async def test_a_batch_past_the_pools_queue_cap_gets_503_with_retry_after(
+    emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = GatedPolicy(held={t.key for t in LEDGER})
+    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    async with (
+        running_service(emulator, pool={"max_queued_rollouts": 2}) as served,
+        served.http() as http,
+    ):
+        with anyio.fail_after(60):
+            first = await http.post("/v1/batches", json={"tasks": [task_record(LEDGER[0])]})
+            full = await http.post(
+                "/v1/batches", json={"tasks": [task_record(LEDGER[1])], "samples_per_task": 2}
+            )
+            policy.release.set()
+            await http.get(f"/v1/batches/{first.json()['batch_id']}/results")
+            later = await http.post(
+                "/v1/batches", json={"tasks": [task_record(LEDGER[1])], "samples_per_task": 2}
+            )
+            await http.get(f"/v1/batches/{later.json()['batch_id']}/results")
+    assert first.status_code == 201 and later.status_code == 201
+    assert full.status_code == 503 and int(full.headers["retry-after"]) > 0
+    assert "pool.max_queued_rollouts" in full.json()["detail"]
+    assert emulator.ledger.running == 0
+
+
+async def test_a_task_folder_on_the_server_runs_and_is_read_off_the_event_loop(
+    emulator: Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    for task in LEDGER[:2]:
+        (folder / f"{task.key}.jsonl").write_text(json.dumps(task_record(task)) + "\n")
+    big = tmp_path / "big.jsonl"
+    big.write_text("\n".join(json.dumps(task_record(t)) for t in LEDGER) + "\n")
+    reading, go_on = threading.Event(), threading.Event()
+    real = service_batches.load_task_paths
+
+    def held_read(*args: Any) -> Any:  # the real read, once the loop has shown it is free
+        reading.set()
+        go_on.wait(30)
+        return real(*args)
+
+    monkeypatch.setattr(service_batches, "load_task_paths", held_read)
+    settings = {"service": {"tasks_root": str(tmp_path), "max_tasks_file_bytes": 8192}}
+    async with running_service(emulator, **settings) as served, served.http() as http:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                answers: dict[str, Any] = {}
+
+                async def submit() -> None:
+                    answers["folder"] = await http.post("/v1/batches", json={"tasks_file": "tasks"})
+
+                tg.start_soon(submit)
+                await anyio.to_thread.run_sync(reading.wait, 30)
+                health = await http.get("/healthz")  # answered while the folder is read
+                go_on.set()
+            created = answers["folder"]
+            results = await http.get(f"/v1/batches/{created.json()['batch_id']}/results")
+            too_big = await http.post("/v1/batches", json={"tasks_file": "big.jsonl"})
+    assert health.status_code == 200
+    assert created.status_code == 201, created.text
+    assert created.json()["rollouts"] == 2
+    lines = [json.loads(line) for line in results.text.splitlines()]
+    assert [line["result"]["reward"] for line in lines if line["type"] == "result"] == [1.0, 1.0]
+    problem = too_big.json()["detail"][0]
+    assert too_big.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
+    assert problem["msg"].startswith("big.jsonl: ") and "over the limit of 8,192" in problem["msg"]

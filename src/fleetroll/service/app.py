@@ -142,8 +142,13 @@ class Service:
         Raises:
             ApiError: 422, the task is invalid.
         """
-        spec = parse_one(task, self.settings.modalities, loc=["task"])
-        record, _ = await self.batches.start(
+        spec = parse_one(
+            task,
+            self.settings.modalities,
+            loc=["task"],
+            max_verifier_bytes=self.settings.pool.max_verifier_bytes,
+        )
+        record, _, _ = await self.batches.start(
             [spec], policy, batch_id=f"mcp-{uuid.uuid4().hex}", local=True
         )
         rollout = record.rollouts[0]
@@ -262,8 +267,10 @@ def _routes(service: Service) -> list[Route]:
 
     async def create_batch(request: Request) -> Response:
         body = await _parse(request, BatchRequest)
-        record, created = await service.batches.submit(body)
-        answer = BatchCreated(batch_id=record.batch_id, rollouts=record.total, created=created)
+        record, created, rerun = await service.batches.submit(body)
+        answer = BatchCreated(
+            batch_id=record.batch_id, rollouts=record.total, created=created, rerun=rerun
+        )
         return _json(answer, 201 if created else 200)
 
     async def get_batch(request: Request) -> Response:
@@ -295,7 +302,12 @@ def _routes(service: Service) -> list[Route]:
 
     async def open_session(request: Request) -> Response:
         body = await _parse(request, SessionRequest)
-        task = parse_one(body.task.record(), s.modalities, loc=["body", "task"])
+        task = parse_one(
+            body.task.record(),
+            s.modalities,
+            loc=["body", "task"],
+            max_verifier_bytes=s.pool.max_verifier_bytes,
+        )
         opened = await service.sessions.open(
             task, batch_id=body.batch_id, sample_index=body.sample_index
         )

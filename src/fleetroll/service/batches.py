@@ -7,26 +7,33 @@ Readers stream from that list, each at its own pace: a slow reader costs
 nothing but the list itself (bounded by the batch's size) and never holds a
 rollout back, and a reader that reconnects with ``?after=<cursor>`` resumes
 exactly where it left off.
+
+Resubmitting a batch (the same request under the same ``batch_id``) after it
+ended with cancelled rollouts (a cancel, a deadline) runs those rollouts
+again, on the same record: their cancelled results are then skipped by every
+stream, so a reader from the start gets one result per rollout, the newest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from contextlib import suppress
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 from anyio.abc import TaskGroup
 
 from fleetroll.batch_pool import BatchPool, RunningBatch
-from fleetroll.errors import TaskFileError
+from fleetroll.errors import PoolFullError, TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
-from fleetroll.pool import Batch
+from fleetroll.pool import Batch, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Rollout
 from fleetroll.service.errors import ApiError, loc_of
@@ -39,7 +46,7 @@ from fleetroll.service.models import (
     PolicyConfig,
 )
 from fleetroll.settings import Settings
-from fleetroll.tasks import TaskSpec, load_tasks, parse_task
+from fleetroll.tasks import TaskLimits, TaskSpec, load_task_paths, parse_task
 
 __all__ = ["BatchRecord", "BatchRegistry", "build_policy", "parse_one", "parse_records"]
 
@@ -48,8 +55,26 @@ _LINES_PER_CHUNK = 64
 #: Closing a batch's policy (an HTTP client) after the batch: bounded, shielded.
 _POLICY_CLOSE_S = 5.0
 _SOURCE = "request body"
-#: Parsing a request's tasks yields to the event loop every this many records.
-_RECORDS_PER_CHECKPOINT = 32
+#: How long a resubmission waits for a cancelled batch's last results before re-running it.
+_CANCEL_SETTLE_SLACK_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What a batch runs: enough to run its cancelled rollouts again."""
+
+    tasks: Sequence[TaskSpec]
+    policy: PolicyConfig | None
+    samples_per_task: int
+    deadline_s: float | None
+    pool: BatchPool
+
+    def rollout_ids(self, batch_id: str) -> set[str]:
+        return {
+            rollout_id(batch_id, task.key, sample)
+            for task in self.tasks
+            for sample in range(self.samples_per_task)
+        }
 
 
 class BatchRecord:
@@ -57,15 +82,22 @@ class BatchRecord:
 
     ``rollouts`` are the live rollouts of a batch run in this process (the
     MCP tools read them), and empty for one run elsewhere (on Ray actors).
+    ``results`` only grows (a result's cursor is its index + 1); a result
+    replaced by a re-run of its rollout is ``superseded`` and skipped by streams.
     """
 
-    def __init__(self, batch: RunningBatch, fingerprint: str) -> None:
+    def __init__(self, batch: RunningBatch, fingerprint: str, plan: _Plan) -> None:
         self.batch = batch
         self.fingerprint = fingerprint
+        self.plan = plan
+        self.total = batch.total
         self.rollouts: Sequence[Rollout] = batch.rollouts if isinstance(batch, Batch) else ()
         self.results: list[RolloutResult] = []
         self.done = False  # every result is in
         self.cancel_requested = False
+        self._latest: dict[str, int] = {}  # rollout id → index of its newest result
+        self._superseded: set[int] = set()
+        self._pending: set[str] = set()  # re-run rollouts whose new result is not in yet
         self._changed = anyio.Event()
 
     @property
@@ -73,37 +105,64 @@ class BatchRecord:
         return self.batch.batch_id
 
     @property
-    def total(self) -> int:
-        return self.batch.total
-
-    @property
     def status(self) -> BatchStatus:
         if not self.done:
             return "running"
-        cancelled = self.cancel_requested or any(
-            r.failure_reason is FailureReason.CANCELLED for r in self.results
-        )
+        cancelled = self.cancel_requested or bool(self.cancelled_ids())
         return "cancelled" if cancelled else "finished"
+
+    def newest(self) -> list[RolloutResult]:
+        """The newest result of each rollout, in arrival order."""
+        return [r for i, r in enumerate(self.results) if i not in self._superseded]
+
+    def cancelled_ids(self) -> set[str]:
+        """Rollouts whose newest result is ``cancelled``."""
+        return {
+            rid
+            for rid, i in self._latest.items()
+            if self.results[i].failure_reason is FailureReason.CANCELLED
+        }
+
+    def results_in(self) -> int:
+        """Rollouts with a result that is not waiting to be replaced by a re-run."""
+        return len(self._latest) - len(self._pending)
 
     def state(self) -> BatchState:
         c = self.batch.counts()
+        newest = [r for r in self.newest() if r.rollout_id not in self._pending]
+        failed = sum(1 for r in newest if r.status == "failed")
+        done = len(newest) - failed
         return BatchState(
             batch_id=self.batch_id,
             status=self.status,
             cancel_requested=self.cancel_requested,
             counts=BatchCounts(
-                total=c.total,
+                total=self.total,
                 queued=c.queued,
                 provisioning=c.provisioning,
-                running=c.running,
-                done=c.done,
-                failed=c.failed,
+                running=max(0, self.total - c.queued - c.provisioning - done - failed),
+                done=done,
+                failed=failed,
             ),
             results=len(self.results),
         )
 
     def append(self, result: RolloutResult) -> None:
         self.results.append(result)
+        self._latest[result.rollout_id] = len(self.results) - 1
+        self._pending.discard(result.rollout_id)
+        self.notify()
+
+    def rerun(self, batch: RunningBatch, rollout_ids: set[str]) -> None:
+        """``batch`` runs ``rollout_ids`` again: their results so far are superseded."""
+        for rid in rollout_ids:
+            index = self._latest.get(rid)
+            if index is not None:
+                self._superseded.add(index)
+        self._pending = set(rollout_ids)
+        self.batch = batch
+        self.done = False
+        self.cancel_requested = False
         self.notify()
 
     async def wait_done(self) -> None:
@@ -135,10 +194,13 @@ class BatchRecord:
                 upto = min(len(self.results), cursor + _LINES_PER_CHUNK)
                 chunk = []
                 for i in range(cursor, upto):
+                    if i in self._superseded:
+                        continue  # its rollout ran again: the newer result follows
                     body = self.results[i].model_dump_json()
                     chunk.append(f'{{"type":"result","cursor":{i + 1},"result":{body}}}\n')
                 cursor = upto
-                yield "".join(chunk).encode()
+                if chunk:
+                    yield "".join(chunk).encode()
             if self.done:
                 end = {"type": "end", "cursor": cursor, "status": self.status}
                 yield (json.dumps(end, separators=(",", ":")) + "\n").encode()
@@ -173,6 +235,8 @@ class BatchRegistry:
         self._metrics = metrics
         self._records: dict[str, BatchRecord] = {}
         self._finished: deque[str] = deque()
+        #: Reading and checking task files and lists: in a worker thread, one at a time.
+        self._parsing = anyio.CapacityLimiter(1)
         self.tg: TaskGroup | None = None
         self.stopping = False
         #: Called with each record forgotten to make room (see ``keep_finished_batches``).
@@ -189,14 +253,17 @@ class BatchRegistry:
         return record
 
     def in_flight(self) -> int:
-        return sum(r.total - len(r.results) for r in self._records.values() if not r.done)
+        return sum(r.total - r.results_in() for r in self._records.values() if not r.done)
 
-    async def submit(self, request: BatchRequest) -> tuple[BatchRecord, bool]:
+    async def submit(self, request: BatchRequest) -> tuple[BatchRecord, bool, int]:
         """Validate and start a batch, or return the identical one already started.
+
+        Returns the record, whether it is new, and how many rollouts of an
+        identical earlier batch run again (those that ended cancelled).
 
         Raises:
             ApiError: 422 (invalid tasks, too many rollouts), 409 (the id is
-                taken by a different request).
+                taken by a different request), 503 (the pool is full).
         """
         tasks = await self._resolve_tasks(request)
         limit = self._settings.service.max_batch_rollouts
@@ -225,16 +292,18 @@ class BatchRegistry:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         local: bool = False,
-    ) -> tuple[BatchRecord, bool]:
+    ) -> tuple[BatchRecord, bool, int]:
         """Start a batch of validated tasks (or find the identical one).
 
         ``local``: on the local pool, whose batches have live ``rollouts``.
+        Returns the record, whether it is new, and the rollouts run again
+        (see :meth:`submit`).
 
         Raises:
-            ApiError: 409, the id is taken by a different request.
+            ApiError: 409 (the id is taken by a different request), 503 (the
+                pool is full, or a cancel of the identical batch is still
+                settling).
         """
-        if self.tg is None:
-            raise RuntimeError("the service is not running")
         fingerprint = _fingerprint(tasks, policy_config, samples_per_task, deadline_s)
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
@@ -245,24 +314,82 @@ class BatchRegistry:
                     f"batch {batch_id!r} already exists with different tasks, samples, policy"
                     " or deadline; resubmit the same request, or use another batch_id",
                 )
-            return existing, False
-        policy = build_policy(policy_config, self._settings)
-        try:
-            pool = self._local if local else self._pool
-            batch = pool.run_batch(
-                tasks,
-                policy,
-                samples_per_task=samples_per_task,
-                batch_id=batch_id,
-                deadline_s=deadline_s,
-            )
-        except ValueError as exc:  # e.g. an in-process batch of the pool holds the id
-            await _close_policy(policy)
-            raise ApiError(409, str(exc)) from None
-        record = BatchRecord(batch, fingerprint)
+            return existing, False, await self._rerun_cancelled(existing)
+        pool = self._local if local else self._pool
+        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s, pool)
+        batch, policy = self._run(plan, batch_id)
+        record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
-        self.tg.start_soon(self._consume, record, policy)
-        return record, True
+        self._consume_soon(record, policy)
+        return record, True, 0
+
+    async def _rerun_cancelled(self, record: BatchRecord) -> int:
+        """Run again the rollouts of ``record`` whose newest result is cancelled.
+
+        A cancel still settling (a resubmission right after a ``DELETE``) is
+        waited for first, within the time a release takes.
+
+        Raises:
+            ApiError: 503 (the cancel has not settled, or the pool is full).
+        """
+        if not record.done and record.cancel_requested:
+            wait_s = self._settings.timeouts.release_s + _CANCEL_SETTLE_SLACK_S
+            with anyio.move_on_after(wait_s):
+                await record.wait_done()
+            if not record.done:
+                raise ApiError(
+                    503,
+                    f"batch {record.batch_id!r} is still being cancelled; resubmit it shortly",
+                    headers={"Retry-After": "5"},
+                )
+        if not record.done:
+            return 0  # running: this request is the same batch
+        cancelled = record.cancelled_ids()
+        if not cancelled:
+            return 0
+        keep = {r.rollout_id for r in record.newest()} - cancelled
+        batch, policy = self._run(record.plan, record.batch_id, skip=keep)
+        with suppress(ValueError):
+            self._finished.remove(record.batch_id)
+        record.rerun(batch, record.plan.rollout_ids(record.batch_id) - keep)
+        self._consume_soon(record, policy)
+        return batch.total
+
+    def _run(
+        self, plan: _Plan, batch_id: str, *, skip: set[str] | None = None
+    ) -> tuple[RunningBatch, Policy]:
+        """Start ``plan`` on its pool (all of it, or all but ``skip``); its policy.
+
+        Raises:
+            ApiError: 409 (the pool runs a batch of this id), 503 (the pool is full).
+        """
+        if self.tg is None:
+            raise RuntimeError("the service is not running")
+        policy = build_policy(plan.policy, self._settings)
+        try:
+            batch = plan.pool.run_batch(
+                plan.tasks,
+                policy,
+                samples_per_task=plan.samples_per_task,
+                batch_id=batch_id,
+                deadline_s=plan.deadline_s,
+                skip=skip or (),
+            )
+        except PoolFullError as exc:
+            self._close_soon(policy)
+            raise ApiError(503, str(exc), headers={"Retry-After": "30"}) from None
+        except ValueError as exc:  # e.g. an in-process batch of the pool holds the id
+            self._close_soon(policy)
+            raise ApiError(409, str(exc)) from None
+        return batch, policy
+
+    def _consume_soon(self, record: BatchRecord, policy: Policy) -> None:
+        assert self.tg is not None
+        self.tg.start_soon(self._consume, record, record.batch, policy)
+
+    def _close_soon(self, policy: Policy) -> None:
+        assert self.tg is not None
+        self.tg.start_soon(_close_policy, policy)
 
     def cancel(self, batch_id: str) -> BatchRecord:
         """Cancel what is still running; every result still arrives.
@@ -292,9 +419,9 @@ class BatchRegistry:
             for record in running:
                 await record.wait_done()
 
-    async def _consume(self, record: BatchRecord, policy: Policy) -> None:
+    async def _consume(self, record: BatchRecord, batch: RunningBatch, policy: Policy) -> None:
         try:
-            async for result in record.batch:
+            async for result in batch:
                 record.append(result)
                 self._metrics.observe(result)
             record.finish()
@@ -308,45 +435,64 @@ class BatchRegistry:
             old = self._records.pop(self._finished.popleft(), None)
             if old is None:
                 continue
-            for pool in (self._pool, self._local):  # the pools let go of the transcripts too
-                if old.batch.finished.is_set():
-                    pool.forget(old.batch_id)
+            old.plan.pool.forget(old.batch_id)  # its pool lets go of the transcripts too
             for forget in self.on_forget:
                 forget(old)
 
     async def _resolve_tasks(self, request: BatchRequest) -> list[TaskSpec]:
-        modalities = self._settings.modalities
+        """The request's tasks, read and checked in a worker thread, limits first.
+
+        Raises:
+            ApiError: 422 naming the item (or the file, line) and field.
+        """
+        s = self._settings
+        limits = TaskLimits(
+            max_file_bytes=s.service.max_tasks_file_bytes,
+            max_tasks=s.service.max_batch_rollouts,
+            max_verifier_bytes=s.pool.max_verifier_bytes,
+        )
         if request.tasks is not None:
-            return await parse_records([t.record() for t in request.tasks], modalities)
+            records = [t.record() for t in request.tasks]
+            return await anyio.to_thread.run_sync(
+                parse_records, records, s.modalities, limits, limiter=self._parsing
+            )
         assert request.tasks_file is not None
-        path = _task_path(request.tasks_file, self._settings.service.tasks_root)
+        path = _task_path(request.tasks_file, s.service.tasks_root)
         try:
-            return load_tasks(path, modalities=modalities)  # on the loop: see parse_records
+            return await anyio.to_thread.run_sync(
+                load_task_paths, [path], s.modalities, limits, limiter=self._parsing
+            )
         except TaskFileError as exc:
-            raise ApiError(422, str(exc), loc=["body", "tasks_file"], type="task_error") from None
+            # Paths as the client gave them: relative to tasks_root, not the server's layout.
+            reason = str(exc).replace(f"{s.service.tasks_root.resolve()}{os.sep}", "")
+            raise ApiError(422, reason, loc=["body", "tasks_file"], type="task_error") from None
 
 
-async def parse_records(records: Sequence[Mapping[str, Any]], modalities: Any) -> list[TaskSpec]:
+def parse_records(
+    records: Sequence[Mapping[str, Any]], modalities: Any, limits: TaskLimits
+) -> list[TaskSpec]:
     """Tasks of a request's ``tasks`` list, checked as a task file is.
 
-    Parsing runs on the event loop's thread, yielding between records, and
-    never in a worker thread: a verifier is checked with ``ast.parse``, which
-    the rollouts' verification also calls on the loop, and CPython 3.11's
-    parser fails ("AST constructor recursion depth mismatch") when two
-    threads parse at once.
+    Blocking (each verifier is compiled): the service runs it in a worker thread.
 
     Raises:
         ApiError: 422 naming the item and field (``["body", "tasks", 2, "env_key"]``).
     """
     if not records:
         raise ApiError(422, "no tasks", loc=["body", "tasks"])
+    if limits.max_tasks is not None and len(records) > limits.max_tasks:
+        reason = f"{len(records)} tasks, over this service's limit of {limits.max_tasks}"
+        raise ApiError(422, reason, loc=["body", "tasks"])
     tasks: list[TaskSpec] = []
     first_use: dict[str, int] = {}
     for i, record in enumerate(records):
-        if i % _RECORDS_PER_CHECKPOINT == 0:
-            await anyio.lowlevel.checkpoint()
         try:
-            task = parse_task(record, source=_SOURCE, modalities=modalities)
+            task = parse_task(
+                record,
+                source=_SOURCE,
+                modalities=modalities,
+                max_verifier_bytes=limits.max_verifier_bytes,
+            )
         except TaskFileError as exc:
             reason = f"{exc.reason} (the {_nth(i + 1)} task in the list)"
             loc = ["body", "tasks", i, *loc_of(exc.field)]
@@ -359,14 +505,22 @@ async def parse_records(records: Sequence[Mapping[str, Any]], modalities: Any) -
     return tasks
 
 
-def parse_one(record: Mapping[str, Any], modalities: Any, *, loc: Sequence[str]) -> TaskSpec:
-    """One task of a request (a session's, an MCP tool's); on the loop, as above.
+def parse_one(
+    record: Mapping[str, Any],
+    modalities: Any,
+    *,
+    loc: Sequence[str],
+    max_verifier_bytes: int | None = None,
+) -> TaskSpec:
+    """One task of a request (a session's, an MCP tool's), its verifier's size checked first.
 
     Raises:
         ApiError: 422 naming the field.
     """
     try:
-        return parse_task(record, source=_SOURCE, modalities=modalities)
+        return parse_task(
+            record, source=_SOURCE, modalities=modalities, max_verifier_bytes=max_verifier_bytes
+        )
     except TaskFileError as exc:
         raise ApiError(422, exc.reason, loc=[*loc, *loc_of(exc.field)], type="task_error") from None
 

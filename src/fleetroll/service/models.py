@@ -166,6 +166,11 @@ class BatchCreated(BaseModel):
     batch_id: str
     rollouts: int = Field(description="Rollouts in the batch (tasks × samples_per_task)")
     created: bool = Field(description="False when an identical earlier request made it")
+    rerun: int = Field(
+        0,
+        description="Rollouts of an identical earlier request that ended cancelled and run"
+        " again now (the results stream then gives the newest result per rollout)",
+    )
 
 
 class BatchCounts(BaseModel):

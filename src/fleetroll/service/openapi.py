@@ -128,11 +128,19 @@ def _paths() -> dict[str, Any]:
                 "requestBody": _body(BatchRequest),
                 "responses": {
                     "201": _json(BatchCreated, "The batch started"),
-                    "200": _json(BatchCreated, "An identical request already started it"),
+                    "200": _json(
+                        BatchCreated,
+                        "An identical request already started it; those of its rollouts"
+                        " that ended cancelled run again (`rerun`)",
+                    ),
                     "409": _error("The batch_id is taken by a different request"),
                     "413": _TOO_LARGE,
                     "415": _UNSUPPORTED,
                     "422": _INVALID,
+                    "503": _error(
+                        "The pool is full (pool.max_queued_rollouts), or a cancel of this"
+                        " batch is still settling: retry after Retry-After seconds"
+                    ),
                 },
             }
         },

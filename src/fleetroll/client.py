@@ -12,11 +12,12 @@ the one that makes the pool::
         async with pool.session(task) as env:
             messages = await env.reset()
             step = await env.step({"name": "list_accounts", "arguments": {}})
+            env.done()                      # the agent finished: the result is completed
         result = await env.close()
 
 Everything below that line is the same: ``run_batch`` returns an async
 iterator of :class:`~fleetroll.results.RolloutResult` (one per rollout), and
-``session`` an object with ``reset``/``step``/``close`` and ``tools``.
+``session`` an object with ``reset``/``step``/``done``/``close`` and ``tools``.
 Remotely, ``tasks`` may be :class:`~fleetroll.tasks.TaskSpec` objects or task
 dicts, and ``policy`` a :class:`~fleetroll.policies.ScriptedPolicy`, a
 :class:`~fleetroll.service.models.PolicyConfig` (e.g. for an OpenAI-compatible
@@ -437,6 +438,8 @@ class RemoteSession:
         ]
         self._result: RolloutResult | None = None
         self._closed = False
+        self._done = False  # done() was called
+        self._told_done = False  # ... and the service knows
 
     async def reset(self) -> list[dict[str, Any]]:
         """The opening messages (the task prompt). The instance is fresh already."""
@@ -449,6 +452,7 @@ class RemoteSession:
             InstanceLostError: the instance is gone (the session has ended).
             ServiceError: the service refused or failed the step.
         """
+        await self._tell_done()
         if isinstance(call, ToolCall):
             body: dict[str, Any] = {"name": call.name, "arguments": dict(call.arguments)}
             body["id"] = call.id
@@ -469,11 +473,34 @@ class RemoteSession:
         observation = ToolResult(text=answer["text"], is_error=bool(answer["is_error"]))
         return StepResult(observation, bool(answer["done"]), tuple(answer["messages"]))
 
+    def done(self) -> None:
+        """Say the episode is over (the agent finished): the result will be ``completed``.
+
+        As :meth:`fleetroll.rollout.EnvSession.done`: later steps answer "The
+        episode is over.", and without it a session whose task needs no final
+        answer ends ``abandoned`` when closed. The service hears of it with the
+        next request (``POST /v1/sessions/{id}/done``, then the step or close).
+        """
+        self._done = True
+
+    async def _tell_done(self) -> None:
+        if self._done and not self._told_done and not self._closed:
+            await self._client._call("POST", f"/v1/sessions/{self.session_id}/done")
+            self._told_done = True
+
     async def close(self) -> RolloutResult | None:
-        """End the episode (``abandoned`` if it had not ended); returns its result.
+        """End the episode (``abandoned`` if it had not ended, see :meth:`done`); its result.
 
         Closing twice returns the same result.
+
+        Raises:
+            ServiceError: the service could not close the session.
         """
+        try:
+            await self._tell_done()
+        except ServiceError as exc:
+            if exc.status_code != 410:  # 410: it ended already; its result says how
+                raise
         if not self._closed:
             answer = await self._client._call(
                 "DELETE",

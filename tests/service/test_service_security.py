@@ -242,6 +242,7 @@ async def test_the_openapi_document_lists_every_route_with_its_schemas(served: R
         ("GET", "/v1/batches/{batch_id}/results"),
         ("POST", "/v1/sessions"),
         ("POST", "/v1/sessions/{session_id}/step"),
+        ("POST", "/v1/sessions/{session_id}/done"),
         ("DELETE", "/v1/sessions/{session_id}"),
         ("POST", "/v1/query"),
         ("GET", "/v1/stats"),

@@ -63,3 +63,29 @@ async def test_a_session_on_an_unknown_environment_is_a_422(served: Running) -> 
             response = await http.post("/v1/sessions", json={"task": task})
     assert response.status_code == 422, response.text
     assert response.json()["detail"][0]["loc"] == ["body", "task", "env_key"]
+
+
+async def test_a_session_ended_with_done_is_completed_and_one_closed_without_it_abandoned(
+    served: Running, emulator: Emulator
+) -> None:
+    task = LEDGER[0]
+    results = []
+    async with FleetrollClient(served.url) as client:
+        with anyio.fail_after(60):
+            for say_done in (True, False):
+                async with client.session(task) as env:
+                    for step in task.solution or ():
+                        await env.step({"name": step.name, "arguments": step.arguments})
+                    if say_done:
+                        env.done()
+                        after = await env.step({"name": "list_accounts", "arguments": {}})
+                        assert after.done and after.observation.text == "The episode is over."
+                results.append(await env.close())
+        async with served.http() as http:
+            unknown = await http.post("/v1/sessions/nope/done")
+    completed, abandoned = results
+    assert completed is not None and completed.status == "completed"
+    assert completed.failure_reason is None and completed.reward == 1.0
+    assert abandoned is not None and abandoned.failure_reason is FailureReason.ABANDONED
+    assert unknown.status_code == 404
+    assert emulator.ledger.running == 0

@@ -21,6 +21,7 @@ Routes (all JSON unless said otherwise; the OpenAPI document at
 ``DELETE /v1/batches/{id}``                cancel
 ``POST /v1/sessions``                      open a session → messages and tools
 ``POST /v1/sessions/{id}/step``            one tool call → observation
+``POST /v1/sessions/{id}/done``            the episode is over (result: completed)
 ``DELETE /v1/sessions/{id}``               close → the rollout's result
 ``POST /v1/query``                         read-only SQL on the telemetry store
 ``GET /v1/stats?batch_id=``                rollouts per env, the telemetry invariant
@@ -63,6 +64,7 @@ from fleetroll.service.models import (
     Health,
     PolicyConfig,
     QueryRequest,
+    SessionDone,
     SessionRequest,
     StepRequest,
     ValidationErrorBody,
@@ -319,6 +321,11 @@ def _routes(service: Service) -> list[Route]:
         observation = await service.sessions.step(request.path_params["session_id"], call)
         return _json(observation)
 
+    async def end_episode(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        await service.sessions.done(session_id)
+        return _json(SessionDone(session_id=session_id))
+
     async def close_session(request: Request) -> Response:
         return _json(await service.sessions.close(request.path_params["session_id"]))
 
@@ -355,6 +362,7 @@ def _routes(service: Service) -> list[Route]:
         _route("/v1/batches/{batch_id}/results", results, ["GET"]),
         _route("/v1/sessions", open_session, ["POST"]),
         _route("/v1/sessions/{session_id}/step", step_session, ["POST"]),
+        _route("/v1/sessions/{session_id}/done", end_episode, ["POST"]),
         _route("/v1/sessions/{session_id}", close_session, ["DELETE"]),
         _route("/v1/query", query, ["POST"]),
         _route("/v1/stats", stats, ["GET"]),

@@ -27,6 +27,7 @@ __all__ = [
     "PolicyConfig",
     "QueryRequest",
     "QueryResult",
+    "SessionDone",
     "SessionOpened",
     "SessionRequest",
     "StatsResult",
@@ -250,6 +251,13 @@ class Observation(BaseModel):
     is_error: bool
     done: bool = Field(description="The episode is over: DELETE the session for its result")
     messages: list[dict[str, Any]] = Field(description="Messages this step added")
+
+
+class SessionDone(BaseModel):
+    """``POST /v1/sessions/{id}/done``: the episode is over (its result will be completed)."""
+
+    session_id: str
+    done: Literal[True] = True
 
 
 class QueryRequest(_Request):

@@ -23,6 +23,7 @@ from fleetroll.service.models import (
     Observation,
     QueryRequest,
     QueryResult,
+    SessionDone,
     SessionOpened,
     SessionRequest,
     StatsResult,
@@ -40,6 +41,7 @@ _RESPONSES: tuple[type[BaseModel], ...] = (
     StreamLine,
     SessionOpened,
     Observation,
+    SessionDone,
     RolloutResult,
     QueryResult,
     StatsResult,
@@ -217,6 +219,20 @@ def _paths() -> dict[str, Any]:
                     "415": _UNSUPPORTED,
                     "422": _INVALID,
                     "502": _error("The instance is gone: the session has ended"),
+                    "504": _error("The session did not answer in time"),
+                },
+            },
+        },
+        "/v1/sessions/{session_id}/done": {
+            "parameters": [_SESSION_ID],
+            "post": {
+                "summary": "End the episode: the agent finished (the result will be completed,"
+                " not abandoned); then DELETE the session for its result",
+                "operationId": "endEpisode",
+                "responses": {
+                    "200": _json(SessionDone, "The episode is over"),
+                    "404": no_session,
+                    "410": _error("The session has ended: DELETE it for its result"),
                     "504": _error("The session did not answer in time"),
                 },
             },

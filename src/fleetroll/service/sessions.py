@@ -8,7 +8,9 @@ it through an unbuffered memory object stream (each with a one-shot reply
 stream), one at a time, until it is closed or nobody has spoken to it for
 ``service.session_idle_s``. Then it leaves the session, which scores the
 rollout (the verifier runs if it has not) and releases the instance, and
-keeps the result for a late ``DELETE``.
+keeps the result for a late ``DELETE``. A ``done`` request says the episode
+is over (:meth:`~fleetroll.rollout.EnvSession.done`), so the result is
+``completed``; a session closed without one is ``abandoned``.
 """
 
 from __future__ import annotations
@@ -40,13 +42,17 @@ __all__ = ["SessionRegistry"]
 #: Slack on top of the settings' own deadlines for one answer from an actor.
 _SLACK_S = 30.0
 
+_Kind = Literal["step", "done", "close"]
+#: An actor's answer: a step's, the result (close), None (done), or what went wrong.
+_Answer = StepResult | RolloutResult | Exception | None
+
 
 @dataclass
 class _Ask:
     """One request to a session's actor, with the stream its answer goes back on."""
 
-    kind: Literal["step", "close"]
-    reply: MemoryObjectSendStream[StepResult | RolloutResult | Exception]
+    kind: _Kind
+    reply: MemoryObjectSendStream[_Answer]
     call: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -142,6 +148,16 @@ class SessionRegistry:
             messages=list(outcome.messages),
         )
 
+    async def done(self, session_id: str) -> None:
+        """Say the episode is over: the session's result will be ``completed``.
+
+        Raises:
+            ApiError: 404 (no such session), 410 (it ended), 504 (no answer in time).
+        """
+        outcome = await self._ask(session_id, "done", {}, self._step_s)
+        if isinstance(outcome, Exception):
+            raise ApiError(502, f"ending the episode failed: {self._redact(str(outcome))}")
+
     async def close(self, session_id: str) -> RolloutResult:
         """End the session (scored, released) and return its result.
 
@@ -181,14 +197,12 @@ class SessionRegistry:
     async def _ask(
         self,
         session_id: str,
-        kind: Literal["step", "close"],
+        kind: _Kind,
         call: Mapping[str, Any],
         wait_s: float,
-    ) -> StepResult | RolloutResult | Exception:
+    ) -> _Answer:
         session = self._find(session_id)
-        reply_send, reply = anyio.create_memory_object_stream[
-            StepResult | RolloutResult | Exception
-        ](1)
+        reply_send, reply = anyio.create_memory_object_stream[_Answer](1)
         with reply, reply_send:  # the actor closes reply_send too, once it answered
             try:
                 with anyio.fail_after(wait_s):
@@ -286,6 +300,14 @@ class SessionRegistry:
             if ask.kind == "close":
                 session.why_ended = "closed"
                 return ask
+            if ask.kind == "done":
+                env.done()
+                with (
+                    ask.reply,
+                    contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError),
+                ):
+                    ask.reply.send_nowait(None)
+                continue
             with ask.reply:
                 try:
                     outcome: StepResult | Exception = await env.step(ask.call)

@@ -158,7 +158,10 @@ class FleetrollClient:
 
         Iterate it for its results. Submitting an identical request under
         the same ``batch_id`` again returns the same batch (so retries and
-        controller restarts are safe); different content under it is a 409.
+        controller restarts are safe), and runs again those of its rollouts
+        that ended cancelled (after a cancel or a deadline): iterated, it then
+        gives one result per rollout, the newest. Different content under the
+        id is a 409.
 
         Raises:
             TypeError: ``policy`` is an in-process policy the service cannot
@@ -279,6 +282,9 @@ class RemoteBatch:
         cursor: the cursor of the last result received; resume a batch
             elsewhere with ``client.batch(batch_id, after=cursor)``.
         reconnects: how many times the results stream was reopened.
+        rerun: once submitted, how many rollouts of an identical earlier
+            batch (the same id) run again because they had ended cancelled;
+            read from the start, the batch gives the newest result of each.
     """
 
     def __init__(
@@ -293,6 +299,7 @@ class RemoteBatch:
         self.batch_id = batch_id
         self._payload = payload
         self.total: int | None = None
+        self.rerun = 0
         self.cursor = after
         self.reconnects = 0
         self._response: httpx.Response | None = None
@@ -308,6 +315,7 @@ class RemoteBatch:
         if self._payload is not None:
             created = await self._client._call("POST", "/v1/batches", json=self._payload)
             self.total = int(created["rollouts"])
+            self.rerun = int(created.get("rerun", 0))
             self._payload = None
         return self
 

@@ -239,6 +239,26 @@ async def test_a_batch_resubmitted_after_a_cancel_reruns_its_cancelled_rollouts(
     assert emulator.ledger.running == 0
 
 
+async def test_the_client_resubmitting_a_cancelled_batch_gets_every_rollout_run_once_more(
+    served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tasks = LEDGER[3:5]
+    policy = GatedPolicy(held={tasks[1].key})
+    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    async with FleetrollClient(served.url) as client:
+        with anyio.fail_after(60):
+            batch = client.run_batch(tasks, samples_per_task=2, batch_id="step-8")
+            await batch.submit()
+            await batch.cancel()  # then a controller restarts, and submits step 8 again
+            policy.release.set()
+            again = client.run_batch(tasks, samples_per_task=2, batch_id="step-8")
+            results = await again.results()
+    assert again.rerun >= 2  # at least the held task's two were cancelled
+    assert len(results) == 4 and len({r.rollout_id for r in results}) == 4
+    assert all(r.reward == 1.0 and r.failure_reason is None for r in results)
+    assert emulator.ledger.running == 0
+
+
 async def test_a_string_where_a_number_belongs_is_a_422_naming_the_field(
     served: Running,
 ) -> None:

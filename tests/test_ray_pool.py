@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import FaultProfile, Latency  # noqa: E402
 from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
+from fleetroll.errors import PoolFullError  # noqa: E402
 from fleetroll.policies import ScriptedPolicy  # noqa: E402
 from fleetroll.pool import RolloutPool  # noqa: E402
 from fleetroll.ray_pool import RayRolloutPool  # noqa: E402
@@ -171,3 +172,25 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
     assert {r.failure_reason for r in cancelled} == {FailureReason.CANCELLED}
     assert session is not None and session.reward == 1.0
     assert ledger["running"] == 0
+
+
+async def test_a_ray_pool_refuses_shared_keys_and_forgets_what_it_delivered(local_ray):
+    async with (
+        EmulatorProcess() as emu,
+        RayRolloutPool(
+            load_settings(pool={"keep_finished_batches": 1, "max_queued_rollouts": 4}),
+            api_key=emu.api_key,
+            base_url=emu.base_url,
+            num_actors=1,
+        ) as pool,
+    ):
+        with pytest.raises(ValueError, match=f"duplicate task key '{LEDGER[0].key}'"):
+            pool.run_batch([LEDGER[0], LEDGER[0]], ScriptedPolicy())
+        with pytest.raises(PoolFullError):
+            pool.run_batch(LEDGER[:5], ScriptedPolicy())
+        with anyio.fail_after(120):
+            for n in range(3):
+                await pool.run_batch(LEDGER[:2], ScriptedPolicy(), batch_id=f"r{n}").results()
+        kept = set(pool.batches)
+        pool.forget("r2")
+    assert kept == {"r2"} and not pool.batches

@@ -304,6 +304,8 @@ async def test_a_batch_past_the_cap_on_queued_rollouts_is_refused_until_room_is_
         first = pool.run_batch(LEDGER[:1], held, samples_per_task=2)
         with pytest.raises(PoolFullError) as refused:
             pool.run_batch(LEDGER[1:2], ScriptedPolicy(), samples_per_task=2)
+        with pytest.raises(PoolFullError) as too_big:  # alone over the cap: no wait helps
+            pool.run_batch(LEDGER[1:2], ScriptedPolicy(), samples_per_task=4)
         held.release.set()
         with anyio.fail_after(120):
             await first.results()
@@ -311,7 +313,9 @@ async def test_a_batch_past_the_cap_on_queued_rollouts_is_refused_until_room_is_
                 LEDGER[1:2], ScriptedPolicy(), samples_per_task=2
             ).results()
     assert (refused.value.queued, refused.value.requested, refused.value.limit) == (2, 2, 3)
-    assert "pool.max_queued_rollouts" in str(refused.value)
+    assert "the pool is full" in str(refused.value)
+    assert "pool.max_queued_rollouts = 3" in str(refused.value)
+    assert "split it" in str(too_big.value)
     assert [r.reward for r in later] == [1.0, 1.0]
 
 

@@ -88,10 +88,18 @@ class PoolFullError(FleetrollError):
     """
 
     def __init__(self, *, queued: int, requested: int, limit: int) -> None:
-        super().__init__(
-            f"the pool is full: {queued} rollouts not yet finished + {requested} of this batch"
-            f" would pass pool.max_queued_rollouts = {limit}; retry once earlier batches end"
-        )
+        if requested > limit:  # no wait makes room: the batch alone is too big
+            message = (
+                f"a batch of {requested} rollouts is over pool.max_queued_rollouts = {limit}:"
+                " split it, or raise the limit (FLEETROLL_POOL__MAX_QUEUED_ROLLOUTS)"
+            )
+        else:
+            message = (
+                f"the pool is full: {queued} rollouts not yet finished + {requested} of this"
+                f" batch would pass pool.max_queued_rollouts = {limit}; retry once earlier"
+                " batches end"
+            )
+        super().__init__(message)
         self.queued = queued
         self.requested = requested
         self.limit = limit

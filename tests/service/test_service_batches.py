@@ -295,6 +295,9 @@ async def test_a_batch_past_the_pools_queue_cap_gets_503_with_retry_after(
             full = await http.post(
                 "/v1/batches", json={"tasks": [task_record(LEDGER[1])], "samples_per_task": 2}
             )
+            too_big = await http.post(
+                "/v1/batches", json={"tasks": [task_record(LEDGER[1])], "samples_per_task": 3}
+            )
             policy.release.set()
             await http.get(f"/v1/batches/{first.json()['batch_id']}/results")
             later = await http.post(
@@ -304,6 +307,8 @@ async def test_a_batch_past_the_pools_queue_cap_gets_503_with_retry_after(
     assert first.status_code == 201 and later.status_code == 201
     assert full.status_code == 503 and int(full.headers["retry-after"]) > 0
     assert "pool.max_queued_rollouts" in full.json()["detail"]
+    assert too_big.status_code == 422  # alone over the cap: retrying cannot help
+    assert too_big.json()["detail"][0]["loc"] == ["body", "samples_per_task"]
     assert emulator.ledger.running == 0
 
 

@@ -377,6 +377,8 @@ class BatchRegistry:
             )
         except PoolFullError as exc:
             self._close_soon(policy)
+            if exc.requested > exc.limit:  # too big on its own: waiting cannot help
+                raise ApiError(422, str(exc), loc=["body", "samples_per_task"]) from None
             raise ApiError(503, str(exc), headers={"Retry-After": "30"}) from None
         except ValueError as exc:  # e.g. an in-process batch of the pool holds the id
             self._close_soon(policy)

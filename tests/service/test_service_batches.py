@@ -354,3 +354,29 @@ async def test_a_task_folder_on_the_server_runs_and_is_read_off_the_event_loop(
     problem = too_big.json()["detail"][0]
     assert too_big.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
     assert problem["msg"].startswith("big.jsonl: ") and "over the limit of 8,192" in problem["msg"]
+
+
+async def test_two_resubmissions_racing_after_a_cancel_rerun_the_batch_once(
+    served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tasks = LEDGER[5:7]
+    policy = GatedPolicy(held={t.key for t in tasks})
+    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    body = {"tasks": [task_record(t) for t in tasks], "batch_id": "race-1"}
+    answers = []
+    async with served.http() as http, FleetrollClient(served.url) as client:
+        with anyio.fail_after(60):
+            assert (await http.post("/v1/batches", json=body)).status_code == 201
+            assert (await http.delete("/v1/batches/race-1")).status_code == 202
+            policy.release.set()
+
+            async def resubmit() -> None:
+                answers.append((await http.post("/v1/batches", json=body)).json()["rerun"])
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(resubmit)
+                tg.start_soon(resubmit)
+            results = await client.batch("race-1").results()
+    assert sorted(answers) == [0, 2]
+    assert len(results) == 2 and all(r.reward == 1.0 for r in results)
+    assert emulator.ledger.running == 0

@@ -170,6 +170,11 @@ class BatchRecord:
         while not self.done:
             await self._changed.wait()
 
+    async def wait_cancelled(self) -> None:
+        """Wait until a requested cancel has settled (every result in, or a re-run started)."""
+        while self.cancel_requested and not self.done:
+            await self._changed.wait()
+
     def finish(self) -> None:
         self.done = True
         self.notify()
@@ -335,15 +340,15 @@ class BatchRegistry:
         if not record.done and record.cancel_requested:
             wait_s = self._settings.timeouts.release_s + _CANCEL_SETTLE_SLACK_S
             with anyio.move_on_after(wait_s):
-                await record.wait_done()
-            if not record.done:
+                await record.wait_cancelled()
+            if not record.done and record.cancel_requested:
                 raise ApiError(
                     503,
                     f"batch {record.batch_id!r} is still being cancelled; resubmit it shortly",
                     headers={"Retry-After": "5"},
                 )
         if not record.done:
-            return 0  # running: this request is the same batch
+            return 0  # running (or re-running already): this request is the same batch
         cancelled = record.cancelled_ids()
         if not cancelled:
             return 0

@@ -434,7 +434,7 @@ class RemoteBatch:
 
 
 class RemoteSession:
-    """An env-style session on the service, like :class:`~fleetroll.rollout.EnvSession`."""
+    """An env-style session on the service, like :class:`~fleetroll.env_session.EnvSession`."""
 
     def __init__(self, client: FleetrollClient, opened: Mapping[str, Any]) -> None:
         self._client = client
@@ -446,8 +446,7 @@ class RemoteSession:
         ]
         self._result: RolloutResult | None = None
         self._closed = False
-        self._done = False  # done() was called
-        self._told_done = False  # ... and the service knows
+        self._told_done = False  # done() reached the service
 
     async def reset(self) -> list[dict[str, Any]]:
         """The opening messages (the task prompt). The instance is fresh already."""
@@ -460,7 +459,6 @@ class RemoteSession:
             InstanceLostError: the instance is gone (the session has ended).
             ServiceError: the service refused or failed the step.
         """
-        await self._tell_done()
         if isinstance(call, ToolCall):
             body: dict[str, Any] = {"name": call.name, "arguments": dict(call.arguments)}
             body["id"] = call.id
@@ -481,18 +479,18 @@ class RemoteSession:
         observation = ToolResult(text=answer["text"], is_error=bool(answer["is_error"]))
         return StepResult(observation, bool(answer["done"]), tuple(answer["messages"]))
 
-    def done(self) -> None:
+    async def done(self) -> None:
         """Say the episode is over (the agent finished): the result will be ``completed``.
 
-        As :meth:`fleetroll.rollout.EnvSession.done`: later steps answer "The
-        episode is over.", and without it a session whose task needs no final
-        answer ends ``abandoned`` when closed. The service hears of it with the
-        next request (``POST /v1/sessions/{id}/done``, then the step or close).
-        """
-        self._done = True
+        As :meth:`fleetroll.env_session.EnvSession.done` in-process: later steps
+        answer "The episode is over.", and without it a session whose task needs
+        no final answer ends ``abandoned`` when closed
+        (``POST /v1/sessions/{id}/done``).
 
-    async def _tell_done(self) -> None:
-        if self._done and not self._told_done and not self._closed:
+        Raises:
+            ServiceError: the service refused it (410: the session had ended).
+        """
+        if not self._told_done and not self._closed:
             await self._client._call("POST", f"/v1/sessions/{self.session_id}/done")
             self._told_done = True
 
@@ -504,11 +502,6 @@ class RemoteSession:
         Raises:
             ServiceError: the service could not close the session.
         """
-        try:
-            await self._tell_done()
-        except ServiceError as exc:
-            if exc.status_code != 410:  # 410: it ended already; its result says how
-                raise
         if not self._closed:
             answer = await self._client._call(
                 "DELETE",

@@ -77,7 +77,7 @@ async def test_a_session_ended_with_done_is_completed_and_one_closed_without_it_
                     for step in task.solution or ():
                         await env.step({"name": step.name, "arguments": step.arguments})
                     if say_done:
-                        env.done()
+                        await env.done()
                         after = await env.step({"name": "list_accounts", "arguments": {}})
                         assert after.done and after.observation.text == "The episode is over."
                 results.append(await env.close())

@@ -9,7 +9,7 @@ stream), one at a time, until it is closed or nobody has spoken to it for
 ``service.session_idle_s``. Then it leaves the session, which scores the
 rollout (the verifier runs if it has not) and releases the instance, and
 keeps the result for a late ``DELETE``. A ``done`` request says the episode
-is over (:meth:`~fleetroll.rollout.EnvSession.done`), so the result is
+is over (:meth:`~fleetroll.env_session.EnvSession.done`), so the result is
 ``completed``; a session closed without one is ``abandoned``.
 """
 
@@ -301,7 +301,7 @@ class SessionRegistry:
                 session.why_ended = "closed"
                 return ask
             if ask.kind == "done":
-                env.done()
+                await env.done()
                 with (
                     ask.reply,
                     contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError),

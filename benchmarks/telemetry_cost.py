@@ -121,7 +121,9 @@ def event_costs(tmp: Path, events: int) -> dict[str, float]:
     redactor = Redactor(["fleet-key-0123456789", "lf-token-0123456789", "sk-oai-0123456789"])
     bare = Events([], redactor)
     out = {
-        "redaction only (Events, no sink)": per_call_us(lambda: bare.emit("x", **COMPLETED), events)
+        "redaction only (Events, no sink)": per_call_us(
+            lambda: bare.emit("fleet_rollout_completed", **COMPLETED), events
+        )
     }
     with Telemetry(settings_for(os.devnull)) as telemetry:
         emit = telemetry.events.emit

@@ -38,13 +38,13 @@ def test_two_set_ups_in_one_process_each_keep_exactly_their_own_records(tmp_path
     first, second = tmp_path / "first.db", tmp_path / "second.db"
     with Telemetry(local_settings(first)) as one:
         with Telemetry(local_settings(second)) as two:
-            one.events.emit("from_one")
-            two.events.emit("from_two")
-        one.events.emit("one_after_two_closed")  # closing one set-up leaves the other working
+            one.events.emit("fleet_make_retry")
+            two.events.emit("fleet_make_failed")
+        one.events.emit("fleet_env_reset_failed")  # closing one set-up leaves the other working
     with Telemetry(local_settings(first)) as again:  # and setting up again is fine
-        again.events.emit("one_again")
-    assert messages(first) == ["from_one", "one_after_two_closed", "one_again"]
-    assert messages(second) == ["from_two"]
+        again.events.emit("fleet_mcp_tool_error")
+    assert messages(first) == ["fleet_make_retry", "fleet_env_reset_failed", "fleet_mcp_tool_error"]
+    assert messages(second) == ["fleet_make_failed"]
 
 
 async def test_open_telemetry_flushes_everything_on_exit_even_when_cancelled(
@@ -54,7 +54,7 @@ async def test_open_telemetry_flushes_everything_on_exit_even_when_cancelled(
     with anyio.move_on_after(30) as scope:
         async with open_telemetry(local_settings(db)) as events:
             for i in range(200):
-                events.emit("tick", i=i)
+                events.emit("fleet_make_retry", i=i)
             scope.cancel()
             await anyio.sleep(3600)
     assert scope.cancelled_caught
@@ -181,7 +181,7 @@ async def test_no_secret_reaches_a_record_or_a_console_line_even_inside_errors(
             with anyio.fail_after(60):
                 results += await p.run_batch(LEDGER[:4], LeakyPolicy()).results()
         events.emit(
-            "fleet_custom_probe",
+            "fleet_worker_lost",
             level="error",
             request=f"POST /v1/env/instances\nAuthorization: Bearer {FLEET_KEY}\n",
             headers={"Authorization": f"Bearer {FLEET_KEY}", "x-openai-key": OPENAI_KEY},
@@ -201,7 +201,7 @@ async def test_no_secret_reaches_a_record_or_a_console_line_even_inside_errors(
         dump = "\n".join(conn.iterdump())
     finally:
         conn.close()
-    assert "fleet_custom_probe" in dump and "fleet_rollout_completed" in dump
+    assert "fleet_worker_lost" in dump and "fleet_rollout_completed" in dump
     files = [p for p in tmp_path.iterdir() if p.name.startswith("secrets.db")]
     for secret in SECRETS:
         assert secret not in dump, f"{secret} reached a record"

@@ -93,9 +93,9 @@ def test_spans_and_exceptions_fill_the_span_columns(tmp_path: Path) -> None:
 def test_the_store_is_a_wal_file_with_indexes_and_level_functions(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     with Telemetry(local_settings(db)) as telemetry:
-        telemetry.events.emit("a", level="debug")
-        telemetry.events.emit("b", level="warn")
-        telemetry.events.emit("c", level="error")
+        telemetry.events.emit("fleet_make_retry", level="debug")
+        telemetry.events.emit("fleet_tool_call_failed", level="warn")
+        telemetry.events.emit("fleet_verifier_failed", level="error")
     conn = connect(db, readonly=True)
     try:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
@@ -111,7 +111,7 @@ def test_the_store_is_a_wal_file_with_indexes_and_level_functions(tmp_path: Path
         notable = conn.execute(
             "SELECT message FROM records WHERE level_num(level) > level_num('info') ORDER BY 1"
         ).fetchall()
-        assert [m for (m,) in notable] == ["b", "c"]
+        assert [m for (m,) in notable] == ["fleet_tool_call_failed", "fleet_verifier_failed"]
         assert conn.execute("SELECT level_name(13), level_num('warn')").fetchone() == ("warn", 13)
     finally:
         conn.close()
@@ -143,7 +143,7 @@ def test_a_flush_is_a_commit_that_every_connection_sees_at_once(tmp_path: Path) 
     db = tmp_path / "t.db"
     with Telemetry(local_settings(db, telemetry={"flush_interval_s": 3600})) as telemetry:
         for i in range(10):
-            telemetry.events.emit("tick", i=i)
+            telemetry.events.emit("fleet_make_retry", i=i)
         assert telemetry.flush(30)
         assert rows(db, "SELECT COUNT(*) FROM records")[0][0] == 10
         assert telemetry.store is not None and telemetry.store.written == 10
@@ -152,7 +152,7 @@ def test_a_flush_is_a_commit_that_every_connection_sees_at_once(tmp_path: Path) 
 def test_a_dev_null_store_path_turns_the_store_off(tmp_path: Path) -> None:
     with Telemetry(local_settings(Path("/dev/null"))) as telemetry:
         assert telemetry.store is None
-        telemetry.events.emit("tick")
+        telemetry.events.emit("fleet_make_retry")
         assert telemetry.flush(5)
 
 
@@ -170,14 +170,14 @@ if then == "close":  # start together: wait for the parent's go
     print("ready", flush=True)
     sys.stdin.readline()
 for i in range(count):
-    telemetry.events.emit("test_record", writer=tag, i=i)
+    telemetry.events.emit("fleet_make_retry", writer=tag, i=i)
 if then == "close":
     telemetry.close()
 else:
     assert telemetry.flush(60), "the flush did not finish"
     print("flushed", flush=True)
     for i in range(count, count + 500):
-        telemetry.events.emit("test_record", writer=tag, i=i)
+        telemetry.events.emit("fleet_make_retry", writer=tag, i=i)
     os.kill(os.getpid(), signal.SIGKILL)
 """
 
@@ -211,7 +211,7 @@ def test_two_processes_writing_one_store_at_once_lose_nothing(tmp_path: Path) ->
         rows(
             db,
             "SELECT attributes->>'writer', COUNT(DISTINCT attributes->>'i') FROM records"
-            " WHERE message = 'test_record' GROUP BY 1",
+            " WHERE message = 'fleet_make_retry' GROUP BY 1",
         )
     )
     assert counts == {"a": 2000, "b": 2000}
@@ -246,7 +246,7 @@ def test_force_flush_waits_for_a_batch_in_progress_in_another_thread(tmp_path: P
 
         def emit_many() -> None:
             for i in range(500):
-                telemetry.events.emit("tick", i=i)
+                telemetry.events.emit("fleet_make_retry", i=i)
             done.set()
 
         thread = threading.Thread(target=emit_many)

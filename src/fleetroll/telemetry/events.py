@@ -5,6 +5,11 @@ Code that knows a rollout binds its base attributes once
 inside carries them. Emitting is synchronous and cheap, so it needs no
 shielding: a cancelled rollout still gets its ``fleet_rollout_completed``.
 A failing sink is logged and skipped; it never breaks a rollout.
+
+Every event name fleetroll emits is in :data:`EVENT_NAMES`, and
+:meth:`Events.emit` refuses any other: a misspelt name fails the first test
+that reaches it instead of silently starting a new series in the store.
+The events, their attributes and when each is emitted: ``docs/telemetry.md``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,17 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol
+from typing import Any, Final, Literal, Protocol
 
-__all__ = ["BASE_ATTRIBUTES", "Event", "EventSink", "Events", "MemorySink", "Redactor"]
+__all__ = [
+    "BASE_ATTRIBUTES",
+    "EVENT_NAMES",
+    "Event",
+    "EventSink",
+    "Events",
+    "MemorySink",
+    "Redactor",
+]
 
 Level = Literal["debug", "info", "warn", "error"]
 
@@ -34,6 +47,26 @@ BASE_ATTRIBUTES = (
     "env_version",
     "modality",
     "instance_id",
+)
+
+#: Every event name fleetroll emits (documented in docs/telemetry.md).
+EVENT_NAMES: Final[frozenset[str]] = frozenset(
+    {
+        "fleet_batch_started",
+        "fleet_batch_completed",
+        "fleet_rollout_started",
+        "fleet_rollout_completed",
+        "fleet_make_retry",
+        "fleet_make_failed",
+        "fleet_provisioning_completed",
+        "fleet_env_reset_failed",
+        "fleet_tool_call_failed",
+        "fleet_mcp_tool_error",
+        "fleet_verifier_failed",
+        "fleet_instance_released",
+        "fleet_instance_release_failed",
+        "fleet_worker_lost",
+    }
 )
 
 _base: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
@@ -179,6 +212,17 @@ class Events:
         return _base.get()
 
     def emit(self, name: str, *, level: Level = "info", **attributes: Any) -> Event:
+        """Send one event, with the bound base attributes, redacted, to every sink.
+
+        Raises:
+            ValueError: ``name`` is not in :data:`EVENT_NAMES` (a typo, or a
+                new event not registered and documented yet).
+        """
+        if name not in EVENT_NAMES:
+            raise ValueError(
+                f"unknown telemetry event {name!r}: add it to EVENT_NAMES in "
+                "fleetroll/telemetry/events.py and document it in docs/telemetry.md"
+            )
         attrs = self._redact.attributes({**_base.get(), **attributes})
         event = Event(name, level, attrs)
         for sink in self._sinks:

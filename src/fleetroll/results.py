@@ -1,4 +1,4 @@
-"""The result of one rollout: the output contract (DESIGN.md §5).
+"""The result of one rollout: the output contract (docs/results.md).
 
 One :class:`RolloutResult` per rollout, on every path. An infrastructure
 failure never yields a fabricated zero: ``reward`` is None with a
@@ -34,7 +34,7 @@ class FailureReason(StrEnum):
     TOOL_FAILURE = "tool_failure"
 
 
-#: Reasons after which the verifier still scores the rollout (DESIGN.md §5);
+#: Reasons after which the verifier still scores the rollout (docs/results.md);
 #: for every other reason the reward is None.
 SCORED_REASONS = frozenset(
     {FailureReason.TIMEOUT, FailureReason.MAX_STEPS, FailureReason.ABANDONED}

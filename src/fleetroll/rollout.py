@@ -561,7 +561,7 @@ class Rollout:
         self.phase = Phase.VERIFYING
         began = time.monotonic()
         # The verifier has its own deadline, outside the rollout's: a rollout
-        # that timed out is still scored (DESIGN.md §5).
+        # that timed out is still scored (docs/results.md).
         verdict = await self.engine.verifier.verify(self.task, self.instance.env, p.final_answer)
         p.timings.verify_s = time.monotonic() - began
         p.verifier = verdict.outcome

@@ -1,6 +1,6 @@
 """Routing by modality: which MCP endpoint, which tools the agent sees.
 
-The table lives in config (``[modalities.*]``, DESIGN.md §3), not in code
+The table lives in config (``[modalities.*]``, docs/configuration.md), not in code
 branches: a modality names an endpoint template over the instance's
 ``urls.root`` and a tool filter. A synthetic ``submit_final_answer`` tool is
 offered when the task asks for a final answer; the rollout handles it locally.

@@ -104,7 +104,7 @@ class ProvisioningSettings(_Section):
 
 
 class ModalitySettings(_Section):
-    """One row of the modality routing table (DESIGN.md §3)."""
+    """One row of the modality routing table (docs/configuration.md)."""
 
     endpoint: str = Field(description="MCP URL template; {root} is the instance's urls.root")
     image_type: str | None = None
@@ -154,7 +154,7 @@ class PolicySettings(_Section):
 
 
 class TelemetrySettings(_Section):
-    """Telemetry (DESIGN.md §8): the local store, Logfire cloud, the console."""
+    """Telemetry (docs/telemetry.md): the local store, Logfire cloud, the console."""
 
     #: The local SQLite store; ``/dev/null`` (``os.devnull``) turns it off.
     db_path: Path = Path(".fleetroll/telemetry.db")

@@ -1,4 +1,4 @@
-"""Tasks: the input contract (DESIGN.md §4).
+"""Tasks: the input contract (docs/tasks.md).
 
 A :class:`TaskSpec` is one validated task. Fleet's export format (``env_id``,
 ``version``, ``data_id``, ``data_version``, ``metadata.task_modality``) and the

@@ -64,7 +64,7 @@ class _Request(BaseModel):
 
 
 class TaskObject(BaseModel):
-    """One task, in Fleet's export format or the short form (DESIGN.md §4).
+    """One task, in Fleet's export format or the short form (docs/tasks.md).
 
     Only the shape is checked here; the task-file rules (required fields,
     formats agreeing, modality known, verifier parses...) are applied by

@@ -1,4 +1,4 @@
-"""Telemetry: rollout lifecycle events (DESIGN.md §8) and where they go.
+"""Telemetry: rollout lifecycle events (docs/telemetry.md) and where they go.
 
 - :mod:`~fleetroll.telemetry.events`: the one API that emits events;
 - :mod:`~fleetroll.telemetry.session`: set-up at the entry point

@@ -346,7 +346,7 @@ SELECT COUNT(*), COALESCE(SUM(started > 1), 0) FROM (
 
 @dataclass(frozen=True, slots=True)
 class CheckResult:
-    """The invariant of DESIGN.md §8: each start of a rollout id has one completion.
+    """The invariant of docs/telemetry.md: each start of a rollout id has one completion.
 
     A rollout started and completed once, or re-run after a resume (started
     twice, completed twice), passes.

@@ -17,7 +17,10 @@ import pytest
 from pydantic import AliasChoices, BaseModel
 
 from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult, Timings, VerifierOutcome
+from fleetroll.service.mcp_tools import build_mcp_server
+from fleetroll.service.openapi import openapi_document
 from fleetroll.settings import Settings
+from fleetroll.tasks import _KNOWN_FIELDS, FLEET_IGNORED_FIELDS
 from fleetroll.telemetry.events import BASE_ATTRIBUTES, EVENT_NAMES, Events, MemorySink
 from fleetroll.telemetry.sinks import CONSOLE_LEVELS
 from fleetroll.telemetry.store import COLUMNS
@@ -55,6 +58,13 @@ def names(page: str, heading: str) -> set[str]:
     matches = [h for h in tables if h == heading] or [h for h in tables if heading in h]
     assert len(matches) == 1, f"{page}: expected one table section {heading!r}, found {matches}"
     return {name for name, _ in tables[matches[0]]}
+
+
+# -- tasks.md -------------------------------------------------------------------------
+
+
+def test_every_task_field_read_or_ignored_is_documented_and_nothing_else() -> None:
+    assert names("tasks.md", "Fields") == _KNOWN_FIELDS | FLEET_IGNORED_FIELDS
 
 
 # -- results.md -------------------------------------------------------------------
@@ -121,6 +131,49 @@ def test_the_documented_base_attributes_are_the_bound_ones() -> None:
 
 def test_the_documented_store_columns_are_the_store_s() -> None:
     assert names("telemetry.md", "The local store") == set(COLUMNS)
+
+
+# -- http-api.md ----------------------------------------------------------------------
+
+
+def _documents() -> list[dict[str, Any]]:
+    return [openapi_document(version="0", token_required=t) for t in (False, True)]
+
+
+def test_every_route_of_the_service_is_documented() -> None:
+    text = (DOCS / "http-api.md").read_text(encoding="utf-8")
+    routes = {
+        (method.upper(), path)
+        for path, item in _documents()[0]["paths"].items()
+        for method in item
+        if method != "parameters"
+    } | {("GET", "/dashboard"), ("GET", "/dashboard/data")}
+    missing = [
+        f"{method} {path}"
+        for method, path in sorted(routes)
+        if not re.search(rf"`{method} {re.escape(path)}(\?[^`]*)?`", text)
+    ]
+    assert missing == []
+    assert "`/mcp`" in text
+
+
+def test_every_status_the_service_answers_is_documented() -> None:
+    answered = {
+        status
+        for document in _documents()
+        for item in document["paths"].values()
+        for method, operation in item.items()
+        if method != "parameters"
+        for status in operation["responses"]
+    }
+    assert {"401", "404", "409", "413", "421", "422", "503"} <= answered
+    assert answered - {"200", "201", "202"} <= names("http-api.md", "Errors")
+
+
+async def test_the_documented_mcp_tools_are_the_server_s() -> None:
+    server = build_mcp_server(None)  # type: ignore[arg-type]  # listing touches no service
+    tools = {tool.name for tool in await server.list_tools()}
+    assert names("http-api.md", "MCP tools") == tools
 
 
 # -- configuration.md ---------------------------------------------------------------

@@ -165,7 +165,7 @@ async def test_releasing_an_instance_that_is_already_gone_is_fine() -> None:
     async with Emulator() as emu:
         p = await provider(emu, MemorySink())
         made = await p.provision(TASK)
-        await made.env.close()
+        await p.fleet.delete(made.instance_id)  # gone before the release
         assert await p.release(made)
         await p.aclose()
 

@@ -21,6 +21,7 @@ from fleetroll.emulator.envs.base import SampleEnv, ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
 from fleetroll.errors import PolicyError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolCall, ToolSpec
+from fleetroll.provisioning import FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase, Rollout, RolloutEngine, RolloutIds
 from fleetroll.settings import config_dir, load_settings
@@ -43,9 +44,9 @@ async def engine(
     emu: Emulator, sink: MemorySink | None = None, **overrides: Any
 ) -> AsyncIterator[RolloutEngine]:
     settings = load_settings(**overrides)
-    async with RolloutEngine.open(
-        settings, Events([sink or MemorySink()]), api_key=emu.api_key, base_url=emu.base_url
-    ) as eng:
+    events = Events([sink or MemorySink()])
+    provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
+    async with RolloutEngine.open(settings, events, provider) as eng:
         yield eng
 
 

@@ -46,7 +46,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleetroll._serving import exit_transparently
 from fleetroll.errors import PoolFullError
 from fleetroll.policies import Policy
-from fleetroll.provisioning import CreateGate
+from fleetroll.provisioning import CreateGate, FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import EnvSession, Phase, Rollout, RolloutEngine, RolloutIds
 from fleetroll.settings import Settings
@@ -317,9 +317,13 @@ class RolloutPool:
                 RolloutEngine.open(
                     self.settings,
                     self.events,
-                    api_key=self._api_key,
-                    base_url=self._base_url,
-                    create_gate=self._create_gate,
+                    FleetProvider(
+                        self.settings,
+                        self.events,
+                        api_key=self._api_key,
+                        base_url=self._base_url,
+                        create_gate=self._create_gate,
+                    ),
                 )
             )
             self._tg = await stack.enter_async_context(anyio.create_task_group())

@@ -1,4 +1,9 @@
-"""Provisioning: Fleet instances through the real SDK, with one retry policy.
+"""Fleet as an environment provider: instances through the real SDK.
+
+:class:`FleetProvider` implements :class:`fleetroll.environments.Provider`
+for Fleet (and the embedded emulator): it is the only module of the core
+that talks to the ``fleet`` SDK (verification goes through
+:mod:`fleetroll.verification`, which it owns).
 
 * ``AsyncFleet(max_retries=0)``: the SDK's own transport retries (which would
   re-POST creates) are off, so every retry decision is made here, once.
@@ -21,29 +26,33 @@ import math
 import random
 import time
 from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 import httpx
+import httpx2
 import stamina
 from fleet._async import exceptions as fleet_errors
 from fleet._async.client import AsyncEnv, AsyncFleet
 from fleet.runner_auth import RunnerTokenProvider
 
+from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import ProvisionError
+from fleetroll.routing import Route, route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.telemetry.retries import route_retries_to_logging
+from fleetroll.tools import ToolSession, open_tool_session
+from fleetroll.verification import Verifier
 
 __all__ = [
     "Classification",
     "CreateGate",
     "FleetProvider",
     "LocalCreateGate",
-    "Provisioned",
     "TokenBucket",
     "classify",
 ]
@@ -168,18 +177,6 @@ class LocalCreateGate:
             yield
 
 
-@dataclass(frozen=True, slots=True)
-class Provisioned:
-    """An instance made for one rollout."""
-
-    instance_id: str
-    root_url: str
-    env: Any  # the SDK's AsyncEnv: reset, verify and close go through it
-    attempts: int
-    provision_s: float
-    created_mono: float
-
-
 async def _remember_retry_after(response: httpx.Response) -> None:
     value = response.headers.get("retry-after")
     if response.status_code >= 400 and value:
@@ -241,12 +238,77 @@ class FleetProvider:
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
         self._gate = create_gate or LocalCreateGate(p.max_concurrent_creates, p.creates_per_second)
+        self._verifier = Verifier(
+            timeout_s=t.verifier_s, max_source_bytes=settings.pool.max_verifier_bytes
+        )
+        # Built once: building TLS settings costs ~20 ms of blocking work.
+        self._mcp_tls = httpx2.create_ssl_context()
 
     async def aclose(self) -> None:
         for client in self._clients:
             await client.aclose()
 
-    async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Provisioned:
+    @staticmethod
+    def _env(instance: Instance) -> AsyncEnv:
+        env = instance.handle
+        assert isinstance(env, AsyncEnv), "an instance of another provider"
+        return env
+
+    async def reset(self, instance: Instance) -> None:
+        """Reset the instance to its seed state (``timeouts.reset_s``)."""
+        with anyio.fail_after(self._settings.timeouts.reset_s):
+            await self._env(instance).reset()
+
+    def route(self, instance: Instance, task: TaskSpec) -> Route:
+        """The MCP endpoint of ``task``'s modality on the instance (``[modalities]``)."""
+        urls = self._env(instance).urls
+        assert urls is not None  # provision() hands out running instances only
+        return route(
+            task.modality,
+            self._settings.modalities,
+            urls.root,
+            final_answer=task.requires_final_answer,
+        )
+
+    @asynccontextmanager
+    async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
+        """An MCP session on the route's endpoint over its own HTTP client.
+
+        One client per rollout: each Fleet instance is its own host anyway, and
+        one shared pool of thousands of connections costs a scan of all of them
+        on every request.
+        """
+        t = self._settings.timeouts
+        async with AsyncExitStack() as stack:
+            http = await stack.enter_async_context(self.mcp_client())
+            yield await stack.enter_async_context(
+                open_tool_session(
+                    route.url,
+                    http,
+                    connect_timeout_s=t.mcp_connect_s,
+                    call_timeout_s=t.call_tool_s,
+                    list_timeout_s=t.list_tools_s,
+                )
+            )
+
+    def mcp_client(self) -> httpx2.AsyncClient:
+        """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""
+        t = self._settings.timeouts
+        return httpx2.AsyncClient(
+            verify=self._mcp_tls,
+            timeout=httpx2.Timeout(
+                max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
+            ),
+            limits=httpx2.Limits(
+                max_connections=8, max_keepalive_connections=4, keepalive_expiry=t.http_keepalive_s
+            ),
+        )
+
+    async def verify(self, instance: Instance, task: TaskSpec, final_answer: str | None) -> Verdict:
+        """The task's verifier, run remotely by Fleet against the instance."""
+        return await self._verifier.verify(task, self._env(instance), final_answer)
+
+    async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
         """Create a running instance for ``task``, retrying transient failures.
 
         Raises:
@@ -336,14 +398,12 @@ class FleetProvider:
             attempts=attempt,
             instance_id=env.instance_id,
         )
-        assert env.urls is not None
-        return Provisioned(
+        return Instance(
             instance_id=env.instance_id,
-            root_url=env.urls.root,
-            env=env,
             attempts=attempt,
             provision_s=elapsed,
             created_mono=time.monotonic(),
+            handle=env,
         )
 
     async def _create_once(self, task: TaskSpec, run_id: str | None) -> AsyncEnv:
@@ -376,7 +436,7 @@ class FleetProvider:
                 await self._runner_tokens.token_async()
         env._runner_token_provider = self._runner_tokens
 
-    async def is_alive(self, instance: Provisioned) -> bool:
+    async def is_alive(self, instance: Instance) -> bool:
         """Whether Fleet still reports the instance running.
 
         Used to tell "the instance died" from "a call failed". When the control
@@ -392,7 +452,7 @@ class FleetProvider:
             return bool(current.status == "running")
         return True
 
-    async def release(self, instance: Provisioned) -> bool:
+    async def release(self, instance: Instance) -> bool:
         """Delete the instance; shielded from cancellation and bounded in time.
 
         Returns whether Fleet confirmed the release (a 404 counts: it is gone).
@@ -402,7 +462,7 @@ class FleetProvider:
         error: str | None = None
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
             try:
-                await instance.env.close()
+                await self._env(instance).close()
             except fleet_errors.FleetAPIError as exc:
                 if "not found" not in str(exc).lower():
                     error = f"{type(exc).__name__}: {exc}"

@@ -38,9 +38,9 @@ from enum import StrEnum
 from typing import Any, TypeVar
 
 import anyio
-import httpx2
 from pydantic import SecretStr
 
+from fleetroll.environments import Instance, Provider
 from fleetroll.errors import (
     InstanceLostError,
     OperationTimeout,
@@ -49,7 +49,6 @@ from fleetroll.errors import (
     ToolsError,
 )
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
-from fleetroll.provisioning import CreateGate, FleetProvider, Provisioned
 from fleetroll.results import (
     SCORED_REASONS,
     FailureReason,
@@ -57,12 +56,11 @@ from fleetroll.results import (
     Timings,
     VerifierOutcome,
 )
-from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route, route
+from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
-from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe, open_tool_session
-from fleetroll.verification import Verifier
+from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe
 
 T = TypeVar("T")
 
@@ -101,7 +99,7 @@ class StepResult:
 class RolloutEngine:
     """What rollouts share: settings, the instance provider, telemetry, HTTP."""
 
-    def __init__(self, settings: Settings, provider: FleetProvider, events: Events) -> None:
+    def __init__(self, settings: Settings, provider: Provider, events: Events) -> None:
         self.settings = settings
         self.provider = provider
         self.events = events
@@ -112,46 +110,13 @@ class RolloutEngine:
             for value in settings.__dict__.values()
             if isinstance(value, SecretStr)
         )
-        self.verifier = Verifier(
-            timeout_s=settings.timeouts.verifier_s,
-            max_source_bytes=settings.pool.max_verifier_bytes,
-        )
-        # Built once: building TLS settings costs ~20 ms of blocking work.
-        self._ssl = httpx2.create_ssl_context()
-
-    def mcp_client(self) -> httpx2.AsyncClient:
-        """An HTTP client for one rollout's MCP session.
-
-        One per rollout: each Fleet instance is its own host anyway, and one
-        shared pool of thousands of connections costs a scan of all of them
-        on every request.
-        """
-        t = self.settings.timeouts
-        return httpx2.AsyncClient(
-            verify=self._ssl,
-            timeout=httpx2.Timeout(
-                max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
-            ),
-            limits=httpx2.Limits(
-                max_connections=8, max_keepalive_connections=4, keepalive_expiry=t.http_keepalive_s
-            ),
-        )
 
     @classmethod
     @asynccontextmanager
     async def open(
-        cls,
-        settings: Settings,
-        events: Events,
-        *,
-        api_key: str,
-        base_url: str | None,
-        create_gate: CreateGate | None = None,
+        cls, settings: Settings, events: Events, provider: Provider
     ) -> AsyncIterator[RolloutEngine]:
-        """An engine with its own instance provider, closed on exit."""
-        provider = FleetProvider(
-            settings, events, api_key=api_key, base_url=base_url, create_gate=create_gate
-        )
+        """An engine over ``provider``, which it closes on exit."""
         try:
             yield cls(settings, provider, events)
         finally:
@@ -236,7 +201,7 @@ class Rollout:
         self.ids = ids
         self.run_id = run_id
         self.phase = Phase.PENDING
-        self.instance: Provisioned | None = None
+        self.instance: Instance | None = None
         self.route: Route | None = None
         self.tools: list[ToolSpec] = []
         self.session: ToolSession | None = None
@@ -353,22 +318,10 @@ class Rollout:
         await self._reset()
 
         self.phase = Phase.CONNECTING
-        self.route = route(
-            self.task.modality,
-            s.modalities,
-            self.instance.root_url,
-            final_answer=self.task.requires_final_answer,
-        )
+        self.route = e.provider.route(self.instance, self.task)
         try:
-            http = await stack.enter_async_context(e.mcp_client())
             self.session = await stack.enter_async_context(
-                open_tool_session(
-                    self.route.url,
-                    http,
-                    connect_timeout_s=s.timeouts.mcp_connect_s,
-                    call_timeout_s=s.timeouts.call_tool_s,
-                    list_timeout_s=s.timeouts.list_tools_s,
-                )
+                e.provider.open_tools(self.instance, self.route)
             )
             available = await self.session.list_tools()
             self.tools = self.route.select(available)
@@ -424,8 +377,7 @@ class Rollout:
         timeout = self.engine.settings.timeouts.reset_s
         began = time.monotonic()
         try:
-            with anyio.fail_after(timeout):
-                await self.instance.env.reset()
+            await self.engine.provider.reset(self.instance)
         except Exception as exc:  # reset is best effort: the instance is fresh anyway
             self.engine.events.emit(
                 "fleet_env_reset_failed",
@@ -562,7 +514,7 @@ class Rollout:
         began = time.monotonic()
         # The verifier has its own deadline, outside the rollout's: a rollout
         # that timed out is still scored (docs/results.md).
-        verdict = await self.engine.verifier.verify(self.task, self.instance.env, p.final_answer)
+        verdict = await self.engine.provider.verify(self.instance, self.task, p.final_answer)
         p.timings.verify_s = time.monotonic() - began
         p.verifier = verdict.outcome
         if verdict.ok:

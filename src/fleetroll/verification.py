@@ -30,11 +30,12 @@ import stamina
 from fleet._async import exceptions as fleet_errors
 from fleet._async.verifiers.verifier import AsyncVerifierFunction
 
+from fleetroll.environments import Verdict
 from fleetroll.results import VerifierOutcome
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.retries import route_retries_to_logging
 
-__all__ = ["Verdict", "Verifier", "verifier_signature"]
+__all__ = ["Verifier", "verifier_signature"]
 
 _ATTEMPTS = 3
 
@@ -45,19 +46,6 @@ _PARSE_LOCK = threading.Lock()
 
 #: Verifiers remembered (by content) per engine; the oldest is forgotten first.
 _CACHE_MAX = 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """A reward, or why there is none."""
-
-    reward: float | None
-    outcome: VerifierOutcome
-    error_type: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.reward is not None
 
 
 def verifier_signature(code: str) -> tuple[str, bool]:

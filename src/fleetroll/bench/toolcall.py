@@ -3,7 +3,7 @@
 One instance on a fresh emulator with no injected latency, so a call costs
 what the protocol and the clients cost on this machine. fleetroll's session
 is opened as a rollout opens it (:func:`~fleetroll.tools.open_tool_session`
-over :meth:`RolloutEngine.mcp_client`) and calls go through
+over :meth:`FleetProvider.mcp_client`) and calls go through
 :meth:`ToolSession.call` (deadline, error translation, normalisation); the
 bare session is ``mcp.Client(url)`` and ``call_tool``, nothing else. Calls
 alternate between the two (and which goes first), so drift on a busy machine
@@ -14,7 +14,8 @@ reference's habit) are timed too.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 import anyio
 from mcp import Client
@@ -24,8 +25,7 @@ from fleetroll.bench.records import ToolCallRecord, ToolCallStats, load_average
 from fleetroll.bench.scenarios import Scenario, bench_tasks
 from fleetroll.emulator.faults import FaultProfile
 from fleetroll.emulator.process import EmulatorProcess
-from fleetroll.rollout import RolloutEngine
-from fleetroll.routing import route
+from fleetroll.provisioning import FleetProvider
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events
 from fleetroll.tools import open_tool_session
@@ -66,6 +66,15 @@ class _Series:
         )
 
 
+@asynccontextmanager
+async def _fleet(settings: Settings, emu: EmulatorProcess) -> AsyncIterator[FleetProvider]:
+    provider = FleetProvider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
+    try:
+        yield provider
+    finally:
+        await provider.aclose()
+
+
 async def tool_call_bench(scenario: Scenario, calls: int, settings: Settings) -> ToolCallRecord:
     """Time ``calls`` calls through each client on one instance, interleaved.
 
@@ -78,23 +87,16 @@ async def tool_call_bench(scenario: Scenario, calls: int, settings: Settings) ->
     fleetroll = _Series("fleetroll ToolSession")
     bare = _Series("bare mcp Client")
     fresh = _Series("fresh session per call")
-    async with (
-        EmulatorProcess(FaultProfile()) as emu,
-        RolloutEngine.open(
-            settings, Events(), api_key=emu.api_key, base_url=emu.base_url
-        ) as engine,
-    ):
+    async with EmulatorProcess(FaultProfile()) as emu, _fleet(settings, emu) as provider:
         assert emu.pid is not None
         began = time.perf_counter()
         before = (machine_cpu_s(), CpuClock.now(), process_tree_cpu_s(emu.pid))
-        instance = await engine.provider.provision(task, run_id="tool-call-bench")
+        instance = await provider.provision(task, run_id="tool-call-bench")
         try:
-            url = route(
-                task.modality, settings.modalities, instance.root_url, final_answer=False
-            ).url
+            url = provider.route(instance, task).url
             with anyio.fail_after(scenario.wall_limit_s):
                 async with (
-                    engine.mcp_client() as http,
+                    provider.mcp_client() as http,
                     open_tool_session(
                         url,
                         http,
@@ -126,7 +128,7 @@ async def tool_call_bench(scenario: Scenario, calls: int, settings: Settings) ->
                 for _ in range(min(calls, _FRESH_SESSION_CALLS)):
                     await fresh.time(fresh_call)
         finally:
-            await engine.provider.release(instance)
+            await provider.release(instance)
         elapsed = time.perf_counter() - began
         machine, own, emulator = machine_cpu_s(), CpuClock.now(), process_tree_cpu_s(emu.pid)
     ours_stats, bare_stats = fleetroll.stats(), bare.stats()

@@ -1,0 +1,115 @@
+"""The environment-provider seam: where a rollout's environment lives.
+
+A :class:`Provider` makes an :class:`Instance` for a task, resets it, says
+where its MCP tools are and opens a session on them, runs the task's
+verifier against it, and releases it. The rollout's state machine
+(:mod:`fleetroll.rollout`) only talks to this protocol; Fleet is one
+implementation (:class:`fleetroll.provisioning.FleetProvider`, the only
+module of the core that imports the ``fleet`` SDK).
+
+Contract for implementations:
+
+* every method runs under its own deadline from the settings;
+* :meth:`Provider.release` and :meth:`Provider.sweep` never raise, and are
+  shielded from cancellation and bounded in time;
+* :meth:`Provider.verify` never raises for a verifier's problems: they come
+  back as a :class:`Verdict` without a reward.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from fleetroll.results import VerifierOutcome
+
+if TYPE_CHECKING:
+    from fleetroll.routing import Route
+    from fleetroll.tasks import TaskSpec
+    from fleetroll.tools import ToolSession
+
+__all__ = ["Instance", "Provider", "Verdict"]
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """An environment made for one rollout.
+
+    Attributes:
+        instance_id: the provider's id for it (in results and telemetry).
+        attempts: create attempts it took.
+        provision_s: seconds from the first attempt to ready.
+        created_mono: ``time.monotonic()`` when it became ready.
+        handle: the provider's own object; nothing else touches it.
+    """
+
+    instance_id: str
+    attempts: int
+    provision_s: float
+    created_mono: float
+    handle: object
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """A reward, or why there is none."""
+
+    reward: float | None
+    outcome: VerifierOutcome
+    error_type: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.reward is not None
+
+
+class Provider(Protocol):
+    """Makes, drives and releases the environments of rollouts."""
+
+    async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
+        """A ready instance for ``task``, transient failures retried.
+
+        Raises:
+            ProvisionError: permanent failure, or the attempts or budget ran out.
+        """
+        ...
+
+    async def reset(self, instance: Instance) -> None:
+        """Bring the instance back to the task's start state (may raise)."""
+        ...
+
+    def route(self, instance: Instance, task: TaskSpec) -> Route:
+        """Where the rollout's tool calls go, and which tools it may see."""
+        ...
+
+    def open_tools(
+        self, instance: Instance, route: Route
+    ) -> AbstractAsyncContextManager[ToolSession]:
+        """An MCP session on the route's endpoint, for the rollout's life.
+
+        Raises:
+            OperationTimeout: no connection within the connect deadline.
+            ToolsError: a connection failure that retrying cannot fix.
+        """
+        ...
+
+    async def verify(self, instance: Instance, task: TaskSpec, final_answer: str | None) -> Verdict:
+        """Run the task's verifier against the instance; never raises for its problems."""
+        ...
+
+    async def is_alive(self, instance: Instance) -> bool:
+        """Whether the instance still runs (presumed alive when it cannot be told)."""
+        ...
+
+    async def release(self, instance: Instance) -> bool:
+        """Give the instance back; whether that was confirmed. Never raises."""
+        ...
+
+    async def sweep(self, run_id: str) -> int:
+        """Release every instance still running under ``run_id``; never raises."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close what the provider holds (HTTP clients)."""
+        ...

@@ -1,0 +1,135 @@
+"""A provider double for unit tests: no sockets, no subprocesses.
+
+:class:`FakeProvider` implements :class:`fleetroll.environments.Provider`
+(mypy checks it against the protocol) over an in-memory MCP server, so the
+rollout state machine runs for real in milliseconds: provisioning, reset,
+tool calls over a real MCP session, verification and release.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import anyio
+from mcp import Client
+from mcp.server.mcpserver import MCPServer
+
+from fleetroll.environments import Instance, Provider, Verdict
+from fleetroll.errors import ProvisionError
+from fleetroll.results import VerifierOutcome
+from fleetroll.routing import Route, route
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.tools import ToolSession
+
+__all__ = ["FakeProvider", "FakeState"]
+
+
+@dataclass
+class FakeState:
+    """One fake instance: what its tools did, for the verifier to read."""
+
+    instance_id: str
+    calls: list[str] = field(default_factory=list)
+    alive: bool = True
+
+
+class FakeProvider:
+    """Instances that live in a dict; tools ``note`` (records a word) and ``hang``.
+
+    The verifier's reward is 1.0 when a ``note`` call recorded the word
+    ``"done"``, else 0.0. Knobs make each operation fail the way a real
+    environment can.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        provision_error: ProvisionError | None = None,
+        verify_error: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.provision_error = provision_error
+        self.verify_error = verify_error
+        self.states: dict[str, FakeState] = {}
+        self.released: list[str] = []
+        self.resets = 0
+        self._ids = itertools.count(1)
+
+    @staticmethod
+    def _server(state: FakeState) -> MCPServer:
+        server = MCPServer("fake")
+
+        @server.tool(description="Write a word into the instance's notes.")
+        def note(word: str) -> str:
+            state.calls.append(word)
+            return f"noted {word}"
+
+        @server.tool(description="Never answers.")
+        async def hang() -> str:
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        return server
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in self.states.values() if s.alive)
+
+    async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
+        await anyio.lowlevel.checkpoint()
+        if self.provision_error is not None:
+            raise self.provision_error
+        state = FakeState(f"fake-{next(self._ids)}")
+        self.states[state.instance_id] = state
+        return Instance(state.instance_id, 1, 0.0, time.monotonic(), handle=state)
+
+    async def reset(self, instance: Instance) -> None:
+        self.resets += 1
+
+    def route(self, instance: Instance, task: TaskSpec) -> Route:
+        return route(
+            task.modality,
+            self.settings.modalities,
+            f"memory://{instance.instance_id}/",
+            final_answer=task.requires_final_answer,
+        )
+
+    @asynccontextmanager
+    async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
+        assert isinstance(instance.handle, FakeState)
+        t = self.settings.timeouts
+        async with Client(self._server(instance.handle)) as client:
+            yield ToolSession(
+                client, route.url, call_timeout_s=t.call_tool_s, list_timeout_s=t.list_tools_s
+            )
+
+    async def verify(self, instance: Instance, task: TaskSpec, final_answer: str | None) -> Verdict:
+        assert isinstance(instance.handle, FakeState)
+        if self.verify_error is not None:
+            return Verdict(None, VerifierOutcome(success=False, error=self.verify_error), "Boom")
+        reward = 1.0 if "done" in instance.handle.calls else 0.0
+        return Verdict(reward, VerifierOutcome(success=True, stdout=""))
+
+    async def is_alive(self, instance: Instance) -> bool:
+        return self.states[instance.instance_id].alive
+
+    async def release(self, instance: Instance) -> bool:
+        self.states[instance.instance_id].alive = False
+        self.released.append(instance.instance_id)
+        return True
+
+    async def sweep(self, run_id: str) -> int:
+        return 0
+
+    async def aclose(self) -> None:
+        pass
+
+
+def _type_check(settings: Settings) -> Provider:
+    return FakeProvider(settings)  # mypy: the double satisfies the protocol

@@ -1,0 +1,128 @@
+"""The rollout state machine on the provider double: every path, in milliseconds.
+
+These run the real :class:`fleetroll.rollout.Rollout` (deadlines, failure
+reasons, release on every path, exactly one started and one completed event)
+against :class:`fleetroll.testing.fake_provider.FakeProvider`, an in-memory MCP server behind the
+:class:`fleetroll.environments.Provider` protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import pytest
+
+from fleetroll.errors import ProvisionError
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout import RolloutEngine, RolloutIds
+from fleetroll.settings import load_settings
+from fleetroll.tasks import SolutionStep, TaskSpec
+from fleetroll.telemetry.events import Events, MemorySink
+from fleetroll.testing.fake_provider import FakeProvider
+
+TASK = TaskSpec(
+    key="note-done",
+    prompt="Write done.",
+    env_key="fake",
+    modality="tool_use",
+    verifier_func="def verify(env):\n    return 1.0\n",
+    solution=(SolutionStep(name="note", arguments={"word": "done"}),),
+)
+HANGING = TASK.model_copy(
+    update={"key": "hangs", "solution": (SolutionStep(name="hang", arguments={}),)}
+)
+
+
+@asynccontextmanager
+async def engine(
+    sink: MemorySink, provider_options: dict[str, Any] | None = None, **overrides: Any
+) -> AsyncIterator[tuple[RolloutEngine, FakeProvider]]:
+    settings = load_settings(**overrides)
+    provider = FakeProvider(settings, **(provider_options or {}))
+    async with RolloutEngine.open(settings, Events([sink]), provider) as eng:
+        yield eng, provider
+
+
+async def run(task: TaskSpec, **options: Any) -> tuple[RolloutResult, FakeProvider, MemorySink]:
+    sink = MemorySink()
+    async with engine(sink, **options) as (eng, provider):
+        with anyio.fail_after(10):
+            result = await eng.rollout(task, RolloutIds("b", "r")).run(ScriptedPolicy())
+    started = [e.attributes["rollout_id"] for e in sink.named("fleet_rollout_started")]
+    completed = [e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed")]
+    assert started == completed == ["r"]
+    assert provider.running == 0
+    return result, provider, sink
+
+
+async def test_a_solved_rollout_completes_with_the_verifiers_reward() -> None:
+    result, provider, _ = await run(TASK)
+
+    assert (result.status, result.failure_reason, result.reward) == ("completed", None, 1.0)
+    assert result.steps == 1 and result.tool_errors == result.tool_failures == 0
+    assert provider.resets == 1 and provider.released == [result.instance_id]
+
+
+async def test_a_provisioning_failure_is_init_error_with_no_reward_and_nothing_to_release() -> None:
+    failure = ProvisionError("no capacity", transient=True)
+    result, provider, _ = await run(TASK, provider_options={"provision_error": failure})
+
+    assert result.failure_reason is FailureReason.INIT_ERROR and result.reward is None
+    assert "no capacity" in (result.error or "") and provider.released == []
+
+
+async def test_a_hung_tool_call_is_a_tool_failure_and_the_instance_is_released() -> None:
+    result, provider, sink = await run(HANGING, timeouts={"call_tool_s": 0.05})
+
+    assert result.failure_reason is FailureReason.TOOL_FAILURE and result.reward is None
+    assert result.tool_failures == 1 and provider.released == [result.instance_id]
+    assert sink.named("fleet_tool_call_failed")
+
+
+async def test_a_verifier_that_cannot_run_is_verifier_error_never_a_zero() -> None:
+    result, _, _ = await run(TASK, provider_options={"verify_error": "no runtime"})
+
+    assert result.failure_reason is FailureReason.VERIFIER_ERROR and result.reward is None
+    assert result.verifier is not None and result.verifier.error == "no runtime"
+
+
+async def test_a_rollout_past_its_deadline_is_timeout_and_still_scored() -> None:
+    result, provider, _ = await run(
+        HANGING, timeouts={"rollout_s": 0.05}, pool={"on_tool_failure": "continue"}
+    )
+
+    assert result.failure_reason is FailureReason.TIMEOUT
+    assert result.reward == 0.0  # the verifier's verdict on an undone task, as configured
+    assert provider.released == [result.instance_id]
+
+
+async def test_cancelling_a_rollout_releases_its_instance_and_records_cancelled() -> None:
+    sink = MemorySink()
+    async with engine(sink) as (eng, provider):
+        rollout = eng.rollout(HANGING, RolloutIds("b", "r"))
+        with anyio.move_on_after(0.1):
+            await rollout.run(ScriptedPolicy())
+    assert rollout.result is not None
+    assert rollout.result.failure_reason is FailureReason.CANCELLED
+    assert rollout.result.reward is None and provider.running == 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 8])
+async def test_concurrent_rollouts_each_get_their_own_instance(concurrency: int) -> None:
+    sink = MemorySink()
+    async with engine(sink) as (eng, provider):
+        results: list[RolloutResult] = []
+
+        async def one(n: int) -> None:
+            results.append(await eng.rollout(TASK, RolloutIds("b", f"r{n}")).run(ScriptedPolicy()))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                for n in range(concurrency):
+                    tg.start_soon(one, n)
+    assert [r.reward for r in results] == [1.0] * concurrency
+    assert len({r.instance_id for r in results}) == concurrency == len(provider.released)

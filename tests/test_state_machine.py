@@ -15,10 +15,11 @@ from typing import Any
 import anyio
 import pytest
 
+from fleetroll.engine import RolloutEngine
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import RolloutEngine, RolloutIds
+from fleetroll.rollout import RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink

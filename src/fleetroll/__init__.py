@@ -14,6 +14,7 @@ The embedded emulator lives in :mod:`fleetroll.emulator`. Everything not in
 """
 
 from fleetroll.client import FleetrollClient, ServiceError
+from fleetroll.env_session import EnvSession, StepResult
 from fleetroll.errors import (
     ConfigError,
     FleetrollError,
@@ -36,7 +37,6 @@ from fleetroll.policies import (
 )
 from fleetroll.pool import Batch, BatchCounts, RolloutPool
 from fleetroll.results import FailureReason, RolloutResult, Timings, VerifierOutcome
-from fleetroll.rollout import EnvSession, StepResult
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
 from fleetroll.tools import ToolResult

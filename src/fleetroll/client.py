@@ -44,10 +44,10 @@ from typing import Any, Self
 import anyio
 import httpx
 
+from fleetroll.env_session import StepResult
 from fleetroll.errors import FleetrollError, InstanceLostError
 from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import StepResult
 from fleetroll.service.models import BatchState, PolicyConfig
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools import ToolResult

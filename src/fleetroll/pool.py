@@ -44,11 +44,13 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from fleetroll._serving import exit_transparently
+from fleetroll.engine import RolloutEngine
+from fleetroll.env_session import EnvSession
 from fleetroll.errors import PoolFullError
 from fleetroll.policies import Policy
 from fleetroll.provisioning import CreateGate, FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import EnvSession, Phase, Rollout, RolloutEngine, RolloutIds
+from fleetroll.rollout import Phase, Rollout, RolloutIds
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events

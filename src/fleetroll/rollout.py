@@ -13,10 +13,9 @@ error, a timeout, cancellation — the instance is released (shielded and
 bounded), ``fleet_rollout_completed`` is emitted exactly once, and
 :attr:`Rollout.result` holds a result with the right ``failure_reason``.
 
-Controllers that drive the model themselves use :meth:`RolloutEngine.session`
-(``reset()``, ``step()``, ``done()``, ``close()``): an episode that ends (the
-task's final answer, or ``done()``) completes; closing a session that has not
-finished scores it anyway (``abandoned``).
+What rollouts share (settings, the provider, telemetry) is the engine
+(:mod:`fleetroll.engine`); the transcript is :mod:`fleetroll.transcript`; the
+env-style session API on top of a rollout is :mod:`fleetroll.env_session`.
 
 A tool call that fails for infrastructure reasons (timeout, transport error,
 instance gone) is counted in ``tool_failures`` and, unless
@@ -31,16 +30,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-from pydantic import SecretStr
 
-from fleetroll.environments import Instance, Provider
+from fleetroll.env_session import StepResult
+from fleetroll.environments import Instance
 from fleetroll.errors import (
     InstanceLostError,
     OperationTimeout,
@@ -57,14 +56,17 @@ from fleetroll.results import (
     VerifierOutcome,
 )
 from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route
-from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry.events import Events, Redactor
+from fleetroll.telemetry.events import Events
 from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe
+from fleetroll.transcript import Transcript
+
+if TYPE_CHECKING:
+    from fleetroll.engine import RolloutEngine
 
 T = TypeVar("T")
 
-__all__ = ["EnvSession", "Phase", "Rollout", "RolloutEngine", "RolloutIds", "StepResult"]
+__all__ = ["Phase", "Rollout", "RolloutIds"]
 
 
 class Phase(StrEnum):
@@ -87,84 +89,6 @@ class RolloutIds:
     group_id: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What :meth:`EnvSession.step` answers."""
-
-    observation: ToolResult
-    done: bool
-    messages: tuple[dict[str, Any], ...] = ()
-
-
-class RolloutEngine:
-    """What rollouts share: settings, the instance provider, telemetry, HTTP."""
-
-    def __init__(self, settings: Settings, provider: Provider, events: Events) -> None:
-        self.settings = settings
-        self.provider = provider
-        self.events = events
-        #: Telemetry's redactor, knowing every secret of ``settings`` too; results
-        #: go through it (an ``Events`` built without settings knows none).
-        self.redactor: Redactor = events.redactor.extended(
-            value.get_secret_value()
-            for value in settings.__dict__.values()
-            if isinstance(value, SecretStr)
-        )
-
-    @classmethod
-    @asynccontextmanager
-    async def open(
-        cls, settings: Settings, events: Events, provider: Provider
-    ) -> AsyncIterator[RolloutEngine]:
-        """An engine over ``provider``, which it closes on exit."""
-        try:
-            yield cls(settings, provider, events)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await provider.aclose()
-
-    def rollout(
-        self,
-        task: TaskSpec,
-        ids: RolloutIds,
-        *,
-        run_id: str | None = None,
-        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
-    ) -> Rollout:
-        """A rollout, not started. ``gate`` is entered once its instance is ready
-        and held until it ends (the pool's limit on active rollouts)."""
-        return Rollout(self, task, ids, run_id=run_id, gate=gate)
-
-    async def run(
-        self, task: TaskSpec, policy: Policy, ids: RolloutIds, *, run_id: str | None = None
-    ) -> RolloutResult:
-        """Run one rollout to its result (see :meth:`Rollout.run`)."""
-        return await self.rollout(task, ids, run_id=run_id).run(policy)
-
-    @asynccontextmanager
-    async def session(
-        self,
-        task: TaskSpec,
-        ids: RolloutIds,
-        *,
-        run_id: str | None = None,
-        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
-    ) -> AsyncIterator[EnvSession]:
-        """An env-style session for a controller that drives the model itself.
-
-        Raises:
-            ToolsError, ProvisionError: the environment could not be set up;
-                the result is still recorded on the returned rollout.
-        """
-        rollout = self.rollout(task, ids, run_id=run_id, gate=gate)
-        async with rollout.lifecycle() as ready:
-            if not ready:
-                raise rollout.setup_error()
-            env = EnvSession(rollout)
-            yield env
-            await env.close()
-
-
 @dataclass
 class _Progress:
     """The mutable state of one rollout (only its own task touches it)."""
@@ -180,7 +104,7 @@ class _Progress:
     reward: float | None = None
     verifier: VerifierOutcome | None = None
     timings: Timings = field(default_factory=Timings)
-    messages: list[dict[str, Any]] = field(default_factory=list)
+    transcript: Transcript = field(default_factory=Transcript)
 
 
 class Rollout:
@@ -346,7 +270,7 @@ class Rollout:
                 f"instance {self.instance.instance_id} is gone: {detail}" if lost else detail,
             )
             return False
-        self._p.messages.append({"role": "user", "content": self.task.prompt})
+        self._p.transcript.add_prompt(self.task.prompt)
         self.phase = Phase.ACTING
         return True
 
@@ -400,7 +324,7 @@ class Rollout:
             began = time.monotonic()
             try:
                 with anyio.fail_after(timeout):
-                    turn = await policy.act(self.task, self._p.messages, self.tools)
+                    turn = await policy.act(self.task, self._p.transcript.messages, self.tools)
             except TimeoutError:
                 self._fail(FailureReason.POLICY_ERROR, f"the policy took over {timeout:g} s")
                 return
@@ -416,7 +340,7 @@ class Rollout:
 
     async def apply(self, turn: AssistantTurn) -> None:
         """Record an assistant turn and run its tool calls."""
-        self._p.messages.append(_assistant_message(turn))
+        self._p.transcript.add_turn(turn)
         if not turn.tool_calls:
             self._p.finished = True
             return
@@ -434,7 +358,7 @@ class Rollout:
             self._p.final_answer = answer if isinstance(answer, str) else json.dumps(answer)
             self._p.finished = True
             result = ToolResult(text="Final answer recorded.")
-            self._record(call, result)
+            self._p.transcript.add_answer(call, result)
             return result
         allowed = {t.name for t in self.tools}
         if call.arguments_error:
@@ -472,7 +396,7 @@ class Rollout:
                         '(pool.on_tool_failure = "continue" would go on)',
                     )
                 result = ToolResult(text=f"Error: the tool call failed: {exc}", is_error=True)
-                self._record(call, result)
+                self._p.transcript.add_answer(call, result)
                 return result
             finally:
                 self._p.timings.tools_s += time.monotonic() - began
@@ -486,17 +410,8 @@ class Rollout:
                 )
         if result.is_error:
             self._p.tool_errors += 1
-        self._record(call, result)
+        self._p.transcript.add_answer(call, result)
         return result
-
-    def _record(self, call: ToolCall, result: ToolResult) -> None:
-        self._p.messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})
-        if result.images:
-            parts: list[dict[str, Any]] = [
-                {"type": "text", "text": f"Screenshot after {call.name} ({call.id}):"}
-            ]
-            parts += [{"type": "image_url", "image_url": {"url": url}} for url in result.images]
-            self._p.messages.append({"role": "user", "content": parts})
 
     # -- the end ------------------------------------------------------------
 
@@ -616,9 +531,7 @@ class Rollout:
             final_answer=None if p.final_answer is None else redact(p.final_answer),
             timings=p.timings.model_copy(),
             verifier=verifier,
-            transcript=[
-                _redact_message(m if keep_images else _elide_images(m), redact) for m in p.messages
-            ],
+            transcript=p.transcript.export(redact, keep_images=keep_images),
         )
 
     async def step(self, call: ToolCall) -> StepResult:
@@ -638,8 +551,8 @@ class Rollout:
             over = "The step budget ran out."
         if over is not None:
             return StepResult(ToolResult(text=over, is_error=True), True)
-        before = len(self._p.messages)
-        self._p.messages.append(_assistant_message(AssistantTurn(tool_calls=(call,))))
+        before = len(self._p.transcript)
+        self._p.transcript.add_turn(AssistantTurn(tool_calls=(call,)))
         self._p.steps += 1
         result: ToolResult | None = None
         with anyio.CancelScope(deadline=self._deadline) as scope:
@@ -653,7 +566,7 @@ class Rollout:
                 operation="step",
                 rollout_id=self.ids.rollout_id,
             )
-        return StepResult(result, self.finished, tuple(self._p.messages[before:]))
+        return StepResult(result, self.finished, self._p.transcript.since(before))
 
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         """The result of a rollout that ended before it started (no events)."""
@@ -670,7 +583,7 @@ class Rollout:
 
     @property
     def messages(self) -> list[dict[str, Any]]:
-        return self._p.messages
+        return self._p.transcript.messages
 
     def finish(self) -> None:
         """The controller ended the episode: it completes (and is scored)."""
@@ -686,117 +599,3 @@ class Rollout:
             FailureReason.TIMEOUT,
             f"the rollout passed its {self.engine.settings.timeouts.rollout_s:g} s deadline",
         )
-
-
-class EnvSession:
-    """The env-style API: ``reset()``, ``step(call)``, ``done()``, ``close()``.
-
-    The episode ends when the agent submits the task's final answer (a
-    ``submit_final_answer`` step), when the controller calls :meth:`done`,
-    or on a failure (deadline, step budget, a lost instance...). An episode
-    that ended so is ``completed`` and scored; closing the session before
-    that is ``abandoned`` (still scored).
-    """
-
-    def __init__(self, rollout: Rollout) -> None:
-        self._rollout = rollout
-        self._count = 0
-
-    @property
-    def tools(self) -> list[ToolSpec]:
-        return list(self._rollout.tools)
-
-    @property
-    def instance_id(self) -> str | None:
-        inst = self._rollout.instance
-        return inst.instance_id if inst else None
-
-    async def reset(self) -> list[dict[str, Any]]:
-        """The opening messages (the task prompt). The instance is fresh already."""
-        return list(self._rollout.messages)
-
-    async def step(self, call: ToolCall | Mapping[str, Any]) -> StepResult:
-        """Run one tool call; ``done`` once the episode is over.
-
-        Raises:
-            InstanceLostError: the instance is gone.
-        """
-        r = self._rollout
-        if isinstance(call, Mapping):
-            self._count += 1
-            call = ToolCall(
-                id=str(call.get("id") or f"call_{self._count}"),
-                name=str(call["name"]),
-                arguments=dict(call.get("arguments") or {}),
-            )
-        return await r.step(call)
-
-    async def done(self) -> None:
-        """Say the episode is over: the agent finished the task.
-
-        Async, like the HTTP client's session, so a controller's code is the
-        same for both. The result is then ``completed`` (the verifier decides
-        the reward);
-        later steps answer "The episode is over.". Without it, a session
-        whose task needs no final answer ends ``abandoned`` when closed.
-        """
-        self._rollout.finish()
-
-    async def close(self) -> RolloutResult | None:
-        """End the episode (``abandoned`` if it had not ended, see :meth:`done`).
-
-        The rollout is scored and its instance released when the session's
-        ``async with`` block exits; called after the block, this returns the
-        result, inside it None.
-        """
-        self._rollout.abandon()
-        return self._rollout.result
-
-
-def _assistant_message(turn: AssistantTurn) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.tool_calls:
-        message["tool_calls"] = [
-            {
-                "id": c.id,
-                "type": "function",
-                # The model's own string when there is one: the transcript is training data.
-                "function": {
-                    "name": c.name,
-                    "arguments": c.raw_arguments
-                    if c.raw_arguments is not None
-                    else json.dumps(dict(c.arguments)),
-                },
-            }
-            for c in turn.tool_calls
-        ]
-    return message
-
-
-def _redact_message(message: dict[str, Any], redact: Redactor) -> dict[str, Any]:
-    """``message`` with every string in it redacted, images (data URLs) left alone."""
-
-    def clean(value: Any) -> Any:
-        if isinstance(value, str):
-            return value if value.startswith("data:") else redact(value)
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [clean(v) for v in value]
-        return value
-
-    return {k: clean(v) for k, v in message.items()}
-
-
-def _elide_images(message: dict[str, Any]) -> dict[str, Any]:
-    content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    parts = []
-    for part in content:
-        if isinstance(part, dict) and part.get("type") == "image_url":
-            url = str(part.get("image_url", {}).get("url", ""))
-            parts.append({"type": "text", "text": f"[image: {len(url) * 3 // 4 // 1024} KB]"})
-        else:
-            parts.append(part)
-    return {**message, "content": parts}

@@ -26,10 +26,10 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from fleetroll.env_session import EnvSession, StepResult
 from fleetroll.errors import InstanceLostError, ProvisionError
 from fleetroll.pool import RolloutPool
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import EnvSession, StepResult
 from fleetroll.service.errors import ApiError
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import Observation, SessionOpened, ToolInfo

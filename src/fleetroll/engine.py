@@ -1,0 +1,95 @@
+"""What rollouts share: settings, the environment provider, telemetry.
+
+:class:`RolloutEngine` makes rollouts (:mod:`fleetroll.rollout`) and
+env-style sessions (:mod:`fleetroll.env_session`) over one
+:class:`fleetroll.environments.Provider`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+from pydantic import SecretStr
+
+from fleetroll.env_session import EnvSession
+from fleetroll.environments import Provider
+from fleetroll.policies import Policy
+from fleetroll.results import RolloutResult
+from fleetroll.rollout import Rollout, RolloutIds
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events, Redactor
+
+__all__ = ["RolloutEngine"]
+
+
+class RolloutEngine:
+    """What rollouts share: settings, the instance provider, telemetry, HTTP."""
+
+    def __init__(self, settings: Settings, provider: Provider, events: Events) -> None:
+        self.settings = settings
+        self.provider = provider
+        self.events = events
+        #: Telemetry's redactor, knowing every secret of ``settings`` too; results
+        #: go through it (an ``Events`` built without settings knows none).
+        self.redactor: Redactor = events.redactor.extended(
+            value.get_secret_value()
+            for value in settings.__dict__.values()
+            if isinstance(value, SecretStr)
+        )
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls, settings: Settings, events: Events, provider: Provider
+    ) -> AsyncIterator[RolloutEngine]:
+        """An engine over ``provider``, which it closes on exit."""
+        try:
+            yield cls(settings, provider, events)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await provider.aclose()
+
+    def rollout(
+        self,
+        task: TaskSpec,
+        ids: RolloutIds,
+        *,
+        run_id: str | None = None,
+        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+    ) -> Rollout:
+        """A rollout, not started. ``gate`` is entered once its instance is ready
+        and held until it ends (the pool's limit on active rollouts)."""
+        return Rollout(self, task, ids, run_id=run_id, gate=gate)
+
+    async def run(
+        self, task: TaskSpec, policy: Policy, ids: RolloutIds, *, run_id: str | None = None
+    ) -> RolloutResult:
+        """Run one rollout to its result (see :meth:`Rollout.run`)."""
+        return await self.rollout(task, ids, run_id=run_id).run(policy)
+
+    @asynccontextmanager
+    async def session(
+        self,
+        task: TaskSpec,
+        ids: RolloutIds,
+        *,
+        run_id: str | None = None,
+        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+    ) -> AsyncIterator[EnvSession]:
+        """An env-style session for a controller that drives the model itself.
+
+        Raises:
+            ToolsError, ProvisionError: the environment could not be set up;
+                the result is still recorded on the returned rollout.
+        """
+        rollout = self.rollout(task, ids, run_id=run_id, gate=gate)
+        async with rollout.lifecycle() as ready:
+            if not ready:
+                raise rollout.setup_error()
+            env = EnvSession(rollout)
+            yield env
+            await env.close()

@@ -1,0 +1,95 @@
+"""The env-style session API: ``reset()``, ``step(call)``, ``done()``, ``close()``.
+
+For controllers that drive the model themselves (``RolloutPool.session``,
+the HTTP service's sessions): the rollout's state machine still owns the
+instance, the deadlines, scoring and release; a session only steps it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fleetroll.policies import ToolCall, ToolSpec
+from fleetroll.results import RolloutResult
+from fleetroll.tools import ToolResult
+
+if TYPE_CHECKING:
+    from fleetroll.rollout import Rollout
+
+__all__ = ["EnvSession", "StepResult"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :meth:`EnvSession.step` answers."""
+
+    observation: ToolResult
+    done: bool
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+class EnvSession:
+    """The env-style API: ``reset()``, ``step(call)``, ``done()``, ``close()``.
+
+    The episode ends when the agent submits the task's final answer (a
+    ``submit_final_answer`` step), when the controller calls :meth:`done`,
+    or on a failure (deadline, step budget, a lost instance...). An episode
+    that ended so is ``completed`` and scored; closing the session before
+    that is ``abandoned`` (still scored).
+    """
+
+    def __init__(self, rollout: Rollout) -> None:
+        self._rollout = rollout
+        self._count = 0
+
+    @property
+    def tools(self) -> list[ToolSpec]:
+        return list(self._rollout.tools)
+
+    @property
+    def instance_id(self) -> str | None:
+        inst = self._rollout.instance
+        return inst.instance_id if inst else None
+
+    async def reset(self) -> list[dict[str, Any]]:
+        """The opening messages (the task prompt). The instance is fresh already."""
+        return list(self._rollout.messages)
+
+    async def step(self, call: ToolCall | Mapping[str, Any]) -> StepResult:
+        """Run one tool call; ``done`` once the episode is over.
+
+        Raises:
+            InstanceLostError: the instance is gone.
+        """
+        r = self._rollout
+        if isinstance(call, Mapping):
+            self._count += 1
+            call = ToolCall(
+                id=str(call.get("id") or f"call_{self._count}"),
+                name=str(call["name"]),
+                arguments=dict(call.get("arguments") or {}),
+            )
+        return await r.step(call)
+
+    async def done(self) -> None:
+        """Say the episode is over: the agent finished the task.
+
+        Async, like the HTTP client's session, so a controller's code is the
+        same for both. The result is then ``completed`` (the verifier decides
+        the reward);
+        later steps answer "The episode is over.". Without it, a session
+        whose task needs no final answer ends ``abandoned`` when closed.
+        """
+        self._rollout.finish()
+
+    async def close(self) -> RolloutResult | None:
+        """End the episode (``abandoned`` if it had not ended, see :meth:`done`).
+
+        The rollout is scored and its instance released when the session's
+        ``async with`` block exits; called after the block, this returns the
+        result, inside it None.
+        """
+        self._rollout.abandon()
+        return self._rollout.result

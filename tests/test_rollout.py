@@ -334,12 +334,10 @@ async def test_cancelling_at_any_phase_releases_the_instance_and_completes(phase
 
 
 async def wait_for_phase(rollout: Rollout, phase: Phase) -> None:
-    # Polling a state field, bounded by the caller's fail_after.
-    while rollout.phase is not phase:
-        await anyio.sleep(0.01)
+    # Woken at each change of the rollout, bounded by the caller's fail_after.
+    await rollout.wait_until(lambda r: r.phase is phase)
     if phase is Phase.ACTING:  # wait until the hung tool call is under way
-        while not rollout.messages or rollout.messages[-1]["role"] != "assistant":
-            await anyio.sleep(0.01)
+        await rollout.wait_until(lambda r: r.messages[-1]["role"] == "assistant")
 
 
 # -- the event loop stays free ------------------------------------------------

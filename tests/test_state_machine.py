@@ -19,7 +19,7 @@ from fleetroll.engine import RolloutEngine
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import RolloutIds
+from fleetroll.rollout import Phase, RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
@@ -127,3 +127,40 @@ async def test_concurrent_rollouts_each_get_their_own_instance(concurrency: int)
                     tg.start_soon(one, n)
     assert [r.reward for r in results] == [1.0] * concurrency
     assert len({r.instance_id for r in results}) == concurrency == len(provider.released)
+
+
+async def test_every_phase_change_reaches_the_observers_in_order() -> None:
+    sink = MemorySink()
+    seen: list[str] = []
+    async with engine(sink) as (eng, _):
+        rollout = eng.rollout(TASK, RolloutIds("b", "r"))
+        rollout.observers.append(lambda r: seen.append(r.phase.value))
+        await rollout.run(ScriptedPolicy())
+    phases = [p for n, p in enumerate(seen) if n == 0 or seen[n - 1] != p]
+    assert phases == [
+        "provisioning",
+        "resetting",
+        "connecting",
+        "acting",
+        "verifying",
+        "releasing",
+        "done",
+    ]
+
+
+async def test_a_transition_outside_the_table_is_refused() -> None:
+    async with engine(MemorySink()) as (eng, _):
+        rollout = eng.rollout(TASK, RolloutIds("b", "r"))
+        with pytest.raises(RuntimeError, match="cannot go from pending to acting"):
+            rollout._enter(Phase.ACTING)
+
+
+async def test_waiting_for_a_phase_wakes_on_the_change_itself() -> None:
+    async with engine(MemorySink()) as (eng, _):
+        rollout = eng.rollout(HANGING, RolloutIds("b", "r"))
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(rollout.run, ScriptedPolicy())
+                await rollout.wait_until(lambda r: r.phase is Phase.ACTING)
+                tg.cancel_scope.cancel()
+    assert rollout.result is not None and rollout.result.failure_reason is FailureReason.CANCELLED

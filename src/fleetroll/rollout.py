@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import anyio
 
@@ -81,6 +81,22 @@ class Phase(StrEnum):
     DONE = "done"
 
 
+#: The transitions a rollout may take; anything else is a bug, caught at once.
+#: VERIFYING follows any phase after the instance is ready (a rollout that
+#: timed out or was abandoned is still scored); RELEASING follows any phase.
+_NEXT: Final[dict[Phase, frozenset[Phase]]] = {
+    Phase.PENDING: frozenset({Phase.PROVISIONING, Phase.RELEASING, Phase.DONE}),
+    Phase.PROVISIONING: frozenset({Phase.WAITING, Phase.RESETTING, Phase.RELEASING}),
+    Phase.WAITING: frozenset({Phase.RESETTING, Phase.RELEASING}),
+    Phase.RESETTING: frozenset({Phase.CONNECTING, Phase.VERIFYING, Phase.RELEASING}),
+    Phase.CONNECTING: frozenset({Phase.ACTING, Phase.VERIFYING, Phase.RELEASING}),
+    Phase.ACTING: frozenset({Phase.VERIFYING, Phase.RELEASING}),
+    Phase.VERIFYING: frozenset({Phase.RELEASING}),
+    Phase.RELEASING: frozenset({Phase.DONE}),
+    Phase.DONE: frozenset(),
+}
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutIds:
     batch_id: str
@@ -125,6 +141,9 @@ class Rollout:
         self.ids = ids
         self.run_id = run_id
         self.phase = Phase.PENDING
+        #: Called (synchronously) after every change of phase or transcript.
+        self.observers: list[Callable[[Rollout], None]] = []
+        self._changed: anyio.Event | None = None
         self.instance: Instance | None = None
         self.route: Route | None = None
         self.tools: list[ToolSpec] = []
@@ -210,6 +229,27 @@ class Rollout:
         if caller_error is not None:
             raise caller_error
 
+    def _enter(self, phase: Phase) -> None:
+        """Move to ``phase`` (checked against the transition table) and notify."""
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"a rollout cannot go from {self.phase} to {phase}")
+        self.phase = phase
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+        for observer in tuple(self.observers):
+            observer(self)
+
+    async def wait_until(self, condition: Callable[[Rollout], bool]) -> None:
+        """Return once ``condition(rollout)`` holds, checked at each change (no polling)."""
+        while not condition(self):
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
     async def _guarded(self, work: Awaitable[T], default: T | None = None) -> T | None:
         """Await our own work; a crash becomes this rollout's failure, not an exception."""
         try:
@@ -221,7 +261,7 @@ class Rollout:
     async def _set_up(self, stack: AsyncExitStack, deadline: anyio.CancelScope | None) -> bool:
         e = self.engine
         s = e.settings
-        self.phase = Phase.PROVISIONING
+        self._enter(Phase.PROVISIONING)
         began = time.monotonic()
         try:
             self.instance = await e.provider.provision(self.task, run_id=self.run_id)
@@ -232,7 +272,7 @@ class Rollout:
         finally:
             self._p.timings.provision_s = time.monotonic() - began
         if self._gate is not None:
-            self.phase = Phase.WAITING
+            self._enter(Phase.WAITING)
             await stack.enter_async_context(self._gate())
         self._deadline = anyio.current_time() + s.timeouts.rollout_s
         if deadline is not None:
@@ -241,7 +281,7 @@ class Rollout:
 
         await self._reset()
 
-        self.phase = Phase.CONNECTING
+        self._enter(Phase.CONNECTING)
         self.route = e.provider.route(self.instance, self.task)
         try:
             self.session = await stack.enter_async_context(
@@ -271,7 +311,7 @@ class Rollout:
             )
             return False
         self._p.transcript.add_prompt(self.task.prompt)
-        self.phase = Phase.ACTING
+        self._enter(Phase.ACTING)
         return True
 
     async def _session_failed(self, exc: Exception) -> None:
@@ -297,7 +337,7 @@ class Rollout:
 
     async def _reset(self) -> None:
         assert self.instance is not None
-        self.phase = Phase.RESETTING
+        self._enter(Phase.RESETTING)
         timeout = self.engine.settings.timeouts.reset_s
         began = time.monotonic()
         try:
@@ -341,6 +381,7 @@ class Rollout:
     async def apply(self, turn: AssistantTurn) -> None:
         """Record an assistant turn and run its tool calls."""
         self._p.transcript.add_turn(turn)
+        self._notify()
         if not turn.tool_calls:
             self._p.finished = True
             return
@@ -425,7 +466,7 @@ class Rollout:
         ):
             return
         p.scored = True
-        self.phase = Phase.VERIFYING
+        self._enter(Phase.VERIFYING)
         began = time.monotonic()
         # The verifier has its own deadline, outside the rollout's: a rollout
         # that timed out is still scored (docs/results.md).
@@ -449,10 +490,10 @@ class Rollout:
             )
 
     async def _tear_down(self) -> None:
-        self.phase = Phase.RELEASING
+        self._enter(Phase.RELEASING)
         if self.instance is not None:
             await self.engine.provider.release(self.instance)
-        self.phase = Phase.DONE
+        self._enter(Phase.DONE)
         self.result = self._build_result()
         r = self.result
         self.engine.events.emit(
@@ -553,6 +594,7 @@ class Rollout:
             return StepResult(ToolResult(text=over, is_error=True), True)
         before = len(self._p.transcript)
         self._p.transcript.add_turn(AssistantTurn(tool_calls=(call,)))
+        self._notify()
         self._p.steps += 1
         result: ToolResult | None = None
         with anyio.CancelScope(deadline=self._deadline) as scope:
@@ -571,7 +613,7 @@ class Rollout:
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         """The result of a rollout that ended before it started (no events)."""
         self._fail(reason, error)
-        self.phase = Phase.DONE
+        self._enter(Phase.DONE)
         self.result = self._build_result()
         return self.result
 

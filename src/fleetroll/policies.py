@@ -16,14 +16,10 @@ Two policies ship:
 from __future__ import annotations
 
 import json
-import math
-import random
 import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from email.utils import parsedate_to_datetime
 from types import MappingProxyType, TracebackType
 from typing import Any, Protocol, Self, runtime_checkable
 
@@ -32,6 +28,7 @@ import httpx
 from pydantic import SecretStr
 
 from fleetroll.errors import PolicyError
+from fleetroll.retrying import backoff_s, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
@@ -55,7 +52,8 @@ _CONNECT_TIMEOUT_S = 10.0
 #: How much of an error body goes into a PolicyError's message.
 _EXCERPT_CHARS = 300
 #: Statuses worth trying again: rate limits, timeouts and server-side failures.
-_TRANSIENT_STATUSES = frozenset({408, 409, 429})
+#: OpenAI-compatible servers answer 409 for a lock that timed out: worth another try.
+_ALSO_TRANSIENT = frozenset({409})
 
 
 @dataclass(frozen=True, slots=True)
@@ -404,12 +402,17 @@ class OpenAIChatPolicy:
                     return self._decode(response)
                 status = response.status_code
                 problem = f"{self.url} answered HTTP {status}: {self._excerpt(response)}"
-                if status not in _TRANSIENT_STATUSES and status < 500:
+                if not (transient_status(status) or status in _ALSO_TRANSIENT):
                     raise PolicyError(self._redact(problem), operation=_OPERATION, transient=False)
-                retry_after = _retry_after_s(response.headers)
+                retry_after = retry_after_s(response.headers)
             if attempt == attempts:
                 break
-            delay = self._delay(attempt, retry_after)
+            delay = backoff_s(
+                attempt,
+                initial_s=self._backoff_initial_s,
+                max_s=self._backoff_max_s,
+                retry_after=retry_after,
+            )
             if anyio.current_time() + delay >= deadline:
                 problem += f" (a retry in {delay:.3g}s would pass the policy deadline)"
                 break
@@ -419,13 +422,6 @@ class OpenAIChatPolicy:
             operation=_OPERATION,
             transient=True,
         ) from cause
-
-    def _delay(self, attempt: int, retry_after: float | None) -> float:
-        if retry_after is not None:
-            return min(retry_after, self._backoff_max_s)
-        backoff = self._backoff_initial_s * 2.0 ** (attempt - 1)
-        # Jitter spreads the retries of many rollouts that failed together.
-        return min(backoff * random.uniform(1.0, 1.5), self._backoff_max_s)
 
     # ------------------------------------------------------------ response
 
@@ -543,32 +539,6 @@ def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
             raw_arguments=raw,
         )
     return ToolCall(id=call_id, name=name, arguments=parsed, raw_arguments=raw)
-
-
-def _retry_after_s(headers: httpx.Headers) -> float | None:
-    """The server's requested wait: ``retry-after-ms`` (OpenAI) or ``Retry-After``."""
-    if (millis := headers.get("retry-after-ms")) is not None:
-        try:
-            value = float(millis) / 1000
-        except ValueError:
-            pass
-        else:
-            if math.isfinite(value) and value >= 0:
-                return value
-    header = headers.get("retry-after")
-    if header is None:
-        return None
-    try:
-        value = float(header)
-    except ValueError:
-        try:
-            when = parsedate_to_datetime(header)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        value = (when - datetime.now(UTC)).total_seconds()
-    return max(value, 0.0) if math.isfinite(value) else None
 
 
 def _int_fields(usage: Mapping[str, Any]) -> dict[str, int]:

@@ -40,6 +40,7 @@ from fleet.runner_auth import RunnerTokenProvider
 
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import ProvisionError
+from fleetroll.retrying import decide, retry_after_s, transient_status
 from fleetroll.routing import Route, route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -119,11 +120,11 @@ def classify(exc: BaseException, *, retry_instance_limit: bool = False) -> Class
             return Classification(flag, status, retry_after)
         if status is None:  # the SDK's wrapper of transport errors (connection refused...)
             return Classification(True, None)
-        if status >= 500 or status in (408, 425, 429):
+        if transient_status(status):
             return Classification(True, status, retry_after)
         if 400 <= status < 500:
             return Classification(False, status)
-    if isinstance(exc, httpx.TransportError):
+    if decide(exc).transient:  # transport failures of the HTTP clients
         return Classification(True, None)
     text = str(exc).lower()
     return Classification(any(word in text for word in _TRANSIENT_TEXT), status, retry_after)
@@ -178,12 +179,8 @@ class LocalCreateGate:
 
 
 async def _remember_retry_after(response: httpx.Response) -> None:
-    value = response.headers.get("retry-after")
-    if response.status_code >= 400 and value:
-        try:
-            _retry_after.set(max(0.0, float(value)))
-        except ValueError:  # an HTTP date: not worth parsing, the backoff applies
-            _retry_after.set(None)
+    if response.status_code >= 400:
+        _retry_after.set(retry_after_s(response.headers))
 
 
 class FleetProvider:

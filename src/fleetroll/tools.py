@@ -18,7 +18,6 @@ import base64
 import binascii
 import json
 import math
-import random
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -38,6 +37,7 @@ from referencing import Registry
 
 from fleetroll.errors import OperationTimeout, ToolsError
 from fleetroll.policies import ToolSpec
+from fleetroll.retrying import backoff_s
 
 __all__ = ["ToolCallFailed", "ToolResult", "ToolSession", "normalise", "open_tool_session"]
 
@@ -237,8 +237,8 @@ async def open_tool_session(
                     ) from exc
         if scope.cancelled_caught and not connected:
             raise _connect_timeout(url, connect_timeout_s, attempt, last)
-        delay = random.uniform(
-            0, min(_CONNECT_BACKOFF_MAX_S, _CONNECT_BACKOFF_INITIAL_S * 2 ** (attempt - 1))
+        delay = backoff_s(
+            attempt, initial_s=_CONNECT_BACKOFF_INITIAL_S, max_s=_CONNECT_BACKOFF_MAX_S
         )
         remaining = connect_timeout_s - (time.monotonic() - started)
         if remaining <= 0:

@@ -32,6 +32,7 @@ from fleet._async.verifiers.verifier import AsyncVerifierFunction
 
 from fleetroll.environments import Verdict
 from fleetroll.results import VerifierOutcome
+from fleetroll.retrying import decide
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.retries import route_retries_to_logging
 
@@ -119,14 +120,12 @@ def _reward(result: Any) -> float | None:
 
 
 def _transient(exc: BaseException) -> bool:
-    if isinstance(
-        exc, TimeoutError | fleet_errors.FleetTimeoutError | fleet_errors.FleetRateLimitError
-    ):
+    """The SDK's types first (its wrapper of transport errors has no status), then the table."""
+    if isinstance(exc, fleet_errors.FleetTimeoutError | fleet_errors.FleetRateLimitError):
         return True
-    if isinstance(exc, fleet_errors.FleetAPIError):
-        status = exc.status_code
-        return status is None or status >= 500
-    return False
+    if isinstance(exc, fleet_errors.FleetAPIError) and exc.status_code is None:
+        return True
+    return decide(exc).transient
 
 
 class Verifier:

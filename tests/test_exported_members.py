@@ -43,7 +43,6 @@ def test_the_public_api_is_what_the_readme_promises() -> None:
         "ToolResult",
         "ToolSpec",
         "ToolsError",
-        "VerifierError",
         "VerifierOutcome",
         "load_settings",
         "load_tasks",

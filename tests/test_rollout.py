@@ -6,7 +6,6 @@ sessions) and ends by checking the emulator's ledger: no instance left running.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar
@@ -17,7 +16,7 @@ from mcp.server.mcpserver import MCPServer
 
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.emulator.computer import Screen
-from fleetroll.emulator.envs.base import SampleEnv, ToolGate
+from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
 from fleetroll.engine import RolloutEngine
 from fleetroll.errors import PolicyError
@@ -71,7 +70,7 @@ async def run_one(
     sink = sink or MemorySink()
     async with engine(emu, sink, **overrides) as eng:
         with anyio.fail_after(60):
-            result = await eng.run(task, policy or ScriptedPolicy(), ids())
+            result = await eng.rollout(task, ids()).run(policy or ScriptedPolicy())
     assert emu.ledger.running == 0
     assert_one_started_and_one_completed(sink)
     return result
@@ -122,7 +121,7 @@ async def test_every_example_task_rolls_out_with_reward_one(emulator: Emulator) 
     async with engine(emulator, sink) as eng:
 
         async def one(n: int, task: TaskSpec) -> None:
-            results.append(await eng.run(task, ScriptedPolicy(), ids(n)))
+            results.append(await eng.rollout(task, ids(n)).run(ScriptedPolicy()))
 
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
@@ -338,46 +337,6 @@ async def wait_for_phase(rollout: Rollout, phase: Phase) -> None:
     await rollout.wait_until(lambda r: r.phase is phase)
     if phase is Phase.ACTING:  # wait until the hung tool call is under way
         await rollout.wait_until(lambda r: r.messages[-1]["role"] == "assistant")
-
-
-# -- the event loop stays free ------------------------------------------------
-
-
-async def test_rollouts_never_block_the_event_loop() -> None:
-    profile = FaultProfile(
-        create_latency=Latency(min_s=0.05, max_s=0.3),
-        tool_latency=Latency(min_s=0.01, max_s=0.05),
-        mcp_warmup_s=0.2,
-    )
-    worst = 0.0
-    done = anyio.Event()
-
-    async def watchdog() -> None:
-        nonlocal worst
-        while not done.is_set():
-            before = anyio.current_time()
-            await anyio.sleep(0.02)
-            worst = max(worst, anyio.current_time() - before - 0.02)
-
-    async with Emulator(profile) as emu, engine(emu) as eng:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(watchdog)
-            with anyio.fail_after(120):
-                async with anyio.create_task_group() as rollouts:
-                    for n, task in enumerate(list(TASKS.values()) * 2):
-                        rollouts.start_soon(eng.run, task, ScriptedPolicy(), ids(n))
-            done.set()
-        assert emu.ledger.running == 0
-    # Generous: the emulator shares this loop; a blocking call would show as seconds.
-    assert worst < 0.5
-
-
-def test_the_sample_envs_used_here_are_real_ones() -> None:
-    conn = sqlite3.connect(":memory:")
-    NoToolsEnv().seed(conn, "seed")
-    assert conn.execute("SELECT COUNT(*) FROM accounts").fetchone()[0] > 0
-    assert isinstance(NoToolsEnv(), SampleEnv)
-    assert ToolCall(id="a", name="b").arguments == {}
 
 
 # -- an OpenAI-compatible model, multi-turn, both modalities ------------------

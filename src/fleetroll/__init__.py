@@ -25,7 +25,6 @@ from fleetroll.errors import (
     RolloutError,
     TaskFileError,
     ToolsError,
-    VerifierError,
 )
 from fleetroll.policies import (
     AssistantTurn,
@@ -70,7 +69,6 @@ __all__ = [
     "ToolResult",
     "ToolSpec",
     "ToolsError",
-    "VerifierError",
     "VerifierOutcome",
     "load_settings",
     "load_tasks",

@@ -16,8 +16,6 @@ from pydantic import SecretStr
 
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
-from fleetroll.policies import Policy
-from fleetroll.results import RolloutResult
 from fleetroll.rollout import Rollout, RolloutIds
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -64,12 +62,6 @@ class RolloutEngine:
         """A rollout, not started. ``gate`` is entered once its instance is ready
         and held until it ends (the pool's limit on active rollouts)."""
         return Rollout(self, task, ids, run_id=run_id, gate=gate)
-
-    async def run(
-        self, task: TaskSpec, policy: Policy, ids: RolloutIds, *, run_id: str | None = None
-    ) -> RolloutResult:
-        """Run one rollout to its result (see :meth:`Rollout.run`)."""
-        return await self.rollout(task, ids, run_id=run_id).run(policy)
 
     @asynccontextmanager
     async def session(

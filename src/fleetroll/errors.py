@@ -17,7 +17,6 @@
         ├── InstanceLostError    the instance died mid-rollout
         ├── ToolsError           tool discovery or a session set-up failed
         ├── PolicyError          the policy endpoint failed
-        ├── VerifierError        the verifier could not run
         └── OperationTimeout     an operation passed its own deadline;
                                  carries timeout_s
 
@@ -40,7 +39,6 @@ __all__ = [
     "RolloutError",
     "TaskFileError",
     "ToolsError",
-    "VerifierError",
 ]
 
 
@@ -164,10 +162,6 @@ class ToolsError(RolloutError):
 
 class PolicyError(RolloutError):
     """The policy (model endpoint) failed or answered something unusable."""
-
-
-class VerifierError(RolloutError):
-    """The verifier could not run, so there is no reward (never a zero)."""
 
 
 class OperationTimeout(RolloutError):

@@ -29,6 +29,9 @@ from fleetroll.runner import Progress, _describe, _Watch
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 LEDGER = config_dir() / "tasks" / "ledger.jsonl"
 TASKS = sum(1 for line in LEDGER.read_text().splitlines() if line.strip())
 

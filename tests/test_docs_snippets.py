@@ -34,6 +34,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _DIRECTIVE = re.compile(r"^<!--\s*snippet:\s*(skip|with-serve)\b\s*(.*?)\s*-->\s*$")

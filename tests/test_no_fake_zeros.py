@@ -18,6 +18,9 @@ from fleetroll.results import RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SETTINGS = load_settings()
 TASKS = [
     t

@@ -14,6 +14,9 @@ from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TASK = TaskSpec(key="t", prompt="p", env_key="ledger", env_version="v1", data_key="seed")
 FAST = {"backoff_initial_s": 0.01, "backoff_max_s": 0.05}
 

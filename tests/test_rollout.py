@@ -28,6 +28,9 @@ from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import Events, MemorySink
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SETTINGS = load_settings()
 TASKS = {
     t.key: t

@@ -22,6 +22,9 @@ from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.verification import verifier_signature
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SETTINGS = load_settings()
 TASK = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)[0]
 #: ~10 KB of nested unary minus: ast.parse raises MemoryError on it.

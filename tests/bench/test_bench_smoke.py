@@ -12,6 +12,9 @@ import pytest
 
 from fleetroll.bench.records import ScenarioReport
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 
 def clean_env() -> dict[str, str]:
     env = {

@@ -15,6 +15,9 @@ from fleet.models import InstanceResponse
 
 from fleetroll.emulator import Emulator
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 
 async def test_sdk_make_instance_reset_heartbeat_and_close_work(sdk) -> None:
     async with Emulator() as emu:

@@ -19,6 +19,9 @@ from fleetroll.emulator import Emulator
 from fleetroll.emulator.envs.desktop import DesktopEnv
 from fleetroll.emulator.envs.desktop_screen import DesktopScreen
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TASKS = Path(__file__).parents[2] / "config" / "tasks" / "desktop.jsonl"
 
 # Centres of the widgets, as laid out by desktop.py.

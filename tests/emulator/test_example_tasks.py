@@ -23,6 +23,9 @@ from mcp import Client
 
 from fleetroll.emulator import Emulator
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TASKS_DIR = Path(__file__).parents[2] / "config" / "tasks"
 MODALITIES = ("tool_use", "computer_use")
 #: Handled by the orchestrator, never sent to an environment's MCP server.

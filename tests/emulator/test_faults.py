@@ -13,6 +13,9 @@ from mcp.shared.exceptions import MCPError
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.emulator.faults import FaultInjector
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 #: How long a test waits to see that something does NOT answer. Only used for
 #: faults that hold a request for an hour, so it is never a race.
 NO_ANSWER_S = 0.5

@@ -5,10 +5,14 @@ from __future__ import annotations
 import base64
 import io
 
+import pytest
 from mcp import Client
 from PIL import Image
 
 from fleetroll.emulator import Emulator
+
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 
 async def test_the_per_env_endpoint_serves_api_tools_and_never_computer(sdk) -> None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from fleet._async.tasks import Task
 
 from fleetroll.emulator import Emulator
+
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 
 def task(code: str) -> Task:

@@ -20,6 +20,9 @@ from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import FailureReason
 from fleetroll.service import batches as service_batches
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 
 class DroppingProxy:
     """A TCP proxy in front of the service whose connections can all be cut at once."""

@@ -36,6 +36,9 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 EXAMPLES_PER_OPERATION = 12
 REQUEST_TIMEOUT_S = 15.0
 RUN_DEADLINE_S = 300.0

@@ -5,10 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import pytest
 from mcp import Client
 from service_helpers import LEDGER, Running, task_record
 
 from fleetroll.emulator import Emulator
+
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 
 def structured(result: Any) -> dict[str, Any]:

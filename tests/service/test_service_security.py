@@ -21,6 +21,9 @@ from fleetroll.errors import ConfigError
 from fleetroll.service.security import check_bind
 from fleetroll.telemetry.store import connect
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 TOKEN = "s3cret-token-for-tests-0123456789"
 
 

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import anyio
+import pytest
 from service_helpers import LEDGER, Running, running_service, task_record
 
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.results import FailureReason
+
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 
 async def test_a_session_driven_step_by_step_closes_with_the_reward(

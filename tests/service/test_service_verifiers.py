@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 
 import anyio
+import pytest
 from service_helpers import LEDGER, Running, task_record
 
 from fleetroll.emulator import Emulator
+
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
 
 
 async def test_http_batches_reusing_a_task_key_are_each_scored_by_their_own_verifier(

@@ -31,6 +31,9 @@ from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import open_telemetry
 from fleetroll.telemetry.dashboard import dashboard_app, dashboard_routes, page, parse_since
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 SETTINGS = load_settings()
 TASKS = [
     *load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities),

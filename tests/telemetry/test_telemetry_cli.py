@@ -26,6 +26,9 @@ from fleetroll.settings import config_dir
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import open_telemetry
 
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def filled(store: tuple[Path, sqlite3.Connection]) -> Path:

@@ -194,3 +194,29 @@ async def test_a_ray_pool_refuses_shared_keys_and_forgets_what_it_delivered(loca
         kept = set(pool.batches)
         pool.forget("r2")
     assert kept == {"r2"} and not pool.batches
+
+
+async def test_a_cancelled_batch_whose_actor_dies_reports_its_unfinished_rollouts_cancelled(
+    local_ray,
+):
+    profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
+    async with EmulatorProcess(profile) as emu:
+        async with RayRolloutPool(
+            settings(), api_key=emu.api_key, base_url=emu.base_url, num_actors=1
+        ) as pool:
+            batch = pool.run_batch(
+                LEDGER[:10], ScriptedPolicy(think_time_s=0.2), samples_per_task=4
+            )
+            results = []
+            with anyio.fail_after(300):
+                async for result in batch:
+                    results.append(result)
+                    if len(results) == 3:
+                        batch.cancel()
+                        ray.kill(pool.workers[0])  # its unfinished rollouts die with it
+        ledger = await emu.ledger()
+    ids = Counter(r.rollout_id for r in results)
+    assert len(ids) == 40 and set(ids.values()) == {1}
+    unfinished = [r for r in results if r.reward is None]
+    assert unfinished and {r.failure_reason for r in unfinished} == {FailureReason.CANCELLED}
+    assert ledger["running"] == 0

@@ -45,7 +45,7 @@ import anyio
 import httpx
 
 from fleetroll.env_session import StepResult
-from fleetroll.errors import FleetrollError, InstanceLostError
+from fleetroll.errors import InstanceLostError, ServiceError
 from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
 from fleetroll.service.models import BatchState, PolicyConfig
@@ -58,20 +58,6 @@ __all__ = ["FleetrollClient", "RemoteBatch", "RemoteSession", "ServiceError"]
 _RETRY_STATUSES = frozenset({429, 503})
 #: How long an idle connection to the service is reused (it keeps them 65 s).
 _KEEPALIVE_S = 15.0
-
-
-class ServiceError(FleetrollError):
-    """The service answered with an error, or could not be reached in time.
-
-    Attributes:
-        status_code: the HTTP status, or None when no answer came.
-        detail: the service's explanation (for a 422: ``loc: msg`` per problem).
-    """
-
-    def __init__(self, message: str, *, status_code: int | None = None, detail: str = "") -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.detail = detail
 
 
 class FleetrollClient:

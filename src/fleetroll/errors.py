@@ -8,17 +8,23 @@
     ├── EmulatorError            the embedded emulator failed to start or stop
     ├── PoolFullError            a pool has too many unfinished rollouts to take a batch
     ├── ServiceError             the HTTP service answered an error (fleetroll.client)
-    ├── StoreError               the local telemetry store (fleetroll.telemetry.store)
-    │   └── QueryError           a query failed (fleetroll.telemetry.queries)
+    ├── StoreError               the local telemetry store could not be opened or read
+    │   ├── NoSuchBatchError     a batch id the store has never seen
+    │   └── QueryError           a query failed
     │       └── ReadOnlyError    a query tried to write
     └── RolloutError             one rollout's operation failed; carries
         │                        rollout_id, operation, transient
         ├── ProvisionError       creating an instance failed
         ├── InstanceLostError    the instance died mid-rollout
         ├── ToolsError           tool discovery or a session set-up failed
+        │   ├── ComputerToolMissing  computer_use without a ``computer`` tool
+        │   └── ToolCallFailed   a tool call got no answer (timeout, transport)
         ├── PolicyError          the policy endpoint failed
         └── OperationTimeout     an operation passed its own deadline;
                                  carries timeout_s
+
+Every class is defined here; the modules that raise them re-export them
+(``fleetroll.client.ServiceError`` is this ``ServiceError``).
 
 Third-party exceptions (the Fleet SDK's, httpx's, mcp's) are translated into
 these at the module that calls the library, with ``raise ... from exc``, so
@@ -27,17 +33,26 @@ nothing above that module needs to know which library failed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
+    "ComputerToolMissing",
     "ConfigError",
     "EmulatorError",
     "FleetrollError",
     "InstanceLostError",
+    "NoSuchBatchError",
     "OperationTimeout",
     "PolicyError",
     "PoolFullError",
     "ProvisionError",
+    "QueryError",
+    "ReadOnlyError",
     "RolloutError",
+    "ServiceError",
+    "StoreError",
     "TaskFileError",
+    "ToolCallFailed",
     "ToolsError",
 ]
 
@@ -176,3 +191,55 @@ class OperationTimeout(RolloutError):
     ) -> None:
         super().__init__(message, operation=operation, transient=True, rollout_id=rollout_id)
         self.timeout_s = timeout_s
+
+
+class ToolCallFailed(ToolsError):
+    """A tool call raised or timed out (as opposed to answering an error)."""
+
+
+class ComputerToolMissing(ToolsError):
+    """A computer_use rollout's endpoint offers no ``computer`` tool."""
+
+
+class ServiceError(FleetrollError):
+    """The service answered with an error, or could not be reached in time.
+
+    Attributes:
+        status_code: the HTTP status, or None when no answer came.
+        detail: the service's explanation (for a 422: ``loc: msg`` per problem).
+    """
+
+    def __init__(self, message: str, *, status_code: int | None = None, detail: str = "") -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.detail = detail
+
+
+class StoreError(FleetrollError):
+    """The telemetry store could not be opened or queried; the message says why.
+
+    (A ``FleetrollError``: entry points turn it into one line and exit code 2.)
+    """
+
+
+class QueryError(StoreError):
+    """The SQL failed (syntax, unknown column, time limit...); the message says why."""
+
+
+class ReadOnlyError(QueryError):
+    """The SQL tried to change the store, which is only ever opened for reading."""
+
+
+class NoSuchBatchError(StoreError):
+    """``--batch``/``batch_id`` names no batch in the store.
+
+    Attributes:
+        batch_id: the id asked for.
+        recent: the most recent batch ids in the store, newest first.
+    """
+
+    def __init__(self, batch_id: str, recent: Sequence[str]) -> None:
+        known = f"; recent batches: {', '.join(recent)}" if recent else "; the store has none"
+        super().__init__(f"no such batch: {batch_id}{known}")
+        self.batch_id = batch_id
+        self.recent = list(recent)

@@ -443,7 +443,7 @@ class FleetProvider:
             try:
                 current = await self.fleet.instance(instance.instance_id)
             except fleet_errors.FleetAPIError as exc:
-                return "not found" not in str(exc).lower()
+                return exc.status_code != 404  # gone; anything else: presume alive
             except Exception:
                 return True
             return bool(current.status == "running")
@@ -461,7 +461,7 @@ class FleetProvider:
             try:
                 await self._env(instance).close()
             except fleet_errors.FleetAPIError as exc:
-                if "not found" not in str(exc).lower():
+                if exc.status_code != 404:  # 404: it is gone already, as asked
                     error = f"{type(exc).__name__}: {exc}"
             except Exception as exc:  # a failed release is reported, never raised
                 error = f"{type(exc).__name__}: {exc}"

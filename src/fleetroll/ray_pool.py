@@ -465,11 +465,9 @@ class RayRolloutPool:
             with anyio.CancelScope(shield=True):
                 for run_id in plan.dead_shards:
                     await self._provider_sweep(run_id)
-            for rid, (task, sample) in plan.by_id.items():
+            for rid in plan.by_id:
                 if rid not in batch.delivered:  # never reached an actor: still one result
-                    batch.deliver(
-                        _lost(plan, rid, task, sample, "the rollout was lost with its worker")
-                    )
+                    batch.deliver(_lost(plan, batch, rid, "the rollout was lost with its worker"))
             batch.close_stream()
             self._seen.pop(plan.batch_id, None)
 
@@ -519,10 +517,7 @@ class RayRolloutPool:
                     if error:
                         for rid in shard.ids:
                             if rid not in batch.delivered:
-                                task, sample = plan.by_id[rid]
-                                batch.deliver(
-                                    _lost(plan, rid, task, sample, f"worker error: {error}")
-                                )
+                                batch.deliver(_lost(plan, batch, rid, f"worker error: {error}"))
                     return
         finally:
             batch._on_cancel.remove(cancel)
@@ -563,24 +558,21 @@ class RayRolloutPool:
         if not missing:
             return
         if not live or batch.cancelled:
+            why = "its worker died" + ("" if live else " and no worker is left")
             for rid in missing:
-                task, sample = plan.by_id[rid]
-                batch.deliver(
-                    _lost(
-                        plan,
-                        rid,
-                        task,
-                        sample,
-                        "its worker died" + ("" if live else " and no worker is left"),
-                    )
-                )
+                batch.deliver(_lost(plan, batch, rid, why))
             return
         retry = _Shard(f"{plan.batch_id}-{live[0]}-{uuid.uuid4().hex[:6]}", live[0], missing)
         tg.start_soon(self._drive, plan, batch, retry, tg)
 
 
-def _lost(plan: _Plan, rid: str, task: TaskSpec, sample: int, why: str) -> RolloutResult:
-    reason = FailureReason.CANCELLED if "cancel" in why else FailureReason.INIT_ERROR
+def _lost(plan: _Plan, batch: RayBatch, rid: str, why: str) -> RolloutResult:
+    """The result of a rollout no worker could finish: cancelled if its batch was."""
+    task, sample = plan.by_id[rid]
+    if batch.cancelled:
+        reason, why = FailureReason.CANCELLED, f"the batch was cancelled ({why})"
+    else:
+        reason = FailureReason.INIT_ERROR
     return RolloutResult(
         rollout_id=rid,
         batch_id=plan.batch_id,

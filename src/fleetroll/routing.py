@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fleetroll.errors import ToolsError
+from fleetroll.errors import ComputerToolMissing, ToolsError
 from fleetroll.policies import ToolSpec
 from fleetroll.settings import ModalitySettings
 
@@ -31,10 +31,6 @@ SUBMIT_FINAL_ANSWER = ToolSpec(
         "required": ["answer"],
     },
 )
-
-
-class ComputerToolMissing(ToolsError):
-    """A computer_use rollout's endpoint offers no ``computer`` tool."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,7 +35,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 from referencing import Registry
 
-from fleetroll.errors import OperationTimeout, ToolsError
+from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
 from fleetroll.retrying import backoff_s
 
@@ -53,10 +53,6 @@ class ToolResult:
     images: tuple[str, ...] = ()  # data URLs
     is_error: bool = False
     structured: Any = None
-
-
-class ToolCallFailed(ToolsError):
-    """A tool call raised or timed out (as opposed to answering an error)."""
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:

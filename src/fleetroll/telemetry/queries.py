@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from fleetroll.telemetry.store import StoreError, connect
+from fleetroll.errors import NoSuchBatchError, QueryError, ReadOnlyError
+from fleetroll.telemetry.store import connect
 
 __all__ = [
     "CHECK_SQL",
@@ -33,29 +34,6 @@ __all__ = [
     "query",
     "stats",
 ]
-
-
-class QueryError(StoreError):
-    """The SQL failed (syntax, unknown column, time limit...); the message says why."""
-
-
-class ReadOnlyError(QueryError):
-    """The SQL tried to change the store, which is only ever opened for reading."""
-
-
-class NoSuchBatchError(StoreError):
-    """``--batch``/``batch_id`` names no batch in the store.
-
-    Attributes:
-        batch_id: the id asked for.
-        recent: the most recent batch ids in the store, newest first.
-    """
-
-    def __init__(self, batch_id: str, recent: Sequence[str]) -> None:
-        known = f"; recent batches: {', '.join(recent)}" if recent else "; the store has none"
-        super().__init__(f"no such batch: {batch_id}{known}")
-        self.batch_id = batch_id
-        self.recent = list(recent)
 
 
 @dataclass(frozen=True, slots=True)

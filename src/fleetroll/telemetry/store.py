@@ -41,7 +41,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.trace import format_span_id, format_trace_id
 
-from fleetroll.errors import FleetrollError
+from fleetroll.errors import StoreError
 
 __all__ = [
     "COLUMNS",
@@ -144,13 +144,6 @@ _COLUMN_ATTRIBUTES: Final = frozenset(
         "logfire.disable_console_log",
     }
 )
-
-
-class StoreError(FleetrollError):
-    """The telemetry store could not be opened or queried; the message says why.
-
-    (A ``FleetrollError``: entry points turn it into one line and exit code 2.)
-    """
 
 
 def is_disabled(path: str | os.PathLike[str]) -> bool:

@@ -443,7 +443,7 @@ class FleetProvider:
             try:
                 current = await self.fleet.instance(instance.instance_id)
             except fleet_errors.FleetAPIError as exc:
-                return exc.status_code != 404  # gone; anything else: presume alive
+                return bool(exc.status_code != 404)  # 404: gone; anything else: presume alive
             except Exception:
                 return True
             return bool(current.status == "running")

@@ -54,3 +54,15 @@ def test_no_public_name_but_submodules_lies_outside_all() -> None:
     public = {n for n in dir(fleetroll) if not n.startswith("_")}
     submodules = {n for n in public if isinstance(getattr(fleetroll, n), types.ModuleType)}
     assert public - submodules == set(fleetroll.__all__)
+
+
+def test_the_lazy_command_list_says_what_each_command_says_of_itself() -> None:
+    import importlib
+
+    from fleetroll.cli import _LazyGroup
+
+    for name, (target, short_help) in _LazyGroup.lazy.items():
+        module, _, attribute = target.partition(":")
+        command = getattr(importlib.import_module(module), attribute)
+        assert command.name == name
+        assert command.get_short_help_str(limit=200) == short_help

@@ -10,35 +10,76 @@ In-process::
             ...
 
 The embedded emulator lives in :mod:`fleetroll.emulator`. Everything not in
-``__all__`` may change between versions.
+``__all__`` may change between versions. Names are imported on first use, so
+``import fleetroll`` (and every ``fleetroll`` command) loads only what it uses.
 """
 
-from fleetroll.client import FleetrollClient, ServiceError
-from fleetroll.env_session import EnvSession, StepResult
-from fleetroll.errors import (
-    ConfigError,
-    FleetrollError,
-    InstanceLostError,
-    OperationTimeout,
-    PolicyError,
-    ProvisionError,
-    RolloutError,
-    TaskFileError,
-    ToolsError,
-)
-from fleetroll.policies import (
-    AssistantTurn,
-    OpenAIChatPolicy,
-    Policy,
-    ScriptedPolicy,
-    ToolCall,
-    ToolSpec,
-)
-from fleetroll.pool import Batch, BatchCounts, RolloutPool
-from fleetroll.results import FailureReason, RolloutResult, Timings, VerifierOutcome
-from fleetroll.settings import Settings, load_settings
-from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
-from fleetroll.tools import ToolResult
+import importlib as _importlib
+import typing as _typing
+
+if _typing.TYPE_CHECKING:
+    from fleetroll.client import FleetrollClient, ServiceError
+    from fleetroll.env_session import EnvSession, StepResult
+    from fleetroll.errors import (
+        ConfigError,
+        FleetrollError,
+        InstanceLostError,
+        OperationTimeout,
+        PolicyError,
+        ProvisionError,
+        RolloutError,
+        TaskFileError,
+        ToolsError,
+    )
+    from fleetroll.policies import (
+        AssistantTurn,
+        OpenAIChatPolicy,
+        Policy,
+        ScriptedPolicy,
+        ToolCall,
+        ToolSpec,
+    )
+    from fleetroll.pool import Batch, BatchCounts, RolloutPool
+    from fleetroll.results import FailureReason, RolloutResult, Timings, VerifierOutcome
+    from fleetroll.settings import Settings, load_settings
+    from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
+    from fleetroll.tools import ToolResult
+
+#: Each public name and the module that defines it.
+_WHERE: dict[str, str] = {
+    "AssistantTurn": "fleetroll.policies",
+    "Batch": "fleetroll.pool",
+    "BatchCounts": "fleetroll.pool",
+    "ConfigError": "fleetroll.errors",
+    "EnvSession": "fleetroll.env_session",
+    "FailureReason": "fleetroll.results",
+    "FleetrollClient": "fleetroll.client",
+    "FleetrollError": "fleetroll.errors",
+    "InstanceLostError": "fleetroll.errors",
+    "OpenAIChatPolicy": "fleetroll.policies",
+    "OperationTimeout": "fleetroll.errors",
+    "Policy": "fleetroll.policies",
+    "PolicyError": "fleetroll.errors",
+    "ProvisionError": "fleetroll.errors",
+    "RolloutError": "fleetroll.errors",
+    "RolloutPool": "fleetroll.pool",
+    "RolloutResult": "fleetroll.results",
+    "ScriptedPolicy": "fleetroll.policies",
+    "ServiceError": "fleetroll.client",
+    "Settings": "fleetroll.settings",
+    "StepResult": "fleetroll.env_session",
+    "TaskFileError": "fleetroll.errors",
+    "TaskSpec": "fleetroll.tasks",
+    "Timings": "fleetroll.results",
+    "ToolCall": "fleetroll.policies",
+    "ToolResult": "fleetroll.tools",
+    "ToolSpec": "fleetroll.policies",
+    "ToolsError": "fleetroll.errors",
+    "VerifierOutcome": "fleetroll.results",
+    "load_settings": "fleetroll.settings",
+    "load_tasks": "fleetroll.tasks",
+    "parse_tasks": "fleetroll.tasks",
+}
 
 __all__ = [
     "AssistantTurn",
@@ -74,3 +115,16 @@ __all__ = [
     "load_tasks",
     "parse_tasks",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups do not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import AsyncExitStack
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import anyio
-import click
 
+from fleetroll.cli_options import ray_options
 from fleetroll.policies import Policy
 from fleetroll.pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
@@ -22,12 +23,18 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 
-if TYPE_CHECKING:
-    from fleetroll.runner import FleetTarget
-
-__all__ = ["BatchPool", "RunningBatch", "open_batch_pool", "ray_options"]
+__all__ = ["BatchPool", "FleetTarget", "RunningBatch", "open_batch_pool", "ray_options"]
 
 F = TypeVar("F", bound=Callable[..., object])
+
+
+@dataclass(frozen=True, slots=True)
+class FleetTarget:
+    """Where instances come from: Fleet, a Fleet at FLEET_BASE_URL, or the emulator."""
+
+    api_key: str
+    base_url: str | None
+    description: str
 
 
 class RunningBatch(Protocol):
@@ -68,30 +75,6 @@ class BatchPool(Protocol):
         deadline_s: float | None = None,
         skip: Collection[str] = (),
     ) -> RunningBatch: ...
-
-
-def ray_options(command: F) -> F:
-    """The options ``--ray [ADDRESS]`` and ``--ray-actors N`` of a click command.
-
-    They reach the command as ``ray_address`` (None, ``"local"``, or an
-    address) and ``ray_actors``.
-    """
-    command = click.option(
-        "--ray-actors",
-        type=click.IntRange(min=1),
-        default=2,
-        show_default=True,
-        help="Ray actors, each running its own pool (with --ray).",
-    )(command)
-    return click.option(
-        "--ray",
-        "ray_address",
-        is_flag=False,
-        flag_value="local",
-        default=None,
-        metavar="[ADDRESS]",
-        help="Shard batches over Ray actors (a local Ray, or the cluster at ADDRESS).",
-    )(command)
 
 
 async def open_batch_pool(

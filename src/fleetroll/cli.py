@@ -7,17 +7,20 @@ code 2; never a traceback.
 
 from __future__ import annotations
 
+import importlib
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
 import click
 
-from fleetroll.batch_pool import ray_options
+from fleetroll.cli_options import ray_options
 from fleetroll.errors import FleetrollError
-from fleetroll.settings import Settings, load_settings
 from fleetroll.telemetry.console import configure_console_logging
+
+if TYPE_CHECKING:
+    from fleetroll.settings import Settings
 
 __all__ = ["main"]
 
@@ -36,6 +39,8 @@ class Failed(click.ClickException):
 
 
 def _settings(config_file: Path | None, **overrides: Any) -> Settings:
+    from fleetroll.settings import load_settings
+
     try:
         settings = load_settings(config_file, **overrides)
     except FleetrollError as exc:
@@ -51,7 +56,59 @@ async def _until_signalled() -> None:
             return
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _LazyGroup(click.Group):
+    """Subcommands imported when run, not when the command line is built.
+
+    ``fleetroll --help`` and every command then pay only for what they use
+    (the service alone pulls in starlette and uvicorn).
+    """
+
+    #: name -> ("module:attribute", one-line help for the command list)
+    lazy: ClassVar[dict[str, tuple[str, str]]] = {
+        "bench": (
+            "fleetroll.bench.cli:bench",
+            "Benchmark fleetroll against the baselines on the embedded emulator.",
+        ),
+        "dashboard": (
+            "fleetroll.telemetry.cli:dashboard",
+            "Serve the live dashboard of the telemetry store until Ctrl-C.",
+        ),
+        "query": (
+            "fleetroll.telemetry.cli:query",
+            "Run SQL on the telemetry records, the same SQL as on Logfire.",
+        ),
+        "serve": (
+            "fleetroll.service.cli:serve",
+            "Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.",
+        ),
+        "stats": (
+            "fleetroll.telemetry.cli:stats",
+            "Rollouts per environment: outcomes, failure reasons, reward, provisioning time.",
+        ),
+    }
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *self.lazy})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy:
+            module, _, attribute = self.lazy[name][0].partition(":")
+            command = getattr(importlib.import_module(module), attribute)
+            assert isinstance(command, click.Command)
+            return command
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, self.lazy[name][1]) for name in self.lazy]
+        rows += [
+            (name, command.get_short_help_str(limit=formatter.width))
+            for name, command in self.commands.items()
+        ]
+        with formatter.section("Commands"):
+            formatter.write_dl(sorted(rows))
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="fleetroll")
 def main() -> None:
     """fleetroll: rollout orchestration for RL training on Fleet environments."""
@@ -246,22 +303,3 @@ def run(
         raise SystemExit(130) from None
     if report.interrupted:
         raise SystemExit(130)
-
-
-# fleetroll bench (src/fleetroll/bench/)
-from fleetroll.bench.cli import bench  # noqa: E402
-
-main.add_command(bench)
-
-# fleetroll query | stats (src/fleetroll/telemetry/cli.py)
-from fleetroll.telemetry.cli import dashboard, query, stats  # noqa: E402
-
-main.add_command(query)
-main.add_command(stats)
-main.add_command(dashboard)
-
-
-# `fleetroll serve` (HTTP service for remote controllers) lives in fleetroll.service.
-from fleetroll.service.cli import serve  # noqa: E402
-
-main.add_command(serve)

@@ -34,7 +34,6 @@ because the batch id is chosen here, before the first attempt.
 from __future__ import annotations
 
 import json
-import random
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -48,13 +47,15 @@ from fleetroll.env_session import StepResult
 from fleetroll.errors import InstanceLostError, ServiceError
 from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
+from fleetroll.retrying import backoff_s, retry_after_s
 from fleetroll.service.models import BatchState, PolicyConfig
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools import ToolResult
 
 __all__ = ["FleetrollClient", "RemoteBatch", "RemoteSession", "ServiceError"]
 
-#: Statuses worth another try: the service is busy or briefly unavailable.
+#: Statuses worth another try: the service's own "later" (busy, full, starting).
+#: Narrower than retrying.transient_status: its 502/504 are a session's verdicts.
 _RETRY_STATUSES = frozenset({429, 503})
 #: How long an idle connection to the service is reused (it keeps them 65 s).
 _KEEPALIVE_S = 15.0
@@ -245,19 +246,17 @@ class FleetrollClient:
             if response.status_code in _RETRY_STATUSES and idempotent:
                 failures += 1
                 if failures <= self.max_retries:
-                    await self._sleep(failures, response.headers.get("retry-after"))
+                    await self._sleep(failures, retry_after_s(response.headers))
                     continue
             if response.is_error:
                 raise _error(method, path, response)
             return response.json()
 
-    async def _sleep(self, failures: int, retry_after: str | None = None) -> None:
+    async def _sleep(self, failures: int, retry_after: float | None = None) -> None:
         initial, cap = self._backoff
-        delay = random.uniform(0, min(cap, initial * 2 ** (failures - 1)))
-        if retry_after is not None:
-            with suppress(ValueError):
-                delay = min(cap, max(delay, float(retry_after)))
-        await anyio.sleep(delay)
+        await anyio.sleep(
+            backoff_s(failures, initial_s=initial, max_s=cap, retry_after=retry_after)
+        )
 
 
 class RemoteBatch:

@@ -8,26 +8,13 @@ instance, the deadlines, scoring and release; a session only steps it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fleetroll.policies import ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
-from fleetroll.tools import ToolResult
-
-if TYPE_CHECKING:
-    from fleetroll.rollout import Rollout
+from fleetroll.rollout import Rollout, StepResult
 
 __all__ = ["EnvSession", "StepResult"]
-
-
-@dataclass(frozen=True, slots=True)
-class StepResult:
-    """What :meth:`EnvSession.step` answers."""
-
-    observation: ToolResult
-    done: bool
-    messages: tuple[dict[str, Any], ...] = ()
 
 
 class EnvSession:

@@ -34,12 +34,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, Protocol, TypeVar
 
 import anyio
 
-from fleetroll.env_session import StepResult
-from fleetroll.environments import Instance
+from fleetroll.environments import Instance, Provider
 from fleetroll.errors import (
     InstanceLostError,
     OperationTimeout,
@@ -56,17 +55,15 @@ from fleetroll.results import (
     VerifierOutcome,
 )
 from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route
+from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry.events import Events
+from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe
 from fleetroll.transcript import Transcript
 
-if TYPE_CHECKING:
-    from fleetroll.engine import RolloutEngine
-
 T = TypeVar("T")
 
-__all__ = ["Phase", "Rollout", "RolloutIds"]
+__all__ = ["Phase", "Rollout", "RolloutContext", "RolloutIds", "StepResult"]
 
 
 class Phase(StrEnum):
@@ -105,6 +102,24 @@ class RolloutIds:
     group_id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :meth:`EnvSession.step` answers."""
+
+    observation: ToolResult
+    done: bool
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+class RolloutContext(Protocol):
+    """What a rollout needs of its engine (:class:`fleetroll.engine.RolloutEngine` is one)."""
+
+    settings: Settings
+    provider: Provider
+    events: Events
+    redactor: Redactor
+
+
 @dataclass
 class _Progress:
     """The mutable state of one rollout (only its own task touches it)."""
@@ -128,7 +143,7 @@ class Rollout:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: RolloutContext,
         task: TaskSpec,
         ids: RolloutIds,
         *,

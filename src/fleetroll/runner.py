@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetroll._serving import exit_transparently
-from fleetroll.batch_pool import RunningBatch, open_batch_pool
+from fleetroll.batch_pool import FleetTarget, RunningBatch, open_batch_pool
 from fleetroll.errors import ConfigError
 from fleetroll.journal import BatchIdentity, Journal, claim_journal
 from fleetroll.policies import Policy
@@ -172,15 +172,6 @@ class _Background:
         tb: TracebackType | None,
     ) -> None:
         await exit_transparently(self._stack, exc_type, exc, tb)
-
-
-@dataclass(frozen=True, slots=True)
-class FleetTarget:
-    """Where instances come from: Fleet, a Fleet at FLEET_BASE_URL, or the emulator."""
-
-    api_key: str
-    base_url: str | None
-    description: str
 
 
 async def open_fleet(

@@ -20,7 +20,8 @@ and its result once it is over. Results are kept as long as the batch is
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import anyio
 from mcp.server.mcpserver import MCPServer
@@ -31,11 +32,9 @@ from starlette.types import ASGIApp
 
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import Rollout
+from fleetroll.service.batches import BatchRecord, BatchRegistry
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
-
-if TYPE_CHECKING:
-    from fleetroll.service.app import Service
 
 __all__ = ["RolloutState", "build_mcp_server", "mcp_app"]
 
@@ -96,8 +95,25 @@ def _tool_error(exc: ApiError) -> ToolError:
     return ToolError(f"{where}: {exc.detail}" if where else exc.detail)
 
 
-def build_mcp_server(service: Service) -> MCPServer:
-    """An MCP server whose tools drive rollouts on ``service`` (a :class:`Service`)."""
+class RolloutHost(Protocol):
+    """What the tools need of the service (``fleetroll.service.app.Service`` is one)."""
+
+    batches: BatchRegistry
+
+    @property
+    def rollout_wait_s(self) -> float: ...
+
+    async def start_rollout(
+        self, task: Mapping[str, Any], policy: PolicyConfig | None = None
+    ) -> Rollout: ...
+
+    def find_rollout(self, rollout_id: str) -> tuple[BatchRecord, Rollout]: ...
+
+    async def finish_rollout(self, rollout_id: str, timeout_s: float) -> RolloutResult: ...
+
+
+def build_mcp_server(service: RolloutHost) -> MCPServer:
+    """An MCP server whose tools drive rollouts on ``service``."""
     server = MCPServer("fleetroll", instructions=_INSTRUCTIONS)
 
     def find(rollout_id: str) -> Rollout:

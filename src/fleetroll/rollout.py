@@ -32,7 +32,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, Protocol, TypeVar
 
@@ -47,19 +47,17 @@ from fleetroll.errors import (
     ToolsError,
 )
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
+from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import (
     SCORED_REASONS,
     FailureReason,
     RolloutResult,
-    Timings,
-    VerifierOutcome,
 )
 from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe
-from fleetroll.transcript import Transcript
 
 T = TypeVar("T")
 
@@ -95,14 +93,6 @@ _NEXT: Final[dict[Phase, frozenset[Phase]]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class RolloutIds:
-    batch_id: str
-    rollout_id: str
-    sample_index: int = 0
-    group_id: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
 class StepResult:
     """What :meth:`EnvSession.step` answers."""
 
@@ -118,24 +108,6 @@ class RolloutContext(Protocol):
     provider: Provider
     events: Events
     redactor: Redactor
-
-
-@dataclass
-class _Progress:
-    """The mutable state of one rollout (only its own task touches it)."""
-
-    reason: FailureReason | None = None
-    error: str | None = None
-    steps: int = 0
-    tool_errors: int = 0
-    tool_failures: int = 0
-    final_answer: str | None = None
-    finished: bool = False  # the episode ended on its own (no more tool calls / answer)
-    scored: bool = False
-    reward: float | None = None
-    verifier: VerifierOutcome | None = None
-    timings: Timings = field(default_factory=Timings)
-    transcript: Transcript = field(default_factory=Transcript)
 
 
 class Rollout:
@@ -164,7 +136,7 @@ class Rollout:
         self.tools: list[ToolSpec] = []
         self.session: ToolSession | None = None
         self.result: RolloutResult | None = None
-        self._p = _Progress()
+        self._p = Progress()
         self._started = time.monotonic()
         self._deadline = float("inf")
         self._setup_exc: BaseException | None = None
@@ -527,12 +499,7 @@ class Rollout:
 
     def _fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
         """Record the first failure (``force``: cancellation overrides)."""
-        p = self._p
-        if p.reason is None or force:
-            p.reason = reason
-            p.error = error
-            if reason not in SCORED_REASONS:
-                p.reward = None
+        self._p.fail(reason, error, force=force)
 
     def _crash_reason(self) -> FailureReason:
         if self.phase in (Phase.PROVISIONING, Phase.RESETTING, Phase.CONNECTING):
@@ -549,45 +516,13 @@ class Rollout:
         return ToolsError(self._p.error or "the environment could not be set up", operation="setup")
 
     def _build_result(self) -> RolloutResult:
-        p = self._p
-        p.timings.total_s = time.monotonic() - self._started
-        if p.reason is None and p.reward is None:
-            # A completed rollout always has a reward; if a path ever skips
-            # scoring, say so rather than report "completed" without one.
-            p.reason = FailureReason.VERIFIER_ERROR if p.scored else FailureReason.TOOLS_ERROR
-            p.error = p.error or "the rollout ended without being scored (a fleetroll bug)"
-        reward = p.reward if (p.reason is None or p.reason in SCORED_REASONS) else None
-        keep_images = self.engine.settings.pool.transcript_images
-        redact = self.engine.redactor
-        verifier = p.verifier
-        if verifier is not None:
-            verifier = verifier.model_copy(
-                update={
-                    "stdout": redact(verifier.stdout),
-                    "error": None if verifier.error is None else redact(verifier.error),
-                }
-            )
-        return RolloutResult(
-            rollout_id=self.ids.rollout_id,
-            batch_id=self.ids.batch_id,
-            task_key=self.task.key,
-            sample_index=self.ids.sample_index,
-            group_id=self.ids.group_id,
-            env_key=self.task.env_key,
-            env_version=self.task.env_version,
-            modality=self.task.modality,
-            instance_id=self.instance.instance_id if self.instance else None,
-            status="completed" if p.reason is None else "failed",
-            failure_reason=p.reason,
-            error=None if p.error is None else redact(p.error),
-            reward=reward,
-            steps=p.steps,
-            tool_errors=p.tool_errors,
-            tool_failures=p.tool_failures,
-            final_answer=None if p.final_answer is None else redact(p.final_answer),
-            timings=p.timings.model_copy(),
-            verifier=verifier,
-            transcript=p.transcript.export(redact, keep_images=keep_images),
+        self._p.timings.total_s = time.monotonic() - self._started
+        return self._p.result(
+            self.ids,
+            self.task,
+            self.instance.instance_id if self.instance else None,
+            redact=self.engine.redactor,
+            keep_images=self.engine.settings.pool.transcript_images,
         )
 
     async def step(self, call: ToolCall) -> StepResult:

@@ -1,0 +1,105 @@
+"""One rollout's mutable state, and the result built from it.
+
+Only the rollout's own task touches a :class:`Progress`. The first failure
+recorded wins (cancellation overrides); :meth:`Progress.result` turns the
+state into the :class:`~fleetroll.results.RolloutResult`, redacting every
+string that came from outside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fleetroll.results import (
+    SCORED_REASONS,
+    FailureReason,
+    RolloutResult,
+    Timings,
+    VerifierOutcome,
+)
+from fleetroll.tasks import TaskSpec
+from fleetroll.transcript import Transcript
+
+__all__ = ["Progress", "RolloutIds"]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutIds:
+    batch_id: str
+    rollout_id: str
+    sample_index: int = 0
+    group_id: str | None = None
+
+
+@dataclass
+class Progress:
+    """The mutable state of one rollout (only its own task touches it)."""
+
+    reason: FailureReason | None = None
+    error: str | None = None
+    steps: int = 0
+    tool_errors: int = 0
+    tool_failures: int = 0
+    final_answer: str | None = None
+    finished: bool = False  # the episode ended on its own (no more tool calls / answer)
+    scored: bool = False
+    reward: float | None = None
+    verifier: VerifierOutcome | None = None
+    timings: Timings = field(default_factory=Timings)
+    transcript: Transcript = field(default_factory=Transcript)
+
+    def fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
+        """Record the first failure (``force``: cancellation overrides)."""
+        if self.reason is None or force:
+            self.reason = reason
+            self.error = error
+            if reason not in SCORED_REASONS:
+                self.reward = None
+
+    def result(
+        self,
+        ids: RolloutIds,
+        task: TaskSpec,
+        instance_id: str | None,
+        *,
+        redact: Callable[[str], str],
+        keep_images: bool,
+    ) -> RolloutResult:
+        """The result so far; every string from outside goes through ``redact``."""
+        if self.reason is None and self.reward is None:
+            # A completed rollout always has a reward; if a path ever skips
+            # scoring, say so rather than report "completed" without one.
+            self.reason = FailureReason.VERIFIER_ERROR if self.scored else FailureReason.TOOLS_ERROR
+            self.error = self.error or "the rollout ended without being scored (a fleetroll bug)"
+        reward = self.reward if (self.reason is None or self.reason in SCORED_REASONS) else None
+        verifier = self.verifier
+        if verifier is not None:
+            verifier = verifier.model_copy(
+                update={
+                    "stdout": redact(verifier.stdout),
+                    "error": None if verifier.error is None else redact(verifier.error),
+                }
+            )
+        return RolloutResult(
+            rollout_id=ids.rollout_id,
+            batch_id=ids.batch_id,
+            task_key=task.key,
+            sample_index=ids.sample_index,
+            group_id=ids.group_id,
+            env_key=task.env_key,
+            env_version=task.env_version,
+            modality=task.modality,
+            instance_id=instance_id,
+            status="completed" if self.reason is None else "failed",
+            failure_reason=self.reason,
+            error=None if self.error is None else redact(self.error),
+            reward=reward,
+            steps=self.steps,
+            tool_errors=self.tool_errors,
+            tool_failures=self.tool_failures,
+            final_answer=None if self.final_answer is None else redact(self.final_answer),
+            timings=self.timings.model_copy(),
+            verifier=verifier,
+            transcript=self.transcript.export(redact, keep_images=keep_images),
+        )

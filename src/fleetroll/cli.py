@@ -118,8 +118,18 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--host", default=None, help="Address to listen on (default from config).")
-@click.option("--port", type=int, default=None, help="Port (default from config; 0 = free).")
+@click.option("--host", default=None, help="Address to listen on (default from config: loopback).")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port (default from config; 0 = free).",
+)
+@click.option(
+    "--allow-remote",
+    is_flag=True,
+    help="Allow a --host other than loopback (anyone who has the key can run code here).",
+)
 @click.option("--profile", default=None, help="Fault profile: clean, realistic, chaos, ...")
 @click.option("--seed", type=int, default=None, help="Override the profile's RNG seed.")
 @click.option(
@@ -132,6 +142,7 @@ def main() -> None:
 def emulator(
     host: str | None,
     port: int | None,
+    allow_remote: bool,
     profile: str | None,
     seed: int | None,
     profile_json: str | None,
@@ -139,10 +150,12 @@ def emulator(
 ) -> None:
     """Run the Fleet-compatible emulator until interrupted.
 
-    Point the Fleet SDK (or `fleetroll run`) at it with FLEET_BASE_URL and
-    any non-empty FLEET_API_KEY.
+    It prints the FLEET_BASE_URL and FLEET_API_KEY to point the Fleet SDK
+    (or `fleetroll run`) at it. The key is FLEETROLL_EMULATOR_API_KEY when
+    set, else generated. Verifiers of the tasks run on this host, sandboxed.
     """
     from fleetroll.emulator import Emulator, FaultProfile
+    from fleetroll.service.security import is_loopback
 
     settings = _settings(config_file)
     emu_settings = settings.emulator
@@ -155,11 +168,28 @@ def emulator(
         raise Failed(str(exc)) from None
     if seed is not None:
         fault_profile = fault_profile.model_copy(update={"seed": seed})
+    host = host or emu_settings.host
+    if not is_loopback(host):
+        if not allow_remote:
+            raise Failed(
+                f"refusing to listen on {host}: the emulator runs task verifiers on this host;"
+                " pass --allow-remote to serve beyond loopback anyway"
+            )
+        click.echo(
+            f"warning: the emulator listens on {host}, beyond loopback: anyone who reaches it"
+            " with the key can run code on this host as this user",
+            err=True,
+        )
+    key = settings.emulator_api_key
     emu = Emulator(
         fault_profile,
-        host=host or emu_settings.host,
+        host=host,
         port=emu_settings.port if port is None else port,
-        verifier_memory_mb=emu_settings.verifier_memory_mb,
+        api_key=key.get_secret_value() if key else None,
+        verifier_limits=emu_settings.verifier_limits(),
+        verifier_max_parallel=emu_settings.verifier_max_parallel,
+        keep_ended_instances=emu_settings.keep_ended_instances,
+        keep_ended_s=emu_settings.keep_ended_s,
     )
 
     async def run() -> None:
@@ -168,7 +198,8 @@ def emulator(
                 f"fleetroll emulator listening on {emu.base_url} "
                 f"(profile {profile or emu_settings.profile})"
             )
-            click.echo(f"  export FLEET_BASE_URL={emu.base_url} FLEET_API_KEY=local")
+            click.echo(f"  export FLEET_BASE_URL={emu.base_url}")
+            click.echo(f"  export FLEET_API_KEY={emu.api_key}")
             click.echo(f"  ledger: {emu.base_url}/_emulator/ledger   (Ctrl-C to stop)")
             await _until_signalled()
         click.echo("emulator stopped")

@@ -189,12 +189,15 @@ async def open_fleet(
         emu = await stack.enter_async_context(
             Emulator(
                 settings.emulator.fault_profile(emulator_profile),
-                verifier_memory_mb=settings.emulator.verifier_memory_mb,
+                verifier_limits=settings.emulator.verifier_limits(),
+                verifier_max_parallel=settings.emulator.verifier_max_parallel,
+                keep_ended_instances=settings.emulator.keep_ended_instances,
+                keep_ended_s=settings.emulator.keep_ended_s,
             )
         )
         return FleetTarget(emu.api_key, emu.base_url, f"emulator {emu.base_url}")
     key = settings.fleet_api_key
-    # A standalone emulator (FLEET_BASE_URL only) takes any key.
+    # Without a key, the platform answers 401 (a standalone emulator prints its key).
     return FleetTarget(
         key.get_secret_value() if key else "fleetroll-no-key",
         settings.fleet_base_url,

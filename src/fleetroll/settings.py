@@ -40,6 +40,7 @@ from pydantic_settings import (
 )
 
 from fleetroll.emulator.faults import FaultProfile
+from fleetroll.emulator.verifiers import VerifierLimits
 from fleetroll.errors import ConfigError
 
 __all__ = [
@@ -177,11 +178,37 @@ class TelemetrySettings(_Section):
 
 
 class EmulatorSettings(_Section):
+    """The embedded emulator. Its API key is not here: it comes only from
+    ``FLEETROLL_EMULATOR_API_KEY`` (:attr:`Settings.emulator_api_key`), or is
+    generated at start."""
+
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535)
     profile: str = "clean"
+    #: Verifier workers (code from tasks, run on this host): address space,
+    #: CPU time per run, printed output kept, answer size, and no network
+    #: where ``unshare -rn`` works.
     verifier_memory_mb: int = Field(512, ge=64)
+    verifier_cpu_s: int = Field(60, ge=1)
+    verifier_max_output_bytes: int = Field(1024 * 1024, ge=1024)
+    verifier_max_answer_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    verifier_isolate_network: bool = True
+    verifier_max_parallel: int = Field(4, ge=1)
+    #: Ended instances (and their SQLite files) kept for late reads; past
+    #: either bound the oldest are forgotten.
+    keep_ended_instances: int = Field(1024, ge=0)
+    keep_ended_s: float = Field(600.0, ge=0)
     profiles: dict[str, FaultProfile] = Field(default_factory=dict)
+
+    def verifier_limits(self) -> VerifierLimits:
+        """What one verifier run may take and say."""
+        return VerifierLimits(
+            memory_mb=self.verifier_memory_mb,
+            cpu_s=self.verifier_cpu_s,
+            max_output_bytes=self.verifier_max_output_bytes,
+            max_answer_bytes=self.verifier_max_answer_bytes,
+            isolate_network=self.verifier_isolate_network,
+        )
 
     def fault_profile(self, name: str | None = None) -> FaultProfile:
         """The named profile (default: ``profile``).
@@ -388,6 +415,10 @@ class Settings(BaseSettings):
     #: Bearer token of ``fleetroll serve``; required to bind anything but loopback.
     service_token: SecretStr | None = Field(
         None, validation_alias=AliasChoices("FLEETROLL_SERVICE_TOKEN", "service_token")
+    )
+    #: The key the emulator accepts (``fleetroll emulator``); generated at start when unset.
+    emulator_api_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("FLEETROLL_EMULATOR_API_KEY", "emulator_api_key")
     )
 
     timeouts: TimeoutSettings = TimeoutSettings()

@@ -63,7 +63,7 @@ async def test_rate_limits_answer_429_with_retry_after(sdk) -> None:
             raw = await client.post(
                 f"{emu.base_url}/v1/env/instances",
                 json={"env_key": "ledger"},
-                headers={"Authorization": "Bearer k"},
+                headers={"Authorization": f"Bearer {emu.api_key}"},
             )
         assert raw.status_code == 429 and raw.headers["retry-after"] == "2.5"
 

@@ -8,6 +8,7 @@ import pytest
 from fleet._async.tasks import Task
 
 from fleetroll.emulator import Emulator
+from fleetroll.emulator.verifiers import VerifierLimits
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -18,7 +19,7 @@ def task(code: str) -> Task:
 
 
 async def verify(sdk, code: str, **kwargs):
-    async with Emulator(verifier_memory_mb=256) as emu:
+    async with Emulator(verifier_limits=VerifierLimits(memory_mb=256)) as emu:
         env = await sdk(emu).make("ledger", data_key="seed")
         try:
             return await task(code).verify_detailed_async(env, **kwargs)

@@ -20,7 +20,7 @@ import anyio
 from fleet.models import InstanceRequest
 from pydantic import ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -62,7 +62,7 @@ class EmulatorApp:
         ledger: Ledger,
         verifiers: VerifierRunner,
         *,
-        api_key: str | None,
+        api_key: str,
     ) -> None:
         self.envs = {env.key: env for env in envs}
         self.store = store
@@ -105,12 +105,17 @@ class EmulatorApp:
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            matched = McpRouter.match(scope["path"])
-            if matched is not None:
-                await self.mcp.handle(*matched, scope, receive, send)
-                return
-        await self._starlette(scope, receive, send)
+        try:
+            if scope["type"] == "http":
+                matched = McpRouter.match(scope["path"])
+                if matched is not None:
+                    await self.mcp.handle(*matched, scope, receive, send)
+                    return
+            await self._starlette(scope, receive, send)
+        except* ClientDisconnect:
+            # The client went away before its request was read (a cancelled
+            # rollout, Ctrl-C): nobody is left to answer, and nothing is wrong.
+            pass
 
     @asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
@@ -131,12 +136,16 @@ class EmulatorApp:
     # -- helpers ------------------------------------------------------------
 
     def _authorized(self, request: Request) -> bool:
-        header = request.headers.get("authorization", "")
-        if not header.startswith("Bearer ") or not header[7:].strip():
-            return False
-        if self._api_key is None:
-            return True
-        return secrets.compare_digest(header[7:].strip(), self._api_key)
+        """The request carries the emulator's key (``Authorization: Bearer KEY``).
+
+        Instance routes (MCP, the manager API) do not ask for it, as on Fleet,
+        where the SDK sends no key to an instance: their URLs hold an instance
+        id that only an authorized control-plane answer reveals.
+        """
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(
+            given.strip().encode(), self._api_key.encode()
+        )
 
     def _unauthorized(self) -> JSONResponse:
         return _error(401, "Invalid or missing API key")
@@ -332,6 +341,8 @@ class EmulatorApp:
         )
 
     async def get_ledger(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return self._unauthorized()
         self.store.refresh_all()
         return JSONResponse(self.ledger.snapshot())
 

@@ -7,9 +7,9 @@ what the verifier subprocess reads, so scoring always sees the real state.
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -149,7 +149,8 @@ class InstanceStore:
         dies_after_s: float | None,
         heartbeat_interval: int | None,
     ) -> Instance:
-        instance_id = uuid.uuid4().hex[:16]
+        # Unguessable: the instance's URLs (MCP, manager API) need no API key.
+        instance_id = secrets.token_hex(8)
         db_path = self._dir / f"{instance_id}.db"
         conn = open_db(db_path)
         with conn:  # one transaction for the whole seed

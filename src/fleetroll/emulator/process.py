@@ -8,7 +8,9 @@ CPU is not charged to fleetroll.
 from __future__ import annotations
 
 import json
+import os
 import re
+import secrets
 import subprocess
 import sys
 from types import TracebackType
@@ -42,7 +44,7 @@ class EmulatorProcess:
         self._startup_timeout_s = startup_timeout_s
         self._process: Process | None = None
         self.base_url = ""
-        self.api_key = "emulator-local-key"
+        self.api_key = secrets.token_urlsafe(32)
         self.pid: int | None = None
 
     async def __aenter__(self) -> Self:
@@ -60,6 +62,8 @@ class EmulatorProcess:
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
+            # The key goes through the environment, never the command line (ps shows that).
+            env={**os.environ, "FLEETROLL_EMULATOR_API_KEY": self.api_key},
         )
         self.pid = self._process.pid
         assert self._process.stdout is not None
@@ -105,7 +109,10 @@ class EmulatorProcess:
     async def ledger(self) -> dict[str, Any]:
         """The emulator's ledger, as ``GET /_emulator/ledger`` answers it."""
         async with httpx.AsyncClient(timeout=30) as client:
-            response = await client.get(f"{self.base_url}/_emulator/ledger")
+            response = await client.get(
+                f"{self.base_url}/_emulator/ledger",
+                headers={"Authorization": f"Bearer {self.api_key}"},
+            )
             response.raise_for_status()
             answer: dict[str, Any] = json.loads(response.content)
             return answer

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Self
+
+from starlette.requests import ClientDisconnect
 
 from fleetroll._serving import exit_transparently, serve_asgi
 from fleetroll.emulator.app import EmulatorApp
@@ -18,13 +21,26 @@ from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector, FaultProfile
 from fleetroll.emulator.instances import InstanceStore
 from fleetroll.emulator.ledger import Ledger
-from fleetroll.emulator.verifiers import VerifierRunner
+from fleetroll.emulator.verifiers import VerifierLimits, VerifierRunner
 from fleetroll.errors import EmulatorError
 
 __all__ = ["Emulator"]
 
 _STARTUP_TIMEOUT_S = 30.0
 _SHUTDOWN_TIMEOUT_S = 10.0
+
+
+class _NotAClientDisconnect(logging.Filter):
+    """Drops the traceback the MCP SDK logs when a client leaves mid-request
+    (every cancelled rollout does): nobody is left to answer, nothing is wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], ClientDisconnect))
+
+
+def _quiet_client_disconnects(logger: logging.Logger) -> None:
+    if not any(isinstance(f, _NotAClientDisconnect) for f in logger.filters):
+        logger.addFilter(_NotAClientDisconnect())
 
 
 class Emulator:
@@ -39,8 +55,13 @@ class Emulator:
         profile: the faults to inject (default: none).
         envs: the sample environments to serve (default: all of them).
         host, port: where to listen; port 0 picks a free one.
-        api_key: the only API key accepted; None accepts any non-empty key.
-        verifier_memory_mb: address-space cap of each verifier process.
+        api_key: the only API key accepted; None generates one (read it from
+            :attr:`api_key`).
+        verifier_limits: what each verifier run may take and say (verifiers
+            are code from tasks, run on this host in a sandboxed worker).
+        verifier_max_parallel: verifier runs at once.
+        keep_ended_instances, keep_ended_s: ended instances (and their
+            SQLite files) kept for late reads; past either, the oldest go.
     """
 
     def __init__(
@@ -51,15 +72,21 @@ class Emulator:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
-        verifier_memory_mb: int = 512,
+        verifier_limits: VerifierLimits | None = None,
+        verifier_max_parallel: int = 4,
+        keep_ended_instances: int = 1024,
+        keep_ended_s: float = 600.0,
     ) -> None:
         self.profile = profile or FaultProfile()
         self.ledger = Ledger()
         self._envs = list(envs) if envs is not None else default_envs()
         self._host = host
         self._port = port
-        self._api_key = api_key
-        self._verifier_memory_mb = verifier_memory_mb
+        self._api_key = api_key or secrets.token_urlsafe(32)
+        self._verifier_limits = verifier_limits or VerifierLimits()
+        self._verifier_max_parallel = verifier_max_parallel
+        self._keep_ended_instances = keep_ended_instances
+        self._keep_ended_s = keep_ended_s
         self._data_dir: Path | None = None
         self._stack = contextlib.AsyncExitStack()
         self.app: EmulatorApp | None = None
@@ -67,8 +94,8 @@ class Emulator:
 
     @property
     def api_key(self) -> str:
-        """A key the emulator accepts (its own, or a placeholder when any key goes)."""
-        return self._api_key or "emulator-local-key"
+        """The one API key the emulator accepts (given, or generated at start)."""
+        return self._api_key
 
     @property
     def store(self) -> InstanceStore:
@@ -100,12 +127,13 @@ class Emulator:
             store,
             FaultInjector(self.profile),
             self.ledger,
-            VerifierRunner(memory_mb=self._verifier_memory_mb),
+            VerifierRunner(limits=self._verifier_limits, max_parallel=self._verifier_max_parallel),
             api_key=self._api_key,
         )
         # Keep the host's logs clean: the MCP SDK and httpx log every request.
         for name in ("mcp", "httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        _quiet_client_disconnects(logging.getLogger("mcp.server.streamable_http"))
         try:
             # Thousands of concurrent rollouts hold thousands of connections.
             async with serve_asgi(
@@ -120,7 +148,9 @@ class Emulator:
                 self.app.base_url = base_url
                 yield
         except OSError as exc:
-            raise EmulatorError(f"the emulator could not start: {exc}") from exc
+            raise EmulatorError(
+                f"the emulator could not listen on {self._host}:{self._port}: {exc}"
+            ) from exc
 
     def _cleanup(self) -> None:
         if self.app is not None:

@@ -6,6 +6,8 @@ Shared by the emulator, the fake OpenAI server and the HTTP service.
 from __future__ import annotations
 
 import contextlib
+import errno
+import socket
 from collections.abc import AsyncIterator, Iterator
 from contextlib import AsyncExitStack
 from types import TracebackType
@@ -50,8 +52,11 @@ async def serve_asgi(
     connection for less (``timeouts.http_keepalive_s``).
 
     Raises:
-        OSError: the server could not listen.
+        OSError: the server could not listen; the message says why, in a few
+            words, for the caller to put after the address.
     """
+    with anyio.fail_after(startup_timeout_s):  # name resolution may be slow
+        await anyio.to_thread.run_sync(_check_free, host, port, abandon_on_cancel=True)
     server = _EmbeddedServer(
         uvicorn.Config(
             app,
@@ -66,29 +71,72 @@ async def serve_asgi(
         )
     )
     stopped = anyio.Event()
+    failure: list[str] = []
 
     async def serve() -> None:
         try:
             await server.serve()
+        except SystemExit:
+            # uvicorn logs why and exits (3) when it cannot bind: a port taken
+            # since _check_free looked. Raised here it would end the process
+            # with a traceback from inside this task group.
+            failure.append("the server could not start (see the line above)")
         finally:
             stopped.set()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(serve)
+    listening = False
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(serve)
+            try:
+                with anyio.fail_after(startup_timeout_s):
+                    while not server.started:
+                        if stopped.is_set():
+                            why = failure[0] if failure else "the server stopped"
+                            raise OSError(why)
+                        await anyio.sleep(0.005)
+                address = server.servers[0].sockets[0].getsockname()
+                listening = True
+                yield f"http://{_shown(address[0])}:{address[1]}"
+            finally:
+                server.should_exit = True
+                with anyio.move_on_after(shutdown_timeout_s, shield=True):
+                    await stopped.wait()
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # Not yet serving: the caller gets the OSError itself (the task group
+        # wraps it), which the commands turn into one line.
+        if not listening and len(group.exceptions) == 1:
+            (only,) = group.exceptions
+            if isinstance(only, OSError):  # TimeoutError included
+                raise only from None
+        raise
+
+
+def _shown(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _check_free(host: str, port: int) -> None:
+    """Bind ``host:port`` as uvicorn will, and let go: a clear error before uvicorn's.
+
+    Raises:
+        OSError: the address cannot be bound (taken, not this machine's, no permission).
+    """
+    if not 0 <= port <= 65535:
+        raise OSError("ports go from 0 to 65535")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as exc:
+        raise OSError(f"cannot resolve {host!r}: {exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
         try:
-            with anyio.fail_after(startup_timeout_s):
-                while not server.started:
-                    if stopped.is_set():
-                        raise OSError(f"could not listen on {host}:{port}")
-                    await anyio.sleep(0.005)
-            address = server.servers[0].sockets[0].getsockname()
-            shown = f"[{address[0]}]" if ":" in address[0] else address[0]
-            yield f"http://{shown}:{address[1]}"
-        finally:
-            server.should_exit = True
-            with anyio.move_on_after(shutdown_timeout_s, shield=True):
-                await stopped.wait()
-            tg.cancel_scope.cancel()
+            probe.bind(address)
+        except OSError as exc:
+            reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise OSError(reason) from None
 
 
 async def exit_transparently(

@@ -9,6 +9,7 @@ instance limit and for retryable errors).
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -33,8 +34,6 @@ from fleetroll.emulator.mcp_routing import McpRouter
 from fleetroll.emulator.verifiers import BundleError, VerifierRunner
 
 __all__ = ["EmulatorApp"]
-
-_REAPER_INTERVAL_S = 0.25
 
 
 def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -72,6 +71,7 @@ class EmulatorApp:
         self.base_url = ""  # set once the server knows its port
         self._api_key = api_key
         self._create_queue = anyio.Lock()
+        self._reaper_wake: anyio.Event | None = None
         self._next_create_slot = 0.0
         self.mcp = McpRouter(envs, store, faults, ledger)
         self._starlette = Starlette(
@@ -128,10 +128,24 @@ class EmulatorApp:
             await self.verifiers.aclose()
 
     async def _reap(self) -> None:
-        """Apply TTL expiry and instance deaths even to instances nobody asks about."""
-        while True:
-            self.store.refresh_all()
-            await anyio.sleep(_REAPER_INTERVAL_S)
+        """Apply TTL expiry and instance deaths even to instances nobody asks
+        about, and forget old ended instances: asleep until the next deadline,
+        or until the store has an earlier one."""
+        self.store.on_earlier_deadline = self._wake_reaper
+        try:
+            while True:
+                self._reaper_wake = anyio.Event()
+                self.store.expire_due()
+                deadline = self.store.next_deadline()
+                wait = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+                with anyio.move_on_after(wait):
+                    await self._reaper_wake.wait()
+        finally:
+            self.store.on_earlier_deadline = None
+
+    def _wake_reaper(self) -> None:
+        if self._reaper_wake is not None:
+            self._reaper_wake.set()
 
     # -- helpers ------------------------------------------------------------
 
@@ -327,8 +341,7 @@ class EmulatorApp:
         inst = self._instance(request, alive=True)
         if isinstance(inst, Response):
             return inst
-        inst.last_heartbeat_mono = time.monotonic()
-        inst.last_heartbeat_at = datetime.now(UTC).isoformat()
+        self.store.heartbeat(inst)
         interval = inst.heartbeat_interval
         return JSONResponse(
             {

@@ -3,14 +3,22 @@
 Each instance owns one SQLite file (its ``current`` database), seeded by its
 environment from the create's ``data_key``. The file is what tools change and
 what the verifier subprocess reads, so scoring always sees the real state.
+
+Time-based ends (TTL, missed heartbeats, injected death) are kept in a heap of
+deadlines, so the reaper wakes only when one is due, and looks only at that
+instance. Ended instances are kept for late reads (a ``GET`` or ``DELETE``
+after a death) up to a count and an age; then they and their files go.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -71,6 +79,17 @@ class Instance:
     def age(self, now: float | None = None) -> float:
         return (time.monotonic() if now is None else now) - self.created_mono
 
+    def deadline(self) -> float | None:
+        """When this instance ends by itself unless something changes (monotonic)."""
+        times = []
+        if self.dies_at_mono is not None:
+            times.append(self.dies_at_mono)
+        if self.ttl_s is not None:
+            times.append(self.created_mono + self.ttl_s)
+        if self.heartbeat_interval and self.last_heartbeat_mono is not None:
+            times.append(self.last_heartbeat_mono + 2 * self.heartbeat_interval)
+        return min(times, default=None)
+
     def to_response(self, base_url: str) -> dict[str, Any]:
         """The instance as Fleet's ``InstanceResponse`` JSON."""
         root = f"{base_url}/instances/{self.instance_id}/"
@@ -124,12 +143,39 @@ def open_db(path: Path) -> sqlite3.Connection:
 
 
 class InstanceStore:
-    """All instances of one emulator, keyed by id, with the ledger kept in step."""
+    """All instances of one emulator, keyed by id, with the ledger kept in step.
 
-    def __init__(self, data_dir: Path, ledger: Ledger) -> None:
+    Args:
+        data_dir: the folder for the instances' SQLite files (made by the caller).
+        keep_ended, keep_ended_s: ended instances kept, at most this many and
+            this long; then they are forgotten and their files deleted.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        ledger: Ledger,
+        *,
+        keep_ended: int = 1024,
+        keep_ended_s: float = 600.0,
+    ) -> None:
         self._dir = data_dir
         self._ledger = ledger
         self._instances: dict[str, Instance] = {}
+        self._keep_ended = keep_ended
+        self._keep_ended_s = keep_ended_s
+        self._deadlines: list[tuple[float, int, str]] = []  # (when, tiebreak, instance id)
+        self._tiebreak = itertools.count()
+        self._ended: deque[tuple[float, str]] = deque()  # (when it ended, id), oldest first
+        #: Called when a deadline earlier than all others appears (the reaper's wake-up).
+        self.on_earlier_deadline: Callable[[], None] | None = None
+
+    @property
+    def data_dir(self) -> Path:
+        return self._dir
+
+    def __len__(self) -> int:
+        return len(self._instances)
 
     def __iter__(self) -> Iterator[Instance]:
         return iter(list(self._instances.values()))
@@ -176,7 +222,51 @@ class InstanceStore:
         )
         self._instances[instance_id] = inst
         self._ledger.instance_started(env.key)
+        self._schedule(inst)
         return inst
+
+    def heartbeat(self, inst: Instance) -> None:
+        inst.last_heartbeat_mono = time.monotonic()
+        inst.last_heartbeat_at = _now_iso()
+        self._schedule(inst)
+
+    def _schedule(self, inst: Instance) -> None:
+        when = inst.deadline()
+        if when is None:
+            return
+        earliest = self._deadlines[0][0] if self._deadlines else None
+        heapq.heappush(self._deadlines, (when, next(self._tiebreak), inst.instance_id))
+        if (earliest is None or when < earliest) and self.on_earlier_deadline is not None:
+            self.on_earlier_deadline()
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire_due` next has something to do (monotonic), if ever."""
+        times = []
+        if self._deadlines:
+            times.append(self._deadlines[0][0])
+        if self._ended:
+            times.append(self._ended[0][0] + self._keep_ended_s)
+        return min(times, default=None)
+
+    def expire_due(self, now: float | None = None) -> None:
+        """End the instances whose deadline has come, and forget old ended ones.
+
+        Looks only at instances with a deadline at or before ``now``: a later
+        heartbeat moved an instance's deadline, so it is scheduled again.
+        """
+        now = time.monotonic() if now is None else now
+        again = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, instance_id = heapq.heappop(self._deadlines)
+            inst = self._instances.get(instance_id)
+            if inst is None or not inst.alive:
+                continue
+            self.refresh(inst, now)
+            if inst.alive:
+                again.append(inst)
+        for inst in again:
+            self._schedule(inst)
+        self._forget_old(now)
 
     def get(self, instance_id: str) -> Instance | None:
         """The instance, with its time-based transitions (TTL, death) applied."""
@@ -200,11 +290,12 @@ class InstanceStore:
         # can round to just under the TTL at exactly `created + ttl`.
         if inst.ttl_s is not None and now >= inst.created_mono + inst.ttl_s:
             return True
-        # With heartbeats on, two missed intervals end the instance.
+        # With heartbeats on, two missed intervals end the instance (compared
+        # as Instance.deadline computes it, so the reaper's wake-up ends it).
         return bool(
             inst.heartbeat_interval
             and inst.last_heartbeat_mono is not None
-            and now - inst.last_heartbeat_mono > 2 * inst.heartbeat_interval
+            and now >= inst.last_heartbeat_mono + 2 * inst.heartbeat_interval
         )
 
     def refresh_all(self) -> None:
@@ -231,11 +322,32 @@ class InstanceStore:
         inst.status = status
         inst.terminated_at = inst.updated_at = _now_iso()
         self._ledger.instance_ended(how)
-        # The file stays until the emulator stops: a verifier may still be reading it.
         inst.conn.close()
+        # The file stays a while (a verifier may still be reading it), not forever.
+        now = time.monotonic()
+        if not self._ended and self.on_earlier_deadline is not None:
+            self.on_earlier_deadline()
+        self._ended.append((now, inst.instance_id))
+        self._forget_old(now)
+
+    def _forget_old(self, now: float) -> None:
+        while self._ended and (
+            len(self._ended) > self._keep_ended or self._ended[0][0] + self._keep_ended_s <= now
+        ):
+            _, instance_id = self._ended.popleft()
+            inst = self._instances.pop(instance_id, None)
+            if inst is not None:
+                _delete_files(inst.db_path)
 
     def close(self) -> None:
         for inst in self:
             if inst.alive:
                 inst.conn.close()
         self._instances.clear()
+        self._deadlines.clear()
+        self._ended.clear()
+
+
+def _delete_files(db_path: Path) -> None:
+    for path in (db_path, *(db_path.with_name(db_path.name + s) for s in ("-journal", "-wal"))):
+        path.unlink(missing_ok=True)

@@ -121,7 +121,12 @@ class Emulator:
     @contextlib.asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
         self._data_dir = Path(tempfile.mkdtemp(prefix="fleetroll-emulator-"))
-        store = InstanceStore(self._data_dir, self.ledger)
+        store = InstanceStore(
+            self._data_dir,
+            self.ledger,
+            keep_ended=self._keep_ended_instances,
+            keep_ended_s=self._keep_ended_s,
+        )
         self.app = EmulatorApp(
             self._envs,
             store,

@@ -86,6 +86,24 @@ async def test_a_hanging_create_does_not_answer(sdk) -> None:
         assert emu.ledger.created == 0
 
 
+@pytest.mark.parametrize(
+    "profile",
+    [
+        FaultProfile(p_create_hang=1.0, create_hang_s=3600),
+        FaultProfile(create_latency=Latency(min_s=3600)),
+    ],
+    ids=["hang", "latency"],
+)
+async def test_a_slow_create_answers_504_once_the_clients_max_wait_has_passed(
+    sdk, profile: FaultProfile
+) -> None:
+    async with Emulator(profile) as emu:
+        with anyio.fail_after(30), pytest.raises(FleetAPIError) as err:
+            await sdk(emu).make("ledger", max_wait_seconds=1)
+        assert err.value.status_code == 504 and "max_wait_seconds=1" in str(err.value)
+        assert emu.ledger.created == 0 and emu.ledger.running == 0
+
+
 async def test_mcp_endpoints_answer_503_while_the_instance_warms_up(sdk) -> None:
     async with Emulator(FaultProfile(mcp_warmup_s=3600)) as emu:
         env = await sdk(emu).make("ledger")

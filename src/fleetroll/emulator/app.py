@@ -40,6 +40,11 @@ def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> J
     return JSONResponse({"detail": detail}, status_code=status, headers=headers)
 
 
+def _create_timed_out(max_wait: float) -> JSONResponse:
+    waited = "" if math.isinf(max_wait) else f" within max_wait_seconds={max_wait:g}"
+    return _error(504, f"Create timed out upstream: the instance was not ready{waited}")
+
+
 async def _hang(request: Request, seconds: float) -> bool:
     """Wait ``seconds`` or until the client goes away; True if it went away."""
     deadline = time.monotonic() + seconds
@@ -243,9 +248,12 @@ class EmulatorApp:
                     "instance_limit": limit,
                 },
             ), "instance_limit"
+        # As on Fleet, a create answers within the wait the client asked for
+        # (the SDK asks for a little less than its own timeout).
+        max_wait = math.inf if body.max_wait_seconds is None else float(body.max_wait_seconds)
         if decision == "hang":
-            gone = await _hang(request, faults.profile.create_hang_s)
-            return _error(504, "Create timed out upstream"), "hang_abandoned" if gone else "hang"
+            gone = await _hang(request, min(faults.profile.create_hang_s, max_wait))
+            return _create_timed_out(max_wait), "hang_abandoned" if gone else "hang"
         if decision == "429":
             return _error(
                 429,
@@ -262,8 +270,10 @@ class EmulatorApp:
 
         await self._wait_create_slot()
         latency = faults.create_latency()
-        if latency and await _hang(request, latency):
+        if latency and await _hang(request, min(latency, max_wait)):
             return _error(499, "client went away"), "abandoned"
+        if latency > max_wait:
+            return _create_timed_out(max_wait), "timed_out"
 
         ttl = body.ttl_seconds if body.ttl_seconds is not None else faults.profile.default_ttl_s
         inst = self.store.create(

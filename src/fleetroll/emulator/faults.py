@@ -56,7 +56,8 @@ class FaultProfile(BaseModel):
     #: Running instances allowed at once; a create past it answers 403
     #: ``instance_limit_exceeded``. None = unlimited.
     instance_limit: int | None = Field(default=None, ge=0)
-    #: Probability that a create hangs for ``create_hang_s`` before answering 504.
+    #: Probability that a create hangs for ``create_hang_s`` before answering 504
+    #: (sooner if the request's ``max_wait_seconds`` is shorter, as on Fleet).
     p_create_hang: Probability = 0.0
     create_hang_s: Seconds = 3600.0
 

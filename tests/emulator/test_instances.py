@@ -113,3 +113,22 @@ def test_a_heartbeat_moves_the_deadline_and_missed_ones_end_the_instance(tmp_pat
     store.expire_due(now=first)
     assert not inst.alive
     store.close()
+
+
+def test_deadlines_of_deleted_instances_do_not_pile_up(tmp_path: Path) -> None:
+    store = InstanceStore(tmp_path, Ledger(), keep_ended=0)
+    for _ in range(500):
+        store.delete(make(store, ttl_s=3600))
+    assert len(store) == 0 and files(tmp_path) == []
+    assert len(store._deadlines) <= 64 + 1
+    store.close()
+
+
+def test_heartbeats_do_not_pile_up_deadlines(tmp_path: Path) -> None:
+    store = InstanceStore(tmp_path, Ledger())
+    beating = [make(store, ttl_s=None, heartbeat=30) for _ in range(10)]
+    for _ in range(100):
+        for inst in beating:
+            store.heartbeat(inst)
+    assert len(store._deadlines) <= 2 * len(beating) + 64 + 1
+    store.close()

@@ -234,6 +234,16 @@ class InstanceStore:
         when = inst.deadline()
         if when is None:
             return
+        if len(self._deadlines) > 2 * len(self._instances) + 64:
+            # Entries of deleted instances, and deadlines a heartbeat moved, would
+            # otherwise wait for their time: keep one per live instance, its current one.
+            current = {
+                i.instance_id: when
+                for i in self._instances.values()
+                if i.alive and (when := i.deadline()) is not None
+            }
+            self._deadlines = [e for e in self._deadlines if current.get(e[2]) == e[0]]
+            heapq.heapify(self._deadlines)
         earliest = self._deadlines[0][0] if self._deadlines else None
         heapq.heappush(self._deadlines, (when, next(self._tiebreak), inst.instance_id))
         if (earliest is None or when < earliest) and self.on_earlier_deadline is not None:

@@ -233,3 +233,15 @@ def test_shipped_profiles_load_and_chaos_turns_every_fault_on() -> None:
     ):
         assert getattr(chaos, knob) > 0, knob
     assert emulator.fault_profile("clean") == FaultProfile()
+
+
+def test_the_shipped_profiles_hang_creates_for_less_than_a_minute() -> None:
+    """A profile meant for trying faults must not hold a rollout for the create
+    timeout (900 s): its hung creates answer soon and are retried."""
+    from fleetroll.settings import load_settings
+
+    profiles = load_settings().emulator.profiles
+    assert {"clean", "realistic", "chaos"} <= set(profiles)
+    for name, profile in profiles.items():
+        if profile.p_create_hang:
+            assert profile.create_hang_s <= 60, name

@@ -117,6 +117,17 @@ async def test_sqlite_resource_queries_run_through_the_manager_api(sdk) -> None:
         await env.close()
 
 
+async def test_a_manager_query_cannot_attach_another_file(sdk, tmp_path) -> None:
+    target = tmp_path / "elsewhere.db"
+    async with Emulator() as emu:
+        env = await sdk(emu).make("ledger", data_key="seed")
+        await env.resources()
+        result = await env.db("current").query(f"ATTACH DATABASE '{target}' AS other")
+        assert not result.success and "not authorized" in (result.error or "")
+        assert not target.exists()
+        await env.close()
+
+
 async def test_two_hundred_instances_alive_at_once_all_answer_tool_calls(sdk) -> None:
     from mcp import Client
 

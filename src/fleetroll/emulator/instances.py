@@ -134,11 +134,18 @@ class Instance:
         }
 
 
+def _only_this_file(action: int, *_: object) -> int:
+    # The manager API runs any SQL a client sends: ATTACH would let it create
+    # or read any file this user can.
+    return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_ATTACH else sqlite3.SQLITE_OK
+
+
 def open_db(path: Path) -> sqlite3.Connection:
     # The emulator is a test double: durability buys nothing, speed does.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=MEMORY")
     conn.execute("PRAGMA synchronous=OFF")
+    conn.set_authorizer(_only_this_file)
     return conn
 
 

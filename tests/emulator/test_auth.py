@@ -94,3 +94,15 @@ async def test_a_client_that_leaves_before_sending_its_body_is_not_logged_as_an_
         with anyio.fail_after(30):
             await env.close()
     assert [r.getMessage() for r in server_errors] == []
+
+
+def test_the_emulator_key_given_in_the_environment_is_redacted_from_telemetry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fleetroll.settings import load_settings
+    from fleetroll.telemetry.session import redactor_for
+
+    monkeypatch.setenv("FLEETROLL_EMULATOR_API_KEY", "emu-key-0123456789")
+    settings = load_settings()
+    assert settings.emulator_api_key is not None
+    assert "emu-key-0123456789" not in redactor_for(settings)("sent emu-key-0123456789 twice")

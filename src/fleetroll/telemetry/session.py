@@ -53,6 +53,7 @@ def redactor_for(settings: Settings) -> Redactor:
         settings.logfire_token,
         settings.openai_api_key,
         settings.service_token,
+        settings.emulator_api_key,
     )
     return Redactor(s.get_secret_value() for s in secrets if s is not None)
 

@@ -249,8 +249,10 @@ class EmulatorApp:
                 },
             ), "instance_limit"
         # As on Fleet, a create answers within the wait the client asked for
-        # (the SDK asks for a little less than its own timeout).
-        max_wait = math.inf if body.max_wait_seconds is None else float(body.max_wait_seconds)
+        # (the SDK asks for its own timeout minus 30 s; 0 when that is shorter
+        # than 30 s, which we read as "no wait asked": its own deadline rules).
+        wait = body.max_wait_seconds
+        max_wait = float(wait) if wait is not None and wait > 0 else math.inf
         if decision == "hang":
             gone = await _hang(request, min(faults.profile.create_hang_s, max_wait))
             return _create_timed_out(max_wait), "hang_abandoned" if gone else "hang"

@@ -46,15 +46,32 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def fleetroll(*args: str, tmp_path: Path, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def fleetroll(
+    *args: str, tmp_path: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fleetroll", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
         cwd=tmp_path,
-        env=clean_env(),
+        env={**clean_env(), **(env or {})},
     )
+
+
+def test_a_fleet_url_without_a_key_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    done = fleetroll(
+        "run",
+        str(LEDGER),
+        "--out",
+        str(tmp_path / "r.jsonl"),
+        tmp_path=tmp_path,
+        env={"FLEET_BASE_URL": "http://127.0.0.1:9"},
+    )
+
+    assert done.returncode == 2
+    assert "FLEET_BASE_URL is set but FLEET_API_KEY is not" in done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "r.jsonl").exists()
 
 
 def test_run_writes_one_result_per_rollout_and_a_summary(tmp_path: Path) -> None:

@@ -13,22 +13,15 @@ error, a timeout, cancellation — the instance is released (shielded and
 bounded), ``fleet_rollout_completed`` is emitted exactly once, and
 :attr:`Rollout.result` holds a result with the right ``failure_reason``.
 
-What rollouts share (settings, the provider, telemetry) is the engine
-(:mod:`fleetroll.engine`); the transcript is :mod:`fleetroll.transcript`; the
-env-style session API on top of a rollout is :mod:`fleetroll.env_session`.
-
-A tool call that fails for infrastructure reasons (timeout, transport error,
-instance gone) is counted in ``tool_failures`` and, unless
-``pool.on_tool_failure = "continue"``, ends the rollout as ``tool_failure``
-with no reward; an error the environment *answers* is feedback for the agent
-(``tool_errors``). Every string of a result that came from outside (tool
-answers, the verifier's output, errors, the final answer) is redacted, like
-telemetry, before the result exists.
+Around it: what rollouts share is the engine (:mod:`fleetroll.engine`); one
+tool call and what it means is :mod:`fleetroll.dispatch`; the mutable state
+and the (redacted) result are :mod:`fleetroll.progress`; the transcript is
+:mod:`fleetroll.transcript`; the env-style session API is
+:mod:`fleetroll.env_session`.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -38,6 +31,7 @@ from typing import Any, Final, Protocol, TypeVar
 
 import anyio
 
+from fleetroll.dispatch import dispatch
 from fleetroll.environments import Instance, Provider
 from fleetroll.errors import (
     InstanceLostError,
@@ -53,11 +47,11 @@ from fleetroll.results import (
     FailureReason,
     RolloutResult,
 )
-from fleetroll.routing import SUBMIT_FINAL_ANSWER, ComputerToolMissing, Route
+from fleetroll.routing import ComputerToolMissing, Route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
-from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession, describe
+from fleetroll.tools import ToolResult, ToolSession, describe
 
 T = TypeVar("T")
 
@@ -381,65 +375,17 @@ class Rollout:
     async def _call(self, call: ToolCall) -> ToolResult:
         """Run one tool call and record its answer (a failure may end the rollout)."""
         e = self.engine
-        if call.name == SUBMIT_FINAL_ANSWER.name and self.route and self.route.offers_final_answer:
-            answer = call.arguments.get("answer")
-            self._p.final_answer = answer if isinstance(answer, str) else json.dumps(answer)
-            self._p.finished = True
-            result = ToolResult(text="Final answer recorded.")
-            self._p.transcript.add_answer(call, result)
-            return result
-        allowed = {t.name for t in self.tools}
-        if call.arguments_error:
-            result = ToolResult(text=f"Error: {call.arguments_error}", is_error=True)
-        elif call.name not in allowed:
-            result = ToolResult(
-                text=f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(allowed))}",
-                is_error=True,
-            )
-        else:
-            assert self.session is not None and self.instance is not None
-            began = time.monotonic()
-            try:
-                result = await self.session.call(call.name, call.arguments)
-            except ToolCallFailed as exc:
-                # Not an answer from the environment: an infrastructure failure.
-                self._p.tool_failures += 1
-                e.events.emit(
-                    "fleet_tool_call_failed",
-                    level="warn",
-                    tool_name=call.name,
-                    step_count=self._p.steps,
-                    error_type=type(exc.__cause__ or exc).__name__,
-                    error_message=str(exc)[:500],
-                )
-                if not await e.provider.is_alive(self.instance):
-                    self._fail(
-                        FailureReason.INSTANCE_LOST,
-                        f"instance {self.instance.instance_id} is gone ({exc})",
-                    )
-                elif e.settings.pool.on_tool_failure == "fail":
-                    self._fail(
-                        FailureReason.TOOL_FAILURE,
-                        f"the tool call {call.name} failed: {exc} "
-                        '(pool.on_tool_failure = "continue" would go on)',
-                    )
-                result = ToolResult(text=f"Error: the tool call failed: {exc}", is_error=True)
-                self._p.transcript.add_answer(call, result)
-                return result
-            finally:
-                self._p.timings.tools_s += time.monotonic() - began
-            if result.is_error:
-                e.events.emit(
-                    "fleet_mcp_tool_error",
-                    level="warn",
-                    tool_name=call.name,
-                    step_count=self._p.steps,
-                    error_message=result.text[:500],
-                )
-        if result.is_error:
-            self._p.tool_errors += 1
-        self._p.transcript.add_answer(call, result)
-        return result
+        return await dispatch(
+            call,
+            progress=self._p,
+            provider=e.provider,
+            events=e.events,
+            stop_on_failure=e.settings.pool.on_tool_failure == "fail",
+            route=self.route,
+            tools=self.tools,
+            session=self.session,
+            instance=self.instance,
+        )
 
     # -- the end ------------------------------------------------------------
 

@@ -235,8 +235,13 @@ class FleetProvider:
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
         self._gate = create_gate or LocalCreateGate(p.max_concurrent_creates, p.creates_per_second)
+        r = settings.retries
         self._verifier = Verifier(
-            timeout_s=t.verifier_s, max_source_bytes=settings.pool.max_verifier_bytes
+            timeout_s=t.verifier_s,
+            max_source_bytes=settings.pool.max_verifier_bytes,
+            attempts=r.verifier_attempts,
+            backoff_initial_s=r.verifier_backoff_initial_s,
+            backoff_max_s=r.verifier_backoff_max_s,
         )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
@@ -285,6 +290,8 @@ class FleetProvider:
                     connect_timeout_s=t.mcp_connect_s,
                     call_timeout_s=t.call_tool_s,
                     list_timeout_s=t.list_tools_s,
+                    backoff_initial_s=self._settings.retries.mcp_connect_backoff_initial_s,
+                    backoff_max_s=self._settings.retries.mcp_connect_backoff_max_s,
                 )
             )
 

@@ -104,6 +104,20 @@ class ProvisioningSettings(_Section):
     region: str | None = None
 
 
+class RetrySettings(_Section):
+    """Retries of outgoing calls other than creates (those are ``[provisioning]``).
+
+    Which failures are retried is one table (:mod:`fleetroll.retrying`); the
+    waits are full-jitter exponential backoff, a server's Retry-After first.
+    """
+
+    verifier_attempts: int = Field(3, ge=1)
+    verifier_backoff_initial_s: float = Field(0.2, ge=0)
+    verifier_backoff_max_s: float = Field(2.0, ge=0)
+    mcp_connect_backoff_initial_s: float = Field(0.05, ge=0)
+    mcp_connect_backoff_max_s: float = Field(2.0, ge=0)
+
+
 class ModalitySettings(_Section):
     """One row of the modality routing table (docs/configuration.md)."""
 
@@ -423,6 +437,7 @@ class Settings(BaseSettings):
 
     timeouts: TimeoutSettings = TimeoutSettings()
     provisioning: ProvisioningSettings = ProvisioningSettings()
+    retries: RetrySettings = RetrySettings()
     modalities: dict[str, ModalitySettings] = Field(default_factory=dict)
     pool: PoolSettings = PoolSettings()
     policy: PolicySettings = PolicySettings()

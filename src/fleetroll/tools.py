@@ -41,9 +41,6 @@ from fleetroll.retrying import backoff_s
 
 __all__ = ["ToolCallFailed", "ToolResult", "ToolSession", "normalise", "open_tool_session"]
 
-_CONNECT_BACKOFF_INITIAL_S = 0.05
-_CONNECT_BACKOFF_MAX_S = 2.0
-
 
 @dataclass(frozen=True, slots=True)
 class ToolResult:
@@ -195,8 +192,13 @@ async def open_tool_session(
     connect_timeout_s: float,
     call_timeout_s: float,
     list_timeout_s: float,
+    backoff_initial_s: float,
+    backoff_max_s: float,
 ) -> AsyncIterator[ToolSession]:
     """Connect to an MCP endpoint, retrying while its service starts.
+
+    Retries wait full-jitter backoff (``retries.mcp_connect_backoff_*``)
+    inside ``connect_timeout_s``.
 
     Raises:
         OperationTimeout: no connection within ``connect_timeout_s``.
@@ -233,9 +235,7 @@ async def open_tool_session(
                     ) from exc
         if scope.cancelled_caught and not connected:
             raise _connect_timeout(url, connect_timeout_s, attempt, last)
-        delay = backoff_s(
-            attempt, initial_s=_CONNECT_BACKOFF_INITIAL_S, max_s=_CONNECT_BACKOFF_MAX_S
-        )
+        delay = backoff_s(attempt, initial_s=backoff_initial_s, max_s=backoff_max_s)
         remaining = connect_timeout_s - (time.monotonic() - started)
         if remaining <= 0:
             raise _connect_timeout(url, connect_timeout_s, attempt, last)

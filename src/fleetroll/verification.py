@@ -38,8 +38,6 @@ from fleetroll.telemetry.retries import route_retries_to_logging
 
 __all__ = ["Verifier", "verifier_signature"]
 
-_ATTEMPTS = 3
-
 #: CPython 3.11's parser keeps some state per interpreter, not per thread:
 #: two threads parsing at once can fail ("AST constructor recursion depth
 #: mismatch"). Parsing here is rare (once per verifier content), so serialise it.
@@ -131,9 +129,19 @@ def _transient(exc: BaseException) -> bool:
 class Verifier:
     """Scores rollouts; each verifier content is parsed and bundled once."""
 
-    def __init__(self, *, timeout_s: float, max_source_bytes: int = 1024 * 1024) -> None:
+    def __init__(
+        self,
+        *,
+        timeout_s: float,
+        max_source_bytes: int,
+        attempts: int,
+        backoff_initial_s: float,
+        backoff_max_s: float,
+    ) -> None:
         self._timeout_s = timeout_s
         self._max_source_bytes = max_source_bytes
+        self._attempts = attempts
+        self._backoff = (backoff_initial_s, backoff_max_s)
         self._compiled: OrderedDict[str, _Compiled] = OrderedDict()
         self._compiling: dict[str, anyio.Event] = {}
         self._parsing: anyio.CapacityLimiter | None = None
@@ -197,10 +205,10 @@ class Verifier:
             with anyio.fail_after(self._timeout_s):
                 async for attempt in stamina.retry_context(
                     on=_transient,
-                    attempts=_ATTEMPTS,
+                    attempts=self._attempts,
                     timeout=None,
-                    wait_initial=0.2,
-                    wait_max=2.0,
+                    wait_initial=self._backoff[0],
+                    wait_max=self._backoff[1],
                 ):
                     with attempt:
                         response = await function.remote_with_response(env, **kwargs)

@@ -2,8 +2,7 @@
 
 One instance on a fresh emulator with no injected latency, so a call costs
 what the protocol and the clients cost on this machine. fleetroll's session
-is opened as a rollout opens it (:func:`~fleetroll.tools.open_tool_session`
-over :meth:`FleetProvider.mcp_client`) and calls go through
+is opened as a rollout opens it (:meth:`FleetProvider.open_tools`) and calls go through
 :meth:`ToolSession.call` (deadline, error translation, normalisation); the
 bare session is ``mcp.Client(url)`` and ``call_tool``, nothing else. Calls
 alternate between the two (and which goes first), so drift on a busy machine
@@ -28,7 +27,6 @@ from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.provisioning import FleetProvider
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events
-from fleetroll.tools import open_tool_session
 
 __all__ = ["tool_call_bench"]
 
@@ -83,7 +81,6 @@ async def tool_call_bench(scenario: Scenario, calls: int, settings: Settings) ->
     """
     load = load_average()
     task = bench_tasks(1, 1, samples=1)[0][0]
-    t = settings.timeouts
     fleetroll = _Series("fleetroll ToolSession")
     bare = _Series("bare mcp Client")
     fresh = _Series("fresh session per call")
@@ -93,17 +90,11 @@ async def tool_call_bench(scenario: Scenario, calls: int, settings: Settings) ->
         before = (machine_cpu_s(), CpuClock.now(), process_tree_cpu_s(emu.pid))
         instance = await provider.provision(task, run_id="tool-call-bench")
         try:
-            url = provider.route(instance, task).url
+            route = provider.route(instance, task)
+            url = route.url
             with anyio.fail_after(scenario.wall_limit_s):
                 async with (
-                    provider.mcp_client() as http,
-                    open_tool_session(
-                        url,
-                        http,
-                        connect_timeout_s=t.mcp_connect_s,
-                        call_timeout_s=t.call_tool_s,
-                        list_timeout_s=t.list_tools_s,
-                    ) as session,
+                    provider.open_tools(instance, route) as session,
                     Client(url) as client,
                 ):
 

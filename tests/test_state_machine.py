@@ -164,3 +164,28 @@ async def test_waiting_for_a_phase_wakes_on_the_change_itself() -> None:
                 await rollout.wait_until(lambda r: r.phase is Phase.ACTING)
                 tg.cancel_scope.cancel()
     assert rollout.result is not None and rollout.result.failure_reason is FailureReason.CANCELLED
+
+
+async def test_what_others_see_of_a_running_rollout_is_redacted_like_its_result() -> None:
+    secret = "fleet-secret-key-0123456789abcdef"
+    task = TASK.model_copy(
+        update={
+            "solution": (
+                SolutionStep(name="note", arguments={"word": secret}),
+                SolutionStep(name="hang", arguments={}),
+            )
+        }
+    )
+    async with engine(MemorySink(), fleet_api_key=secret) as (eng, _):
+        rollout = eng.rollout(task, RolloutIds("b", "r"))
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(rollout.run, ScriptedPolicy())
+                await rollout.wait_until(lambda r: len(r.messages) >= 4)  # in the hang
+                view = rollout.view()
+                tg.cancel_scope.cancel()
+    assert view.phase is Phase.ACTING and view.steps == 2 and view.result is None
+    assert secret in str(rollout.messages)  # the policy saw it as the tool said it
+    assert secret not in str(view.messages) and "noted" in str(view.messages)
+    assert rollout.view().result is not None
+    assert secret not in str(rollout.view().messages)

@@ -55,7 +55,7 @@ from fleetroll.tools import ToolResult, ToolSession, describe
 
 T = TypeVar("T")
 
-__all__ = ["Phase", "Rollout", "RolloutContext", "RolloutIds", "StepResult"]
+__all__ = ["Phase", "Rollout", "RolloutContext", "RolloutIds", "RolloutView", "StepResult"]
 
 
 class Phase(StrEnum):
@@ -93,6 +93,24 @@ class StepResult:
     observation: ToolResult
     done: bool
     messages: tuple[dict[str, Any], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutView:
+    """A rollout as others may see it, running or ended: copies, redacted.
+
+    The service and the MCP tools read rollouts only through this, never the
+    live object's state.
+    """
+
+    ids: RolloutIds
+    task_key: str
+    phase: Phase
+    steps: int
+    #: The transcript so far, as a result would hold it (redacted, images elided).
+    messages: tuple[dict[str, Any], ...]
+    #: Set once the rollout has ended.
+    result: RolloutResult | None
 
 
 class RolloutContext(Protocol):
@@ -522,6 +540,19 @@ class Rollout:
     @property
     def messages(self) -> list[dict[str, Any]]:
         return self._p.transcript.messages
+
+    def view(self) -> RolloutView:
+        """What the rollout is doing, for others to read (see :class:`RolloutView`)."""
+        result = self.result
+        if result is not None:
+            messages, steps = tuple(result.transcript), result.steps
+        else:
+            e = self.engine
+            exported = self._p.transcript.export(
+                e.redactor, keep_images=e.settings.pool.transcript_images
+            )
+            messages, steps = tuple(exported), self._p.steps
+        return RolloutView(self.ids, self.task.key, self.phase, steps, messages, result)
 
     def finish(self) -> None:
         """The controller ended the episode: it completes (and is scored)."""

@@ -72,22 +72,19 @@ class RolloutMessages(BaseModel):
 
 
 def _state(rollout: Rollout) -> RolloutState:
-    result = rollout.result
+    view = rollout.view()
+    result = view.result
     return RolloutState(
-        rollout_id=rollout.ids.rollout_id,
-        batch_id=rollout.ids.batch_id,
-        task_key=rollout.task.key,
-        phase=rollout.phase.value,
-        steps=result.steps if result else _steps(rollout.messages),
+        rollout_id=view.ids.rollout_id,
+        batch_id=view.ids.batch_id,
+        task_key=view.task_key,
+        phase=view.phase.value,
+        steps=view.steps,
         done=result is not None,
         status=result.status if result else None,
         failure_reason=result.failure_reason.value if result and result.failure_reason else None,
         reward=result.reward if result else None,
     )
-
-
-def _steps(messages: list[dict[str, Any]]) -> int:
-    return sum(1 for m in messages if m.get("role") == "assistant" and m.get("tool_calls"))
 
 
 def _tool_error(exc: ApiError) -> ToolError:
@@ -160,13 +157,12 @@ def build_mcp_server(service: RolloutHost) -> MCPServer:
 
     @server.tool(description="The rollout's transcript so far, from message number `after`.")
     async def get_messages(rollout_id: str, after: int = 0) -> RolloutMessages:
-        rollout = find(rollout_id)
-        messages = rollout.result.transcript if rollout.result else rollout.messages
+        view = find(rollout_id).view()  # redacted, as a result would be
         return RolloutMessages(
             rollout_id=rollout_id,
-            messages=list(messages[max(after, 0) :]),
-            next=len(messages),
-            done=rollout.result is not None,
+            messages=list(view.messages[max(after, 0) :]),
+            next=len(view.messages),
+            done=view.result is not None,
         )
 
     @server.tool(description="Cancel the rollout; finalize_rollout then returns `cancelled`.")

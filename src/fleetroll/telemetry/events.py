@@ -194,9 +194,6 @@ class Events:
         """What every event goes through; use it for anything else leaving the process."""
         return self._redact
 
-    def add_sink(self, sink: EventSink) -> None:
-        self._sinks.append(sink)
-
     @staticmethod
     @contextmanager
     def bind(**attributes: Any) -> Iterator[None]:
@@ -206,10 +203,6 @@ class Events:
             yield
         finally:
             _base.reset(token)
-
-    @staticmethod
-    def bound() -> Mapping[str, Any]:
-        return _base.get()
 
     def emit(self, name: str, *, level: Level = "info", **attributes: Any) -> Event:
         """Send one event, with the bound base attributes, redacted, to every sink.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,6 +29,7 @@ from fleetroll.testing.fake_openai import (
     tool_call,
     tool_calling_script,
 )
+from fleetroll.transcript import assistant_message
 
 API_KEY = "sk-test-5f3a9c1e7b2d4068"
 #: Bounds every test's waiting; the policies' own deadlines are shorter.
@@ -106,19 +106,7 @@ async def policy(fake_openai: FakeChatServer) -> AsyncIterator[OpenAIChatPolicy]
 
 def transcript_after(messages: list[dict[str, Any]], turn: AssistantTurn) -> list[dict[str, Any]]:
     """The transcript with the turn and a tool result per call appended, as a rollout would."""
-    assistant: dict[str, Any] = {"role": "assistant", "content": turn.content}
-    if turn.tool_calls:
-        assistant["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {
-                    "name": call.name,
-                    "arguments": call.raw_arguments or json.dumps(dict(call.arguments)),
-                },
-            }
-            for call in turn.tool_calls
-        ]
+    assistant = assistant_message(turn)
     results = [
         {"role": "tool", "tool_call_id": call.id, "content": f"{call.name} ok"}
         for call in turn.tool_calls

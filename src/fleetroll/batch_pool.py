@@ -19,6 +19,7 @@ from fleetroll.cli_options import ray_options
 from fleetroll.policies import Policy
 from fleetroll.pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
+from fleetroll.rollout import Rollout
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -45,6 +46,11 @@ class RunningBatch(Protocol):
 
     @property
     def total(self) -> int: ...
+
+    @property
+    def rollouts(self) -> Sequence[Rollout]:
+        """Its rollouts, live, when they run in this process; empty otherwise (Ray)."""
+        ...
 
     @property
     def finished(self) -> anyio.Event: ...

@@ -48,6 +48,7 @@ from fleetroll.pool import (
 )
 from fleetroll.provisioning import FleetProvider, TokenBucket
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout import Rollout
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events
@@ -282,6 +283,8 @@ class RayBatch(ResultStream):
         super().__init__(total)
         self.batch_id = batch_id
         self.total = total
+        #: The rollouts run on the actors: no live view of them here.
+        self.rollouts: Sequence[Rollout] = ()
         self.cancelled = False
         self.failed = 0
         self._on_cancel: list[Any] = []

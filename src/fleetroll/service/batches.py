@@ -33,7 +33,7 @@ from anyio.abc import TaskGroup
 from fleetroll.batch_pool import BatchPool, RunningBatch
 from fleetroll.errors import PoolFullError, TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
-from fleetroll.pool import Batch, rollout_id
+from fleetroll.pool import rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Rollout
 from fleetroll.service.errors import ApiError, loc_of
@@ -91,7 +91,7 @@ class BatchRecord:
         self.fingerprint = fingerprint
         self.plan = plan
         self.total = batch.total
-        self.rollouts: Sequence[Rollout] = batch.rollouts if isinstance(batch, Batch) else ()
+        self.rollouts: Sequence[Rollout] = batch.rollouts
         self.results: list[RolloutResult] = []
         self.done = False  # every result is in
         self.cancel_requested = False

@@ -16,6 +16,7 @@ from pydantic import SecretStr
 
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
+from fleetroll.policy_gate import PolicyGate
 from fleetroll.rollout import Rollout, RolloutIds
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -31,6 +32,8 @@ class RolloutEngine:
         self.settings = settings
         self.provider = provider
         self.events = events
+        #: The policy version recorded on turns, and the trainer's pause on policy calls.
+        self.policy_gate = PolicyGate()
         #: Telemetry's redactor, knowing every secret of ``settings`` too; results
         #: go through it (an ``Events`` built without settings knows none).
         self.redactor: Redactor = events.redactor.extended(

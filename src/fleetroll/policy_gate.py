@@ -1,0 +1,94 @@
+"""The trainer's hold on policy calls: which weights answer, and a pause.
+
+An asynchronous RL trainer updates the policy's weights while rollouts run.
+It tells fleetroll two things through one :class:`PolicyGate` per engine:
+
+- the **policy version** (an int it bumps after each weight sync), recorded
+  on every turn a rollout takes, so each token can be traced to the weights
+  that produced it;
+- a **pause** (:meth:`PolicyGate.paused`) while the weights are swapped: new
+  policy calls wait until the last pause ends, while tool calls,
+  provisioning and verification go on.
+
+Example::
+
+    async with pool.policy_paused():
+        await trainer.sync_weights()
+        pool.policy_version += 1
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio
+
+__all__ = ["PolicyGate"]
+
+
+class PolicyGate:
+    """The current policy version and whether policy calls may start.
+
+    Pauses nest: policy calls go on when the last one ends.
+
+    Args:
+        version: the version recorded on turns until the trainer sets another.
+    """
+
+    def __init__(self, version: int = 0) -> None:
+        self._version = version
+        self._pauses = 0
+        self._open = anyio.Event()
+        self._open.set()
+
+    def __repr__(self) -> str:
+        return f"PolicyGate(version={self._version}, paused={self.paused})"
+
+    @property
+    def version(self) -> int:
+        """The version recorded on turns that start from now on."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"a policy version is an int, not {type(value).__name__}")
+        self._version = value
+
+    @property
+    def paused(self) -> bool:
+        """Whether new policy calls wait."""
+        return self._pauses > 0
+
+    @asynccontextmanager
+    async def paused_calls(self) -> AsyncIterator[None]:
+        """Hold new policy calls for the duration of the block.
+
+        Calls already running finish; calls that would start wait in
+        :meth:`admit` until the last pause ends, even if the block raises or
+        is cancelled.
+        """
+        self._pauses += 1
+        if self._pauses == 1:
+            self._open = anyio.Event()
+        try:
+            yield
+        finally:
+            self._pauses -= 1
+            if self._pauses == 0:
+                self._open.set()
+
+    async def admit(self) -> tuple[int, float]:
+        """Wait until policy calls may start.
+
+        Returns:
+            The policy version to record on the call, and the seconds spent
+            waiting for a pause to end (not charged to the rollout's deadline).
+        """
+        if not self._pauses:
+            return self._version, 0.0
+        began = anyio.current_time()
+        while self._pauses:
+            await self._open.wait()
+        return self._version, anyio.current_time() - began

@@ -6,21 +6,64 @@ connects, the OpenAI-compatible policy, the HTTP client) decides with
 the server's wish with :func:`retry_after_s`. The Fleet SDK's typed
 exceptions are mapped onto this table in :mod:`fleetroll.provisioning`, the
 only module that knows them.
+
+Every retry loop is :func:`attempts`, one stamina ``retry_context`` per call,
+its budget (:class:`Budget`) read from Settings by :func:`budget`::
+
+    async for attempt in retrying.attempts("policy", budget, deadline=scope.deadline):
+        with attempt:
+            response = await post()
+
+Each retry it schedules is reported once (:class:`Retry`): to the reporter
+the caller passes, else to the one bound for the current context
+(:func:`reporting`; a rollout binds a ``fleet_retry`` emitter), else as a
+debug record on the ``fleetroll.retries`` logger.
 """
 
 from __future__ import annotations
 
+import contextvars
+import logging
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING, Literal, Self
 
+import anyio
 import httpx
 import httpx2
+import stamina
 
-__all__ = ["Decision", "backoff_s", "decide", "retry_after_s", "transient_status"]
+from fleetroll.telemetry.retries import route_retries_to_logging
+
+if TYPE_CHECKING:
+    from stamina import Attempt
+
+    from fleetroll.settings import Settings
+
+__all__ = [
+    "Budget",
+    "Decision",
+    "Operation",
+    "Report",
+    "Retry",
+    "attempts",
+    "backoff_s",
+    "budget",
+    "decide",
+    "reporting",
+    "retry_after_s",
+    "transient_status",
+]
+
+#: Every operation fleetroll retries, as ``fleet_retry`` names it.
+Operation = Literal["make", "mcp_connect", "verify", "policy", "client", "client_stream"]
+
+_log = logging.getLogger("fleetroll.retries")
 
 #: Statuses that say "later" rather than "never": timeouts, too early, too many.
 _TRANSIENT_4XX = frozenset({408, 425, 429})
@@ -35,6 +78,13 @@ class Decision:
     retry_after_s: float | None = None
 
 
+def _retry_after_of(exc: BaseException) -> float | None:
+    value = getattr(exc, "retry_after_s", None)
+    if isinstance(value, int | float) and math.isfinite(value) and value >= 0:
+        return float(value)
+    return None
+
+
 def transient_status(status: int) -> bool:
     """Whether an HTTP status is worth another attempt (408, 425, 429, 5xx)."""
     return status >= 500 or status in _TRANSIENT_4XX
@@ -43,18 +93,19 @@ def transient_status(status: int) -> bool:
 def decide(exc: BaseException) -> Decision:
     """The generic part of the table: deadlines, transports, statuses, our own errors.
 
-    Order: a deadline of ours, a transport failure, an HTTP status the
-    exception carries (``status_code``), an explicit ``transient`` flag
-    (fleetroll's own errors); anything else is permanent.
+    Order: a deadline of ours, a transport failure, an explicit ``transient``
+    flag (fleetroll's own errors), an HTTP status the exception carries
+    (``status_code``); anything else is permanent. A ``retry_after_s``
+    the exception carries (the server's wish) comes along.
     """
     if isinstance(exc, TimeoutError | httpx.TransportError | httpx2.TransportError):
         return Decision(True)
     status = getattr(exc, "status_code", None)
-    if isinstance(status, int):
-        return Decision(transient_status(status), status)
     flag = getattr(exc, "transient", None)
     if isinstance(flag, bool):
-        return Decision(flag)
+        return Decision(flag, status if isinstance(status, int) else None, _retry_after_of(exc))
+    if isinstance(status, int):
+        return Decision(transient_status(status), status, _retry_after_of(exc))
     return Decision(False)
 
 
@@ -103,3 +154,151 @@ def backoff_s(
         return min(retry_after, max_s)
     ceiling = min(max_s, initial_s * 2.0 ** max(0, attempt - 1))
     return random.uniform(0.0, ceiling)
+
+
+# ------------------------------------------------------------------ attempts
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How often, and with what waits, one operation is tried (from Settings).
+
+    ``attempts`` counts the first try; None tries until the caller's deadline.
+    """
+
+    attempts: int | None
+    backoff_initial_s: float
+    backoff_max_s: float
+
+
+def budget(settings: Settings, operation: Operation) -> Budget:
+    """The budget of ``operation`` in ``settings`` (docs/configuration.md, ``[retries]``)."""
+    r = settings.retries
+    if operation == "make":
+        p = settings.provisioning
+        return Budget(p.max_attempts, p.backoff_initial_s, p.backoff_max_s)
+    if operation == "mcp_connect":
+        initial, cap = r.mcp_connect_backoff_initial_s, r.mcp_connect_backoff_max_s
+        return Budget(r.mcp_connect_attempts, initial, cap)
+    if operation == "verify":
+        initial, cap = r.verifier_backoff_initial_s, r.verifier_backoff_max_s
+        return Budget(r.verifier_attempts, initial, cap)
+    if operation == "policy":
+        initial, cap = r.policy_backoff_initial_s, r.policy_backoff_max_s
+        return Budget(settings.policy.max_retries + 1, initial, cap)
+    # "client" and "client_stream": the HTTP client of `fleetroll serve`.
+    return Budget(r.client_max_retries + 1, r.client_backoff_initial_s, r.client_backoff_max_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Retry:
+    """One retry about to happen: ``attempt`` failed with ``error``; the next
+    starts in ``delay_s``."""
+
+    operation: str
+    attempt: int
+    error: BaseException
+    delay_s: float
+    decision: Decision
+
+
+#: Told of every retry before its wait; must not block or raise.
+Report = Callable[[Retry], None]
+
+_reporter: contextvars.ContextVar[Report | None] = contextvars.ContextVar(
+    "fleetroll_retry_reporter", default=None
+)
+
+
+@contextmanager
+def reporting(report: Report) -> Iterator[None]:
+    """Report the retries of calls made in this context to ``report``."""
+    token = _reporter.set(report)
+    try:
+        yield
+    finally:
+        _reporter.reset(token)
+
+
+def _log_retry(retry: Retry) -> None:
+    _log.debug(
+        "retry of %s after attempt %d in %.3g s: %s",
+        retry.operation,
+        retry.attempt,
+        retry.delay_s,
+        type(retry.error).__name__,
+    )
+
+
+class _Attempts:
+    """stamina's retry context with fleetroll's decision, wait and report."""
+
+    def __init__(
+        self,
+        operation: str,
+        budget: Budget,
+        *,
+        deadline: float | None,
+        classify: Callable[[BaseException], Decision],
+        report: Report,
+    ) -> None:
+        self._operation = operation
+        self._budget = budget
+        self._deadline = deadline
+        self._classify = classify
+        self._report = report
+        #: The attempt under way (1 for the first).
+        self.number = 0
+        self._context = stamina.retry_context(
+            on=self._on,
+            attempts=budget.attempts,
+            timeout=None,
+            wait_initial=budget.backoff_initial_s,
+            wait_max=budget.backoff_max_s,
+        )
+        self._iterator: AsyncIterator[Attempt] | None = None
+
+    def _on(self, exc: Exception) -> bool | float:
+        decision = self._classify(exc)
+        limit = self._budget.attempts
+        if not decision.transient or (limit is not None and self.number >= limit):
+            return False
+        b = self._budget
+        ceiling = min(b.backoff_max_s, b.backoff_initial_s * 2.0 ** max(0, self.number - 1))
+        delay = max(random.uniform(0.0, ceiling), decision.retry_after_s or 0.0)
+        if self._deadline is not None and anyio.current_time() + delay >= self._deadline:
+            return False  # the next attempt could not start in time
+        self._report(Retry(self._operation, self.number, exc, delay, decision))
+        return delay
+
+    def __aiter__(self) -> Self:
+        route_retries_to_logging()  # stamina prints on stdout otherwise
+        self._iterator = self._context.__aiter__()
+        return self
+
+    async def __anext__(self) -> Attempt:
+        assert self._iterator is not None
+        attempt = await self._iterator.__anext__()
+        self.number = attempt.num
+        return attempt
+
+
+def attempts(
+    operation: Operation,
+    budget: Budget,
+    *,
+    deadline: float | None = None,
+    classify: Callable[[BaseException], Decision] = decide,
+    report: Report | None = None,
+) -> _Attempts:
+    """Attempts at ``operation``: ``async for attempt in ...: with attempt: ...``.
+
+    An exception raised in an attempt's block is retried when ``classify``
+    calls it transient, the budget has attempts left and the next attempt
+    can start before ``deadline`` (``anyio.current_time()`` terms). The wait
+    is full-jitter exponential backoff, or the server's Retry-After when
+    longer. Otherwise the exception propagates unchanged: the caller turns
+    it into its own error. Each retry is reported first (see module doc).
+    """
+    chosen = report or _reporter.get() or _log_retry
+    return _Attempts(operation, budget, deadline=deadline, classify=classify, report=chosen)

@@ -116,6 +116,15 @@ class RetrySettings(_Section):
     verifier_backoff_max_s: float = Field(2.0, ge=0)
     mcp_connect_backoff_initial_s: float = Field(0.05, ge=0)
     mcp_connect_backoff_max_s: float = Field(2.0, ge=0)
+    #: Tries in all to open an MCP session; none: until timeouts.mcp_connect_s.
+    mcp_connect_attempts: int | None = Field(None, ge=1)
+    #: The policy's waits; how many retries is policy.max_retries.
+    policy_backoff_initial_s: float = Field(0.5, ge=0)
+    policy_backoff_max_s: float = Field(30.0, ge=0)
+    #: Defaults of fleetroll.client.FleetrollClient (a trainer's process).
+    client_max_retries: int = Field(5, ge=0)
+    client_backoff_initial_s: float = Field(0.1, ge=0)
+    client_backoff_max_s: float = Field(5.0, ge=0)
 
 
 class ModalitySettings(_Section):

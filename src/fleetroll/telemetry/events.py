@@ -57,6 +57,7 @@ EVENT_NAMES: Final[frozenset[str]] = frozenset(
         "fleet_rollout_started",
         "fleet_rollout_completed",
         "fleet_make_retry",
+        "fleet_retry",
         "fleet_make_failed",
         "fleet_provisioning_completed",
         "fleet_env_reset_failed",

@@ -8,17 +8,27 @@ counted in telemetry (``fleet_make_retry``) and in results. So wherever
 fleetroll retries, it first swaps those two default hooks for one that logs
 on the ``fleetroll.retries`` logger at debug. Other hooks (Prometheus, or
 any a program installed itself) are kept.
+
+:func:`retry_emitter` turns :class:`fleetroll.retrying.Retry` reports into
+``fleet_retry`` events: one per retry of every operation.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import stamina.instrumentation
 from stamina.instrumentation import RetryDetails, RetryHook
 
-__all__ = ["log_retry", "route_retries_to_logging"]
+if TYPE_CHECKING:
+    from fleetroll.retrying import Report, Retry
+    from fleetroll.telemetry.events import Events
+
+__all__ = ["log_retry", "retry_emitter", "route_retries_to_logging"]
+
+#: How much of an error's text goes into ``error_message``.
+_MESSAGE_CHARS: Final = 500
 
 _log = logging.getLogger("fleetroll.retries")
 
@@ -52,3 +62,25 @@ def route_retries_to_logging() -> None:
         kept.append(log_retry)
     if tuple(kept) != hooks:
         stamina.instrumentation.set_on_retry_hooks(kept)
+
+
+def retry_emitter(events: Events) -> Report:
+    """A :data:`fleetroll.retrying.Report` that emits ``fleet_retry`` on ``events``.
+
+    The event carries the base attributes bound where the retry happens (a
+    rollout's ids) and is redacted like every event.
+    """
+
+    def report(retry: Retry) -> None:
+        events.emit(
+            "fleet_retry",
+            level="debug",
+            operation=retry.operation,
+            attempt=retry.attempt,
+            error_type=type(retry.error).__name__,
+            error_message=str(retry.error)[:_MESSAGE_CHARS],
+            status_code=retry.decision.status_code,
+            retry_delay_s=round(retry.delay_s, 3),
+        )
+
+    return report

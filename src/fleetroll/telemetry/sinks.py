@@ -77,6 +77,7 @@ CONSOLE_LEVELS: Final[Mapping[str, int]] = {
     "fleet_provisioning_completed": DEBUG,
     "fleet_instance_released": DEBUG,
     "fleet_make_retry": DEBUG,
+    "fleet_retry": DEBUG,
     "fleet_make_failed": DEBUG,
     "fleet_env_reset_failed": DEBUG,
     "fleet_tool_call_failed": DEBUG,

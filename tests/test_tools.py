@@ -13,14 +13,14 @@ from mcp.types import CallToolResult
 from pydantic import BaseModel
 
 from fleetroll.emulator import Emulator
+from fleetroll.retrying import Budget
 from fleetroll.tools import ToolSession, open_tool_session
 
 DEADLINES = {
     "connect_timeout_s": 10.0,
     "call_timeout_s": 10.0,
     "list_timeout_s": 10.0,
-    "backoff_initial_s": 0.05,
-    "backoff_max_s": 2.0,
+    "budget": Budget(None, 0.05, 2.0),
 }
 
 

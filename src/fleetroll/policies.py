@@ -27,8 +27,9 @@ import anyio
 import httpx
 from pydantic import SecretStr
 
+from fleetroll import retrying
 from fleetroll.errors import PolicyError
-from fleetroll.retrying import backoff_s, retry_after_s, transient_status
+from fleetroll.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
@@ -214,8 +215,10 @@ class OpenAIChatPolicy:
         max_retries: how many times a 408/409/429/5xx answer, a connection error
             or a transport timeout is retried.
         backoff_initial_s, backoff_max_s: exponential backoff between retries
-            (with jitter); a Retry-After from the server replaces it, capped
-            at ``backoff_max_s``.
+            (full jitter); a longer Retry-After from the server wins. A retry
+            that could not start before the deadline is not made. Each retry
+            is reported as :func:`fleetroll.retrying.attempts` says (in a
+            rollout: a ``fleet_retry`` event).
         http_client: a client to use (and leave open); by default the policy
             makes its own and closes it in :meth:`aclose`.
 
@@ -274,8 +277,8 @@ class OpenAIChatPolicy:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
-        """A policy configured by ``settings.policy``, ``settings.openai_api_key``
-        and ``settings.timeouts.policy_s``."""
+        """A policy configured by ``settings.policy``, ``settings.openai_api_key``,
+        ``settings.timeouts.policy_s`` and ``settings.retries.policy_backoff_*``."""
         policy = settings.policy
         return cls(
             base_url=policy.base_url,
@@ -288,6 +291,8 @@ class OpenAIChatPolicy:
             system_prompt=policy.system_prompt,
             timeout_s=settings.timeouts.policy_s,
             max_retries=policy.max_retries,
+            backoff_initial_s=settings.retries.policy_backoff_initial_s,
+            backoff_max_s=settings.retries.policy_backoff_max_s,
         )
 
     def __repr__(self) -> str:
@@ -384,44 +389,52 @@ class OpenAIChatPolicy:
 
     async def _post(self, content: bytes, *, deadline: float) -> Any:
         """POST until an answer, a permanent failure, or no retries or time left."""
-        attempts = self.max_retries + 1
-        cause: httpx.TransportError | None = None
-        for attempt in range(1, attempts + 1):
-            retry_after: float | None = None
-            cause = None
-            try:
-                response = await self._client.post(
-                    self.url, content=content, headers=self._headers()
-                )
-            except httpx.TransportError as exc:
-                # The exception's text can hold the URL, never the headers; redact anyway.
-                problem = f"could not reach {self.url}: {type(exc).__name__}: {exc}"
-                cause = exc
-            else:
-                if response.is_success:
-                    return self._decode(response)
-                status = response.status_code
-                problem = f"{self.url} answered HTTP {status}: {self._excerpt(response)}"
-                if not (transient_status(status) or status in _ALSO_TRANSIENT):
-                    raise PolicyError(self._redact(problem), operation=_OPERATION, transient=False)
-                retry_after = retry_after_s(response.headers)
-            if attempt == attempts:
-                break
-            delay = backoff_s(
-                attempt,
-                initial_s=self._backoff_initial_s,
-                max_s=self._backoff_max_s,
-                retry_after=retry_after,
+        budget = retrying.Budget(self.max_retries + 1, self._backoff_initial_s, self._backoff_max_s)
+        tries = 0
+        last: httpx.Response | None = None
+
+        def decision(exc: BaseException) -> Decision:
+            if not isinstance(exc, PolicyError):
+                return decide(exc)
+            if last is None:  # no answer: a transport failure
+                return Decision(exc.transient)
+            return Decision(exc.transient, last.status_code, retry_after_s(last.headers))
+
+        try:
+            async for attempt in retrying.attempts(
+                "policy", budget, deadline=deadline, classify=decision
+            ):
+                with attempt:
+                    tries, last = attempt.num, None
+                    try:
+                        response = await self._client.post(
+                            self.url, content=content, headers=self._headers()
+                        )
+                    except httpx.TransportError as exc:
+                        # Its text can hold the URL, never the headers; redact anyway.
+                        problem = f"could not reach {self.url}: {type(exc).__name__}: {exc}"
+                        raise PolicyError(
+                            self._redact(problem), operation=_OPERATION, transient=True
+                        ) from exc
+                    if not response.is_success:
+                        last = response
+                        status = response.status_code
+                        problem = f"{self.url} answered HTTP {status}: {self._excerpt(response)}"
+                        raise PolicyError(
+                            self._redact(problem),
+                            operation=_OPERATION,
+                            transient=transient_status(status) or status in _ALSO_TRANSIENT,
+                        )
+            return self._decode(response)
+        except PolicyError as exc:
+            if not exc.transient:
+                raise
+            of = f"attempt {tries} of {budget.attempts}"
+            if budget.attempts is not None and tries < budget.attempts:
+                of += "; a retry would pass the policy deadline"
+            raise PolicyError(f"{exc} ({of})", operation=_OPERATION, transient=True) from (
+                exc.__cause__
             )
-            if anyio.current_time() + delay >= deadline:
-                problem += f" (a retry in {delay:.3g}s would pass the policy deadline)"
-                break
-            await anyio.sleep(delay)
-        raise PolicyError(
-            self._redact(f"{problem} (attempt {attempt} of {attempts})"),
-            operation=_OPERATION,
-            transient=True,
-        ) from cause
 
     # ------------------------------------------------------------ response
 

@@ -10,8 +10,9 @@ that talks to the ``fleet`` SDK (verification goes through
 * :func:`classify` decides transient vs permanent from the SDK's typed
   exceptions (``fleet._async.exceptions``, not ``fleet.FleetAPIError``), then
   status codes, then structured bodies (``"retryable"``), text last.
-* Creates retry with exponential backoff and full jitter (or the server's
-  Retry-After) inside a total budget; each attempt has its own hard deadline.
+* Creates retry through :func:`fleetroll.retrying.attempts` (full-jitter
+  backoff, or the server's Retry-After when longer) inside a total budget;
+  each attempt has its own hard deadline.
 * Creates have their own concurrency limit and rate (a token bucket), apart
   from running rollouts, so a slow Fleet queue never starves them.
 * :meth:`FleetProvider.release` runs shielded and bounded: cancellation
@@ -23,7 +24,6 @@ from __future__ import annotations
 import contextvars
 import itertools
 import math
-import random
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
@@ -33,19 +33,19 @@ from typing import Protocol
 import anyio
 import httpx
 import httpx2
-import stamina
 from fleet._async import exceptions as fleet_errors
 from fleet._async.client import AsyncEnv, AsyncFleet
 from fleet.runner_auth import RunnerTokenProvider
 
+from fleetroll import retrying
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import ProvisionError
-from fleetroll.retrying import decide, retry_after_s, transient_status
+from fleetroll.retrying import Decision, Retry, decide, retry_after_s, transient_status
 from fleetroll.routing import Route, route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
-from fleetroll.telemetry.retries import route_retries_to_logging
+from fleetroll.telemetry.retries import retry_emitter
 from fleetroll.tools import ToolSession, open_tool_session
 from fleetroll.verification import Verifier
 
@@ -235,13 +235,11 @@ class FleetProvider:
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
         self._gate = create_gate or LocalCreateGate(p.max_concurrent_creates, p.creates_per_second)
-        r = settings.retries
         self._verifier = Verifier(
             timeout_s=t.verifier_s,
             max_source_bytes=settings.pool.max_verifier_bytes,
-            attempts=r.verifier_attempts,
-            backoff_initial_s=r.verifier_backoff_initial_s,
-            backoff_max_s=r.verifier_backoff_max_s,
+            budget=retrying.budget(settings, "verify"),
+            report=retry_emitter(events),
         )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
@@ -290,8 +288,8 @@ class FleetProvider:
                     connect_timeout_s=t.mcp_connect_s,
                     call_timeout_s=t.call_tool_s,
                     list_timeout_s=t.list_tools_s,
-                    backoff_initial_s=self._settings.retries.mcp_connect_backoff_initial_s,
-                    backoff_max_s=self._settings.retries.mcp_connect_backoff_max_s,
+                    budget=retrying.budget(self._settings, "mcp_connect"),
+                    report=retry_emitter(self._events),
                 )
             )
 
@@ -325,42 +323,36 @@ class FleetProvider:
         started = time.monotonic()
         attempt = 0
         last: BaseException | None = None
+        emit_retry = retry_emitter(self._events)
 
-        def backoff(exc: Exception) -> bool | float:
+        def decision(exc: BaseException) -> Decision:
             verdict = classify(exc, retry_instance_limit=p.retry_instance_limit)
-            remaining = budget - (time.monotonic() - started)
-            if not verdict.transient or attempt >= p.max_attempts or remaining <= 0:
-                return False
-            ceiling = min(p.backoff_max_s, p.backoff_initial_s * 2 ** (attempt - 1))
-            delay = (
-                verdict.retry_after_s
-                if verdict.retry_after_s is not None
-                else random.uniform(0, ceiling)
-            )  # full jitter
-            delay = min(delay, max(0.0, remaining))
+            return Decision(verdict.transient, verdict.status_code, verdict.retry_after_s)
+
+        def report(retry: Retry) -> None:
+            # The create-only event stays (a documented contract); fleet_retry too.
             self._events.emit(
                 "fleet_make_retry",
                 level="warn",
-                attempt=attempt,
-                error_type=type(exc).__name__,
-                error_message=str(exc)[:500],
-                status_code=verdict.status_code,
-                retry_delay_s=round(delay, 3),
+                attempt=retry.attempt,
+                error_type=type(retry.error).__name__,
+                error_message=str(retry.error)[:500],
+                status_code=retry.decision.status_code,
+                retry_delay_s=round(retry.delay_s, 3),
             )
-            return delay
+            emit_retry(retry)
 
-        route_retries_to_logging()  # stamina prints on stdout otherwise
         try:
-            with anyio.fail_after(budget):
-                async for retry in stamina.retry_context(
-                    on=backoff,
-                    attempts=p.max_attempts,
-                    timeout=None,
-                    wait_initial=p.backoff_initial_s,
-                    wait_max=p.backoff_max_s,
+            with anyio.fail_after(budget) as scope:
+                async for retry in retrying.attempts(
+                    "make",
+                    retrying.budget(self._settings, "make"),
+                    deadline=scope.deadline,
+                    classify=decision,
+                    report=report,
                 ):
                     with retry:
-                        attempt += 1
+                        attempt = retry.num
                         _retry_after.set(None)
                         try:
                             env = await self._create_once(task, run_id)

@@ -47,10 +47,12 @@ from fleetroll.results import (
     FailureReason,
     RolloutResult,
 )
+from fleetroll.retrying import reporting as report_retries
 from fleetroll.routing import ComputerToolMissing, Route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
+from fleetroll.telemetry.retries import retry_emitter
 from fleetroll.tools import ToolResult, ToolSession, describe
 
 T = TypeVar("T")
@@ -192,7 +194,7 @@ class Rollout:
         }
         self._started = time.monotonic()
         caller_error: Exception | None = None
-        with Events.bind(**base):
+        with Events.bind(**base), report_retries(retry_emitter(e.events)):
             e.events.emit("fleet_rollout_started")
             try:
                 # One scope spans set-up and the block, so that the MCP session

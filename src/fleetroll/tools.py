@@ -18,7 +18,6 @@ import base64
 import binascii
 import json
 import math
-import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -35,9 +34,10 @@ from mcp.shared.exceptions import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 from referencing import Registry
 
+from fleetroll import retrying
 from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
-from fleetroll.retrying import backoff_s
+from fleetroll.retrying import Decision
 
 __all__ = ["ToolCallFailed", "ToolResult", "ToolSession", "normalise", "open_tool_session"]
 
@@ -192,54 +192,66 @@ async def open_tool_session(
     connect_timeout_s: float,
     call_timeout_s: float,
     list_timeout_s: float,
-    backoff_initial_s: float,
-    backoff_max_s: float,
+    budget: retrying.Budget,
+    report: retrying.Report | None = None,
 ) -> AsyncIterator[ToolSession]:
     """Connect to an MCP endpoint, retrying while its service starts.
 
-    Retries wait full-jitter backoff (``retries.mcp_connect_backoff_*``)
-    inside ``connect_timeout_s``.
+    Retries (:func:`fleetroll.retrying.attempts`, operation ``mcp_connect``,
+    ``retries.mcp_connect_*``) wait full-jitter backoff inside
+    ``connect_timeout_s``.
 
     Raises:
-        OperationTimeout: no connection within ``connect_timeout_s``.
+        OperationTimeout: no connection within ``connect_timeout_s`` (or in
+            the attempts the budget allows).
         ToolsError: a failure that retrying cannot fix.
     """
-    started = time.monotonic()
-    attempt = 0
+    deadline = anyio.current_time() + connect_timeout_s
+    connected = False
+    tries = 0
     last: BaseException | None = None
-    while True:
-        attempt += 1
-        remaining = connect_timeout_s - (time.monotonic() - started)
-        connected = False
-        # The connect deadline must wrap the whole `async with Client` so that
-        # cancel scopes nest; it is lifted once the handshake is done.
-        with anyio.CancelScope(deadline=anyio.current_time() + max(0.0, remaining)) as scope:
-            try:
-                async with Client(
-                    streamable_http_client(url, http_client=http),
-                    read_timeout_seconds=call_timeout_s,
-                ) as client:
-                    connected = True
-                    scope.deadline = math.inf
-                    yield ToolSession(
-                        client, url, call_timeout_s=call_timeout_s, list_timeout_s=list_timeout_s
-                    )
-                return
-            except Exception as exc:
-                if connected:
-                    raise
-                last = exc
-                if not _connect_transient(exc):
-                    raise ToolsError(
-                        f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect"
-                    ) from exc
-        if scope.cancelled_caught and not connected:
-            raise _connect_timeout(url, connect_timeout_s, attempt, last)
-        delay = backoff_s(attempt, initial_s=backoff_initial_s, max_s=backoff_max_s)
-        remaining = connect_timeout_s - (time.monotonic() - started)
-        if remaining <= 0:
-            raise _connect_timeout(url, connect_timeout_s, attempt, last)
-        await anyio.sleep(min(delay, remaining))
+
+    def decision(exc: BaseException) -> Decision:
+        # Once connected, a failure belongs to the caller's block: never retried.
+        return Decision(not connected and _connect_transient(exc))
+
+    try:
+        async for attempt in retrying.attempts(
+            "mcp_connect", budget, deadline=deadline, classify=decision, report=report
+        ):
+            with attempt:
+                tries = attempt.num
+                # The connect deadline must wrap the whole `async with Client` so
+                # that cancel scopes nest; it is lifted once the handshake is done.
+                with anyio.CancelScope(deadline=deadline) as scope:
+                    try:
+                        async with Client(
+                            streamable_http_client(url, http_client=http),
+                            read_timeout_seconds=call_timeout_s,
+                        ) as client:
+                            connected = True
+                            scope.deadline = math.inf
+                            yield ToolSession(
+                                client,
+                                url,
+                                call_timeout_s=call_timeout_s,
+                                list_timeout_s=list_timeout_s,
+                            )
+                    except Exception as exc:
+                        if not connected:
+                            last = exc
+                        raise
+                if not connected:  # the deadline passed while connecting
+                    raise _connect_timeout(url, connect_timeout_s, tries, last)
+            return
+    except Exception as exc:
+        if connected or isinstance(exc, OperationTimeout):
+            raise
+        if _connect_transient(exc):  # out of time (or attempts) for another try
+            raise _connect_timeout(url, connect_timeout_s, tries, exc) from exc
+        raise ToolsError(
+            f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect"
+        ) from exc
 
 
 def _connect_timeout(

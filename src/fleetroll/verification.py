@@ -26,15 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-import stamina
 from fleet._async import exceptions as fleet_errors
 from fleet._async.verifiers.verifier import AsyncVerifierFunction
 
+from fleetroll import retrying
 from fleetroll.environments import Verdict
 from fleetroll.results import VerifierOutcome
-from fleetroll.retrying import decide
+from fleetroll.retrying import Decision, decide
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry.retries import route_retries_to_logging
 
 __all__ = ["Verifier", "verifier_signature"]
 
@@ -117,13 +116,13 @@ def _reward(result: Any) -> float | None:
     return None
 
 
-def _transient(exc: BaseException) -> bool:
+def _decision(exc: BaseException) -> Decision:
     """The SDK's types first (its wrapper of transport errors has no status), then the table."""
     if isinstance(exc, fleet_errors.FleetTimeoutError | fleet_errors.FleetRateLimitError):
-        return True
+        return Decision(True, getattr(exc, "status_code", None))
     if isinstance(exc, fleet_errors.FleetAPIError) and exc.status_code is None:
-        return True
-    return decide(exc).transient
+        return Decision(True)
+    return decide(exc)
 
 
 class Verifier:
@@ -134,14 +133,13 @@ class Verifier:
         *,
         timeout_s: float,
         max_source_bytes: int,
-        attempts: int,
-        backoff_initial_s: float,
-        backoff_max_s: float,
+        budget: retrying.Budget,
+        report: retrying.Report | None = None,
     ) -> None:
         self._timeout_s = timeout_s
         self._max_source_bytes = max_source_bytes
-        self._attempts = attempts
-        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._budget = budget
+        self._report = report
         self._compiled: OrderedDict[str, _Compiled] = OrderedDict()
         self._compiling: dict[str, anyio.Event] = {}
         self._parsing: anyio.CapacityLimiter | None = None
@@ -186,7 +184,7 @@ class Verifier:
     async def verify(self, task: TaskSpec, env: Any, final_answer: str | None) -> Verdict:
         """Run the task's verifier against the instance behind ``env``.
 
-        Transient platform failures are retried (3 attempts) inside the
+        Transient platform failures are retried (``retries.verifier_*``) inside the
         verifier deadline. Never raises for verifier problems: they come back
         as a Verdict without a reward.
         """
@@ -200,15 +198,14 @@ class Verifier:
             outcome = VerifierOutcome(success=False, error=compiled.error)
             return Verdict(None, outcome, "BadVerifier")
         kwargs = {"final_answer": final_answer} if compiled.takes_answer else {}
-        route_retries_to_logging()  # stamina prints on stdout otherwise
         try:
-            with anyio.fail_after(self._timeout_s):
-                async for attempt in stamina.retry_context(
-                    on=_transient,
-                    attempts=self._attempts,
-                    timeout=None,
-                    wait_initial=self._backoff[0],
-                    wait_max=self._backoff[1],
+            with anyio.fail_after(self._timeout_s) as scope:
+                async for attempt in retrying.attempts(
+                    "verify",
+                    self._budget,
+                    deadline=scope.deadline,
+                    classify=_decision,
+                    report=self._report,
                 ):
                     with attempt:
                         response = await function.remote_with_response(env, **kwargs)

@@ -27,7 +27,8 @@ of its fields, or None for the server's configured policy.
 A results stream that breaks (a proxy, a network blip, a server restart
 behind a load balancer) is reopened on its own with ``?after=<cursor>``:
 nothing is lost and nothing arrives twice. Retries are bounded, with
-exponential backoff and full jitter; a batch submission is retried safely
+exponential backoff and full jitter (``fleetroll.retrying``, defaults from
+``[retries]``); a batch submission is retried safely
 because the batch id is chosen here, before the first attempt.
 """
 
@@ -43,12 +44,14 @@ from typing import Any, Self
 import anyio
 import httpx
 
+from fleetroll import retrying
 from fleetroll.env_session import StepResult
 from fleetroll.errors import InstanceLostError, ServiceError
 from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
-from fleetroll.retrying import backoff_s, retry_after_s
+from fleetroll.retrying import Decision, retry_after_s
 from fleetroll.service.models import BatchState, PolicyConfig
+from fleetroll.settings import RetrySettings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools import ToolResult
 
@@ -73,8 +76,13 @@ class FleetrollClient:
         session_timeout_s: deadline of opening and of closing a session
             (provisioning, and the verifier at close, can take a while).
         max_retries: consecutive failed attempts (connection errors, 429, 503,
-            broken streams) tolerated before giving up with :class:`ServiceError`.
-        backoff_initial_s, backoff_max_s: exponential backoff between attempts.
+            broken streams) tolerated before giving up with :class:`ServiceError`
+            (default: ``[retries]`` ``client_max_retries``).
+        backoff_initial_s, backoff_max_s: full-jitter exponential backoff
+            between attempts, or the server's longer Retry-After (defaults:
+            ``[retries]`` ``client_backoff_*``). Each retry is a debug record
+            on the ``fleetroll.retries`` logger (operation ``client`` or
+            ``client_stream``).
         http_client: an ``httpx.AsyncClient`` to use and leave open (tests, proxies).
     """
 
@@ -86,11 +94,14 @@ class FleetrollClient:
         timeout_s: float = 30.0,
         stream_read_timeout_s: float = 60.0,
         session_timeout_s: float = 1200.0,
-        max_retries: int = 5,
-        backoff_initial_s: float = 0.1,
-        backoff_max_s: float = 5.0,
+        max_retries: int | None = None,
+        backoff_initial_s: float | None = None,
+        backoff_max_s: float | None = None,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
+        defaults = RetrySettings()
+        if max_retries is None:
+            max_retries = defaults.client_max_retries
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, not {max_retries}")
         self.base_url = base_url.rstrip("/")
@@ -99,7 +110,11 @@ class FleetrollClient:
         self.stream_read_timeout_s = stream_read_timeout_s
         self.session_timeout_s = session_timeout_s
         self.max_retries = max_retries
-        self._backoff = (backoff_initial_s, backoff_max_s)
+        self._budget = retrying.Budget(
+            max_retries + 1,
+            defaults.client_backoff_initial_s if backoff_initial_s is None else backoff_initial_s,
+            defaults.client_backoff_max_s if backoff_max_s is None else backoff_max_s,
+        )
         self._owns_client = http_client is None
         self._http = http_client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
@@ -220,43 +235,46 @@ class FleetrollClient:
         idempotent: bool = True,
     ) -> Any:
         """One JSON request, retried (if ``idempotent``) on connection errors, 429 and 503."""
-        failures = 0
-        while True:
-            try:
-                response = await self._http.request(
-                    method,
-                    self._url(path),
-                    json=json,
-                    headers=self._headers,
-                    timeout=(
-                        httpx.USE_CLIENT_DEFAULT if request_timeout_s is None else request_timeout_s
-                    ),
-                )
-            except httpx.TransportError as exc:
-                # Only a request that never left is safe to resend when not idempotent.
-                if not idempotent and not isinstance(exc, httpx.ConnectError):
-                    raise ServiceError(f"{method} {path}: {_describe(exc)}") from exc
-                failures += 1
-                if failures > self.max_retries:
-                    raise ServiceError(
-                        f"{method} {path}: gave up after {failures} attempts: {_describe(exc)}"
-                    ) from exc
-                await self._sleep(failures)
-                continue
-            if response.status_code in _RETRY_STATUSES and idempotent:
-                failures += 1
-                if failures <= self.max_retries:
-                    await self._sleep(failures, retry_after_s(response.headers))
-                    continue
-            if response.is_error:
-                raise _error(method, path, response)
-            return response.json()
+        retry_after: float | None = None
+        tries = 0
 
-    async def _sleep(self, failures: int, retry_after: float | None = None) -> None:
-        initial, cap = self._backoff
-        await anyio.sleep(
-            backoff_s(failures, initial_s=initial, max_s=cap, retry_after=retry_after)
-        )
+        def decision(exc: BaseException) -> Decision:
+            if isinstance(exc, httpx.TransportError):
+                # Only a request that never left is safe to resend when not idempotent.
+                return Decision(idempotent or isinstance(exc, httpx.ConnectError))
+            if isinstance(exc, ServiceError) and exc.status_code in _RETRY_STATUSES:
+                return Decision(idempotent, exc.status_code, retry_after)
+            return Decision(False)
+
+        try:
+            async for attempt in retrying.attempts("client", self._budget, classify=decision):
+                with attempt:
+                    tries, retry_after = attempt.num, None
+                    response = await self._http.request(
+                        method,
+                        self._url(path),
+                        json=json,
+                        headers=self._headers,
+                        timeout=(
+                            httpx.USE_CLIENT_DEFAULT
+                            if request_timeout_s is None
+                            else request_timeout_s
+                        ),
+                    )
+                    if response.is_error:
+                        retry_after = retry_after_s(response.headers)
+                        raise _error(method, path, response)
+        except httpx.TransportError as exc:
+            if not decision(exc).transient:
+                raise ServiceError(f"{method} {path}: {_describe(exc)}") from exc
+            raise ServiceError(
+                f"{method} {path}: gave up after {tries} attempts: {_describe(exc)}"
+            ) from exc
+        return response.json()
+
+
+class _Cut(Exception):
+    """The results stream broke (its cause says how): reopen it from the cursor."""
 
 
 class RemoteBatch:
@@ -347,36 +365,8 @@ class RemoteBatch:
         if self._ended:
             raise StopAsyncIteration
         await self.submit()
-        failures = 0
         while True:
-            try:
-                if self._lines is None:
-                    await self._connect()
-                    assert self._lines is not None
-                line = await anext(self._lines)
-                message = json.loads(line) if line.strip() else {}
-            except (httpx.TransportError, httpx.StreamError, StopAsyncIteration, ValueError) as exc:
-                # Cut (a proxy, the network), a torn line, or no end line: resume.
-                await self._disconnect()
-                failures += 1
-                if failures > self._client.max_retries:
-                    raise ServiceError(
-                        f"lost the results stream of batch {self.batch_id} {failures} times in a"
-                        f" row ({_describe(exc)}); resume later with"
-                        f" client.batch({self.batch_id!r}, after={self.cursor})"
-                    ) from exc
-                self.reconnects += 1
-                await self._client._sleep(failures)
-                continue
-            except ServiceError as exc:
-                if exc.status_code not in _RETRY_STATUSES:
-                    raise
-                failures += 1
-                if failures > self._client.max_retries:
-                    raise
-                await self._client._sleep(failures)
-                continue
-            failures = 0
+            message = await self._next_line()
             kind = message.get("type")
             if kind == "result":
                 cursor = int(message["cursor"])
@@ -389,6 +379,55 @@ class RemoteBatch:
                 await self._disconnect()
                 raise StopAsyncIteration
             # heartbeat, or a line type this client does not know: keep reading
+
+    async def _next_line(self) -> dict[str, Any]:
+        """The next line of the results stream; a broken stream is reopened from the cursor.
+
+        Failures in a row are bounded by the client's budget; any line read
+        (a heartbeat too) starts the count again.
+        """
+        cut = False
+        tries = 0
+
+        def decision(exc: BaseException) -> Decision:
+            if isinstance(exc, _Cut):
+                return Decision(True)
+            if isinstance(exc, ServiceError) and exc.status_code in _RETRY_STATUSES:
+                return Decision(True, exc.status_code)
+            return Decision(False)
+
+        try:
+            async for attempt in retrying.attempts(
+                "client_stream", self._client._budget, classify=decision
+            ):
+                with attempt:
+                    tries = attempt.num
+                    if cut:
+                        self.reconnects += 1
+                        cut = False
+                    try:
+                        if self._lines is None:
+                            await self._connect()
+                            assert self._lines is not None
+                        line = await anext(self._lines)
+                        message: dict[str, Any] = json.loads(line) if line.strip() else {}
+                    except (
+                        httpx.TransportError,
+                        httpx.StreamError,
+                        StopAsyncIteration,
+                        ValueError,
+                    ) as exc:
+                        # Cut (a proxy, the network), a torn line, or no end line: resume.
+                        await self._disconnect()
+                        cut = True
+                        raise _Cut(_describe(exc)) from exc
+        except _Cut as exc:
+            raise ServiceError(
+                f"lost the results stream of batch {self.batch_id} {tries} times in a"
+                f" row ({exc}); resume later with"
+                f" client.batch({self.batch_id!r}, after={self.cursor})"
+            ) from exc.__cause__
+        return message
 
     async def _connect(self) -> None:
         c = self._client

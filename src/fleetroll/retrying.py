@@ -201,6 +201,15 @@ class Retry:
     delay_s: float
     decision: Decision
 
+    @property
+    def cause(self) -> BaseException:
+        """``error``, or the one error inside it when it is a group of one
+        (what a task group raises)."""
+        exc = self.error
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
+        return exc
+
 
 #: Told of every retry before its wait; must not block or raise.
 Report = Callable[[Retry], None]
@@ -226,7 +235,7 @@ def _log_retry(retry: Retry) -> None:
         retry.operation,
         retry.attempt,
         retry.delay_s,
-        type(retry.error).__name__,
+        type(retry.cause).__name__,
     )
 
 
@@ -264,8 +273,8 @@ class _Attempts:
         if not decision.transient or (limit is not None and self.number >= limit):
             return False
         b = self._budget
-        ceiling = min(b.backoff_max_s, b.backoff_initial_s * 2.0 ** max(0, self.number - 1))
-        delay = max(random.uniform(0.0, ceiling), decision.retry_after_s or 0.0)
+        jitter = backoff_s(self.number, initial_s=b.backoff_initial_s, max_s=b.backoff_max_s)
+        delay = max(jitter, decision.retry_after_s or 0.0)
         if self._deadline is not None and anyio.current_time() + delay >= self._deadline:
             return False  # the next attempt could not start in time
         self._report(Retry(self._operation, self.number, exc, delay, decision))

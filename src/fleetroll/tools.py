@@ -202,9 +202,9 @@ async def open_tool_session(
     ``connect_timeout_s``.
 
     Raises:
-        OperationTimeout: no connection within ``connect_timeout_s`` (or in
-            the attempts the budget allows).
-        ToolsError: a failure that retrying cannot fix.
+        OperationTimeout: no connection within ``connect_timeout_s``.
+        ToolsError: a failure that retrying cannot fix, or (``transient``)
+            the budget's attempts ran out first.
     """
     deadline = anyio.current_time() + connect_timeout_s
     connected = False
@@ -243,11 +243,18 @@ async def open_tool_session(
                         raise
                 if not connected:  # the deadline passed while connecting
                     raise _connect_timeout(url, connect_timeout_s, tries, last)
-            return
+                return  # in the block: a failed attempt leaves it too, its error held
     except Exception as exc:
         if connected or isinstance(exc, OperationTimeout):
             raise
-        if _connect_transient(exc):  # out of time (or attempts) for another try
+        if _connect_transient(exc):  # out of time, or of attempts, for another try
+            if anyio.current_time() < deadline and budget.attempts is not None:
+                raise ToolsError(
+                    f"cannot open an MCP session at {url} in {tries} attempts"
+                    f" (retries.mcp_connect_attempts): {describe(exc)}",
+                    operation="connect",
+                    transient=True,
+                ) from exc
             raise _connect_timeout(url, connect_timeout_s, tries, exc) from exc
         raise ToolsError(
             f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect"

@@ -77,8 +77,8 @@ def retry_emitter(events: Events) -> Report:
             level="debug",
             operation=retry.operation,
             attempt=retry.attempt,
-            error_type=type(retry.error).__name__,
-            error_message=str(retry.error)[:_MESSAGE_CHARS],
+            error_type=type(retry.cause).__name__,
+            error_message=str(retry.cause)[:_MESSAGE_CHARS],
             status_code=retry.decision.status_code,
             retry_delay_s=round(retry.delay_s, 3),
         )

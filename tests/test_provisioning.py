@@ -89,6 +89,10 @@ async def test_retry_after_from_a_429_sets_the_backoff() -> None:
     retry = sink.named("fleet_make_retry")[0].attributes
     assert retry["retry_delay_s"] == 0.05 and retry["status_code"] == 429
     assert err.value.transient and err.value.status_code == 429 and err.value.attempts == 2
+    # The same retry, as every operation reports one.
+    (same,) = sink.named("fleet_retry")
+    assert same.attributes["operation"] == "make" and same.attributes["attempt"] == 1
+    assert same.attributes["retry_delay_s"] == 0.05 and same.attributes["status_code"] == 429
 
 
 async def test_the_sdks_own_retries_are_off_so_one_attempt_is_one_request() -> None:

@@ -4,7 +4,7 @@ stamina's default hooks log each scheduled retry through structlog's
 *default* configuration, which prints to stdout (or, without structlog,
 through logging at warning). A Python program that uses fleetroll as a
 library would get a line on its stdout per retry; every retry is already
-counted in telemetry (``fleet_make_retry``) and in results. So wherever
+counted in telemetry (``fleet_retry``) and in results. So wherever
 fleetroll retries, it first swaps those two default hooks for one that logs
 on the ``fleetroll.retries`` logger at debug. Other hooks (Prometheus, or
 any a program installed itself) are kept.

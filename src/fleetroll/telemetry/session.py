@@ -18,7 +18,7 @@ Frames of this package are marked as Logfire "non-user code", so a record's
 (``rollout.py``...), not at the sink. stamina's default retry log lines
 (printed on stdout through structlog's default configuration, one per
 retry) go to logging at debug instead (:mod:`fleetroll.telemetry.retries`):
-each retry is already a ``fleet_make_retry`` event.
+each retry is already a ``fleet_retry`` event.
 """
 
 from __future__ import annotations

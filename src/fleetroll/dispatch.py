@@ -10,12 +10,16 @@
   (``fleet_tool_call_failed``), which ends the rollout unless
   ``pool.on_tool_failure = "continue"`` (``instance_lost`` when the instance
   died).
+
+A call driven from outside (the env-style API) answers a :class:`StepResult`.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from fleetroll.environments import Instance, Provider
 from fleetroll.policies import ToolCall, ToolSpec
@@ -25,7 +29,16 @@ from fleetroll.routing import SUBMIT_FINAL_ANSWER, Route
 from fleetroll.telemetry.events import Events
 from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession
 
-__all__ = ["dispatch"]
+__all__ = ["StepResult", "dispatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :meth:`EnvSession.step` answers: one tool call's answer, driven from outside."""
+
+    observation: ToolResult
+    done: bool
+    messages: tuple[dict[str, Any], ...] = ()
 
 
 async def dispatch(

@@ -10,9 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from fleetroll.dispatch import StepResult
 from fleetroll.policies import ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import Rollout, StepResult
+from fleetroll.rollout import Rollout
 
 __all__ = ["EnvSession", "StepResult"]
 

@@ -49,6 +49,11 @@ class Progress:
     timings: Timings = field(default_factory=Timings)
     transcript: Transcript = field(default_factory=Transcript)
 
+    @property
+    def to_score(self) -> bool:
+        """The outcome calls for a reward, and the verifier has not run yet."""
+        return not self.scored and (self.reason is None or self.reason in SCORED_REASONS)
+
     def fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
         """Record the first failure (``force``: cancellation overrides)."""
         if self.reason is None or force:

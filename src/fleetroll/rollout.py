@@ -13,11 +13,12 @@ error, a timeout, cancellation — the instance is released (shielded and
 bounded), ``fleet_rollout_completed`` is emitted exactly once, and
 :attr:`Rollout.result` holds a result with the right ``failure_reason``.
 
-Around it: what rollouts share is the engine (:mod:`fleetroll.engine`); one
-tool call and what it means is :mod:`fleetroll.dispatch`; the mutable state
-and the (redacted) result are :mod:`fleetroll.progress`; the transcript is
-:mod:`fleetroll.transcript`; the env-style session API is
-:mod:`fleetroll.env_session`.
+Around it: what rollouts share is the engine (:mod:`fleetroll.engine`); what
+each phase does against the provider (provision, reset, connect, score, the
+completed event) is :mod:`fleetroll.stages`; one tool call and what it means
+is :mod:`fleetroll.dispatch`; the mutable state and the (redacted) result are
+:mod:`fleetroll.progress`; the transcript is :mod:`fleetroll.transcript`; the
+env-style session API is :mod:`fleetroll.env_session`.
 """
 
 from __future__ import annotations
@@ -27,37 +28,28 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Final, Protocol, TypeVar
+from typing import Any, Final, TypeVar
 
 import anyio
 
-from fleetroll.dispatch import dispatch
-from fleetroll.environments import Instance, Provider
-from fleetroll.errors import (
-    InstanceLostError,
-    OperationTimeout,
-    PolicyError,
-    ProvisionError,
-    ToolsError,
-)
+import fleetroll.stages as stages
+from fleetroll.dispatch import StepResult, dispatch
+from fleetroll.environments import Instance
+from fleetroll.errors import InstanceLostError, PolicyError
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.progress import Progress, RolloutIds
-from fleetroll.results import (
-    SCORED_REASONS,
-    FailureReason,
-    RolloutResult,
-)
+from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.retrying import reporting as report_retries
-from fleetroll.routing import ComputerToolMissing, Route
-from fleetroll.settings import Settings
+from fleetroll.routing import Route
+from fleetroll.stages import RolloutContext, SetupFailure
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry.events import Events, Redactor
+from fleetroll.telemetry.events import Events
 from fleetroll.telemetry.retries import retry_emitter
 from fleetroll.tools import ToolResult, ToolSession, describe
 
 T = TypeVar("T")
 
-__all__ = ["Phase", "Rollout", "RolloutContext", "RolloutIds", "RolloutView", "StepResult"]
+__all__ = ["Phase", "Rollout", "RolloutIds", "RolloutView"]
 
 
 class Phase(StrEnum):
@@ -89,15 +81,6 @@ _NEXT: Final[dict[Phase, frozenset[Phase]]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
-    """What :meth:`EnvSession.step` answers."""
-
-    observation: ToolResult
-    done: bool
-    messages: tuple[dict[str, Any], ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class RolloutView:
     """A rollout as others may see it, running or ended: copies, redacted.
 
@@ -113,15 +96,6 @@ class RolloutView:
     messages: tuple[dict[str, Any], ...]
     #: Set once the rollout has ended.
     result: RolloutResult | None
-
-
-class RolloutContext(Protocol):
-    """What a rollout needs of its engine (:class:`fleetroll.engine.RolloutEngine` is one)."""
-
-    settings: Settings
-    provider: Provider
-    events: Events
-    redactor: Redactor
 
 
 class Rollout:
@@ -153,7 +127,7 @@ class Rollout:
         self._p = Progress()
         self._started = time.monotonic()
         self._deadline = float("inf")
-        self._setup_exc: BaseException | None = None
+        self._setup_failure: SetupFailure | None = None
         s = engine.settings
         self.max_steps = task.max_steps or s.pool.max_steps
 
@@ -181,21 +155,13 @@ class Rollout:
         scoring become the result's ``failure_reason``; an exception from the
         caller's own block is recorded (``abandoned``) and re-raised.
         """
-        e = self.engine
-        t = self.task
-        base = {
-            "batch_id": self.ids.batch_id,
-            "rollout_id": self.ids.rollout_id,
-            "task_key": t.key,
-            "sample_index": self.ids.sample_index,
-            "env_key": t.env_key,
-            "env_version": t.env_version,
-            "modality": t.modality,
-        }
         self._started = time.monotonic()
         caller_error: Exception | None = None
-        with Events.bind(**base), report_retries(retry_emitter(e.events)):
-            e.events.emit("fleet_rollout_started")
+        with (
+            Events.bind(**stages.event_attributes(self.ids, self.task)),
+            report_retries(retry_emitter(self.engine.events)),
+        ):
+            self.engine.events.emit("fleet_rollout_started")
             try:
                 # One scope spans set-up and the block, so that the MCP session
                 # opened inside nests properly; its deadline is set once the
@@ -261,98 +227,41 @@ class Rollout:
 
     async def _set_up(self, stack: AsyncExitStack, deadline: anyio.CancelScope | None) -> bool:
         e = self.engine
-        s = e.settings
         self._enter(Phase.PROVISIONING)
-        began = time.monotonic()
-        try:
-            self.instance = await e.provider.provision(self.task, run_id=self.run_id)
-        except ProvisionError as exc:
-            self._setup_exc = exc
-            self._fail(FailureReason.INIT_ERROR, str(exc))
-            return False
-        finally:
-            self._p.timings.provision_s = time.monotonic() - began
+        instance = await stages.provision(e, self.task, self._p, run_id=self.run_id)
+        if isinstance(instance, SetupFailure):
+            return self._set_up_failed(instance)
+        self.instance = instance
         if self._gate is not None:
             self._enter(Phase.WAITING)
             await stack.enter_async_context(self._gate())
-        self._deadline = anyio.current_time() + s.timeouts.rollout_s
+        self._deadline = anyio.current_time() + e.settings.timeouts.rollout_s
         if deadline is not None:
             deadline.deadline = self._deadline
-        stack.enter_context(Events.bind(instance_id=self.instance.instance_id))
+        stack.enter_context(Events.bind(instance_id=instance.instance_id))
 
-        await self._reset()
+        self._enter(Phase.RESETTING)
+        await stages.reset(e, instance, self._p)
 
         self._enter(Phase.CONNECTING)
-        self.route = e.provider.route(self.instance, self.task)
-        try:
-            self.session = await stack.enter_async_context(
-                e.provider.open_tools(self.instance, self.route)
-            )
-            available = await self.session.list_tools()
-            self.tools = self.route.select(available)
-        except ComputerToolMissing as exc:
-            self._setup_exc = exc
-            self._fail(FailureReason.COMPUTER_TOOL_MISSING, str(exc))
-            return False
-        except (ToolsError, OperationTimeout, TimeoutError) as exc:
-            # OperationTimeout: the connect or the listing passed its deadline.
-            self._setup_exc = exc
-            lost = not await e.provider.is_alive(self.instance)
-            if lost:
-                reason = FailureReason.INSTANCE_LOST
-            elif self.session is None:
-                reason = FailureReason.INIT_ERROR
-            else:
-                reason = FailureReason.TOOLS_ERROR
-            doing = "connecting to" if self.session is None else "listing the tools of"
-            detail = str(exc) or f"{doing} the MCP endpoint {self.route.url} timed out"
-            self._fail(
-                reason,
-                f"instance {self.instance.instance_id} is gone: {detail}" if lost else detail,
-            )
-            return False
+        self.route = e.provider.route(instance, self.task)
+        connected = await stages.connect(e, instance, self.route, stack)
+        if isinstance(connected, SetupFailure):
+            return self._set_up_failed(connected)
+        self.session, self.tools = connected
         self._p.transcript.add_prompt(self.task.prompt)
         self._enter(Phase.ACTING)
         return True
 
-    async def _session_failed(self, exc: Exception) -> None:
-        if self._p.reason is not None or self._p.finished or self.instance is None:
-            # The episode had ended already: only closing failed, which costs nothing.
-            self.engine.events.emit(
-                "fleet_tool_call_failed",
-                level="warn",
-                tool_name=None,
-                step_count=self._p.steps,
-                error_type=type(exc).__name__,
-                error_message=f"closing the MCP session: {describe(exc)}"[:500],
-            )
-            return
-        lost = not await self.engine.provider.is_alive(self.instance)
-        if lost:
-            reason = FailureReason.INSTANCE_LOST
-        elif self.session is None:  # it never opened: the environment was not set up
-            reason = FailureReason.INIT_ERROR
-        else:
-            reason = FailureReason.TOOLS_ERROR
-        self._fail(reason, f"the MCP session failed: {describe(exc)}")
+    def _set_up_failed(self, failure: SetupFailure) -> bool:
+        """Record why set-up stopped (kept for :meth:`setup_error`); the rollout is not ready."""
+        self._setup_failure = failure
+        self._fail(failure.reason, failure.error)
+        return False
 
-    async def _reset(self) -> None:
-        assert self.instance is not None
-        self._enter(Phase.RESETTING)
-        timeout = self.engine.settings.timeouts.reset_s
-        began = time.monotonic()
-        try:
-            await self.engine.provider.reset(self.instance)
-        except Exception as exc:  # reset is best effort: the instance is fresh anyway
-            self.engine.events.emit(
-                "fleet_env_reset_failed",
-                level="warn",
-                timeout_s=timeout,
-                error_type=type(exc).__name__,
-                error_message=str(exc)[:500],
-            )
-        finally:
-            self._p.timings.reset_s = time.monotonic() - began
+    async def _session_failed(self, exc: Exception) -> None:
+        opened = self.session is not None
+        await stages.session_failed(self.engine, self.instance, self._p, exc, opened=opened)
 
     # -- acting -------------------------------------------------------------
 
@@ -411,36 +320,11 @@ class Rollout:
 
     async def _score(self) -> None:
         """Run the verifier when the outcome calls for a reward."""
-        p = self._p
-        if (
-            p.scored
-            or self.instance is None
-            or (p.reason is not None and p.reason not in SCORED_REASONS)
-        ):
+        if self.instance is None or not self._p.to_score:
             return
-        p.scored = True
+        self._p.scored = True
         self._enter(Phase.VERIFYING)
-        began = time.monotonic()
-        # The verifier has its own deadline, outside the rollout's: a rollout
-        # that timed out is still scored (docs/results.md).
-        verdict = await self.engine.provider.verify(self.instance, self.task, p.final_answer)
-        p.timings.verify_s = time.monotonic() - began
-        p.verifier = verdict.outcome
-        if verdict.ok:
-            p.reward = verdict.reward
-            return
-        self.engine.events.emit(
-            "fleet_verifier_failed",
-            level="error",
-            error_type=verdict.error_type,
-            error_message=(verdict.outcome.error or "")[:500],
-        )
-        if p.reason is None:
-            lost = not await self.engine.provider.is_alive(self.instance)
-            self._fail(
-                FailureReason.INSTANCE_LOST if lost else FailureReason.VERIFIER_ERROR,
-                f"the verifier could not run: {verdict.outcome.error}",
-            )
+        await stages.score(self.engine, self.instance, self.task, self._p)
 
     async def _tear_down(self) -> None:
         self._enter(Phase.RELEASING)
@@ -448,20 +332,7 @@ class Rollout:
             await self.engine.provider.release(self.instance)
         self._enter(Phase.DONE)
         self.result = self._build_result()
-        r = self.result
-        self.engine.events.emit(
-            "fleet_rollout_completed",
-            level="info" if r.status == "completed" else "warn",
-            instance_id=r.instance_id,
-            status=r.status,
-            failure_reason=r.failure_reason.value if r.failure_reason else None,
-            reward=r.reward,
-            step_count=r.steps,
-            duration_s=round(r.timings.total_s, 4),
-            tool_errors=r.tool_errors,
-            tool_failures=r.tool_failures,
-            error_message=(r.error or "")[:500] or None,
-        )
+        stages.report_completed(self.engine.events, self.result)
 
     def _fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
         """Record the first failure (``force``: cancellation overrides)."""
@@ -476,10 +347,7 @@ class Rollout:
 
     def setup_error(self) -> Exception:
         """Why set-up failed, for session callers."""
-        exc = self._setup_exc
-        if isinstance(exc, ProvisionError | ToolsError):
-            return exc
-        return ToolsError(self._p.error or "the environment could not be set up", operation="setup")
+        return stages.setup_error(self._setup_failure, self._p.error)
 
     def _build_result(self) -> RolloutResult:
         self._p.timings.total_s = time.monotonic() - self._started

@@ -1,0 +1,207 @@
+"""What a rollout's phases do against its provider.
+
+The state machine (:mod:`fleetroll.rollout`) enters a phase, then calls the
+work here: provision an instance, reset it, connect to its tools, score the
+episode, report its end (and the attributes all its events carry). Each
+records its timing and what went wrong in the rollout's
+:class:`~fleetroll.progress.Progress`; set-up answers a :class:`SetupFailure`
+instead of raising, and the rollout decides what comes next.
+:class:`RolloutContext` is what all of it needs of the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fleetroll.environments import Instance, Provider
+from fleetroll.errors import OperationTimeout, ProvisionError, ToolsError
+from fleetroll.policies import ToolSpec
+from fleetroll.progress import Progress, RolloutIds
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.routing import ComputerToolMissing, Route
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events, Redactor
+from fleetroll.tools import ToolSession, describe
+
+__all__ = [
+    "RolloutContext",
+    "SetupFailure",
+    "connect",
+    "event_attributes",
+    "provision",
+    "report_completed",
+    "reset",
+    "score",
+    "session_failed",
+    "setup_error",
+]
+
+
+class RolloutContext(Protocol):
+    """What a rollout needs of its engine (:class:`fleetroll.engine.RolloutEngine` is one)."""
+
+    settings: Settings
+    provider: Provider
+    events: Events
+    redactor: Redactor
+
+
+@dataclass(frozen=True, slots=True)
+class SetupFailure:
+    """Why set-up stopped: the result's reason and error, and the exception behind them."""
+
+    reason: FailureReason
+    error: str
+    exc: Exception
+
+
+def event_attributes(ids: RolloutIds, task: TaskSpec) -> dict[str, Any]:
+    """What every event of the rollout carries (bound for its whole lifecycle)."""
+    return {
+        "batch_id": ids.batch_id,
+        "rollout_id": ids.rollout_id,
+        "task_key": task.key,
+        "sample_index": ids.sample_index,
+        "env_key": task.env_key,
+        "env_version": task.env_version,
+        "modality": task.modality,
+    }
+
+
+async def provision(
+    ctx: RolloutContext, task: TaskSpec, progress: Progress, *, run_id: str | None
+) -> Instance | SetupFailure:
+    """An instance for ``task`` (the provider retries and bounds it), or why there is none."""
+    began = time.monotonic()
+    try:
+        return await ctx.provider.provision(task, run_id=run_id)
+    except ProvisionError as exc:
+        return SetupFailure(FailureReason.INIT_ERROR, str(exc), exc)
+    finally:
+        progress.timings.provision_s = time.monotonic() - began
+
+
+async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> None:
+    """Reset the instance; best effort (it is fresh anyway), so a failure is only logged."""
+    timeout = ctx.settings.timeouts.reset_s
+    began = time.monotonic()
+    try:
+        await ctx.provider.reset(instance)
+    except Exception as exc:  # reset is best effort: the instance is fresh anyway
+        ctx.events.emit(
+            "fleet_env_reset_failed",
+            level="warn",
+            timeout_s=timeout,
+            error_type=type(exc).__name__,
+            error_message=str(exc)[:500],
+        )
+    finally:
+        progress.timings.reset_s = time.monotonic() - began
+
+
+async def connect(
+    ctx: RolloutContext, instance: Instance, route: Route, stack: AsyncExitStack
+) -> tuple[ToolSession, list[ToolSpec]] | SetupFailure:
+    """Open the instance's MCP session (closed by ``stack``) and choose the route's tools."""
+    session: ToolSession | None = None
+    try:
+        session = await stack.enter_async_context(ctx.provider.open_tools(instance, route))
+        available = await session.list_tools()
+        return session, route.select(available)
+    except ComputerToolMissing as exc:
+        return SetupFailure(FailureReason.COMPUTER_TOOL_MISSING, str(exc), exc)
+    except (ToolsError, OperationTimeout, TimeoutError) as exc:
+        # OperationTimeout: the connect or the listing passed its deadline.
+        lost = not await ctx.provider.is_alive(instance)
+        doing = "connecting to" if session is None else "listing the tools of"
+        detail = str(exc) or f"{doing} the MCP endpoint {route.url} timed out"
+        error = f"instance {instance.instance_id} is gone: {detail}" if lost else detail
+        return SetupFailure(_tools_reason(lost, opened=session is not None), error, exc)
+
+
+def setup_error(failure: SetupFailure | None, error: str | None) -> Exception:
+    """What a session's caller gets when set-up failed: the provider's or the tools' own
+    error, else a :class:`~fleetroll.errors.ToolsError` saying why (``error``)."""
+    if failure is not None and isinstance(failure.exc, ProvisionError | ToolsError):
+        return failure.exc
+    return ToolsError(error or "the environment could not be set up", operation="setup")
+
+
+async def session_failed(
+    ctx: RolloutContext,
+    instance: Instance | None,
+    progress: Progress,
+    exc: Exception,
+    *,
+    opened: bool,
+) -> None:
+    """The MCP session failed under the rollout (``opened``: it had opened): record why."""
+    if progress.reason is not None or progress.finished or instance is None:
+        # The episode had ended already: only closing failed, which costs nothing.
+        ctx.events.emit(
+            "fleet_tool_call_failed",
+            level="warn",
+            tool_name=None,
+            step_count=progress.steps,
+            error_type=type(exc).__name__,
+            error_message=f"closing the MCP session: {describe(exc)}"[:500],
+        )
+        return
+    lost = not await ctx.provider.is_alive(instance)
+    progress.fail(_tools_reason(lost, opened=opened), f"the MCP session failed: {describe(exc)}")
+
+
+def _tools_reason(lost: bool, *, opened: bool) -> FailureReason:
+    """Why the tools failed: the instance is gone, or never set up, or its session broke."""
+    if lost:
+        return FailureReason.INSTANCE_LOST
+    # A session that never opened means the environment was not set up.
+    return FailureReason.TOOLS_ERROR if opened else FailureReason.INIT_ERROR
+
+
+async def score(
+    ctx: RolloutContext, instance: Instance, task: TaskSpec, progress: Progress
+) -> None:
+    """Run the verifier; record its reward, or why there is none."""
+    began = time.monotonic()
+    # The verifier has its own deadline, outside the rollout's: a rollout
+    # that timed out is still scored (docs/results.md).
+    verdict = await ctx.provider.verify(instance, task, progress.final_answer)
+    progress.timings.verify_s = time.monotonic() - began
+    progress.verifier = verdict.outcome
+    if verdict.ok:
+        progress.reward = verdict.reward
+        return
+    ctx.events.emit(
+        "fleet_verifier_failed",
+        level="error",
+        error_type=verdict.error_type,
+        error_message=(verdict.outcome.error or "")[:500],
+    )
+    if progress.reason is None:
+        lost = not await ctx.provider.is_alive(instance)
+        progress.fail(
+            FailureReason.INSTANCE_LOST if lost else FailureReason.VERIFIER_ERROR,
+            f"the verifier could not run: {verdict.outcome.error}",
+        )
+
+
+def report_completed(events: Events, result: RolloutResult) -> None:
+    """Emit ``fleet_rollout_completed`` for ``result`` (once per rollout)."""
+    events.emit(
+        "fleet_rollout_completed",
+        level="info" if result.status == "completed" else "warn",
+        instance_id=result.instance_id,
+        status=result.status,
+        failure_reason=result.failure_reason.value if result.failure_reason else None,
+        reward=result.reward,
+        step_count=result.steps,
+        duration_s=round(result.timings.total_s, 4),
+        tool_errors=result.tool_errors,
+        tool_failures=result.tool_failures,
+        error_message=(result.error or "")[:500] or None,
+    )

@@ -8,7 +8,7 @@ against :class:`fleetroll.testing.fake_provider.FakeProvider`, an in-memory MCP 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,6 +24,7 @@ from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.transcript import Transcript
 
 TASK = TaskSpec(
     key="note-done",
@@ -189,3 +190,39 @@ async def test_what_others_see_of_a_running_rollout_is_redacted_like_its_result(
     assert secret not in str(view.messages) and "noted" in str(view.messages)
     assert rollout.view().result is not None
     assert secret not in str(rollout.view().messages)
+
+
+def count_exports(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """From now on, every export of a transcript (by how many messages it held)."""
+    calls: list[int] = []
+    real = Transcript.export
+
+    def export(self: Transcript, redact: Callable[[str], str], *, keep_images: bool) -> Any:
+        calls.append(len(self))
+        return real(self, redact, keep_images=keep_images)
+
+    monkeypatch.setattr(Transcript, "export", export)
+    return calls
+
+
+async def test_a_view_without_messages_of_a_long_rollout_exports_no_transcript(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    notes = tuple(SolutionStep(name="note", arguments={"word": f"w{n}"}) for n in range(50))
+    task = TASK.model_copy(
+        update={"solution": (*notes, SolutionStep(name="hang", arguments={})), "max_steps": 100}
+    )
+    exports = count_exports(monkeypatch)
+    async with engine(MemorySink()) as (eng, _):
+        rollout = eng.rollout(task, RolloutIds("b", "r"))
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(rollout.run, ScriptedPolicy())
+                await rollout.wait_until(lambda r: len(r.messages) >= 102)  # in the hang
+                brief = [rollout.view(messages=False) for _ in range(20)]
+                exported_by_brief = len(exports)
+                full = rollout.view()
+                tg.cancel_scope.cancel()
+    assert exported_by_brief == 0 and exports[0] == 102  # then the view with messages, the result
+    assert brief[-1].messages == () and len(full.messages) == 102
+    assert brief[-1].phase is full.phase is Phase.ACTING and brief[-1].steps == full.steps == 51

@@ -92,7 +92,8 @@ class RolloutView:
     task_key: str
     phase: Phase
     steps: int
-    #: The transcript so far, as a result would hold it (redacted, images elided).
+    #: The transcript so far, as a result would hold it (redacted, images elided);
+    #: empty in a view asked for without messages (:meth:`Rollout.view`).
     messages: tuple[dict[str, Any], ...]
     #: Set once the rollout has ended.
     result: RolloutResult | None
@@ -411,18 +412,23 @@ class Rollout:
     def messages(self) -> list[dict[str, Any]]:
         return self._p.transcript.messages
 
-    def view(self) -> RolloutView:
-        """What the rollout is doing, for others to read (see :class:`RolloutView`)."""
+    def view(self, *, messages: bool = True) -> RolloutView:
+        """What the rollout is doing, for others to read (see :class:`RolloutView`).
+
+        ``messages=False``: without the transcript (the view's ``messages`` is
+        empty), so a caller that wants only the phase and counts does not pay
+        for exporting and redacting every message.
+        """
         result = self.result
-        if result is not None:
-            messages, steps = tuple(result.transcript), result.steps
-        else:
+        transcript: tuple[dict[str, Any], ...] = ()
+        if messages and result is not None:
+            transcript = tuple(result.transcript)
+        elif messages:
             e = self.engine
-            exported = self._p.transcript.export(
-                e.redactor, keep_images=e.settings.pool.transcript_images
-            )
-            messages, steps = tuple(exported), self._p.steps
-        return RolloutView(self.ids, self.task.key, self.phase, steps, messages, result)
+            keep_images = e.settings.pool.transcript_images
+            transcript = tuple(self._p.transcript.export(e.redactor, keep_images=keep_images))
+        steps = self._p.steps if result is None else result.steps
+        return RolloutView(self.ids, self.task.key, self.phase, steps, transcript, result)
 
     def finish(self) -> None:
         """The controller ended the episode: it completes (and is scored)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -10,6 +11,7 @@ from mcp import Client
 from service_helpers import LEDGER, Running, task_record
 
 from fleetroll.emulator import Emulator
+from fleetroll.transcript import Transcript
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -72,3 +74,36 @@ async def test_an_mcp_client_aborts_a_rollout_and_runs_one_to_the_end(served: Ru
     assert aborted["failure_reason"] == "cancelled" and aborted["reward"] is None
     assert ran["reward"] == 1.0
     assert invalid.is_error and "env_key" in invalid.content[0].text
+
+
+async def test_get_state_on_a_running_rollout_does_not_export_its_transcript(
+    served: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    exports: list[int] = []
+    real = Transcript.export
+
+    def export(self: Transcript, redact: Callable[[str], str], *, keep_images: bool) -> Any:
+        exports.append(len(self))
+        return real(self, redact, keep_images=keep_images)
+
+    monkeypatch.setattr(Transcript, "export", export)
+    slow = {"kind": "scripted", "think_time_s": 3600}
+    with anyio.fail_after(60):
+        async with Client(f"{served.url}/mcp") as mcp:
+            started = structured(
+                await mcp.call_tool(
+                    "start_rollout", {"task": task_record(LEDGER[5]), "policy": slow}
+                )
+            )
+            rollout_id = started["rollout_id"]
+            states = [
+                structured(await mcp.call_tool("get_state", {"rollout_id": rollout_id}))
+                for _ in range(20)
+            ]
+            exported_by_get_state = len(exports)
+            await mcp.call_tool("get_messages", {"rollout_id": rollout_id})
+            exported_by_get_messages = len(exports) - exported_by_get_state
+            await mcp.call_tool("abort_rollout", {"rollout_id": rollout_id})
+            await mcp.call_tool("finalize_rollout", {"rollout_id": rollout_id})
+    assert all(not s["done"] and s["rollout_id"] == rollout_id for s in states)
+    assert exported_by_get_state == 0 and exported_by_get_messages == 1

@@ -72,7 +72,7 @@ class RolloutMessages(BaseModel):
 
 
 def _state(rollout: Rollout) -> RolloutState:
-    view = rollout.view()
+    view = rollout.view(messages=False)  # no transcript: exporting it is a pass over every message
     result = view.result
     return RolloutState(
         rollout_id=view.ids.rollout_id,

@@ -7,6 +7,8 @@ both become the same TaskSpec. Reading is pure: a verifier's code is compiled
 with :func:`compile`, never run, so a task file cannot run code in the
 orchestrator's process. The first problem raises :class:`TaskFileError` naming
 the file, the line and the field.
+Turning a file's bytes into JSON records (JSON Lines or an array, with the
+line of each) is :mod:`fleetroll.task_records`; this module checks them.
 
 Loading is blocking work: async callers run it in a worker thread
 (``anyio.to_thread.run_sync``) with :class:`TaskLimits` checked before the
@@ -20,17 +22,16 @@ from __future__ import annotations
 import difflib
 import hashlib
 import inspect
-import itertools
 import json
-import os
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetroll.errors import TaskFileError
+from fleetroll.task_records import Where, read_records, too_big, too_many
 
 __all__ = [
     "FLEET_IGNORED_FIELDS",
@@ -138,7 +139,7 @@ def load_task_paths(
         for file in files:
             total += _size(file)
             if total > limits.max_file_bytes:
-                reason = _too_big("the task files hold", total, limits.max_file_bytes)
+                reason = too_big("the task files hold", total, limits.max_file_bytes)
                 raise TaskFileError(reason, path=str(file))
     tasks: list[TaskSpec] = []
     seen: dict[str, Path] = {}
@@ -228,8 +229,8 @@ def parse_tasks(
             message says which, e.g. "the 3rd task in the list"), or two share a key.
     """
     if limits.max_tasks is not None and len(records) > limits.max_tasks:
-        raise TaskFileError(_too_many(limits.max_tasks), path=source)
-    entries = ((rec, _Where(source, nth=i, container="list")) for i, rec in enumerate(records, 1))
+        raise TaskFileError(too_many(limits.max_tasks), path=source)
+    entries = ((rec, Where(source, nth=i, container="list")) for i, rec in enumerate(records, 1))
     verifiers = _Verifiers(limits.max_verifier_bytes)
     return list(_parse_all(entries, source, modalities, verifiers))
 
@@ -256,15 +257,7 @@ def parse_task(
             with another, the modality is unknown, or ``verifier_func`` is too
             large or not Python defining a top-level function.
     """
-    return _parse(record, _Where(source, line=line), modalities, _Verifiers(max_verifier_bytes))
-
-
-def _too_many(limit: int) -> str:
-    return f"more than {limit:,} tasks, over the limit of {limit:,}"
-
-
-def _too_big(what: str, size: int, limit: int) -> str:
-    return f"{what} {size:,} bytes, over the limit of {limit:,}"
+    return _parse(record, Where(source, line=line), modalities, _Verifiers(max_verifier_bytes))
 
 
 def _size(path: Path) -> int:
@@ -281,74 +274,12 @@ def _load(
     source = str(path)
     try:
         with open(path, "rb") as f:
-            budget = limits.max_file_bytes
-            if budget is not None:
-                size = os.fstat(f.fileno()).st_size
-                if size > budget:
-                    raise TaskFileError(_too_big("is", size, budget), path=source)
-            lines = _raw_lines(f, source, budget)
-            head: list[tuple[int, bytes]] = []
-            for number, raw in lines:
-                head.append((number, raw))
-                if raw.strip():
-                    break
-            if head and head[-1][1].lstrip().startswith(b"["):
-                entries = iter(_array(_chain(head, lines), source))
-            else:
-                entries = _read_lines(_chain(head, lines), source)
-            capped = _capped(entries, limits.max_tasks, source)
-            yield from _parse_all(capped, source, modalities, verifiers)
+            records = read_records(
+                f, source, max_bytes=limits.max_file_bytes, max_tasks=limits.max_tasks
+            )
+            yield from _parse_all(records, source, modalities, verifiers)
     except OSError as exc:
         raise TaskFileError(f"cannot read the file: {exc.strerror or exc}", path=source) from None
-
-
-def _chain(
-    head: list[tuple[int, bytes]], rest: Iterator[tuple[int, bytes]]
-) -> Iterator[tuple[int, bytes]]:
-    yield from head
-    yield from rest
-
-
-def _array(lines: Iterator[tuple[int, bytes]], source: str) -> list[tuple[object, _Where]]:
-    """Every item of a JSON array: the whole array is valid JSON before any task is checked."""
-    text = _decode(b"".join(raw for _, raw in lines), source, None)
-    return list(_read_array(text, source))
-
-
-def _raw_lines(f: IO[bytes], source: str, budget: int | None) -> Iterator[tuple[int, bytes]]:
-    """Numbered lines of ``f`` (split on ``\\n`` only), never reading past ``budget`` bytes."""
-    read = 0
-    number = 0
-    while True:
-        raw = f.readline() if budget is None else f.readline(budget - read + 1)
-        if not raw:
-            return
-        read += len(raw)
-        if budget is not None and read > budget:
-            raise TaskFileError(_too_big("holds more than", budget, budget), path=source)
-        number += 1
-        if number == 1 and raw.startswith(_BOM):
-            raw = raw[len(_BOM) :]
-        yield number, raw
-
-
-_BOM: Final = b"\xef\xbb\xbf"
-
-
-def _decode(raw: bytes, source: str, line: int | None) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise TaskFileError(f"not UTF-8 text (byte {exc.start})", path=source, line=line) from None
-
-
-def _capped(
-    entries: Iterator[tuple[object, _Where]], limit: int | None, source: str
-) -> Iterator[tuple[object, _Where]]:
-    for count, entry in enumerate(entries, 1):
-        if limit is not None and count > limit:
-            raise TaskFileError(_too_many(limit), path=source, line=entry[1].line)
-        yield entry
 
 
 class _Verifiers:
@@ -366,10 +297,10 @@ class _Verifiers:
         self._seen: dict[bytes, str] = {}  # digest → the source, or "\0" + why not
         self.compiled = 0
 
-    def check(self, code: str, where: _Where) -> str:
+    def check(self, code: str, where: Where) -> str:
         data = code.encode("utf-8", "surrogatepass")
         if self.max_bytes is not None and len(data) > self.max_bytes:
-            raise where.error(_too_big("is", len(data), self.max_bytes), "verifier_func")
+            raise where.error(too_big("is", len(data), self.max_bytes), "verifier_func")
         digest = hashlib.sha256(data).digest()
         known = self._seen.get(digest)
         if known is None:
@@ -407,31 +338,13 @@ def _is_function(const: object) -> bool:
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Where:
-    """Where a record came from, to build errors that point at it."""
-
-    source: str
-    line: int | None = None
-    nth: int = 0  # 1-based position in a JSON array or a list; 0 when in neither
-    container: str = "array"
-
-    @property
-    def ordinal(self) -> str:
-        return f"the {_nth(self.nth)} task in the {self.container}" if self.nth else ""
-
-    def error(self, reason: str, field: str | None = None) -> TaskFileError:
-        reason = f"{reason} ({self.ordinal})" if self.ordinal else reason
-        return TaskFileError(reason, path=self.source, line=self.line, field=field)
-
-
 def _parse_all(
-    entries: Iterable[tuple[object, _Where]],
+    entries: Iterable[tuple[object, Where]],
     source: str,
     modalities: Collection[str],
     verifiers: _Verifiers,
 ) -> Iterator[TaskSpec]:
-    first_use: dict[str, _Where] = {}
+    first_use: dict[str, Where] = {}
     for record, where in entries:
         task = _parse(record, where, modalities, verifiers)
         first = first_use.setdefault(task.key, where)
@@ -444,7 +357,7 @@ def _parse_all(
 
 
 def _parse(
-    record: object, where: _Where, modalities: Collection[str], verifiers: _Verifiers
+    record: object, where: Where, modalities: Collection[str], verifiers: _Verifiers
 ) -> TaskSpec:
     if not isinstance(record, Mapping):
         raise where.error(f"each task must be a JSON object, got {_describe(record)}")
@@ -498,7 +411,7 @@ def _parse(
 
 
 def _spec(
-    record: Mapping[str, Any], names: tuple[str, str], version_field: str, where: _Where
+    record: Mapping[str, Any], names: tuple[str, str], version_field: str, where: Where
 ) -> tuple[str | None, str | None]:
     """Name and version from ``env_id`` + ``version`` or ``env_key: "name:version"``."""
     given = [name for name in names if record.get(name) is not None]
@@ -521,7 +434,7 @@ def _spec(
 
 
 def _agreed(
-    named: Mapping[str, object], where: _Where, check: Callable[[object, str, _Where], _T]
+    named: Mapping[str, object], where: Where, check: Callable[[object, str, Where], _T]
 ) -> _T | None:
     """The one value given under several names; they must agree when several are."""
     given = [(n, check(v, n, where)) for n, v in named.items() if v is not None]
@@ -533,7 +446,7 @@ def _agreed(
     return given[0][1] if given else None
 
 
-def _string(value: object, field: str, where: _Where) -> str:
+def _string(value: object, field: str, where: Where) -> str:
     if value is _MISSING:
         raise where.error(f"missing required field {field.rpartition('.')[2]!r}", field)
     if not isinstance(value, str) or not value.strip():
@@ -541,19 +454,19 @@ def _string(value: object, field: str, where: _Where) -> str:
     return value
 
 
-def _boolean(value: object, field: str, where: _Where) -> bool:
+def _boolean(value: object, field: str, where: Where) -> bool:
     if not isinstance(value, bool):
         raise where.error(f"must be true or false, got {_describe(value)}", field)
     return value
 
 
-def _object(value: object, field: str, where: _Where) -> dict[str, Any] | None:
+def _object(value: object, field: str, where: Where) -> dict[str, Any] | None:
     if value is not None and not isinstance(value, Mapping):
         raise where.error(f"must be a JSON object, got {_describe(value)}", field)
     return None if value is None else dict(value)
 
 
-def _solution(value: object, where: _Where) -> tuple[SolutionStep, ...] | None:
+def _solution(value: object, where: Where) -> tuple[SolutionStep, ...] | None:
     if value is None:
         return None
     if not isinstance(value, list):
@@ -575,71 +488,6 @@ def _solution(value: object, where: _Where) -> tuple[SolutionStep, ...] | None:
     return tuple(steps)
 
 
-def _read_lines(lines: Iterable[tuple[int, bytes]], source: str) -> Iterator[tuple[object, _Where]]:
-    # Split on "\n" only (see _raw_lines), not splitlines(): JSON strings may hold a raw U+2028.
-    for number, raw in lines:
-        if not raw.strip():
-            continue
-        text = _decode(raw, source, number)
-        try:
-            record = json.loads(text)
-        except json.JSONDecodeError as exc:
-            cut = exc.pos >= len(text.rstrip())
-            hint = " (JSON Lines needs each task on one line, or use a JSON array)" if cut else ""
-            reason = f"invalid JSON at column {exc.colno}: {exc.msg}{hint}"
-            raise TaskFileError(reason, path=source, line=number) from None
-        except RecursionError:
-            raise TaskFileError("JSON nested too deeply", path=source, line=number) from None
-        yield record, _Where(source, line=number)
-
-
-def _read_array(text: str, source: str) -> Iterator[tuple[object, _Where]]:
-    """The items of a JSON array, each with the line it starts on."""
-    pos = _skip_blank(text, 0) + 1  # past the "["
-    line, counted = 1, 0
-    pos = _skip_blank(text, pos)
-    if pos < len(text) and text[pos] == "]":
-        pos = _skip_blank(text, pos + 1)
-        if pos < len(text):
-            _array_error(text, pos, "Extra data", source)
-        return
-    for nth in itertools.count(1):
-        line, counted = line + text.count("\n", counted, pos), pos
-        try:
-            record, pos = _DECODER.raw_decode(text, pos)
-        except json.JSONDecodeError as exc:
-            reason = f"invalid JSON at column {exc.colno}: {exc.msg}"
-            raise TaskFileError(reason, path=source, line=exc.lineno) from None
-        except RecursionError:
-            raise TaskFileError("JSON nested too deeply", path=source, line=line) from None
-        yield record, _Where(source, line=line, nth=nth)
-        pos = _skip_blank(text, pos)
-        if pos < len(text) and text[pos] == ",":
-            pos = _skip_blank(text, pos + 1)
-            continue
-        if pos < len(text) and text[pos] == "]":
-            pos = _skip_blank(text, pos + 1)
-            if pos < len(text):
-                _array_error(text, pos, "Extra data", source)
-            return
-        _array_error(text, pos, "Expecting ',' delimiter", source)
-
-
-def _array_error(text: str, pos: int, msg: str, source: str) -> None:
-    exc = json.JSONDecodeError(msg, text, pos)
-    reason = f"invalid JSON at column {exc.colno}: {exc.msg}"
-    raise TaskFileError(reason, path=source, line=exc.lineno)
-
-
-def _skip_blank(text: str, pos: int) -> int:
-    while pos < len(text) and text[pos] in " \t\r\n":
-        pos += 1
-    return pos
-
-
-_DECODER: Final = json.JSONDecoder()
-
-
 def _describe(value: object) -> str:
     """A JSON value as a person would name it in an error message."""
     if isinstance(value, str):
@@ -647,8 +495,3 @@ def _describe(value: object) -> str:
     if isinstance(value, Mapping):
         return "an object"
     return "a list" if isinstance(value, list | tuple) else json.dumps(value, default=repr)
-
-
-def _nth(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from mcp import Client
 from service_helpers import LEDGER, Running, task_record
 
+from fleetroll import tasks
 from fleetroll.emulator import Emulator
 from fleetroll.transcript import Transcript
 
@@ -107,3 +109,25 @@ async def test_get_state_on_a_running_rollout_does_not_export_its_transcript(
             await mcp.call_tool("finalize_rollout", {"rollout_id": rollout_id})
     assert all(not s["done"] and s["rollout_id"] == rollout_id for s in states)
     assert exported_by_get_state == 0 and exported_by_get_messages == 1
+
+
+async def test_a_task_given_to_start_rollout_or_a_session_is_checked_off_the_event_loop(
+    served: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[int] = []
+    real = tasks._compile_check
+
+    def compile_check(code: str) -> str:
+        threads.append(threading.get_ident())
+        return real(code)
+
+    monkeypatch.setattr(tasks, "_compile_check", compile_check)
+    task = {**task_record(LEDGER[0]), "verifier_func": "x = 1\n"}  # no function: refused
+    with anyio.fail_after(60):
+        async with Client(f"{served.url}/mcp") as mcp, served.http() as http:
+            refused = await mcp.call_tool("start_rollout", {"task": task})
+            session = await http.post("/v1/sessions", json={"task": task})
+    assert refused.is_error and "defines no top-level function" in refused.content[0].text
+    assert session.status_code == 422
+    assert session.json()["detail"][0]["loc"] == ["body", "task", "verifier_func"]
+    assert len(threads) == 2 and threading.get_ident() not in threads

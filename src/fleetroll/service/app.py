@@ -37,8 +37,9 @@ from __future__ import annotations
 
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
 
@@ -74,6 +75,7 @@ from fleetroll.service.query import run_query, run_stats
 from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Redactor
 from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_routes
 
@@ -144,18 +146,31 @@ class Service:
         Raises:
             ApiError: 422, the task is invalid.
         """
-        spec = parse_one(
-            task,
-            self.settings.modalities,
-            loc=["task"],
-            max_verifier_bytes=self.settings.pool.max_verifier_bytes,
-        )
+        spec = await self.check_task(task, loc=["task"])
         record, _, _ = await self.batches.start(
             [spec], policy, batch_id=f"mcp-{uuid.uuid4().hex}", local=True
         )
         rollout = record.rollouts[0]
         self.rollouts[rollout.ids.rollout_id] = record.batch_id
         return rollout
+
+    async def check_task(self, record: Mapping[str, Any], *, loc: Sequence[str]) -> TaskSpec:
+        """One task of a request, checked in a worker thread: its verifier is
+        compiled, which for a large one would hold up every other request.
+
+        anyio's default thread limiter bounds how many run at once.
+
+        Raises:
+            ApiError: 422 naming the field (``loc`` is where the task is).
+        """
+        check = partial(
+            parse_one,
+            record,
+            self.settings.modalities,
+            loc=loc,
+            max_verifier_bytes=self.settings.pool.max_verifier_bytes,
+        )
+        return await anyio.to_thread.run_sync(check)
 
     def find_rollout(self, rollout_id: str) -> tuple[BatchRecord, Rollout]:
         """Raises: ApiError: 404, no such rollout."""
@@ -304,12 +319,7 @@ def _routes(service: Service) -> list[Route]:
 
     async def open_session(request: Request) -> Response:
         body = await _parse(request, SessionRequest)
-        task = parse_one(
-            body.task.record(),
-            s.modalities,
-            loc=["body", "task"],
-            max_verifier_bytes=s.pool.max_verifier_bytes,
-        )
+        task = await service.check_task(body.task.record(), loc=["body", "task"])
         opened = await service.sessions.open(
             task, batch_id=body.batch_id, sample_index=body.sample_index
         )

@@ -16,7 +16,15 @@ from typing import Any, Union, get_args, get_origin
 import pytest
 from pydantic import AliasChoices, BaseModel
 
-from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult, Timings, VerifierOutcome
+from fleetroll.results import (
+    SCORED_REASONS,
+    Cost,
+    FailureReason,
+    RolloutResult,
+    Timings,
+    Turn,
+    VerifierOutcome,
+)
 from fleetroll.service.mcp_tools import build_mcp_server
 from fleetroll.service.openapi import openapi_document
 from fleetroll.settings import Settings
@@ -85,6 +93,8 @@ def test_every_field_of_a_result_is_documented_and_nothing_else() -> None:
         set(RolloutResult.model_fields)
         | {f"timings.{name}" for name in Timings.model_fields}
         | {f"verifier.{name}" for name in VerifierOutcome.model_fields}
+        | {f"turns.{name}" for name in Turn.model_fields}
+        | {f"cost.{name}" for name in Cost.model_fields}
     )
     assert names("results.md", "Fields") == expected
 

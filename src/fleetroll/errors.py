@@ -20,6 +20,7 @@
         │   ├── ComputerToolMissing  computer_use without a ``computer`` tool
         │   └── ToolCallFailed   a tool call got no answer (timeout, transport)
         ├── PolicyError          the policy endpoint failed
+        │   └── ContextOverflowError  the prompt is longer than the model's context
         └── OperationTimeout     an operation passed its own deadline;
                                  carries timeout_s
 
@@ -38,6 +39,7 @@ from collections.abc import Sequence
 __all__ = [
     "ComputerToolMissing",
     "ConfigError",
+    "ContextOverflowError",
     "EmulatorError",
     "FleetrollError",
     "InstanceLostError",
@@ -177,6 +179,11 @@ class ToolsError(RolloutError):
 
 class PolicyError(RolloutError):
     """The policy (model endpoint) failed or answered something unusable."""
+
+
+class ContextOverflowError(PolicyError):
+    """The prompt would not fit the model's context (``policy.max_context_tokens``,
+    or the server answered that it is too long). Never transient."""
 
 
 class OperationTimeout(RolloutError):

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["FailureReason", "RolloutResult", "Timings", "VerifierOutcome"]
+__all__ = ["Cost", "FailureReason", "RolloutResult", "Timings", "Turn", "VerifierOutcome"]
 
 
 class FailureReason(StrEnum):
@@ -32,12 +32,20 @@ class FailureReason(StrEnum):
     #: A tool call failed for infrastructure reasons (timeout, transport
     #: error), with ``pool.on_tool_failure = "fail"`` (the default).
     TOOL_FAILURE = "tool_failure"
+    #: The next prompt would pass ``policy.max_context_tokens``, or the model's
+    #: server answered that the prompt is longer than its context.
+    CONTEXT_OVERFLOW = "context_overflow"
 
 
 #: Reasons after which the verifier still scores the rollout (docs/results.md);
 #: for every other reason the reward is None.
 SCORED_REASONS = frozenset(
-    {FailureReason.TIMEOUT, FailureReason.MAX_STEPS, FailureReason.ABANDONED}
+    {
+        FailureReason.TIMEOUT,
+        FailureReason.MAX_STEPS,
+        FailureReason.ABANDONED,
+        FailureReason.CONTEXT_OVERFLOW,
+    }
 )
 
 
@@ -63,6 +71,43 @@ class VerifierOutcome(BaseModel):
     execution_id: str | None = None
     stdout: str = ""
     error: str | None = None
+
+
+class Turn(BaseModel):
+    """One policy call: what a trainer needs to compute a loss without re-tokenising.
+
+    Fields the server did not return are None (token ids and logprobs are
+    only asked for with ``policy.return_token_ids`` / ``policy.logprobs``).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    model: str | None = None
+    policy_version: int | None = None
+    finish_reason: str | None = None
+    prompt_token_ids: list[int] | None = None
+    completion_token_ids: list[int] | None = None
+    #: The sampled token's logprob, one per completion token.
+    logprobs: list[float] | None = None
+    #: With ``policy.top_logprobs``: per completion token, the alternatives
+    #: as ``[token, logprob]`` pairs, most likely first.
+    top_logprobs: list[list[tuple[str, float]]] | None = None
+    usage: dict[str, int] | None = None
+    latency_s: float = 0.0
+
+
+class Cost(BaseModel):
+    """What one rollout consumed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Seconds from the instance being provisioned to it being released.
+    instance_s: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    policy_calls: int = 0
+    tool_calls: int = 0
 
 
 class RolloutResult(BaseModel):
@@ -95,3 +140,8 @@ class RolloutResult(BaseModel):
     timings: Timings = Field(default_factory=Timings)
     verifier: VerifierOutcome | None = None
     transcript: list[dict[str, Any]] = Field(default_factory=list)
+    turns: list[Turn] = Field(
+        default_factory=list,
+        description="One entry per policy call; empty for the scripted policy",
+    )
+    cost: Cost = Field(default_factory=Cost)

@@ -175,6 +175,18 @@ class PolicySettings(_Section):
     system_prompt: str | None = None
     #: Retries on 429/5xx/connection errors, inside the policy_s deadline.
     max_retries: int = Field(2, ge=0)
+    #: Training data (docs/results.md, ``turns``): ask the server for the token ids
+    #: of each prompt and completion (vLLM's ``return_token_ids``) and for per-token
+    #: logprobs (``logprobs``; ``top_logprobs`` alternatives per token when set).
+    return_token_ids: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    #: Only the last this many screenshots are sent to the model; older ones are
+    #: replaced by a short text placeholder (in the transcript too). None: all.
+    max_images: int | None = Field(None, ge=0)
+    #: A rollout whose next prompt would pass this many tokens ends with
+    #: ``context_overflow`` (scored). None: only the server's own limit applies.
+    max_context_tokens: int | None = Field(None, ge=1)
 
 
 class TelemetrySettings(_Section):

@@ -17,6 +17,15 @@ one of:
 - :class:`FakeError`: an error status, optionally with headers (Retry-After);
 - :class:`FakeRawResponse`: any body, e.g. something that is not JSON;
 - :data:`HANG`: never answer (until the server stops), for deadline tests.
+
+With ``vllm=VllmShape(...)`` the server answers like vLLM: every completion
+gets token ids from a toy tokenizer (:func:`toy_tokenize`; the prompt's at the
+top level and the completion's on the choice, when the request says
+``return_token_ids``), logprobs (and ``top_logprobs``) when asked, a usage
+that counts those tokens, ``finish_reason`` and the requested model's name.
+Knobs make it end completions with ``length``, refuse prompts over a context
+length (HTTP 400, vLLM's message) or leave token ids out (an OpenAI-like
+server). :attr:`FakeChatServer.replies` holds every completion it sent.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import contextlib
 import inspect
 import json
 import logging
+import re
+import zlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
@@ -46,9 +57,11 @@ __all__ = [
     "Hang",
     "Reply",
     "Script",
+    "VllmShape",
     "completion",
     "tool_call",
     "tool_calling_script",
+    "toy_tokenize",
 ]
 
 _STARTUP_TIMEOUT_S = 10.0
@@ -88,6 +101,141 @@ class Hang:
 
 #: The one :class:`Hang` reply.
 HANG = Hang()
+
+
+@dataclass(frozen=True, slots=True)
+class VllmShape:
+    """How a vLLM-shaped server answers (see the module's docstring).
+
+    Args:
+        token_ids: answer ``return_token_ids``; False is an OpenAI-like server
+            that never returns token ids.
+        logprobs: answer ``logprobs``/``top_logprobs``; False ignores them.
+        finish_length: end every completion with ``finish_reason: "length"``,
+            its text (or tool-call arguments) cut in half, as a model that ran
+            out of ``max_tokens`` would.
+        max_context: answer HTTP 400 (vLLM's message) when the prompt's tokens
+            plus ``max_tokens`` pass this.
+        usage: answer a ``usage``; False leaves it out.
+    """
+
+    token_ids: bool = True
+    logprobs: bool = True
+    finish_length: bool = False
+    max_context: int | None = None
+    usage: bool = True
+
+
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+#: The toy tokenizer's special tokens: message start and end, an image patch.
+_START, _END, _IMAGE = 1, 2, 3
+#: One image token per this many characters of a data URL.
+_IMAGE_CHARS_PER_TOKEN = 1024
+
+
+def toy_tokenize(text: str) -> list[int]:
+    """Deterministic token ids for ``text``: one per word or punctuation mark."""
+    return [zlib.crc32(token.encode()) % 32_000 + 100 for token in _TOKEN.findall(text)]
+
+
+def _toy_logprob(token_id: int, rank: int = 0) -> float:
+    """A deterministic logprob (exact in JSON) for a token and its ``rank``-th alternative."""
+    return -((token_id % 997) / 1000) - rank
+
+
+def _prompt_ids(body: Mapping[str, Any]) -> list[int]:
+    """The toy tokenization of a request: its tools, then each message, then the answer's start."""
+    ids: list[int] = []
+    if body.get("tools"):
+        ids += toy_tokenize(json.dumps(body["tools"]))
+    for message in body.get("messages") or ():
+        if not isinstance(message, dict):
+            continue
+        ids += [_START, *toy_tokenize(str(message.get("role")))]
+        content = message.get("content")
+        if isinstance(content, str):
+            ids += toy_tokenize(content)
+        elif isinstance(content, list):
+            for part in content:
+                if not isinstance(part, dict):
+                    continue
+                if part.get("type") == "image_url":
+                    url = str((part.get("image_url") or {}).get("url", ""))
+                    ids += [_IMAGE] * (len(url) // _IMAGE_CHARS_PER_TOKEN + 1)
+                else:
+                    ids += toy_tokenize(str(part.get("text", "")))
+        for call in message.get("tool_calls") or ():
+            function = call.get("function") or {}
+            ids += toy_tokenize(f"{function.get('name')} {function.get('arguments')}")
+        ids.append(_END)
+    return [*ids, _START, *toy_tokenize("assistant")]
+
+
+def _vllm_answer(shape: VllmShape, body: Mapping[str, Any], reply: Mapping[str, Any]) -> Reply:
+    """``reply`` as vLLM would send it for ``body`` (or its context-length error)."""
+    prompt = _prompt_ids(body)
+    max_tokens = body.get("max_tokens") or 0
+    if shape.max_context is not None and len(prompt) + max_tokens > shape.max_context:
+        return FakeError(
+            400,
+            f"This model's maximum context length is {shape.max_context} tokens. However,"
+            f" you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages,"
+            f" {max_tokens} in the completion). Please reduce the length of the messages"
+            " or completion.",
+        )
+    answer: dict[str, Any] = json.loads(json.dumps(reply))  # a deep copy we may change
+    choice = answer["choices"][0]
+    message = choice["message"]
+    if shape.finish_length:
+        choice["finish_reason"] = "length"
+        if message.get("tool_calls"):
+            function = message["tool_calls"][-1]["function"]
+            function["arguments"] = function["arguments"][: len(function["arguments"]) // 2]
+        elif isinstance(message.get("content"), str):
+            message["content"] = message["content"][: len(message["content"]) // 2]
+    words = [message["content"]] if isinstance(message.get("content"), str) else []
+    for call in message.get("tool_calls") or ():
+        words.append(f"{call['function']['name']} {call['function']['arguments']}")
+    texts = _TOKEN.findall(" ".join(words))
+    completion_ids = toy_tokenize(" ".join(words))
+    if choice["finish_reason"] != "length":
+        completion_ids.append(_END)
+        texts.append("<|im_end|>")
+    answer["model"] = body.get("model", answer.get("model"))
+    wants_ids = shape.token_ids and body.get("return_token_ids") is True
+    answer["prompt_token_ids"] = prompt if wants_ids else None
+    choice["token_ids"] = completion_ids if wants_ids else None
+    choice["logprobs"] = None
+    if shape.logprobs and body.get("logprobs") is True:
+        top = body.get("top_logprobs") or 0
+        choice["logprobs"] = {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": _toy_logprob(token_id),
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": text if rank == 0 else f"{text}~{rank}",
+                            "logprob": _toy_logprob(token_id, rank),
+                            "bytes": None,
+                        }
+                        for rank in range(top)
+                    ],
+                }
+                for token_id, text in zip(completion_ids, texts, strict=True)
+            ]
+        }
+    if shape.usage:
+        answer["usage"] = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(completion_ids),
+            "total_tokens": len(prompt) + len(completion_ids),
+        }
+    else:
+        answer.pop("usage", None)
+    return answer
+
 
 Reply: TypeAlias = Mapping[str, Any] | FakeError | FakeRawResponse | Hang
 Script: TypeAlias = Sequence[Reply] | Callable[[dict[str, Any]], Reply | Awaitable[Reply]]
@@ -175,9 +323,18 @@ class FakeChatServer:
         RuntimeError: the server could not start.
     """
 
-    def __init__(self, script: Script | None = None, *, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        script: Script | None = None,
+        *,
+        host: str = "127.0.0.1",
+        vllm: VllmShape | None = None,
+    ) -> None:
         self.script = script
+        self.vllm = vllm
         self.requests: list[dict[str, Any]] = []
+        #: Every chat completion sent (status 200), in the order sent.
+        self.replies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.script_errors: list[Exception] = []
         self.base_url = ""
@@ -192,6 +349,7 @@ class FakeChatServer:
         """
         self.script = script
         self.requests.clear()
+        self.replies.clear()
         self.headers.clear()
         self.script_errors.clear()
         if self._release_hung is not None:
@@ -250,6 +408,10 @@ class FakeChatServer:
             self.script_errors.append(exc)
             logging.getLogger(__name__).exception("the fake OpenAI server's script failed")
             return _error(500, f"fake OpenAI server: the script raised {exc!r}")
+        if self.vllm is not None and isinstance(reply, Mapping):
+            reply = _vllm_answer(self.vllm, body, reply)
+        if isinstance(reply, Mapping):
+            self.replies.append(dict(reply))
         return await self._respond(reply)
 
     async def _reply(self, number: int, body: dict[str, Any]) -> Reply:

@@ -266,7 +266,7 @@ async def test_no_tools_means_no_tool_choice(
     with anyio.fail_after(TEST_DEADLINE_S):
         turn = await policy.act(TASK, [USER_MESSAGE], [])
 
-    assert turn == AssistantTurn(content="hi", usage=turn.usage)
+    assert turn == AssistantTurn(content="hi", usage=turn.usage, data=turn.data)
     assert "tools" not in fake_openai.requests[0]
     assert "tool_choice" not in fake_openai.requests[0]
 

@@ -16,6 +16,7 @@ Two policies ship:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -28,18 +29,20 @@ import httpx
 from pydantic import SecretStr
 
 from fleetroll import retrying
-from fleetroll.errors import PolicyError
+from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
 __all__ = [
     "AssistantTurn",
+    "EncodedMessages",
     "OpenAIChatPolicy",
     "Policy",
     "ScriptedPolicy",
     "ToolCall",
     "ToolSpec",
+    "TurnData",
     "policy_from_settings",
 ]
 
@@ -55,6 +58,15 @@ _EXCERPT_CHARS = 300
 #: Statuses worth trying again: rate limits, timeouts and server-side failures.
 #: OpenAI-compatible servers answer 409 for a lock that timed out: worth another try.
 _ALSO_TRANSIENT = frozenset({409})
+#: What servers say when a prompt is longer than the model's context: vLLM ("This
+#: model's maximum context length is N tokens"), SGLang ("... exceeds the maximum
+#: allowed length", "longer than the model's context length"), OpenAI
+#: (``context_length_exceeded``).
+_CONTEXT_OVERFLOW = re.compile(
+    r"(?i)maximum context length|context[_ ]length[_ ]exceeded"
+    r"|longer than the model's context length|exceeds the maximum allowed length"
+)
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +99,50 @@ class ToolCall:
 
 
 @dataclass(frozen=True, slots=True)
+class TurnData:
+    """What a model server said about a turn besides the message: training data.
+
+    Every field is None when the server did not return it (token ids and
+    logprobs are only asked for when configured).
+    """
+
+    model: str | None = None
+    finish_reason: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    completion_token_ids: tuple[int, ...] | None = None
+    #: The sampled token's logprob, one per completion token.
+    logprobs: tuple[float, ...] | None = None
+    #: Per completion token, the ``(token, logprob)`` alternatives, most likely first.
+    top_logprobs: tuple[tuple[tuple[str, float], ...], ...] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class AssistantTurn:
-    """The policy's answer: optional text and zero or more tool calls."""
+    """The policy's answer: optional text and zero or more tool calls.
+
+    ``data`` is set by policies backed by a model server (a result records a
+    ``turn`` for each such answer) and None for the scripted policy.
+    """
 
     content: str | None = None
     tool_calls: tuple[ToolCall, ...] = ()
     usage: Mapping[str, int] | None = None
+    data: TurnData | None = None
+
+
+@runtime_checkable
+class EncodedMessages(Protocol):
+    """A transcript that keeps each message's JSON encoding, made once.
+
+    :class:`OpenAIChatPolicy` builds its request body from these bytes instead
+    of encoding the whole transcript again on every turn.
+    """
+
+    def __len__(self) -> int: ...
+
+    def encoded(self, index: int) -> bytes:
+        """The JSON (UTF-8) of message ``index``."""
+        ...
 
 
 @runtime_checkable
@@ -221,6 +271,10 @@ class OpenAIChatPolicy:
             rollout: a ``fleet_retry`` event).
         http_client: a client to use (and leave open); by default the policy
             makes its own and closes it in :meth:`aclose`.
+        return_token_ids: ask for the prompt's and the completion's token ids
+            (vLLM's ``return_token_ids``).
+        logprobs, top_logprobs: ask for each completion token's logprob and,
+            with ``top_logprobs``, that many alternatives per token.
 
     Raises:
         ValueError: a number is out of range.
@@ -242,6 +296,9 @@ class OpenAIChatPolicy:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         http_client: httpx.AsyncClient | None = None,
+        return_token_ids: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
@@ -261,6 +318,18 @@ class OpenAIChatPolicy:
             )
             if value is not None
         }
+        # Training data: vLLM answers these with top-level prompt_token_ids,
+        # choices[0].token_ids and choices[0].logprobs.content (OpenAI's shape).
+        self._training: dict[str, Any] = {}
+        if return_token_ids:
+            self._training["return_token_ids"] = True
+        if logprobs or top_logprobs is not None:
+            self._training["logprobs"] = True  # top_logprobs requires it
+        if top_logprobs is not None:
+            self._training["top_logprobs"] = top_logprobs
+        #: Fields the server left out, already warned about (one warning each
+        #: per policy, so per run, not per turn).
+        self._warned: set[str] = set()
         self._extra_body = dict(extra_body)
         self.system_prompt = system_prompt
         self.timeout_s = timeout_s
@@ -293,6 +362,9 @@ class OpenAIChatPolicy:
             max_retries=policy.max_retries,
             backoff_initial_s=settings.retries.policy_backoff_initial_s,
             backoff_max_s=settings.retries.policy_backoff_max_s,
+            return_token_ids=policy.return_token_ids,
+            logprobs=policy.logprobs,
+            top_logprobs=policy.top_logprobs,
         )
 
     def __repr__(self) -> str:
@@ -323,15 +395,21 @@ class OpenAIChatPolicy:
         comes back with ``arguments_error`` set.
 
         Raises:
+            ContextOverflowError: the server answered that the prompt is longer
+                than the model's context.
             PolicyError: the endpoint failed (transient for 408/409/429/5xx,
                 connection errors and the deadline, once retries are spent;
                 not transient for other statuses), or answered something that
                 is not a chat completion (not transient).
         """
-        content = self._encode(self._body(messages, tools))
+        content = self._request(messages, tools)
         try:
             with anyio.fail_after(self.timeout_s) as scope:
                 payload = await self._post(content, deadline=scope.deadline)
+        except PolicyError as exc:
+            if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
+                raise ContextOverflowError(str(exc), operation=_OPERATION, transient=False) from exc
+            raise
         except TimeoutError:
             raise PolicyError(
                 f"no answer from {self.url} within the policy deadline of {self.timeout_s:g}s"
@@ -363,10 +441,23 @@ class OpenAIChatPolicy:
             ]
             body["tool_choice"] = "auto"
         body.update(self._sampling)
+        body.update(self._training)
         body.update(self._extra_body)
         return body
 
-    def _encode(self, body: dict[str, Any]) -> bytes:
+    def _request(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> bytes:
+        """The request body, reusing each message's encoding when the transcript keeps it."""
+        body = self._body(messages, tools)
+        if not isinstance(messages, EncodedMessages) or "messages" in self._extra_body:
+            return self._encode(body)
+        sent = body.pop("messages")
+        added = len(sent) - len(messages)  # the system prompt, when we inserted it
+        parts = [self._encode(message) for message in sent[:added]]
+        parts += [messages.encoded(index) for index in range(len(messages))]
+        rest = self._encode(body)  # never empty: it holds "model"
+        return b"".join((b'{"messages":[', b",".join(parts), b"],", rest[1:]))
+
+    def _encode(self, body: Mapping[str, Any]) -> bytes:
         def mapping_to_dict(value: object) -> object:
             if isinstance(value, Mapping):
                 return dict(value)
@@ -499,7 +590,60 @@ class OpenAIChatPolicy:
             content=content,
             tool_calls=tuple(calls),
             usage=_int_fields(usage) if isinstance(usage, dict) else None,
+            data=self._turn_data(payload, choice, usage),
         )
+
+    def _turn_data(
+        self, payload: dict[str, Any], choice: dict[str, Any], usage: object
+    ) -> TurnData:
+        """The training data of a completion; what is missing is warned about once."""
+        model = payload.get("model")
+        finish_reason = choice.get("finish_reason")
+        # vLLM: top-level prompt_token_ids, choices[0].token_ids. Some servers and
+        # patches put the prompt's ids on the choice.
+        prompt_ids = _ints(payload.get("prompt_token_ids", choice.get("prompt_token_ids")))
+        completion_ids = _ints(choice.get("token_ids"))
+        logprobs, top = _logprobs(choice.get("logprobs"))
+        data = TurnData(
+            model=model if isinstance(model, str) else None,
+            finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=completion_ids,
+            logprobs=logprobs,
+            top_logprobs=top,
+        )
+        missing = [
+            name
+            for name, value in (
+                ("model", data.model),
+                ("finish_reason", data.finish_reason),
+                ("usage", usage if isinstance(usage, dict) else None),
+            )
+            if value is None
+        ]
+        if "return_token_ids" in self._training:
+            missing += [
+                name
+                for name, value in (
+                    ("prompt_token_ids", prompt_ids),
+                    ("completion_token_ids", completion_ids),
+                )
+                if value is None
+            ]
+        if "logprobs" in self._training and logprobs is None:
+            missing.append("logprobs")
+        if "top_logprobs" in self._training and top is None:
+            missing.append("top_logprobs")
+        new = [name for name in missing if name not in self._warned]
+        if new:
+            self._warned.update(new)
+            _log.warning(
+                "%s answered without %s: recorded as null in the results' turns"
+                " (said once per run)",
+                self.url,
+                ", ".join(new),
+            )
+        return data
 
     def _excerpt(self, response: httpx.Response) -> str:
         text = response.text
@@ -552,6 +696,59 @@ def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
             raw_arguments=raw,
         )
     return ToolCall(id=call_id, name=name, arguments=parsed, raw_arguments=raw)
+
+
+def _ints(value: object) -> tuple[int, ...] | None:
+    """``value`` as token ids, or None unless it is a list of ints."""
+    if not isinstance(value, list) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        return None
+    return tuple(value)
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _logprobs(
+    value: object,
+) -> tuple[tuple[float, ...] | None, tuple[tuple[tuple[str, float], ...], ...] | None]:
+    """The sampled tokens' logprobs and their alternatives, from OpenAI's shape.
+
+    ``choices[0].logprobs.content`` is a list of ``{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}`` (vLLM and SGLang answer the
+    same); anything else is treated as not returned.
+    """
+    content = value.get("content") if isinstance(value, dict) else None
+    if not isinstance(content, list):
+        return None, None
+    logprobs: list[float] = []
+    top: list[tuple[tuple[str, float], ...]] | None = []
+    for entry in content:
+        logprob = _number(entry.get("logprob")) if isinstance(entry, dict) else None
+        if logprob is None:
+            return None, None
+        logprobs.append(logprob)
+        alternatives = entry.get("top_logprobs") if isinstance(entry, dict) else None
+        if top is not None and isinstance(alternatives, list) and alternatives:
+            pairs = []
+            for alternative in alternatives:
+                number = (
+                    _number(alternative.get("logprob")) if isinstance(alternative, dict) else None
+                )
+                token = alternative.get("token") if isinstance(alternative, dict) else None
+                if number is None or not isinstance(token, str):
+                    top = None
+                    break
+                pairs.append((token, number))
+            else:
+                top.append(tuple(pairs))
+        else:
+            top = None  # no alternatives were returned (or not for every token)
+    return tuple(logprobs), (tuple(top) if top else None)
 
 
 def _int_fields(usage: Mapping[str, Any]) -> dict[str, int]:

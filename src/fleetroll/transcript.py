@@ -9,6 +9,12 @@ What each event adds:
 * a tool's answer: a ``tool`` message, then, when the answer holds images,
   a ``user`` message with them (chat APIs take images only from users).
 
+With ``max_images``, only the last that many screenshots stay: older image
+parts are replaced by a text placeholder, in the transcript itself, which so
+records what the model was sent. Each message's JSON is made once
+(:meth:`Messages.encoded`), so building a request does not grow with the
+transcript's age; an elided message is a new message, encoded once again.
+
 :meth:`Transcript.export` is what goes into a result: every string that came
 from outside redacted, screenshots replaced by ``[image: N KB]`` unless kept.
 """
@@ -16,22 +22,57 @@ from outside redacted, screenshots replaced by ``[image: N KB]`` unless kept.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from fleetroll.policies import AssistantTurn, ToolCall
 from fleetroll.tools import ToolResult
 
-__all__ = ["Transcript", "assistant_message"]
+__all__ = ["Messages", "Transcript", "assistant_message"]
 
 Message = dict[str, Any]
 
+#: A rough count of characters per token, to estimate the size of what was
+#: added to a prompt since the server last counted it (``max_context_tokens``).
+CHARS_PER_TOKEN = 4
 
-class Transcript:
-    """The messages of one rollout, in order; only its rollout appends."""
+
+class Messages(list[Message]):
+    """A transcript's messages, each keeping its JSON encoding, made once.
+
+    Implements :class:`fleetroll.policies.EncodedMessages`. An entry replaced
+    by another message is encoded again (the cache is checked by identity).
+    """
 
     def __init__(self) -> None:
-        self.messages: list[Message] = []
+        super().__init__()
+        self._encoded: dict[int, tuple[Message, bytes]] = {}
+
+    def encoded(self, index: int) -> bytes:
+        """The JSON (UTF-8) of message ``index``."""
+        message = self[index]
+        cached = self._encoded.get(index)
+        if cached is not None and cached[0] is message:
+            return cached[1]
+        data = json.dumps(message, default=_mapping_to_dict, ensure_ascii=False).encode()
+        self._encoded[index] = (message, data)
+        return data
+
+
+class Transcript:
+    """The messages of one rollout, in order; only its rollout appends.
+
+    Args:
+        max_images: keep only the last this many images (None: all).
+    """
+
+    def __init__(self, max_images: int | None = None) -> None:
+        self.messages: Messages = Messages()
+        self.max_images = max_images
+        #: Messages whose images are still sent, oldest first, with their count.
+        self._with_images: deque[tuple[int, int]] = deque()
+        self._images = 0
 
     def __len__(self) -> int:
         return len(self.messages)
@@ -54,6 +95,39 @@ class Transcript:
             ]
             parts += [{"type": "image_url", "image_url": {"url": url}} for url in result.images]
             self.messages.append({"role": "user", "content": parts})
+            self._with_images.append((len(self.messages) - 1, len(result.images)))
+            self._images += len(result.images)
+            self._elide_old_images()
+
+    def _elide_old_images(self) -> None:
+        """Replace the images before the last ``max_images`` by a placeholder."""
+        if self.max_images is None:
+            return
+        while self._images > self.max_images:
+            index, count = self._with_images.popleft()
+            excess = min(count, self._images - self.max_images)
+            message = self.messages[index]
+            parts, dropped = [], 0
+            for part in message["content"]:
+                if dropped < excess and part.get("type") == "image_url":
+                    dropped += 1
+                    parts.append(
+                        {
+                            "type": "text",
+                            "text": f"[screenshot omitted: only the last {self.max_images}"
+                            " are sent]",
+                        }
+                    )
+                else:
+                    parts.append(part)
+            self.messages[index] = {**message, "content": parts}
+            self._images -= excess
+            if count > excess:
+                self._with_images.appendleft((index, count - excess))
+
+    def text_chars(self, start: int = 0) -> int:
+        """Characters of text (not images) in the messages after the first ``start``."""
+        return sum(_text_chars(message) for message in self.messages[start:])
 
     def export(self, redact: Callable[[str], str], *, keep_images: bool) -> list[Message]:
         """The messages for a result: redacted, images elided unless ``keep_images``."""
@@ -78,6 +152,27 @@ def assistant_message(turn: AssistantTurn) -> Message:
             for c in turn.tool_calls
         ]
     return message
+
+
+def _mapping_to_dict(value: object) -> object:
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _text_chars(message: Message) -> int:
+    """The characters of ``message``'s text and tool-call arguments."""
+    content = message.get("content")
+    chars = len(content) if isinstance(content, str) else 0
+    if isinstance(content, list):
+        chars += sum(
+            len(part["text"])
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    for call in message.get("tool_calls") or ():
+        chars += len(str(call.get("function", {}).get("arguments", "")))
+    return chars
 
 
 def _redacted(message: Message, redact: Callable[[str], str]) -> Message:

@@ -10,18 +10,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+from fleetroll.policies import AssistantTurn
 from fleetroll.results import (
     SCORED_REASONS,
+    Cost,
     FailureReason,
     RolloutResult,
     Timings,
+    Turn,
     VerifierOutcome,
 )
 from fleetroll.tasks import TaskSpec
-from fleetroll.transcript import Transcript
+from fleetroll.transcript import CHARS_PER_TOKEN, Transcript
 
 __all__ = ["Progress", "RolloutIds"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +54,49 @@ class Progress:
     verifier: VerifierOutcome | None = None
     timings: Timings = field(default_factory=Timings)
     transcript: Transcript = field(default_factory=Transcript)
+    #: One per policy call answered by a model server (see :meth:`record_turn`).
+    turns: list[Turn] = field(default_factory=list)
+    cost: Cost = field(default_factory=Cost)
+    #: The prompt+completion tokens of the last turn, as the server counted them,
+    #: and the transcript's length once that turn was added (context estimate).
+    _context_tokens: int = 0
+    _context_at: int = 0
+
+    def record_turn(self, turn: AssistantTurn, *, policy_version: int, latency_s: float) -> None:
+        """Count a policy call and keep its training data; call before adding the turn."""
+        self.cost.policy_calls += 1
+        usage = dict(turn.usage) if turn.usage is not None else None
+        if usage is not None:
+            self.cost.prompt_tokens += usage.get("prompt_tokens", 0)
+            self.cost.completion_tokens += usage.get("completion_tokens", 0)
+            if "prompt_tokens" in usage:
+                self._context_tokens = usage["prompt_tokens"] + usage.get("completion_tokens", 0)
+                self._context_at = len(self.transcript) + 1  # the turn's own message is counted
+        data = turn.data
+        if data is None:  # not a model server's answer (the scripted policy)
+            return
+        self.turns.append(
+            Turn(
+                index=len(self.turns),
+                model=data.model,
+                policy_version=policy_version,
+                finish_reason=data.finish_reason,
+                prompt_token_ids=_list(data.prompt_token_ids),
+                completion_token_ids=_list(data.completion_token_ids),
+                logprobs=_list(data.logprobs),
+                top_logprobs=None
+                if data.top_logprobs is None
+                else [list(alternatives) for alternatives in data.top_logprobs],
+                usage=usage,
+                latency_s=latency_s,
+            )
+        )
+
+    def context_estimate(self) -> int:
+        """About how many tokens the next prompt holds: the server's count of the last
+        prompt and completion, plus the text added since (images not counted)."""
+        added = self.transcript.text_chars(self._context_at)
+        return self._context_tokens + -(-added // CHARS_PER_TOKEN)
 
     @property
     def to_score(self) -> bool:
@@ -107,4 +156,15 @@ class Progress:
             timings=self.timings.model_copy(),
             verifier=verifier,
             transcript=self.transcript.export(redact, keep_images=keep_images),
+            turns=[
+                turn
+                if turn.model is None
+                else turn.model_copy(update={"model": redact(turn.model)})
+                for turn in self.turns
+            ],
+            cost=self.cost.model_copy(),
         )
+
+
+def _list(values: tuple[T, ...] | None) -> list[T] | None:
+    return None if values is None else list(values)

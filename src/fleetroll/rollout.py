@@ -35,7 +35,7 @@ import anyio
 import fleetroll.stages as stages
 from fleetroll.dispatch import StepResult, dispatch
 from fleetroll.environments import Instance
-from fleetroll.errors import InstanceLostError, PolicyError
+from fleetroll.errors import ContextOverflowError, InstanceLostError, PolicyError
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
@@ -131,6 +131,8 @@ class Rollout:
         self._setup_failure: SetupFailure | None = None
         s = engine.settings
         self.max_steps = task.max_steps or s.pool.max_steps
+        self._p.transcript.max_images = s.policy.max_images
+        self._provisioned_at: float | None = None
 
     # -- the whole rollout --------------------------------------------------
 
@@ -233,6 +235,7 @@ class Rollout:
         if isinstance(instance, SetupFailure):
             return self._set_up_failed(instance)
         self.instance = instance
+        self._provisioned_at = time.monotonic()
         if self._gate is not None:
             self._enter(Phase.WAITING)
             await stack.enter_async_context(self._gate())
@@ -267,15 +270,28 @@ class Rollout:
     # -- acting -------------------------------------------------------------
 
     async def _act(self, policy: Policy) -> None:
-        timeout = self.engine.settings.timeouts.policy_s
+        settings = self.engine.settings
+        timeout = settings.timeouts.policy_s
+        max_context = settings.policy.max_context_tokens
         while not self._p.finished and self._p.reason is None:
             if self._p.steps >= self.max_steps:
                 self._fail(FailureReason.MAX_STEPS, f"the step budget of {self.max_steps} ran out")
                 return
+            if max_context is not None and (estimate := self._p.context_estimate()) > max_context:
+                self._fail(
+                    FailureReason.CONTEXT_OVERFLOW,
+                    f"the next prompt would hold about {estimate} tokens, over"
+                    f" policy.max_context_tokens = {max_context}",
+                )
+                return
+            version, _ = await self.engine.policy_gate.admit()
             began = time.monotonic()
             try:
                 with anyio.fail_after(timeout):
                     turn = await policy.act(self.task, self._p.transcript.messages, self.tools)
+            except ContextOverflowError as exc:
+                self._fail(FailureReason.CONTEXT_OVERFLOW, str(exc))
+                return
             except TimeoutError:
                 self._fail(FailureReason.POLICY_ERROR, f"the policy took over {timeout:g} s")
                 return
@@ -286,7 +302,9 @@ class Rollout:
                 self._fail(FailureReason.POLICY_ERROR, f"the policy raised {describe(exc)}")
                 return
             finally:
-                self._p.timings.policy_s += time.monotonic() - began
+                latency = time.monotonic() - began
+                self._p.timings.policy_s += latency
+            self._p.record_turn(turn, policy_version=version, latency_s=latency)
             await self.apply(turn)
 
     async def apply(self, turn: AssistantTurn) -> None:
@@ -305,6 +323,7 @@ class Rollout:
     async def _call(self, call: ToolCall) -> ToolResult:
         """Run one tool call and record its answer (a failure may end the rollout)."""
         e = self.engine
+        self._p.cost.tool_calls += 1
         return await dispatch(
             call,
             progress=self._p,
@@ -331,6 +350,8 @@ class Rollout:
         self._enter(Phase.RELEASING)
         if self.instance is not None:
             await self.engine.provider.release(self.instance)
+        if self._provisioned_at is not None:
+            self._p.cost.instance_s = time.monotonic() - self._provisioned_at
         self._enter(Phase.DONE)
         self.result = self._build_result()
         stages.report_completed(self.engine.events, self.result)

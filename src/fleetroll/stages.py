@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from fleetroll.environments import Instance, Provider
 from fleetroll.errors import OperationTimeout, ProvisionError, ToolsError
 from fleetroll.policies import ToolSpec
+from fleetroll.policy_gate import PolicyGate
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.routing import ComputerToolMissing, Route
@@ -48,6 +49,7 @@ class RolloutContext(Protocol):
     provider: Provider
     events: Events
     redactor: Redactor
+    policy_gate: PolicyGate
 
 
 @dataclass(frozen=True, slots=True)

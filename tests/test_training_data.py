@@ -352,3 +352,24 @@ async def test_the_vllm_shaped_fake_refuses_a_prompt_over_its_context_like_vllm(
             with pytest.raises(ContextOverflowError, match="maximum context length is 5"):
                 await act(policy)
         assert server.replies == []
+
+
+async def test_a_batch_over_http_asks_for_token_data_as_the_server_or_the_request_says() -> None:
+    from fleetroll.service.batches import build_policy
+    from fleetroll.service.models import PolicyConfig
+
+    settings = load_settings(policy={"kind": "openai", "return_token_ids": True})
+    by_server = build_policy(None, settings)
+    by_request = build_policy(
+        PolicyConfig(return_token_ids=False, logprobs=True, top_logprobs=1), settings
+    )
+    try:
+        assert isinstance(by_server, OpenAIChatPolicy)
+        assert isinstance(by_request, OpenAIChatPolicy)
+        assert by_server._body(PROMPT, TOOLS)["return_token_ids"] is True
+        body = by_request._body(PROMPT, TOOLS)
+        assert "return_token_ids" not in body
+        assert (body["logprobs"], body["top_logprobs"]) == (True, 1)
+    finally:
+        await by_server.aclose()
+        await by_request.aclose()

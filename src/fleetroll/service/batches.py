@@ -595,6 +595,11 @@ def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
         system_prompt=base.system_prompt if cfg.system_prompt is None else cfg.system_prompt,
         timeout_s=settings.timeouts.policy_s,
         max_retries=base.max_retries if cfg.max_retries is None else cfg.max_retries,
+        return_token_ids=(
+            base.return_token_ids if cfg.return_token_ids is None else cfg.return_token_ids
+        ),
+        logprobs=base.logprobs if cfg.logprobs is None else cfg.logprobs,
+        top_logprobs=base.top_logprobs if cfg.top_logprobs is None else cfg.top_logprobs,
     )
 
 

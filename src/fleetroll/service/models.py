@@ -125,6 +125,9 @@ class PolicyConfig(_Request):
     system_prompt: str | None = Field(None, max_length=1_000_000)
     think_time_s: float | None = Field(None, ge=0, le=3600, description="scripted: delay per turn")
     max_retries: int | None = Field(None, ge=0, le=10)
+    return_token_ids: bool | None = Field(None, description="token ids in results' turns")
+    logprobs: bool | None = Field(None, description="logprobs in results' turns")
+    top_logprobs: int | None = Field(None, ge=0, le=20)
 
 
 class BatchRequest(_Request):

@@ -455,7 +455,14 @@ class OpenAIChatPolicy:
         parts = [self._encode(message) for message in sent[:added]]
         parts += [messages.encoded(index) for index in range(len(messages))]
         rest = self._encode(body)  # never empty: it holds "model"
-        return b"".join((b'{"messages":[', b",".join(parts), b"],", rest[1:]))
+        # One join, so the transcript's bytes are copied once, not once per level.
+        pieces = [b'{"messages":[']
+        for index, part in enumerate(parts):
+            if index:
+                pieces.append(b",")
+            pieces.append(part)
+        pieces += [b"],", rest[1:]]
+        return b"".join(pieces)
 
     def _encode(self, body: Mapping[str, Any]) -> bytes:
         def mapping_to_dict(value: object) -> object:

@@ -646,7 +646,7 @@ class OpenAIChatPolicy:
             self._warned.update(new)
             _log.warning(
                 "%s answered without %s: recorded as null in the results' turns"
-                " (said once per run)",
+                " (said once, not per turn)",
                 self.url,
                 ", ".join(new),
             )

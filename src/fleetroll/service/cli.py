@@ -29,7 +29,12 @@ class _Refused(click.ClickException):
 
 @click.command()
 @click.option("--host", default=None, help="Address to listen on (default from config: loopback).")
-@click.option("--port", type=int, default=None, help="Port (default from config; 0 = a free one).")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port (default from config; 0 = a free one).",
+)
 @click.option(
     "--config",
     "config_file",

@@ -1,0 +1,220 @@
+"""The actors of :class:`~fleetroll.ray_pool.RayRolloutPool`, and what they run on.
+
+* :class:`CreateLimiter`: Fleet's create limits (concurrency and rate) for
+  the whole cluster, since they are per account;
+* :class:`RolloutWorker`: runs shards of batches, one
+  :class:`~fleetroll.pool.RolloutPool` per shard, and keeps what the driver
+  takes from it (results, telemetry events).
+
+The classes are plain here; the pool makes them Ray actors when it opens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+
+from fleetroll.errors import ConfigError
+from fleetroll.policies import Policy
+from fleetroll.pool import RolloutPool
+from fleetroll.provisioning import TokenBucket
+from fleetroll.results import RolloutResult
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Event, Events
+
+__all__ = ["CreateLimiter", "RolloutWorker", "load_ray"]
+
+_RELEASE_TIMEOUT_S = 10.0
+
+
+def load_ray() -> Any:
+    """The ``ray`` module.
+
+    Raises:
+        ConfigError: Ray is not installed.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("Ray is not installed: pip install 'fleetroll[ray]'") from None
+    return ray
+
+
+class CreateLimiter:
+    """Cluster-wide admission for creates: a semaphore and a token bucket."""
+
+    def __init__(self, max_concurrent: int, per_second: float) -> None:
+        self._max = max_concurrent
+        self._per_second = per_second
+        self._bucket: TokenBucket | None = None  # made on the actor's event loop
+        self._held: dict[str, int] = {}
+        self._dead: set[str] = set()
+        self._in_use = 0
+        self._changed: anyio.Event | None = None
+        self.peak = 0
+
+    async def acquire(self, holder: str) -> None:
+        while self._in_use >= self._max and holder not in self._dead:
+            self._changed = self._changed or anyio.Event()
+            await self._changed.wait()
+        if holder in self._dead:
+            # A call sent before its worker died: it must not take a slot that
+            # nobody will ever give back.
+            raise RuntimeError(f"{holder} is gone")
+        self._in_use += 1
+        self.peak = max(self.peak, self._in_use)
+        self._held[holder] = self._held.get(holder, 0) + 1
+        if self._bucket is None:
+            self._bucket = TokenBucket(self._per_second, burst=self._max)
+        await self._bucket.acquire()
+
+    def _free(self, count: int) -> None:
+        self._in_use -= count
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def release(self, holder: str) -> None:
+        if self._held.get(holder, 0) > 0:
+            self._held[holder] -= 1
+            self._free(1)
+
+    async def release_all(self, holder: str) -> int:
+        """Free every slot a dead holder still had, and refuse it any more."""
+        self._dead.add(holder)
+        count = self._held.pop(holder, 0)
+        self._free(count)
+        if self._changed is not None:  # wake its pending calls, so they fail
+            self._changed.set()
+            self._changed = None
+        return count
+
+    async def stats(self) -> dict[str, int]:
+        return {"in_use": self._in_use, "peak": self.peak}
+
+
+class _RemoteGate:
+    """A :class:`~fleetroll.provisioning.CreateGate` backed by the limiter actor."""
+
+    def __init__(self, limiter: Any, holder: str) -> None:
+        self._limiter = limiter
+        self._holder = holder
+
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        return self._slot()
+
+    @asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        await self._limiter.acquire.remote(self._holder)
+        try:
+            yield
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(_RELEASE_TIMEOUT_S):
+                await self._limiter.release.remote(self._holder)
+
+
+class _Buffer:
+    """Results and events of one shard, waiting for the driver to take them."""
+
+    def __init__(self) -> None:
+        self.results: list[RolloutResult] = []
+        self.events: list[Event] = []
+        self.done = False
+        self.error: str | None = None
+        self.changed = anyio.Event()
+
+    def emit(self, event: Event) -> None:  # an EventSink
+        self.events.append(event)
+        self.changed.set()
+
+
+class RolloutWorker:
+    """Runs shards of batches in its own process, one RolloutPool per shard."""
+
+    def __init__(
+        self, settings: Settings, api_key: str, base_url: str | None, limiter: Any, worker_id: str
+    ) -> None:
+        self._settings = settings
+        self._api_key = api_key
+        self._base_url = base_url
+        self._limiter = limiter
+        self._worker_id = worker_id
+        self._buffers: dict[str, _Buffer] = {}
+        self._cancel: dict[str, anyio.Event] = {}
+
+    async def run_shard(
+        self,
+        shard_id: str,
+        tasks: list[TaskSpec],
+        policy: Policy,
+        samples: int,
+        batch_id: str,
+        only: list[str],
+    ) -> int:
+        buffer = self._buffers[shard_id] = _Buffer()
+        # A cancel may have come first (the actor's calls run concurrently).
+        cancel = self._cancel.setdefault(shard_id, anyio.Event())
+        try:
+            pool = RolloutPool(
+                self._settings,
+                api_key=self._api_key,
+                base_url=self._base_url,
+                events=Events([buffer]),
+                create_gate=_RemoteGate(self._limiter, self._worker_id),
+            )
+            async with pool, anyio.create_task_group() as tg:
+                batch = pool.run_batch(
+                    tasks,
+                    policy,
+                    samples_per_task=samples,
+                    batch_id=batch_id,
+                    only=set(only),
+                    run_id=shard_id,
+                )
+
+                async def cancel_on_request() -> None:
+                    await cancel.wait()
+                    await batch.aclose()
+
+                tg.start_soon(cancel_on_request)
+                async for result in batch:
+                    buffer.results.append(result)
+                    buffer.changed.set()
+                tg.cancel_scope.cancel()
+        except Exception as exc:  # reported to the driver, which accounts for every rollout
+            buffer.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            buffer.done = True
+            buffer.changed.set()
+        return len(buffer.results)
+
+    async def take(
+        self, shard_id: str, wait_s: float
+    ) -> tuple[list[RolloutResult], list[Event], bool, str | None]:
+        """What the shard produced since the last take (waiting up to ``wait_s``)."""
+        buffer = self._buffers.get(shard_id)
+        if buffer is None:
+            return [], [], False, None
+        if not (buffer.results or buffer.events or buffer.done):
+            with anyio.move_on_after(wait_s):
+                await buffer.changed.wait()
+        buffer.changed = anyio.Event()
+        results, buffer.results = buffer.results, []
+        events, buffer.events = buffer.events, []
+        done = buffer.done and not buffer.results
+        if done:
+            self._buffers.pop(shard_id, None)
+            self._cancel.pop(shard_id, None)
+        return results, events, done, buffer.error
+
+    async def cancel(self, shard_id: str) -> None:
+        self._cancel.setdefault(shard_id, anyio.Event()).set()
+
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()

@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from typing import Any
 
 import anyio
 import httpx
 import pytest
 
 ray = pytest.importorskip("ray")
+
+from mcp import Client  # noqa: E402
 
 from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import FaultProfile, Latency  # noqa: E402
@@ -22,8 +25,9 @@ from fleetroll.ray_pool import RayRolloutPool  # noqa: E402
 from fleetroll.results import FailureReason  # noqa: E402
 from fleetroll.service import Service, create_app, serve_app  # noqa: E402
 from fleetroll.settings import config_dir, load_settings  # noqa: E402
-from fleetroll.tasks import load_tasks  # noqa: E402
+from fleetroll.tasks import TaskSpec, load_tasks  # noqa: E402
 from fleetroll.telemetry import Events, MemorySink  # noqa: E402
+from fleetroll.telemetry.events import Event  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -219,4 +223,86 @@ async def test_a_cancelled_batch_whose_actor_dies_reports_its_unfinished_rollout
     assert len(ids) == 40 and set(ids.values()) == {1}
     unfinished = [r for r in results if r.reward is None]
     assert unfinished and {r.failure_reason for r in unfinished} == {FailureReason.CANCELLED}
+    assert ledger["running"] == 0
+
+
+class ProvisioningWatch(MemorySink):
+    """Every event, and a signal when the first instance is ready."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.provisioned = anyio.Event()
+
+    def emit(self, event: Event) -> None:
+        super().emit(event)
+        if event.name == "fleet_provisioning_completed":
+            self.provisioned.set()
+
+
+def mcp_task(task: TaskSpec) -> dict[str, Any]:
+    """A task as an MCP client sends it (the short form of a task file's line)."""
+    return {
+        "key": task.key,
+        "prompt": task.prompt,
+        "env_key": task.env_spec,
+        "data_key": task.data_spec,
+        "modality": task.modality,
+        "verifier_func": task.verifier_func,
+        "solution": [s.model_dump() for s in task.solution or ()],
+    }
+
+
+async def call(mcp: Client, tool: str, **arguments: Any) -> dict[str, Any]:
+    """The tool's structured answer (an error answer fails the test)."""
+    result = await mcp.call_tool(tool, arguments)
+    assert not result.is_error, result.content
+    assert isinstance(result.structured_content, dict)
+    return result.structured_content
+
+
+async def test_the_mcp_tools_of_a_service_on_ray_run_and_read_rollouts_on_an_actor(local_ray):
+    s = settings()
+    sink = ProvisioningWatch()
+    held_policy = {"kind": "scripted", "think_time_s": 3600}
+    async with EmulatorProcess() as emu:
+        fleet = {"api_key": emu.api_key, "base_url": emu.base_url}
+        async with (
+            RolloutPool(s, **fleet) as local,
+            RayRolloutPool(s, **fleet, num_actors=1, events=Events([sink])) as on_ray,
+        ):
+            service = Service(local, s, batch_pool=on_ray)
+            app = create_app(service)
+            async with (
+                serve_app(app, "127.0.0.1", 0, before_stop=service.stop) as url,
+                Client(f"{url}/mcp") as mcp,
+            ):
+                with anyio.fail_after(120):
+                    held = await call(
+                        mcp, "start_rollout", task=mcp_task(LEDGER[3]), policy=held_policy
+                    )
+                    await sink.provisioned.wait()  # it is on the actor now
+                    live = await call(mcp, "get_state", rollout_id=held["rollout_id"])
+                    await call(mcp, "abort_rollout", rollout_id=held["rollout_id"])
+                    aborted = await call(mcp, "finalize_rollout", rollout_id=held["rollout_id"])
+                    ran = await call(mcp, "run_rollout", task=mcp_task(LEDGER[4]))
+                    after = await call(mcp, "get_state", rollout_id=ran["rollout_id"])
+                    transcript = await call(mcp, "get_messages", rollout_id=ran["rollout_id"])
+                    actor_pid = await on_ray.workers[0].pid.remote()
+            ran_here = set(local.batches)
+            ran_on_ray = set(on_ray.batches)
+        ledger = await emu.ledger()
+    # The service's own pool ran nothing: both rollouts ran on the actor, in another process.
+    assert not ran_here and {held["batch_id"], ran["batch_id"]} <= ran_on_ray
+    assert actor_pid != os.getpid()
+    for rid in (held["rollout_id"], ran["rollout_id"]):
+        events = [e for e in sink.events if e.attributes.get("rollout_id") == rid]
+        assert events and {e.attributes["worker"] for e in events} == {0}
+    assert_pairs(sink)
+    # The live view came from the actor (the driver alone knows only pending or done).
+    assert live["phase"] not in ("pending", "done") and not live["done"]
+    assert live["task_key"] == LEDGER[3].key
+    assert aborted["failure_reason"] == "cancelled" and aborted["reward"] is None
+    assert ran["reward"] == 1.0 and ran["task_key"] == LEDGER[4].key
+    assert after["done"] and after["phase"] == "done" and after["steps"] == ran["steps"]
+    assert transcript["done"] and transcript["messages"] == ran["transcript"]
     assert ledger["running"] == 0

@@ -19,7 +19,7 @@ from fleetroll.cli_options import ray_options
 from fleetroll.policies import Policy
 from fleetroll.pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import Rollout
+from fleetroll.rollout import RolloutView
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -48,14 +48,20 @@ class RunningBatch(Protocol):
     def total(self) -> int: ...
 
     @property
-    def rollouts(self) -> Sequence[Rollout]:
-        """Its rollouts, live, when they run in this process; empty otherwise (Ray)."""
-        ...
-
-    @property
     def finished(self) -> anyio.Event: ...
 
     def counts(self) -> BatchCounts: ...
+
+    async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
+        """What one of its rollouts is doing, wherever it runs; its result once it ended.
+
+        ``messages=False`` leaves the transcript out (cheap: nothing is exported).
+
+        Raises:
+            KeyError: the batch holds no such rollout.
+            OperationTimeout: the process running it did not answer in time (Ray).
+        """
+        ...
 
     def cancel(self) -> None:
         """Cancel what is still running; every result still arrives."""

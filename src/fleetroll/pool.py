@@ -50,7 +50,7 @@ from fleetroll.errors import PoolFullError
 from fleetroll.policies import Policy
 from fleetroll.provisioning import CreateGate, FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Phase, Rollout, RolloutIds
+from fleetroll.rollout import Phase, Rollout, RolloutIds, RolloutView
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -234,6 +234,7 @@ class Batch(ResultStream):
         self.batch_id = batch_id
         self.run_id = run_id or batch_id
         self.rollouts = rollouts
+        self._by_id = {r.ids.rollout_id: r for r in rollouts}
         self.skipped = skipped
         self.scope = anyio.CancelScope()
         super().__init__(len(rollouts))
@@ -258,6 +259,14 @@ class Batch(ResultStream):
             done=len(results) - failed,
             failed=failed,
         )
+
+    async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
+        """What one rollout of the batch is doing (see :meth:`Rollout.view`).
+
+        Raises:
+            KeyError: the batch holds no such rollout.
+        """
+        return self._by_id[rollout_id].view(messages=messages)
 
     def cancel(self) -> None:
         self.scope.cancel()

@@ -4,7 +4,8 @@
   the whole cluster, since they are per account;
 * :class:`RolloutWorker`: runs shards of batches, one
   :class:`~fleetroll.pool.RolloutPool` per shard, and keeps what the driver
-  takes from it (results, telemetry events).
+  takes from it (results, telemetry events stamped with the actor's
+  ``worker`` index) and answers views of the shard's rollouts.
 
 The classes are plain here; the pool makes them Ray actors when it opens.
 """
@@ -19,14 +20,15 @@ import anyio
 
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool import Batch, RolloutPool
 from fleetroll.provisioning import TokenBucket
 from fleetroll.results import RolloutResult
+from fleetroll.rollout import RolloutView
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events
 
-__all__ = ["CreateLimiter", "RolloutWorker", "load_ray"]
+__all__ = ["CreateLimiter", "RolloutWorker", "holder", "load_ray"]
 
 _RELEASE_TIMEOUT_S = 10.0
 
@@ -120,7 +122,8 @@ class _RemoteGate:
 class _Buffer:
     """Results and events of one shard, waiting for the driver to take them."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: int) -> None:
+        self.worker = worker
         self.results: list[RolloutResult] = []
         self.events: list[Event] = []
         self.done = False
@@ -128,7 +131,9 @@ class _Buffer:
         self.changed = anyio.Event()
 
     def emit(self, event: Event) -> None:  # an EventSink
-        self.events.append(event)
+        # Stamped here, in the actor's process: which actor ran what.
+        attributes = {**event.attributes, "worker": self.worker}
+        self.events.append(Event(event.name, event.level, attributes, event.timestamp))
         self.changed.set()
 
 
@@ -136,15 +141,18 @@ class RolloutWorker:
     """Runs shards of batches in its own process, one RolloutPool per shard."""
 
     def __init__(
-        self, settings: Settings, api_key: str, base_url: str | None, limiter: Any, worker_id: str
+        self, settings: Settings, api_key: str, base_url: str | None, limiter: Any, index: int
     ) -> None:
         self._settings = settings
         self._api_key = api_key
         self._base_url = base_url
         self._limiter = limiter
-        self._worker_id = worker_id
+        self._index = index
+        self._worker_id = holder(index)
         self._buffers: dict[str, _Buffer] = {}
         self._cancel: dict[str, anyio.Event] = {}
+        #: Each shard's batch, for views, until the driver has its every result.
+        self._batches: dict[str, Batch] = {}
 
     async def run_shard(
         self,
@@ -155,7 +163,7 @@ class RolloutWorker:
         batch_id: str,
         only: list[str],
     ) -> int:
-        buffer = self._buffers[shard_id] = _Buffer()
+        buffer = self._buffers[shard_id] = _Buffer(self._index)
         # A cancel may have come first (the actor's calls run concurrently).
         cancel = self._cancel.setdefault(shard_id, anyio.Event())
         try:
@@ -175,6 +183,7 @@ class RolloutWorker:
                     only=set(only),
                     run_id=shard_id,
                 )
+                self._batches[shard_id] = batch
 
                 async def cancel_on_request() -> None:
                     await cancel.wait()
@@ -214,7 +223,28 @@ class RolloutWorker:
     async def cancel(self, shard_id: str) -> None:
         self._cancel.setdefault(shard_id, anyio.Event()).set()
 
+    async def view(
+        self, shard_id: str, rollout_id: str, messages: bool = True
+    ) -> RolloutView | None:
+        """One rollout of the shard, as it is now; None if this actor does not hold it."""
+        batch = self._batches.get(shard_id)
+        if batch is None:
+            return None
+        try:
+            return await batch.view(rollout_id, messages=messages)
+        except KeyError:
+            return None
+
+    async def forget(self, shard_id: str) -> None:
+        """The driver has every result of the shard: its views may go."""
+        self._batches.pop(shard_id, None)
+
     async def pid(self) -> int:
         import os
 
         return os.getpid()
+
+
+def holder(index: int) -> str:
+    """The name the limiter knows an actor by."""
+    return f"worker-{index}"

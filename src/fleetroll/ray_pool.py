@@ -17,7 +17,11 @@ The same interface and guarantees as :class:`~fleetroll.pool.RolloutPool`:
   ``run_id``, swept when the actor is found dead);
 * telemetry events from actors come back with their results and are emitted
   by the driver's :class:`~fleetroll.telemetry.events.Events`, so local
-  stores and ``fleetroll stats --check`` see the whole batch.
+  stores and ``fleetroll stats --check`` see the whole batch; each carries
+  ``worker``, the index of the actor that emitted it;
+* :meth:`RayBatch.view` reads a running rollout on its actor (the same
+  :class:`~fleetroll.rollout.RolloutView` a local batch gives), so the
+  service's MCP tools follow rollouts on Ray as they do local ones.
 
 Ray is optional: ``pip install 'fleetroll[ray]'``.
 """
@@ -35,6 +39,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from fleetroll._serving import exit_transparently
+from fleetroll.errors import OperationTimeout
 from fleetroll.policies import Policy
 from fleetroll.pool import (
     BatchCounts,
@@ -45,10 +50,11 @@ from fleetroll.pool import (
     group_id,
     rollout_id,
 )
+from fleetroll.progress import RolloutIds
 from fleetroll.provisioning import FleetProvider
-from fleetroll.ray_actors import CreateLimiter, RolloutWorker, load_ray
+from fleetroll.ray_actors import CreateLimiter, RolloutWorker, holder, load_ray
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Rollout
+from fleetroll.rollout import Phase, RolloutView
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events
@@ -80,17 +86,25 @@ class _Plan:
 
 
 class RayBatch(ResultStream):
-    """A batch over Ray actors: an async iterator of its results."""
+    """A batch over Ray actors: an async iterator of its results.
 
-    def __init__(self, batch_id: str, total: int) -> None:
-        super().__init__(total)
+    Args:
+        pending: each rollout's view before it reaches an actor, by rollout id.
+        call_s: how long :meth:`view` waits for an actor's answer.
+    """
+
+    def __init__(self, batch_id: str, pending: dict[str, RolloutView], call_s: float) -> None:
+        super().__init__(len(pending))
         self.batch_id = batch_id
-        self.total = total
-        #: The rollouts run on the actors: no live view of them here.
-        self.rollouts: Sequence[Rollout] = ()
+        self.total = len(pending)
         self.cancelled = False
         self.failed = 0
         self._on_cancel: list[Any] = []
+        self._pending = pending
+        self._call_s = call_s
+        #: Where each rollout runs: its actor and shard (the latest, after a re-run).
+        self._where: dict[str, tuple[Any, str]] = {}
+        self._results: dict[str, RolloutResult] = {}
 
     def counts(self) -> BatchCounts:
         """A snapshot for progress displays (phases live in the actors)."""
@@ -105,9 +119,57 @@ class RayBatch(ResultStream):
         )
 
     def deliver(self, result: RolloutResult) -> None:
-        if result.rollout_id not in self.delivered and result.status == "failed":
-            self.failed += 1
+        if result.rollout_id not in self.delivered:
+            self._results[result.rollout_id] = result
+            if result.status == "failed":
+                self.failed += 1
         super().deliver(result)
+
+    def place(self, rollout_ids: Sequence[str], worker: Any, shard_id: str) -> None:
+        """These rollouts run on ``worker``, in ``shard_id``: their views are asked there."""
+        for rid in rollout_ids:
+            self._where[rid] = (worker, shard_id)
+
+    async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
+        """What one rollout is doing: asked of its actor while it runs.
+
+        Before it reaches an actor it is ``pending``; once its result is
+        in, the view is built from that.
+
+        Raises:
+            KeyError: the batch holds no such rollout.
+            OperationTimeout: its actor did not answer within ``timeouts.ray_call_s``.
+        """
+        pending = self._pending[rollout_id]
+        place = self._where.get(rollout_id)
+        if place is not None and rollout_id not in self._results:
+            worker, shard_id = place
+            ray = load_ray()
+            try:
+                with anyio.fail_after(self._call_s):
+                    view: RolloutView | None = await worker.view.remote(
+                        shard_id, rollout_id, messages
+                    )
+            except TimeoutError:
+                raise OperationTimeout(
+                    f"the Ray actor running rollout {rollout_id} did not answer within"
+                    f" {self._call_s:g} s (timeouts.ray_call_s); ask again",
+                    operation="view",
+                    timeout_s=self._call_s,
+                    rollout_id=rollout_id,
+                ) from None
+            except ray.exceptions.RayActorError:
+                view = None  # its actor died: the rollout runs again elsewhere, or is lost
+            if view is not None:
+                return view
+        # Not on an actor yet, or the actor let it go: then its result is in.
+        result = self._results.get(rollout_id)
+        if result is None:
+            return pending
+        transcript = tuple(result.transcript) if messages else ()
+        return RolloutView(
+            pending.ids, pending.task_key, Phase.DONE, result.steps, transcript, result
+        )
 
     def cancel(self) -> None:
         """Cancel what is still running on every actor; results keep coming.
@@ -183,9 +245,7 @@ class RayRolloutPool:
             self.limiter = limiter_cls.remote(p.max_concurrent_creates, p.creates_per_second)
             for n in range(self._num_actors):
                 self.workers.append(
-                    worker_cls.remote(
-                        self.settings, self._api_key, self._base_url, self.limiter, f"worker-{n}"
-                    )
+                    worker_cls.remote(self.settings, self._api_key, self._base_url, self.limiter, n)
                 )
                 self.alive.append(True)
             await anyio.to_thread.run_sync(  # actors are up (and importable) before work
@@ -249,7 +309,23 @@ class RayRolloutPool:
                 if rid not in skip:
                     plan.by_id[rid] = (task, sample)
         check_capacity(self.batches, len(plan.by_id), self.settings.pool.max_queued_rollouts)
-        batch = RayBatch(plan.batch_id, len(plan.by_id))
+        pending = {
+            rid: RolloutView(
+                RolloutIds(
+                    batch_id=plan.batch_id,
+                    rollout_id=rid,
+                    sample_index=sample,
+                    group_id=group_id(plan.batch_id, task.key),
+                ),
+                task.key,
+                Phase.PENDING,
+                0,
+                (),
+                None,
+            )
+            for rid, (task, sample) in plan.by_id.items()
+        }
+        batch = RayBatch(plan.batch_id, pending, self.settings.timeouts.ray_call_s)
         ids = list(plan.by_id)
         live = [n for n, ok in enumerate(self.alive) if ok]
         shards = [
@@ -291,6 +367,7 @@ class RayRolloutPool:
         worker.run_shard.remote(
             shard.shard_id, plan.tasks, plan.policy, plan.samples, plan.batch_id, shard.ids
         )
+        batch.place(shard.ids, worker, shard.shard_id)
 
         told = False
 
@@ -324,6 +401,7 @@ class RayRolloutPool:
                         for rid in shard.ids:
                             if rid not in batch.delivered:
                                 batch.deliver(_lost(plan, batch, rid, f"worker error: {error}"))
+                    worker.forget.remote(shard.shard_id)  # every result is in: views come from them
                     return
         finally:
             batch._on_cancel.remove(cancel)
@@ -357,7 +435,7 @@ class RayRolloutPool:
             shard_id=shard.shard_id,
         )
         with anyio.CancelScope(shield=True):
-            await self.limiter.release_all.remote(f"worker-{shard.worker}")
+            await self.limiter.release_all.remote(holder(shard.worker))
             await self._provider_sweep(shard.shard_id)
         missing = [rid for rid in shard.ids if rid not in batch.delivered]
         live = [n for n, ok in enumerate(self.alive) if ok]

@@ -90,6 +90,9 @@ class TimeoutSettings(_Section):
     #: balancers: one that closes an idle connection just as a request goes
     #: out fails that request (and an MCP session with it).
     http_keepalive_s: float = Field(15.0, gt=0)
+    #: With ``--ray``: a call to an actor that answers at once (a rollout's
+    #: view, for the service's ``get_state`` and ``get_messages``).
+    ray_call_s: float = Field(30.0, gt=0)
 
 
 class ProvisioningSettings(_Section):

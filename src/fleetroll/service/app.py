@@ -7,9 +7,10 @@
         async with serve_app(create_app(service), "127.0.0.1", 8750) as url:
             ...
 
-With ``Service(pool, settings, batch_pool=ray_pool)``, batches run on another
-:class:`~fleetroll.batch_pool.BatchPool` (a RayRolloutPool); sessions and the
-MCP tools' rollouts, held by one task and read live, stay on ``pool``.
+With ``Service(pool, settings, batch_pool=ray_pool)``, batches and the MCP
+tools' rollouts run on another :class:`~fleetroll.batch_pool.BatchPool` (a
+RayRolloutPool, whose batches' views are read on the actors); sessions, each
+held by one task of this process for its whole life, stay on ``pool``.
 
 Routes (all JSON unless said otherwise; the OpenAPI document at
 ``/openapi.json`` has every body):
@@ -52,9 +53,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetroll.batch_pool import BatchPool
-from fleetroll.pool import RolloutPool
+from fleetroll.errors import OperationTimeout
+from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import Rollout
+from fleetroll.rollout import RolloutIds, RolloutView
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
 from fleetroll.service.errors import ApiError
 from fleetroll.service.metrics import CONTENT_TYPE, Metrics
@@ -92,8 +94,9 @@ class Service:
     holds one consumer task per batch and one actor task per session.
 
     Args:
-        pool: runs sessions and the MCP tools' rollouts, in this process.
-        batch_pool: runs the batches of ``POST /v1/batches`` (default: ``pool``).
+        pool: runs sessions, in this process.
+        batch_pool: runs the batches of ``POST /v1/batches`` and the MCP tools'
+            rollouts (default: ``pool``).
     """
 
     def __init__(
@@ -110,10 +113,11 @@ class Service:
             settings.logfire_token,
         )
         self.redact = Redactor(s.get_secret_value() for s in secrets if s is not None)
-        self.batches = BatchRegistry(self.batch_pool, settings, self.metrics, local=pool)
+        self.batches = BatchRegistry(self.batch_pool, settings, self.metrics)
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
-        #: MCP rollouts: rollout id → the id of its one-rollout batch.
+        #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}
+        self._rollout_of: dict[str, str] = {}
         self.batches.on_forget.append(self._forget_rollouts)
         self._queries = anyio.CapacityLimiter(2)
 
@@ -140,19 +144,23 @@ class Service:
 
     async def start_rollout(
         self, task: Mapping[str, Any], policy: PolicyConfig | None = None
-    ) -> Rollout:
-        """Start one rollout as a batch of its own; it is found again by its id.
+    ) -> RolloutIds:
+        """Start one rollout as a batch of its own (on ``batch_pool``); its ids.
 
         Raises:
-            ApiError: 422, the task is invalid.
+            ApiError: 422 (the task is invalid), 503 (the pool is full).
         """
         spec = await self.check_task(task, loc=["task"])
-        record, _, _ = await self.batches.start(
-            [spec], policy, batch_id=f"mcp-{uuid.uuid4().hex}", local=True
+        record, _, _ = await self.batches.start([spec], policy, batch_id=f"mcp-{uuid.uuid4().hex}")
+        batch_id = record.batch_id
+        ids = RolloutIds(
+            batch_id=batch_id,
+            rollout_id=rollout_id(batch_id, spec.key, 0),
+            group_id=group_id(batch_id, spec.key),
         )
-        rollout = record.rollouts[0]
-        self.rollouts[rollout.ids.rollout_id] = record.batch_id
-        return rollout
+        self.rollouts[ids.rollout_id] = batch_id
+        self._rollout_of[batch_id] = ids.rollout_id
+        return ids
 
     async def check_task(self, record: Mapping[str, Any], *, loc: Sequence[str]) -> TaskSpec:
         """One task of a request, checked in a worker thread: its verifier is
@@ -172,13 +180,32 @@ class Service:
         )
         return await anyio.to_thread.run_sync(check)
 
-    def find_rollout(self, rollout_id: str) -> tuple[BatchRecord, Rollout]:
+    def _record_of(self, rollout_id: str) -> BatchRecord:
         """Raises: ApiError: 404, no such rollout."""
         batch_id = self.rollouts.get(rollout_id)
         if batch_id is None:
             raise ApiError(404, f"no rollout {rollout_id!r} (unknown, or finished long ago)")
-        record = self.batches.get(batch_id)
-        return record, record.rollouts[0]
+        return self.batches.get(batch_id)
+
+    async def rollout_view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
+        """What the rollout is doing, wherever it runs (this process, or a Ray actor).
+
+        Raises:
+            ApiError: 404 (no such rollout), 504 (its Ray actor did not answer in time).
+        """
+        record = self._record_of(rollout_id)
+        try:
+            return await record.batch.view(rollout_id, messages=messages)
+        except OperationTimeout as exc:
+            raise ApiError(504, str(exc)) from None
+
+    def cancel_rollout(self, rollout_id: str) -> None:
+        """Cancel the rollout if it is still running (its result still comes: ``cancelled``).
+
+        Raises:
+            ApiError: 404, no such rollout.
+        """
+        self.batches.cancel(self._record_of(rollout_id).batch_id)
 
     async def finish_rollout(self, rollout_id: str, timeout_s: float) -> RolloutResult:
         """Wait for the rollout's end (at most ``timeout_s``) and return its result.
@@ -186,7 +213,7 @@ class Service:
         Raises:
             ApiError: 404 (no such rollout), 504 (still running after ``timeout_s``).
         """
-        record, _ = self.find_rollout(rollout_id)
+        record = self._record_of(rollout_id)
         with anyio.move_on_after(timeout_s):
             await record.wait_done()
         if not record.results:
@@ -200,8 +227,9 @@ class Service:
         return t.provision_total_s + t.rollout_s + t.verifier_s + t.release_s + 30.0
 
     def _forget_rollouts(self, record: BatchRecord) -> None:
-        for rollout in record.rollouts:
-            self.rollouts.pop(rollout.ids.rollout_id, None)
+        rid = self._rollout_of.pop(record.batch_id, None)
+        if rid is not None:
+            self.rollouts.pop(rid, None)
 
 
 # ---------------------------------------------------------------------- routes

@@ -35,7 +35,6 @@ from fleetroll.errors import PoolFullError, TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
 from fleetroll.pool import rollout_id
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Rollout
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import (
@@ -67,7 +66,6 @@ class _Plan:
     policy: PolicyConfig | None
     samples_per_task: int
     deadline_s: float | None
-    pool: BatchPool
 
     def rollout_ids(self, batch_id: str) -> set[str]:
         return {
@@ -80,8 +78,6 @@ class _Plan:
 class BatchRecord:
     """One batch and its results so far, in arrival order.
 
-    ``rollouts`` are the live rollouts of a batch run in this process (the
-    MCP tools read them), and empty for one run elsewhere (on Ray actors).
     ``results`` only grows (a result's cursor is its index + 1); a result
     replaced by a re-run of its rollout is ``superseded`` and skipped by streams.
     """
@@ -91,7 +87,6 @@ class BatchRecord:
         self.fingerprint = fingerprint
         self.plan = plan
         self.total = batch.total
-        self.rollouts: Sequence[Rollout] = batch.rollouts
         self.results: list[RolloutResult] = []
         self.done = False  # every result is in
         self.cancel_requested = False
@@ -220,22 +215,10 @@ class BatchRecord:
 
 
 class BatchRegistry:
-    """The service's batches, by id. Needs a task group (``tg``) before use.
+    """The service's batches, by id, run on ``pool``. Needs a task group (``tg``) before use."""
 
-    Batches run on ``pool``; those started with ``local=True`` (the MCP
-    tools' one-rollout batches, read live) on ``local`` (default: ``pool``).
-    """
-
-    def __init__(
-        self,
-        pool: BatchPool,
-        settings: Settings,
-        metrics: Metrics,
-        *,
-        local: BatchPool | None = None,
-    ) -> None:
+    def __init__(self, pool: BatchPool, settings: Settings, metrics: Metrics) -> None:
         self._pool = pool
-        self._local = local or pool
         self._settings = settings
         self._metrics = metrics
         self._records: dict[str, BatchRecord] = {}
@@ -296,11 +279,9 @@ class BatchRegistry:
         samples_per_task: int = 1,
         batch_id: str | None = None,
         deadline_s: float | None = None,
-        local: bool = False,
     ) -> tuple[BatchRecord, bool, int]:
         """Start a batch of validated tasks (or find the identical one).
 
-        ``local``: on the local pool, whose batches have live ``rollouts``.
         Returns the record, whether it is new, and the rollouts run again
         (see :meth:`submit`).
 
@@ -320,8 +301,7 @@ class BatchRegistry:
                     " or deadline; resubmit the same request, or use another batch_id",
                 )
             return existing, False, await self._rerun_cancelled(existing)
-        pool = self._local if local else self._pool
-        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s, pool)
+        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s)
         batch, policy = self._run(plan, batch_id)
         record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
@@ -363,7 +343,7 @@ class BatchRegistry:
     def _run(
         self, plan: _Plan, batch_id: str, *, skip: set[str] | None = None
     ) -> tuple[RunningBatch, Policy]:
-        """Start ``plan`` on its pool (all of it, or all but ``skip``); its policy.
+        """Start ``plan`` on the pool (all of it, or all but ``skip``); its policy.
 
         Raises:
             ApiError: 409 (the pool runs a batch of this id), 503 (the pool is full).
@@ -372,7 +352,7 @@ class BatchRegistry:
             raise RuntimeError("the service is not running")
         policy = build_policy(plan.policy, self._settings)
         try:
-            batch = plan.pool.run_batch(
+            batch = self._pool.run_batch(
                 plan.tasks,
                 policy,
                 samples_per_task=plan.samples_per_task,
@@ -442,7 +422,7 @@ class BatchRegistry:
             old = self._records.pop(self._finished.popleft(), None)
             if old is None:
                 continue
-            old.plan.pool.forget(old.batch_id)  # its pool lets go of the transcripts too
+            self._pool.forget(old.batch_id)  # its pool lets go of the transcripts too
             for forget in self.on_forget:
                 forget(old)
 

@@ -56,8 +56,8 @@ def serve(
     """Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.
 
     One rollout pool serves every request: on the embedded emulator unless
-    FLEET_API_KEY or FLEET_BASE_URL is set. With --ray, batches are sharded
-    over Ray actors; sessions and MCP rollouts stay in this process. Binding
+    FLEET_API_KEY or FLEET_BASE_URL is set. With --ray, batches and MCP
+    rollouts are sharded over Ray actors; sessions stay in this process. Binding
     anything but loopback needs FLEETROLL_SERVICE_TOKEN (then every route but
     /healthz wants `Authorization: Bearer <token>`). Exit code 2 for bad
     configuration.
@@ -100,7 +100,7 @@ async def _serve(
         )
         batch_pool: BatchPool = pool
         backend = fleet.description
-        if ray_address is not None:  # batches on Ray; sessions stay on the local pool
+        if ray_address is not None:  # batches and MCP rollouts on Ray; sessions stay here
             batch_pool, backend = await open_batch_pool(
                 stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
             )

@@ -9,12 +9,14 @@
 ``finalize_rollout`` wait for the end → the result
 ==================  =====================================================
 
-Each started rollout is a batch of its own (id ``mcp-…``) in the service's
-one pool: it shares the pool's limits with every other batch, gets the
+Each started rollout is a batch of its own (id ``mcp-…``) on the pool the
+service runs batches on (in this process, or Ray actors with ``serve
+--ray``): it shares the pool's limits with every other batch, gets the
 pool's exactly-once result delivery, cancellation and orphan sweep for free,
-and shows up in ``GET /v1/batches/{id}`` too. The tools read the live
-:class:`~fleetroll.rollout.Rollout` (its phase and transcript) while it runs
-and its result once it is over. Results are kept as long as the batch is
+and shows up in ``GET /v1/batches/{id}`` too. The tools read the rollout
+only through its batch's :class:`~fleetroll.rollout.RolloutView` (phase,
+steps, transcript; on Ray, asked of the actor running it) and its result
+once it is over. Results are kept as long as the batch is
 (``service.keep_finished_batches``).
 """
 
@@ -31,8 +33,7 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp
 
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import Rollout
-from fleetroll.service.batches import BatchRecord, BatchRegistry
+from fleetroll.rollout import RolloutIds, RolloutView
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
 
@@ -71,8 +72,7 @@ class RolloutMessages(BaseModel):
     done: bool
 
 
-def _state(rollout: Rollout) -> RolloutState:
-    view = rollout.view(messages=False)  # no transcript: exporting it is a pass over every message
+def _state(view: RolloutView) -> RolloutState:
     result = view.result
     return RolloutState(
         rollout_id=view.ids.rollout_id,
@@ -93,18 +93,22 @@ def _tool_error(exc: ApiError) -> ToolError:
 
 
 class RolloutHost(Protocol):
-    """What the tools need of the service (``fleetroll.service.app.Service`` is one)."""
+    """What the tools need of the service (``fleetroll.service.app.Service`` is one).
 
-    batches: BatchRegistry
+    Each method raises :class:`~fleetroll.service.errors.ApiError` for what
+    the caller should hear (an invalid task, an unknown rollout, no answer in time).
+    """
 
     @property
     def rollout_wait_s(self) -> float: ...
 
     async def start_rollout(
         self, task: Mapping[str, Any], policy: PolicyConfig | None = None
-    ) -> Rollout: ...
+    ) -> RolloutIds: ...
 
-    def find_rollout(self, rollout_id: str) -> tuple[BatchRecord, Rollout]: ...
+    async def rollout_view(self, rollout_id: str, *, messages: bool = True) -> RolloutView: ...
+
+    def cancel_rollout(self, rollout_id: str) -> None: ...
 
     async def finish_rollout(self, rollout_id: str, timeout_s: float) -> RolloutResult: ...
 
@@ -113,13 +117,13 @@ def build_mcp_server(service: RolloutHost) -> MCPServer:
     """An MCP server whose tools drive rollouts on ``service``."""
     server = MCPServer("fleetroll", instructions=_INSTRUCTIONS)
 
-    def find(rollout_id: str) -> Rollout:
+    async def view(rollout_id: str, *, messages: bool = True) -> RolloutView:
         try:
-            return service.find_rollout(rollout_id)[1]
+            return await service.rollout_view(rollout_id, messages=messages)
         except ApiError as exc:
             raise _tool_error(exc) from None
 
-    async def start(task: dict[str, Any], policy: PolicyConfig | None) -> Rollout:
+    async def start(task: dict[str, Any], policy: PolicyConfig | None) -> RolloutIds:
         try:
             return await service.start_rollout(task, policy)
         except ApiError as exc:
@@ -136,41 +140,42 @@ def build_mcp_server(service: RolloutHost) -> MCPServer:
     async def run_rollout(
         task: dict[str, Any], policy: PolicyConfig | None = None
     ) -> RolloutResult:
-        rollout = await start(task, policy)
+        ids = await start(task, policy)
         try:
-            return await finish(rollout.ids.rollout_id, None)
+            return await finish(ids.rollout_id, None)
         except anyio.get_cancelled_exc_class():
             # The caller went away: nobody will read this result, stop spending on it.
-            service.find_rollout(rollout.ids.rollout_id)[0].batch.cancel()
+            service.cancel_rollout(ids.rollout_id)
             raise
 
     @server.tool(description="Start one rollout of `task`; returns its rollout_id at once.")
     async def start_rollout(
         task: dict[str, Any], policy: PolicyConfig | None = None
     ) -> RolloutStarted:
-        rollout = await start(task, policy)
-        return RolloutStarted(rollout_id=rollout.ids.rollout_id, batch_id=rollout.ids.batch_id)
+        ids = await start(task, policy)
+        return RolloutStarted(rollout_id=ids.rollout_id, batch_id=ids.batch_id)
 
     @server.tool(description="The rollout's phase and steps so far; its outcome once done.")
     async def get_state(rollout_id: str) -> RolloutState:
-        return _state(find(rollout_id))
+        return _state(await view(rollout_id, messages=False))
 
     @server.tool(description="The rollout's transcript so far, from message number `after`.")
     async def get_messages(rollout_id: str, after: int = 0) -> RolloutMessages:
-        view = find(rollout_id).view()  # redacted, as a result would be
+        seen = await view(rollout_id)  # redacted, as a result would be
         return RolloutMessages(
             rollout_id=rollout_id,
-            messages=list(view.messages[max(after, 0) :]),
-            next=len(view.messages),
-            done=view.result is not None,
+            messages=list(seen.messages[max(after, 0) :]),
+            next=len(seen.messages),
+            done=seen.result is not None,
         )
 
     @server.tool(description="Cancel the rollout; finalize_rollout then returns `cancelled`.")
     async def abort_rollout(rollout_id: str) -> RolloutState:
-        rollout = find(rollout_id)
-        if rollout.result is None:
-            service.batches.cancel(rollout.ids.batch_id)
-        return _state(rollout)
+        try:
+            service.cancel_rollout(rollout_id)
+        except ApiError as exc:
+            raise _tool_error(exc) from None
+        return _state(await view(rollout_id, messages=False))
 
     @server.tool(
         description="Wait for the rollout to end (at most timeout_s) and return its result."

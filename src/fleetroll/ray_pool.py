@@ -29,7 +29,7 @@ Ray is optional: ``pip install 'fleetroll[ray]'``.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, suppress
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -89,18 +89,20 @@ class RayBatch(ResultStream):
     """A batch over Ray actors: an async iterator of its results.
 
     Args:
-        pending: each rollout's view before it reaches an actor, by rollout id.
+        rollouts: each rollout's task and sample index, by rollout id.
         call_s: how long :meth:`view` waits for an actor's answer.
     """
 
-    def __init__(self, batch_id: str, pending: dict[str, RolloutView], call_s: float) -> None:
-        super().__init__(len(pending))
+    def __init__(
+        self, batch_id: str, rollouts: Mapping[str, tuple[TaskSpec, int]], call_s: float
+    ) -> None:
+        super().__init__(len(rollouts))
         self.batch_id = batch_id
-        self.total = len(pending)
+        self.total = len(rollouts)
         self.cancelled = False
         self.failed = 0
         self._on_cancel: list[Any] = []
-        self._pending = pending
+        self._rollouts = rollouts
         self._call_s = call_s
         #: Where each rollout runs: its actor and shard (the latest, after a re-run).
         self._where: dict[str, tuple[Any, str]] = {}
@@ -140,7 +142,7 @@ class RayBatch(ResultStream):
             KeyError: the batch holds no such rollout.
             OperationTimeout: its actor did not answer within ``timeouts.ray_call_s``.
         """
-        pending = self._pending[rollout_id]
+        task, sample = self._rollouts[rollout_id]
         place = self._where.get(rollout_id)
         if place is not None and rollout_id not in self._results:
             worker, shard_id = place
@@ -164,12 +166,11 @@ class RayBatch(ResultStream):
                 return view
         # Not on an actor yet, or the actor let it go: then its result is in.
         result = self._results.get(rollout_id)
+        ids = RolloutIds(self.batch_id, rollout_id, sample, group_id(self.batch_id, task.key))
         if result is None:
-            return pending
+            return RolloutView(ids, task.key, Phase.PENDING, 0, (), None)
         transcript = tuple(result.transcript) if messages else ()
-        return RolloutView(
-            pending.ids, pending.task_key, Phase.DONE, result.steps, transcript, result
-        )
+        return RolloutView(ids, task.key, Phase.DONE, result.steps, transcript, result)
 
     def cancel(self) -> None:
         """Cancel what is still running on every actor; results keep coming.
@@ -309,23 +310,7 @@ class RayRolloutPool:
                 if rid not in skip:
                     plan.by_id[rid] = (task, sample)
         check_capacity(self.batches, len(plan.by_id), self.settings.pool.max_queued_rollouts)
-        pending = {
-            rid: RolloutView(
-                RolloutIds(
-                    batch_id=plan.batch_id,
-                    rollout_id=rid,
-                    sample_index=sample,
-                    group_id=group_id(plan.batch_id, task.key),
-                ),
-                task.key,
-                Phase.PENDING,
-                0,
-                (),
-                None,
-            )
-            for rid, (task, sample) in plan.by_id.items()
-        }
-        batch = RayBatch(plan.batch_id, pending, self.settings.timeouts.ray_call_s)
+        batch = RayBatch(plan.batch_id, plan.by_id, self.settings.timeouts.ray_call_s)
         ids = list(plan.by_id)
         live = [n for n, ok in enumerate(self.alive) if ok]
         shards = [

@@ -28,7 +28,9 @@ RID = rollout_id("b", TASK.key, 0)
 class _Method:
     call: Callable[[str, str], Awaitable[RolloutView | None]]
 
-    def remote(self, shard_id: str, rid: str) -> Awaitable[RolloutView | None]:
+    def remote(
+        self, shard_id: str, rid: str, messages: bool = True
+    ) -> Awaitable[RolloutView | None]:
         return self.call(shard_id, rid)
 
 

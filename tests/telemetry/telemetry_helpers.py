@@ -21,15 +21,28 @@ def local_settings(db: Path, **overrides: Any) -> Settings:
     return load_settings(telemetry=telemetry, **overrides)
 
 
-def insert_event(conn: sqlite3.Connection, message: str, *, n: int = 0, **attributes: Any) -> None:
-    """A hand-made fleetroll record (for stores with defects a real run never makes)."""
+def insert_event(
+    conn: sqlite3.Connection,
+    message: str,
+    *,
+    n: int = 0,
+    at: str | None = None,
+    level: str = "info",
+    **attributes: Any,
+) -> None:
+    """A hand-made fleetroll record (for stores with defects a real run never makes).
+
+    ``at`` is its timestamp (store text); by default second ``n`` of 2026.
+    """
     row = dict.fromkeys(COLUMNS)
+    timestamp = at or f"2026-01-01T00:00:{n % 60:02d}.000000Z"
     row.update(
-        start_timestamp=f"2026-01-01T00:00:{n % 60:02d}.000000Z",
+        start_timestamp=timestamp,
+        end_timestamp=timestamp,
         trace_id=f"{n:032x}",
         span_id=f"{n:016x}",
         kind="log",
-        level="info",
+        level=level,
         span_name=message,
         message=message,
         attributes=json.dumps(attributes),

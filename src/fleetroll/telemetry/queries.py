@@ -1,25 +1,30 @@
 """SQL over the local store: ad-hoc queries, per-env statistics, the invariant check.
 
-Used by ``fleetroll query`` and ``fleetroll stats``, and meant for the HTTP
-service too: every function takes the store's path and opens its own
-read-only connection (``mode=ro`` plus ``PRAGMA query_only``, and an
-authorizer that allows reading only), so nothing here can change the store.
-The statistics are plain SQL on Logfire's column names; the same queries run
-on Logfire cloud.
+Used by ``fleetroll query``, ``fleetroll stats``, the dashboard and the HTTP
+service: every function takes the store's path and opens its own read-only
+connection (``mode=ro`` plus ``PRAGMA query_only``, and an authorizer that
+allows reading only), so nothing here can change the store, whatever the SQL.
+:func:`query` takes Logfire's SQL (PostgreSQL-flavoured: ``::float``,
+``date_trunc``, ``now() - interval '5 minutes'``, ``percentile_cont``...) and
+runs it through :mod:`fleetroll.telemetry.dialect`. The statistics are plain
+SQL on Logfire's column names; the same queries run on Logfire cloud.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import sqlite3
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from datetime import UTC, datetime
+from typing import Any, Final, Literal
 
 from fleetroll.errors import NoSuchBatchError, QueryError, ReadOnlyError
+from fleetroll.telemetry import dialect as logfire_sql
 from fleetroll.telemetry.store import connect
 
 __all__ = [
@@ -98,8 +103,14 @@ def query(
     timeout_s: float | None = 60.0,
     max_rows: int | None = None,
     max_bytes: int | None = None,
+    dialect: Literal["logfire", "sqlite"] = "logfire",
 ) -> QueryResult:
     """Run one SQL statement on the store, read-only.
+
+    ``dialect="logfire"`` (the default) takes the SQL a Logfire user writes
+    and translates it for SQLite first (see :mod:`fleetroll.telemetry.dialect`);
+    ``"sqlite"`` runs it as it is. Errors name the problem and where it is in
+    ``sql``, never the translated text.
 
     Rows are fetched a few hundred at a time and fetching stops at ``max_rows``
     rows or ``max_bytes`` bytes of values, whichever comes first
@@ -113,8 +124,18 @@ def query(
         QueryError: any other SQL error, a value over ``max_bytes``, or the
             query ran over ``timeout_s``.
     """
+    text, unreadable = sql, None
+    if dialect == "logfire":
+        try:
+            text = logfire_sql.translate(sql)
+        except QueryError as exc:
+            # Not PostgreSQL: maybe SQLite's own (ATTACH, a SQLite-only
+            # function). SQLite decides; its refusal to write, or our
+            # message about the user's SQL, is the answer.
+            unreadable = exc
     conn = _open(db)
     try:
+        problems = logfire_sql.install(conn, now=datetime.now(UTC))
         if timeout_s is not None:
             deadline = time.monotonic() + timeout_s
             conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
@@ -125,7 +146,7 @@ def query(
         rows: list[tuple[Any, ...]] = []
         truncated = False
         try:
-            cursor = conn.execute(sql, params)
+            cursor = conn.execute(text, params)
             size = 0
             while not truncated:
                 chunk = cursor.fetchmany(_FETCH_ROWS)
@@ -141,23 +162,50 @@ def query(
                         break
                     rows.append(row)
         except sqlite3.Error as exc:
-            text = str(exc)
-            if any(refusal in text for refusal in _REFUSALS):
+            message = str(exc)
+            if any(refusal in message for refusal in _REFUSALS):
                 raise ReadOnlyError(
                     "refused: the telemetry store is opened read-only, so only queries that "
-                    f"read (SELECT, WITH ... SELECT) run here (sqlite: {text})"
+                    f"read (SELECT, WITH ... SELECT) run here (sqlite: {message})"
                 ) from None
-            if text == "interrupted":
+            if message == "interrupted":
                 raise QueryError(f"the query ran over its {timeout_s:g} s limit") from None
-            if "too big" in text and max_bytes is not None:
+            if "too big" in message and max_bytes is not None:
                 raise QueryError(
-                    f"the query builds a value over the {max_bytes} byte limit (sqlite: {text})"
+                    f"the query builds a value over the {max_bytes} byte limit (sqlite: {message})"
                 ) from None
-            raise QueryError(f"the query failed: {text}") from None
+            if unreadable is not None:
+                raise unreadable from None
+            raise QueryError(_explain(str(exc), sql, problems)) from None
         columns = [d[0] for d in cursor.description or ()]
         return QueryResult(columns, rows, truncated)
     finally:
         conn.close()
+
+
+_NAMED: Final = re.compile(
+    r"^(no such column|no such function|no such table|wrong number of arguments to function"
+    r"|misuse of aggregate(?: function)?|ambiguous column name): ([\w.]+?)(?:\(\))?$"
+)
+#: The functions the translation adds, by what the user wrote.
+_OURS: Final = re.compile(r"\bFR_(\w+)\b", re.IGNORECASE)
+
+
+def _explain(message: str, sql: str, problems: Sequence[str]) -> str:
+    """SQLite's error on the translated SQL, told in terms of the SQL the user wrote."""
+    match = _NAMED.match(message)
+    if match is not None:
+        problem, name = match.groups()
+        where = logfire_sql.locate(sql, name.rsplit(".", 1)[-1])
+        hint = {
+            "no such column": " (`fleetroll query --schema` lists the columns of records)",
+            "no such table": " (the local store has one table: records)",
+            "no such function": " (not a function the local store knows)",
+        }.get(problem, "")
+        return f"{problem}: {name}{where}{hint}"
+    if problems and "user-defined" in message:
+        return f"the query failed: {problems[-1]}"
+    return f"the query failed: {_OURS.sub(lambda m: m.group(1), message)}"
 
 
 # -- statistics ------------------------------------------------------------------
@@ -238,14 +286,19 @@ LIMIT 5
 """
 
 
+def _run(db: str | os.PathLike[str], sql: str, params: Mapping[str, Any]) -> QueryResult:
+    """Our own SQL, already SQLite's (and Logfire's: no translation needed)."""
+    return query(db, sql, params, dialect="sqlite")
+
+
 def _require_batch(db: str | os.PathLike[str], batch_id: str | None, service_name: str) -> None:
     """Raise :class:`NoSuchBatchError` when ``batch_id`` is given but has no record."""
     if batch_id is None:
         return
     params = {"service": service_name, "batch_id": batch_id}
-    if query(db, _BATCH_EXISTS_SQL, params).rows:
+    if _run(db, _BATCH_EXISTS_SQL, params).rows:
         return
-    recent = [str(b) for (b,) in query(db, _RECENT_BATCHES_SQL, params).rows]
+    recent = [str(b) for (b,) in _run(db, _RECENT_BATCHES_SQL, params).rows]
     raise NoSuchBatchError(batch_id, recent)
 
 
@@ -275,12 +328,12 @@ def stats(
     """
     _require_batch(db, batch_id, service_name)
     params = {"service": service_name, "batch_id": batch_id}
-    main = query(db, _sql(STATS_SQL, batch_id), params).dicts()
+    main = _run(db, _sql(STATS_SQL, batch_id), params).dicts()
     reasons: dict[tuple[Any, ...], dict[str, int]] = defaultdict(dict)
-    for *key, reason, count in query(db, _sql(_REASONS_SQL, batch_id), params).rows:
+    for *key, reason, count in _run(db, _sql(_REASONS_SQL, batch_id), params).rows:
         reasons[tuple(key)][str(reason)] = int(count)
     times: dict[tuple[Any, ...], list[float]] = defaultdict(list)
-    for *key, seconds in query(db, _sql(_PROVISIONING_SQL, batch_id), params).rows:
+    for *key, seconds in _run(db, _sql(_PROVISIONING_SQL, batch_id), params).rows:
         if isinstance(seconds, int | float):
             times[tuple(key)].append(float(seconds))
     out = []
@@ -379,9 +432,9 @@ def check(
     """
     _require_batch(db, batch_id, service_name)
     params = {"service": service_name, "batch_id": batch_id}
-    (rollouts, rerun) = query(db, _sql(_ROLLOUTS_SQL, batch_id), params).rows[0]
+    (rollouts, rerun) = _run(db, _sql(_ROLLOUTS_SQL, batch_id), params).rows[0]
     never, twice, orphan = [], [], []
-    for rollout_id, started, completed in query(db, _sql(CHECK_SQL, batch_id), params).rows:
+    for rollout_id, started, completed in _run(db, _sql(CHECK_SQL, batch_id), params).rows:
         rid = str(rollout_id)
         if started > completed:
             never.append(rid)

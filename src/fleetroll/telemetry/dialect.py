@@ -1,0 +1,680 @@
+"""Logfire's SQL on the local store: translated by sqlglot, finished by SQLite functions.
+
+Logfire runs Apache DataFusion, whose SQL follows PostgreSQL; the local store
+is SQLite. :func:`translate` parses the SQL a Logfire user writes as
+PostgreSQL (sqlglot, a real parser: no pattern rewriting) and writes it out
+for SQLite, rewriting on the syntax tree what SQLite has no words for:
+
+- timestamps are the store's ISO 8601 text (``2026-01-01T12:00:00.000000Z``,
+  which sorts as time): ``now()``, ``::timestamp``, ``date_trunc``,
+  ``time_bucket``/``date_bin`` and ``timestamp ± interval`` all give that text,
+  so comparisons with the timestamp columns stay text comparisons (and use
+  the index on ``start_timestamp``);
+- an ``interval`` is a number of seconds; ``timestamp - timestamp`` is one
+  too, so ``extract(epoch from end_timestamp - start_timestamp)`` is seconds;
+- ``level`` compares by severity (``level > 'info'``,
+  ``level >= level_num('error')``), as on Logfire, though the store keeps names;
+- ``percentile_cont(q) WITHIN GROUP (ORDER BY x)``, ``percentile_disc``,
+  ``approx_percentile_cont(x, q)``, ``median``, ``approx_median``,
+  ``stddev``/``variance``, ``array_agg`` and ``~`` are SQLite functions
+  registered by :func:`install`;
+- ``->`` and ``->>`` keep the key as written (``attributes->>'env_key'``),
+  which SQLite reads as that key, dots included, and which the store's
+  expression indexes match.
+
+What still differs from Logfire is listed in docs/telemetry.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import re
+import sqlite3
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any, ClassVar, Final, cast
+
+import sqlglot
+from sqlglot import exp
+from sqlglot.dialects.sqlite import SQLite
+from sqlglot.errors import ParseError, SqlglotError, TokenError
+from sqlglot.generators.sqlite import SQLiteGenerator
+
+from fleetroll.errors import QueryError
+
+__all__ = ["install", "interval_seconds", "locate", "translate"]
+
+# sqlglot logs a warning for every statement it passes through unparsed
+# (PRAGMA, VACUUM...); SQLite itself refuses those on the read-only
+# connection, with a clear message of ours.
+logging.getLogger("sqlglot").setLevel(logging.ERROR)
+
+#: Columns of ``records`` that hold timestamps.
+TIMESTAMP_COLUMNS: Final = frozenset({"start_timestamp", "end_timestamp", "created_at"})
+_TS_FUNCTIONS: Final = frozenset({"fr_now", "fr_ts", "fr_date_trunc", "fr_date_bin", "fr_ts_add"})
+_INTERVAL_FUNCTIONS: Final = frozenset({"fr_interval", "fr_ts_diff"})
+
+_SECONDS: Final = {
+    "microsecond": 1e-6,
+    "us": 1e-6,
+    "millisecond": 1e-3,
+    "ms": 1e-3,
+    "second": 1.0,
+    "sec": 1.0,
+    "s": 1.0,
+    "minute": 60.0,
+    "min": 60.0,
+    "m": 60.0,
+    "hour": 3600.0,
+    "hr": 3600.0,
+    "h": 3600.0,
+    "day": 86400.0,
+    "d": 86400.0,
+    "week": 604800.0,
+    "w": 604800.0,
+}
+_INTERVAL_PART = re.compile(r"\s*([-+]?\d+(?:\.\d+)?)\s*([a-z]+)\s*", re.IGNORECASE)
+
+
+def _unit(word: str) -> str:
+    word = word.lower()
+    if word not in _SECONDS and word.endswith("s"):
+        word = word[:-1]
+    return word
+
+
+def interval_seconds(text: str, unit: str | None = None) -> float:
+    """Seconds in an interval literal: ``'5 minutes'``, ``'1 hour 30 minutes'``, ``'2'`` + HOUR.
+
+    Raises:
+        QueryError: a unit with no fixed length (months, years) or no unit at all.
+    """
+    text = text.strip()
+    if unit:
+        text = f"{text} {unit}"
+    pos, total = 0, 0.0
+    while pos < len(text):
+        match = _INTERVAL_PART.match(text, pos)
+        if match is None or match.end() == pos:
+            break
+        name = _unit(match.group(2))
+        if name not in _SECONDS:
+            raise QueryError(
+                f"interval {text!r}: {match.group(2)!r} has no fixed length here; use "
+                "microseconds to weeks (the local store counts an interval in seconds)"
+            )
+        total += float(match.group(1)) * _SECONDS[name]
+        pos = match.end()
+    if pos != len(text) or not text:
+        raise QueryError(
+            f"interval {text!r} is not understood: write it as '5 minutes', '1 hour 30 minutes' "
+            "or '90 seconds'"
+        )
+    return total
+
+
+# -- the syntax tree -------------------------------------------------------------------
+
+
+def _call(name: str, *args: exp.Expr) -> exp.Anonymous:
+    return exp.Anonymous(this=name, expressions=list(args))
+
+
+def _kind(node: exp.Expr | None) -> str | None:
+    """``'ts'``, ``'interval'`` or None: what a (rewritten) expression holds."""
+    if node is None:
+        return None
+    if isinstance(node, exp.Paren):
+        return _kind(node.this)
+    if isinstance(node, exp.Column):
+        return "ts" if node.name.lower() in TIMESTAMP_COLUMNS else None
+    if isinstance(node, exp.Anonymous):
+        name = str(node.this).lower()
+        if name in _TS_FUNCTIONS:
+            return "ts"
+        if name in _INTERVAL_FUNCTIONS:
+            return "interval"
+        return None
+    if isinstance(node, exp.Min | exp.Max | exp.Coalesce):
+        return _kind(node.this)
+    if isinstance(node, exp.Neg):
+        return "interval" if _kind(node.this) == "interval" else None
+    if isinstance(node, exp.Mul | exp.Div):
+        kinds = {_kind(node.this), _kind(node.expression)}
+        return "interval" if "interval" in kinds else None
+    return None
+
+
+def _seconds_literal(value: float) -> exp.Expr:
+    return exp.Literal.number(repr(value) if not value.is_integer() else int(value))
+
+
+def _interval(node: exp.Interval) -> exp.Expr:
+    unit = node.args.get("unit")
+    text = node.this.name if isinstance(node.this, exp.Literal) else None
+    if text is None:
+        raise QueryError(f"interval {node.sql('postgres')}: write the length as a string")
+    seconds = interval_seconds(text, unit.name if unit is not None else None)
+    return _call("fr_interval", _seconds_literal(seconds))
+
+
+def _as_interval(node: exp.Expr) -> exp.Expr:
+    """A string literal used as an interval (``time_bucket('5 minutes', ...)``)."""
+    if isinstance(node, exp.Literal) and node.is_string:
+        return _call("fr_interval", _seconds_literal(interval_seconds(node.name)))
+    return node
+
+
+def _unit_name(node: exp.Expr | None) -> str:
+    if node is None:
+        return ""
+    return node.name.lower()
+
+
+def _percentile(order: exp.Expr, q: exp.Expr, *, discrete: bool = False) -> exp.Expr:
+    ordered = order.expressions[0] if isinstance(order, exp.Order) and order.expressions else order
+    value = ordered.this if isinstance(ordered, exp.Ordered) else ordered
+    if isinstance(ordered, exp.Ordered) and ordered.args.get("desc"):
+        q = exp.Sub(this=exp.Literal.number(1), expression=q)
+    return _call("fr_percentile_disc" if discrete else "fr_percentile_cont", value, q)
+
+
+_COMPARISONS: Final = (exp.GT, exp.GTE, exp.LT, exp.LTE, exp.EQ, exp.NEQ)
+_APPROX_PERCENTILES: Final = frozenset({"approx_percentile_cont", "approx_percentile"})
+
+
+def _bottom_up(node: exp.Expr) -> exp.Expr:
+    """Rewrite the children first, so that :func:`_rewrite` sees what they became."""
+    for key, value in list(node.args.items()):
+        if isinstance(value, exp.Expr):
+            node.set(key, _bottom_up(value))
+        elif isinstance(value, list):
+            node.set(key, [_bottom_up(v) if isinstance(v, exp.Expr) else v for v in value])
+    return _rewrite(node)
+
+
+def _rewrite(node: exp.Expr) -> exp.Expr:
+    """One node, its children already rewritten."""
+    if isinstance(node, exp.Interval):
+        return _interval(node)
+    if isinstance(node, exp.CurrentTimestamp) or (
+        isinstance(node, exp.Anonymous) and str(node.this).lower() == "now"
+    ):
+        return _call("fr_now")
+    if isinstance(node, exp.CurrentDate):
+        return _call("substr", _call("fr_now"), exp.Literal.number(1), exp.Literal.number(10))
+    if isinstance(node, exp.Cast) and node.to.this in (
+        exp.DataType.Type.TIMESTAMP,
+        exp.DataType.Type.TIMESTAMPTZ,
+        exp.DataType.Type.TIMESTAMPLTZ,
+        exp.DataType.Type.DATETIME,
+    ):
+        return _call("fr_ts", node.this)
+    if isinstance(node, exp.Cast) and node.to.this == exp.DataType.Type.INTERVAL:
+        return _as_interval(node.this)
+    if isinstance(node, exp.TimestampTrunc | exp.DateTrunc):
+        unit = _unit_name(node.args.get("unit"))
+        return _call("fr_date_trunc", exp.Literal.string(unit), node.this)
+    if isinstance(node, exp.Anonymous):
+        name = str(node.this).lower()
+        args = node.expressions
+        if name in ("time_bucket", "date_bin") and len(args) >= 2:
+            return _call("fr_date_bin", _as_interval(args[0]), *args[1:3])
+        if name in _APPROX_PERCENTILES and len(args) >= 2:
+            return _call("fr_percentile_cont", args[0], args[1])
+        if name == "approx_median" and len(args) == 1:
+            return _call("fr_percentile_cont", args[0], exp.Literal.number(0.5))
+        if name == "to_timestamp" and len(args) == 1:
+            return _call("fr_ts", args[0])
+    if isinstance(node, exp.Median):
+        return _call("fr_percentile_cont", node.this, exp.Literal.number(0.5))
+    if isinstance(node, exp.WithinGroup):
+        inner = node.this
+        if isinstance(inner, exp.PercentileCont | exp.PercentileDisc):
+            return _percentile(
+                node.expression, inner.this, discrete=isinstance(inner, exp.PercentileDisc)
+            )
+        if isinstance(inner, exp.Anonymous) and str(inner.this).lower() in _APPROX_PERCENTILES:
+            return _percentile(node.expression, inner.expressions[0])
+    if isinstance(node, exp.Count) and node.this is None and not node.expressions:
+        return exp.Count(this=exp.Star())  # Logfire's COUNT()
+    if isinstance(node, exp.Extract):
+        unit = _unit_name(node.this)
+        target: exp.Expr = node.expression
+        if unit == "epoch":
+            if _kind(target) == "interval":
+                return target
+            return _call("fr_epoch", target)
+        return _call("fr_extract", exp.Literal.string(unit), target)
+    if isinstance(node, exp.Add | exp.Sub):
+        left, right = _kind(node.this), _kind(node.expression)
+        if isinstance(node, exp.Sub) and left == "ts" and right == "ts":
+            return _call("fr_ts_diff", node.this, node.expression)
+        if left == "ts" and right == "interval":
+            delta = node.expression
+            if isinstance(node, exp.Sub):
+                delta = exp.Neg(this=exp.Paren(this=delta))
+            return _call("fr_ts_add", node.this, delta)
+        if isinstance(node, exp.Add) and left == "interval" and right == "ts":
+            return _call("fr_ts_add", node.expression, node.this)
+    if isinstance(node, exp.JSONExtract | exp.JSONExtractScalar):
+        path = node.expression
+        if isinstance(path, exp.Cast) and isinstance(path.this, exp.Literal):
+            # attributes->>'reward'::float: PostgreSQL would cast 'reward' itself
+            # (:: binds first) and fail; what was meant is the value, cast.
+            inner = node.copy()
+            inner.set("expression", path.this)
+            return exp.Cast(this=_rewrite(inner), to=path.to)
+    if isinstance(node, _COMPARISONS):
+        return _comparison(node)
+    return node
+
+
+def _comparison(node: exp.Expr) -> exp.Expr:
+    if isinstance(node.parent, exp.Update):
+        return node  # SET column = value: an assignment (refused anyway: read-only)
+    left, right = node.this, node.expression
+    ordering = not isinstance(node, exp.EQ | exp.NEQ)
+    if (_is_level(left) and (ordering or not _is_string(right))) or (
+        _is_level(right) and (ordering or not _is_string(left))
+    ):
+        node.set("this", _call("level_num", left))
+        node.set("expression", _call("level_num", right))
+        return node
+    if _kind(left) == "ts" and isinstance(right, exp.Literal) and right.is_string:
+        node.set("expression", _call("fr_ts", right))
+    elif _kind(right) == "ts" and isinstance(left, exp.Literal) and left.is_string:
+        node.set("this", _call("fr_ts", left))
+    return node
+
+
+def _is_string(node: exp.Expr) -> bool:
+    return isinstance(node, exp.Literal) and node.is_string
+
+
+def _is_level(node: exp.Expr) -> bool:
+    return isinstance(node, exp.Column) and node.name.lower() == "level"
+
+
+def _unwrap_intervals(node: exp.Expr) -> exp.Expr:
+    if isinstance(node, exp.Anonymous) and str(node.this).lower() == "fr_interval":
+        return exp.Paren(this=node.expressions[0])
+    return node
+
+
+def _json_key(path: exp.Expr) -> str | None:
+    """The key or index of a one-step JSON path, as SQLite's ``->`` takes it."""
+    if not isinstance(path, exp.JSONPath):
+        return None
+    steps = [p for p in path.expressions if not isinstance(p, exp.JSONPathRoot)]
+    if len(steps) != 1:
+        return None
+    step = steps[0]
+    if isinstance(step, exp.JSONPathKey) and isinstance(step.this, str):
+        return "'" + step.this.replace("'", "''") + "'"
+    if isinstance(step, exp.JSONPathSubscript) and isinstance(step.this, int):
+        return str(step.this)
+    return None
+
+
+def _arrow(operator: str) -> Callable[[Any, exp.Expr], str]:
+    def generate(self: Any, node: exp.Expr) -> str:
+        key = _json_key(node.expression)
+        if key is None:
+            key = self.sql(node, "expression")
+        return f"{self.sql(node, 'this')} {operator} {key}"
+
+    return generate
+
+
+class _LocalGenerator(SQLiteGenerator):
+    TRANSFORMS: ClassVar[dict[type[exp.Expr], Callable[..., str]]] = {
+        **SQLiteGenerator.TRANSFORMS,
+        exp.JSONExtract: _arrow("->"),
+        exp.JSONExtractScalar: _arrow("->>"),
+    }
+
+
+class _LocalStore(SQLite):
+    """SQLite, with ``->``/``->>`` keys kept as written (see the module docstring)."""
+
+    Generator = _LocalGenerator
+
+
+@functools.lru_cache(maxsize=256)
+def translate(sql: str) -> str:
+    """The SQLite text of one statement of Logfire's (PostgreSQL-flavoured) SQL.
+
+    Raises:
+        QueryError: the SQL does not parse (the message gives the line,
+            column and token), holds more than one statement, or uses
+            something the local store cannot express.
+    """
+    try:
+        statements = [s for s in sqlglot.parse(sql, read="postgres") if s is not None]
+    except ParseError as exc:
+        raise QueryError(_parse_error(sql, exc)) from None
+    except TokenError as exc:
+        raise QueryError(f"the SQL cannot be read: {_token_error(exc)}") from None
+    if len(statements) != 1:
+        raise QueryError(
+            f"give exactly one SQL statement (found {len(statements)}; "
+            "remove the ';'-separated rest)"
+        )
+    try:
+        tree = _bottom_up(statements[0]).transform(_unwrap_intervals)
+        return tree.sql(dialect=_LocalStore)
+    except QueryError:
+        raise
+    except SqlglotError as exc:
+        raise QueryError(f"the local store cannot run this SQL: {exc}") from None
+
+
+def _parse_error(sql: str, exc: ParseError) -> str:
+    if not exc.errors:
+        return f"SQL syntax error: {exc}"
+    first = exc.errors[0]
+    line, col = first.get("line"), first.get("col")
+    token = str(first.get("highlight") or "")
+    description = str(first.get("description") or "syntax error")
+    if isinstance(col, int) and token and "\n" not in token:
+        col = max(1, col - len(token) + 1)  # sqlglot points at the token's end
+    near = f" near {token!r}" if token else ""
+    where = f" at line {line}, column {col}" if line is not None else ""
+    return f"SQL syntax error{where}{near}: {description.lower()}"
+
+
+def _token_error(exc: TokenError) -> str:
+    text = str(exc)
+    if "'" in text:
+        return "a quote is never closed (strings go in single quotes: 'fleet_rollout_completed')"
+    return text
+
+
+# -- where a name is in the user's SQL ------------------------------------------------
+
+
+def locate(sql: str, word: str) -> str:
+    """``" at line L, column C"`` of ``word`` (a whole word, any case) in ``sql``, or ``""``."""
+    match = re.search(rf"(?<![\w.]){re.escape(word)}(?!\w)", sql, re.IGNORECASE)
+    if match is None:
+        return ""
+    line = sql.count("\n", 0, match.start()) + 1
+    column = match.start() - (sql.rfind("\n", 0, match.start()) + 1) + 1
+    return f" at line {line}, column {column}"
+
+
+# -- the functions SQLite lacks -----------------------------------------------------------
+
+_FORMAT: Final = "%Y-%m-%dT%H:%M:%S.%fZ"
+_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@functools.lru_cache(maxsize=8192)
+def _parse_ts(value: str) -> datetime:
+    text = value.strip()
+    if text.endswith(("Z", "z")):
+        text = text[:-1] + "+00:00"
+    when = datetime.fromisoformat(text)
+    if when.tzinfo is None:
+        return when.replace(tzinfo=UTC)
+    return when.astimezone(UTC)
+
+
+def _to_dt(value: object) -> datetime | None:
+    if value is None:
+        return None
+    if isinstance(value, int | float):
+        return _EPOCH + timedelta(seconds=value)
+    try:
+        return _parse_ts(str(value))
+    except ValueError:
+        raise ValueError(f"{value!r} is not a timestamp") from None
+
+
+def _iso(when: datetime) -> str:
+    return when.strftime(_FORMAT)
+
+
+def fr_ts(value: object) -> str | None:
+    when = _to_dt(value)
+    return None if when is None else _iso(when)
+
+
+def fr_ts_add(value: object, seconds: float | None) -> str | None:
+    when = _to_dt(value)
+    if when is None or seconds is None:
+        return None
+    return _iso(when + timedelta(seconds=seconds))
+
+
+def fr_ts_diff(a: object, b: object) -> float | None:
+    left, right = _to_dt(a), _to_dt(b)
+    if left is None or right is None:
+        return None
+    return (left - right).total_seconds()
+
+
+def fr_epoch(value: object) -> float | None:
+    when = _to_dt(value)
+    return None if when is None else (when - _EPOCH).total_seconds()
+
+
+def fr_date_trunc(unit: str, value: object) -> str | None:
+    when = _to_dt(value)
+    if when is None:
+        return None
+    name = _unit(unit)
+    if name in ("microsecond", "us"):
+        return _iso(when)
+    if name in ("millisecond", "ms"):
+        return _iso(when.replace(microsecond=when.microsecond // 1000 * 1000))
+    if name in ("second", "sec", "s"):
+        when = when.replace(microsecond=0)
+    elif name in ("minute", "min", "m"):
+        when = when.replace(second=0, microsecond=0)
+    elif name in ("hour", "hr", "h"):
+        when = when.replace(minute=0, second=0, microsecond=0)
+    elif name in ("day", "d"):
+        when = when.replace(hour=0, minute=0, second=0, microsecond=0)
+    elif name in ("week", "w"):
+        day = when.replace(hour=0, minute=0, second=0, microsecond=0)
+        when = day - timedelta(days=day.weekday())  # Monday, as PostgreSQL
+    elif name == "month":
+        when = when.replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    elif name == "quarter":
+        month = (when.month - 1) // 3 * 3 + 1
+        when = when.replace(month=month, day=1, hour=0, minute=0, second=0, microsecond=0)
+    elif name == "year":
+        when = when.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
+    else:
+        raise ValueError(f"date_trunc: unknown unit {unit!r}")
+    return _iso(when)
+
+
+def fr_date_bin(stride_s: float | None, value: object, origin: object = None) -> str | None:
+    when = _to_dt(value)
+    if when is None or stride_s is None:
+        return None
+    if stride_s <= 0:
+        raise ValueError("time_bucket/date_bin: the interval must be positive")
+    start = _to_dt(origin) or _EPOCH
+    offset = (when - start).total_seconds()
+    return _iso(start + timedelta(seconds=math.floor(offset / stride_s) * stride_s))
+
+
+_EXTRACT: Final[dict[str, Callable[[datetime], float]]] = {
+    "year": lambda d: d.year,
+    "quarter": lambda d: (d.month - 1) // 3 + 1,
+    "month": lambda d: d.month,
+    "week": lambda d: d.isocalendar()[1],
+    "day": lambda d: d.day,
+    "dow": lambda d: d.isoweekday() % 7,
+    "isodow": lambda d: d.isoweekday(),
+    "doy": lambda d: d.timetuple().tm_yday,
+    "hour": lambda d: d.hour,
+    "minute": lambda d: d.minute,
+    "second": lambda d: d.second + d.microsecond / 1e6,
+    "millisecond": lambda d: d.second * 1e3 + d.microsecond / 1e3,
+    "microsecond": lambda d: d.second * 1_000_000 + d.microsecond,
+}
+
+
+def fr_extract(unit: str, value: object) -> float | None:
+    when = _to_dt(value)
+    if when is None:
+        return None
+    name = unit.lower()
+    part = _EXTRACT.get(name) or _EXTRACT.get(_unit(name))
+    if part is None:
+        raise ValueError(f"extract: unknown field {unit!r}")
+    return part(when)
+
+
+class _Percentile:
+    """``percentile_cont`` (linear interpolation) or ``percentile_disc`` over non-null values."""
+
+    discrete = False
+
+    def __init__(self) -> None:
+        self.values: list[float] = []
+        self.q: float | None = None
+
+    def step(self, value: object, q: object) -> None:
+        if self.q is None and isinstance(q, int | float):
+            if not 0 <= q <= 1:
+                raise ValueError("a percentile is between 0 and 1")
+            self.q = float(q)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            self.values.append(float(value))
+        elif isinstance(value, str):
+            with contextlib.suppress(ValueError):  # text that is no number: skipped
+                self.values.append(float(value))
+
+    def finalize(self) -> float | None:
+        if not self.values or self.q is None:
+            return None
+        ordered = sorted(self.values)
+        position = (len(ordered) - 1) * self.q
+        if self.discrete:
+            return ordered[max(0, math.ceil(self.q * len(ordered)) - 1)]
+        low, high = math.floor(position), math.ceil(position)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+class _PercentileDisc(_Percentile):
+    discrete = True
+
+
+class _Variance:
+    """Sample (``ddof=1``) or population variance; ``root`` gives the standard deviation."""
+
+    ddof = 1
+    root = False
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def step(self, value: object) -> None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            self.n += 1
+            delta = value - self.mean
+            self.mean += delta / self.n
+            self.m2 += delta * (value - self.mean)
+
+    def finalize(self) -> float | None:
+        if self.n <= self.ddof - 1 or self.n == 0 or (self.ddof == 1 and self.n < 2):
+            return None
+        variance = self.m2 / (self.n - self.ddof)
+        return math.sqrt(variance) if self.root else variance
+
+
+class _VarPop(_Variance):
+    ddof = 0
+
+
+class _StddevSamp(_Variance):
+    root = True
+
+
+class _StddevPop(_Variance):
+    ddof, root = 0, True
+
+
+class _ArrayAgg:
+    """``array_agg(x)``: a JSON array (SQLite has no arrays)."""
+
+    def __init__(self) -> None:
+        self.items: list[object] = []
+
+    def step(self, value: object) -> None:
+        self.items.append(value)
+
+    def finalize(self) -> str:
+        return json.dumps(self.items, ensure_ascii=False, default=str)
+
+
+def _regexp(pattern: str | None, value: object) -> bool | None:
+    if pattern is None or value is None:
+        return None
+    return re.search(pattern, str(value)) is not None
+
+
+def install(conn: sqlite3.Connection, *, now: datetime) -> list[str]:
+    """Register on ``conn`` the functions translated SQL calls; ``now()`` is ``now``.
+
+    ``now()`` is one value for the whole statement, as in PostgreSQL. Returns
+    a list that collects what the functions refused (SQLite itself only says
+    "user-defined function raised exception"), for the error message.
+    """
+    stamp = _iso(now.astimezone(UTC))
+    problems: list[str] = []
+
+    def told(func: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(func)
+        def call(*args: Any) -> Any:
+            try:
+                return func(*args)
+            except (ValueError, OverflowError, re.error) as exc:
+                problems.append(str(exc))
+                raise
+
+        return call
+
+    def percentile(kind: type[_Percentile]) -> type[_Percentile]:
+        class Told(kind):  # type: ignore[valid-type,misc]
+            def step(self, value: object, q: object) -> None:
+                told(super().step)(value, q)
+
+        return Told
+
+    conn.create_function("fr_now", 0, lambda: stamp, deterministic=True)
+    for name, func, arity in (
+        ("fr_ts", fr_ts, 1),
+        ("fr_ts_add", fr_ts_add, 2),
+        ("fr_ts_diff", fr_ts_diff, 2),
+        ("fr_epoch", fr_epoch, 1),
+        ("fr_date_trunc", fr_date_trunc, 2),
+        ("fr_date_bin", fr_date_bin, 2),
+        ("fr_date_bin", fr_date_bin, 3),
+        ("fr_extract", fr_extract, 2),
+        ("regexp", _regexp, 2),
+    ):
+        conn.create_function(name, arity, told(func), deterministic=True)
+    conn.create_aggregate("fr_percentile_cont", 2, cast(Any, percentile(_Percentile)))
+    conn.create_aggregate("fr_percentile_disc", 2, cast(Any, percentile(_PercentileDisc)))
+    for name, aggregate in (
+        ("variance", _Variance),
+        ("var_samp", _Variance),
+        ("var_pop", _VarPop),
+        ("stddev", _StddevSamp),
+        ("stddev_samp", _StddevSamp),
+        ("stddev_pop", _StddevPop),
+    ):
+        conn.create_aggregate(name, 1, cast(Any, aggregate))
+    conn.create_aggregate("array_agg", 1, cast(Any, _ArrayAgg))
+    return problems

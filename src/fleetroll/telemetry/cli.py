@@ -73,22 +73,110 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
-def _print_table(columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None) -> None:
+def _console() -> Any:
     from rich.console import Console
+
+    console = Console()
+    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
+        console = Console(width=max(console.width, 200))
+    return console
+
+
+#: Characters a column needs to stay readable in the table view of `query`.
+_MIN_COLUMN_CHARS = 10
+
+
+def _print_table(
+    columns: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    title: str | None,
+    *,
+    cut: bool = False,
+) -> None:
+    """A rich table; with ``cut``, one line per row (long values end in …).
+
+    With ``cut``, when the columns cannot all get ``_MIN_COLUMN_CHARS`` on
+    the terminal (``SELECT *``), each row is printed as ``column  value``
+    lines instead (psql's expanded display).
+    """
     from rich.table import Table
 
+    console = _console()
+    if cut and rows:
+        needed = sum(min(len(name), _MIN_COLUMN_CHARS) + 3 for name in columns)
+        if needed > console.width:
+            _print_expanded(console, columns, rows)
+            return
+    cells = [[_line(_cell(v)) if cut else _cell(v) for v in row] for row in rows]
+    cap = _column_cap(columns, cells, console.width) if cut else None
     table = Table(title=title)
     for i, name in enumerate(columns):
         numeric = bool(rows) and all(
             isinstance(row[i], int | float) or row[i] is None for row in rows
         )
-        table.add_column(name, justify="right" if numeric else "left", overflow="fold")
-    for row in rows:
-        table.add_row(*(_cell(v) for v in row))
-    console = Console()
-    if not console.is_terminal:  # piped: do not squeeze the table into 80 columns
-        console = Console(width=max(console.width, 200))
+        table.add_column(
+            name,
+            justify="right" if numeric else "left",
+            overflow="ellipsis" if cut else "fold",
+            no_wrap=cut,
+            max_width=cap,
+        )
+    for row_cells in cells:
+        table.add_row(*row_cells)
     console.print(table)
+
+
+def _column_cap(columns: Sequence[str], cells: Sequence[Sequence[str]], width: int) -> int | None:
+    """The widest a column may be for the table to fit ``width`` (None: it fits as it is).
+
+    Narrow columns keep their width; only the widest are cut, all to one width.
+    """
+    natural = [max([len(name), *(len(row[i]) for row in cells)]) for i, name in enumerate(columns)]
+    room = width - 3 * len(columns) - 1  # borders and padding
+    if sum(natural) <= room:
+        return None
+    low, high = 1, max(natural)
+    while low < high:  # the largest cap with which everything fits
+        mid = (low + high + 1) // 2
+        if sum(min(w, mid) for w in natural) <= room:
+            low = mid
+        else:
+            high = mid - 1
+    return max(low, _MIN_COLUMN_CHARS)
+
+
+def _line(text: str) -> str:
+    """One line of a table cell: line breaks shown as ⏎ (the cell is cut to its width)."""
+    return text.replace("\r\n", "⏎").replace("\n", "⏎")
+
+
+def _print_expanded(console: Any, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    from rich.rule import Rule
+    from rich.table import Table
+
+    for number, row in enumerate(rows, start=1):
+        console.print(Rule(f"row {number}", align="left"))
+        label = max(map(len, columns))
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold", no_wrap=True, min_width=label)
+        grid.add_column(
+            overflow="ellipsis",
+            no_wrap=True,
+            max_width=max(_MIN_COLUMN_CHARS, console.width - label - 2),
+        )
+        for name, value in zip(columns, row, strict=True):
+            grid.add_row(name, _line(_cell(value)))
+        console.print(grid)
+
+
+def _print_schema(fmt: str) -> None:
+    from fleetroll.telemetry.queries import schema
+
+    result = schema()
+    if fmt == "table":
+        _print_table(result.columns, result.rows, title="records")
+        return
+    _print_rows(result.columns, result.rows, fmt)
 
 
 def _print_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> None:
@@ -100,7 +188,7 @@ def _print_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str)
         writer.writerow(columns)
         writer.writerows(["" if v is None else v for v in row] for row in rows)
     else:
-        _print_table(columns, rows, title=None)
+        _print_table(columns, rows, title=None, cut=True)
         click.echo(f"{len(rows)} row{'s' if len(rows) != 1 else ''}", err=True)
 
 
@@ -113,8 +201,14 @@ def _format_option(func: Any) -> Any:
 
 
 @click.command()
-@click.argument("sql")
+@click.argument("sql", required=False)
 @_format_option
+@click.option(
+    "--schema",
+    "show_schema",
+    is_flag=True,
+    help="List the columns of records (type, what each holds) instead of running SQL.",
+)
 @click.option(
     "--logfire",
     "on_logfire",
@@ -136,8 +230,9 @@ def _format_option(func: Any) -> Any:
 @_DB_OPTION
 @_CONFIG_OPTION
 def query(
-    sql: str,
+    sql: str | None,
     fmt: str,
+    show_schema: bool,
     on_logfire: bool,
     since: str,
     max_rows: int | None,
@@ -146,16 +241,28 @@ def query(
 ) -> None:
     """Run SQL on the telemetry records, the same SQL as on Logfire.
 
-    The local store (a SQLite file) has Logfire's `records` table, e.g.:
+    The local store (a SQLite file) has Logfire's `records` table and takes
+    Logfire's SQL (::float, date_trunc, now() - interval '5 minutes', ILIKE,
+    percentile_cont ... WITHIN GROUP, ->>), e.g.:
 
     \b
       fleetroll query "SELECT attributes->>'env_key' AS env, COUNT(*)
         FROM records WHERE message = 'fleet_rollout_completed' GROUP BY 1"
 
-    The store is opened read-only: statements that write are refused. Rows
-    are fetched up to --max-rows and service.query_max_bytes of values; past
-    either, the answer is cut short and a note on stderr says so.
+    --schema lists the columns. The store is opened read-only: statements
+    that write are refused. Rows are fetched up to --max-rows and
+    service.query_max_bytes of values; past either, the answer is cut short
+    and a note on stderr says so. The table cuts long values to one line
+    (…) and shows wide rows one column per line; --json and --csv give
+    every value whole.
     """
+    if show_schema:
+        _print_schema(fmt)
+        return
+    if not sql:
+        raise _failed(
+            'give the SQL to run, e.g. "SELECT COUNT(*) FROM records" (--schema lists the columns)'
+        )
     if on_logfire:
         columns, rows = _query_logfire(sql, since)
     else:

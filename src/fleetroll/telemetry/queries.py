@@ -25,7 +25,7 @@ from typing import Any, Final, Literal
 
 from fleetroll.errors import NoSuchBatchError, QueryError, ReadOnlyError
 from fleetroll.telemetry import dialect as logfire_sql
-from fleetroll.telemetry.store import connect
+from fleetroll.telemetry.store import COLUMNS, connect
 
 __all__ = [
     "CHECK_SQL",
@@ -37,6 +37,7 @@ __all__ = [
     "ReadOnlyError",
     "check",
     "query",
+    "schema",
     "stats",
 ]
 
@@ -206,6 +207,57 @@ def _explain(message: str, sql: str, problems: Sequence[str]) -> str:
     if problems and "user-defined" in message:
         return f"the query failed: {problems[-1]}"
     return f"the query failed: {_OURS.sub(lambda m: m.group(1), message)}"
+
+
+# -- the schema -------------------------------------------------------------------
+
+#: Each column of ``records``: its type as a query sees it, and what it holds.
+COLUMN_NOTES: Final[Mapping[str, tuple[str, str]]] = {
+    "start_timestamp": ("timestamp", "when the span started or the log was emitted (UTC)"),
+    "end_timestamp": ("timestamp", "when the span ended; a log's own time"),
+    "duration": ("double", "seconds the span took; NULL for logs (every fleetroll event)"),
+    "trace_id": ("text", "32 hex digits shared by the spans and logs of one trace"),
+    "span_id": ("text", "16 hex digits naming this record"),
+    "parent_span_id": ("text", "the enclosing span, NULL at the top"),
+    "kind": ("text", "'log' or 'span'"),
+    "level": ("level", "'debug', 'info', 'warn', 'error'...; compares by severity"),
+    "span_name": ("text", "the message template; for fleetroll events the event name"),
+    "message": ("text", "the rendered message; for fleetroll events the event name"),
+    "attributes": ("json", "the event's attributes: attributes->>'env_key', ->'counts'"),
+    "tags": ("json", "array of tag strings"),
+    "otel_status_code": ("text", "'UNSET', 'OK' or 'ERROR'"),
+    "otel_status_message": ("text", "the status description, if any"),
+    "otel_events": ("json", "array of span events, NULL when none"),
+    "otel_links": ("json", "array of span links, NULL when none"),
+    "otel_scope_name": ("text", "the instrumentation scope (e.g. 'logfire')"),
+    "otel_scope_version": ("text", "its version"),
+    "is_exception": ("boolean", "1 when an exception was recorded on the record"),
+    "exception_type": ("text", "the exception's class name"),
+    "exception_message": ("text", "the exception's message"),
+    "exception_stacktrace": ("text", "the formatted traceback"),
+    "service_name": ("text", "'fleetroll' for fleetroll's events"),
+    "service_version": ("text", "fleetroll's version"),
+    "service_namespace": ("text", "OpenTelemetry service namespace"),
+    "service_instance_id": ("text", "one id per writing process"),
+    "process_pid": ("integer", "the writing process's pid"),
+    "deployment_environment": ("text", "telemetry.environment"),
+    "telemetry_sdk_name": ("text", "'opentelemetry'"),
+    "telemetry_sdk_language": ("text", "'python'"),
+    "telemetry_sdk_version": ("text", "the OpenTelemetry SDK's version"),
+    "otel_resource_attributes": ("json", "every resource attribute, as an object"),
+    "created_at": ("timestamp", "when the row was written to the store"),
+}
+
+
+def schema() -> QueryResult:
+    """The columns of ``records`` (``column, type, meaning``), in table order.
+
+    Types are as a query sees them (timestamps compare with ``now() -
+    interval '5 minutes'``; ``json`` columns take ``->`` and ``->>``), not
+    SQLite's storage classes. Needs no store.
+    """
+    rows = [(name, *COLUMN_NOTES.get(name, ("text", ""))) for name in COLUMNS]
+    return QueryResult(["column", "type", "meaning"], rows)
 
 
 # -- statistics ------------------------------------------------------------------

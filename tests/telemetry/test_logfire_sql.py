@@ -211,3 +211,38 @@ def test_writes_in_logfires_syntax_are_refused_after_translation(store: Store, s
     with pytest.raises(ReadOnlyError, match="read-only"):
         query(db, sql)
     assert query(db, "SELECT count(*), min(level) FROM records").rows == [(1, "error")]
+
+
+def test_sqlite_functions_written_before_still_answer_as_sqlite_does(store: Store) -> None:
+    db, conn = store
+    insert_event(conn, "e", at="2026-01-01T10:30:00.000000Z", env_key="ledger")
+    [row] = query(
+        db,
+        "SELECT json_extract(attributes, '$.env_key'), attributes->'env_key', "
+        "strftime('%H', start_timestamp), json_each.value "
+        "FROM records, json_each(records.attributes)",
+    ).rows
+    assert row == ("ledger", '"ledger"', "10", "ledger")
+
+
+def test_parameters_and_sqlite_datetimes_compare_with_timestamps_as_times(store: Store) -> None:
+    db, conn = store
+    insert_event(conn, "e", at="2026-01-01T10:30:00.000000Z")
+    sql = "SELECT count(*) FROM records WHERE start_timestamp >= :since"
+    assert query(db, sql, {"since": "2026-01-01 10:00:00"}).rows == [(1,)]
+    assert query(db, sql, {"since": "2026-01-01T11:00:00Z"}).rows == [(0,)]
+    sql = "SELECT count(*) FROM records WHERE start_timestamp < datetime('2026-01-01 11:00:00')"
+    assert query(db, sql).rows == [(1,)]
+
+
+def test_a_query_answers_while_another_process_holds_the_write_lock(store: Store) -> None:
+    db, conn = store
+    insert_event(conn, "fleet_rollout_started", n=1)
+    conn.execute("BEGIN IMMEDIATE")  # a writer mid-transaction, as another process would be
+    try:
+        insert_event(conn, "fleet_rollout_started", n=2)
+        sql = "SELECT count(*) FROM records WHERE start_timestamp > now() - interval '3650 days'"
+        assert query(db, sql, timeout_s=5).rows == [(1,)]  # committed rows only, no wait
+    finally:
+        conn.execute("COMMIT")
+    assert query(db, sql).rows == [(2,)]

@@ -268,6 +268,7 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
             # (:: binds first) and fail; what was meant is the value, cast.
             inner = node.copy()
             inner.set("expression", path.this)
+            inner.set("only_json_types", True)  # an arrow, not json_extract()
             return exp.Cast(this=_rewrite(inner), to=path.to)
     if isinstance(node, _COMPARISONS):
         return _comparison(node)
@@ -285,11 +286,16 @@ def _comparison(node: exp.Expr) -> exp.Expr:
         node.set("this", _call("level_num", left))
         node.set("expression", _call("level_num", right))
         return node
-    if _kind(left) == "ts" and isinstance(right, exp.Literal) and right.is_string:
+    if _kind(left) == "ts" and _is_time_text(right):
         node.set("expression", _call("fr_ts", right))
-    elif _kind(right) == "ts" and isinstance(left, exp.Literal) and left.is_string:
+    elif _kind(right) == "ts" and _is_time_text(left):
         node.set("this", _call("fr_ts", left))
     return node
+
+
+def _is_time_text(node: exp.Expr) -> bool:
+    """A time spelt some other way than the store's text: a string, a parameter, datetime()."""
+    return _is_string(node) or isinstance(node, exp.Placeholder | exp.Datetime)
 
 
 def _is_string(node: exp.Expr) -> bool:
@@ -323,6 +329,9 @@ def _json_key(path: exp.Expr) -> str | None:
 
 def _arrow(operator: str) -> Callable[[Any, exp.Expr], str]:
     def generate(self: Any, node: exp.Expr) -> str:
+        if "only_json_types" not in node.args:
+            # SQLite's json_extract(x, '$.path'), kept: it answers SQL values, not JSON.
+            return f"JSON_EXTRACT({self.sql(node, 'this')}, {self.sql(node, 'expression')})"
         key = _json_key(node.expression)
         if key is None:
             key = self.sql(node, "expression")

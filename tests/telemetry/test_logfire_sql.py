@@ -246,3 +246,12 @@ def test_a_query_answers_while_another_process_holds_the_write_lock(store: Store
     finally:
         conn.execute("COMMIT")
     assert query(db, sql).rows == [(2,)]
+
+
+def test_postgresql_that_sqlite_cannot_run_is_named_with_where_it_is(store: Store) -> None:
+    db, _ = store
+    with pytest.raises(QueryError) as caught:
+        query(db, "SELECT message FROM records\nWHERE message SIMILAR TO 'fleet%'")
+    assert str(caught.value).startswith(
+        "the local store has no SQL for 'SIMILAR' at line 2, column 15"
+    )

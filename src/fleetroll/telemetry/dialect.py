@@ -41,7 +41,7 @@ from typing import Any, ClassVar, Final, cast
 import sqlglot
 from sqlglot import exp
 from sqlglot.dialects.sqlite import SQLite
-from sqlglot.errors import ParseError, SqlglotError, TokenError
+from sqlglot.errors import ErrorLevel, ParseError, SqlglotError, TokenError
 from sqlglot.generators.sqlite import SQLiteGenerator
 
 from fleetroll.errors import QueryError
@@ -376,7 +376,7 @@ def translate(sql: str) -> str:
         )
     try:
         tree = _bottom_up(statements[0]).transform(_unwrap_intervals)
-        return tree.sql(dialect=_LocalStore)
+        return tree.sql(dialect=_LocalStore, unsupported_level=ErrorLevel.RAISE)
     except QueryError:
         raise
     except SqlglotError as exc:

@@ -188,6 +188,7 @@ _NAMED: Final = re.compile(
     r"^(no such column|no such function|no such table|wrong number of arguments to function"
     r"|misuse of aggregate(?: function)?|ambiguous column name): ([\w.]+?)(?:\(\))?$"
 )
+_NEAR: Final = re.compile(r'^near "(.+?)": syntax error$')
 #: The functions the translation adds, by what the user wrote.
 _OURS: Final = re.compile(r"\bFR_(\w+)\b", re.IGNORECASE)
 
@@ -204,6 +205,13 @@ def _explain(message: str, sql: str, problems: Sequence[str]) -> str:
             "no such function": " (not a function the local store knows)",
         }.get(problem, "")
         return f"{problem}: {name}{where}{hint}"
+    near = _NEAR.match(message)
+    if near is not None:
+        token = near.group(1)
+        return (
+            f"the local store has no SQL for {token!r}{logfire_sql.locate(sql, token)} "
+            "(a PostgreSQL form SQLite lacks; docs/telemetry.md lists what runs)"
+        )
     if problems and "user-defined" in message:
         return f"the query failed: {problems[-1]}"
     return f"the query failed: {_OURS.sub(lambda m: m.group(1), message)}"

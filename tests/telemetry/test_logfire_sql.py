@@ -255,3 +255,13 @@ def test_postgresql_that_sqlite_cannot_run_is_named_with_where_it_is(store: Stor
     assert str(caught.value).startswith(
         "the local store has no SQL for 'SIMILAR' at line 2, column 15"
     )
+
+
+def test_an_alias_cast_to_timestamp_takes_interval_arithmetic(store: Store) -> None:
+    db, conn = store
+    insert_event(conn, "e", at="2026-01-01T10:30:00.000000Z")
+    sql = (
+        "WITH t AS (SELECT start_timestamp AS at FROM records) "
+        "SELECT at::timestamp - interval '90 minutes' AS earlier FROM t"
+    )
+    assert query(db, sql).rows == [("2026-01-01T09:00:00.000000Z",)]

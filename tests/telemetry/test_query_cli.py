@@ -75,7 +75,7 @@ def test_logfire_sql_runs_unchanged_from_the_command_line(filled: Path) -> None:
     [
         ("SELECT count(*)\nFORM records", "line 2"),
         ("SELECT rewrd::float FROM records", "no such column: rewrd at line 1, column 8"),
-        ("SELECT 'unclosed FROM records", "quote is never closed"),
+        ("SELECT 'unclosed FROM records", "a string opened at line 1, column 8 is never closed"),
         ("SELECT now() - interval '1 month' FROM records", "no fixed length"),
         ("DELETE FROM records WHERE level ILIKE 'info'", "read-only"),
     ],

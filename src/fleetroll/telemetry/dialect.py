@@ -368,7 +368,7 @@ def translate(sql: str) -> str:
     except ParseError as exc:
         raise QueryError(_parse_error(sql, exc)) from None
     except TokenError as exc:
-        raise QueryError(f"the SQL cannot be read: {_token_error(exc)}") from None
+        raise QueryError(f"the SQL cannot be read: {_token_error(sql, exc)}") from None
     if len(statements) != 1:
         raise QueryError(
             f"give exactly one SQL statement (found {len(statements)}; "
@@ -397,11 +397,17 @@ def _parse_error(sql: str, exc: ParseError) -> str:
     return f"SQL syntax error{where}{near}: {description.lower()}"
 
 
-def _token_error(exc: TokenError) -> str:
-    text = str(exc)
-    if "'" in text:
-        return "a quote is never closed (strings go in single quotes: 'fleet_rollout_completed')"
-    return text
+def _token_error(sql: str, exc: TokenError) -> str:
+    for quote, what in (("'", "a string"), ('"', "a quoted name")):
+        opened: int | None = None
+        for i, char in enumerate(sql):
+            if char == quote:
+                opened = i if opened is None else None  # '' inside a string toggles twice
+        if opened is not None:
+            line = sql.count("\n", 0, opened) + 1
+            column = opened - (sql.rfind("\n", 0, opened) + 1) + 1
+            return f"{what} opened at line {line}, column {column} is never closed"
+    return str(exc).splitlines()[0]
 
 
 # -- where a name is in the user's SQL ------------------------------------------------

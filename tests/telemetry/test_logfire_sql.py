@@ -265,3 +265,28 @@ def test_an_alias_cast_to_timestamp_takes_interval_arithmetic(store: Store) -> N
         "SELECT at::timestamp - interval '90 minutes' AS earlier FROM t"
     )
     assert query(db, sql).rows == [("2026-01-01T09:00:00.000000Z",)]
+
+
+def test_the_rest_of_the_documented_functions_answer_as_postgresql_does(store: Store) -> None:
+    db, conn = store
+    for n, (env, value) in enumerate([("ledger", 1.0), ("desktop", 2.0), ("ledger", 4.0)]):
+        insert_event(conn, "e", at=f"2026-01-0{n + 1}T0{n}:00:00.000000Z", env_key=env, v=value)
+    [row] = query(
+        db,
+        "SELECT array_agg(attributes->>'env_key') AS envs, "
+        "count(*) FILTER (WHERE attributes->>'env_key' ~ '^led') AS led, "
+        "var_pop((attributes->>'v')::float) AS var_pop, "
+        "variance((attributes->>'v')::float) AS var, "
+        "max(date_part('hour', start_timestamp)) AS hour, "
+        "min(start_timestamp) < current_date AS past, "
+        "max(extract(doy from start_timestamp)) AS doy FROM records",
+    ).dicts()
+    assert row == {
+        "envs": '["ledger", "desktop", "ledger"]',
+        "led": 2,
+        "var_pop": pytest.approx(14 / 9),
+        "var": pytest.approx(7 / 3),
+        "hour": 2,
+        "past": 1,
+        "doy": 3,
+    }

@@ -702,6 +702,7 @@ def install(conn: sqlite3.Connection, *, now: datetime) -> list[str]:
         ("variance", _Variance),
         ("var_samp", _Variance),
         ("var_pop", _VarPop),
+        ("variance_pop", _VarPop),  # what sqlglot writes var_pop as
         ("stddev", _StddevSamp),
         ("stddev_samp", _StddevSamp),
         ("stddev_pop", _StddevPop),

@@ -233,7 +233,7 @@ def snapshot(
         StoreError: there is no store at ``db``, or it cannot be read.
         QueryError: a query failed or ran over ``timeout_s``.
     """
-    run = partial(query, db, timeout_s=timeout_s)
+    run = partial(query, db, timeout_s=timeout_s, dialect="sqlite")  # its own SQL, as written
     where = _where(since, batch)
     params: dict[str, Any] = {"service": service_name, "since": since, "batch": batch}
 

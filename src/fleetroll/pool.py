@@ -7,8 +7,15 @@
         async for result in batch:      # each result as soon as its rollout ends
             ...
 
-A batch always yields exactly ``len(tasks) * samples_per_task`` results, one
-per rollout id: a crash, a timeout or cancellation each still yields one.
+A batch always yields exactly ``len(tasks) * (samples_per_task + oversample)``
+results, one per rollout id: a crash, a timeout or cancellation each still
+yields one. :meth:`Batch.groups` yields each task's group of samples as soon
+as it is complete (:mod:`fleetroll.groups`).
+
+An asynchronous RL trainer sets :attr:`RolloutPool.policy_version` after each
+weight sync (recorded on turns; ``pool.max_staleness`` flags or restarts
+rollouts too far behind) and holds new policy calls with
+:meth:`RolloutPool.policy_paused` while it swaps weights.
 
 Limits, each a ``CapacityLimiter`` named for what it protects:
 
@@ -34,7 +41,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Collection, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Self, TypeVar
@@ -47,6 +54,7 @@ from fleetroll._serving import exit_transparently
 from fleetroll.engine import RolloutEngine
 from fleetroll.env_session import EnvSession
 from fleetroll.errors import PoolFullError
+from fleetroll.groups import Completion, Group, GroupTracker
 from fleetroll.policies import Policy
 from fleetroll.provisioning import CreateGate, FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
@@ -55,7 +63,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 
-__all__ = ["Batch", "BatchCounts", "BatchMap", "RolloutPool", "rollout_id"]
+__all__ = ["Batch", "BatchCounts", "BatchMap", "Group", "RolloutPool", "rollout_id"]
 
 _NAMESPACE = uuid.UUID("6c3f2a64-0f8e-4c1e-9d2a-7f1b5e9a4c10")
 
@@ -124,6 +132,11 @@ class ResultStream:
         self.drained = False
         self.on_drained: list[Callable[[], None]] = []
 
+    def __del__(self) -> None:
+        # Nobody can read an unreachable batch: one read only through its
+        # groups (or not at all) closes its stream quietly as it goes.
+        self._receive.close()
+
     def deliver(self, result: RolloutResult) -> None:
         """Pass a result on, unless one with its id already was (exactly once)."""
         if result.rollout_id in self.delivered:
@@ -147,11 +160,14 @@ class ResultStream:
             return await self._receive.receive()
         except (anyio.EndOfStream, anyio.ClosedResourceError):
             self._receive.close()
-            if not self.drained:
-                self.drained = True
-                for callback in self.on_drained:
-                    callback()
+            self._mark_drained()
             raise StopAsyncIteration from None
+
+    def _mark_drained(self) -> None:
+        if not self.drained:
+            self.drained = True
+            for callback in self.on_drained:
+                callback()
 
     async def results(self) -> list[RolloutResult]:
         """Every result, once all rollouts have ended."""
@@ -220,16 +236,59 @@ def check_capacity(batches: BatchMap[B], requested: int, limit: int) -> None:
         raise PoolFullError(queued=queued, requested=requested, limit=limit)
 
 
+class _Groups:
+    """A batch's complete groups, in completion order; any number of readers.
+
+    Each reader (:meth:`read`) sees every group once, from the first: a
+    group is a small summary of results the batch holds anyway.
+    """
+
+    def __init__(self) -> None:
+        self.complete: list[Group] = []
+        self.closed = False
+        self._changed = anyio.Event()
+
+    def add(self, group: Group) -> None:
+        self.complete.append(group)
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def read(self, on_end: Callable[[], None]) -> AsyncIterator[Group]:
+        seen = 0
+        while True:
+            while seen < len(self.complete):
+                seen += 1
+                yield self.complete[seen - 1]
+            if self.closed:
+                on_end()
+                return
+            await self._changed.wait()
+
+
 class Batch(ResultStream):
     """A running batch: an async iterator of its results.
 
     Iterate it to receive results as rollouts end; :meth:`aclose` (or leaving
     ``async with batch``) cancels what is still in flight, and the iterator
-    still yields a result for every rollout.
+    still yields a result for every rollout. :meth:`groups` yields the
+    batch's groups as they complete, whether or not the results are read too.
     """
 
     def __init__(
-        self, batch_id: str, rollouts: list[Rollout], skipped: int, run_id: str | None = None
+        self,
+        batch_id: str,
+        rollouts: list[Rollout],
+        skipped: int,
+        run_id: str | None = None,
+        *,
+        tracker: GroupTracker | None = None,
     ) -> None:
         self.batch_id = batch_id
         self.run_id = run_id or batch_id
@@ -238,6 +297,48 @@ class Batch(ResultStream):
         self.skipped = skipped
         self.scope = anyio.CancelScope()
         super().__init__(len(rollouts))
+        self._by_id = {r.ids.rollout_id: r for r in rollouts}
+        self._tracker = tracker
+        self._groups = _Groups()
+        for completion in tracker.start() if tracker else ():
+            self._complete(completion)
+
+    @property
+    def complete_groups(self) -> list[Group]:
+        """The groups complete so far, in completion order."""
+        return self._groups.complete
+
+    def groups(self) -> AsyncIterator[Group]:
+        """Each group of the batch as soon as it is complete (see :mod:`fleetroll.groups`).
+
+        Every group is yielded once (a cancelled batch's groups too, with what
+        they had), in completion order; each call reads them from the first.
+        Reading the groups to their end counts as reading the batch: the pool
+        may then forget it (``pool.keep_finished_batches``).
+        """
+        return self._groups.read(self._mark_drained)
+
+    def deliver(self, result: RolloutResult) -> None:
+        if result.rollout_id in self.delivered:
+            return
+        super().deliver(result)
+        if self._tracker is not None:
+            completion = self._tracker.add(result)
+            if completion is not None:
+                self._complete(completion)
+
+    def _complete(self, completion: Completion) -> None:
+        group, stop = completion
+        for rid in stop:
+            self._by_id[rid].stop(
+                FailureReason.SUPERSEDED,
+                f"its group (task {group.task_key!r}) had its {group.expected} scored samples",
+            )
+        self._groups.add(group)
+
+    def close_stream(self) -> None:
+        super().close_stream()
+        self._groups.close()
 
     @property
     def total(self) -> int:
@@ -321,6 +422,28 @@ class RolloutPool:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
         return self._engine
 
+    @property
+    def policy_version(self) -> int:
+        """The policy version recorded on turns from now on (the trainer sets it).
+
+        Raises:
+            TypeError: (setting) the value is not an int.
+        """
+        return self.engine.policy_gate.version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.engine.policy_gate.version = value
+
+    def policy_paused(self) -> AbstractAsyncContextManager[None]:
+        """Hold new policy calls for the block (a weight swap); pauses nest.
+
+        Calls already running finish; tool calls, provisioning and verification
+        go on. The wait is charged to no rollout deadline, only to the batch's
+        ``deadline_s``.
+        """
+        return self.engine.policy_gate.paused_calls()
+
     async def __aenter__(self) -> Self:
         stack = AsyncExitStack()
         async with stack:
@@ -380,6 +503,8 @@ class RolloutPool:
         skip: Collection[str] = (),
         only: Collection[str] | None = None,
         run_id: str | None = None,
+        oversample: int | None = None,
+        previous: Sequence[RolloutResult] = (),
     ) -> Batch:
         """Start a batch; iterate the returned :class:`Batch` for its results.
 
@@ -391,10 +516,16 @@ class RolloutPool:
             only: run just these rollout ids (a shard of a larger batch).
             run_id: Fleet's ``run_id`` for the instances (default: the batch id);
                 instances left behind are swept by it when the batch ends.
+            oversample: extra rollouts per group (default ``pool.oversample``),
+                sample indices ``samples_per_task`` and up; a group is complete
+                at its first ``samples_per_task`` scored samples and the extras
+                still running end as ``superseded``.
+            previous: results of this batch's rollouts from an earlier run (a
+                resume): they are not run again and count in their groups.
 
         Raises:
-            ValueError: ``samples_per_task`` is below 1, two tasks share a key,
-                or a batch with this id is still running.
+            ValueError: ``samples_per_task`` is below 1, ``oversample`` below 0,
+                two tasks share a key, or a batch with this id is still running.
             PoolFullError: the batch would take the pool's unfinished
                 rollouts past ``pool.max_queued_rollouts``.
         """
@@ -402,14 +533,19 @@ class RolloutPool:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
         if samples_per_task < 1:
             raise ValueError("samples_per_task must be at least 1")
+        extra = self.settings.pool.oversample if oversample is None else oversample
+        if extra < 0:
+            raise ValueError("oversample must be at least 0")
         check_unique_keys(tasks)
         batch_id = batch_id or uuid.uuid4().hex[:12]
         if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
             raise ValueError(f"batch {batch_id} is already running")
-        skip = set(skip)
+        skip = set(skip) | {r.rollout_id for r in previous}
         rollouts = []
+        members: dict[str, tuple[str, list[str]]] = {}
         for task in tasks:
-            for sample in range(samples_per_task):
+            members[group_id(batch_id, task.key)] = (task.key, [])
+            for sample in range(samples_per_task + extra):
                 rid = rollout_id(batch_id, task.key, sample)
                 if rid in skip or (only is not None and rid not in only):
                     continue
@@ -419,6 +555,7 @@ class RolloutPool:
                     sample_index=sample,
                     group_id=group_id(batch_id, task.key),
                 )
+                members[ids.group_id or ""][1].append(rid)
                 rollouts.append(
                     self.engine.rollout(
                         task, ids, run_id=run_id or batch_id, gate=lambda: self.active
@@ -428,8 +565,9 @@ class RolloutPool:
         batch = Batch(
             batch_id,
             rollouts,
-            skipped=len(tasks) * samples_per_task - len(rollouts),
+            skipped=len(tasks) * (samples_per_task + extra) - len(rollouts),
             run_id=run_id or batch_id,
+            tracker=GroupTracker(batch_id, samples_per_task, members, previous),
         )
         if deadline_s is not None:
             batch.scope.deadline = anyio.current_time() + deadline_s
@@ -454,12 +592,11 @@ class RolloutPool:
             # Rollouts cancelled before they started still get their result.
             for rollout in batch.rollouts:
                 if rollout.result is None:
-                    batch.deliver(
-                        rollout.never_started(
-                            FailureReason.CANCELLED,
-                            "the batch was cancelled before this rollout started",
-                        )
+                    reason, error = rollout.stop_reason or (
+                        FailureReason.CANCELLED,
+                        "the batch was cancelled before this rollout started",
                     )
+                    batch.deliver(rollout.never_started(reason, error))
             batch.close_stream()
             # Instances of this batch no rollout knows about carry its run_id.
             await self.engine.provider.sweep(batch.run_id)
@@ -477,8 +614,10 @@ class RolloutPool:
 
     async def _one(self, batch: Batch, rollout: Rollout, policy: Policy) -> None:
         try:
-            async with self.instances:
-                await rollout.run(policy)
+            # rollout.stop() (its group is complete) cancels just this rollout.
+            with rollout.stop_scope:
+                async with self.instances:
+                    await rollout.run(policy)
         except anyio.get_cancelled_exc_class():
             if rollout.result is not None:
                 batch.deliver(rollout.result)
@@ -486,6 +625,12 @@ class RolloutPool:
         except Exception as exc:  # the rollout's own boundary failed: still one result
             if rollout.result is None:
                 rollout.never_started(FailureReason.INIT_ERROR, f"fleetroll bug: {exc!r}")
+        if rollout.result is None:  # stopped while it waited for an instance slot
+            reason, error = rollout.stop_reason or (
+                FailureReason.CANCELLED,
+                "the rollout was cancelled before it started",
+            )
+            rollout.never_started(reason, error)
         assert rollout.result is not None
         batch.deliver(rollout.result)
 

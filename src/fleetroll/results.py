@@ -35,6 +35,11 @@ class FailureReason(StrEnum):
     #: The next prompt would pass ``policy.max_context_tokens``, or the model's
     #: server answered that the prompt is longer than its context.
     CONTEXT_OVERFLOW = "context_overflow"
+    #: The rollout's first policy call was more than ``pool.max_staleness``
+    #: policy versions behind when it ended (still scored).
+    STALE = "stale"
+    #: An oversampled rollout stopped because its group was complete.
+    SUPERSEDED = "superseded"
 
 
 #: Reasons after which the verifier still scores the rollout (docs/results.md);
@@ -45,6 +50,7 @@ SCORED_REASONS = frozenset(
         FailureReason.MAX_STEPS,
         FailureReason.ABANDONED,
         FailureReason.CONTEXT_OVERFLOW,
+        FailureReason.STALE,
     }
 )
 

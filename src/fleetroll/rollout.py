@@ -23,9 +23,15 @@ env-style session API is :mod:`fleetroll.env_session`.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import (
+    AbstractAsyncContextManager,
+    AsyncExitStack,
+    asynccontextmanager,
+    contextmanager,
+)
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final, TypeVar
@@ -38,7 +44,7 @@ from fleetroll.environments import Instance
 from fleetroll.errors import ContextOverflowError, InstanceLostError, PolicyError
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.progress import Progress, RolloutIds
-from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult
 from fleetroll.retrying import reporting as report_retries
 from fleetroll.routing import Route
 from fleetroll.stages import RolloutContext, SetupFailure
@@ -75,7 +81,8 @@ _NEXT: Final[dict[Phase, frozenset[Phase]]] = {
     Phase.CONNECTING: frozenset({Phase.ACTING, Phase.VERIFYING, Phase.RELEASING}),
     Phase.ACTING: frozenset({Phase.VERIFYING, Phase.RELEASING}),
     Phase.VERIFYING: frozenset({Phase.RELEASING}),
-    Phase.RELEASING: frozenset({Phase.DONE}),
+    # PROVISIONING again: a stale rollout restarted (pool.staleness_action).
+    Phase.RELEASING: frozenset({Phase.DONE, Phase.PROVISIONING}),
     Phase.DONE: frozenset(),
 }
 
@@ -128,6 +135,10 @@ class Rollout:
         self._p = Progress()
         self._started = time.monotonic()
         self._deadline = float("inf")
+        self._deadline_scope: anyio.CancelScope | None = None
+        #: Entered around the whole run by its owner; :meth:`stop` cancels it.
+        self.stop_scope = anyio.CancelScope()
+        self._stop: tuple[FailureReason, str] | None = None
         self._setup_failure: SetupFailure | None = None
         s = engine.settings
         self.max_steps = task.max_steps or s.pool.max_steps
@@ -141,15 +152,27 @@ class Rollout:
 
         On cancellation the result (``cancelled``) is still recorded in
         :attr:`result` and the completed event emitted before re-raising.
+        A stale rollout (``pool.max_staleness``) with ``staleness_action =
+        "restart"`` runs again from scratch on a fresh instance, inside this
+        one call: still one started and one completed event, one result.
         """
-        async with self.lifecycle(enforce_deadline=True) as ready:
-            if ready:
-                await self._guarded(self._act(policy))
-        assert self.result is not None
-        return self.result
+        pool = self.engine.settings.pool
+        restarts = pool.max_stale_restarts if pool.staleness_action == "restart" else 0
+        restarted = 0
+        while True:
+            async with self.lifecycle(
+                enforce_deadline=True, may_restart=restarted < restarts, restarted=restarted
+            ) as ready:
+                if ready:
+                    await self._guarded(self._act(policy))
+            if self.result is not None:
+                return self.result
+            restarted += 1
 
     @asynccontextmanager
-    async def lifecycle(self, *, enforce_deadline: bool = False) -> AsyncIterator[bool]:
+    async def lifecycle(
+        self, *, enforce_deadline: bool = False, may_restart: bool = False, restarted: int = 0
+    ) -> AsyncIterator[bool]:
         """Set up (provision, reset, connect, discover), yield, score, tear down.
 
         Yields whether the rollout is ready to act. With ``enforce_deadline``,
@@ -157,14 +180,21 @@ class Rollout:
         rollout ends as ``timeout``, still scored). Failures of set-up and
         scoring become the result's ``failure_reason``; an exception from the
         caller's own block is recorded (``abandoned``) and re-raised.
+
+        With ``may_restart``, a stale rollout is released without a result
+        (:attr:`result` stays None) for the caller to run again; ``restarted``
+        says how many times it already was (its started event is not repeated).
         """
-        self._started = time.monotonic()
+        if not restarted:
+            self._started = time.monotonic()
         caller_error: Exception | None = None
+        restart = False
         with (
             Events.bind(**stages.event_attributes(self.ids, self.task)),
             report_retries(retry_emitter(self.engine.events)),
         ):
-            self.engine.events.emit("fleet_rollout_started")
+            if not restarted:
+                self.engine.events.emit("fleet_rollout_started")
             try:
                 # One scope spans set-up and the block, so that the MCP session
                 # opened inside nests properly; its deadline is set once the
@@ -190,12 +220,15 @@ class Rollout:
                         await self._session_failed(exc)
                 if deadline.cancelled_caught:
                     self.time_out()
-                await self._guarded(self._score())
+                restart = self._check_staleness(may_restart)
+                if not restart:
+                    await self._guarded(self._score())
             except anyio.get_cancelled_exc_class():
-                self._fail(FailureReason.CANCELLED, "the rollout was cancelled", force=True)
+                reason, error = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
+                self._fail(reason, error, force=True)
                 raise
             finally:
-                await self._tear_down()
+                await self._tear_down(restart=restart, restarted=restarted)
         if caller_error is not None:
             raise caller_error
 
@@ -240,6 +273,7 @@ class Rollout:
             self._enter(Phase.WAITING)
             await stack.enter_async_context(self._gate())
         self._deadline = anyio.current_time() + e.settings.timeouts.rollout_s
+        self._deadline_scope = deadline
         if deadline is not None:
             deadline.deadline = self._deadline
         stack.enter_context(Events.bind(instance_id=instance.instance_id))
@@ -284,7 +318,11 @@ class Rollout:
                     f" policy.max_context_tokens = {max_context}",
                 )
                 return
-            version, _ = await self.engine.policy_gate.admit()
+            # A trainer's pause (pool.policy_paused) is charged to no deadline
+            # of the rollout's: neither its own nor policy_s (counted from here on).
+            with self._deadline_lifted():
+                version, waited_s = await self.engine.policy_gate.admit()
+                self._deadline += waited_s
             began = time.monotonic()
             try:
                 with anyio.fail_after(timeout):
@@ -307,6 +345,20 @@ class Rollout:
             self._p.record_turn(turn, policy_version=version, latency_s=latency)
             await self.apply(turn)
 
+    @contextmanager
+    def _deadline_lifted(self) -> Iterator[None]:
+        """The rollout's deadline cannot pass during the block; after it, it is
+        ``self._deadline`` again (which the block may have moved)."""
+        scope = self._deadline_scope
+        if scope is None:
+            yield
+            return
+        scope.deadline = math.inf
+        try:
+            yield
+        finally:
+            scope.deadline = self._deadline
+
     async def apply(self, turn: AssistantTurn) -> None:
         """Record an assistant turn and run its tool calls."""
         self._p.transcript.add_turn(turn)
@@ -319,6 +371,7 @@ class Rollout:
             if self._p.finished or self._p.reason is not None:
                 return
             await self._call(call)
+            self._notify()  # the tool's answer is in the transcript
 
     async def _call(self, call: ToolCall) -> ToolResult:
         """Run one tool call and record its answer (a failure may end the rollout)."""
@@ -346,12 +399,77 @@ class Rollout:
         self._enter(Phase.VERIFYING)
         await stages.score(self.engine, self.instance, self.task, self._p)
 
-    async def _tear_down(self) -> None:
+    def _check_staleness(self, may_restart: bool) -> bool:
+        """Flag a rollout whose first policy call is too far behind (``pool.max_staleness``).
+
+        Only a rollout the verifier would score can be stale. Returns whether
+        to restart it instead (``may_restart``).
+        """
+        p = self._p
+        limit = self.engine.settings.pool.max_staleness
+        first = p.turns[0].policy_version if p.turns else None
+        if limit is None or first is None:
+            return False
+        if p.reason is not None and p.reason not in SCORED_REASONS:
+            return False
+        now = self.engine.policy_gate.version
+        if now - first <= limit:
+            return False
+        if may_restart:
+            return True
+        ended = f"; it had ended as {p.reason.value}" if p.reason is not None else ""
+        self._fail(
+            FailureReason.STALE,
+            f"the rollout's first policy call used policy version {first}, {now - first} versions"
+            f" behind version {now} (pool.max_staleness = {limit}){ended}",
+            force=True,
+        )
+        return False
+
+    def stop(self, reason: FailureReason, error: str) -> None:
+        """End the rollout early, from another task: it ends as ``reason``.
+
+        Cancels :attr:`stop_scope`; its instance is released as on any path.
+        """
+        if self._stop is None:
+            self._stop = (reason, error)
+        self.stop_scope.cancel()
+
+    @property
+    def stop_reason(self) -> tuple[FailureReason, str] | None:
+        """Why :meth:`stop` was called, if it was."""
+        return self._stop
+
+    def _start_again(self, restarted: int) -> None:
+        """Forget the stale attempt (its instance is released; its cost stays) and say so."""
+        self.engine.events.emit(
+            "fleet_rollout_restarted",
+            level="warn",
+            instance_id=self.instance.instance_id if self.instance else None,
+            restarts=restarted + 1,
+            first_policy_version=self._p.turns[0].policy_version,
+            policy_version=self.engine.policy_gate.version,
+        )
+        self.instance = None
+        self.route = None
+        self.tools = []
+        self.session = None
+        self._setup_failure = None
+        self._deadline_scope = None
+        self._provisioned_at = None
+        self._p = Progress(cost=self._p.cost)
+        self._p.transcript.max_images = self.engine.settings.policy.max_images
+
+    async def _tear_down(self, *, restart: bool = False, restarted: int = 0) -> None:
         self._enter(Phase.RELEASING)
         if self.instance is not None:
             await self.engine.provider.release(self.instance)
         if self._provisioned_at is not None:
-            self._p.cost.instance_s = time.monotonic() - self._provisioned_at
+            # Summed: a restarted rollout paid for its stale attempt's instance too.
+            self._p.cost.instance_s += time.monotonic() - self._provisioned_at
+        if restart:
+            self._start_again(restarted)
+            return
         self._enter(Phase.DONE)
         self.result = self._build_result()
         stages.report_completed(self.engine.events, self.result)

@@ -160,6 +160,20 @@ class PoolSettings(_Section):
     #: Rollouts not yet finished across all of a pool's batches; a batch that
     #: would go over is refused (``PoolFullError``; HTTP 503 with Retry-After).
     max_queued_rollouts: int = Field(100_000, ge=1)
+    #: Extra rollouts started per group (GRPO): a group is complete at its first
+    #: ``samples_per_task`` scored samples, and the extras still running are
+    #: stopped and end as ``superseded`` (no reward). ``run_batch(oversample=)``
+    #: overrides it per batch.
+    oversample: int = Field(0, ge=0)
+    #: Asynchronous RL: a rollout whose first policy call used a version more
+    #: than this many versions behind ``pool.policy_version`` when it ends is
+    #: ``stale`` (scored by the verifier). None: no limit.
+    max_staleness: int | None = Field(None, ge=0)
+    #: What a stale rollout does: "flag" reports it ``stale``; "restart" runs it
+    #: again from scratch on a fresh instance (still one result per rollout),
+    #: at most ``max_stale_restarts`` times, then reports it ``stale``.
+    staleness_action: Literal["flag", "restart"] = "flag"
+    max_stale_restarts: int = Field(2, ge=0)
 
 
 class PolicySettings(_Section):

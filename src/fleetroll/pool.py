@@ -53,6 +53,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleetroll._serving import exit_transparently
 from fleetroll.engine import RolloutEngine
 from fleetroll.env_session import EnvSession
+from fleetroll.environments import Provider
 from fleetroll.errors import PoolFullError
 from fleetroll.groups import Completion, Group, GroupTracker
 from fleetroll.policies import Policy
@@ -389,7 +390,12 @@ class Batch(ResultStream):
 
 
 class RolloutPool:
-    """Runs batches of rollouts under shared limits. An async context manager."""
+    """Runs batches of rollouts under shared limits. An async context manager.
+
+    ``provider`` replaces Fleet (the emulator's or the real one) with another
+    :class:`~fleetroll.environments.Provider` (tests use the in-memory
+    :class:`~fleetroll.testing.fake_provider.FakeProvider`); the pool closes it.
+    """
 
     def __init__(
         self,
@@ -399,8 +405,10 @@ class RolloutPool:
         base_url: str | None = None,
         events: Events | None = None,
         create_gate: CreateGate | None = None,
+        provider: Provider | None = None,
     ) -> None:
         self.settings = settings
+        self._provider = provider
         self.events = events or Events()
         self._api_key = api_key
         self._create_gate = create_gate
@@ -451,7 +459,8 @@ class RolloutPool:
                 RolloutEngine.open(
                     self.settings,
                     self.events,
-                    FleetProvider(
+                    self._provider
+                    or FleetProvider(
                         self.settings,
                         self.events,
                         api_key=self._api_key,

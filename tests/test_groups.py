@@ -1,0 +1,271 @@
+"""Groups as they finish, and oversampling: the pool's bookkeeping on the provider double.
+
+The pool runs for real (limits, cancellation, one result per rollout id) over
+:class:`fleetroll.testing.fake_provider.FakeProvider`; a planned policy
+decides, rollout by rollout, whether it solves its task (reward 1), gives up
+(reward 0) or waits to be released.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import pytest
+
+from fleetroll.groups import Group, GroupTracker
+from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
+from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.settings import load_settings
+from fleetroll.tasks import SolutionStep, TaskSpec
+from fleetroll.telemetry.events import Events, MemorySink
+from fleetroll.testing.fake_provider import FakeProvider
+
+pytestmark = pytest.mark.anyio
+
+TASK = TaskSpec(
+    key="note-done",
+    prompt="Write done.",
+    env_key="fake",
+    modality="tool_use",
+    verifier_func="def verify(env):\n    return 1.0\n",
+    solution=(SolutionStep(name="note", arguments={"word": "done"}),),
+)
+OTHER = TASK.model_copy(update={"key": "note-done-too"})
+
+
+class PlannedPolicy(ScriptedPolicy):
+    """Each rollout's first turn takes its task's next choice from ``plans``.
+
+    "solve" plays the solution (reward 1.0), "zero" ends at once without
+    solving (reward 0.0), "hold" waits for :attr:`release` and then solves.
+    Unplanned first turns solve.
+    """
+
+    def __init__(self, plans: dict[str, Sequence[str]] | None = None) -> None:
+        super().__init__()
+        self._plans = {key: iter(plan) for key, plan in (plans or {}).items()}
+        self.release = anyio.Event()
+        self.first_turns: Counter[str] = Counter()
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Any], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        if not any(m.get("role") == "assistant" for m in messages):
+            self.first_turns[task.key] += 1
+            choice = next(self._plans.get(task.key, iter(())), "solve")
+            if choice == "zero":
+                return AssistantTurn(content="I give up.")
+            if choice == "hold":
+                await self.release.wait()
+        return await super().act(task, messages, tools)
+
+
+def fake_pool(sink: MemorySink, provider_options: dict[str, Any] | None = None, **overrides: Any):
+    settings = load_settings(**overrides)
+    provider = FakeProvider(settings, **(provider_options or {}))
+    pool = RolloutPool(settings, api_key="unused", events=Events([sink]), provider=provider)
+    return pool, provider
+
+
+def assert_pairs(sink: MemorySink) -> None:
+    started = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_started"))
+    completed = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed"))
+    assert started == completed and set(completed.values()) <= {1}
+
+
+async def test_groups_come_in_completion_order_with_their_reward_statistics() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy({TASK.key: ["hold"] * 3, OTHER.key: ["solve", "zero", "solve"]})
+    pool, provider = fake_pool(sink)
+    groups: list[Group] = []
+    async with pool:
+        batch = pool.run_batch([TASK, OTHER], policy, samples_per_task=3, batch_id="b")
+        with anyio.fail_after(10):
+            async for group in batch.groups():
+                groups.append(group)
+                if len(groups) == 1:
+                    # The first group came while the other's rollouts were all still held.
+                    assert batch.counts().finished == 3
+                    policy.release.set()
+            results = await batch.results()
+    assert [g.task_key for g in groups] == [OTHER.key, TASK.key]
+    other, held = groups
+    assert other.group_id == group_id("b", OTHER.key) and other.batch_id == "b"
+    assert sorted(other.rewards) == [0.0, 1.0, 1.0] and not other.uniform
+    assert other.reward_mean == pytest.approx(2 / 3)
+    assert other.reward_std == pytest.approx((2 / 9) ** 0.5)  # population std
+    assert held.rewards == [1.0] * 3 and held.uniform and held.reward_std == 0.0
+    assert [r.reward for r in held.results] == held.rewards
+    assert (held.failed, held.superseded, held.expected) == (0, 0, 3)
+    assert len(results) == 6 and provider.running == 0
+    assert_pairs(sink)
+
+
+async def test_an_oversampled_group_keeps_its_first_scored_samples_and_stops_the_rest() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy({TASK.key: ["solve", "zero", "hold", "hold"]})
+    pool, provider = fake_pool(sink)
+    async with pool:
+        batch = pool.run_batch([TASK], policy, samples_per_task=2, oversample=2, batch_id="b")
+        with anyio.fail_after(10):
+            groups = [g async for g in batch.groups()]
+            results = await batch.results()
+    assert len(groups) == 1
+    (group,) = groups
+    assert sorted(group.rewards) == [0.0, 1.0] and group.superseded == 2
+    assert sorted(r.sample_index for r in results) == [0, 1, 2, 3]
+    assert {r.rollout_id for r in results} == {rollout_id("b", TASK.key, n) for n in range(4)}
+    superseded = [r for r in results if r.failure_reason is FailureReason.SUPERSEDED]
+    assert len(superseded) == 2
+    assert all(r.reward is None and r.status == "failed" for r in superseded)
+    assert "had its 2 scored samples" in (superseded[0].error or "")
+    assert provider.running == 0 and len(provider.released) == 4
+    assert_pairs(sink)
+
+
+async def test_extras_that_never_got_an_instance_end_superseded_without_one() -> None:
+    sink = MemorySink()
+    pool, provider = fake_pool(
+        sink, pool={"concurrency": 1}, provisioning={"max_concurrent_creates": 1}
+    )
+    async with pool:
+        batch = pool.run_batch([TASK], PlannedPolicy(), samples_per_task=1, oversample=3)
+        with anyio.fail_after(10):
+            results = await batch.results()
+            (group,) = [g async for g in batch.groups()]
+    reasons = Counter(r.failure_reason for r in results)
+    assert reasons == {None: 1, FailureReason.SUPERSEDED: 3}
+    assert group.rewards == [1.0] and group.superseded == 3
+    # Two slots for instances: at most one extra was provisioned before the group was complete.
+    assert len(provider.states) <= 2 and provider.running == 0
+    assert_pairs(sink)
+
+
+def journaled(batch_id: str, task: TaskSpec, sample: int, reward: float | None) -> RolloutResult:
+    """A result an earlier run of the batch wrote to its journal."""
+    return RolloutResult(
+        rollout_id=rollout_id(batch_id, task.key, sample),
+        batch_id=batch_id,
+        task_key=task.key,
+        sample_index=sample,
+        group_id=group_id(batch_id, task.key),
+        env_key=task.env_key,
+        modality=task.modality,
+        status="completed" if reward is not None else "failed",
+        failure_reason=None if reward is not None else FailureReason.INSTANCE_LOST,
+        reward=reward,
+    )
+
+
+async def test_a_resumed_oversampled_group_counts_what_its_journal_holds() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy({TASK.key: ["solve", "hold"]})
+    pool, provider = fake_pool(sink)
+    previous = [journaled("b", TASK, 0, 1.0)]
+    async with pool:
+        batch = pool.run_batch(
+            [TASK], policy, samples_per_task=2, oversample=1, batch_id="b", previous=previous
+        )
+        with anyio.fail_after(10):
+            results = await batch.results()
+            (group,) = [g async for g in batch.groups()]
+    # Sample 0 ran before the crash: the group needed one more, not two.
+    assert batch.skipped == 1 and sorted(r.sample_index for r in results) == [1, 2]
+    assert Counter(r.failure_reason for r in results) == {None: 1, FailureReason.SUPERSEDED: 1}
+    assert group.results[0] == previous[0] and group.rewards == [1.0, 1.0]
+    assert provider.running == 0
+    assert_pairs(sink)
+
+
+async def test_a_group_complete_in_its_journal_starts_nothing_on_resume() -> None:
+    sink = MemorySink()
+    pool, provider = fake_pool(sink)
+    previous = [journaled("b", TASK, 0, 1.0), journaled("b", TASK, 1, 0.0)]
+    async with pool:
+        batch = pool.run_batch(
+            [TASK],
+            PlannedPolicy(),
+            samples_per_task=2,
+            oversample=2,
+            batch_id="b",
+            previous=previous,
+        )
+        with anyio.fail_after(10):
+            (group,) = [g async for g in batch.groups()]
+            results = await batch.results()
+    assert group.rewards == [1.0, 0.0] and group.superseded == 2
+    assert {r.failure_reason for r in results} == {FailureReason.SUPERSEDED}
+    assert not provider.states and not sink.named("fleet_rollout_started")
+
+
+async def test_a_group_hit_by_infrastructure_failures_completes_when_its_rollouts_end() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy()
+    pool, _ = fake_pool(sink, provider_options={"verify_error": "the verifier crashed"})
+    async with pool:
+        batch = pool.run_batch([TASK], policy, samples_per_task=3)
+        with anyio.fail_after(10):
+            (group,) = [g async for g in batch.groups()]
+    assert (group.failed, group.results, group.rewards) == (3, [], [])
+    assert group.reward_mean is None and group.reward_std is None and not group.uniform
+
+
+async def test_a_cancelled_batch_still_yields_every_group_with_what_it_had() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy({TASK.key: ["solve", "hold", "hold"]})
+    pool, provider = fake_pool(sink)
+    async with pool:
+        batch = pool.run_batch([TASK, OTHER], policy, samples_per_task=3)
+        with anyio.fail_after(10):
+            async for group in batch.groups():
+                assert group.task_key == OTHER.key  # TASK's cannot complete: two are held
+                await batch.aclose()
+                break
+            (_, cancelled) = [g async for g in batch.groups()]  # each reader sees all
+    assert cancelled.task_key == TASK.key and cancelled.rewards == [1.0]
+    assert cancelled.failed == 2 and provider.running == 0
+    assert_pairs(sink)
+
+
+async def test_a_batch_read_only_through_its_groups_is_forgotten_like_a_drained_one() -> None:
+    sink = MemorySink()
+    pool, _ = fake_pool(sink, pool={"keep_finished_batches": 1})
+    async with pool:
+        with anyio.fail_after(10):
+            for n in range(3):
+                batch = pool.run_batch([TASK], PlannedPolicy(), batch_id=f"b{n}")
+                assert [g.rewards async for g in batch.groups()] == [[1.0]]
+            held = set(pool.batches)
+        del batch
+        gc.collect()  # an unread result stream must not warn as it goes
+    assert held == {"b2"}
+
+
+def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
+    members = {"g": ("t", ["r0", "r1", "r2"])}
+    tracker = GroupTracker("b", 1, members)
+    assert tracker.start() == []
+
+    def result(rid: str, reward: float | None) -> RolloutResult:
+        return RolloutResult(
+            rollout_id=rid,
+            batch_id="b",
+            task_key="t",
+            group_id="g",
+            env_key="e",
+            modality="tool_use",
+            status="completed",
+            reward=reward,
+        )
+
+    done = tracker.add(result("r1", 0.5))
+    assert done is not None
+    group, stop = done
+    assert group.rewards == [0.5] and stop == ["r0", "r2"] and group.superseded == 2
+    assert tracker.add(result("r0", 1.0)) is None
+    assert tracker.add(result("r1", 1.0)) is None  # not one of its running rollouts any more

@@ -56,6 +56,7 @@ EVENT_NAMES: Final[frozenset[str]] = frozenset(
         "fleet_batch_completed",
         "fleet_rollout_started",
         "fleet_rollout_completed",
+        "fleet_rollout_restarted",
         "fleet_make_retry",
         "fleet_retry",
         "fleet_make_failed",

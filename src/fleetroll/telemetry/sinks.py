@@ -85,6 +85,7 @@ CONSOLE_LEVELS: Final[Mapping[str, int]] = {
     "fleet_verifier_failed": DEBUG,
     "fleet_batch_started": INFO,
     "fleet_batch_completed": INFO,
+    "fleet_rollout_restarted": INFO,
     "fleet_instance_release_failed": ERROR,
 }
 _BY_EVENT_LEVEL: Final[Mapping[str, int]] = {
@@ -105,9 +106,9 @@ def console_level(event: Event) -> int:
     """The stdlib logging level at which ``event`` shows on the console."""
     if event.name == "fleet_rollout_completed":
         reason = event.attributes.get("failure_reason")
-        if reason is None or reason == "cancelled":
+        if reason is None or reason in ("cancelled", "superseded"):
             return DEBUG
-        return INFO if reason == "max_steps" else WARNING
+        return INFO if reason in ("max_steps", "stale") else WARNING
     fixed = CONSOLE_LEVELS.get(event.name)
     return fixed if fixed is not None else _BY_EVENT_LEVEL.get(event.level, INFO)
 

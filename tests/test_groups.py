@@ -11,11 +11,14 @@ from __future__ import annotations
 import gc
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
 import pytest
 
+from fleetroll.batch_pool import FleetTarget, open_batch_pool
+from fleetroll.errors import ConfigError
 from fleetroll.groups import Group, GroupTracker
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.pool import RolloutPool, group_id, rollout_id
@@ -269,3 +272,12 @@ def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
     assert group.rewards == [0.5] and stop == ["r0", "r2"] and group.superseded == 2
     assert tracker.add(result("r0", 1.0)) is None
     assert tracker.add(result("r1", 1.0)) is None  # not one of its running rollouts any more
+
+
+async def test_oversampling_on_ray_is_refused_in_one_line_before_anything_starts() -> None:
+    settings = load_settings(pool={"oversample": 2})
+    fleet = FleetTarget(api_key="unused", base_url=None, description="nowhere")
+    async with AsyncExitStack() as stack:
+        with pytest.raises(ConfigError, match=r"pool.oversample = 2 needs the local pool") as err:
+            await open_batch_pool(stack, settings, fleet, Events([]), ray_address="local")
+    assert "\n" not in str(err.value)

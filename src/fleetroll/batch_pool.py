@@ -16,6 +16,7 @@ from typing import Protocol, TypeVar
 import anyio
 
 from fleetroll.cli_options import ray_options
+from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
 from fleetroll.pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
@@ -105,7 +106,7 @@ async def open_batch_pool(
     local Ray (``"local"``) or on the cluster at ``ray_address``.
 
     Raises:
-        ConfigError: Ray is asked for but not installed.
+        ConfigError: Ray is asked for but not installed, or with pool.oversample.
     """
     pool: BatchPool
     if ray_address is None:
@@ -113,6 +114,11 @@ async def open_batch_pool(
             RolloutPool(settings, api_key=fleet.api_key, base_url=fleet.base_url, events=events)
         )
         return pool, fleet.description
+    if settings.pool.oversample:
+        raise ConfigError(
+            f"pool.oversample = {settings.pool.oversample} needs the local pool:"
+            " oversampling is not supported with --ray (set it to 0, or drop --ray)"
+        )
     from fleetroll.ray_pool import RayRolloutPool
 
     pool = await stack.enter_async_context(

@@ -1,16 +1,15 @@
 """Groups as they finish, and oversampling: the pool's bookkeeping on the provider double.
 
 The pool runs for real (limits, cancellation, one result per rollout id) over
-:class:`fleetroll.testing.fake_provider.FakeProvider`; a planned policy
-decides, rollout by rollout, whether it solves its task (reward 1), gives up
-(reward 0) or waits to be released.
+:class:`fleetroll.testing.fake_provider.FakeProvider`; a
+:class:`~fleetroll.testing.planned_policy.PlannedPolicy` decides, rollout by
+rollout, whether it solves its task (reward 1), gives up (reward 0) or waits.
 """
 
 from __future__ import annotations
 
 import gc
 from collections import Counter
-from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -20,13 +19,13 @@ import pytest
 from fleetroll.batch_pool import FleetTarget, open_batch_pool
 from fleetroll.errors import ConfigError
 from fleetroll.groups import Group, GroupTracker
-from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.testing.planned_policy import PlannedPolicy
 
 pytestmark = pytest.mark.anyio
 
@@ -39,33 +38,6 @@ TASK = TaskSpec(
     solution=(SolutionStep(name="note", arguments={"word": "done"}),),
 )
 OTHER = TASK.model_copy(update={"key": "note-done-too"})
-
-
-class PlannedPolicy(ScriptedPolicy):
-    """Each rollout's first turn takes its task's next choice from ``plans``.
-
-    "solve" plays the solution (reward 1.0), "zero" ends at once without
-    solving (reward 0.0), "hold" waits for :attr:`release` and then solves.
-    Unplanned first turns solve.
-    """
-
-    def __init__(self, plans: dict[str, Sequence[str]] | None = None) -> None:
-        super().__init__()
-        self._plans = {key: iter(plan) for key, plan in (plans or {}).items()}
-        self.release = anyio.Event()
-        self.first_turns: Counter[str] = Counter()
-
-    async def act(
-        self, task: TaskSpec, messages: Sequence[Any], tools: Sequence[ToolSpec]
-    ) -> AssistantTurn:
-        if not any(m.get("role") == "assistant" for m in messages):
-            self.first_turns[task.key] += 1
-            choice = next(self._plans.get(task.key, iter(())), "solve")
-            if choice == "zero":
-                return AssistantTurn(content="I give up.")
-            if choice == "hold":
-                await self.release.wait()
-        return await super().act(task, messages, tools)
 
 
 def fake_pool(sink: MemorySink, provider_options: dict[str, Any] | None = None, **overrides: Any):

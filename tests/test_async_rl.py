@@ -1,0 +1,151 @@
+"""Asynchronous RL against the embedded emulator (real HTTP and MCP over loopback).
+
+Policy versions across a mid-batch bump, the trainer's pause on policy calls,
+staleness (flag and restart), groups in completion order and oversampling,
+each checked against the emulator's ledger (nothing left running) and the
+telemetry invariant (one started and one completed event per rollout id).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import anyio
+import pytest
+
+from fleetroll.emulator import Emulator, FaultProfile, Latency
+from fleetroll.pool import RolloutPool
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import load_tasks
+from fleetroll.telemetry import Events, MemorySink
+from fleetroll.testing.planned_policy import PlannedPolicy
+
+pytestmark = pytest.mark.slow
+
+SETTINGS = load_settings()
+LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
+FAST = {"creates_per_second": 1000, "max_concurrent_creates": 16}
+
+
+def pool_for(emu: Emulator, sink: MemorySink, **overrides: Any) -> RolloutPool:
+    settings = load_settings(**{"provisioning": FAST, **overrides})
+    return RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=Events([sink]))
+
+
+def assert_pairs(sink: MemorySink) -> None:
+    started = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_started"))
+    completed = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed"))
+    assert started == completed and set(completed.values()) <= {1}
+
+
+async def test_a_version_bump_mid_batch_marks_the_rollouts_that_began_before_it_stale(
+    emulator: Emulator,
+) -> None:
+    sink = MemorySink()
+    early, late = LEDGER[:2], LEDGER[2:4]
+    policy = PlannedPolicy({t.key: ["hold"] for t in early})
+    async with pool_for(emulator, sink, pool={"max_staleness": 0}) as pool:
+        batch = pool.run_batch([*early, *late], policy)
+        results: list[RolloutResult] = []
+        with anyio.fail_after(60):
+            async for result in batch:
+                results.append(result)
+                if len(results) == len(late):  # the held ones began on version 0
+                    pool.policy_version = 1
+                    policy.release.set()
+    by_key = {r.task_key: r for r in results}
+    for task in late:
+        assert (by_key[task.key].failure_reason, by_key[task.key].reward) == (None, 1.0)
+    for task in early:
+        stale = by_key[task.key]
+        assert (stale.failure_reason, stale.reward) == (FailureReason.STALE, 1.0)
+        assert "policy version 0, 1 versions behind version 1" in (stale.error or "")
+    assert emulator.ledger.running == 0
+    assert_pairs(sink)
+
+
+async def test_a_pause_holds_only_policy_calls_and_a_tool_call_under_way_finishes() -> None:
+    sink = MemorySink()
+    task = next(t for t in LEDGER if t.solution and len(t.solution) >= 2)
+    profile = FaultProfile(tool_latency=Latency(min_s=0.2, max_s=0.2))
+    async with Emulator(profile) as emu:
+        policy = PlannedPolicy()
+        async with pool_for(emu, sink) as pool:
+            batch = pool.run_batch([task], policy)
+            (rollout,) = batch.rollouts
+            with anyio.fail_after(60):
+                # The first tool call is on its way to the emulator...
+                await rollout.wait_until(
+                    lambda r: bool(r.messages) and r.messages[-1]["role"] == "assistant"
+                )
+                async with pool.policy_paused():
+                    # ...and its answer comes in during the pause,
+                    await rollout.wait_until(lambda r: r.messages[-1]["role"] == "tool")
+                    await anyio.wait_all_tasks_blocked()
+                    # but the next policy call waits for the pause to end.
+                    assert policy.calls[task.key] == 1
+                (result,) = await batch.results()
+        assert emu.ledger.running == 0
+    assert (result.failure_reason, result.reward) == (None, 1.0)
+    assert policy.calls[task.key] == len(task.solution or ()) + 1
+    assert_pairs(sink)
+
+
+async def test_stale_rollouts_restart_on_fresh_instances_with_one_result_each() -> None:
+    sink = MemorySink()
+    overrides = {"max_staleness": 0, "staleness_action": "restart"}
+    async with Emulator() as emu:
+        async with pool_for(emu, sink, pool={**overrides, "concurrency": 1}) as pool:
+            policy = PlannedPolicy({LEDGER[0].key: ["gate"]})
+            batch = pool.run_batch(LEDGER[:1], policy, samples_per_task=2)
+            with anyio.fail_after(60):
+                await batch.rollouts[0].wait_until(lambda r: policy.calls[LEDGER[0].key] == 1)
+                pool.policy_version += 1  # a weight sync while the first rollout acts
+                policy.go.set()
+                results = await batch.results()
+        assert emu.ledger.running == 0
+        created = emu.ledger.created
+    assert [(r.failure_reason, r.reward) for r in results] == [(None, 1.0), (None, 1.0)]
+    assert len(sink.named("fleet_rollout_restarted")) == 1
+    assert created == 3  # the stale attempt's instance, and one per result
+    assert_pairs(sink)
+
+
+async def test_oversampled_groups_stream_in_completion_order_with_exactly_their_samples() -> None:
+    sink = MemorySink()
+    first, second = LEDGER[:2]
+    policy = PlannedPolicy(
+        {first.key: ["solve", "zero", "hold"], second.key: ["gate", "gate", "hold"]}
+    )
+    async with Emulator() as emu:
+        async with pool_for(emu, sink) as pool:
+            batch = pool.run_batch(
+                [first, second], policy, samples_per_task=2, oversample=1, batch_id="step-1"
+            )
+            groups = []
+            with anyio.fail_after(60):
+                async for group in batch.groups():
+                    groups.append(group)
+                    policy.go.set()  # the second group's samples may go on now
+                results = await batch.results()
+        ledger = emu.ledger
+        assert ledger.running == 0 and ledger.created == ledger.deleted
+    assert [g.task_key for g in groups] == [first.key, second.key]
+    one, two = groups
+    assert sorted(one.rewards) == [0.0, 1.0] and one.reward_mean == 0.5 and not one.uniform
+    assert one.reward_std == pytest.approx(0.5)
+    assert two.rewards == [1.0, 1.0] and two.uniform and two.reward_std == 0.0
+    assert all(g.superseded == 1 and g.failed == 0 and len(g.results) == 2 for g in groups)
+    reasons = Counter(r.failure_reason for r in results)
+    assert reasons == {None: 3, FailureReason.SUPERSEDED: 2} or reasons == {
+        None: 4,  # "zero" fails the task; the verifier scores it completed with reward 0
+        FailureReason.SUPERSEDED: 2,
+    }
+    assert all(
+        r.reward is None and r.sample_index == 2
+        for r in results
+        if r.failure_reason is FailureReason.SUPERSEDED
+    )
+    assert_pairs(sink)

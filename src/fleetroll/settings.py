@@ -309,6 +309,9 @@ class ServiceSettings(_Section):
     query_max_rows: int = Field(10_000, ge=1)
     query_max_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     query_timeout_s: float = Field(10.0, gt=0)
+    #: Longest lease of one pause of policy calls (``POST /v1/policy/pauses``):
+    #: a trainer renews it to hold longer; one that crashed lets go within it.
+    max_pause_ttl_s: float = Field(600.0, gt=0)
 
 
 _log = logging.getLogger("fleetroll.settings")

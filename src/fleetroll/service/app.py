@@ -19,7 +19,13 @@ Routes (all JSON unless said otherwise; the OpenAPI document at
 ``POST /v1/batches``                       start a batch → ``{batch_id, rollouts}``
 ``GET /v1/batches/{id}``                   status and counts
 ``GET /v1/batches/{id}/results?after=n``   NDJSON results, resumable by cursor
+``GET /v1/batches/{id}/groups?after=n``    NDJSON complete groups, resumable by cursor
 ``DELETE /v1/batches/{id}``                cancel
+``GET /v1/policy``                         policy version, pauses held
+``PUT /v1/policy/version``                 set the policy version
+``POST /v1/policy/pauses``                 pause policy calls (a lease) → ``pause_id``
+``PUT /v1/policy/pauses/{id}``             renew a pause's lease
+``DELETE /v1/policy/pauses/{id}``          end a pause
 ``POST /v1/sessions``                      open a session → messages and tools
 ``POST /v1/sessions/{id}/step``            one tool call → observation
 ``POST /v1/sessions/{id}/done``            the episode is over (result: completed)
@@ -65,7 +71,11 @@ from fleetroll.service.models import (
     BatchRequest,
     ErrorItem,
     Health,
+    PauseLease,
+    PauseRequest,
     PolicyConfig,
+    PolicyState,
+    PolicyVersionRequest,
     QueryRequest,
     SessionDone,
     SessionRequest,
@@ -76,6 +86,7 @@ from fleetroll.service.openapi import openapi_document
 from fleetroll.service.query import run_query, run_stats
 from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
+from fleetroll.service.training import PauseLeases
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Redactor
@@ -120,12 +131,15 @@ class Service:
         self._rollout_of: dict[str, str] = {}
         self.batches.on_forget.append(self._forget_rollouts)
         self._queries = anyio.CapacityLimiter(2)
+        #: Pauses of policy calls held for trainers (leases).
+        self.pauses = PauseLeases(pool, settings.service.max_pause_ttl_s)
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             self.batches.tg = tg
             self.sessions.tg = tg
+            self.pauses.tg = tg
             try:
                 yield
             finally:
@@ -139,6 +153,22 @@ class Service:
     def stop(self) -> None:
         """End every results stream (the server is about to stop)."""
         self.batches.stop()
+
+    def policy_state(self) -> PolicyState:
+        """The policy version and pauses.
+
+        Raises:
+            ApiError: 409, batches run on Ray actors, which this process
+                cannot pause nor tell a version.
+        """
+        if self.batch_pool is not self.pool:
+            raise ApiError(
+                409,
+                "policy versions and pauses need the local pool: this service runs batches"
+                " on Ray actors (serve without --ray)",
+            )
+        gate = self.pool.engine.policy_gate
+        return PolicyState(version=gate.version, paused=gate.paused, pauses=len(self.pauses))
 
     # -- one-rollout batches, for the MCP tools --------------------------------
 
@@ -272,6 +302,25 @@ def _invalid(exc: ValidationError) -> Response:
     )
 
 
+def _cursor(request: Request, available: int, what: str) -> int:
+    """The ``after`` query parameter of a stream.
+
+    Raises:
+        ApiError: 422, not a whole number, or ahead of what the stream holds.
+    """
+    raw = request.query_params.get("after", "0")
+    if not raw.isdigit() or not raw.isascii():
+        raise ApiError(422, "must be a whole number ≥ 0", loc=["query", "after"])
+    after = int(raw)
+    if after > available:
+        raise ApiError(
+            422,
+            f"cursor {after} is ahead of this batch's {available} {what}",
+            loc=["query", "after"],
+        )
+    return after
+
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -345,6 +394,43 @@ def _routes(service: Service) -> list[Route]:
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
 
+    async def groups(request: Request) -> Response:
+        record = service.batches.get(request.path_params["batch_id"])
+        after = _cursor(request, len(record.groups.groups), "groups")
+        lines = record.groups.lines(
+            record,
+            after,
+            heartbeat_s=s.service.stream_heartbeat_s,
+            stopping=lambda: service.batches.stopping,
+        )
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
+
+    async def get_policy(request: Request) -> Response:
+        return _json(service.policy_state())
+
+    async def set_policy_version(request: Request) -> Response:
+        body = await _parse(request, PolicyVersionRequest)
+        service.policy_state()  # refused on Ray
+        service.pool.policy_version = body.version
+        return _json(service.policy_state())
+
+    async def start_pause(request: Request) -> Response:
+        body = await _parse(request, PauseRequest)
+        service.policy_state()
+        pause_id = await service.pauses.start(body.ttl_s)
+        return _json(PauseLease(pause_id=pause_id, ttl_s=body.ttl_s), 201)
+
+    async def renew_pause(request: Request) -> Response:
+        body = await _parse(request, PauseRequest)
+        pause_id = request.path_params["pause_id"]
+        service.pauses.renew(pause_id, body.ttl_s)
+        return _json(PauseLease(pause_id=pause_id, ttl_s=body.ttl_s))
+
+    async def end_pause(request: Request) -> Response:
+        service.pauses.release(request.path_params["pause_id"])
+        return _json(service.policy_state())
+
     async def open_session(request: Request) -> Response:
         body = await _parse(request, SessionRequest)
         task = await service.check_task(body.task.record(), loc=["body", "task"])
@@ -398,6 +484,12 @@ def _routes(service: Service) -> list[Route]:
         _route("/v1/batches/{batch_id}", get_batch, ["GET"]),
         _route("/v1/batches/{batch_id}", cancel_batch, ["DELETE"]),
         _route("/v1/batches/{batch_id}/results", results, ["GET"]),
+        _route("/v1/batches/{batch_id}/groups", groups, ["GET"]),
+        _route("/v1/policy", get_policy, ["GET"]),
+        _route("/v1/policy/version", set_policy_version, ["PUT"]),
+        _route("/v1/policy/pauses", start_pause, ["POST"]),
+        _route("/v1/policy/pauses/{pause_id}", renew_pause, ["PUT"]),
+        _route("/v1/policy/pauses/{pause_id}", end_pause, ["DELETE"]),
         _route("/v1/sessions", open_session, ["POST"]),
         _route("/v1/sessions/{session_id}/step", step_session, ["POST"]),
         _route("/v1/sessions/{session_id}/done", end_episode, ["POST"]),

@@ -33,7 +33,7 @@ from anyio.abc import TaskGroup
 from fleetroll.batch_pool import BatchPool, RunningBatch
 from fleetroll.errors import PoolFullError, TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
-from fleetroll.pool import rollout_id
+from fleetroll.pool import RolloutPool, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.metrics import Metrics
@@ -44,6 +44,7 @@ from fleetroll.service.models import (
     BatchStatus,
     PolicyConfig,
 )
+from fleetroll.service.training import GroupLog
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskLimits, TaskSpec, load_task_paths, parse_task
 
@@ -66,12 +67,13 @@ class _Plan:
     policy: PolicyConfig | None
     samples_per_task: int
     deadline_s: float | None
+    oversample: int = 0
 
     def rollout_ids(self, batch_id: str) -> set[str]:
         return {
             rollout_id(batch_id, task.key, sample)
             for task in self.tasks
-            for sample in range(self.samples_per_task)
+            for sample in range(self.samples_per_task + self.oversample)
         }
 
 
@@ -94,6 +96,12 @@ class BatchRecord:
         self._superseded: set[int] = set()
         self._pending: set[str] = set()  # re-run rollouts whose new result is not in yet
         self._changed = anyio.Event()
+        #: Its complete groups, streamed by ``GET /v1/batches/{id}/groups``.
+        self.groups = GroupLog(batch.batch_id, plan.tasks, plan.samples_per_task, plan.oversample)
+
+    def changed(self) -> anyio.Event:
+        """Set at the next change (a result, the end, a re-run)."""
+        return self._changed
 
     @property
     def batch_id(self) -> str:
@@ -146,6 +154,7 @@ class BatchRecord:
         self.results.append(result)
         self._latest[result.rollout_id] = len(self.results) - 1
         self._pending.discard(result.rollout_id)
+        self.groups.add(result)
         self.notify()
 
     def rerun(self, batch: RunningBatch, rollout_ids: set[str]) -> None:
@@ -155,6 +164,7 @@ class BatchRecord:
             if index is not None:
                 self._superseded.add(index)
         self._pending = set(rollout_ids)
+        self.groups.rerun(rollout_ids, self.newest())
         self.batch = batch
         self.done = False
         self.cancel_requested = False
@@ -255,11 +265,16 @@ class BatchRegistry:
         """
         tasks = await self._resolve_tasks(request)
         limit = self._settings.service.max_batch_rollouts
-        total = len(tasks) * request.samples_per_task
+        oversample = (
+            self._settings.pool.oversample if request.oversample is None else request.oversample
+        )
+        total = len(tasks) * (request.samples_per_task + oversample)
         if total > limit:
+            extra = f" + {oversample} oversampled" if oversample else ""
             raise ApiError(
                 422,
-                f"{len(tasks)} tasks × {request.samples_per_task} samples = {total} rollouts,"
+                f"{len(tasks)} tasks × ({request.samples_per_task} samples{extra}) = {total}"
+                " rollouts,"
                 f" over this service's limit of {limit} per batch",
                 loc=["body", "samples_per_task"],
             )
@@ -269,6 +284,7 @@ class BatchRegistry:
             samples_per_task=request.samples_per_task,
             batch_id=request.batch_id,
             deadline_s=request.deadline_s,
+            oversample=oversample,
         )
 
     async def start(
@@ -279,6 +295,7 @@ class BatchRegistry:
         samples_per_task: int = 1,
         batch_id: str | None = None,
         deadline_s: float | None = None,
+        oversample: int = 0,
     ) -> tuple[BatchRecord, bool, int]:
         """Start a batch of validated tasks (or find the identical one).
 
@@ -290,7 +307,7 @@ class BatchRegistry:
                 pool is full, or a cancel of the identical batch is still
                 settling).
         """
-        fingerprint = _fingerprint(tasks, policy_config, samples_per_task, deadline_s)
+        fingerprint = _fingerprint(tasks, policy_config, samples_per_task, deadline_s, oversample)
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
         if existing is not None:
@@ -301,7 +318,13 @@ class BatchRegistry:
                     " or deadline; resubmit the same request, or use another batch_id",
                 )
             return existing, False, await self._rerun_cancelled(existing)
-        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s)
+        if oversample and not isinstance(self._pool, RolloutPool):
+            raise ApiError(
+                422,
+                "oversample needs the local pool: this service runs batches on Ray actors",
+                loc=["body", "oversample"],
+            )
+        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s, oversample)
         batch, policy = self._run(plan, batch_id)
         record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
@@ -352,6 +375,8 @@ class BatchRegistry:
             raise RuntimeError("the service is not running")
         policy = build_policy(plan.policy, self._settings)
         try:
+            # Only the local pool oversamples (start refuses it elsewhere).
+            extra = {"oversample": plan.oversample} if plan.oversample else {}
             batch = self._pool.run_batch(
                 plan.tasks,
                 policy,
@@ -359,6 +384,7 @@ class BatchRegistry:
                 batch_id=batch_id,
                 deadline_s=plan.deadline_s,
                 skip=skip or (),
+                **extra,
             )
         except PoolFullError as exc:
             self._close_soon(policy)
@@ -537,14 +563,17 @@ def _fingerprint(
     policy: PolicyConfig | None,
     samples_per_task: int,
     deadline_s: float | None,
+    oversample: int = 0,
 ) -> str:
     """What makes two submissions "the same batch" (a policy's api_key does not)."""
-    identity = {
+    identity: dict[str, Any] = {
         "tasks": [t.model_dump(mode="json") for t in tasks],
         "samples_per_task": samples_per_task,
         "policy": policy.model_dump(mode="json", exclude={"api_key"}) if policy else None,
         "deadline_s": deadline_s,
     }
+    if oversample:  # absent when 0: fingerprints of earlier batches stay the same
+        identity["oversample"] = oversample
     blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 

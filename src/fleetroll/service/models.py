@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from fleetroll.groups import Group
 from fleetroll.results import RolloutResult
 
 __all__ = [
@@ -158,6 +159,15 @@ class BatchRequest(_Request):
     deadline_s: float | None = Field(
         None, gt=0, le=7 * 86400, description="Cancel what is still running after this long"
     )
+    oversample: int | None = Field(
+        None,
+        ge=0,
+        le=100_000,
+        description=(
+            "Extra rollouts per group (default: the server's pool.oversample); a group is"
+            " complete at its first samples_per_task scored samples, the rest end superseded"
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> BatchRequest:
@@ -211,6 +221,58 @@ class StreamLine(BaseModel):
     cursor: int = Field(ge=0)
     result: RolloutResult | None = None
     status: BatchStatus | None = None
+
+
+class GroupStreamLine(BaseModel):
+    """One line of ``GET /v1/batches/{id}/groups`` (NDJSON), as :class:`StreamLine`.
+
+    * ``{"type": "group", "cursor": n, "group": {...}}``: the n-th complete
+      group (1-based, in completion order). Reconnect with ``?after=n``.
+    * ``{"type": "heartbeat", "cursor": n}`` and ``{"type": "end", "cursor": n,
+      "status": ...}``: as on the results stream.
+    """
+
+    type: Literal["group", "heartbeat", "end"]
+    cursor: int = Field(ge=0)
+    group: Group | None = None
+    status: BatchStatus | None = None
+
+
+class PolicyState(BaseModel):
+    """``GET /v1/policy``: the policy version recorded on turns, and the pauses held."""
+
+    version: int
+    paused: bool = Field(description="New policy calls wait (a pause is held)")
+    pauses: int = Field(ge=0, description="Pause leases held over HTTP")
+
+
+class PolicyVersionRequest(_Request):
+    """``PUT /v1/policy/version``: the trainer synced new weights."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"version": 12}]})
+
+    version: int = Field(ge=0)
+
+
+class PauseRequest(_Request):
+    """``POST /v1/policy/pauses`` (a new pause) and ``PUT`` on one (a renewal)."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"ttl_s": 60}]})
+
+    ttl_s: float = Field(
+        gt=0,
+        description=(
+            "The pause ends this long from now unless renewed (at most the server's"
+            " service.max_pause_ttl_s), so a crashed trainer cannot pause forever"
+        ),
+    )
+
+
+class PauseLease(BaseModel):
+    """A pause held for the caller: renew it before ``ttl_s`` passes, delete it when done."""
+
+    pause_id: str
+    ttl_s: float
 
 
 class SessionRequest(_Request):

@@ -19,8 +19,13 @@ from fleetroll.service.models import (
     BatchRequest,
     BatchState,
     ErrorBody,
+    GroupStreamLine,
     Health,
     Observation,
+    PauseLease,
+    PauseRequest,
+    PolicyState,
+    PolicyVersionRequest,
     QueryRequest,
     QueryResult,
     SessionDone,
@@ -34,11 +39,21 @@ from fleetroll.service.models import (
 
 __all__ = ["openapi_document"]
 
-_REQUESTS: tuple[type[BaseModel], ...] = (BatchRequest, SessionRequest, StepRequest, QueryRequest)
+_REQUESTS: tuple[type[BaseModel], ...] = (
+    BatchRequest,
+    SessionRequest,
+    StepRequest,
+    QueryRequest,
+    PolicyVersionRequest,
+    PauseRequest,
+)
 _RESPONSES: tuple[type[BaseModel], ...] = (
     BatchCreated,
     BatchState,
     StreamLine,
+    GroupStreamLine,
+    PolicyState,
+    PauseLease,
     SessionOpened,
     Observation,
     SessionDone,
@@ -85,11 +100,21 @@ def _path_param(name: str, description: str) -> dict[str, Any]:
 
 _BATCH_ID = _path_param("batch_id", "The batch's id")
 _SESSION_ID = _path_param("session_id", "The session's id")
+_PAUSE_ID = _path_param("pause_id", "The pause's id (from POST /v1/policy/pauses)")
+_AFTER = {
+    "name": "after",
+    "in": "query",
+    "required": False,
+    "description": "Send only lines with a cursor above this one",
+    "schema": {"type": "integer", "minimum": 0, "default": 0},
+}
 
 
 def _paths() -> dict[str, Any]:
     no_batch = _error("No such batch (unknown, or finished long ago and forgotten)")
     no_session = _error("No such session")
+    no_pause = _error("No such pause (released, or its lease expired)")
+    on_ray = _error("Batches run on Ray actors: no policy version or pause from this process")
     return {
         "/healthz": {
             "get": {
@@ -188,6 +213,85 @@ def _paths() -> dict[str, Any]:
                     "404": no_batch,
                     "422": _INVALID,
                 },
+            },
+        },
+        "/v1/batches/{batch_id}/groups": {
+            "parameters": [_BATCH_ID],
+            "get": {
+                "summary": "The batch's groups as NDJSON, each as soon as it is complete",
+                "description": (
+                    "One JSON object per line (GroupStreamLine): `group` lines carry the n-th"
+                    " complete group (all samples of one task: rewards, mean, std, uniform)"
+                    " with `cursor` n, in completion order; `heartbeat` and `end` lines as on"
+                    " the results stream. Reconnect with `?after=<last cursor>`."
+                ),
+                "operationId": "streamGroups",
+                "parameters": [_AFTER],
+                "responses": {
+                    "200": {
+                        "description": "NDJSON: one GroupStreamLine per line",
+                        "content": {"application/x-ndjson": {"schema": _ref(GroupStreamLine)}},
+                    },
+                    "404": no_batch,
+                    "422": _INVALID,
+                },
+            },
+        },
+        "/v1/policy": {
+            "get": {
+                "summary": "The policy version recorded on turns, and the pauses held",
+                "operationId": "getPolicy",
+                "responses": {"200": _json(PolicyState, "The policy"), "409": on_ray},
+            }
+        },
+        "/v1/policy/version": {
+            "put": {
+                "summary": "Set the policy version (after a weight sync)",
+                "operationId": "setPolicyVersion",
+                "requestBody": _body(PolicyVersionRequest),
+                "responses": {
+                    "200": _json(PolicyState, "The policy"),
+                    "409": on_ray,
+                    "415": _UNSUPPORTED,
+                    "422": _INVALID,
+                },
+            }
+        },
+        "/v1/policy/pauses": {
+            "post": {
+                "summary": "Pause new policy calls (tool calls go on) for a lease of ttl_s",
+                "description": (
+                    "The pause ends after `ttl_s` unless renewed with PUT, or at once with"
+                    " DELETE: a trainer that crashed mid weight swap cannot pause forever."
+                    " Waiting is charged to no rollout deadline, only to a batch's deadline_s."
+                ),
+                "operationId": "startPause",
+                "requestBody": _body(PauseRequest),
+                "responses": {
+                    "201": _json(PauseLease, "The pause is held"),
+                    "409": on_ray,
+                    "415": _UNSUPPORTED,
+                    "422": _INVALID,
+                },
+            }
+        },
+        "/v1/policy/pauses/{pause_id}": {
+            "parameters": [_PAUSE_ID],
+            "put": {
+                "summary": "Renew a pause: it now ends ttl_s from now",
+                "operationId": "renewPause",
+                "requestBody": _body(PauseRequest),
+                "responses": {
+                    "200": _json(PauseLease, "Renewed"),
+                    "404": no_pause,
+                    "415": _UNSUPPORTED,
+                    "422": _INVALID,
+                },
+            },
+            "delete": {
+                "summary": "End a pause (policy calls go on when no other is held)",
+                "operationId": "endPause",
+                "responses": {"200": _json(PolicyState, "The policy"), "404": no_pause},
             },
         },
         "/v1/sessions": {

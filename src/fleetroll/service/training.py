@@ -1,0 +1,207 @@
+"""What a remote trainer needs beyond results: groups with cursors, the policy version, pauses.
+
+* :class:`GroupLog`: a batch's complete groups (:mod:`fleetroll.groups`) in
+  completion order, computed from its results as they arrive (so batches on
+  any pool have them), streamed as NDJSON like the results: a group's cursor
+  is its 1-based index, ``?after=n`` resumes.
+* :class:`PauseLeases`: pauses of policy calls held for a trainer over HTTP.
+  A pause is a lease: it ends after ``ttl_s`` unless renewed, so a trainer
+  that crashes mid weight swap cannot hold every rollout forever.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import anyio
+from anyio.abc import TaskGroup
+
+from fleetroll.groups import Group, GroupTracker
+from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.results import RolloutResult
+from fleetroll.service.errors import ApiError
+from fleetroll.service.models import BatchStatus
+from fleetroll.tasks import TaskSpec
+
+__all__ = ["GroupLog", "PauseLeases"]
+
+_LINES_PER_CHUNK = 64
+
+
+class _Record(Protocol):
+    """What a group stream reads of its batch record."""
+
+    @property
+    def done(self) -> bool: ...
+    @property
+    def status(self) -> BatchStatus: ...
+    def changed(self) -> anyio.Event: ...
+
+
+class GroupLog:
+    """A batch's complete groups, in completion order; a cursor is an index + 1.
+
+    A group whose rollouts run again (a resubmitted batch re-runs its
+    cancelled ones) is superseded, skipped by streams, and comes again once
+    complete: read from the start, a stream gives each group once, the newest.
+    """
+
+    def __init__(
+        self, batch_id: str, tasks: Sequence[TaskSpec], samples_per_task: int, oversample: int
+    ) -> None:
+        self.batch_id = batch_id
+        self._members = {
+            group_id(batch_id, t.key): (
+                t.key,
+                [rollout_id(batch_id, t.key, n) for n in range(samples_per_task + oversample)],
+            )
+            for t in tasks
+        }
+        self._expected = samples_per_task
+        self.groups: list[Group] = []
+        self._superseded: set[int] = set()
+        self._tracker = GroupTracker(batch_id, samples_per_task, self._members)
+
+    def add(self, result: RolloutResult) -> None:
+        completion = self._tracker.add(result)
+        if completion is not None:
+            self.groups.append(completion[0])
+
+    def rerun(self, rollout_ids: Iterable[str], kept: Iterable[RolloutResult]) -> None:
+        """``rollout_ids`` run again; ``kept`` are the newest results of the others."""
+        rerun = set(rollout_ids)
+        touched = {
+            gid: (key, [rid for rid in ids if rid in rerun])
+            for gid, (key, ids) in self._members.items()
+            if rerun.intersection(ids)
+        }
+        for i, group in enumerate(self.groups):
+            if group.group_id in touched:
+                self._superseded.add(i)
+        previous = [r for r in kept if r.group_id in touched and r.rollout_id not in rerun]
+        self._tracker = GroupTracker(self.batch_id, self._expected, touched, previous)
+
+    async def lines(
+        self,
+        record: _Record,
+        after: int,
+        *,
+        heartbeat_s: float,
+        stopping: Callable[[], bool],
+    ) -> AsyncIterator[bytes]:
+        """NDJSON chunks: the groups after cursor ``after``, then an end line.
+
+        As ``BatchRecord.lines``: heartbeats while idle, no end line when the
+        server stops (the client reconnects).
+        """
+        cursor = after
+        while True:
+            changed = record.changed()
+            while cursor < len(self.groups):
+                upto = min(len(self.groups), cursor + _LINES_PER_CHUNK)
+                chunk = [
+                    f'{{"type":"group","cursor":{i + 1},"group":{group}}}\n'
+                    for i in range(cursor, upto)
+                    if i not in self._superseded
+                    for group in (self.groups[i].model_dump_json(),)
+                ]
+                cursor = upto
+                if chunk:
+                    yield "".join(chunk).encode()
+            if record.done:
+                end = {"type": "end", "cursor": cursor, "status": record.status}
+                yield (json.dumps(end, separators=(",", ":")) + "\n").encode()
+                return
+            if stopping():
+                return
+            with anyio.move_on_after(heartbeat_s) as idle:
+                await changed.wait()
+            if idle.cancelled_caught:
+                yield f'{{"type":"heartbeat","cursor":{cursor}}}\n'.encode()
+
+
+@dataclass
+class _Lease:
+    pause_id: str
+    expires: float
+    ended: anyio.Event = field(default_factory=anyio.Event)
+
+
+class PauseLeases:
+    """Pauses of a pool's policy calls, each held until released or expired.
+
+    Needs a task group (``tg``) before use: one task per lease holds the pause.
+    """
+
+    def __init__(self, pool: RolloutPool, max_ttl_s: float) -> None:
+        self._pool = pool
+        self._max_ttl_s = max_ttl_s
+        self._leases: dict[str, _Lease] = {}
+        self.tg: TaskGroup | None = None
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def _check(self, ttl_s: float) -> None:
+        if ttl_s > self._max_ttl_s:
+            raise ApiError(
+                422,
+                f"a pause lasts at most service.max_pause_ttl_s = {self._max_ttl_s:g} s"
+                " per lease; renew it to hold longer",
+                loc=["body", "ttl_s"],
+            )
+
+    async def start(self, ttl_s: float) -> str:
+        """Pause policy calls for ``ttl_s`` (unless renewed); the pause's id.
+
+        Raises:
+            ApiError: 422, ``ttl_s`` is over ``service.max_pause_ttl_s``.
+        """
+        self._check(ttl_s)
+        if self.tg is None:
+            raise RuntimeError("the service is not running")
+        lease = _Lease(uuid.uuid4().hex, anyio.current_time() + ttl_s)
+        self._leases[lease.pause_id] = lease
+        await self.tg.start(self._hold, lease)
+        return lease.pause_id
+
+    def renew(self, pause_id: str, ttl_s: float) -> None:
+        """The pause now ends ``ttl_s`` from now (unless renewed again).
+
+        Raises:
+            ApiError: 404 (no such pause: released, or expired), 422 (``ttl_s`` too long).
+        """
+        self._check(ttl_s)
+        self._get(pause_id).expires = anyio.current_time() + ttl_s
+
+    def release(self, pause_id: str) -> None:
+        """End the pause now.
+
+        Raises:
+            ApiError: 404, no such pause (released, or expired).
+        """
+        self._get(pause_id).ended.set()
+        self._leases.pop(pause_id, None)
+
+    def _get(self, pause_id: str) -> _Lease:
+        lease = self._leases.get(pause_id)
+        if lease is None:
+            raise ApiError(404, f"no pause {pause_id!r} (released, or its lease expired)")
+        return lease
+
+    async def _hold(
+        self, lease: _Lease, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            async with self._pool.policy_paused():
+                task_status.started()
+                while not lease.ended.is_set() and anyio.current_time() < lease.expires:
+                    # A renewal moves the expiry on: the loop looks again when this one passes.
+                    with anyio.move_on_at(lease.expires):
+                        await lease.ended.wait()
+        finally:
+            self._leases.pop(lease.pause_id, None)

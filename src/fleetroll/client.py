@@ -30,6 +30,12 @@ nothing is lost and nothing arrives twice. Retries are bounded, with
 exponential backoff and full jitter (``fleetroll.retrying``, defaults from
 ``[retries]``); a batch submission is retried safely
 because the batch id is chosen here, before the first attempt.
+
+A trainer doing asynchronous RL has the same verbs as in-process, awaited:
+``await client.set_policy_version(v)`` after a weight sync, ``async with
+client.policy_paused():`` around the swap (a lease the client renews while
+the block runs, so a trainer that dies cannot pause the service forever),
+and ``batch.groups()`` for each GRPO group as soon as it is complete.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ import httpx
 from fleetroll import retrying
 from fleetroll.env_session import StepResult
 from fleetroll.errors import InstanceLostError, ServiceError
+from fleetroll.groups import Group
 from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
 from fleetroll.retrying import Decision, retry_after_s
@@ -55,7 +62,7 @@ from fleetroll.settings import RetrySettings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools import ToolResult
 
-__all__ = ["FleetrollClient", "RemoteBatch", "RemoteSession", "ServiceError"]
+__all__ = ["FleetrollClient", "RemoteBatch", "RemoteGroups", "RemoteSession", "ServiceError"]
 
 #: Statuses worth another try: the service's own "later" (busy, full, starting).
 #: Narrower than retrying.transient_status: its 502/504 are a session's verdicts.
@@ -155,6 +162,7 @@ class FleetrollClient:
         samples_per_task: int = 1,
         batch_id: str | None = None,
         deadline_s: float | None = None,
+        oversample: int | None = None,
     ) -> RemoteBatch:
         """A batch on the service; it is submitted when first iterated (or entered).
 
@@ -178,11 +186,77 @@ class FleetrollClient:
             payload["policy"] = _policy_record(policy)
         if deadline_s is not None:
             payload["deadline_s"] = deadline_s
+        if oversample is not None:
+            payload["oversample"] = oversample
         return RemoteBatch(self, payload["batch_id"], payload=payload)
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
         """An existing batch, its results read from cursor ``after`` on (e.g. after a restart)."""
         return RemoteBatch(self, batch_id, after=after)
+
+    # -- the policy (asynchronous RL) --------------------------------------------
+
+    async def policy_version(self) -> int:
+        """The policy version the service records on turns.
+
+        Raises:
+            ServiceError: 409, the service runs batches on Ray actors.
+        """
+        return int((await self._call("GET", "/v1/policy"))["version"])
+
+    async def set_policy_version(self, version: int) -> None:
+        """Record ``version`` on turns from now on (after a weight sync).
+
+        Raises:
+            ServiceError: 409 (batches on Ray actors), 422 (not an int ≥ 0).
+        """
+        await self._call("PUT", "/v1/policy/version", json={"version": version})
+
+    @asynccontextmanager
+    async def policy_paused(self, *, ttl_s: float = 60.0) -> AsyncIterator[None]:
+        """Hold the service's new policy calls for the block (a weight swap).
+
+        The pause is a lease of ``ttl_s`` that the client renews while the
+        block runs (every third of it) and ends when it leaves; if this
+        process dies, the service lets go within ``ttl_s``.
+
+        Raises:
+            ServiceError: 409 (batches on Ray actors), 422 (``ttl_s`` over the
+                server's ``service.max_pause_ttl_s``), or a renewal failed
+                (the pause may have lapsed: the block is cancelled).
+        """
+        lease = await self._call(
+            "POST", "/v1/policy/pauses", json={"ttl_s": ttl_s}, idempotent=False
+        )
+        path = f"/v1/policy/pauses/{lease['pause_id']}"
+
+        failed: list[ServiceError] = []
+
+        async def renew(scope: anyio.CancelScope) -> None:
+            try:
+                while True:
+                    await anyio.sleep(ttl_s / 3)
+                    await self._call("PUT", path, json={"ttl_s": ttl_s})
+            except ServiceError as exc:  # the pause may lapse: stop the block
+                failed.append(exc)
+                scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(renew, tg.cancel_scope)
+                try:
+                    yield
+                finally:
+                    tg.cancel_scope.cancel()
+        finally:
+            with (
+                anyio.CancelScope(shield=True),
+                anyio.move_on_after(self.timeout_s),
+                suppress(ServiceError),  # 404: it lapsed already
+            ):
+                await self._call("DELETE", path)
+        if failed:
+            raise ServiceError(f"renewing the pause failed: {failed[0]}") from failed[0]
 
     # -- sessions --------------------------------------------------------------
 
@@ -278,7 +352,7 @@ class _Cut(Exception):
 
 
 class RemoteBatch:
-    """A batch on the service: an async iterator of its results.
+    """A batch on the service: an async iterator of its results (see :meth:`groups`).
 
     Attributes:
         batch_id: the batch's id (chosen by the client unless given).
@@ -308,6 +382,9 @@ class RemoteBatch:
         self._response: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
         self._ended = False
+
+    #: The NDJSON stream this object reads.
+    _stream = "results"
 
     async def submit(self) -> Self:
         """Submit the batch (once; iterating or entering does it for you).
@@ -341,6 +418,14 @@ class RemoteBatch:
     async def results(self) -> list[RolloutResult]:
         """Every (remaining) result, once all rollouts have ended."""
         return [r async for r in self]
+
+    def groups(self, *, after: int = 0) -> RemoteGroups:
+        """Each group of the batch as soon as it is complete, from cursor ``after`` on.
+
+        A stream of its own (as ``Batch.groups`` in-process), reopened like the
+        results stream when it breaks; iterating it submits the batch first.
+        """
+        return RemoteGroups(self, after=after)
 
     async def __aenter__(self) -> Self:
         return await self.submit()
@@ -433,7 +518,7 @@ class RemoteBatch:
         c = self._client
         request = c._http.build_request(
             "GET",
-            c._url(f"/v1/batches/{self.batch_id}/results"),
+            c._url(f"/v1/batches/{self.batch_id}/{self._stream}"),
             params={"after": self.cursor},
             headers={**c._headers, "Accept": "application/x-ndjson"},
             timeout=httpx.Timeout(c.timeout_s, read=c.stream_read_timeout_s),
@@ -455,6 +540,54 @@ class RemoteBatch:
                     await lines.aclose()
             if response is not None:
                 await response.aclose()
+
+
+class RemoteGroups(RemoteBatch):
+    """A batch's complete groups on the service: an async iterator of :class:`Group`.
+
+    Attributes:
+        cursor: the cursor of the last group received.
+    """
+
+    _stream = "groups"
+
+    def __init__(self, batch: RemoteBatch, *, after: int = 0) -> None:
+        super().__init__(batch._client, batch.batch_id, after=after)
+        self._batch = batch
+
+    async def submit(self) -> Self:
+        await self._batch.submit()
+        self.total = self._batch.total
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._disconnect()  # the batch is the caller's to cancel
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> Group:  # type: ignore[override]
+        if self._ended:
+            raise StopAsyncIteration
+        await self.submit()
+        while True:
+            message = await self._next_line()
+            kind = message.get("type")
+            if kind == "group":
+                cursor = int(message["cursor"])
+                if cursor <= self.cursor:
+                    continue
+                self.cursor = cursor
+                return Group.model_validate(message["group"])
+            if kind == "end":
+                self._ended = True
+                await self._disconnect()
+                raise StopAsyncIteration
 
 
 class RemoteSession:

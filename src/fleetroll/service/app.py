@@ -428,7 +428,7 @@ def _routes(service: Service) -> list[Route]:
         return _json(PauseLease(pause_id=pause_id, ttl_s=body.ttl_s))
 
     async def end_pause(request: Request) -> Response:
-        service.pauses.release(request.path_params["pause_id"])
+        await service.pauses.release(request.path_params["pause_id"])
         return _json(service.policy_state())
 
     async def open_session(request: Request) -> Response:

@@ -129,6 +129,8 @@ class _Lease:
     pause_id: str
     expires: float
     ended: anyio.Event = field(default_factory=anyio.Event)
+    #: Set once the pause is no longer held.
+    over: anyio.Event = field(default_factory=anyio.Event)
 
 
 class PauseLeases:
@@ -178,14 +180,15 @@ class PauseLeases:
         self._check(ttl_s)
         self._get(pause_id).expires = anyio.current_time() + ttl_s
 
-    def release(self, pause_id: str) -> None:
-        """End the pause now.
+    async def release(self, pause_id: str) -> None:
+        """End the pause now (it is over when this returns).
 
         Raises:
             ApiError: 404, no such pause (released, or expired).
         """
-        self._get(pause_id).ended.set()
-        self._leases.pop(pause_id, None)
+        lease = self._get(pause_id)
+        lease.ended.set()
+        await lease.over.wait()  # its holder task lets go at its next turn
 
     def _get(self, pause_id: str) -> _Lease:
         lease = self._leases.get(pause_id)
@@ -205,3 +208,4 @@ class PauseLeases:
                         await lease.ended.wait()
         finally:
             self._leases.pop(lease.pause_id, None)
+            lease.over.set()

@@ -1,0 +1,148 @@
+"""A remote trainer's verbs over real HTTP: groups with cursors, oversampling, version, pauses."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import anyio
+import pytest
+from service_helpers import LEDGER, Running, running_service
+
+import fleetroll.service.batches as service_batches
+from fleetroll.client import FleetrollClient
+from fleetroll.emulator import Emulator
+from fleetroll.errors import ServiceError
+from fleetroll.pool import RolloutPool
+from fleetroll.results import FailureReason
+from fleetroll.rollout import Phase
+from fleetroll.service import Service
+from fleetroll.service.errors import ApiError
+from fleetroll.settings import load_settings
+from fleetroll.testing.planned_policy import PlannedPolicy
+
+pytestmark = pytest.mark.slow
+
+
+def plan(monkeypatch: pytest.MonkeyPatch, policy: PlannedPolicy) -> None:
+    """Every batch of the service plays ``policy``."""
+    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+
+
+async def test_groups_stream_in_completion_order_and_oversampled_extras_are_superseded(
+    served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = LEDGER[:2]
+    policy = PlannedPolicy(
+        {first.key: ["solve", "zero", "hold"], second.key: ["gate", "gate", "hold"]}
+    )
+    plan(monkeypatch, policy)
+    async with FleetrollClient(served.url) as client:
+        batch = client.run_batch([first, second], samples_per_task=2, oversample=1)
+        groups = []
+        with anyio.fail_after(60):
+            async for group in batch.groups():
+                groups.append(group)
+                policy.go.set()  # the second group may complete now
+            results = await batch.results()
+    assert batch.total == 6
+    assert [g.task_key for g in groups] == [first.key, second.key]
+    assert sorted(groups[0].rewards) == [0.0, 1.0] and groups[0].reward_mean == 0.5
+    assert groups[1].rewards == [1.0, 1.0] and groups[1].uniform
+    assert all(len(g.results) == 2 and g.superseded == 1 for g in groups)
+    superseded = [r for r in results if r.failure_reason is FailureReason.SUPERSEDED]
+    assert sorted(r.task_key for r in superseded) == sorted([first.key, second.key])
+    assert all(r.reward is None and r.sample_index == 2 for r in superseded)
+    assert emulator.ledger.running == 0
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            rest = await http.get(f"/v1/batches/{batch.batch_id}/groups", params={"after": 1})
+            ahead = await http.get(f"/v1/batches/{batch.batch_id}/groups", params={"after": 3})
+    lines = [json.loads(line) for line in rest.text.splitlines()]
+    assert [(line["type"], line["cursor"]) for line in lines] == [("group", 2), ("end", 2)]
+    assert lines[0]["group"]["task_key"] == second.key
+    assert ahead.status_code == 422 and ahead.json()["detail"][0]["loc"] == ["query", "after"]
+
+
+async def test_a_pause_over_http_holds_policy_calls_until_the_trainer_lets_go(
+    emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    policy = PlannedPolicy()
+    plan(monkeypatch, policy)
+    task = LEDGER[0]
+    async with (
+        running_service(emulator, pool={"max_staleness": 0}) as served,
+        FleetrollClient(served.url) as client,
+    ):
+        with anyio.fail_after(60):
+            await client.set_policy_version(3)
+            async with client.policy_paused(ttl_s=30):
+                batch = await client.run_batch([task]).submit()
+                record = served.service.batches.get(batch.batch_id)
+                await record.rollouts[0].wait_until(lambda r: r.phase is Phase.ACTING)
+                await anyio.wait_all_tasks_blocked()
+                assert policy.calls[task.key] == 0
+                async with served.http() as http:
+                    state = (await http.get("/v1/policy")).json()
+                assert state == {"version": 3, "paused": True, "pauses": 1}
+                await client.set_policy_version(4)  # the weights were swapped
+            (result,) = await batch.results()
+            assert await client.policy_version() == 4
+            async with served.http() as http:
+                state = (await http.get("/v1/policy")).json()
+    # Its first policy call came after the swap: on version 4, not stale.
+    assert (result.failure_reason, result.reward) == (None, 1.0)
+    assert state == {"version": 4, "paused": False, "pauses": 0}
+
+
+async def test_a_pause_lease_nobody_renews_ends_by_itself(served: Running) -> None:
+    ttl_s = 0.2
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            lease = (await http.post("/v1/policy/pauses", json={"ttl_s": ttl_s})).json()
+            held = (await http.get("/v1/policy")).json()
+            await anyio.sleep(3 * ttl_s)  # the trainer crashed: nobody renews
+            after = (await http.get("/v1/policy")).json()
+            renew = await http.put(f"/v1/policy/pauses/{lease['pause_id']}", json={"ttl_s": 1})
+            end = await http.delete(f"/v1/policy/pauses/{lease['pause_id']}")
+            too_long = await http.post("/v1/policy/pauses", json={"ttl_s": 10**6})
+            bad_version = await http.put("/v1/policy/version", json={"version": "7"})
+    assert held["paused"] is True and held["pauses"] == 1
+    assert after["paused"] is False and after["pauses"] == 0
+    assert renew.status_code == 404 and end.status_code == 404
+    assert "released, or its lease expired" in renew.json()["detail"]
+    assert too_long.status_code == 422
+    assert too_long.json()["detail"][0]["loc"] == ["body", "ttl_s"]
+    assert bad_version.status_code == 422
+
+
+async def test_a_renewed_and_released_pause_lets_policy_calls_go(served: Running) -> None:
+    async with FleetrollClient(served.url) as client, served.http() as http:
+        with anyio.fail_after(30):
+            lease = (await http.post("/v1/policy/pauses", json={"ttl_s": 5})).json()
+            renewed = await http.put(f"/v1/policy/pauses/{lease['pause_id']}", json={"ttl_s": 5})
+            ended = await http.delete(f"/v1/policy/pauses/{lease['pause_id']}")
+            async with client.policy_paused(ttl_s=5):
+                inside = (await http.get("/v1/policy")).json()
+            outside = (await http.get("/v1/policy")).json()
+    assert renewed.status_code == 200 and renewed.json()["ttl_s"] == 5
+    assert ended.status_code == 200 and ended.json()["paused"] is False
+    assert inside["paused"] is True and outside["paused"] is False
+
+
+def test_policy_verbs_on_a_ray_service_are_one_clear_conflict() -> None:
+    settings = load_settings()
+    pool = RolloutPool(settings, api_key="unused")
+    elsewhere: Any = object()  # batches run elsewhere (Ray actors)
+    service = Service(pool, settings, batch_pool=elsewhere)
+    with pytest.raises(ApiError) as refused:
+        service.policy_state()
+    assert refused.value.status == 409 and "Ray actors" in refused.value.detail
+
+
+async def test_oversample_is_refused_when_batches_run_elsewhere(emulator: Emulator) -> None:
+    async with running_service(emulator) as served, FleetrollClient(served.url) as client:
+        served.service.batches._pool = object()  # type: ignore[assignment]  # as on --ray
+        with anyio.fail_after(30), pytest.raises(ServiceError) as refused:
+            await client.run_batch(LEDGER[:1], oversample=1).submit()
+    assert refused.value.status_code == 422 and "local pool" in str(refused.value)

@@ -23,6 +23,7 @@ def test_the_public_api_is_what_the_readme_promises() -> None:
         "FailureReason",
         "FleetrollClient",
         "FleetrollError",
+        "Group",
         "ServiceError",
         "InstanceLostError",
         "OpenAIChatPolicy",

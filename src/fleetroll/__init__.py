@@ -20,6 +20,7 @@ import typing as _typing
 if _typing.TYPE_CHECKING:
     from fleetroll.client import FleetrollClient, ServiceError
     from fleetroll.env_session import EnvSession, StepResult
+    from fleetroll.groups import Group
     from fleetroll.errors import (
         ConfigError,
         FleetrollError,
@@ -55,6 +56,7 @@ _WHERE: dict[str, str] = {
     "FailureReason": "fleetroll.results",
     "FleetrollClient": "fleetroll.client",
     "FleetrollError": "fleetroll.errors",
+    "Group": "fleetroll.groups",
     "InstanceLostError": "fleetroll.errors",
     "OpenAIChatPolicy": "fleetroll.policies",
     "OperationTimeout": "fleetroll.errors",
@@ -90,6 +92,7 @@ __all__ = [
     "FailureReason",
     "FleetrollClient",
     "FleetrollError",
+    "Group",
     "InstanceLostError",
     "OpenAIChatPolicy",
     "OperationTimeout",

@@ -20,7 +20,6 @@ import typing as _typing
 if _typing.TYPE_CHECKING:
     from fleetroll.client import FleetrollClient, ServiceError
     from fleetroll.env_session import EnvSession, StepResult
-    from fleetroll.groups import Group
     from fleetroll.errors import (
         ConfigError,
         FleetrollError,
@@ -32,6 +31,7 @@ if _typing.TYPE_CHECKING:
         TaskFileError,
         ToolsError,
     )
+    from fleetroll.groups import Group
     from fleetroll.policies import (
         AssistantTurn,
         OpenAIChatPolicy,

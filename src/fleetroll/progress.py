@@ -57,6 +57,9 @@ class Progress:
     #: One per policy call answered by a model server (see :meth:`record_turn`).
     turns: list[Turn] = field(default_factory=list)
     cost: Cost = field(default_factory=Cost)
+    #: The policy version of the first policy call (staleness is measured from
+    #: it), for every policy: the scripted one records no ``turns``.
+    first_policy_version: int | None = None
     #: The prompt+completion tokens of the last turn, as the server counted them,
     #: and the transcript's length once that turn was added (context estimate).
     _context_tokens: int = 0

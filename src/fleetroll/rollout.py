@@ -323,6 +323,8 @@ class Rollout:
             with self._deadline_lifted():
                 version, waited_s = await self.engine.policy_gate.admit()
                 self._deadline += waited_s
+            if self._p.first_policy_version is None:
+                self._p.first_policy_version = version
             began = time.monotonic()
             try:
                 with anyio.fail_after(timeout):
@@ -407,7 +409,7 @@ class Rollout:
         """
         p = self._p
         limit = self.engine.settings.pool.max_staleness
-        first = p.turns[0].policy_version if p.turns else None
+        first = p.first_policy_version
         if limit is None or first is None:
             return False
         if p.reason is not None and p.reason not in SCORED_REASONS:
@@ -447,7 +449,7 @@ class Rollout:
             level="warn",
             instance_id=self.instance.instance_id if self.instance else None,
             restarts=restarted + 1,
-            first_policy_version=self._p.turns[0].policy_version,
+            first_policy_version=self._p.first_policy_version,
             policy_version=self.engine.policy_gate.version,
         )
         self.instance = None

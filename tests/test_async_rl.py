@@ -8,15 +8,20 @@ telemetry invariant (one started and one completed event per rollout id).
 
 from __future__ import annotations
 
+import io
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
+from rich.console import Console
 
 from fleetroll.emulator import Emulator, FaultProfile, Latency
-from fleetroll.pool import RolloutPool
+from fleetroll.journal import BatchIdentity, claim_journal, read_journal
+from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.runner import run_job
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink
@@ -147,3 +152,44 @@ async def test_oversampled_groups_stream_in_completion_order_with_exactly_their_
         if r.failure_reason is FailureReason.SUPERSEDED
     )
     assert_pairs(sink)
+
+
+async def test_a_resumed_oversampled_run_only_runs_what_its_groups_still_lack(
+    tmp_path: Path,
+) -> None:
+    task = LEDGER[0]
+    settings = load_settings(provisioning=FAST, pool={"oversample": 1})
+    out = tmp_path / "results.jsonl"
+    # A run that was killed after its first sample was scored.
+    claim = claim_journal(out, BatchIdentity.of("b", [task], 2), resume=False)
+    claim.close()
+    journaled = RolloutResult(
+        rollout_id=rollout_id("b", task.key, 0),
+        batch_id="b",
+        task_key=task.key,
+        sample_index=0,
+        group_id=group_id("b", task.key),
+        env_key=task.env_key,
+        modality=task.modality,
+        status="completed",
+        reward=1.0,
+    )
+    out.write_text(journaled.model_dump_json() + "\n")
+    # Of the two samples left, the group needs one: the other is held until superseded.
+    policy = PlannedPolicy({task.key: ["solve", "hold"]})
+    with anyio.fail_after(60):
+        report = await run_job(
+            settings,
+            [task],
+            policy,
+            samples=2,
+            out=out,
+            resume=True,
+            batch_id="b",
+            console=Console(file=io.StringIO()),
+        )
+    final = {r.sample_index: r for r in read_journal(out)}
+    assert report.resumed == 1 and sorted(final) == [0, 1, 2]
+    reasons = Counter(r.failure_reason for r in final.values())
+    assert reasons == {None: 2, FailureReason.SUPERSEDED: 1}
+    assert policy.calls[task.key] >= 2  # the held one asked once, and never went on

@@ -19,12 +19,14 @@ from rich.console import Console
 
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.journal import BatchIdentity, claim_journal, read_journal
+from fleetroll.policies import OpenAIChatPolicy
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.runner import run_job
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink
+from fleetroll.testing.fake_openai import FakeChatServer, Reply, VllmShape, completion, tool_call
 from fleetroll.testing.planned_policy import PlannedPolicy
 
 pytestmark = pytest.mark.slow
@@ -193,3 +195,35 @@ async def test_a_resumed_oversampled_run_only_runs_what_its_groups_still_lack(
     reasons = Counter(r.failure_reason for r in final.values())
     assert reasons == {None: 2, FailureReason.SUPERSEDED: 1}
     assert policy.calls[task.key] >= 2  # the held one asked once, and never went on
+
+
+async def test_turns_carry_the_policy_version_they_were_admitted_under_across_a_bump(
+    emulator: Emulator,
+) -> None:
+    sink = MemorySink()
+    task = next(t for t in LEDGER if len(t.solution or ()) >= 3)
+    steps = [(s.name, dict(s.arguments)) for s in task.solution or ()]
+    pool: RolloutPool | None = None
+
+    def script(body: dict[str, Any]) -> Reply:
+        turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        if turn == 1 and pool is not None and pool.policy_version == 0:
+            pool.policy_version = 1  # a weight sync while this call is answered
+        if turn >= len(steps):
+            return completion("done")
+        name, arguments = steps[turn]
+        return completion(tool_calls=[tool_call(name, arguments, id=f"call_{turn}")])
+
+    async with FakeChatServer(script, vllm=VllmShape()) as server:
+        openai = {"kind": "openai", "base_url": server.base_url}
+        async with (
+            pool_for(emulator, sink, policy=openai) as pool,
+            OpenAIChatPolicy.from_settings(pool.settings) as model,
+        ):
+            with anyio.fail_after(60):
+                (result,) = await pool.run_batch([task], model).results()
+    versions = [turn.policy_version for turn in result.turns]
+    # Calls admitted before the bump carry 0 (the second one was answered during it).
+    assert versions == [0, 0] + [1] * (len(steps) - 1)
+    assert (result.failure_reason, result.reward) == (None, 1.0)
+    assert_pairs(sink)

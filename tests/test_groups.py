@@ -253,3 +253,16 @@ async def test_oversampling_on_ray_is_refused_in_one_line_before_anything_starts
         with pytest.raises(ConfigError, match=r"pool.oversample = 2 needs the local pool") as err:
             await open_batch_pool(stack, settings, fleet, Events([]), ray_address="local")
     assert "\n" not in str(err.value)
+
+
+async def test_a_shard_yields_only_the_groups_it_runs() -> None:
+    sink = MemorySink()
+    pool, _ = fake_pool(sink)
+    mine = {rollout_id("b", OTHER.key, n) for n in range(2)}
+    async with pool:
+        batch = pool.run_batch(
+            [TASK, OTHER], PlannedPolicy(), samples_per_task=2, batch_id="b", only=mine
+        )
+        with anyio.fail_after(10):
+            groups = [g async for g in batch.groups()]
+    assert [(g.task_key, g.rewards) for g in groups] == [(OTHER.key, [1.0, 1.0])]

@@ -570,6 +570,10 @@ class RolloutPool:
                         task, ids, run_id=run_id or batch_id, gate=lambda: self.active
                     )
                 )
+        # A group of this batch is one with a rollout here or a result from before
+        # (a shard, ``only``, holds some groups only).
+        before = {r.group_id for r in previous}
+        members = {gid: m for gid, m in members.items() if m[1] or gid in before}
         check_capacity(self.batches, len(rollouts), self.settings.pool.max_queued_rollouts)
         batch = Batch(
             batch_id,

@@ -78,8 +78,8 @@ async def test_a_pause_over_http_holds_policy_calls_until_the_trainer_lets_go(
             await client.set_policy_version(3)
             async with client.policy_paused(ttl_s=30):
                 batch = await client.run_batch([task]).submit()
-                record = served.service.batches.get(batch.batch_id)
-                await record.rollouts[0].wait_until(lambda r: r.phase is Phase.ACTING)
+                (rollout,) = served.service.pool.batches[batch.batch_id].rollouts
+                await rollout.wait_until(lambda r: r.phase is Phase.ACTING)
                 await anyio.wait_all_tasks_blocked()
                 assert policy.calls[task.key] == 0
                 async with served.http() as http:

@@ -31,10 +31,13 @@ from typing import Any, Final, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleetroll.errors import TaskFileError
+from fleetroll.mcp_tasks import McpEnvironment, McpVerifier, parse_mcp
 from fleetroll.task_records import Where, read_records, too_big, too_many
 
 __all__ = [
     "FLEET_IGNORED_FIELDS",
+    "McpEnvironment",
+    "McpVerifier",
     "SolutionStep",
     "TaskLimits",
     "TaskSpec",
@@ -54,7 +57,7 @@ _KNOWN_FIELDS: Final = frozenset(
     {
         "key", "prompt", "env_id", "version", "env_key", "data_id", "data_version", "data_key",
         "modality", "task_modality", "verifier_func", "max_steps", "env_variables", "solution",
-        "requires_final_answer", "metadata",
+        "requires_final_answer", "metadata", "environment", "verifier",
     }
 )  # fmt: skip
 _T = TypeVar("_T")
@@ -88,6 +91,9 @@ class TaskSpec(BaseModel):
     solution: tuple[SolutionStep, ...] | None = None
     requires_final_answer: bool = False
     metadata: dict[str, Any] = Field(default_factory=dict)
+    #: An ``mcp`` task's environment and verifier (then ``env_key`` is its name, or "mcp").
+    environment: McpEnvironment | None = None
+    verifier: McpVerifier | None = None
 
     @property
     def env_spec(self) -> str:
@@ -368,6 +374,9 @@ def _parse(
         raise where.error(f"unknown field {unknown[0]!r}{hint}", unknown[0])
     metadata = _object(record.get("metadata"), "metadata", where) or {}
     env_key, env_version = _spec(record, ("env_id", "env_key"), "version", where)
+    mcp = parse_mcp(record, where, fleet_env=env_key is not None)
+    if mcp is not None:
+        env_key = mcp[0].name or "mcp"
     if env_key is None:
         hint = "e.g. \"ledger:v1\"; Fleet's export calls it 'env_id'"
         raise where.error(f"missing required field 'env_key' ({hint})", "env_key")
@@ -407,6 +416,8 @@ def _parse(
         solution=_solution(record.get("solution"), where),
         requires_final_answer=_agreed(final_answer, where, _boolean) or False,
         metadata=metadata,
+        environment=None if mcp is None else mcp[0],
+        verifier=None if mcp is None else mcp[1],
     )
 
 

@@ -45,6 +45,7 @@ from fleetroll.errors import ConfigError
 
 __all__ = [
     "EmulatorSettings",
+    "McpSettings",
     "ModalitySettings",
     "PolicySettings",
     "PoolSettings",
@@ -278,6 +279,21 @@ class EmulatorSettings(_Section):
             ) from None
 
 
+class McpSettings(_Section):
+    """The ``mcp`` provider: tasks whose environment is any MCP server (docs/tasks.md)."""
+
+    #: Where per-rollout working directories are made (None: the system's temp folder).
+    workdir_root: Path | None = None
+    #: Keep each rollout's working directory after release (for debugging).
+    keep_workdirs: bool = False
+    #: Deadline of a task's ``environment.setup`` command.
+    setup_s: float = Field(120.0, gt=0)
+    #: Seconds between SIGTERM and SIGKILL to a server's (or verifier's) process group.
+    kill_grace_s: float = Field(2.0, ge=0)
+    #: Last lines of a server's stderr put in the error when it cannot start.
+    stderr_lines: int = Field(20, ge=0)
+
+
 class ServiceSettings(_Section):
     """``fleetroll serve``: the HTTP service for remote training controllers.
 
@@ -485,6 +501,7 @@ class Settings(BaseSettings):
     telemetry: TelemetrySettings = TelemetrySettings()
     emulator: EmulatorSettings = EmulatorSettings()
     service: ServiceSettings = ServiceSettings()
+    mcp: McpSettings = McpSettings()
 
     @property
     def uses_emulator(self) -> bool:

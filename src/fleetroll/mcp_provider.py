@@ -1,0 +1,698 @@
+"""Any MCP server as an environment: the ``mcp`` provider (docs/tasks.md).
+
+:class:`McpProvider` implements :class:`fleetroll.environments.Provider` for
+tasks that give ``environment`` instead of a Fleet ``env_key``:
+
+* ``environment.command``: per rollout a fresh working directory
+  (``tempfile.mkdtemp`` with the prefix ``fleetroll-mcp-`` under
+  ``mcp.workdir_root``), ``files`` written into it, ``setup`` run there under
+  ``mcp.setup_s``, then the stdio server started in its own process group
+  with only the task's ``env`` and a minimal ``PATH``/``HOME`` (never
+  fleetroll's environment, which holds its keys). Provisioning ends with an
+  MCP handshake, so a server that cannot start is ``init_error`` with the
+  last lines of its stderr. Each MCP session (the rollout's tools, a
+  ``verifier.tool``) is a client over the running process's pipes.
+* ``environment.url``: a streamable-HTTP server already running, connected
+  with retries (:func:`fleetroll.tools.open_tool_session`), reset before
+  each rollout when the task says how.
+* ``verifier.command`` runs in the working directory under
+  ``timeouts.verifier_s`` in its own process group (killed on timeout), with
+  the same minimal environment; ``verifier.tool`` is a call on the server.
+
+Release kills the process group (SIGTERM, SIGKILL after ``mcp.kill_grace_s``)
+and removes the working directory (unless ``mcp.keep_workdirs``); it is
+shielded and bounded, and deletes only folders this provider made.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from subprocess import DEVNULL, PIPE
+from typing import Any, Final
+
+import anyio
+import httpx2
+import mcp_types as types
+from anyio.abc import Process
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.text import TextReceiveStream
+from mcp import Client
+from mcp.shared.message import SessionMessage
+
+import fleetroll.examples_mcp
+from fleetroll import retrying
+from fleetroll.environments import Instance, Verdict
+from fleetroll.errors import OperationTimeout, ProvisionError, ToolsError
+from fleetroll.mcp_tasks import McpEnvironment, McpVerifier, ToolCallSpec
+from fleetroll.results import VerifierOutcome
+from fleetroll.routing import Route, route
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events, Redactor
+from fleetroll.telemetry.retries import retry_emitter
+from fleetroll.tools import ToolResult, ToolSession, describe, open_tool_session
+
+__all__ = ["WORKDIR_PREFIX", "McpHandle", "McpProvider"]
+
+#: Every working directory this provider makes starts so; it deletes no other.
+WORKDIR_PREFIX: Final = "fleetroll-mcp-"
+_OUTPUT_KEPT: Final = 64 * 1024  # bytes of a command's stdout/stderr kept for the result
+
+
+@dataclass(eq=False)
+class McpHandle:
+    """One rollout's MCP environment (an :class:`Instance`'s handle)."""
+
+    instance_id: str
+    environment: McpEnvironment
+    folder: Path  # made by mkdtemp (WORKDIR_PREFIX); the workdir and server.stderr live inside
+    env: dict[str, str]  # the server's (and verifier's) whole environment
+    run_id: str | None = None
+    process: Process | None = None
+    stdout_closed: anyio.Event = field(default_factory=anyio.Event)
+    released: bool = False
+
+    @property
+    def workdir(self) -> Path:
+        return self.folder / "work"
+
+    @property
+    def stderr_path(self) -> Path:
+        return self.folder / "server.stderr"
+
+    @property
+    def label(self) -> str:
+        """Where the tools are, for messages."""
+        return self.environment.url or f"stdio://{self.instance_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Ran:
+    """A finished (or killed) command."""
+
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+
+
+class McpProvider:
+    """Environments that are MCP servers: a command started per rollout, or a URL."""
+
+    def __init__(self, settings: Settings, events: Events) -> None:
+        self._settings = settings
+        self._events = events
+        self._live: dict[str, McpHandle] = {}
+        self._examples = str(Path(fleetroll.examples_mcp.__file__).resolve().parent)
+
+    # -- provisioning ---------------------------------------------------------
+
+    async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
+        """A working directory and, for a ``command`` server, the server answering MCP.
+
+        Raises:
+            ProvisionError: setup failed, the server did not start or answer
+                the handshake within ``timeouts.mcp_connect_s`` (not transient:
+                the same command fails the same way), or the folder cannot be made.
+        """
+        environment = _environment(task)
+        began = time.monotonic()
+        handle: McpHandle | None = None
+        ready = False
+        try:
+            folder = await anyio.to_thread.run_sync(self._make_workdir, environment)
+            handle = McpHandle(
+                instance_id=f"mcp-{uuid.uuid4().hex[:12]}",
+                environment=environment,
+                folder=folder,
+                env=self._minimal_env(environment.env, folder / "work"),
+                run_id=run_id,
+            )
+            self._live[handle.instance_id] = handle
+            if environment.command is not None:
+                await self._setup(handle, task)
+                await self._start(handle)
+            ready = True
+        except (ProvisionError, OSError, TimeoutError, ToolsError) as exc:
+            error = exc if isinstance(exc, ProvisionError) else self._provision_error(exc, handle)
+            self._events.emit(
+                "fleet_make_failed",
+                level="error",
+                attempt=1,
+                error_type=type(exc).__name__,
+                error_message=str(error)[:500],
+                status_code=None,
+            )
+            raise error from exc
+        finally:
+            if not ready and handle is not None:
+                await self._release(handle)  # shielded and bounded, even when cancelled
+        elapsed = time.monotonic() - began
+        self._events.emit(
+            "fleet_provisioning_completed",
+            provisioning_time_s=round(elapsed, 4),
+            attempts=1,
+            instance_id=handle.instance_id,
+        )
+        return Instance(handle.instance_id, 1, elapsed, time.monotonic(), handle=handle)
+
+    def _provision_error(self, exc: BaseException, handle: McpHandle | None) -> ProvisionError:
+        what = "starting the MCP server"
+        if isinstance(exc, TimeoutError):
+            why = f"no MCP handshake within {self._settings.timeouts.mcp_connect_s:g} s"
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        return ProvisionError(f"{what} failed: {why}{self._stderr_tail(handle)}", transient=False)
+
+    def _make_workdir(self, environment: McpEnvironment) -> Path:
+        """A fresh folder (``WORKDIR_PREFIX``) holding ``work/`` with the task's files."""
+        root = self._settings.mcp.workdir_root
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=root)).resolve()
+        workdir = folder / "work"
+        try:
+            workdir.mkdir()
+            for relative, text in environment.files.items():
+                target = (workdir / relative).resolve()
+                if workdir not in target.parents:  # checked at load; a symlink could escape
+                    raise ProvisionError(
+                        f"file {relative!r} leaves the working directory", transient=False
+                    )
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(text, encoding="utf-8")
+        except (OSError, ProvisionError):
+            self._remove(folder)
+            raise
+        return folder
+
+    def _minimal_env(self, given: Mapping[str, str], workdir: Path) -> dict[str, str]:
+        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": os.environ.get("HOME", "/")}
+        env.update({k: self._fill(v, workdir) for k, v in given.items()})
+        return env
+
+    def _fill(self, text: str, workdir: Path) -> str:
+        return (
+            text.replace("{workdir}", str(workdir))
+            .replace("{python}", sys.executable)
+            .replace("{examples}", self._examples)
+        )
+
+    def _argv(self, command: Sequence[str], handle: McpHandle) -> list[str]:
+        return [self._fill(part, handle.workdir) for part in command]
+
+    async def _setup(self, handle: McpHandle, task: TaskSpec) -> None:
+        setup = handle.environment.setup
+        if setup is None:
+            return
+        timeout = self._settings.mcp.setup_s
+        ran = await self._run(self._argv(setup, handle), handle, timeout)
+        if ran.timed_out or ran.returncode != 0:
+            why = (
+                f"took over {timeout:g} s (mcp.setup_s)"
+                if ran.timed_out
+                else f"exited with status {ran.returncode}"
+            )
+            tail = self._tail(ran.stderr or ran.stdout, self._redactor(handle))
+            raise ProvisionError(f"environment.setup of {task.key} {why}{tail}", transient=False)
+
+    async def _start(self, handle: McpHandle) -> None:
+        assert handle.environment.command is not None
+        argv = self._argv(handle.environment.command, handle)
+        stderr = await anyio.to_thread.run_sync(handle.stderr_path.open, "wb")
+        try:
+            handle.process = await anyio.open_process(
+                argv,
+                cwd=handle.workdir,
+                env=handle.env,
+                stdin=PIPE,
+                stdout=PIPE,
+                stderr=stderr,
+                start_new_session=True,  # its own process group, killed whole on release
+            )
+        finally:
+            stderr.close()  # the child holds its own descriptor
+        with anyio.fail_after(self._settings.timeouts.mcp_connect_s):
+            async with self._stdio_client(handle):
+                pass
+
+    # -- the rollout -----------------------------------------------------------
+
+    async def reset(self, instance: Instance) -> None:
+        """Run a ``url`` server's ``environment.reset`` (``timeouts.reset_s``).
+
+        A ``command`` server starts fresh: nothing to do.
+
+        Raises:
+            OperationTimeout: the reset passed its deadline.
+            ToolsError: the reset request or tool call failed.
+        """
+        handle = _handle(instance)
+        reset = handle.environment.reset
+        if reset is None:
+            return
+        timeout = self._settings.timeouts.reset_s
+        try:
+            with anyio.fail_after(timeout):
+                if reset.http is not None:
+                    async with self._http() as http:
+                        response = await http.request(reset.http.method, reset.http.url)
+                        response.raise_for_status()
+                else:
+                    assert reset.tool is not None
+                    async with self._session(handle) as session:
+                        answer = await session.call(reset.tool.name, reset.tool.arguments)
+                    if answer.is_error:
+                        raise ToolsError(f"reset tool said: {answer.text[:300]}", operation="reset")
+        except TimeoutError:
+            raise OperationTimeout(
+                f"resetting {handle.label} took over {timeout:g} s",
+                operation="reset",
+                timeout_s=timeout,
+            ) from None
+        except httpx2.HTTPError as exc:
+            raise ToolsError(f"reset of {handle.label} failed: {exc}", operation="reset") from exc
+
+    def route(self, instance: Instance, task: TaskSpec) -> Route:
+        """The task's modality's tool filter, on the server itself."""
+        handle = _handle(instance)
+        row = route(
+            task.modality, self._settings.modalities, "", final_answer=task.requires_final_answer
+        )
+        return replace(row, url=handle.label)
+
+    def open_tools(
+        self, instance: Instance, route: Route
+    ) -> AbstractAsyncContextManager[ToolSession]:
+        """An MCP session on the server for the rollout's life.
+
+        Raises:
+            OperationTimeout: no session within ``timeouts.mcp_connect_s``.
+            ToolsError: the server refused or dropped the connection.
+        """
+        return self._session(_handle(instance))
+
+    @asynccontextmanager
+    async def _session(self, handle: McpHandle) -> AsyncIterator[ToolSession]:
+        t = self._settings.timeouts
+        if handle.environment.url is not None:
+            async with (
+                self._http() as http,
+                open_tool_session(
+                    handle.environment.url,
+                    http,
+                    connect_timeout_s=t.mcp_connect_s,
+                    call_timeout_s=t.call_tool_s,
+                    list_timeout_s=t.list_tools_s,
+                    budget=retrying.budget(self._settings, "mcp_connect"),
+                    report=retry_emitter(self._events),
+                ) as session,
+            ):
+                yield session
+            return
+        connected = False
+        with anyio.CancelScope(deadline=anyio.current_time() + t.mcp_connect_s) as scope:
+            try:
+                async with self._stdio_client(handle) as client:
+                    connected = True
+                    scope.deadline = math.inf
+                    yield ToolSession(
+                        client,
+                        handle.label,
+                        call_timeout_s=t.call_tool_s,
+                        list_timeout_s=t.list_tools_s,
+                    )
+            except Exception as exc:
+                if connected:
+                    raise
+                raise ToolsError(
+                    f"cannot open an MCP session with {handle.label}: {describe(exc)}",
+                    operation="connect",
+                ) from exc
+        if not connected:
+            raise OperationTimeout(
+                f"the MCP handshake with {handle.label} took over {t.mcp_connect_s:g} s",
+                operation="connect",
+                timeout_s=t.mcp_connect_s,
+            )
+
+    def _stdio_client(self, handle: McpHandle) -> Client:
+        if handle.process is None or handle.process.returncode is not None:
+            raise ToolsError(f"the server of {handle.label} is not running", operation="connect")
+        return Client(
+            _process_transport(handle.process, handle.stdout_closed),
+            read_timeout_seconds=self._settings.timeouts.call_tool_s,
+        )
+
+    def _http(self) -> httpx2.AsyncClient:
+        t = self._settings.timeouts
+        return httpx2.AsyncClient(
+            timeout=httpx2.Timeout(
+                max(t.call_tool_s, t.list_tools_s) + t.mcp_connect_s, connect=t.mcp_connect_s
+            )
+        )
+
+    # -- verification ----------------------------------------------------------
+
+    async def verify(self, instance: Instance, task: TaskSpec, final_answer: str | None) -> Verdict:
+        """The task's ``verifier``: a command in the workdir or a tool on the server.
+
+        Never raises for the verifier's problems: a crash, a timeout or no
+        number is a verdict without a reward.
+        """
+        handle = _handle(instance)
+        verifier = task.verifier
+        assert verifier is not None  # checked when the task was loaded
+        redact = self._redactor(handle)
+        try:
+            if verifier.tool is not None:
+                return await self._verify_tool(handle, verifier.tool, redact)
+            return await self._verify_command(handle, verifier, final_answer, redact)
+        except (ToolsError, OperationTimeout, OSError) as exc:
+            error = redact(f"the verifier could not run: {describe(exc)}")
+            return Verdict(None, VerifierOutcome(success=False, error=error), type(exc).__name__)
+
+    async def _verify_command(
+        self,
+        handle: McpHandle,
+        verifier: McpVerifier,
+        final_answer: str | None,
+        redact: Redactor,
+    ) -> Verdict:
+        assert verifier.command is not None
+        timeout = self._settings.timeouts.verifier_s
+        env = None if final_answer is None else {**handle.env, "FINAL_ANSWER": final_answer}
+        ran = await self._run(self._argv(verifier.command, handle), handle, timeout, env=env)
+        stdout = redact(ran.stdout[-_OUTPUT_KEPT:])
+        if ran.timed_out:
+            error = f"the verifier took over {timeout:g} s (timeouts.verifier_s) and was killed"
+            return _no_reward(error, stdout, "TimeoutError")
+        if verifier.reward_file is not None:
+            path = handle.workdir / verifier.reward_file
+            try:
+                text = await anyio.Path(path).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                why = f"exited with status {ran.returncode}; " if ran.returncode else ""
+                error = f"the verifier {why}wrote no {verifier.reward_file}: {exc}"
+                return _no_reward(redact(error + self._tail(ran.stderr, redact)), stdout)
+            reward = _number(text.strip())
+            if reward is None:
+                error = f"{verifier.reward_file} holds no number: {text.strip()[:80]!r}"
+                return _no_reward(redact(error), stdout)
+            return Verdict(reward, VerifierOutcome(success=True, stdout=stdout))
+        if ran.returncode != 0:
+            error = f"the verifier exited with status {ran.returncode}" + self._tail(
+                ran.stderr, redact
+            )
+            return _no_reward(error, stdout, "VerifierCrashed")
+        reward = next(
+            (n for line in reversed(ran.stdout.splitlines()) if (n := _number(line)) is not None),
+            None,
+        )
+        if reward is None:
+            return _no_reward("the verifier printed no number", stdout)
+        return Verdict(reward, VerifierOutcome(success=True, stdout=stdout))
+
+    async def _verify_tool(
+        self, handle: McpHandle, tool: ToolCallSpec, redact: Redactor
+    ) -> Verdict:
+        timeout = self._settings.timeouts.verifier_s
+        try:
+            with anyio.fail_after(timeout):
+                async with self._session(handle) as session:
+                    answer = await session.call(tool.name, tool.arguments)
+        except TimeoutError:
+            error = f"the verifier tool {tool.name} took over {timeout:g} s (timeouts.verifier_s)"
+            return _no_reward(error, "", "TimeoutError")
+        text = redact(answer.text[-_OUTPUT_KEPT:])
+        if answer.is_error:
+            return _no_reward(f"the verifier tool {tool.name} failed: {text[:300]}", text)
+        reward = _tool_number(answer)
+        if reward is None:
+            return _no_reward(f"the verifier tool {tool.name} gave no number: {text[:80]!r}", text)
+        return Verdict(reward, VerifierOutcome(success=True, stdout=text))
+
+    async def _run(
+        self,
+        argv: list[str],
+        handle: McpHandle,
+        limit_s: float,
+        *,
+        env: dict[str, str] | None = None,
+    ) -> _Ran:
+        """Run a command in the workdir in its own process group, killed at ``timeout``.
+
+        Raises:
+            OSError: it could not be started (no such command...).
+        """
+        process = await anyio.open_process(
+            argv,
+            cwd=handle.workdir,
+            env=env or handle.env,
+            stdin=DEVNULL,
+            stdout=PIPE,
+            stderr=PIPE,
+            start_new_session=True,
+        )
+        out: list[bytes] = []
+        err: list[bytes] = []
+        try:
+            with anyio.move_on_after(limit_s) as scope:
+                async with anyio.create_task_group() as tg:
+                    assert process.stdout is not None and process.stderr is not None
+                    tg.start_soon(_collect, process.stdout, out)
+                    tg.start_soon(_collect, process.stderr, err)
+                await process.wait()
+        finally:
+            await self._stop(process)
+        return _Ran(
+            None if scope.cancelled_caught else process.returncode,
+            b"".join(out).decode("utf-8", "replace"),
+            b"".join(err).decode("utf-8", "replace"),
+            scope.cancelled_caught,
+        )
+
+    # -- liveness and release ----------------------------------------------------
+
+    async def is_alive(self, instance: Instance) -> bool:
+        """Whether a ``command`` server still runs (a ``url`` server is presumed alive)."""
+        handle = _handle(instance)
+        process = handle.process
+        if process is None:
+            return handle.environment.url is not None and not handle.released
+        if process.returncode is None and handle.stdout_closed.is_set():
+            # Its stdout ended: it is exiting; give the loop the time to see it.
+            with anyio.move_on_after(self._settings.mcp.kill_grace_s):
+                await process.wait()
+        return process.returncode is None
+
+    async def release(self, instance: Instance) -> bool:
+        """Kill the server's process group and remove the working directory. Never raises."""
+        return await self._release(_handle(instance))
+
+    async def _release(self, handle: McpHandle) -> bool:
+        if handle.released:
+            return True
+        handle.released = True
+        self._live.pop(handle.instance_id, None)
+        timeout = self._settings.timeouts.release_s
+        error: str | None = None
+        began = time.monotonic()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
+            try:
+                if handle.process is not None:
+                    await self._stop(handle.process)
+                if not self._settings.mcp.keep_workdirs:
+                    await anyio.to_thread.run_sync(self._remove, handle.folder)
+            except Exception as exc:  # a failed release is reported, never raised
+                error = f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            error = f"release timed out after {timeout:g} s"
+        attributes: dict[str, Any] = {
+            "instance_id": handle.instance_id,
+            "lifetime_s": round(time.monotonic() - began, 3),
+        }
+        if error is None:
+            self._events.emit("fleet_instance_released", **attributes)
+            return True
+        self._events.emit(
+            "fleet_instance_release_failed", level="error", error_message=error[:500], **attributes
+        )
+        return False
+
+    def _remove(self, folder: Path) -> None:
+        root = self._settings.mcp.workdir_root
+        expected = Path(tempfile.gettempdir() if root is None else root).resolve()
+        # Only a folder this provider made: its prefix, in its root.
+        if not folder.name.startswith(WORKDIR_PREFIX) or folder.parent != expected:
+            raise RuntimeError(f"refusing to remove {folder}: not a folder fleetroll made")
+        shutil.rmtree(folder)
+
+    async def _stop(self, process: Process) -> None:
+        """SIGTERM to the process group, SIGKILL after ``mcp.kill_grace_s``; shielded."""
+        grace = self._settings.mcp.kill_grace_s
+        with anyio.CancelScope(shield=True):
+            _signal_group(process.pid, signal.SIGTERM)
+            with anyio.move_on_after(grace):
+                await process.wait()
+            # Even when the leader is gone, what it started may still run.
+            _signal_group(process.pid, signal.SIGKILL)
+            with anyio.move_on_after(self._settings.timeouts.release_s):
+                await process.wait()
+            for stream in (process.stdin, process.stdout, process.stderr):
+                if stream is not None:
+                    with suppress(Exception):
+                        await stream.aclose()
+
+    async def sweep(self, run_id: str) -> int:
+        """Release every environment of ``run_id`` still held; never raises."""
+        handles = [h for h in list(self._live.values()) if h.run_id == run_id]
+        released = 0
+        for handle in handles:
+            released += await self._release(handle)
+        return released
+
+    async def aclose(self) -> None:
+        """Release whatever is still held (each release is shielded and bounded)."""
+        for handle in list(self._live.values()):
+            await self._release(handle)
+
+    # -- helpers -----------------------------------------------------------------
+
+    def _redactor(self, handle: McpHandle) -> Redactor:
+        return self._events.redactor.extended(handle.environment.env.values())
+
+    def _stderr_tail(self, handle: McpHandle | None) -> str:
+        if handle is None or handle.process is None:
+            return ""
+        try:
+            text = handle.stderr_path.read_bytes()[-_OUTPUT_KEPT:].decode("utf-8", "replace")
+        except OSError:
+            return ""
+        return self._tail(text, self._redactor(handle))
+
+    def _tail(self, text: str, redact: Redactor) -> str:
+        keep = self._settings.mcp.stderr_lines
+        lines = deque((line for line in text.splitlines() if line.strip()), maxlen=keep or 1)
+        if not keep or not lines:
+            return ""
+        return "; stderr: " + redact(" | ".join(lines))
+
+
+def _environment(task: TaskSpec) -> McpEnvironment:
+    if task.environment is None:
+        reason = f"task {task.key} has no 'environment' (a Fleet task)"
+        raise ProvisionError(reason, transient=False)
+    return task.environment
+
+
+def _handle(instance: Instance) -> McpHandle:
+    handle = instance.handle
+    assert isinstance(handle, McpHandle), "an instance of another provider"
+    return handle
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def _collect(stream: anyio.abc.ByteReceiveStream, into: list[bytes]) -> None:
+    kept = 0
+    with suppress(anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
+        async for chunk in stream:
+            if kept < _OUTPUT_KEPT:
+                into.append(chunk[: _OUTPUT_KEPT - kept])
+                kept += len(chunk)
+
+
+def _no_reward(error: str, stdout: str, error_type: str = "VerifierError") -> Verdict:
+    return Verdict(None, VerifierOutcome(success=False, stdout=stdout, error=error), error_type)
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _tool_number(answer: ToolResult) -> float | None:
+    structured = answer.structured
+    if isinstance(structured, Mapping):
+        structured = structured.get("result")
+    if isinstance(structured, int | float) and not isinstance(structured, bool):
+        return float(structured) if math.isfinite(structured) else None
+    return _number(answer.text)
+
+
+@asynccontextmanager
+async def _process_transport(
+    process: Process, stdout_closed: anyio.Event
+) -> AsyncIterator[
+    tuple[
+        MemoryObjectReceiveStream[SessionMessage | Exception],
+        MemoryObjectSendStream[SessionMessage],
+    ]
+]:
+    """An MCP transport over a running server's pipes, leaving the server running.
+
+    The SDK's ``stdio_client`` starts and stops its own process; here the
+    process outlives each session (the rollout's tools, then a verifier's
+    tool call), and release kills it.
+    """
+    assert process.stdin is not None and process.stdout is not None
+    stdin, stdout = process.stdin, process.stdout
+    to_session, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
+    write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](0)
+
+    async def read() -> None:
+        buffer = ""
+        async with to_session:
+            with suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
+                async for chunk in TextReceiveStream(stdout, errors="replace"):
+                    lines = (buffer + chunk).split("\n")
+                    buffer = lines.pop()
+                    for line in lines:
+                        if line.strip():
+                            await to_session.send(_parse(line))
+            stdout_closed.set()  # end of stream: the server is exiting
+
+    async def write() -> None:
+        async with from_session:
+            try:
+                async for message in from_session:
+                    data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
+                    await stdin.send((data + "\n").encode())
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
+                await to_session.aclose()  # the session sees the end, not a hang
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        tg.start_soon(write)
+        try:
+            yield read_stream, write_stream
+        finally:
+            tg.cancel_scope.cancel()
+            read_stream.close()
+            write_stream.close()
+
+
+def _parse(line: str) -> SessionMessage | Exception:
+    try:
+        return SessionMessage(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+    except ValueError as exc:
+        return exc

@@ -56,8 +56,9 @@ from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
 from fleetroll.errors import PoolFullError
 from fleetroll.groups import Completion, Group, GroupTracker
+from fleetroll.mixed_provider import MixedProvider
 from fleetroll.policies import Policy
-from fleetroll.provisioning import CreateGate, FleetProvider
+from fleetroll.provisioning import CreateGate
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase, Rollout, RolloutIds, RolloutView
 from fleetroll.settings import Settings
@@ -460,7 +461,7 @@ class RolloutPool:
                     self.settings,
                     self.events,
                     self._provider
-                    or FleetProvider(
+                    or MixedProvider(
                         self.settings,
                         self.events,
                         api_key=self._api_key,

@@ -244,9 +244,12 @@ class McpProvider:
             )
         finally:
             stderr.close()  # the child holds its own descriptor
-        with anyio.fail_after(self._settings.timeouts.mcp_connect_s):
-            async with self._stdio_client(handle):
-                pass
+        try:
+            with anyio.fail_after(self._settings.timeouts.mcp_connect_s):
+                async with self._stdio_client(handle):
+                    pass
+        except Exception as exc:  # whatever the handshake raised (MCPError...): it cannot start
+            raise self._provision_error(exc, handle) from exc
 
     # -- the rollout -----------------------------------------------------------
 

@@ -1,0 +1,257 @@
+"""The mcp provider end to end: real MCP servers as subprocesses, the scripted policy.
+
+Every test runs a pool whose Fleet points nowhere (``http://127.0.0.1:9``): a
+batch of only mcp tasks must never need it. Each test counts, after the
+batch, the processes running from its working-directory root and the
+folders left in it: both must be zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool import RolloutPool
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import TaskSpec, load_tasks, parse_task
+from fleetroll.telemetry import Events, MemorySink
+
+pytestmark = pytest.mark.slow
+
+SERVER = ["{python}", "{examples}/notes_server.py", "--root", "{workdir}"]
+SAYS_ONE = ["{python}", "-c", "print('checking'); print(1)"]
+EXAMPLE = config_dir() / "tasks" / "mcp" / "notes.jsonl"
+NOWHERE = "http://127.0.0.1:9"  # no Fleet: a batch of mcp tasks must not need one
+
+
+def settings_for(root: Path, **overrides: Any) -> Any:
+    timeouts = {"mcp_connect_s": 20.0, "call_tool_s": 20.0, **overrides.pop("timeouts", {})}
+    mcp = {"workdir_root": str(root), "kill_grace_s": 1.0, **overrides.pop("mcp", {})}
+    return load_settings(timeouts=timeouts, mcp=mcp, **overrides)
+
+
+def task(key: str, *, environment: Any = None, verifier: Any = None, **fields: Any) -> TaskSpec:
+    record = {
+        "key": key,
+        "prompt": "Use the notes.",
+        "environment": environment or {"command": SERVER},
+        "verifier": verifier or {"command": SAYS_ONE},
+        **fields,
+    }
+    return parse_task(record, source="test", modalities={"tool_use", "computer_use"})
+
+
+def write(path: str, content: str) -> list[dict[str, Any]]:
+    return [{"name": "write_file", "arguments": {"path": path, "content": content}}]
+
+
+async def run(
+    tasks: Sequence[TaskSpec], root: Path, *, sink: MemorySink | None = None, **overrides: Any
+) -> list[RolloutResult]:
+    settings = settings_for(root, **overrides)
+    events = Events([sink] if sink else [])
+    with anyio.fail_after(90):
+        async with RolloutPool(settings, api_key="unused", base_url=NOWHERE, events=events) as pool:
+            return await pool.run_batch(tasks, ScriptedPolicy()).results()
+
+
+def running_from(root: Path) -> list[int]:
+    """Processes whose command line or working directory is under ``root``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            cwd = os.readlink(entry / "cwd")
+        except OSError:
+            continue  # gone already, or not ours
+        if str(root) in cmdline or cwd.startswith(str(root)):
+            found.append(int(entry.name))
+    return found
+
+
+def assert_nothing_left(root: Path) -> None:
+    assert running_from(root) == []
+    assert not root.exists() or list(root.iterdir()) == []
+
+
+async def test_the_example_tasks_score_one_with_their_solution_and_leave_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "workdirs"
+    settings = settings_for(root)
+    tasks = load_tasks(EXAMPLE, modalities=settings.modalities)
+
+    results = sorted(await run(tasks, root), key=lambda r: r.task_key)
+
+    assert [(r.task_key, r.reward, r.failure_reason) for r in results] == [
+        (t.key, 1.0, None) for t in tasks
+    ]
+    assert {r.env_key for r in results} == {"notes"}
+    assert all(r.instance_id and r.instance_id.startswith("mcp-") for r in results)
+    assert_nothing_left(root)
+
+
+async def test_the_example_tasks_score_zero_without_a_solution(tmp_path: Path) -> None:
+    root = tmp_path / "workdirs"
+    settings = settings_for(root)
+    tasks = [
+        t.model_copy(update={"solution": ()})
+        for t in load_tasks(EXAMPLE, modalities=settings.modalities)
+    ]
+
+    results = await run(tasks, root)
+
+    assert [(r.reward, r.failure_reason) for r in results] == [(0.0, None)] * len(tasks)
+    assert_nothing_left(root)
+
+
+async def test_a_server_that_never_starts_is_an_init_error_with_its_stderr(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "workdirs"
+    broken = [*SERVER, "--fail-start", "cannot open notes.db: permission denied"]
+
+    [result] = await run([task("t", environment={"command": broken})], root)
+
+    assert result.failure_reason is FailureReason.INIT_ERROR and result.reward is None
+    assert "cannot open notes.db: permission denied" in (result.error or "")
+    assert_nothing_left(root)
+
+
+async def test_a_missing_command_or_a_failing_setup_is_an_init_error(tmp_path: Path) -> None:
+    root = tmp_path / "workdirs"
+    failing_setup = ["{python}", "-c", "import sys; sys.exit('no seed data')"]
+    tasks = [
+        task("missing", environment={"command": ["no-such-mcp-server-binary"]}),
+        task("setup", environment={"command": SERVER, "setup": failing_setup}),
+    ]
+
+    missing, setup = sorted(await run(tasks, root), key=lambda r: r.task_key)
+
+    assert missing.failure_reason is FailureReason.INIT_ERROR
+    assert "no-such-mcp-server-binary" in (missing.error or "")
+    assert setup.failure_reason is FailureReason.INIT_ERROR
+    assert "exited with status 1" in (setup.error or "") and "no seed data" in (setup.error or "")
+    assert_nothing_left(root)
+
+
+async def test_a_server_that_crashes_mid_rollout_is_instance_lost(tmp_path: Path) -> None:
+    root = tmp_path / "workdirs"
+    crashing = [*SERVER, "--crash-after", "2"]
+    solution = write("a.txt", "1") + write("b.txt", "2") + write("c.txt", "3")
+
+    [result] = await run([task("t", environment={"command": crashing}, solution=solution)], root)
+
+    assert result.failure_reason is FailureReason.INSTANCE_LOST and result.reward is None
+    assert_nothing_left(root)
+
+
+async def test_a_hanging_tool_call_is_a_tool_failure_within_its_deadline(tmp_path: Path) -> None:
+    root = tmp_path / "workdirs"
+    hanging = [*SERVER, "--hang-tool"]
+
+    [result] = await run(
+        [task("t", environment={"command": hanging}, solution=[{"name": "hang"}])],
+        root,
+        timeouts={"call_tool_s": 1.0},
+    )
+
+    assert result.failure_reason is FailureReason.TOOL_FAILURE and result.reward is None
+    assert "hang took over 1 s" in (result.error or "")
+    assert_nothing_left(root)
+
+
+@pytest.mark.parametrize(
+    ("verifier", "words"),
+    [
+        ({"command": ["{python}", "-c", "import sys; print(1); sys.exit(3)"]}, "status 3"),
+        ({"command": ["{python}", "-c", "import time; time.sleep(60)"]}, "took over 1 s"),
+        ({"command": ["{python}", "-c", "print('all good')"]}, "no number"),
+        ({"command": ["{python}", "-c", "print(1)"], "reward_file": "reward.txt"}, "reward.txt"),
+        ({"tool": {"name": "read_file", "arguments": {"path": "nope.txt"}}}, "failed"),
+    ],
+    ids=["crash", "timeout", "no-number", "no-reward-file", "tool-error"],
+)
+async def test_a_verifier_that_crashes_hangs_or_gives_no_number_is_a_verifier_error(
+    tmp_path: Path, verifier: dict[str, Any], words: str
+) -> None:
+    root = tmp_path / "workdirs"
+
+    [result] = await run(
+        [task("t", verifier=verifier, solution=write("a.txt", "x"))],
+        root,
+        timeouts={"verifier_s": 1.0 if "over 1 s" in words else 20.0},
+    )
+
+    assert result.failure_reason is FailureReason.VERIFIER_ERROR and result.reward is None
+    assert words in (result.verifier.error if result.verifier else "")
+    assert_nothing_left(root)
+
+
+async def test_the_server_and_verifier_get_only_the_task_env_never_fleetroll_s(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "workdirs"
+    monkeypatch.setenv("FLEET_API_KEY", "sk-fleet-secret-never-shown")
+    dump = "import json, os; open('env.json', 'w').write(json.dumps(dict(os.environ))); print(1)"
+    reads = ["{python}", "-c", "import os; print(1 if os.environ['ANSWER'] == '42' else 0)"]
+
+    [result] = await run(
+        [
+            task(
+                "t",
+                environment={
+                    "command": SERVER,
+                    "env": {"ANSWER": "42"},
+                    "setup": ["{python}", "-c", dump],
+                },
+                verifier={"command": reads},
+                solution=[],
+            )
+        ],
+        root,
+        mcp={"keep_workdirs": True},
+    )
+
+    assert result.reward == 1.0, result.error
+    [folder] = root.iterdir()
+    seen = json.loads((folder / "work" / "env.json").read_text())
+    assert set(seen) - {"PWD", "SHLVL", "_", "LC_CTYPE"} == {"PATH", "HOME", "ANSWER"}
+    assert running_from(root) == []
+
+
+async def test_a_mixed_batch_runs_fleet_tasks_on_the_emulator_and_mcp_tasks_locally(
+    tmp_path: Path,
+) -> None:
+    from fleetroll.emulator import Emulator
+
+    root = tmp_path / "workdirs"
+    settings = settings_for(root)
+    ledger = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=settings.modalities)
+    notes = load_tasks(EXAMPLE, modalities=settings.modalities)
+    tasks = [ledger[0], *notes[:2], ledger[1]]
+
+    with anyio.fail_after(90):
+        async with (
+            Emulator() as emu,
+            RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
+        ):
+            results = await pool.run_batch(tasks, ScriptedPolicy()).results()
+            still_running = [i.instance_id for i in emu.store if i.alive]
+
+    by_key = {r.task_key: r for r in results}
+    assert {k: r.reward for k, r in by_key.items()} == {t.key: 1.0 for t in tasks}
+    assert by_key[ledger[0].key].env_key == "ledger"
+    assert by_key[notes[0].key].env_key == "notes"
+    assert still_running == []
+    assert_nothing_left(root)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -254,4 +255,86 @@ async def test_a_mixed_batch_runs_fleet_tasks_on_the_emulator_and_mcp_tasks_loca
     assert by_key[ledger[0].key].env_key == "ledger"
     assert by_key[notes[0].key].env_key == "notes"
     assert still_running == []
+    assert_nothing_left(root)
+
+
+async def test_a_url_server_is_reset_before_each_rollout_and_scored_by_a_tool(
+    tmp_path: Path,
+) -> None:
+    from fleetroll.examples_mcp.notes_server import build
+    from fleetroll.service import serve_app
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "status.txt").write_text("done")  # a previous user's state: reset removes it
+    root = tmp_path / "workdirs"
+    environment = {"url": "", "reset": {"tool": {"name": "clear"}}}
+    verifier = {
+        "tool": {"name": "check_file", "arguments": {"path": "status.txt", "content": "done"}}
+    }
+    app = build(served).streamable_http_app()
+
+    async with serve_app(app, "127.0.0.1", 0) as url:
+        environment["url"] = f"{url}/mcp"
+        unsolved = task("unsolved", environment=environment, verifier=verifier, solution=[])
+        solved = task(
+            "solved",
+            environment=environment,
+            verifier=verifier,
+            solution=write("status.txt", "done"),
+        )
+        [first] = await run([unsolved], root)
+        [second] = await run([solved], root)
+        [third] = await run([unsolved], root)
+
+    assert (first.reward, second.reward, third.reward) == (0.0, 1.0, 0.0)
+    assert second.failure_reason is None and second.env_key == "mcp"
+    assert_nothing_left(root)
+
+
+async def test_cancelling_a_batch_mid_tool_call_releases_the_server_and_its_workdir(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "workdirs"
+    sink = MemorySink()
+    settings = settings_for(root, timeouts={"call_tool_s": 60.0})
+    hanging = task(
+        "t", environment={"command": [*SERVER, "--hang-tool"]}, solution=[{"name": "hang"}]
+    )
+
+    with anyio.fail_after(60):
+        async with RolloutPool(
+            settings, api_key="unused", base_url=NOWHERE, events=Events([sink])
+        ) as pool:
+            batch = pool.run_batch([hanging], ScriptedPolicy())
+            [rollout] = batch.rollouts
+            await rollout.wait_until(lambda r: r.view(messages=False).steps >= 1)
+            assert running_from(root) != []  # the server runs, its tool call hangs
+            batch.cancel()
+            [result] = await batch.results()
+
+    assert result.failure_reason is FailureReason.CANCELLED
+    assert len(sink.named("fleet_instance_released")) == 1
+    assert_nothing_left(root)
+
+
+@pytest.mark.skipif(
+    shutil.which("mcp-server-filesystem") is None,
+    reason="the reference filesystem server (npm @modelcontextprotocol/server-filesystem) is not"
+    " installed and this machine installs nothing from a registry during tests; install it"
+    " globally (npm install -g) to run this test",
+)
+async def test_the_reference_filesystem_server_from_npm_is_an_environment(tmp_path: Path) -> None:
+    root = tmp_path / "workdirs"
+    check = ["{python}", "-c", "import pathlib; print(int(pathlib.Path('todo.txt').is_file()))"]
+    reference = task(
+        "reference",
+        environment={"command": ["mcp-server-filesystem", "{workdir}"]},
+        verifier={"command": check},
+        solution=[{"name": "write_file", "arguments": {"path": "todo.txt", "content": "x"}}],
+    )
+
+    [result] = await run([reference], root)
+
+    assert result.reward == 1.0, result.error
     assert_nothing_left(root)

@@ -2,7 +2,8 @@
 
 Run: ``python notes_server.py --root DIR`` (the mcp provider starts it per
 rollout with ``--root {workdir}``). Tools: ``write_file``, ``read_file``,
-``list_files``, ``delete_file``; paths are relative to the root and may not
+``list_files``, ``delete_file``, and ``clear`` (a reset) and ``check_file``
+(a verifier); paths are relative to the root and may not
 leave it. ``--crash-after N`` exits the process on the N-th tool call and
 ``--hang-tool`` adds a ``hang`` tool that never answers (for tests of
 failures). Imports only ``mcp``: it runs without fleetroll on its path.
@@ -61,6 +62,13 @@ def build(root: Path, *, crash_after: int | None = None, hang_tool: bool = False
         count()
         _inside(root, path).unlink()
         return f"deleted {path}"
+
+    @server.tool(description="Delete every file: back to an empty notes folder (a reset).")
+    def clear() -> str:
+        files = [p for p in root.rglob("*") if p.is_file()]
+        for path in files:
+            path.unlink()
+        return f"deleted {len(files)} files"
 
     @server.tool(description="1.0 when the file holds exactly the text, else 0.0 (a verifier).")
     def check_file(path: str, content: str) -> float:

@@ -129,6 +129,21 @@ async def test_a_server_that_never_starts_is_an_init_error_with_its_stderr(
     assert_nothing_left(root)
 
 
+async def test_a_task_env_value_in_the_server_s_stderr_is_redacted_from_the_error(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "workdirs"
+    secret = "notes-token-0123456789abcdef"
+    broken = [*SERVER, "--fail-start", f"login with {secret} refused"]
+    environment = {"command": broken, "env": {"NOTES_LOGIN": secret}}
+
+    [result] = await run([task("t", environment=environment)], root)
+
+    assert result.failure_reason is FailureReason.INIT_ERROR
+    assert "login with [REDACTED] refused" in (result.error or "")
+    assert secret not in result.model_dump_json()
+
+
 async def test_a_missing_command_or_a_failing_setup_is_an_init_error(tmp_path: Path) -> None:
     root = tmp_path / "workdirs"
     failing_setup = ["{python}", "-c", "import sys; sys.exit('no seed data')"]

@@ -169,7 +169,7 @@ class McpProvider:
         return Instance(handle.instance_id, 1, elapsed, time.monotonic(), handle=handle)
 
     def _provision_error(self, exc: BaseException, handle: McpHandle | None) -> ProvisionError:
-        what = "starting the MCP server"
+        what = "starting the MCP server" if handle and handle.process else "setting up the server"
         if isinstance(exc, TimeoutError):
             why = f"no MCP handshake within {self._settings.timeouts.mcp_connect_s:g} s"
         else:

@@ -130,9 +130,10 @@ class McpProvider:
         environment = _environment(task)
         began = time.monotonic()
         handle: McpHandle | None = None
+        made: list[Path] = []  # the folder, as soon as it exists (a cancelled thread's too)
         ready = False
         try:
-            folder = await anyio.to_thread.run_sync(self._make_workdir, environment)
+            folder = await anyio.to_thread.run_sync(self._make_workdir, environment, made)
             handle = McpHandle(
                 instance_id=f"mcp-{uuid.uuid4().hex[:12]}",
                 environment=environment,
@@ -159,6 +160,13 @@ class McpProvider:
         finally:
             if not ready and handle is not None:
                 await self._release(handle)  # shielded and bounded, even when cancelled
+            elif not ready and made and not self._settings.mcp.keep_workdirs:
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(self._settings.timeouts.release_s),
+                    suppress(OSError),  # best effort: the original error is the news
+                ):
+                    await anyio.to_thread.run_sync(self._remove, made[0])
         elapsed = time.monotonic() - began
         self._events.emit(
             "fleet_provisioning_completed",
@@ -176,12 +184,13 @@ class McpProvider:
             why = f"{type(exc).__name__}: {exc}"
         return ProvisionError(f"{what} failed: {why}{self._stderr_tail(handle)}", transient=False)
 
-    def _make_workdir(self, environment: McpEnvironment) -> Path:
+    def _make_workdir(self, environment: McpEnvironment, made: list[Path]) -> Path:
         """A fresh folder (``WORKDIR_PREFIX``) holding ``work/`` with the task's files."""
         root = self._settings.mcp.workdir_root
         if root is not None:
             root.mkdir(parents=True, exist_ok=True)
         folder = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=root)).resolve()
+        made.append(folder)
         workdir = folder / "work"
         try:
             workdir.mkdir()
@@ -194,7 +203,9 @@ class McpProvider:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_text(text, encoding="utf-8")
         except (OSError, ProvisionError):
-            self._remove(folder)
+            made.clear()
+            with suppress(OSError):
+                self._remove(folder)
             raise
         return folder
 
@@ -540,7 +551,7 @@ class McpProvider:
         expected = Path(tempfile.gettempdir() if root is None else root).resolve()
         # Only a folder this provider made: its prefix, in its root.
         if not folder.name.startswith(WORKDIR_PREFIX) or folder.parent != expected:
-            raise RuntimeError(f"refusing to remove {folder}: not a folder fleetroll made")
+            raise OSError(f"refusing to remove {folder}: not a folder fleetroll made")
         shutil.rmtree(folder)
 
     async def _stop(self, process: Process) -> None:

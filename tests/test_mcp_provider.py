@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -352,4 +354,33 @@ async def test_the_reference_filesystem_server_from_npm_is_an_environment(tmp_pa
     [result] = await run([reference], root)
 
     assert result.reward == 1.0, result.error
+    assert_nothing_left(root)
+
+
+def test_fleetroll_run_on_the_example_folder_scores_one_and_leaves_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "workdirs"
+    out = tmp_path / "results.jsonl"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_"))
+    }
+    env |= {"FLEETROLL_TELEMETRY__DB_PATH": os.devnull, "FLEETROLL_MCP__WORKDIR_ROOT": str(root)}
+
+    done = subprocess.run(
+        [sys.executable, "-m", "fleetroll", "run", str(EXAMPLE.parent), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+
+    assert done.returncode == 0, done.stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted((r["task_key"], r["reward"]) for r in results) == [
+        ("notes-001", 1.0),
+        ("notes-002", 1.0),
+        ("notes-003", 1.0),
+    ]
     assert_nothing_left(root)

@@ -50,7 +50,7 @@ from typing import Any, Self
 import anyio
 import httpx
 
-from fleetroll import retrying
+import fleetroll.retrying as retrying
 from fleetroll.env_session import StepResult
 from fleetroll.errors import InstanceLostError, ServiceError
 from fleetroll.groups import Group

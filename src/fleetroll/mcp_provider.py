@@ -52,7 +52,7 @@ from mcp import Client
 from mcp.shared.message import SessionMessage
 
 import fleetroll.examples_mcp
-from fleetroll import retrying
+import fleetroll.retrying as retrying
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import OperationTimeout, ProvisionError, ToolsError
 from fleetroll.mcp_tasks import McpEnvironment, McpVerifier, ToolCallSpec

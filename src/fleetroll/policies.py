@@ -28,7 +28,7 @@ import anyio
 import httpx
 from pydantic import SecretStr
 
-from fleetroll import retrying
+import fleetroll.retrying as retrying
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings

@@ -37,7 +37,7 @@ from fleet._async import exceptions as fleet_errors
 from fleet._async.client import AsyncEnv, AsyncFleet
 from fleet.runner_auth import RunnerTokenProvider
 
-from fleetroll import retrying
+import fleetroll.retrying as retrying
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.retrying import Decision, Retry, decide, retry_after_s, transient_status

@@ -31,14 +31,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import TYPE_CHECKING, Literal, Self
+from typing import TYPE_CHECKING, Final, Literal, Self
 
 import anyio
 import httpx
 import httpx2
 import stamina
-
-from fleetroll.telemetry.retries import route_retries_to_logging
+import stamina.instrumentation
+from stamina.instrumentation import RetryDetails, RetryHook
 
 if TYPE_CHECKING:
     from stamina import Attempt
@@ -56,7 +56,9 @@ __all__ = [
     "budget",
     "decide",
     "reporting",
+    "log_retry",
     "retry_after_s",
+    "route_retries_to_logging",
     "transient_status",
 ]
 
@@ -227,6 +229,38 @@ def reporting(report: Report) -> Iterator[None]:
         yield
     finally:
         _reporter.reset(token)
+
+
+#: Modules of stamina's own console hooks (structlog's default config: stdout).
+_CONSOLE_HOOK_MODULES: Final = frozenset(
+    {"stamina.instrumentation._structlog", "stamina.instrumentation._logging"}
+)
+
+
+def log_retry(details: RetryDetails) -> None:
+    """A stamina retry hook: one debug record on ``fleetroll.retries``."""
+    _log.debug(
+        "retry %d of %s in %.2f s after %s",
+        details.retry_num,
+        details.name,
+        details.wait_for,
+        type(details.caused_by).__name__,
+    )
+
+
+def route_retries_to_logging() -> None:
+    """Replace stamina's default console hooks with :func:`log_retry`; keep the others.
+
+    Cheap and idempotent: call it before each ``stamina.retry_context``.
+    """
+    hooks = stamina.instrumentation.get_on_retry_hooks()
+    kept: list[RetryHook] = [
+        hook for hook in hooks if getattr(hook, "__module__", "") not in _CONSOLE_HOOK_MODULES
+    ]
+    if log_retry not in kept:
+        kept.append(log_retry)
+    if tuple(kept) != hooks:
+        stamina.instrumentation.set_on_retry_hooks(kept)
 
 
 def _log_retry(retry: Retry) -> None:

@@ -325,6 +325,10 @@ class ServiceSettings(_Section):
     query_max_rows: int = Field(10_000, ge=1)
     query_max_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     query_timeout_s: float = Field(10.0, gt=0)
+    #: Accept ``mcp`` tasks that run commands on this host (``environment.command``,
+    #: ``verifier.command``). Off: anyone holding the service token could run
+    #: anything as the service's user; such tasks are refused with a 422.
+    allow_command_tasks: bool = False
     #: Longest lease of one pause of policy calls (``POST /v1/policy/pauses``):
     #: a trainer renews it to hold longer; one that crashed lets go within it.
     max_pause_ttl_s: float = Field(600.0, gt=0)

@@ -34,7 +34,7 @@ from mcp.shared.exceptions import MCPError
 from mcp.types import CallToolResult, ImageContent, TextContent, Tool
 from referencing import Registry
 
-from fleetroll import retrying
+import fleetroll.retrying as retrying
 from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
 from fleetroll.retrying import Decision

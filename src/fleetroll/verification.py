@@ -29,7 +29,7 @@ import anyio
 from fleet._async import exceptions as fleet_errors
 from fleet._async.verifiers.verifier import AsyncVerifierFunction
 
-from fleetroll import retrying
+import fleetroll.retrying as retrying
 from fleetroll.environments import Verdict
 from fleetroll.results import VerifierOutcome
 from fleetroll.retrying import Decision, decide

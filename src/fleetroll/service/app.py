@@ -65,6 +65,7 @@ from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutIds, RolloutView
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
 from fleetroll.service.errors import ApiError
+from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import CONTENT_TYPE, Metrics
 from fleetroll.service.models import (
     BatchCreated,
@@ -208,7 +209,9 @@ class Service:
             loc=loc,
             max_verifier_bytes=self.settings.pool.max_verifier_bytes,
         )
-        return await anyio.to_thread.run_sync(check)
+        spec = await anyio.to_thread.run_sync(check)
+        refuse_host_commands([spec], allowed=self.settings.service.allow_command_tasks, loc=loc)
+        return spec
 
     def _record_of(self, rollout_id: str) -> BatchRecord:
         """Raises: ApiError: 404, no such rollout."""

@@ -36,6 +36,7 @@ from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
 from fleetroll.pool import RolloutPool, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service.errors import ApiError, loc_of
+from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import (
     BatchCounts,
@@ -264,6 +265,12 @@ class BatchRegistry:
                 taken by a different request), 503 (the pool is full).
         """
         tasks = await self._resolve_tasks(request)
+        refuse_host_commands(
+            tasks,
+            allowed=self._settings.service.allow_command_tasks,
+            loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
+            indexed=request.tasks is not None,
+        )
         limit = self._settings.service.max_batch_rollouts
         oversample = (
             self._settings.pool.oversample if request.oversample is None else request.oversample

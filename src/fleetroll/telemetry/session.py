@@ -17,7 +17,7 @@ Frames of this package are marked as Logfire "non-user code", so a record's
 ``code.filepath``/``code.lineno`` point at the line that emitted the event
 (``rollout.py``...), not at the sink. stamina's default retry log lines
 (printed on stdout through structlog's default configuration, one per
-retry) go to logging at debug instead (:mod:`fleetroll.telemetry.retries`):
+retry) go to logging at debug instead (:func:`fleetroll.retrying.route_retries_to_logging`):
 each retry is already a ``fleet_retry`` event.
 """
 
@@ -35,9 +35,9 @@ from typing import TextIO
 import anyio
 import logfire
 
+from fleetroll.retrying import route_retries_to_logging
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events, EventSink, Redactor
-from fleetroll.telemetry.retries import route_retries_to_logging
 from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink
 from fleetroll.telemetry.store import SQLiteSpanProcessor, is_disabled
 

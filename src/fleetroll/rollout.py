@@ -46,6 +46,7 @@ from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult
 from fleetroll.retrying import reporting as report_retries
+from fleetroll.rollout_events import RolloutEventLog
 from fleetroll.routing import Route
 from fleetroll.stages import RolloutContext, SetupFailure
 from fleetroll.tasks import TaskSpec
@@ -126,6 +127,13 @@ class Rollout:
         self.phase = Phase.PENDING
         #: Called (synchronously) after every change of phase or transcript.
         self.observers: list[Callable[[Rollout], None]] = []
+        #: What it does, live (``GET /v1/rollouts/{id}/events``): bounded, redacted.
+        self.events = RolloutEventLog(
+            cap=engine.settings.pool.events_max,
+            preview_chars=engine.settings.pool.events_preview_chars,
+            redact=engine.redactor,
+        )
+        self.observers.append(self.events.observe)
         self._changed: anyio.Event | None = None
         self.instance: Instance | None = None
         self.route: Route | None = None
@@ -345,6 +353,7 @@ class Rollout:
                 latency = time.monotonic() - began
                 self._p.timings.policy_s += latency
             self._p.record_turn(turn, policy_version=version, latency_s=latency)
+            self.events.turn(turn, latency_s=latency, policy_version=version)
             await self.apply(turn)
 
     @contextmanager
@@ -379,7 +388,8 @@ class Rollout:
         """Run one tool call and record its answer (a failure may end the rollout)."""
         e = self.engine
         self._p.cost.tool_calls += 1
-        return await dispatch(
+        began = time.monotonic()
+        result = await dispatch(
             call,
             progress=self._p,
             provider=e.provider,
@@ -390,6 +400,8 @@ class Rollout:
             session=self.session,
             instance=self.instance,
         )
+        self.events.tool_call(call, result, duration_s=time.monotonic() - began)
+        return result
 
     # -- the end ------------------------------------------------------------
 
@@ -474,6 +486,7 @@ class Rollout:
             return
         self._enter(Phase.DONE)
         self.result = self._build_result()
+        self.events.end(self.result)
         stages.report_completed(self.engine.events, self.result)
 
     def _fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
@@ -541,6 +554,7 @@ class Rollout:
         self._fail(reason, error)
         self._enter(Phase.DONE)
         self.result = self._build_result()
+        self.events.end(self.result)
         return self.result
 
     # -- session support ----------------------------------------------------

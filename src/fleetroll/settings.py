@@ -175,6 +175,12 @@ class PoolSettings(_Section):
     #: at most ``max_stale_restarts`` times, then reports it ``stale``.
     staleness_action: Literal["flag", "restart"] = "flag"
     max_stale_restarts: int = Field(2, ge=0)
+    #: Live events a rollout keeps (``GET /v1/rollouts/{id}/events``): phases,
+    #: turns, tool calls, the end; the oldest go first beyond this.
+    events_max: int = Field(512, ge=8)
+    #: Characters of text (redacted) an event's preview keeps of a turn, a
+    #: tool call's arguments or its answer.
+    events_preview_chars: int = Field(200, ge=0)
 
 
 class PolicySettings(_Section):

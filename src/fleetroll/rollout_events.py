@@ -1,0 +1,197 @@
+"""A rollout's live events: a bounded, resumable log of what it is doing.
+
+Each :class:`~fleetroll.rollout.Rollout` keeps one :class:`RolloutEventLog`
+(``rollout.events``). It records, in order:
+
+* ``phase``: every change of phase (from the rollout's observers);
+* ``turn``: each policy turn, with its latency and a preview of its text;
+* ``tool_call``: each tool call, with its duration and previews of its
+  arguments and answer;
+* ``end``: the result's status, failure reason, reward and error (always
+  the last event).
+
+Every event has a cursor (``seq``, from 1); a reader resumes with
+``read(after=seq)``. The log holds at most ``pool.events_max`` events (the
+oldest go first; a reader that fell behind is told how many it missed) and
+previews are cut to ``pool.events_preview_chars`` after redaction, so its
+memory is bounded; it is forgotten with its rollout (and so with its batch).
+Previews pass through the same redactor as results.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from fleetroll.policies import AssistantTurn, ToolCall
+from fleetroll.results import RolloutResult
+from fleetroll.tools import ToolResult
+
+__all__ = ["EventPage", "RolloutEvent", "RolloutEventLog", "ndjson_lines"]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutEvent:
+    """One thing a rollout did. ``t_s``: seconds since the rollout was created."""
+
+    seq: int
+    kind: str
+    t_s: float
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seq": self.seq, "kind": self.kind, "t_s": round(self.t_s, 6), **self.data}
+
+
+@dataclass(frozen=True, slots=True)
+class EventPage:
+    """What :meth:`RolloutEventLog.read` answers.
+
+    ``missed``: events after the cursor that the log no longer holds (it is
+    bounded); ``ended``: the ``end`` event is among those the log holds.
+    """
+
+    events: tuple[RolloutEvent, ...]
+    missed: int
+    ended: bool
+
+
+class RolloutEventLog:
+    """The bounded event log of one rollout (see the module docstring)."""
+
+    def __init__(self, *, cap: int, preview_chars: int, redact: Callable[[str], str]) -> None:
+        self._events: deque[RolloutEvent] = deque(maxlen=cap)
+        self._preview_chars = preview_chars
+        self._redact = redact
+        self._seq = 0
+        self._started = time.monotonic()
+        self._phase: str | None = None
+        self._changed: anyio.Event | None = None  # made by the first waiter
+        self.ended = False
+
+    @property
+    def last(self) -> int:
+        """The cursor of the newest event (0: none yet)."""
+        return self._seq
+
+    def read(self, after: int = 0) -> EventPage:
+        """The events after cursor ``after`` that the log still holds."""
+        events = tuple(e for e in self._events if e.seq > after)
+        first = events[0].seq if events else self._seq + 1
+        return EventPage(events, missed=max(0, first - after - 1), ended=self.ended)
+
+    async def wait(self, after: int) -> None:
+        """Return once the log holds an event after cursor ``after`` (or has ended)."""
+        while self._seq <= after and not self.ended:
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
+    # -- recording (the rollout's own task) ---------------------------------
+
+    def observe(self, rollout: Any) -> None:
+        """A rollout observer: records a ``phase`` event when its phase changed."""
+        phase = str(rollout.phase)
+        if phase != self._phase:
+            self._phase = phase
+            self._add("phase", {"phase": phase})
+
+    def turn(self, turn: AssistantTurn, *, latency_s: float, policy_version: int) -> None:
+        self._add(
+            "turn",
+            {
+                "latency_s": round(latency_s, 6),
+                "policy_version": policy_version,
+                "tool_calls": [c.name for c in turn.tool_calls],
+                "preview": self._preview(turn.content or ""),
+            },
+        )
+
+    def tool_call(self, call: ToolCall, result: ToolResult, *, duration_s: float) -> None:
+        self._add(
+            "tool_call",
+            {
+                "name": call.name,
+                "duration_s": round(duration_s, 6),
+                "is_error": result.is_error,
+                "arguments": self._preview(json.dumps(call.arguments, default=str)),
+                "preview": self._preview(result.text),
+            },
+        )
+
+    def end(self, result: RolloutResult) -> None:
+        if self.ended:
+            return
+        reason = result.failure_reason.value if result.failure_reason else None
+        self._add(
+            "end",
+            {
+                "status": result.status,
+                "failure_reason": reason,
+                "reward": result.reward,
+                "error": self._preview(result.error) if result.error else None,
+            },
+        )
+        self.ended = True
+        self._wake()
+
+    def _preview(self, text: str) -> str:
+        # Redact first: cutting could split a secret and hide it from the patterns.
+        clean = self._redact(text)
+        if len(clean) <= self._preview_chars:
+            return clean
+        return clean[: self._preview_chars] + "…"
+
+    def _add(self, kind: str, data: Mapping[str, Any]) -> None:
+        if self.ended:
+            return
+        self._seq += 1
+        self._events.append(RolloutEvent(self._seq, kind, time.monotonic() - self._started, data))
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+
+async def ndjson_lines(
+    log: RolloutEventLog, after: int, *, heartbeat_s: float, stopping: Callable[[], bool]
+) -> AsyncIterator[bytes]:
+    """NDJSON lines of the events after cursor ``after``, as the results stream's.
+
+    ``{"type":"event","cursor":N,"event":{...}}`` per event; a ``gap`` line
+    (``missed``: how many) when the log let events after the cursor go; a
+    heartbeat while nothing happens for ``heartbeat_s``; the stream ends after
+    the ``end`` event. ``stopping()`` (the server is shutting down) ends it
+    without the end, so the client knows to reconnect.
+    """
+    cursor = after
+    while True:
+        page = log.read(cursor)
+        lines = []
+        if page.missed:
+            lines.append(_line({"type": "gap", "cursor": cursor, "missed": page.missed}))
+        for event in page.events:
+            lines.append(_line({"type": "event", "cursor": event.seq, "event": event.to_json()}))
+            cursor = event.seq
+        if lines:
+            yield "".join(lines).encode()
+        if page.ended:
+            return
+        if stopping():
+            return
+        with anyio.move_on_after(heartbeat_s) as idle:
+            await log.wait(cursor)
+        if idle.cancelled_caught:
+            yield _line({"type": "heartbeat", "cursor": cursor}).encode()
+
+
+def _line(message: Mapping[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":"), ensure_ascii=False) + "\n"

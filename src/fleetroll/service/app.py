@@ -30,6 +30,7 @@ Routes (all JSON unless said otherwise; the OpenAPI document at
 ``POST /v1/sessions/{id}/step``            one tool call → observation
 ``POST /v1/sessions/{id}/done``            the episode is over (result: completed)
 ``DELETE /v1/sessions/{id}``               close → the rollout's result
+``GET /v1/rollouts/{id}/events?after=n``   NDJSON live events of a rollout (not on Ray)
 ``POST /v1/query``                         read-only SQL on the telemetry store
 ``GET /v1/stats?batch_id=``                rollouts per env, the telemetry invariant
 ``GET /healthz``, ``/metrics``,            liveness, Prometheus text, the API
@@ -60,9 +61,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetroll.batch_pool import BatchPool
 from fleetroll.errors import OperationTimeout
-from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool import Batch, RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutIds, RolloutView
+from fleetroll.rollout_events import RolloutEventLog, ndjson_lines
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
@@ -253,6 +255,32 @@ class Service:
             raise ApiError(504, f"rollout {rollout_id} is still running after {timeout_s:g} s")
         return record.results[0]
 
+    def rollout_events(self, rollout_id: str) -> RolloutEventLog:
+        """The live event log of a rollout of a batch (or an MCP rollout) run in this process.
+
+        Raises:
+            ApiError: 404 (no such rollout), 501 (batches run on Ray actors: no live events).
+        """
+        mcp = self.rollouts.get(rollout_id)
+        records = [self.batches.get(mcp)] if mcp is not None else list(self.batches)
+        for record in records:
+            if isinstance(record.batch, Batch):
+                for rollout in record.batch.rollouts:
+                    if rollout.ids.rollout_id == rollout_id:
+                        return rollout.events
+        if self.batch_pool is not self.pool:
+            raise ApiError(
+                501,
+                "live rollout events are not available when batches run on Ray actors"
+                " (serve --ray); read the rollout's state with the MCP tool get_state",
+            )
+        raise ApiError(404, f"no rollout {rollout_id!r} (unknown, or its batch was forgotten)")
+
+    @property
+    def progress_flush_s(self) -> float:
+        """How long ``run_rollout`` gives its last progress notifications once the result is in."""
+        return self.settings.service.stream_heartbeat_s
+
     @property
     def rollout_wait_s(self) -> float:
         """The longest a rollout can take from start to result."""
@@ -409,6 +437,18 @@ def _routes(service: Service) -> list[Route]:
         headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
         return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
 
+    async def rollout_events(request: Request) -> Response:
+        log = service.rollout_events(request.path_params["rollout_id"])
+        after = _cursor(request, log.last, "events")
+        lines = ndjson_lines(
+            log,
+            after,
+            heartbeat_s=s.service.stream_heartbeat_s,
+            stopping=lambda: service.batches.stopping,
+        )
+        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+        return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
+
     async def get_policy(request: Request) -> Response:
         return _json(service.policy_state())
 
@@ -488,6 +528,7 @@ def _routes(service: Service) -> list[Route]:
         _route("/v1/batches/{batch_id}", cancel_batch, ["DELETE"]),
         _route("/v1/batches/{batch_id}/results", results, ["GET"]),
         _route("/v1/batches/{batch_id}/groups", groups, ["GET"]),
+        _route("/v1/rollouts/{rollout_id}/events", rollout_events, ["GET"]),
         _route("/v1/policy", get_policy, ["GET"]),
         _route("/v1/policy/version", set_policy_version, ["PUT"]),
         _route("/v1/policy/pauses", start_pause, ["POST"]),

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import anyio
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from mcp.server.transport_security import TransportSecuritySettings
 from pydantic import BaseModel, Field
@@ -34,6 +34,7 @@ from starlette.types import ASGIApp
 
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutIds, RolloutView
+from fleetroll.rollout_events import RolloutEvent, RolloutEventLog
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
 
@@ -110,7 +111,42 @@ class RolloutHost(Protocol):
 
     def cancel_rollout(self, rollout_id: str) -> None: ...
 
+    def rollout_events(self, rollout_id: str) -> RolloutEventLog: ...
+
+    @property
+    def progress_flush_s(self) -> float: ...
+
     async def finish_rollout(self, rollout_id: str, timeout_s: float) -> RolloutResult: ...
+
+
+def _progress_message(event: RolloutEvent) -> str:
+    """One line for people about one event (a progress notification's ``message``)."""
+    d = event.data
+    if event.kind == "phase":
+        return f"phase {d['phase']}"
+    if event.kind == "turn":
+        calls = ", ".join(d["tool_calls"]) or "no tool call"
+        return f"policy turn ({d['latency_s']:.2f} s): {calls}"
+    if event.kind == "tool_call":
+        failed = " (error)" if d["is_error"] else ""
+        return f"tool {d['name']} ({d['duration_s']:.2f} s){failed}"
+    return f"end: {d['status']}" + (f" ({d['failure_reason']})" if d["failure_reason"] else "")
+
+
+async def _report_progress(log: RolloutEventLog, ctx: Context) -> None:
+    """Send an MCP progress notification per event of ``log`` until its end.
+
+    ``progress`` is the event's cursor (it only grows); no ``total``.
+    """
+    cursor = 0
+    while True:
+        page = log.read(cursor)
+        for event in page.events:
+            cursor = event.seq
+            await ctx.report_progress(event.seq, message=_progress_message(event))
+        if page.ended:
+            return
+        await log.wait(cursor)
 
 
 def build_mcp_server(service: RolloutHost) -> MCPServer:
@@ -136,13 +172,31 @@ def build_mcp_server(service: RolloutHost) -> MCPServer:
         except ApiError as exc:
             raise _tool_error(exc) from None
 
-    @server.tool(description="Run one rollout of `task` to its end and return its result.")
+    @server.tool(
+        description="Run one rollout of `task` to its end and return its result. Sends"
+        " progress notifications (phases, turns, tool calls) when the caller asks for them."
+    )
     async def run_rollout(
-        task: dict[str, Any], policy: PolicyConfig | None = None
+        task: dict[str, Any], policy: PolicyConfig | None = None, ctx: Context | None = None
     ) -> RolloutResult:
         ids = await start(task, policy)
         try:
-            return await finish(ids.rollout_id, None)
+            log: RolloutEventLog | None = None
+            if ctx is not None:
+                try:
+                    log = service.rollout_events(ids.rollout_id)
+                except ApiError:
+                    log = None  # on Ray: no live events, so no progress (documented)
+            if log is None or ctx is None:
+                return await finish(ids.rollout_id, None)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_report_progress, log, ctx)
+                result = await finish(ids.rollout_id, None)
+                # The log has its end now: the reporter sends the last events and
+                # returns, before the result; a client slow to take them cannot hold
+                # the result back for long.
+                tg.cancel_scope.deadline = anyio.current_time() + service.progress_flush_s
+            return result
         except anyio.get_cancelled_exc_class():
             # The caller went away: nobody will read this result, stop spending on it.
             service.cancel_rollout(ids.rollout_id)

@@ -238,6 +238,25 @@ class GroupStreamLine(BaseModel):
     status: BatchStatus | None = None
 
 
+class EventStreamLine(BaseModel):
+    """One line of ``GET /v1/rollouts/{id}/events`` (NDJSON).
+
+    * ``{"type": "event", "cursor": n, "event": {"seq": n, "kind": ..., "t_s": ...}}``:
+      the n-th event; ``kind`` is ``phase`` (``phase``), ``turn`` (``latency_s``,
+      ``policy_version``, ``tool_calls``, ``preview``), ``tool_call`` (``name``,
+      ``duration_s``, ``is_error``, ``arguments``, ``preview``) or ``end``
+      (``status``, ``failure_reason``, ``reward``, ``error``; the last line).
+    * ``{"type": "gap", "cursor": n, "missed": k}``: ``k`` events after ``n`` are no
+      longer held (``pool.events_max``).
+    * ``{"type": "heartbeat", "cursor": n}``: nothing new yet.
+    """
+
+    type: Literal["event", "gap", "heartbeat"]
+    cursor: int = Field(ge=0)
+    event: dict[str, Any] | None = None
+    missed: int | None = None
+
+
 class PolicyState(BaseModel):
     """``GET /v1/policy``: the policy version recorded on turns, and the pauses held."""
 

@@ -19,6 +19,7 @@ from fleetroll.service.models import (
     BatchRequest,
     BatchState,
     ErrorBody,
+    EventStreamLine,
     GroupStreamLine,
     Health,
     Observation,
@@ -52,6 +53,7 @@ _RESPONSES: tuple[type[BaseModel], ...] = (
     BatchState,
     StreamLine,
     GroupStreamLine,
+    EventStreamLine,
     PolicyState,
     PauseLease,
     SessionOpened,
@@ -234,6 +236,29 @@ def _paths() -> dict[str, Any]:
                     },
                     "404": no_batch,
                     "422": _INVALID,
+                },
+            },
+        },
+        "/v1/rollouts/{rollout_id}/events": {
+            "parameters": [_path_param("rollout_id", "The rollout's id")],
+            "get": {
+                "summary": "A rollout's live events as NDJSON: phases, turns, tool calls, the end",
+                "description": (
+                    "One JSON object per line (EventStreamLine): `event` lines carry the n-th"
+                    " event with `cursor` n; the stream ends after the `end` event. A `gap`"
+                    " line says events after the cursor are no longer held (pool.events_max)."
+                    " Reconnect with `?after=<last cursor>`. Not available with serve --ray (501)."
+                ),
+                "operationId": "streamRolloutEvents",
+                "parameters": [_AFTER],
+                "responses": {
+                    "200": {
+                        "description": "NDJSON: one EventStreamLine per line",
+                        "content": {"application/x-ndjson": {"schema": _ref(EventStreamLine)}},
+                    },
+                    "404": _error("No such rollout (unknown, or its batch was forgotten)"),
+                    "422": _INVALID,
+                    "501": _error("Batches run on Ray actors (serve --ray): no live events"),
                 },
             },
         },

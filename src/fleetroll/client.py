@@ -57,6 +57,7 @@ from fleetroll.groups import Group
 from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
 from fleetroll.retrying import Decision, retry_after_s
+from fleetroll.rollout_events import RolloutEvent
 from fleetroll.service.models import BatchState, PolicyConfig
 from fleetroll.settings import RetrySettings
 from fleetroll.tasks import TaskSpec
@@ -122,6 +123,8 @@ class FleetrollClient:
             defaults.client_backoff_initial_s if backoff_initial_s is None else backoff_initial_s,
             defaults.client_backoff_max_s if backoff_max_s is None else backoff_max_s,
         )
+        #: How many times an events stream of :meth:`follow` broke (all rollouts); each is reopened.
+        self.event_reconnects = 0
         self._owns_client = http_client is None
         self._http = http_client or httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
@@ -193,6 +196,102 @@ class FleetrollClient:
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
         """An existing batch, its results read from cursor ``after`` on (e.g. after a restart)."""
         return RemoteBatch(self, batch_id, after=after)
+
+    async def follow(self, rollout_id: str, *, after: int = 0) -> AsyncIterator[RolloutEvent]:
+        """Each live event of a rollout, from cursor ``after`` on, up to its ``end`` event.
+
+        ``GET /v1/rollouts/{id}/events``: phases, policy turns and tool calls
+        (with timings and redacted previews), then the end (status, failure
+        reason, reward). A stream that breaks is reopened from the last event's
+        cursor (``event.seq``), within the client's retry budget; events the
+        server no longer holds (``pool.events_max``) are skipped.
+
+        Raises:
+            ServiceError: 404 (no such rollout), 501 (the service runs batches on
+                Ray actors), or the stream was lost too many times in a row.
+        """
+        path = f"/v1/rollouts/{rollout_id}/events"
+        cursor = after
+        response: httpx.Response | None = None
+        lines: AsyncIterator[str] | None = None
+
+        async def disconnect() -> None:
+            nonlocal response, lines
+            if response is not None:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self.timeout_s):
+                    await response.aclose()
+            response = lines = None
+
+        def decision(exc: BaseException) -> Decision:
+            if isinstance(exc, _Cut):
+                return Decision(True)
+            if isinstance(exc, ServiceError) and exc.status_code in _RETRY_STATUSES:
+                return Decision(True, exc.status_code)
+            return Decision(False)
+
+        async def next_message() -> dict[str, Any]:
+            nonlocal response, lines
+            tries = 0
+            try:
+                async for attempt in retrying.attempts(
+                    "client_stream", self._budget, classify=decision
+                ):
+                    with attempt:
+                        tries = attempt.num
+                        try:
+                            if lines is None:
+                                request = self._http.build_request(
+                                    "GET",
+                                    self._url(path),
+                                    params={"after": cursor},
+                                    headers={**self._headers, "Accept": "application/x-ndjson"},
+                                    timeout=httpx.Timeout(
+                                        self.timeout_s, read=self.stream_read_timeout_s
+                                    ),
+                                )
+                                opened = await self._http.send(request, stream=True)
+                                if opened.is_error:
+                                    await opened.aread()
+                                    await opened.aclose()
+                                    raise _error("GET", path, opened)
+                                response, lines = opened, opened.aiter_lines()
+                            line = await anext(lines)
+                            message: dict[str, Any] = json.loads(line) if line.strip() else {}
+                            return message
+                        except (
+                            httpx.TransportError,
+                            httpx.StreamError,
+                            StopAsyncIteration,
+                            ValueError,
+                        ) as exc:
+                            # Cut, a torn line, or no end event: resume from the cursor.
+                            self.event_reconnects += 1
+                            await disconnect()
+                            raise _Cut(_describe(exc)) from exc
+            except _Cut as exc:
+                raise ServiceError(
+                    f"lost the events stream of rollout {rollout_id} {tries} times in a row"
+                    f" ({exc}); resume later with client.follow({rollout_id!r}, after={cursor})"
+                ) from exc.__cause__
+            raise AssertionError("unreachable: attempts either return or raise")
+
+        try:
+            while True:
+                message = await next_message()
+                if message.get("type") != "event":
+                    continue  # heartbeat, gap, or a line type this client does not know
+                seq = int(message["cursor"])
+                if seq <= cursor:
+                    continue
+                cursor = seq
+                fields = dict(message["event"])
+                kind, t_s = str(fields.pop("kind")), float(fields.pop("t_s"))
+                fields.pop("seq", None)
+                yield RolloutEvent(seq, kind, t_s, fields)
+                if kind == "end":
+                    return
+        finally:
+            await disconnect()
 
     # -- the policy (asynchronous RL) --------------------------------------------
 

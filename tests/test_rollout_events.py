@@ -118,37 +118,55 @@ async def test_previews_are_redacted_then_cut_to_the_preview_size() -> None:
     assert len(call.data["arguments"]) <= 31 and len(call.data["preview"]) <= 31
 
 
+def a_result() -> RolloutResult:
+    return RolloutResult(
+        rollout_id="r",
+        batch_id="b",
+        task_key="k",
+        env_key="fake",
+        modality="tool_use",
+        status="completed",
+        reward=1.0,
+    )
+
+
+class Phased:
+    def __init__(self, phase: str) -> None:
+        self.phase = phase
+
+
 async def test_the_ndjson_stream_waits_for_new_events_and_ends_after_the_end() -> None:
     log = RolloutEventLog(cap=16, preview_chars=50, redact=lambda text: text)
     lines: list[dict[str, Any]] = []
 
     async def read() -> None:
-        stream = ndjson_lines(log, 0, heartbeat_s=3600, stopping=lambda: False)
+        stream = ndjson_lines(log.page, 0, heartbeat_s=3600, stopping=lambda: False)
         async for chunk in stream:
             lines.extend(json.loads(line) for line in chunk.decode().splitlines())
-
-    class Phased:
-        phase = "provisioning"
 
     with anyio.fail_after(5):
         async with anyio.create_task_group() as tg:
             tg.start_soon(read)
             await anyio.wait_all_tasks_blocked()
-            log.observe(Phased())
+            log.observe(Phased("provisioning"))
             await anyio.wait_all_tasks_blocked()
             assert [line["cursor"] for line in lines] == [1]
-            log.end(
-                RolloutResult(
-                    rollout_id="r",
-                    batch_id="b",
-                    task_key="k",
-                    env_key="fake",
-                    modality="tool_use",
-                    status="completed",
-                    reward=1.0,
-                )
-            )
+            log.end(a_result())
 
     assert [line["type"] for line in lines] == ["event", "event"]
     assert [line["event"]["kind"] for line in lines] == ["phase", "end"]
     assert lines[1]["event"]["reward"] == 1.0 and lines[1]["cursor"] == 2
+
+
+async def test_a_reader_behind_what_the_log_holds_gets_a_gap_line_then_the_rest() -> None:
+    log = RolloutEventLog(cap=8, preview_chars=50, redact=lambda text: text)
+    for n in range(12):
+        log.observe(Phased(f"phase-{n}"))
+    log.end(a_result())
+
+    chunks = [c async for c in ndjson_lines(log.page, 2, heartbeat_s=1, stopping=lambda: False)]
+    lines = [json.loads(line) for c in chunks for line in c.decode().splitlines()]
+
+    assert lines[0] == {"type": "gap", "cursor": 2, "missed": 3}
+    assert [line["cursor"] for line in lines[1:]] == list(range(6, 14))
+    assert lines[-1]["event"]["kind"] == "end"

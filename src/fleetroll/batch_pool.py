@@ -21,6 +21,7 @@ from fleetroll.policies import Policy
 from fleetroll.pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutView
+from fleetroll.rollout_events import EventPage
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -57,6 +58,16 @@ class RunningBatch(Protocol):
         """What one of its rollouts is doing, wherever it runs; its result once it ended.
 
         ``messages=False`` leaves the transcript out (cheap: nothing is exported).
+
+        Raises:
+            KeyError: the batch holds no such rollout.
+            OperationTimeout: the process running it did not answer in time (Ray).
+        """
+        ...
+
+    async def events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
+        """One rollout's live events after cursor ``after`` (:mod:`fleetroll.rollout_events`),
+        waiting up to ``wait_s`` for one, wherever it runs.
 
         Raises:
             KeyError: the batch holds no such rollout.

@@ -61,6 +61,7 @@ from fleetroll.policies import Policy
 from fleetroll.provisioning import CreateGate
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase, Rollout, RolloutIds, RolloutView
+from fleetroll.rollout_events import EventPage
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -370,6 +371,14 @@ class Batch(ResultStream):
             KeyError: the batch holds no such rollout.
         """
         return self._by_id[rollout_id].view(messages=messages)
+
+    async def events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
+        """One rollout's live events after cursor ``after``, waiting up to ``wait_s`` for one.
+
+        Raises:
+            KeyError: the batch holds no such rollout.
+        """
+        return await self._by_id[rollout_id].events.page(after, wait_s)
 
     def cancel(self) -> None:
         self.scope.cancel()

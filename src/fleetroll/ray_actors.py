@@ -24,6 +24,7 @@ from fleetroll.pool import Batch, RolloutPool
 from fleetroll.provisioning import TokenBucket
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutView
+from fleetroll.rollout_events import EventPage
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events
@@ -232,6 +233,19 @@ class RolloutWorker:
             return None
         try:
             return await batch.view(rollout_id, messages=messages)
+        except KeyError:
+            return None
+
+    async def events(
+        self, shard_id: str, rollout_id: str, after: int, wait_s: float
+    ) -> EventPage | None:
+        """One rollout's live events after ``after`` (waiting up to ``wait_s``); None if
+        this actor does not hold it."""
+        batch = self._batches.get(shard_id)
+        if batch is None:
+            return None
+        try:
+            return await batch.events(rollout_id, after=after, wait_s=wait_s)
         except KeyError:
             return None
 

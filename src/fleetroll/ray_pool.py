@@ -55,6 +55,7 @@ from fleetroll.provisioning import FleetProvider
 from fleetroll.ray_actors import CreateLimiter, RolloutWorker, holder, load_ray
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase, RolloutView
+from fleetroll.rollout_events import EventPage, ended_page
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events
@@ -107,6 +108,7 @@ class RayBatch(ResultStream):
         #: Where each rollout runs: its actor and shard (the latest, after a re-run).
         self._where: dict[str, tuple[Any, str]] = {}
         self._results: dict[str, RolloutResult] = {}
+        self._placed = anyio.Event()  # set (and replaced) by each place()
 
     def counts(self) -> BatchCounts:
         """A snapshot for progress displays (phases live in the actors)."""
@@ -131,6 +133,8 @@ class RayBatch(ResultStream):
         """These rollouts run on ``worker``, in ``shard_id``: their views are asked there."""
         for rid in rollout_ids:
             self._where[rid] = (worker, shard_id)
+        self._placed.set()
+        self._placed = anyio.Event()
 
     async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
         """What one rollout is doing: asked of its actor while it runs.
@@ -171,6 +175,45 @@ class RayBatch(ResultStream):
             return RolloutView(ids, task.key, Phase.PENDING, 0, (), None)
         transcript = tuple(result.transcript) if messages else ()
         return RolloutView(ids, task.key, Phase.DONE, result.steps, transcript, result)
+
+    async def events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
+        """One rollout's live events after ``after``: asked of its actor (which waits
+        up to ``wait_s`` for one). Once the actor let it go, only its ``end`` event
+        is left, built from its result.
+
+        Raises:
+            KeyError: the batch holds no such rollout.
+            OperationTimeout: its actor did not answer within ``timeouts.ray_call_s``.
+        """
+        self._rollouts[rollout_id]  # KeyError: not ours
+        place = self._where.get(rollout_id)
+        if place is not None:
+            worker, shard_id = place
+            ray = load_ray()
+            try:
+                with anyio.fail_after(self._call_s + wait_s):
+                    page: EventPage | None = await worker.events.remote(
+                        shard_id, rollout_id, after, wait_s
+                    )
+            except TimeoutError:
+                raise OperationTimeout(
+                    f"the Ray actor running rollout {rollout_id} did not answer within"
+                    f" {self._call_s:g} s (timeouts.ray_call_s); ask again",
+                    operation="events",
+                    timeout_s=self._call_s,
+                    rollout_id=rollout_id,
+                ) from None
+            except ray.exceptions.RayActorError:
+                page = None  # its actor died: the rollout runs again elsewhere, or is lost
+            if page is not None:
+                return page
+        result = self._results.get(rollout_id)
+        if result is not None:
+            return ended_page(after, result)
+        # Not on an actor yet (or again, after its actor died): wait for a placement.
+        with anyio.move_on_after(wait_s):
+            await self._placed.wait()
+        return EventPage((), missed=0, ended=False)
 
     def cancel(self) -> None:
         """Cancel what is still running on every actor; results keep coming.

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from fleetroll.policies import AssistantTurn, ToolCall
 from fleetroll.results import RolloutResult
 from fleetroll.tools import ToolResult
 
-__all__ = ["EventPage", "RolloutEvent", "RolloutEventLog", "ndjson_lines"]
+__all__ = ["EventPage", "RolloutEvent", "RolloutEventLog", "ended_page", "ndjson_lines"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,12 +54,15 @@ class EventPage:
     """What :meth:`RolloutEventLog.read` answers.
 
     ``missed``: events after the cursor that the log no longer holds (it is
-    bounded); ``ended``: the ``end`` event is among those the log holds.
+    bounded); ``ended``: the ``end`` event is among those the log holds;
+    ``from_result``: the log is gone and the page was built from the result
+    alone (:func:`ended_page`), so its cursor says nothing of the log's.
     """
 
     events: tuple[RolloutEvent, ...]
     missed: int
     ended: bool
+    from_result: bool = False
 
 
 class RolloutEventLog:
@@ -128,18 +131,15 @@ class RolloutEventLog:
     def end(self, result: RolloutResult) -> None:
         if self.ended:
             return
-        reason = result.failure_reason.value if result.failure_reason else None
-        self._add(
-            "end",
-            {
-                "status": result.status,
-                "failure_reason": reason,
-                "reward": result.reward,
-                "error": self._preview(result.error) if result.error else None,
-            },
-        )
+        self._add("end", _end_data(result, self._preview))
         self.ended = True
         self._wake()
+
+    async def page(self, after: int, wait_s: float) -> EventPage:
+        """The events after cursor ``after``, waiting up to ``wait_s`` for one."""
+        with anyio.move_on_after(wait_s):
+            await self.wait(after)
+        return self.read(after)
 
     def _preview(self, text: str) -> str:
         # Redact first: cutting could split a secret and hide it from the patterns.
@@ -161,8 +161,32 @@ class RolloutEventLog:
             self._changed = None
 
 
+def ended_page(after: int, result: RolloutResult) -> EventPage:
+    """The end of a rollout whose log is gone (it ran on a Ray actor that let it go).
+
+    Its ``end`` event, from the result alone, after cursor ``after``; the
+    events in between (if any) are lost, which ``missed`` cannot say.
+    """
+    end = RolloutEvent(after + 1, "end", result.timings.total_s, _end_data(result, str))
+    return EventPage((end,), missed=0, ended=True, from_result=True)
+
+
+def _end_data(result: RolloutResult, preview: Callable[[str], str]) -> dict[str, Any]:
+    # The result's error is redacted already; the preview only cuts it.
+    return {
+        "status": result.status,
+        "failure_reason": result.failure_reason.value if result.failure_reason else None,
+        "reward": result.reward,
+        "error": preview(result.error) if result.error else None,
+    }
+
+
 async def ndjson_lines(
-    log: RolloutEventLog, after: int, *, heartbeat_s: float, stopping: Callable[[], bool]
+    read: Callable[[int, float], Awaitable[EventPage]],
+    after: int,
+    *,
+    heartbeat_s: float,
+    stopping: Callable[[], bool],
 ) -> AsyncIterator[bytes]:
     """NDJSON lines of the events after cursor ``after``, as the results stream's.
 
@@ -171,26 +195,25 @@ async def ndjson_lines(
     heartbeat while nothing happens for ``heartbeat_s``; the stream ends after
     the ``end`` event. ``stopping()`` (the server is shutting down) ends it
     without the end, so the client knows to reconnect.
+
+    ``read(after, wait_s)`` answers the events after a cursor, waiting up to
+    ``wait_s`` for one (:meth:`RolloutEventLog.page`, or a batch's ``events``).
     """
     cursor = after
     while True:
-        page = log.read(cursor)
+        page = await read(cursor, heartbeat_s)
         lines = []
         if page.missed:
             lines.append(_line({"type": "gap", "cursor": cursor, "missed": page.missed}))
         for event in page.events:
             lines.append(_line({"type": "event", "cursor": event.seq, "event": event.to_json()}))
             cursor = event.seq
+        if not lines and not page.ended:
+            lines.append(_line({"type": "heartbeat", "cursor": cursor}))
         if lines:
             yield "".join(lines).encode()
-        if page.ended:
+        if page.ended or stopping():
             return
-        if stopping():
-            return
-        with anyio.move_on_after(heartbeat_s) as idle:
-            await log.wait(cursor)
-        if idle.cancelled_caught:
-            yield _line({"type": "heartbeat", "cursor": cursor}).encode()
 
 
 def _line(message: Mapping[str, Any]) -> str:

@@ -30,7 +30,7 @@ Routes (all JSON unless said otherwise; the OpenAPI document at
 ``POST /v1/sessions/{id}/step``            one tool call → observation
 ``POST /v1/sessions/{id}/done``            the episode is over (result: completed)
 ``DELETE /v1/sessions/{id}``               close → the rollout's result
-``GET /v1/rollouts/{id}/events?after=n``   NDJSON live events of a rollout (not on Ray)
+``GET /v1/rollouts/{id}/events?after=n``   NDJSON live events of a rollout
 ``POST /v1/query``                         read-only SQL on the telemetry store
 ``GET /v1/stats?batch_id=``                rollouts per env, the telemetry invariant
 ``GET /healthz``, ``/metrics``,            liveness, Prometheus text, the API
@@ -61,10 +61,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetroll.batch_pool import BatchPool
 from fleetroll.errors import OperationTimeout
-from fleetroll.pool import Batch, RolloutPool, group_id, rollout_id
+from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutIds, RolloutView
-from fleetroll.rollout_events import RolloutEventLog, ndjson_lines
+from fleetroll.rollout_events import EventPage, ndjson_lines
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
@@ -255,25 +255,22 @@ class Service:
             raise ApiError(504, f"rollout {rollout_id} is still running after {timeout_s:g} s")
         return record.results[0]
 
-    def rollout_events(self, rollout_id: str) -> RolloutEventLog:
-        """The live event log of a rollout of a batch (or an MCP rollout) run in this process.
+    async def rollout_events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
+        """A rollout's live events after cursor ``after`` (waiting up to ``wait_s`` for one),
+        of any batch or MCP rollout, wherever it runs (this process, or a Ray actor).
 
         Raises:
-            ApiError: 404 (no such rollout), 501 (batches run on Ray actors: no live events).
+            ApiError: 404 (no such rollout), 504 (its Ray actor did not answer in time).
         """
         mcp = self.rollouts.get(rollout_id)
         records = [self.batches.get(mcp)] if mcp is not None else list(self.batches)
         for record in records:
-            if isinstance(record.batch, Batch):
-                for rollout in record.batch.rollouts:
-                    if rollout.ids.rollout_id == rollout_id:
-                        return rollout.events
-        if self.batch_pool is not self.pool:
-            raise ApiError(
-                501,
-                "live rollout events are not available when batches run on Ray actors"
-                " (serve --ray); read the rollout's state with the MCP tool get_state",
-            )
+            try:
+                return await record.batch.events(rollout_id, after=after, wait_s=wait_s)
+            except KeyError:
+                continue
+            except OperationTimeout as exc:
+                raise ApiError(504, str(exc)) from None
         raise ApiError(404, f"no rollout {rollout_id!r} (unknown, or its batch was forgotten)")
 
     @property
@@ -438,10 +435,22 @@ def _routes(service: Service) -> list[Route]:
         return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
 
     async def rollout_events(request: Request) -> Response:
-        log = service.rollout_events(request.path_params["rollout_id"])
-        after = _cursor(request, log.last, "events")
+        rid = request.path_params["rollout_id"]
+        first = await service.rollout_events(rid, after=0, wait_s=0)  # 404 before the stream
+        known = first.events[-1].seq if first.events else 0
+        # Built from a result (its Ray actor let the log go): any cursor is fine.
+        after = _cursor(request, 2**62 if first.from_result else known, "events")
+
+        async def read(cursor: int, wait_s: float) -> EventPage:
+            try:
+                return await service.rollout_events(rid, after=cursor, wait_s=wait_s)
+            except ApiError:
+                # Forgotten, or its actor is slow: the stream stops without its end,
+                # so the client reconnects (and hears why).
+                return EventPage((), missed=0, ended=True)
+
         lines = ndjson_lines(
-            log,
+            read,
             after,
             heartbeat_s=s.service.stream_heartbeat_s,
             stopping=lambda: service.batches.stopping,

@@ -34,7 +34,7 @@ from starlette.types import ASGIApp
 
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutIds, RolloutView
-from fleetroll.rollout_events import RolloutEvent, RolloutEventLog
+from fleetroll.rollout_events import EventPage, RolloutEvent
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
 
@@ -111,7 +111,7 @@ class RolloutHost(Protocol):
 
     def cancel_rollout(self, rollout_id: str) -> None: ...
 
-    def rollout_events(self, rollout_id: str) -> RolloutEventLog: ...
+    async def rollout_events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage: ...
 
     @property
     def progress_flush_s(self) -> float: ...
@@ -133,20 +133,25 @@ def _progress_message(event: RolloutEvent) -> str:
     return f"end: {d['status']}" + (f" ({d['failure_reason']})" if d["failure_reason"] else "")
 
 
-async def _report_progress(log: RolloutEventLog, ctx: Context) -> None:
-    """Send an MCP progress notification per event of ``log`` until its end.
+async def _report_progress(service: RolloutHost, rollout_id: str, ctx: Context) -> None:
+    """Send an MCP progress notification per event of the rollout until its end.
 
-    ``progress`` is the event's cursor (it only grows); no ``total``.
+    ``progress`` is the event's cursor (it only grows); no ``total``. Events
+    that cannot be read (its Ray actor is slow) are not reported.
     """
     cursor = 0
     while True:
-        page = log.read(cursor)
+        try:
+            page = await service.rollout_events(
+                rollout_id, after=cursor, wait_s=service.progress_flush_s
+            )
+        except ApiError:
+            return
         for event in page.events:
             cursor = event.seq
             await ctx.report_progress(event.seq, message=_progress_message(event))
         if page.ended:
             return
-        await log.wait(cursor)
 
 
 def build_mcp_server(service: RolloutHost) -> MCPServer:
@@ -181,18 +186,12 @@ def build_mcp_server(service: RolloutHost) -> MCPServer:
     ) -> RolloutResult:
         ids = await start(task, policy)
         try:
-            log: RolloutEventLog | None = None
-            if ctx is not None:
-                try:
-                    log = service.rollout_events(ids.rollout_id)
-                except ApiError:
-                    log = None  # on Ray: no live events, so no progress (documented)
-            if log is None or ctx is None:
+            if ctx is None:
                 return await finish(ids.rollout_id, None)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_report_progress, log, ctx)
+                tg.start_soon(_report_progress, service, ids.rollout_id, ctx)
                 result = await finish(ids.rollout_id, None)
-                # The log has its end now: the reporter sends the last events and
+                # The events end with the result: the reporter sends the last ones and
                 # returns, before the result; a client slow to take them cannot hold
                 # the result back for long.
                 tg.cancel_scope.deadline = anyio.current_time() + service.progress_flush_s

@@ -247,7 +247,7 @@ def _paths() -> dict[str, Any]:
                     "One JSON object per line (EventStreamLine): `event` lines carry the n-th"
                     " event with `cursor` n; the stream ends after the `end` event. A `gap`"
                     " line says events after the cursor are no longer held (pool.events_max)."
-                    " Reconnect with `?after=<last cursor>`. Not available with serve --ray (501)."
+                    " Reconnect with `?after=<last cursor>`."
                 ),
                 "operationId": "streamRolloutEvents",
                 "parameters": [_AFTER],
@@ -258,7 +258,7 @@ def _paths() -> dict[str, Any]:
                     },
                     "404": _error("No such rollout (unknown, or its batch was forgotten)"),
                     "422": _INVALID,
-                    "501": _error("Batches run on Ray actors (serve --ray): no live events"),
+                    "504": _error("The Ray actor running the rollout did not answer in time"),
                 },
             },
         },

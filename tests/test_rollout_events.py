@@ -45,7 +45,7 @@ def kinds(events: tuple[RolloutEvent, ...]) -> list[str]:
 async def test_the_log_holds_every_phase_turn_and_tool_call_in_order_then_the_end() -> None:
     rollout, result = await run()
 
-    page = rollout.events.read()
+    page = rollout.live.read()
     assert kinds(page.events) == [
         "provisioning",
         "resetting",
@@ -79,12 +79,12 @@ async def test_the_log_holds_every_phase_turn_and_tool_call_in_order_then_the_en
 
 async def test_a_reader_resumes_after_its_cursor_and_gets_nothing_twice() -> None:
     rollout, _ = await run()
-    everything = rollout.events.read().events
+    everything = rollout.live.read().events
 
-    first, rest = everything[:4], rollout.events.read(after=4).events
+    first, rest = everything[:4], rollout.live.read(after=4).events
 
     assert first + rest == everything
-    assert rollout.events.read(after=rollout.events.last).events == ()
+    assert rollout.live.read(after=rollout.live.last).events == ()
 
 
 async def test_the_log_keeps_only_the_newest_events_and_says_how_many_a_late_reader_missed() -> (
@@ -97,10 +97,10 @@ async def test_the_log_keeps_only_the_newest_events_and_says_how_many_a_late_rea
     )
     rollout, _ = await run(many, pool={"events_max": 8, "max_steps": 50})
 
-    page = rollout.events.read(after=0)
+    page = rollout.live.read(after=0)
 
     assert len(page.events) == 8 and page.events[-1].kind == "end"
-    assert page.missed == rollout.events.last - 8
+    assert page.missed == rollout.live.last - 8
     assert page.events[0].seq == page.missed + 1
 
 
@@ -111,7 +111,7 @@ async def test_previews_are_redacted_then_cut_to_the_preview_size() -> None:
     )
     rollout, _ = await run(leaky, pool={"events_preview_chars": 30})
 
-    call = next(e for e in rollout.events.read().events if e.kind == "tool_call")
+    call = next(e for e in rollout.live.read().events if e.kind == "tool_call")
 
     assert "sk-live" not in call.data["arguments"] + call.data["preview"]
     assert "[REDACTED]" in call.data["preview"]

@@ -378,7 +378,7 @@ class Batch(ResultStream):
         Raises:
             KeyError: the batch holds no such rollout.
         """
-        return await self._by_id[rollout_id].events.page(after, wait_s)
+        return await self._by_id[rollout_id].live.page(after, wait_s)
 
     def cancel(self) -> None:
         self.scope.cancel()

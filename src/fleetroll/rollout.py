@@ -128,12 +128,12 @@ class Rollout:
         #: Called (synchronously) after every change of phase or transcript.
         self.observers: list[Callable[[Rollout], None]] = []
         #: What it does, live (``GET /v1/rollouts/{id}/events``): bounded, redacted.
-        self.events = RolloutEventLog(
+        self.live = RolloutEventLog(
             cap=engine.settings.pool.events_max,
             preview_chars=engine.settings.pool.events_preview_chars,
             redact=engine.redactor,
         )
-        self.observers.append(self.events.observe)
+        self.observers.append(self.live.observe)
         self._changed: anyio.Event | None = None
         self.instance: Instance | None = None
         self.route: Route | None = None
@@ -353,7 +353,7 @@ class Rollout:
                 latency = time.monotonic() - began
                 self._p.timings.policy_s += latency
             self._p.record_turn(turn, policy_version=version, latency_s=latency)
-            self.events.turn(turn, latency_s=latency, policy_version=version)
+            self.live.turn(turn, latency_s=latency, policy_version=version)
             await self.apply(turn)
 
     @contextmanager
@@ -400,7 +400,7 @@ class Rollout:
             session=self.session,
             instance=self.instance,
         )
-        self.events.tool_call(call, result, duration_s=time.monotonic() - began)
+        self.live.tool_call(call, result, duration_s=time.monotonic() - began)
         return result
 
     # -- the end ------------------------------------------------------------
@@ -486,7 +486,7 @@ class Rollout:
             return
         self._enter(Phase.DONE)
         self.result = self._build_result()
-        self.events.end(self.result)
+        self.live.end(self.result)
         stages.report_completed(self.engine.events, self.result)
 
     def _fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
@@ -554,7 +554,7 @@ class Rollout:
         self._fail(reason, error)
         self._enter(Phase.DONE)
         self.result = self._build_result()
-        self.events.end(self.result)
+        self.live.end(self.result)
         return self.result
 
     # -- session support ----------------------------------------------------

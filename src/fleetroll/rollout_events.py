@@ -1,7 +1,7 @@
 """A rollout's live events: a bounded, resumable log of what it is doing.
 
 Each :class:`~fleetroll.rollout.Rollout` keeps one :class:`RolloutEventLog`
-(``rollout.events``). It records, in order:
+(``rollout.live``). It records, in order:
 
 * ``phase``: every change of phase (from the rollout's observers);
 * ``turn``: each policy turn, with its latency and a preview of its text;

@@ -8,14 +8,15 @@ from typing import Any
 import anyio
 
 from fleetroll.engine import RolloutEngine
-from fleetroll.policies import ScriptedPolicy
+from fleetroll.policies import ScriptedPolicy, ToolCall
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import Rollout, RolloutIds
 from fleetroll.rollout_events import RolloutEvent, RolloutEventLog, ndjson_lines
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
-from fleetroll.telemetry.events import Events, MemorySink
+from fleetroll.telemetry.events import Events, MemorySink, Redactor
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.tools import ToolResult
 
 TASK = TaskSpec(
     key="note-done",
@@ -170,3 +171,15 @@ async def test_a_reader_behind_what_the_log_holds_gets_a_gap_line_then_the_rest(
     assert lines[0] == {"type": "gap", "cursor": 2, "missed": 3}
     assert [line["cursor"] for line in lines[1:]] == list(range(6, 14))
     assert lines[-1]["event"]["kind"] == "end"
+
+
+def test_a_known_secret_across_the_preview_cut_of_a_large_answer_is_masked() -> None:
+    secret = "s3cr3t-value-0123456789"
+    log = RolloutEventLog(cap=8, preview_chars=40, redact=Redactor([secret]))
+    answer = "x" * 30 + secret + "y" * 1_000_000  # the secret spans the cut at 40
+
+    log.tool_call(ToolCall(id="c", name="read", arguments={}), ToolResult(answer), duration_s=0)
+
+    preview = log.read().events[0].data["preview"]
+    assert "s3cr3t" not in preview and preview.startswith("x" * 30 + "[REDACTED]")
+    assert len(preview) == 41  # cut to the preview size, and the ellipsis

@@ -35,6 +35,10 @@ from fleetroll.tools import ToolResult
 
 __all__ = ["EventPage", "RolloutEvent", "RolloutEventLog", "ended_page", "ndjson_lines"]
 
+#: Longer than any secret the redactor knows by value (API keys and tokens from
+#: the settings); credentials it finds by shape are masked even when cut short.
+_SECRET_SPAN = 1024
+
 
 @dataclass(frozen=True, slots=True)
 class RolloutEvent:
@@ -142,8 +146,11 @@ class RolloutEventLog:
         return self.read(after)
 
     def _preview(self, text: str) -> str:
-        # Redact first: cutting could split a secret and hide it from the patterns.
-        clean = self._redact(text)
+        # Redact, then cut: cutting first could split a secret and hide it from the
+        # redactor. Only the head is redacted (a tool's answer may be a large page,
+        # and redaction runs on the loop): any secret that starts inside the
+        # preview ends inside the head, and the patterns mask a value cut short.
+        clean = self._redact(text[: self._preview_chars + _SECRET_SPAN])
         if len(clean) <= self._preview_chars:
             return clean
         return clean[: self._preview_chars] + "…"

@@ -36,6 +36,10 @@ A trainer doing asynchronous RL has the same verbs as in-process, awaited:
 client.policy_paused():`` around the swap (a lease the client renews while
 the block runs, so a trainer that dies cannot pause the service forever),
 and ``batch.groups()`` for each GRPO group as soon as it is complete.
+
+``async for event in client.follow(rollout_id)`` watches one rollout live:
+its phases, policy turns and tool calls (timings, redacted previews), then
+its end; a cut stream is reopened after the last event's cursor.
 """
 
 from __future__ import annotations

@@ -50,7 +50,8 @@ async def test_the_events_stream_delivers_every_phase_in_order_and_resumes_from_
     assert {"turn", "tool_call"} <= {e["kind"] for e in events}
     assert events[-1]["kind"] == "end" and events[-1]["reward"] == 1.0
     assert [json.loads(line) for line in rest.text.splitlines()] == lines[3:]
-    assert ahead.status_code == 422 and unknown.status_code == 404
+    assert ahead.status_code == 422 and "this rollout's" in ahead.text
+    assert unknown.status_code == 404 and "no rollout 'nope'" in unknown.text
     assert emulator.ledger.running == 0
 
 

@@ -330,7 +330,7 @@ def _invalid(exc: ValidationError) -> Response:
     )
 
 
-def _cursor(request: Request, available: int, what: str) -> int:
+def _cursor(request: Request, available: int, what: str, whose: str = "this batch's") -> int:
     """The ``after`` query parameter of a stream.
 
     Raises:
@@ -343,7 +343,7 @@ def _cursor(request: Request, available: int, what: str) -> int:
     if after > available:
         raise ApiError(
             422,
-            f"cursor {after} is ahead of this batch's {available} {what}",
+            f"cursor {after} is ahead of {whose} {available} {what}",
             loc=["query", "after"],
         )
     return after
@@ -439,7 +439,7 @@ def _routes(service: Service) -> list[Route]:
         first = await service.rollout_events(rid, after=0, wait_s=0)  # 404 before the stream
         known = first.events[-1].seq if first.events else 0
         # Built from a result (its Ray actor let the log go): any cursor is fine.
-        after = _cursor(request, 2**62 if first.from_result else known, "events")
+        after = _cursor(request, 2**62 if first.from_result else known, "events", "this rollout's")
 
         async def read(cursor: int, wait_s: float) -> EventPage:
             try:

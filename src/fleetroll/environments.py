@@ -18,6 +18,7 @@ Contract for implementations:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -66,6 +67,16 @@ class Verdict:
 
 class Provider(Protocol):
     """Makes, drives and releases the environments of rollouts."""
+
+    async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
+        """What would stop ``tasks`` from running here, checked before any create.
+
+        One line per problem, for people (an unknown environment or version
+        with what exists, a control plane that does not answer, a refused key);
+        empty when the batch may run. Never raises for those problems, and
+        never puts a secret in a line. Runs under ``timeouts.preflight_s``.
+        """
+        ...
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
         """A ready instance for ``task``, transient failures retried.

@@ -7,6 +7,7 @@
     ├── TaskFileError            a task file is invalid (file, line, field)
     ├── EmulatorError            the embedded emulator failed to start or stop
     ├── PoolFullError            a pool has too many unfinished rollouts to take a batch
+    ├── PreflightError           a batch cannot run: unknown env, key refused, policy dead
     ├── ServiceError             the HTTP service answered an error (fleetroll.client)
     ├── StoreError               the local telemetry store could not be opened or read
     │   ├── NoSuchBatchError     a batch id the store has never seen
@@ -47,6 +48,7 @@ __all__ = [
     "OperationTimeout",
     "PolicyError",
     "PoolFullError",
+    "PreflightError",
     "ProvisionError",
     "QueryError",
     "ReadOnlyError",
@@ -68,6 +70,21 @@ class ConfigError(FleetrollError):
 
     The message names the source (file or environment variable) and the field.
     """
+
+
+class PreflightError(FleetrollError):
+    """The checks before a batch provisions anything found problems; nothing ran.
+
+    ``problems`` holds one line per problem (an unknown environment version, a
+    refused key, a policy endpoint that does not answer); never a secret.
+    """
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        lines = "; ".join(self.problems)
+        super().__init__(
+            f"pre-flight failed, nothing was provisioned (--no-preflight skips it): {lines}"
+        )
 
 
 class TaskFileError(FleetrollError):

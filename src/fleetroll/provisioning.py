@@ -25,7 +25,7 @@ import contextvars
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Protocol
@@ -40,6 +40,7 @@ from fleet.runner_auth import RunnerTokenProvider
 import fleetroll.retrying as retrying
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import ProvisionError
+from fleetroll.preflight import missing_environments
 from fleetroll.retrying import Decision, Retry, decide, retry_after_s, transient_status
 from fleetroll.routing import Route, route
 from fleetroll.settings import Settings
@@ -197,6 +198,7 @@ class FleetProvider:
     ) -> None:
         self._settings = settings
         self._events = events
+        self._where = base_url or "Fleet"
         p = settings.provisioning
         t = settings.timeouts
         # Several small HTTP clients ("lanes") instead of one big one: httpcore
@@ -309,6 +311,52 @@ class FleetProvider:
     async def verify(self, instance: Instance, task: TaskSpec, final_answer: str | None) -> Verdict:
         """The task's verifier, run remotely by Fleet against the instance."""
         return await self._verifier.verify(task, self._env(instance), final_answer)
+
+    async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
+        """The control plane answers, the key is accepted, every env version exists.
+
+        One environment listing (``GET /v1/env/``), under ``timeouts.preflight_s``.
+        """
+        timeout = self._settings.timeouts.preflight_s
+        where = self._where
+        try:
+            with anyio.fail_after(timeout):
+                listing = await self.fleet.list_envs()
+        except TimeoutError:
+            return [
+                f"the Fleet control plane at {where} did not answer within {timeout:g} s"
+                " (timeouts.preflight_s; is FLEET_BASE_URL right?)"
+            ]
+        except fleet_errors.FleetAuthenticationError:
+            return [f"FLEET_API_KEY was refused by the Fleet control plane at {where} (401)"]
+        except fleet_errors.FleetAPIError as exc:
+            status = exc.status_code
+            if status in (401, 403):
+                return [
+                    f"FLEET_API_KEY was refused by the Fleet control plane at {where} ({status})"
+                ]
+            if status is None:
+                return [
+                    f"cannot reach a Fleet control plane at {where}: {exc}"
+                    " (is FLEET_BASE_URL right?)"
+                ]
+            return [
+                f"{where} answered {status} to the environment listing (GET /v1/env/):"
+                " not a Fleet control plane? (is FLEET_BASE_URL right?)"
+            ]
+        except (ValueError, TypeError) as exc:  # not JSON, or not a list of environments
+            return [
+                f"{where} does not answer like a Fleet control plane"
+                f" ({type(exc).__name__} reading its environment listing;"
+                " is FLEET_BASE_URL right?)"
+            ]
+        except httpx.HTTPError as exc:
+            return [
+                f"cannot reach a Fleet control plane at {where}: {type(exc).__name__}: {exc}"
+                " (is FLEET_BASE_URL right?)"
+            ]
+        known = {env.env_key: {*env.versions, *env.versions.values()} for env in listing}
+        return missing_environments(tasks, known)
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
         """Create a running instance for ``task``, retrying transient failures.

@@ -94,6 +94,9 @@ class TimeoutSettings(_Section):
     #: With ``--ray``: a call to an actor that answers at once (a rollout's
     #: view, for the service's ``get_state`` and ``get_messages``).
     ray_call_s: float = Field(30.0, gt=0)
+    #: Each pre-flight check of ``fleetroll run`` (the environment listing,
+    #: the policy endpoint's ``/models``).
+    preflight_s: float = Field(30.0, gt=0)
 
 
 class ProvisioningSettings(_Section):
@@ -181,6 +184,10 @@ class PoolSettings(_Section):
     #: Characters of text (redacted) an event's preview keeps of a turn, a
     #: tool call's arguments or its answer.
     events_preview_chars: int = Field(200, ge=0)
+    #: ``fleetroll run``: when each of the first this many rollouts to finish
+    #: failed the same way (same failure_reason and error), the batch stops
+    #: there; the rest end ``cancelled`` (``--resume`` runs them). 0: never.
+    stop_after_same_failures: int = Field(20, ge=0)
 
 
 class PolicySettings(_Section):

@@ -372,7 +372,12 @@ class FakeChatServer:
 
     @contextlib.asynccontextmanager
     async def _running(self) -> AsyncIterator[None]:
-        app = Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+        app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+            ]
+        )
         self._release_hung = anyio.Event()
         try:
             async with serve_asgi(
@@ -389,6 +394,11 @@ class FakeChatServer:
                     self._release_hung.set()  # answer HANG requests, so shutdown is quick
         except OSError as exc:
             raise RuntimeError(f"the fake OpenAI server could not start: {exc}") from exc
+
+    async def _models(self, request: Request) -> Response:
+        """The model listing (``fleetroll run``'s pre-flight asks it); not a recorded request."""
+        model = {"id": "served", "object": "model", "created": 0, "owned_by": "fleetroll"}
+        return JSONResponse({"object": "list", "data": [model]})
 
     async def _chat(self, request: Request) -> Response:
         number = len(self.requests)

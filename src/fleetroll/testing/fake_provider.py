@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -52,8 +52,11 @@ class FakeProvider:
         *,
         provision_error: ProvisionError | None = None,
         verify_error: str | None = None,
+        preflight_problems: Sequence[str] = (),
     ) -> None:
         self.settings = settings
+        self.preflight_problems = list(preflight_problems)
+        self.preflights = 0
         self.provision_error = provision_error
         self.verify_error = verify_error
         self.states: dict[str, FakeState] = {}
@@ -80,6 +83,11 @@ class FakeProvider:
     @property
     def running(self) -> int:
         return sum(1 for s in self.states.values() if s.alive)
+
+    async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
+        await anyio.lowlevel.checkpoint()
+        self.preflights += 1
+        return list(self.preflight_problems)
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
         await anyio.lowlevel.checkpoint()

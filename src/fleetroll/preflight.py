@@ -1,0 +1,158 @@
+"""Checks before a batch provisions anything: a typo should cost seconds, not a batch.
+
+``fleetroll run`` calls :func:`preflight` once the Fleet it runs on is known
+and before the pool makes its first instance:
+
+* the environment provider's own checks (:meth:`Provider.preflight
+  <fleetroll.environments.Provider.preflight>`): for Fleet, the control plane
+  answers, the key is accepted, and every distinct ``env_key:version`` of the
+  batch is in its environment listing;
+* for ``policy.kind = "openai"``, the policy endpoint answers ``GET /models``.
+
+Every problem found is one line of one :class:`~fleetroll.errors.PreflightError`;
+no line holds a key. ``fleetroll run --no-preflight`` skips all of this.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import httpx
+
+from fleetroll.errors import PreflightError
+
+if TYPE_CHECKING:
+    from fleetroll.batch_pool import FleetTarget
+    from fleetroll.environments import Provider
+    from fleetroll.settings import Settings
+    from fleetroll.tasks import TaskSpec
+
+__all__ = ["check_policy", "missing_environments", "preflight", "preflight_fleet"]
+
+#: Known names listed in a message about an unknown one, at most.
+_LIST_AT_MOST = 12
+
+
+def _listed(names: Collection[str]) -> str:
+    ordered = sorted(names)
+    more = len(ordered) - _LIST_AT_MOST
+    shown = ", ".join(ordered[:_LIST_AT_MOST])
+    return shown + (f" and {more} more" if more > 0 else "") if ordered else "none"
+
+
+def _did_you_mean(name: str, known: Collection[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
+def missing_environments(
+    tasks: Sequence[TaskSpec], known: Mapping[str, Collection[str]]
+) -> list[str]:
+    """One line per distinct environment or version of ``tasks`` not in ``known``.
+
+    ``known`` maps each environment key to its versions. A task without a
+    version takes the environment's default, so only its key is checked.
+    """
+    wanted = Counter((task.env_key, task.env_version) for task in tasks)
+    problems: list[str] = []
+    for (key, version), count in sorted(wanted.items(), key=lambda kv: (kv[0][0], kv[0][1] or "")):
+        used = f"{count} task{'s' if count != 1 else ''}"
+        if key not in known:
+            problems.append(
+                f"unknown environment {key!r} ({used}); {_did_you_mean(key, known)}"
+                f"environments: {_listed(known)}"
+            )
+        elif version is not None and version not in known[key]:
+            problems.append(
+                f"environment {key!r} has no version {version!r} ({used}); "
+                f"{_did_you_mean(version, known[key])}versions: {_listed(known[key])}"
+            )
+    return problems
+
+
+def _shown(url: str) -> str:
+    """``url`` without any user or password in it."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        return "(an invalid URL)"
+    return str(parsed.copy_with(userinfo=b"")) if parsed.userinfo else url
+
+
+async def check_policy(settings: Settings) -> list[str]:
+    """For ``policy.kind = "openai"``: the endpoint answers ``GET {base_url}/models``.
+
+    One problem line when it does not (no answer, a refused key, an error
+    status: likely a wrong ``--base-url``); empty otherwise, and always for
+    the scripted policy.
+    """
+    if settings.policy.kind != "openai":
+        return []
+    timeout = settings.timeouts.preflight_s
+    base = settings.policy.base_url.rstrip("/")
+    url = f"{base}/models"
+    shown = _shown(url)
+    key = settings.openai_api_key
+    headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+    try:
+        with anyio.fail_after(timeout):
+            async with httpx.AsyncClient(timeout=timeout) as http:
+                response = await http.get(url, headers=headers)
+    except TimeoutError:
+        return [f"the policy endpoint did not answer GET {shown} within {timeout:g} s"]
+    except (httpx.HTTPError, ValueError) as exc:
+        return [
+            f"the policy endpoint does not answer: GET {shown} failed with {type(exc).__name__}"
+            " (is --base-url / policy.base_url right?)"
+        ]
+    status = response.status_code
+    if status in (401, 403):
+        return [f"the policy endpoint refused OPENAI_API_KEY: GET {shown} answered {status}"]
+    if status >= 400:
+        return [
+            f"the policy endpoint answered {status} to GET {shown}"
+            " (is --base-url / policy.base_url right? it usually ends in /v1)"
+        ]
+    return []
+
+
+async def preflight(settings: Settings, provider: Provider, tasks: Sequence[TaskSpec]) -> None:
+    """Run the provider's checks and the policy endpoint's, together.
+
+    Raises:
+        PreflightError: any check found a problem (all of them are in it).
+    """
+    found: dict[str, list[str]] = {}
+
+    async def collect(name: str, check: Callable[[], Awaitable[list[str]]]) -> None:
+        found[name] = await check()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(collect, "provider", lambda: provider.preflight(tasks))
+        tg.start_soon(collect, "policy", lambda: check_policy(settings))
+    problems = found["provider"] + found["policy"]
+    if problems:
+        raise PreflightError(problems)
+
+
+async def preflight_fleet(
+    settings: Settings, fleet: FleetTarget, tasks: Sequence[TaskSpec]
+) -> None:
+    """:func:`preflight` with a provider of its own for ``fleet``, closed after.
+
+    Raises:
+        PreflightError: any check found a problem.
+    """
+    from fleetroll.provisioning import FleetProvider
+    from fleetroll.telemetry.events import Events
+
+    provider = FleetProvider(settings, Events(), api_key=fleet.api_key, base_url=fleet.base_url)
+    try:
+        await preflight(settings, provider, tasks)
+    finally:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(settings.timeouts.release_s):
+            await provider.aclose()

@@ -248,6 +248,11 @@ def emulator(
     "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
 )
 @click.option("--resume", is_flag=True, help="Continue the batch journaled in --out.")
+@click.option(
+    "--no-preflight",
+    is_flag=True,
+    help="Skip the checks before the batch (env versions exist, key accepted, policy answers).",
+)
 @ray_options
 @_CONFIG_OPTION
 def run(
@@ -260,6 +265,7 @@ def run(
     concurrency: int | None,
     profile: str | None,
     resume: bool,
+    no_preflight: bool,
     ray_address: str | None,
     ray_actors: int,
     config_file: Path | None,
@@ -267,8 +273,12 @@ def run(
     """Run every task in TASKS (files: JSON Lines or a JSON array; or folders) and report.
 
     Runs on the embedded emulator unless FLEET_API_KEY or FLEET_BASE_URL is
-    set. Exit code 0 when the batch ran (failed rollouts are data); 2 for bad
-    input or configuration; 130 when interrupted.
+    set. Before anything is provisioned, a pre-flight checks that every
+    environment version exists, the key is accepted and the policy endpoint
+    answers (--no-preflight skips it). Exit code 0 when the batch ran (failed
+    rollouts are data); 1 when it stopped early because its first rollouts all
+    failed the same way (pool.stop_after_same_failures); 2 for bad input or
+    configuration, a failed pre-flight included; 130 when interrupted.
     """
     from rich.console import Console
 
@@ -319,6 +329,7 @@ def run(
                         ray_address=ray_address,
                         ray_actors=ray_actors,
                         signals=signals,
+                        preflight=not no_preflight,
                     )
                 finally:
                     await policy.aclose()
@@ -334,3 +345,5 @@ def run(
         raise SystemExit(130) from None
     if report.interrupted:
         raise SystemExit(130)
+    if report.stopped is not None:
+        raise SystemExit(1)

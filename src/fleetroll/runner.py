@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import signal
 import statistics
 import time
@@ -32,7 +33,8 @@ from fleetroll.errors import ConfigError
 from fleetroll.journal import BatchIdentity, Journal, claim_journal
 from fleetroll.policies import Policy
 from fleetroll.pool import Batch, RolloutPool
-from fleetroll.results import RolloutResult
+from fleetroll.preflight import preflight_fleet
+from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -41,6 +43,7 @@ from fleetroll.telemetry.events import Events
 __all__ = [
     "FleetTarget",
     "JobReport",
+    "SameFailures",
     "open_fleet",
     "run_job",
     "summary_table",
@@ -59,6 +62,8 @@ class JobReport:
     interrupted: bool
     backend: str
     journal: Path | None = None
+    #: Why the batch was stopped early (pool.stop_after_same_failures), if it was.
+    stopped: str | None = None
 
 
 async def run_job(
@@ -76,8 +81,16 @@ async def run_job(
     ray_address: str | None = None,
     ray_actors: int = 2,
     signals: AsyncIterator[int] | None = None,
+    preflight: bool = True,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
+
+    Unless ``preflight`` is False, :func:`fleetroll.preflight.preflight`
+    runs first, before the journal is claimed and before any create.
+
+    When each of the first ``pool.stop_after_same_failures`` rollouts to
+    finish failed the same way, the batch is cancelled there (the report's
+    ``stopped`` says why); every rollout still gets a result.
 
     On resume, every rollout whose last journaled result is ``cancelled`` runs
     again, with those never journaled; the others are kept.
@@ -91,6 +104,7 @@ async def run_job(
     job opens its own.
 
     Raises:
+        PreflightError: a pre-flight check failed; nothing was provisioned.
         ConfigError: the journal cannot be used: not a regular file, in use
             by another run, it exists and ``resume`` was not asked, or it
             belongs to another batch (other tasks or samples).
@@ -106,6 +120,11 @@ async def run_job(
     async with AsyncExitStack() as stack:
         if signals is None:
             signals = stack.enter_context(anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
+        fleet = await open_fleet(stack, settings, emulator_profile)
+        if preflight:
+            # Before the journal is claimed and before any create: a typo
+            # leaves nothing behind to clean up or --resume.
+            await preflight_fleet(settings, fleet, tasks)
         if out is not None:
             identity = await anyio.to_thread.run_sync(BatchIdentity.of, batch_id, tasks, samples)
             claim = await anyio.to_thread.run_sync(
@@ -118,7 +137,6 @@ async def run_job(
         # is handled, never a KeyboardInterrupt.
         background = await stack.enter_async_context(_Background())
         journal = await stack.enter_async_context(Journal(out, background)) if out else None
-        fleet = await open_fleet(stack, settings, emulator_profile)
         pool, backend = await open_batch_pool(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
@@ -146,12 +164,17 @@ async def run_job(
         interrupted = anyio.Event()
         background.start_soon(_watch_signals, signals, batch, interrupted, console, settings)
         results = list(previous)
+        same = SameFailures(settings.pool.stop_after_same_failures)
+        stopped: str | None = None
         async with _Background() as foreground:
             foreground.start_soon(_show_progress, batch, console, started, settings)
             async for result in batch:
                 if journal:
                     journal.append(result)
                 results.append(result)
+                if stopped is None and (stopped := same.add(result)) is not None:
+                    console.print(f"fleetroll: stopping the batch early: {stopped}")
+                    batch.cancel()  # the rest still deliver their (cancelled) results
     return JobReport(
         batch_id=batch.batch_id,
         results=results,
@@ -160,7 +183,55 @@ async def run_job(
         interrupted=interrupted.is_set(),
         backend=backend,
         journal=out,
+        stopped=stopped,
     )
+
+
+#: Digits and hex ids vary between rollouts that failed the same way.
+_VARYING = re.compile(r"\b[0-9a-f]{8,}\b|\d+(?:\.\d+)?")
+
+
+class SameFailures:
+    """Whether the first ``n`` rollouts to finish all failed the same way.
+
+    The same way: the same ``failure_reason`` and the same error text once
+    numbers and hex ids are set aside. Cancelled rollouts never count (a
+    cancel is not the batch's failure). ``n = 0`` never says so.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._seen = 0
+        self._first: RolloutResult | None = None
+        self._kind: tuple[str | None, str] | None = None
+        self._same = True
+
+    @staticmethod
+    def _kind_of(result: RolloutResult) -> tuple[str | None, str]:
+        reason = result.failure_reason.value if result.failure_reason else None
+        return reason, _VARYING.sub("#", result.error or "")[:300]
+
+    def add(self, result: RolloutResult) -> str | None:
+        """Count one finished rollout; the reason to stop once the n-th makes it so."""
+        if not self._n or self._seen >= self._n or result.failure_reason is FailureReason.CANCELLED:
+            return None
+        self._seen += 1
+        kind = self._kind_of(result)
+        if result.status != "failed":
+            self._same = False
+        elif self._first is None:
+            self._first, self._kind = result, kind
+        elif kind != self._kind:
+            self._same = False
+        if self._seen < self._n or not self._same or self._first is None:
+            return None
+        first = self._first
+        reason = first.failure_reason.value if first.failure_reason else "failed"
+        return (
+            f"the first {self._n} rollouts to finish all failed with {reason}: {first.error}; "
+            "the rest were cancelled (--resume runs them; "
+            "pool.stop_after_same_failures = 0 runs a batch to its end regardless)"
+        )
 
 
 class _Background:
@@ -434,6 +505,8 @@ def print_report(report: JobReport, console: Console, settings: Settings | None 
         # API key or an unknown environment looks like this).
         error, count = common[0]
         console.print(f"fleetroll: every rollout failed; {count} of them with: {error}")
+    if report.stopped is not None:
+        console.print(f"fleetroll: stopped early: {report.stopped}")
     new = len(report.results) - report.resumed
     rate = new / report.elapsed_s if report.elapsed_s > 0 else 0.0
     console.print(

@@ -18,6 +18,9 @@ from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.errors import PreflightError
 from fleetroll.journal import read_journal
+from fleetroll.mcp_provider import McpProvider
+from fleetroll.mcp_tasks import McpEnvironment
+from fleetroll.mixed_provider import MixedProvider
 from fleetroll.preflight import check_policy, missing_environments, preflight
 from fleetroll.provisioning import FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
@@ -354,3 +357,38 @@ async def test_a_batch_whose_first_rollouts_all_fail_the_same_way_stops_early(
     assert set(outcomes) == {FailureReason.POLICY_ERROR, FailureReason.CANCELLED}, outcomes
     assert outcomes[FailureReason.CANCELLED] > 0
     assert (await fleet.ledger())["running"] == 0
+
+
+# -- mcp tasks: the command's executable, the URL --------------------------------------
+
+
+def mcp_task(key: str, **environment: Any) -> TaskSpec:
+    return TaskSpec(key=key, prompt="p", env_key="mcp", environment=McpEnvironment(**environment))
+
+
+async def test_an_mcp_command_not_on_path_and_a_dead_url_are_problems_and_python_is_not() -> None:
+    url = f"{dead_url()}/mcp"
+    tasks = [
+        mcp_task("ok", command=["{python}", "-c", "pass"]),
+        mcp_task("typo", command=["no-such-mcp-server-xyz", "--stdio"]),
+        mcp_task("dead", url=url),
+    ]
+    provider = MixedProvider(load_settings(), Events(), api_key="")
+    try:
+        problems = await provider.preflight(tasks)
+    finally:
+        await provider.aclose()
+
+    assert problems == [
+        "environment.command of task typo: 'no-such-mcp-server-xyz' is not an executable on PATH",
+        f"MCP server {url} (1 task(s)) does not answer: ConnectError",
+    ]
+
+
+async def test_an_mcp_url_that_answers_any_status_passes() -> None:
+    async with FakeChatServer() as server:  # 404 on this path: it answers all the same
+        problems = await McpProvider(load_settings(), Events()).preflight(
+            [mcp_task("up", url=f"{server.base_url}/mcp")]
+        )
+
+    assert problems == []

@@ -43,6 +43,7 @@ from subprocess import DEVNULL, PIPE
 from typing import Any, Final
 
 import anyio
+import httpx
 import httpx2
 import mcp_types as types
 from anyio.abc import Process
@@ -116,6 +117,56 @@ class McpProvider:
         self._events = events
         self._live: dict[str, McpHandle] = {}
         self._examples = str(Path(fleetroll.examples_mcp.__file__).resolve().parent)
+
+    # -- pre-flight -----------------------------------------------------------
+
+    async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
+        """Each command's executable is on PATH (or a file); each URL answers HTTP.
+
+        What only exists once the working directory is made (a relative path,
+        ``{workdir}``) is not checked. A URL answers when any HTTP status comes
+        back within ``timeouts.preflight_s``.
+        """
+        problems: list[str] = []
+        urls: dict[str, int] = {}
+        seen: set[str] = set()
+        for task in tasks:
+            environment = task.environment
+            if environment is None:
+                continue
+            if environment.url is not None:
+                urls[environment.url] = urls.get(environment.url, 0) + 1
+            for what, argv in (("command", environment.command), ("setup", environment.setup)):
+                if not argv or "{workdir}" in argv[0]:
+                    continue
+                exe = self._fill(argv[0], Path())
+                if exe in seen:
+                    continue
+                seen.add(exe)
+                if os.sep in exe:
+                    found = not os.path.isabs(exe) or os.access(exe, os.X_OK)
+                else:
+                    found = shutil.which(exe, path=os.environ.get("PATH", os.defpath)) is not None
+                if not found:
+                    problems.append(
+                        f"environment.{what} of task {task.key}: {exe!r} is not an executable"
+                        " on PATH"
+                    )
+        for url, count in urls.items():
+            problems += await self._url_answers(url, count)
+        return problems
+
+    async def _url_answers(self, url: str, count: int) -> list[str]:
+        timeout = self._settings.timeouts.preflight_s
+        try:
+            with anyio.fail_after(timeout):
+                async with httpx.AsyncClient(timeout=timeout) as http:
+                    await http.get(url)
+        except TimeoutError:
+            return [f"MCP server {url} ({count} task(s)) did not answer within {timeout:g} s"]
+        except httpx.HTTPError as exc:
+            return [f"MCP server {url} ({count} task(s)) does not answer: {type(exc).__name__}"]
+        return []
 
     # -- provisioning ---------------------------------------------------------
 

@@ -10,6 +10,7 @@ HTTP clients, no calls to Fleet).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 
 from fleetroll.environments import Instance, Provider, Verdict
@@ -69,6 +70,13 @@ class MixedProvider:
 
     def _for(self, instance: Instance) -> Provider:
         return self.mcp if isinstance(instance.handle, McpHandle) else self.fleet
+
+    async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
+        """Each provider's checks on its own tasks (Fleet's only if a task is Fleet's)."""
+        mcp = [task for task in tasks if task.environment is not None]
+        fleet = [task for task in tasks if task.environment is None]
+        problems = await self.fleet.preflight(fleet) if fleet else []
+        return problems + (await self.mcp.preflight(mcp) if mcp else [])
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
         provider: Provider = self.mcp if task.environment is not None else self.fleet

@@ -142,15 +142,16 @@ async def preflight(settings: Settings, provider: Provider, tasks: Sequence[Task
 async def preflight_fleet(
     settings: Settings, fleet: FleetTarget, tasks: Sequence[TaskSpec]
 ) -> None:
-    """:func:`preflight` with a provider of its own for ``fleet``, closed after.
+    """:func:`preflight` with a provider of its own for ``fleet`` (and mcp tasks), closed after.
 
     Raises:
         PreflightError: any check found a problem.
     """
-    from fleetroll.provisioning import FleetProvider
+    from fleetroll.mixed_provider import MixedProvider
     from fleetroll.telemetry.events import Events
 
-    provider = FleetProvider(settings, Events(), api_key=fleet.api_key, base_url=fleet.base_url)
+    # The provider the pool builds: Fleet for Fleet tasks, the mcp one for the others.
+    provider = MixedProvider(settings, Events(), api_key=fleet.api_key, base_url=fleet.base_url)
     try:
         await preflight(settings, provider, tasks)
     finally:

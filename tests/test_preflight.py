@@ -226,6 +226,15 @@ def test_a_completed_rollout_or_another_failure_among_the_first_n_never_stops() 
     assert other.add(failed(1, FailureReason.POLICY_ERROR, "boom")) is None
 
 
+def test_scored_failures_like_max_steps_never_stop_a_batch() -> None:
+    same = SameFailures(2)
+    scored = failed(0, FailureReason.MAX_STEPS, "ran out of steps").model_copy(
+        update={"reward": 0.0}
+    )
+
+    assert [same.add(scored), same.add(scored)] == [None, None]
+
+
 def test_cancelled_rollouts_do_not_count_and_zero_turns_it_off() -> None:
     same, off = SameFailures(2), SameFailures(0)
     boom = failed(0, FailureReason.INIT_ERROR, "boom")

@@ -194,9 +194,10 @@ _VARYING = re.compile(r"\b[0-9a-f]{8,}\b|\d+(?:\.\d+)?")
 class SameFailures:
     """Whether the first ``n`` rollouts to finish all failed the same way.
 
-    The same way: the same ``failure_reason`` and the same error text once
-    numbers and hex ids are set aside. Cancelled rollouts never count (a
-    cancel is not the batch's failure). ``n = 0`` never says so.
+    The same way: unscored (``reward`` null), with the same ``failure_reason``
+    and the same error text once numbers and hex ids are set aside. Cancelled
+    rollouts never count (a cancel is not the batch's failure). ``n = 0``
+    never says so.
     """
 
     def __init__(self, n: int) -> None:
@@ -217,8 +218,8 @@ class SameFailures:
             return None
         self._seen += 1
         kind = self._kind_of(result)
-        if result.status != "failed":
-            self._same = False
+        if result.status != "failed" or result.reward is not None:
+            self._same = False  # a scored rollout (max_steps, stale) is data, not a breakage
         elif self._first is None:
             self._first, self._kind = result, kind
         elif kind != self._kind:

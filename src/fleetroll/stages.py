@@ -206,4 +206,10 @@ def report_completed(events: Events, result: RolloutResult) -> None:
         tool_errors=result.tool_errors,
         tool_failures=result.tool_failures,
         error_message=(result.error or "")[:500] or None,
+        # The cost, as counts (``fleetroll stats`` sums them); never token data.
+        instance_s=round(result.cost.instance_s, 4),
+        prompt_tokens=result.cost.prompt_tokens,
+        completion_tokens=result.cost.completion_tokens,
+        policy_calls=result.cost.policy_calls,
+        tool_calls=result.cost.tool_calls,
     )

@@ -11,10 +11,10 @@ import csv
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import click
 
@@ -354,6 +354,7 @@ def stats(
             result = queries.check(db, batch_id)
         else:
             rows = queries.stats(db, batch_id)
+            batches = [] if as_json or batch_id else queries.batch_costs(db)
     except StoreError as exc:
         raise _failed(str(exc)) from None
     if run_check:
@@ -380,6 +381,49 @@ def stats(
         click.echo(json.dumps(rows, indent=2))
         return
     _print_stats(rows, batch_id)
+    _print_costs(rows, batches, batch_id)
+
+
+#: Column headings of the cost tables, for :data:`queries.COST_FIELDS`.
+_COST_HEADINGS: Final = (
+    "instance s",
+    "prompt tokens",
+    "completion tokens",
+    "policy calls",
+    "tool calls",
+)
+
+
+def _cost_cells(row: Mapping[str, Any]) -> list[Any]:
+    from fleetroll.telemetry.queries import COST_FIELDS
+
+    return [round(row[name], 1) if name == "instance_s" else row[name] for name in COST_FIELDS]
+
+
+def _print_costs(
+    rows: Sequence[dict[str, Any]], batches: Sequence[dict[str, Any]], batch_id: str | None
+) -> None:
+    """The results' ``cost`` summed per environment (with a total) and per batch."""
+    from fleetroll.telemetry.queries import COST_FIELDS
+
+    per_env = [[_env_name(row), row["completed"], *_cost_cells(row)] for row in rows]
+    if len(rows) > 1:
+        total = {name: sum(row[name] for row in rows) for name in COST_FIELDS}
+        per_env.append(["total", sum(row["completed"] for row in rows), *_cost_cells(total)])
+    suffix = f" (batch {batch_id})" if batch_id else ""
+    _print_table(
+        ["env", "rollouts", *_COST_HEADINGS], per_env, title="cost by environment" + suffix
+    )
+    if batches and batch_id is None:
+        _print_table(
+            ["batch", "rollouts", *_COST_HEADINGS],
+            [[b["batch_id"], b["completed"], *_cost_cells(b)] for b in batches],
+            title="cost by batch (newest first)",
+        )
+
+
+def _env_name(row: Mapping[str, Any]) -> str:
+    return f"{row['env_key']}:{row['env_version']}" if row["env_version"] else str(row["env_key"])
 
 
 def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
@@ -398,10 +442,9 @@ def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
     ]
     table_rows = []
     for row in rows:
-        env = f"{row['env_key']}:{row['env_version']}" if row["env_version"] else row["env_key"]
         table_rows.append(
             [
-                env,
+                _env_name(row),
                 row["modality"],
                 row["started"],
                 row["completed"],

@@ -28,13 +28,17 @@ from fleetroll.telemetry import dialect as logfire_sql
 from fleetroll.telemetry.store import COLUMNS, connect
 
 __all__ = [
+    "BATCH_COST_SQL",
     "CHECK_SQL",
+    "COST_FIELDS",
+    "COST_SUMS_SQL",
     "STATS_SQL",
     "CheckResult",
     "NoSuchBatchError",
     "QueryError",
     "QueryResult",
     "ReadOnlyError",
+    "batch_costs",
     "check",
     "query",
     "schema",
@@ -272,6 +276,24 @@ def schema() -> QueryResult:
 
 _TOOL_ERRORS: Final = ("fleet_mcp_tool_error", "fleet_tool_call_failed")
 
+#: A result's ``cost`` fields, carried as counts on ``fleet_rollout_completed``.
+COST_FIELDS: Final = (
+    "instance_s",
+    "prompt_tokens",
+    "completion_tokens",
+    "policy_calls",
+    "tool_calls",
+)
+
+
+#: One ``SUM`` column per :data:`COST_FIELDS` over completions (0 when none).
+COST_SUMS_SQL: Final = ",\n    ".join(
+    f"COALESCE(SUM(attributes->>'{name}') FILTER (\n"
+    f"        WHERE message = 'fleet_rollout_completed'\n"
+    f"    ), 0) AS {name}"
+    for name in COST_FIELDS
+)
+
 #: Per env_key/env_version/modality counts; ``{batch}`` is replaced by an
 #: optional batch filter.
 STATS_SQL: Final = """
@@ -293,7 +315,8 @@ SELECT
     COUNT(*) FILTER (
         WHERE message IN ('fleet_mcp_tool_error', 'fleet_tool_call_failed')
     ) AS tool_errors,
-    COUNT(*) FILTER (WHERE message = 'fleet_verifier_failed') AS verifier_errors
+    COUNT(*) FILTER (WHERE message = 'fleet_verifier_failed') AS verifier_errors,
+    {costs}
 FROM records
 WHERE service_name = :service
   AND message IN (
@@ -302,6 +325,19 @@ WHERE service_name = :service
   ){batch}
 GROUP BY 1, 2, 3
 ORDER BY 1, 2, 3
+""".replace("{costs}", COST_SUMS_SQL)
+
+#: Cost totals per batch (newest first); ``{batch}`` as above.
+BATCH_COST_SQL: Final = f"""
+SELECT
+    attributes->>'batch_id' AS batch_id,
+    COUNT(*) AS completed,
+    {COST_SUMS_SQL}
+FROM records
+WHERE service_name = :service AND message = 'fleet_rollout_completed'
+  AND attributes->>'batch_id' IS NOT NULL{{batch}}
+GROUP BY 1
+ORDER BY MIN(start_timestamp) DESC, 1
 """
 
 _REASONS_SQL: Final = """
@@ -380,7 +416,8 @@ def stats(
     failure_reasons`` (``{reason: count}``), ``reward_mean`` (over rollouts
     with a reward), ``provisioning_p50_s, provisioning_p95_s``,
     ``tool_errors`` (tool errors answered plus calls that failed),
-    ``verifier_errors``.
+    ``verifier_errors``, and the sums of the results' ``cost``:
+    ``instance_s, prompt_tokens, completion_tokens, policy_calls, tool_calls``.
 
     Raises:
         NoSuchBatchError: ``batch_id`` names no batch in the store.
@@ -406,6 +443,23 @@ def stats(
         row.pop("rewarded")
         out.append(row)
     return out
+
+
+def batch_costs(
+    db: str | os.PathLike[str], batch_id: str | None = None, *, service_name: str = "fleetroll"
+) -> list[dict[str, Any]]:
+    """The results' ``cost`` summed per batch, newest batch first.
+
+    Each row: ``batch_id, completed`` (rollouts), ``instance_s,
+    prompt_tokens, completion_tokens, policy_calls, tool_calls``.
+
+    Raises:
+        NoSuchBatchError: ``batch_id`` names no batch in the store.
+        StoreError: there is no store at ``db``, or it cannot be read.
+    """
+    _require_batch(db, batch_id, service_name)
+    params = {"service": service_name, "batch_id": batch_id}
+    return _run(db, _sql(BATCH_COST_SQL, batch_id), params).dicts()
 
 
 # -- the invariant ------------------------------------------------------------------

@@ -380,7 +380,12 @@ class StatsResult(BaseModel):
     envs: list[dict[str, Any]] = Field(
         description="Per (env_key, env_version, modality): started, completed, failed,"
         " failure_reasons, reward_mean, provisioning_p50_s/p95_s, tool_errors,"
-        " verifier_errors"
+        " verifier_errors, and the results' cost summed: instance_s, prompt_tokens,"
+        " completion_tokens, policy_calls, tool_calls"
+    )
+    batches: list[dict[str, Any]] = Field(
+        description="The results' cost summed per batch, newest first: batch_id, completed,"
+        " instance_s, prompt_tokens, completion_tokens, policy_calls, tool_calls"
     )
     invariant_ok: bool = Field(description="Every rollout id started once and completed once")
     rollouts: int

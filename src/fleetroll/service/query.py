@@ -71,6 +71,7 @@ def run_stats(db_path: Path, batch_id: str | None) -> StatsResult:
     """
     try:
         envs = queries.stats(db_path, batch_id)
+        batches = queries.batch_costs(db_path, batch_id)
         check = queries.check(db_path, batch_id)
     except queries.NoSuchBatchError as exc:
         raise ApiError(404, str(exc)) from None
@@ -79,6 +80,7 @@ def run_stats(db_path: Path, batch_id: str | None) -> StatsResult:
     return StatsResult(
         batch_id=batch_id,
         envs=[{k: _json_value(v) for k, v in row.items()} for row in envs],
+        batches=[{k: _json_value(v) for k, v in row.items()} for row in batches],
         invariant_ok=check.ok,
         rollouts=check.rollouts,
         never_completed=check.never_completed,

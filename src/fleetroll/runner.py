@@ -471,7 +471,10 @@ async def _show_progress(
 
 
 def summary_table(results: Sequence[RolloutResult]) -> Table:
-    """Rollouts by env and outcome, with the mean reward of those scored."""
+    """Rollouts by env and outcome, the mean reward of those scored, and their cost summed.
+
+    With more than one env, a last ``total`` row sums the batch.
+    """
     by_env: dict[str, list[RolloutResult]] = defaultdict(list)
     for r in results:
         by_env[f"{r.env_key}:{r.env_version}" if r.env_version else r.env_key].append(r)
@@ -483,7 +486,13 @@ def summary_table(results: Sequence[RolloutResult]) -> Table:
     for reason in reasons:
         table.add_column(reason, justify="right")
     table.add_column("reward mean", justify="right")
-    for env, rows in sorted(by_env.items()):
+    for heading in ("instance s", "prompt tokens", "completion tokens", "policy calls"):
+        table.add_column(heading, justify="right")
+    table.add_column("tool calls", justify="right")
+    groups = sorted(by_env.items())
+    if len(by_env) > 1:
+        groups.append(("total", list(results)))
+    for i, (env, rows) in enumerate(groups):
         outcome = Counter(r.failure_reason.value if r.failure_reason else "completed" for r in rows)
         rewards = [r.reward for r in rows if r.reward is not None]
         table.add_row(
@@ -492,6 +501,12 @@ def summary_table(results: Sequence[RolloutResult]) -> Table:
             str(outcome["completed"]),
             *(str(outcome[reason]) for reason in reasons),
             f"{statistics.fmean(rewards):.3f}" if rewards else "—",
+            f"{sum(r.cost.instance_s for r in rows):.1f}",
+            str(sum(r.cost.prompt_tokens for r in rows)),
+            str(sum(r.cost.completion_tokens for r in rows)),
+            str(sum(r.cost.policy_calls for r in rows)),
+            str(sum(r.cost.tool_calls for r in rows)),
+            end_section=len(by_env) > 1 and i == len(by_env) - 1,  # a rule above the total
         )
     return table
 

@@ -137,6 +137,22 @@ async def test_the_data_counts_equal_the_batchs_results(batch: Batch, url: str) 
     assert {s["rollout_id"] for s in slowest} <= {r.rollout_id for r in results}
     assert [b["batch_id"] for b in data["batches"]] == ["dash"]
 
+    # The cost: the results' sums, per env and in total (instance seconds within
+    # the events' rounding, 4 decimals each).
+    fields = ("instance_s", "prompt_tokens", "completion_tokens", "policy_calls", "tool_calls")
+    cost = data["cost"]
+    for env in {r.env_key for r in results}:
+        (row,) = [e for e in cost["envs"] if e["env"] == env]
+        mine = [r for r in results if r.env_key == env]
+        assert row["completed"] == len(mine)
+        for name in fields:
+            assert row[name] == pytest.approx(sum(getattr(r.cost, name) for r in mine), abs=1e-3)
+    for name in fields:
+        assert cost["total"][name] == pytest.approx(
+            sum(getattr(r.cost, name) for r in results), abs=1e-3
+        )
+    assert cost["total"]["tool_calls"] > 0 and cost["total"]["policy_calls"] > 0
+
 
 async def test_since_filters_by_time(batch: Batch, url: str) -> None:
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -371,6 +387,8 @@ async def test_the_browser_draws_every_chart_and_the_slowest_rollouts(
     started = re.search(r'id="stat-started">([\d,]+)<', html)
     assert started is not None and int(started.group(1).replace(",", "")) == len(batch.results)
     assert "live · updated" in html
+    costs = re.findall(r'<tr class="cost" data-env="([^"]+)">', html)
+    assert costs == [*sorted({r.env_key for r in batch.results}), "total"]
 
 
 @pytest.mark.slow

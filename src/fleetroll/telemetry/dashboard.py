@@ -39,7 +39,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
-from fleetroll.telemetry.queries import QueryError, QueryResult, query
+from fleetroll.telemetry.queries import COST_FIELDS, COST_SUMS_SQL, QueryError, QueryResult, query
 from fleetroll.telemetry.store import StoreError
 
 __all__ = [
@@ -227,7 +227,12 @@ def snapshot(
          "provisioning": {"count", "p50_s", "p95_s", "max_s", "bins": [[lo, hi, n]]},
          "rewards": {"envs": [{"env", "count", "mean", "bins": [[lo, hi, n]]}]},
          "slowest": [{"rollout_id", "task_key", "env", "duration_s",
-                      "failure_reason", "reward", "time"}]}
+                      "failure_reason", "reward", "time"}],
+         "cost": {"envs": [{"env", "completed", "instance_s", "prompt_tokens",
+                            "completion_tokens", "policy_calls", "tool_calls"}],
+                  "total": {the same but "env"}}}    # the results' cost, summed
+
+    A batch's cost totals are ``cost.total`` with ``batch`` given.
 
     Raises:
         StoreError: there is no store at ``db``, or it cannot be read.
@@ -308,6 +313,13 @@ def snapshot(
         ).rows
     ]
 
+    cost_envs = run(
+        f"SELECT COALESCE(attributes->>'env_key', '?') AS env, COUNT(*) AS completed, "
+        f"{COST_SUMS_SQL} FROM records WHERE message = '{_COMPLETED}' AND {where} "
+        "GROUP BY 1 ORDER BY 1",
+        params,
+    ).dicts()
+
     started = sum(b["started"] for b in buckets)
     completed = sum(e["completed"] for e in envs.values())
     failed = sum(e["failed"] for e in envs.values())
@@ -348,7 +360,12 @@ def snapshot(
             ]
         },
         "slowest": slowest,
+        "cost": {"envs": cost_envs, "total": _cost_total(cost_envs)},
     }
+
+
+def _cost_total(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    return {name: sum(e[name] for e in envs) for name in ("completed", *COST_FIELDS)}
 
 
 def _empty(since: str | None, batch: str | None, note: str) -> dict[str, Any]:
@@ -372,6 +389,7 @@ def _empty(since: str | None, batch: str | None, note: str) -> dict[str, Any]:
         "provisioning": {"count": 0, "p50_s": None, "p95_s": None, "max_s": None, "bins": []},
         "rewards": {"envs": []},
         "slowest": [],
+        "cost": {"envs": [], "total": _cost_total([])},
     }
 
 

@@ -1,0 +1,180 @@
+"""A GRPO-style training loop on fleetroll, runnable without a GPU.
+
+What a trainer does with fleetroll, end to end, against stand-ins for the two
+outside services: the embedded emulator (the environments) and a vLLM-shaped
+fake chat server (the inference server: token ids, logprobs, usage).
+
+Each step:
+
+1. runs a batch with ``samples_per_task`` samples per task (plus ``oversample``
+   extras; the first scored ones make the group, the rest end ``superseded``);
+2. consumes ``batch.groups()`` as each group completes, skipping ``uniform``
+   groups (every sample the same reward: zero advantage) and computing
+   group-normalised advantages ``(r - mean) / (std + eps)``;
+3. gathers, per turn, the token ids and logprobs the server sent (what a
+   policy-gradient loss needs, with no re-tokenising) and the policy version
+   that produced them;
+4. swaps the "weights" inside ``pool.policy_paused()`` and bumps
+   ``pool.policy_version``.
+
+The fake model solves a share ``skill`` of its attempts at each task (it gives
+up at once on the others), and each weight swap makes it better: rewards rise
+step by step.
+
+    python examples/grpo_loop.py --steps 3 --tasks 4 --samples 4 --oversample 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from fleetroll import OpenAIChatPolicy, RolloutPool, TaskSpec, load_settings, load_tasks
+from fleetroll.emulator import Emulator
+from fleetroll.settings import config_dir
+from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion, tool_call
+
+EPS = 1e-6
+
+
+@dataclass
+class Model:
+    """The fake weights: the share of its attempts at a task the model solves."""
+
+    skill: float
+    attempts: Counter[str] = field(default_factory=Counter)
+
+    def solves(self, prompt: str) -> bool:
+        """Deterministic: of any run of attempts at a task, a ``skill`` share solve it."""
+        k = self.attempts[prompt]
+        self.attempts[prompt] += 1
+        return math.floor((k + 1) * self.skill) > math.floor(k * self.skill)
+
+    def chat(self, tasks: Sequence[TaskSpec]) -> Any:
+        """The chat server's script: play a task's solution, or give up at the first turn."""
+        solutions = {
+            t.prompt: [(s.name, dict(s.arguments)) for s in t.solution or ()] for t in tasks
+        }
+
+        def answer(body: dict[str, Any]) -> Any:
+            messages = body["messages"]
+            prompt = next(m["content"] for m in messages if m["role"] == "user")
+            turn = sum(1 for m in messages if m["role"] == "assistant")
+            steps = solutions[prompt]
+            if turn == 0 and not self.solves(prompt):
+                return completion("I give up.")
+            if turn >= len(steps):
+                return completion("done")
+            name, arguments = steps[turn]
+            return completion(tool_calls=[tool_call(name, arguments, id=f"call_{turn}")])
+
+        return answer
+
+
+@dataclass
+class Step:
+    """What one step consumed; ``main`` prints it as one line."""
+
+    step: int
+    policy_version: int
+    groups: int
+    uniform: int
+    samples: int
+    reward_mean: float
+    superseded: int
+    turns: int
+    completion_tokens: int
+    #: The policy versions recorded on the turns trained on.
+    turn_versions: set[int]
+    #: Per non-uniform group: its advantages (they sum to ~0).
+    advantages: list[list[float]]
+    #: A stand-in for the policy-gradient loss: -mean(advantage * sum of logprobs).
+    loss: float
+
+
+async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> list[Step]:
+    ledger = config_dir() / "tasks" / "ledger.jsonl"
+    chosen = load_tasks(ledger, modalities=load_settings().modalities)[:tasks]
+    model = Model(skill=0.5)
+    summaries: list[Step] = []
+    async with FakeChatServer(model.chat(chosen), vllm=VllmShape()) as server:
+        settings = load_settings(
+            policy={
+                "kind": "openai",
+                "base_url": server.base_url,
+                "return_token_ids": True,  # vLLM's return_token_ids
+                "logprobs": True,
+            },
+        )
+        async with (
+            Emulator() as emu,
+            RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
+            OpenAIChatPolicy.from_settings(settings) as policy,
+        ):
+            for step in range(steps):
+                batch = pool.run_batch(
+                    chosen, policy, samples_per_task=samples, oversample=oversample
+                )
+                s = Step(step, pool.policy_version, 0, 0, 0, 0.0, 0, 0, 0, set(), [], 0.0)
+                rewards: list[float] = []
+                terms: list[float] = []
+                async for group in batch.groups():  # in the order groups complete
+                    s.groups += 1
+                    s.superseded += group.superseded
+                    rewards += group.rewards
+                    if group.uniform or group.reward_mean is None or group.reward_std is None:
+                        s.uniform += 1  # zero advantage: no signal
+                        continue
+                    mean, std = group.reward_mean, group.reward_std
+                    advantages = [(r - mean) / (std + EPS) for r in group.rewards]
+                    s.advantages.append(advantages)
+                    for result, advantage in zip(group.results, advantages, strict=True):
+                        s.samples += 1
+                        for turn in result.turns:  # one per policy call
+                            s.turns += 1
+                            s.completion_tokens += len(turn.completion_token_ids or ())
+                            s.turn_versions.add(turn.policy_version or 0)
+                            terms.append(advantage * sum(turn.logprobs or ()))
+                s.reward_mean = statistics.fmean(rewards) if rewards else 0.0
+                s.loss = -statistics.fmean(terms) if terms else 0.0
+                summaries.append(s)
+                async with pool.policy_paused():  # new policy calls wait for the swap
+                    model.skill = min(1.0, model.skill + 0.2)  # "load the new weights"
+                    pool.policy_version += 1
+    return summaries
+
+
+def main(argv: Sequence[str] | None = None) -> list[Step]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tasks", type=int, default=4, help="tasks per batch")
+    parser.add_argument("--samples", type=int, default=4, help="samples per task (group size)")
+    parser.add_argument("--oversample", type=int, default=1, help="extra rollouts per group")
+    args = parser.parse_args(argv)
+    summaries = anyio.run(
+        lambda: train(
+            steps=args.steps,
+            tasks=args.tasks,
+            samples=args.samples,
+            oversample=args.oversample,
+        )
+    )
+    for s in summaries:
+        print(
+            f"step {s.step}  version {s.policy_version}  groups {s.groups}"
+            f" ({s.uniform} uniform, skipped)  reward {s.reward_mean:.2f}"
+            f"  trained on {s.samples} samples, {s.turns} turns, {s.completion_tokens} tokens"
+            f"  loss {s.loss:+.3f}  superseded {s.superseded}"
+        )
+    return summaries
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""examples/grpo_loop.py runs as documented: groups, advantages, token data, versions."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+#: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_loop.py"
+
+
+def load_example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("grpo_loop", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "grpo_loop", module)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(240)
+def test_the_grpo_example_trains_on_groups_with_token_data_and_bumps_the_version(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = load_example(monkeypatch)
+    steps = example.main(["--steps", "2", "--tasks", "2", "--samples", "3", "--oversample", "1"])
+    printed = capsys.readouterr().out.splitlines()
+
+    assert [s.step for s in steps] == [s.policy_version for s in steps] == [0, 1]
+    first = steps[0]
+    # Half the attempts at each task solve it and the group takes 3 of 4 rollouts:
+    # every group has both rewards, so none is skipped.
+    assert first.groups == 2 and first.uniform == 0 and first.samples == 2 * 3
+    for s in steps:
+        assert s.groups == 2 and s.superseded <= 2
+        # Every turn trained on was produced by the weights of its step.
+        assert s.turn_versions <= {s.step}
+        assert s.samples == 0 or (s.turns >= s.samples and s.completion_tokens > 0)
+        for advantages in s.advantages:
+            assert math.isclose(sum(advantages), 0.0, abs_tol=1e-6)
+            assert max(advantages) > 0 > min(advantages)
+    assert [line.split("  ")[:2] for line in printed] == [
+        ["step 0", "version 0"],
+        ["step 1", "version 1"],
+    ]

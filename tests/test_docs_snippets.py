@@ -2,8 +2,8 @@
 
 A fenced block tagged ``python`` runs as a script; one tagged ``sh`` runs in
 bash with ``set -e``, with the project's ``fleetroll`` on PATH. Both run against the
-embedded emulator, in a temporary folder holding a copy of ``config/``
-(snippets name ``config/tasks/...``), with the telemetry store there too.
+embedded emulator, in a temporary folder holding a copy of ``config/`` and
+``examples/`` (snippets name ``config/tasks/...``), with the telemetry store there too.
 
 An HTML comment on the line just before a block changes how it runs:
 
@@ -173,6 +173,7 @@ def test_the_snippet_runs_as_written(snippet: Snippet, tmp_path: Path) -> None:
     env = _environment(tmp_path)
     work = tmp_path / "work"
     shutil.copytree(ROOT / "config", work / "config")
+    shutil.copytree(ROOT / "examples", work / "examples")  # snippets run examples/...
     code, port = snippet.code, _free_port()
     if snippet.directive == "with-serve":
         assert _DEFAULT_ADDRESS in code, f"{snippet.id} does not name {_DEFAULT_ADDRESS}"

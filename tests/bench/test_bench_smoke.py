@@ -73,7 +73,40 @@ def test_the_scenario_list_names_every_scenario(tmp_path: Path) -> None:
     done = bench("--list", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     names = [line.split()[0] for line in done.stdout.splitlines()]
-    assert names == ["smoke", "realistic", "tool-heavy", "scale", "chaos", "tool-call"]
+    assert names == [
+        "smoke",
+        "realistic",
+        "tool-heavy",
+        "scale",
+        "chaos",
+        "tool-call",
+        "policy-turn",
+    ]
+
+
+def test_the_policy_turn_scenario_reports_cpu_per_turn_for_every_turn_index(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench"
+    args = ("--scenario", "policy-turn", "--rollouts", "1", "--out", str(out), "--no-plot")
+    done = bench(*args, cwd=tmp_path, timeout=110)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["policy-turn.json", "policy-turn.md"]
+    report = ScenarioReport.model_validate(json.loads((out / "policy-turn.json").read_text()))
+    record = report.policy_turns
+    assert record is not None and (record.turns, record.screenshot_kb, record.repeat) == (
+        30,
+        100,
+        1,
+    )
+    assert [r.turn for r in record.rows] == list(range(1, 31))
+    # One ~100 KB screenshot more per turn; max_images=3 stops the growth at four.
+    sizes = [r.request_mb for r in record.rows]
+    assert sizes == sorted(sizes) and sizes[-1] > 29 * 0.1
+    assert max(r.capped_request_mb for r in record.rows) < 4 * 0.11
+    markdown = (out / "policy-turn.md").read_text()
+    assert "| turn | request (all images) | build, encoded once |" in markdown
+    assert "| 30 | 3." in markdown
 
 
 def test_an_unknown_baseline_is_a_usage_error(tmp_path: Path) -> None:

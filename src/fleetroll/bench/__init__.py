@@ -12,6 +12,7 @@ loop lag, peak RSS, CPU, and what the emulator's ledger says was leaked.
 * :mod:`~fleetroll.bench.systems`: fleetroll's run, and the harness around every run;
 * :mod:`~fleetroll.bench.baselines`: ``fresh-session`` and ``naive-gather``;
 * :mod:`~fleetroll.bench.toolcall`: the per-call micro-benchmark;
+* :mod:`~fleetroll.bench.policy_turn`: CPU per policy turn against turn index;
 * :mod:`~fleetroll.bench.report`: JSON, markdown and the PNG plot.
 """
 

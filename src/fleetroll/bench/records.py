@@ -113,6 +113,27 @@ class ToolCallRecord(_Model):
     provisional: bool
 
 
+class PolicyTurnRow(_Model):
+    """One turn index of the policy-path benchmark: medians over the repeats, CPU ms."""
+
+    turn: int
+    request_mb: float = Field(description="the request body with every screenshot")
+    encoded_ms: float = Field(description="building it, each message encoded once (rollouts)")
+    whole_ms: float = Field(description="building it, the whole transcript encoded again")
+    act_ms: float = Field(description="a whole OpenAIChatPolicy.act, encoded once")
+    capped_act_ms: float = Field(description="the same with policy.max_images = 3")
+    capped_request_mb: float
+
+
+class PolicyTurnRecord(_Model):
+    """CPU per policy turn against turn index (does building a request grow?)."""
+
+    turns: int
+    screenshot_kb: int
+    repeat: int
+    rows: list[PolicyTurnRow]
+
+
 class Machine(_Model):
     nproc: int
     cpu_model: str
@@ -148,6 +169,7 @@ class ScenarioReport(_Model):
     parameters: dict[str, Any]
     runs: list[RunRecord] = Field(default_factory=list)
     tool_calls: ToolCallRecord | None = None
+    policy_turns: PolicyTurnRecord | None = None
 
 
 def load_average() -> float | None:

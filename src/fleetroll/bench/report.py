@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fleetroll.bench.records import PHASES, RunRecord, ScenarioReport, ToolCallRecord
+from fleetroll.bench.records import (
+    PHASES,
+    PolicyTurnRecord,
+    RunRecord,
+    ScenarioReport,
+    ToolCallRecord,
+)
 
 __all__ = ["PLOT_HINT", "markdown", "plot", "write_report"]
 
@@ -83,6 +89,25 @@ def _tool_call_table(record: ToolCallRecord) -> list[str]:
     return lines
 
 
+def _policy_turn_table(record: PolicyTurnRecord) -> list[str]:
+    lines = [
+        f"{record.turns}-turn computer_use rollout, a {record.screenshot_kb} KB screenshot "
+        f"per turn; CPU on the loop's thread, median of {record.repeat} fresh rollouts.",
+        "",
+        "| turn | request (all images) | build, encoded once | build, whole | act |"
+        " act, max_images=3 (request) |",
+        "|---|---|---|---|---|---|",
+    ]
+    shown = {1, 2, 5, 10, 15, 20, 25, record.turns}
+    for r in record.rows:
+        if r.turn in shown:
+            lines.append(
+                f"| {r.turn} | {r.request_mb:.2f} MB | {r.encoded_ms:.2f} ms | {r.whole_ms:.2f} ms"
+                f" | {r.act_ms:.2f} ms | {r.capped_act_ms:.2f} ms ({r.capped_request_mb:.2f} MB) |"
+            )
+    return lines
+
+
 def markdown(report: ScenarioReport) -> str:
     """A markdown summary of one scenario's report."""
     m = report.machine
@@ -106,6 +131,8 @@ def markdown(report: ScenarioReport) -> str:
         lines.append("")
     if report.tool_calls is not None:
         lines += [*_tool_call_table(report.tool_calls), ""]
+    if report.policy_turns is not None:
+        lines += [*_policy_turn_table(report.policy_turns), ""]
     return "\n".join(lines)
 
 

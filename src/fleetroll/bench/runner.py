@@ -14,6 +14,7 @@ import stamina.instrumentation
 
 from fleetroll.bench.baselines import BASELINE_SYSTEMS
 from fleetroll.bench.ideal import IdealModel, ideal_makespan
+from fleetroll.bench.policy_turn import policy_turn_bench
 from fleetroll.bench.records import Machine, RunRecord, ScenarioReport
 from fleetroll.bench.scenarios import Scenario, bench_tasks, fleetroll_settings
 from fleetroll.bench.systems import measure_run, run_fleetroll
@@ -121,6 +122,18 @@ async def run_scenario(
         report.tool_calls = await tool_call_bench(scenario, scenario.rollouts, settings)
         r = report.tool_calls
         echo(f"  fleetroll / bare: {r.ratio_mean:.3f}x mean, {r.ratio_p50:.3f}x median")
+        return report
+    if scenario.kind == "policy-turn":
+        echo(f"{scenario.name}: {scenario.rollouts} rollouts of {scenario.steps} turns")
+        report.policy_turns = await policy_turn_bench(
+            turns=scenario.steps, screenshot_kb=scenario.screenshot_kb, repeat=scenario.rollouts
+        )
+        first, last = report.policy_turns.rows[0], report.policy_turns.rows[-1]
+        echo(
+            f"  build, encoded once: {first.encoded_ms:.2f} ms at turn 1, "
+            f"{last.encoded_ms:.2f} ms at turn {last.turn} "
+            f"(whole: {first.whole_ms:.2f} -> {last.whole_ms:.2f} ms)"
+        )
         return report
 
     tasks, samples = bench_tasks(scenario.rollouts, scenario.steps, scenario.samples_per_task)

@@ -58,8 +58,11 @@ class Scenario:
     """One benchmark scenario. Numbers are defaults; the command line overrides them.
 
     Attributes:
-        kind: ``batch`` (rollouts through each system) or ``tool-call`` (the
-            per-call micro-benchmark; ``rollouts`` is then the number of calls).
+        kind: ``batch`` (rollouts through each system), ``tool-call`` (the
+            per-call micro-benchmark; ``rollouts`` is then the number of calls)
+            or ``policy-turn`` (CPU per policy turn against turn index, no
+            emulator; ``rollouts`` fresh rollouts of ``steps`` turns, each
+            answered with a screenshot of ``screenshot_kb`` KB).
         profile: the emulator's faults and latencies.
         profile_name: a profile of the settings (``[emulator.profiles.NAME]``)
             used instead of ``profile``.
@@ -76,7 +79,7 @@ class Scenario:
 
     name: str
     description: str
-    kind: Literal["batch", "tool-call"] = "batch"
+    kind: Literal["batch", "tool-call", "policy-turn"] = "batch"
     rollouts: int = 8
     concurrency: tuple[int, ...] = (8,)
     steps: int = 5
@@ -91,6 +94,7 @@ class Scenario:
     baselines: tuple[str, ...] = BASELINES
     discovery_wait_s: float = 8.0
     samples_per_task: int = 8
+    screenshot_kb: int = 100
 
     def with_profile(self, settings: Settings, name: str | None) -> Scenario:
         """This scenario with its named profile resolved (``name`` wins over its own).
@@ -202,6 +206,19 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType(
                 concurrency=(1,),
                 baselines=(),
                 wall_limit_s=300.0,
+            ),
+            Scenario(
+                name="policy-turn",
+                description=(
+                    "CPU per policy turn against turn index: a 30-turn computer_use rollout "
+                    "with 100 KB screenshots (building a request must not grow)"
+                ),
+                kind="policy-turn",
+                rollouts=5,
+                concurrency=(1,),
+                steps=30,
+                baselines=(),
+                screenshot_kb=100,
             ),
         )
     }

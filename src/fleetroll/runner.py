@@ -44,6 +44,7 @@ __all__ = [
     "FleetTarget",
     "JobReport",
     "SameFailures",
+    "cost_table",
     "open_fleet",
     "run_job",
     "summary_table",
@@ -471,10 +472,7 @@ async def _show_progress(
 
 
 def summary_table(results: Sequence[RolloutResult]) -> Table:
-    """Rollouts by env and outcome, the mean reward of those scored, and their cost summed.
-
-    With more than one env, a last ``total`` row sums the batch.
-    """
+    """Rollouts by env and outcome, with the mean reward of those scored."""
     by_env: dict[str, list[RolloutResult]] = defaultdict(list)
     for r in results:
         by_env[f"{r.env_key}:{r.env_version}" if r.env_version else r.env_key].append(r)
@@ -486,13 +484,7 @@ def summary_table(results: Sequence[RolloutResult]) -> Table:
     for reason in reasons:
         table.add_column(reason, justify="right")
     table.add_column("reward mean", justify="right")
-    for heading in ("instance s", "prompt tokens", "completion tokens", "policy calls"):
-        table.add_column(heading, justify="right")
-    table.add_column("tool calls", justify="right")
-    groups = sorted(by_env.items())
-    if len(by_env) > 1:
-        groups.append(("total", list(results)))
-    for i, (env, rows) in enumerate(groups):
+    for env, rows in sorted(by_env.items()):
         outcome = Counter(r.failure_reason.value if r.failure_reason else "completed" for r in rows)
         rewards = [r.reward for r in rows if r.reward is not None]
         table.add_row(
@@ -501,12 +493,30 @@ def summary_table(results: Sequence[RolloutResult]) -> Table:
             str(outcome["completed"]),
             *(str(outcome[reason]) for reason in reasons),
             f"{statistics.fmean(rewards):.3f}" if rewards else "—",
+        )
+    return table
+
+
+def cost_table(results: Sequence[RolloutResult]) -> Table:
+    """The results' ``cost`` summed per env, with a ``total`` row (the batch) under them."""
+    by_env: dict[str, list[RolloutResult]] = defaultdict(list)
+    for r in results:
+        by_env[f"{r.env_key}:{r.env_version}" if r.env_version else r.env_key].append(r)
+    table = Table(title="cost by environment")
+    table.add_column("env", no_wrap=True)
+    for heading in ("instance s", "prompt tokens", "completion tokens", "policy calls"):
+        table.add_column(heading, justify="right")
+    table.add_column("tool calls", justify="right")
+    groups = [*sorted(by_env.items()), ("total", list(results))]
+    for i, (env, rows) in enumerate(groups):
+        table.add_row(
+            env,
             f"{sum(r.cost.instance_s for r in rows):.1f}",
             str(sum(r.cost.prompt_tokens for r in rows)),
             str(sum(r.cost.completion_tokens for r in rows)),
             str(sum(r.cost.policy_calls for r in rows)),
             str(sum(r.cost.tool_calls for r in rows)),
-            end_section=len(by_env) > 1 and i == len(by_env) - 1,  # a rule above the total
+            end_section=i == len(groups) - 2,  # a rule above the total
         )
     return table
 
@@ -514,6 +524,7 @@ def summary_table(results: Sequence[RolloutResult]) -> Table:
 def print_report(report: JobReport, console: Console, settings: Settings | None = None) -> None:
     """The closing table, the batch's totals, and where results and telemetry went."""
     console.print(summary_table(report.results))
+    console.print(cost_table(report.results))
     failed = [r for r in report.results if r.status == "failed"]
     common = Counter(r.error for r in failed).most_common(1)
     if failed and len(failed) == len(report.results) and common:

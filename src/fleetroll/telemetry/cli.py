@@ -397,7 +397,10 @@ _COST_HEADINGS: Final = (
 def _cost_cells(row: Mapping[str, Any]) -> list[Any]:
     from fleetroll.telemetry.queries import COST_FIELDS
 
-    return [round(row[name], 1) if name == "instance_s" else row[name] for name in COST_FIELDS]
+    seconds = row["instance_s"]
+    # Whole seconds from 100 on: the table's 4 significant digits would show 1.235e+04.
+    shown = round(seconds) if seconds >= 100 else round(seconds, 1)
+    return [shown if name == "instance_s" else row[name] for name in COST_FIELDS]
 
 
 def _print_costs(

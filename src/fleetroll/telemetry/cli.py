@@ -474,8 +474,9 @@ def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | No
     """Serve the live dashboard of the telemetry store until Ctrl-C.
 
     Rollouts over time, failure reasons by environment, provisioning latency,
-    rewards and the slowest rollouts, refreshed every two seconds: open the
-    printed URL in a browser. The store is only ever read.
+    rewards, the slowest rollouts and the cost by environment (per batch with
+    the batch selector), refreshed every two seconds: open the printed URL in
+    a browser. The store is only ever read.
 
     Guarded as `fleetroll serve` is: anything but loopback needs
     FLEETROLL_SERVICE_TOKEN (open the page as /dashboard#token=<token>);

@@ -18,8 +18,7 @@ Each step:
    ``pool.policy_version``.
 
 The fake model solves a share ``skill`` of its attempts at each task (it gives
-up at once on the others), and each weight swap makes it better: rewards rise
-step by step.
+up at once on the others), and each weight swap makes it solve more.
 
     python examples/grpo_loop.py --steps 3 --tasks 4 --samples 4 --oversample 1
 """
@@ -79,24 +78,44 @@ class Model:
 
 
 @dataclass
+class TrainingTurn:
+    """One policy call, ready for a loss: exactly the server's tokens, no re-tokenising."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]
+    logprobs: list[float]  # the sampling policy's, per completion token
+    advantage: float  # its rollout's, group-normalised
+    policy_version: int | None  # the weights that produced it
+
+
+@dataclass
 class Step:
     """What one step consumed; ``main`` prints it as one line."""
 
     step: int
     policy_version: int
-    groups: int
-    uniform: int
-    samples: int
-    reward_mean: float
-    superseded: int
-    turns: int
-    completion_tokens: int
-    #: The policy versions recorded on the turns trained on.
-    turn_versions: set[int]
+    groups: int = 0
+    uniform: int = 0
+    samples: int = 0
+    superseded: int = 0
+    rewards: list[float] = field(default_factory=list)
     #: Per non-uniform group: its advantages (they sum to ~0).
-    advantages: list[list[float]]
-    #: A stand-in for the policy-gradient loss: -mean(advantage * sum of logprobs).
-    loss: float
+    advantages: list[list[float]] = field(default_factory=list)
+    data: list[TrainingTurn] = field(default_factory=list)
+
+    @property
+    def turn_versions(self) -> set[int | None]:
+        return {t.policy_version for t in self.data}
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(t.completion_token_ids) for t in self.data)
+
+    @property
+    def loss(self) -> float:
+        """A stand-in for the policy-gradient loss: -mean(advantage * sum of logprobs)."""
+        terms = [t.advantage * sum(t.logprobs) for t in self.data]
+        return -statistics.fmean(terms) if terms else 0.0
 
 
 async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> list[Step]:
@@ -122,13 +141,11 @@ async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> lis
                 batch = pool.run_batch(
                     chosen, policy, samples_per_task=samples, oversample=oversample
                 )
-                s = Step(step, pool.policy_version, 0, 0, 0, 0.0, 0, 0, 0, set(), [], 0.0)
-                rewards: list[float] = []
-                terms: list[float] = []
+                s = Step(step, pool.policy_version)
                 async for group in batch.groups():  # in the order groups complete
                     s.groups += 1
                     s.superseded += group.superseded
-                    rewards += group.rewards
+                    s.rewards += group.rewards
                     if group.uniform or group.reward_mean is None or group.reward_std is None:
                         s.uniform += 1  # zero advantage: no signal
                         continue
@@ -138,13 +155,16 @@ async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> lis
                     for result, advantage in zip(group.results, advantages, strict=True):
                         s.samples += 1
                         for turn in result.turns:  # one per policy call
-                            s.turns += 1
-                            s.completion_tokens += len(turn.completion_token_ids or ())
-                            s.turn_versions.add(turn.policy_version or 0)
-                            terms.append(advantage * sum(turn.logprobs or ()))
-                s.reward_mean = statistics.fmean(rewards) if rewards else 0.0
-                s.loss = -statistics.fmean(terms) if terms else 0.0
-                summaries.append(s)
+                            s.data.append(
+                                TrainingTurn(
+                                    turn.prompt_token_ids or [],
+                                    turn.completion_token_ids or [],
+                                    turn.logprobs or [],
+                                    advantage,
+                                    turn.policy_version,
+                                )
+                            )
+                summaries.append(s)  # a real trainer would take its optimiser step here
                 async with pool.policy_paused():  # new policy calls wait for the swap
                     model.skill = min(1.0, model.skill + 0.2)  # "load the new weights"
                     pool.policy_version += 1
@@ -167,10 +187,11 @@ def main(argv: Sequence[str] | None = None) -> list[Step]:
         )
     )
     for s in summaries:
+        reward = statistics.fmean(s.rewards) if s.rewards else math.nan
         print(
             f"step {s.step}  version {s.policy_version}  groups {s.groups}"
-            f" ({s.uniform} uniform, skipped)  reward {s.reward_mean:.2f}"
-            f"  trained on {s.samples} samples, {s.turns} turns, {s.completion_tokens} tokens"
+            f" ({s.uniform} uniform, skipped)  reward {reward:.2f}"
+            f"  trained on {s.samples} samples, {len(s.data)} turns, {s.completion_tokens} tokens"
             f"  loss {s.loss:+.3f}  superseded {s.superseded}"
         )
     return summaries

@@ -42,7 +42,11 @@ def test_the_grpo_example_trains_on_groups_with_token_data_and_bumps_the_version
         assert s.groups == 2 and s.superseded <= 2
         # Every turn trained on was produced by the weights of its step.
         assert s.turn_versions <= {s.step}
-        assert s.samples == 0 or (s.turns >= s.samples and s.completion_tokens > 0)
+        assert s.samples == 0 or (len(s.data) >= s.samples and s.completion_tokens > 0)
+        # Each turn carries the server's token ids and one logprob per completion token.
+        assert all(
+            t.prompt_token_ids and len(t.logprobs) == len(t.completion_token_ids) for t in s.data
+        )
         for advantages in s.advantages:
             assert math.isclose(sum(advantages), 0.0, abs_tol=1e-6)
             assert max(advantages) > 0 > min(advantages)

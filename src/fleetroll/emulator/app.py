@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from fleetroll.emulator import traces as trace_api
 from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector
 from fleetroll.emulator.instances import Instance, InstanceStore
@@ -79,6 +80,8 @@ class EmulatorApp:
         self._reaper_wake: anyio.Event | None = None
         self._next_create_slot = 0.0
         self.mcp = McpRouter(envs, store, faults, ledger)
+        #: What the trace API received (``/v1/traces/jobs``, ``/v1/sessions/ingest``).
+        self.traces = trace_api.TraceStore()
         self._starlette = Starlette(
             routes=[
                 Route("/v1/env/", self.list_envs, methods=["GET"]),
@@ -94,6 +97,8 @@ class EmulatorApp:
                 Route("/v1/account", self.account, methods=["GET"]),
                 Route("/v1/verifiers/check", self.check_bundle, methods=["GET"]),
                 Route("/v1/verifiers/execute", self.execute_verifier, methods=["POST"]),
+                Route("/v1/traces/jobs", self.trace_job, methods=["POST"]),
+                Route("/v1/sessions/ingest", self.ingest_trace, methods=["POST"]),
                 Route("/_emulator/ledger", self.get_ledger, methods=["GET"]),
                 Route("/instances/{instance_id}/api/v1/env/reset", self.reset, methods=["POST"]),
                 Route("/instances/{instance_id}/api/v1/env/health", self.health, methods=["GET"]),
@@ -370,6 +375,25 @@ class EmulatorApp:
             return self._unauthorized()
         self.store.refresh_all()
         return JSONResponse(self.ledger.snapshot())
+
+    # -- traces -------------------------------------------------------------
+
+    async def _trace_fault(self, request: Request) -> Response | None:
+        if not self._authorized(request):
+            return self._unauthorized()
+        faults = self.faults
+        if faults.chance(faults.profile.p_trace_hang):
+            await _hang(request, faults.profile.trace_hang_s)
+            return _error(504, "the trace API timed out upstream")
+        if faults.chance(faults.profile.p_trace_5xx):
+            return _error(faults.server_error_status(), "the trace API failed")
+        return None
+
+    async def trace_job(self, request: Request) -> Response:
+        return await self._trace_fault(request) or await trace_api.trace_job(self.traces, request)
+
+    async def ingest_trace(self, request: Request) -> Response:
+        return await self._trace_fault(request) or await trace_api.ingest(self.traces, request)
 
     # -- verifiers ----------------------------------------------------------
 

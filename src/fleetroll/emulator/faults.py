@@ -85,6 +85,13 @@ class FaultProfile(BaseModel):
     #: Probability that a verifier execution fails on the platform's side.
     p_verifier_error: Probability = 0.0
 
+    # -- trace API ----------------------------------------------------------
+    #: Probability that a trace post (a job or a session) answers 500, 502 or 503.
+    p_trace_5xx: Probability = 0.0
+    #: Probability that a trace post hangs for ``trace_hang_s`` before answering 504.
+    p_trace_hang: Probability = 0.0
+    trace_hang_s: Seconds = 3600.0
+
 
 CreateOutcome = Literal["ok", "5xx", "429", "instance_limit", "hang"]
 

@@ -21,6 +21,7 @@ from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector, FaultProfile
 from fleetroll.emulator.instances import InstanceStore
 from fleetroll.emulator.ledger import Ledger
+from fleetroll.emulator.traces import TraceStore
 from fleetroll.emulator.verifiers import VerifierLimits, VerifierRunner
 from fleetroll.errors import EmulatorError
 
@@ -101,6 +102,12 @@ class Emulator:
     def store(self) -> InstanceStore:
         assert self.app is not None, "the emulator is not running"
         return self.app.store
+
+    @property
+    def traces(self) -> TraceStore:
+        """What the trace API received (trace jobs and ingested sessions)."""
+        assert self.app is not None, "the emulator is not running"
+        return self.app.traces
 
     async def __aenter__(self) -> Self:
         self._stack = contextlib.AsyncExitStack()

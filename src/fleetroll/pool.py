@@ -55,6 +55,7 @@ from fleetroll.engine import RolloutEngine
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
 from fleetroll.errors import PoolFullError
+from fleetroll.fleet_traces import TraceUploader, open_trace_uploader
 from fleetroll.groups import Completion, Group, GroupTracker
 from fleetroll.mixed_provider import MixedProvider
 from fleetroll.policies import Policy
@@ -303,6 +304,8 @@ class Batch(ResultStream):
         self._by_id = {r.ids.rollout_id: r for r in rollouts}
         self._tracker = tracker
         self._groups = _Groups()
+        #: Where each result's trace goes (``traces.upload``), or None.
+        self.traces: TraceUploader | None = None
         for completion in tracker.start() if tracker else ():
             self._complete(completion)
 
@@ -325,6 +328,8 @@ class Batch(ResultStream):
         if result.rollout_id in self.delivered:
             return
         super().deliver(result)
+        if self.traces is not None and (rollout := self._by_id.get(result.rollout_id)):
+            self.traces.submit(result, rollout.messages, rollout.engine.redactor)
         if self._tracker is not None:
             completion = self._tracker.add(result)
             if completion is not None:
@@ -424,6 +429,7 @@ class RolloutPool:
         self._create_gate = create_gate
         self._base_url = base_url
         self._engine: RolloutEngine | None = None
+        self._traces: TraceUploader | None = None
         self._tg: TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
         concurrency = settings.pool.concurrency
@@ -477,6 +483,12 @@ class RolloutPool:
                         base_url=self._base_url,
                         create_gate=self._create_gate,
                     ),
+                )
+            )
+            # Entered before the batches' task group: its bounded flush runs after them.
+            self._traces = await stack.enter_async_context(
+                open_trace_uploader(
+                    self.settings, self.events, api_key=self._api_key, base_url=self._base_url
                 )
             )
             self._tg = await stack.enter_async_context(anyio.create_task_group())
@@ -594,6 +606,7 @@ class RolloutPool:
         )
         if deadline_s is not None:
             batch.scope.deadline = anyio.current_time() + deadline_s
+        batch.traces = self._traces
         self.batches.add(batch)
         self._tg.start_soon(self._run_batch, batch, policy)
         return batch

@@ -54,6 +54,7 @@ __all__ = [
     "Settings",
     "TelemetrySettings",
     "TimeoutSettings",
+    "TraceSettings",
     "config_dir",
     "load_settings",
 ]
@@ -307,6 +308,21 @@ class McpSettings(_Section):
     stderr_lines: int = Field(20, ge=0)
 
 
+class TraceSettings(_Section):
+    """Fleet trace upload: each finished rollout posted to Fleet's trace API (off by default)."""
+
+    #: Post every finished rollout (transcript, verifier execution id) as a Fleet session.
+    upload: bool = False
+    #: Rollouts waiting to be posted; past it a rollout's trace is dropped and counted.
+    max_queued: int = Field(10_000, ge=1)
+    #: Posts in flight at once.
+    max_parallel: int = Field(4, ge=1)
+    #: Deadline of each post (the batch's trace job, one session).
+    upload_s: float = Field(30.0, gt=0)
+    #: When the pool closes, how long queued traces may still take to be posted.
+    flush_s: float = Field(30.0, gt=0)
+
+
 class ServiceSettings(_Section):
     """``fleetroll serve``: the HTTP service for remote training controllers.
 
@@ -519,6 +535,7 @@ class Settings(BaseSettings):
     emulator: EmulatorSettings = EmulatorSettings()
     service: ServiceSettings = ServiceSettings()
     mcp: McpSettings = McpSettings()
+    traces: TraceSettings = TraceSettings()
 
     @property
     def uses_emulator(self) -> bool:

@@ -68,6 +68,8 @@ EVENT_NAMES: Final[frozenset[str]] = frozenset(
         "fleet_instance_released",
         "fleet_instance_release_failed",
         "fleet_worker_lost",
+        "fleet_trace_upload_failed",
+        "fleet_trace_dropped",
     }
 )
 

@@ -12,7 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
 
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
@@ -25,6 +30,7 @@ from fleetroll.preflight import check_policy, missing_environments, preflight
 from fleetroll.provisioning import FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.runner import SameFailures
+from fleetroll.service import serve_app
 from fleetroll.settings import Settings, config_dir, load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events
@@ -167,6 +173,31 @@ async def test_fleet_s_preflight_says_when_nothing_answers_at_the_base_url() -> 
     assert len(problems) == 1
     assert problems[0].startswith(f"cannot reach a Fleet control plane at {url}")
     assert "FLEET_BASE_URL" in problems[0]
+
+
+async def test_fleet_s_preflight_asks_a_busy_control_plane_again(emulator: Emulator) -> None:
+    headers = {"Authorization": f"Bearer {emulator.api_key}"}
+    async with httpx.AsyncClient() as http:
+        listing = (await http.get(f"{emulator.base_url}/v1/env/", headers=headers)).json()
+    answers = [503, 429]
+
+    async def envs(request: Request) -> Response:
+        if answers:  # busy twice, then the real listing
+            return JSONResponse({"detail": "busy"}, status_code=answers.pop(0))
+        return JSONResponse(listing)
+
+    app = Starlette(routes=[Route("/v1/env/", envs)])
+    settings = load_settings(provisioning={"backoff_initial_s": 0.01, "backoff_max_s": 0.01})
+    async with serve_app(app, "127.0.0.1", 0) as url:
+        provider = FleetProvider(settings, Events(), api_key="k", base_url=url)
+        try:
+            with anyio.fail_after(30):
+                problems = await provider.preflight([task("ledger")])
+        finally:
+            await provider.aclose()
+
+    assert problems == []
+    assert answers == []  # both busy answers were asked again
 
 
 async def test_fleet_s_preflight_says_when_the_base_url_is_not_a_fleet() -> None:

@@ -315,13 +315,29 @@ class FleetProvider:
     async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
         """The control plane answers, the key is accepted, every env version exists.
 
-        One environment listing (``GET /v1/env/``), under ``timeouts.preflight_s``.
+        One environment listing (``GET /v1/env/``), under ``timeouts.preflight_s``;
+        a 429 or 5xx answer is asked again (the ``make`` budget) within that
+        time, while an address that does not answer is reported at once.
         """
         timeout = self._settings.timeouts.preflight_s
         where = self._where
+
+        def decision(exc: BaseException) -> Decision:
+            verdict = classify(exc)
+            busy = verdict.status_code is not None and transient_status(verdict.status_code)
+            return Decision(busy, verdict.status_code, verdict.retry_after_s)
+
         try:
-            with anyio.fail_after(timeout):
-                listing = await self.fleet.list_envs()
+            with anyio.fail_after(timeout) as scope:
+                async for attempt in retrying.attempts(
+                    "preflight",
+                    retrying.budget(self._settings, "preflight"),
+                    deadline=scope.deadline,
+                    classify=decision,
+                    report=retry_emitter(self._events),
+                ):
+                    with attempt:
+                        listing = await self.fleet.list_envs()
         except TimeoutError:
             return [
                 f"the Fleet control plane at {where} did not answer within {timeout:g} s"

@@ -63,7 +63,9 @@ __all__ = [
 ]
 
 #: Every operation fleetroll retries, as ``fleet_retry`` names it.
-Operation = Literal["make", "mcp_connect", "verify", "policy", "client", "client_stream"]
+Operation = Literal[
+    "make", "preflight", "mcp_connect", "verify", "policy", "client", "client_stream"
+]
 
 _log = logging.getLogger("fleetroll.retries")
 
@@ -176,7 +178,7 @@ class Budget:
 def budget(settings: Settings, operation: Operation) -> Budget:
     """The budget of ``operation`` in ``settings`` (docs/configuration.md, ``[retries]``)."""
     r = settings.retries
-    if operation == "make":
+    if operation in ("make", "preflight"):  # both ask Fleet's control plane
         p = settings.provisioning
         return Budget(p.max_attempts, p.backoff_initial_s, p.backoff_max_s)
     if operation == "mcp_connect":

@@ -16,6 +16,7 @@
     └── RolloutError             one rollout's operation failed; carries
         │                        rollout_id, operation, transient
         ├── ProvisionError       creating an instance failed
+        │   └── EnvUnavailableError  its environment version is quarantined
         ├── InstanceLostError    the instance died mid-rollout
         ├── ToolsError           tool discovery or a session set-up failed
         │   ├── ComputerToolMissing  computer_use without a ``computer`` tool
@@ -42,6 +43,7 @@ __all__ = [
     "ConfigError",
     "ContextOverflowError",
     "EmulatorError",
+    "EnvUnavailableError",
     "FleetrollError",
     "InstanceLostError",
     "NoSuchBatchError",
@@ -184,6 +186,18 @@ class ProvisionError(RolloutError):
         self.status_code = status_code
         self.retry_after_s = retry_after_s
         self.attempts = attempts
+
+
+class EnvUnavailableError(ProvisionError):
+    """The environment version is quarantined by its circuit breaker (fail-fast mode).
+
+    Attributes:
+        env: the quarantined ``key:version``.
+    """
+
+    def __init__(self, message: str, *, env: str) -> None:
+        super().__init__(message, transient=True, attempts=0)
+        self.env = env
 
 
 class InstanceLostError(RolloutError):

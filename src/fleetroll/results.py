@@ -40,6 +40,9 @@ class FailureReason(StrEnum):
     STALE = "stale"
     #: An oversampled rollout stopped because its group was complete.
     SUPERSEDED = "superseded"
+    #: The environment version's circuit breaker was open (too many
+    #: infrastructure failures) and ``admission.breaker.on_open = "fail"``.
+    ENV_UNAVAILABLE = "env_unavailable"
 
 
 #: Reasons after which the verifier still scores the rollout (docs/results.md);

@@ -44,7 +44,10 @@ from fleetroll.emulator.verifiers import VerifierLimits
 from fleetroll.errors import ConfigError
 
 __all__ = [
+    "AdmissionSettings",
+    "BreakerSettings",
     "EmulatorSettings",
+    "EnvAdmissionSettings",
     "McpSettings",
     "ModalitySettings",
     "PolicySettings",
@@ -110,6 +113,45 @@ class ProvisioningSettings(_Section):
     backoff_max_s: float = Field(60.0, ge=0)
     retry_instance_limit: bool = False
     region: str | None = None
+
+
+class EnvAdmissionSettings(_Section):
+    """Admission of one environment version (``[admission.env."ledger:v1"]``)."""
+
+    #: Its instances provisioned and not released yet (starting ones count).
+    max_instances: int | None = Field(None, ge=1)
+
+
+class BreakerSettings(_Section):
+    """The per-environment-version circuit breaker (docs/configuration.md)."""
+
+    enabled: bool = True
+    #: The last this many rollouts of an environment version are the window.
+    window: int = Field(20, ge=1)
+    #: No verdict on fewer rollouts than this in the window.
+    min_rollouts: int = Field(10, ge=1)
+    #: Share of infrastructure failures (init_error, tools_error,
+    #: instance_lost, verifier_error) in the window that opens the breaker.
+    failure_share: float = Field(0.5, gt=0, le=1)
+    #: While open: "wait" holds new rollouts of it (within the provisioning
+    #: budget); "fail" ends them at once as ``env_unavailable``.
+    on_open: Literal["wait", "fail"] = "wait"
+    #: An open breaker lets one probe rollout through this long after it
+    #: opened (or after the last probe failed); its success closes it.
+    probe_interval_s: float = Field(30.0, gt=0)
+
+
+class AdmissionSettings(_Section):
+    """Which instances may be created now (fleetroll.admission)."""
+
+    #: Instances provisioned and not released yet, starting ones counted. None: no cap
+    #: but Fleet's account limit.
+    max_instances: int | None = Field(None, ge=1)
+    #: Read Fleet's account instance limit (``account()``) at start and after a 403.
+    account_limit: bool = True
+    breaker: BreakerSettings = BreakerSettings()
+    #: Per environment version (``"key:version"``) or key (``"key"``).
+    env: dict[str, EnvAdmissionSettings] = Field(default_factory=dict)
 
 
 class RetrySettings(_Section):
@@ -527,6 +569,7 @@ class Settings(BaseSettings):
 
     timeouts: TimeoutSettings = TimeoutSettings()
     provisioning: ProvisioningSettings = ProvisioningSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     retries: RetrySettings = RetrySettings()
     modalities: dict[str, ModalitySettings] = Field(default_factory=dict)
     pool: PoolSettings = PoolSettings()

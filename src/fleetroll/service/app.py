@@ -380,6 +380,7 @@ def _routes(service: Service) -> list[Route]:
             in_flight=service.batches.in_flight(),
             sessions_open=service.sessions.open_count,
             batches=batches,
+            admission=service.pool.admission.state(),
         )
         return Response(text, media_type=CONTENT_TYPE)
 

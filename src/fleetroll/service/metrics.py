@@ -10,6 +10,7 @@ import bisect
 from collections import Counter
 from collections.abc import Mapping
 
+from fleetroll.admission import AdmissionState
 from fleetroll.results import RolloutResult
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -41,7 +42,14 @@ class Metrics:
             if i < len(self._buckets):
                 self._buckets[i] += 1
 
-    def render(self, *, in_flight: int, sessions_open: int, batches: Mapping[str, int]) -> str:
+    def render(
+        self,
+        *,
+        in_flight: int,
+        sessions_open: int,
+        batches: Mapping[str, int],
+        admission: AdmissionState | None = None,
+    ) -> str:
         lines = [
             "# HELP fleetroll_rollouts_total Rollouts ended, by status and failure reason.",
             "# TYPE fleetroll_rollouts_total counter",
@@ -75,4 +83,34 @@ class Metrics:
             f"fleetroll_provision_seconds_sum {self._provision_sum:.6f}",
             f"fleetroll_provision_seconds_count {self._provision_count}",
         ]
+        if admission is not None:
+            lines += _admission_gauges(admission)
         return "\n".join(lines) + "\n"
+
+
+def _admission_gauges(state: AdmissionState) -> list[str]:
+    """The admission controller's state (``fleetroll.admission``) as gauges."""
+    gauges = [
+        (
+            "fleetroll_admission_limit",
+            "Instances allowed at once (admission.max_instances or Fleet's account"
+            " limit, the lower); -1: none.",
+            -1 if state.limit is None else state.limit,
+        ),
+        (
+            "fleetroll_admission_in_use",
+            "Instances provisioned and not released, starting ones included.",
+            state.in_use,
+        ),
+        ("fleetroll_admission_starting", "Instances being created.", state.starting),
+        ("fleetroll_admission_queued", "Rollouts waiting for an instance place.", state.queued),
+        (
+            "fleetroll_admission_open_breakers",
+            "Environment versions quarantined by their circuit breaker.",
+            state.open_breakers,
+        ),
+    ]
+    lines: list[str] = []
+    for name, help_text, value in gauges:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", f"{name} {value}"]
+    return lines

@@ -61,6 +61,8 @@ EVENT_NAMES: Final[frozenset[str]] = frozenset(
         "fleet_retry",
         "fleet_make_failed",
         "fleet_provisioning_completed",
+        "fleet_env_quarantined",
+        "fleet_env_recovered",
         "fleet_env_reset_failed",
         "fleet_tool_call_failed",
         "fleet_mcp_tool_error",

@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
+from fleetroll.admission import AdmissionController
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
 from fleetroll.policy_gate import PolicyGate
@@ -28,10 +29,18 @@ __all__ = ["RolloutEngine"]
 class RolloutEngine:
     """What rollouts share: settings, the instance provider, telemetry, HTTP."""
 
-    def __init__(self, settings: Settings, provider: Provider, events: Events) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        provider: Provider,
+        events: Events,
+        admission: AdmissionController | None = None,
+    ) -> None:
         self.settings = settings
         self.provider = provider
         self.events = events
+        #: Told how each rollout ended (its environment's circuit breaker).
+        self.admission = admission
         #: The policy version recorded on turns, and the trainer's pause on policy calls.
         self.policy_gate = PolicyGate()
         #: Telemetry's redactor, knowing every secret of ``settings`` too; results
@@ -45,11 +54,15 @@ class RolloutEngine:
     @classmethod
     @asynccontextmanager
     async def open(
-        cls, settings: Settings, events: Events, provider: Provider
+        cls,
+        settings: Settings,
+        events: Events,
+        provider: Provider,
+        admission: AdmissionController | None = None,
     ) -> AsyncIterator[RolloutEngine]:
         """An engine over ``provider``, which it closes on exit."""
         try:
-            yield cls(settings, provider, events)
+            yield cls(settings, provider, events, admission)
         finally:
             with anyio.CancelScope(shield=True):
                 await provider.aclose()

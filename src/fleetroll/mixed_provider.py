@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 
+from fleetroll.admission import AdmissionController
 from fleetroll.environments import Instance, Provider, Verdict
 from fleetroll.mcp_provider import McpHandle, McpProvider
 from fleetroll.provisioning import CreateGate, FleetProvider
@@ -39,12 +40,14 @@ class MixedProvider:
         api_key: str,
         base_url: str | None = None,
         create_gate: CreateGate | None = None,
+        admission: AdmissionController | None = None,
     ) -> None:
         self._settings = settings
         self._events = events
         self._api_key = api_key
         self._base_url = base_url
         self._create_gate = create_gate
+        self._admission = admission
         self._fleet: FleetProvider | None = None
         self._mcp: McpProvider | None = None
 
@@ -58,6 +61,7 @@ class MixedProvider:
                 api_key=self._api_key,
                 base_url=self._base_url,
                 create_gate=self._create_gate,
+                admission=self._admission,
             )
         return self._fleet
 

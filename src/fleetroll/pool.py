@@ -24,8 +24,9 @@ Limits, each a ``CapacityLimiter`` named for what it protects:
   are created while others run (provisioning is pipelined);
 * ``active``: rollouts acting at once (``pool.concurrency``); a rollout's
   agent clock starts when it gets its slot;
-* creates (concurrency and rate) live in the provider, shared by every batch
-  of the pool;
+* creates (concurrency and rate), instance caps, Fleet's account limit and
+  per-environment circuit breakers: :attr:`RolloutPool.admission`
+  (:mod:`fleetroll.admission`), shared by every batch of the pool;
 * ``pool.max_queued_rollouts``: rollouts not yet finished across batches; a
   batch that would pass it is refused with :class:`~fleetroll.errors.PoolFullError`.
 
@@ -51,6 +52,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from fleetroll._serving import exit_transparently
+from fleetroll.admission import AdmissionController
 from fleetroll.engine import RolloutEngine
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
@@ -437,6 +439,9 @@ class RolloutPool:
         self.instances = anyio.CapacityLimiter(
             concurrency + settings.provisioning.max_concurrent_creates
         )
+        #: Instance caps, Fleet's account limit, per-environment breakers (and
+        #: the create limits, unless ``create_gate`` holds them cluster-wide).
+        self.admission = AdmissionController(settings, self.events)
         #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
         self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
 
@@ -482,7 +487,9 @@ class RolloutPool:
                         api_key=self._api_key,
                         base_url=self._base_url,
                         create_gate=self._create_gate,
+                        admission=self.admission,
                     ),
+                    self.admission,
                 )
             )
             # Entered before the batches' task group: its bounded flush runs after them.

@@ -14,7 +14,11 @@ that talks to the ``fleet`` SDK (verification goes through
   backoff, or the server's Retry-After when longer) inside a total budget;
   each attempt has its own hard deadline.
 * Creates have their own concurrency limit and rate (a token bucket), apart
-  from running rollouts, so a slow Fleet queue never starves them.
+  from running rollouts, so a slow Fleet queue never starves them; with an
+  :class:`~fleetroll.admission.AdmissionController`, each instance also holds
+  a place from before its create to its release (instance caps, Fleet's
+  account limit, a 403 ``instance_limit_exceeded`` waits for a release,
+  per-environment breakers).
 * :meth:`FleetProvider.release` runs shielded and bounded: cancellation
   cannot leak an instance, and a hung delete cannot hang the caller.
 """
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextvars
 import itertools
+import logging
 import math
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -38,8 +43,9 @@ from fleet._async.client import AsyncEnv, AsyncFleet
 from fleet.runner_auth import RunnerTokenProvider
 
 import fleetroll.retrying as retrying
+from fleetroll.admission import AdmissionController, CreateSlots, Ticket, TokenBucket
 from fleetroll.environments import Instance, Verdict
-from fleetroll.errors import ProvisionError
+from fleetroll.errors import EnvUnavailableError, ProvisionError
 from fleetroll.preflight import missing_environments
 from fleetroll.retrying import Decision, Retry, decide, retry_after_s, transient_status
 from fleetroll.routing import Route, route
@@ -59,6 +65,7 @@ __all__ = [
     "classify",
 ]
 
+_log = logging.getLogger(__name__)
 _retry_after: contextvars.ContextVar[float | None] = contextvars.ContextVar(
     "fleetroll_retry_after", default=None
 )
@@ -131,28 +138,6 @@ def classify(exc: BaseException, *, retry_instance_limit: bool = False) -> Class
     return Classification(any(word in text for word in _TRANSIENT_TEXT), status, retry_after)
 
 
-class TokenBucket:
-    """An async rate limiter: ``rate`` tokens a second, bursts up to ``burst``."""
-
-    def __init__(self, rate: float, burst: int = 1) -> None:
-        self._rate = rate
-        self._burst = float(max(1, burst))
-        self._tokens = self._burst
-        self._updated = time.monotonic()
-        self._lock = anyio.Lock()
-
-    async def acquire(self) -> None:
-        async with self._lock:
-            now = time.monotonic()
-            self._tokens = min(self._burst, self._tokens + (now - self._updated) * self._rate)
-            self._updated = now
-            if self._tokens < 1.0:
-                await anyio.sleep((1.0 - self._tokens) / self._rate)
-                self._updated = time.monotonic()
-                self._tokens = 1.0
-            self._tokens -= 1.0
-
-
 class CreateGate(Protocol):
     """Admission for instance creates: a concurrency slot, then the rate.
 
@@ -165,18 +150,8 @@ class CreateGate(Protocol):
         ...
 
 
-class LocalCreateGate:
-    """Creates limited within this process: a limiter and a token bucket."""
-
-    def __init__(self, max_concurrent: int, per_second: float) -> None:
-        self._slots = anyio.CapacityLimiter(max_concurrent)
-        self._rate = TokenBucket(per_second, burst=max_concurrent)
-
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        async with self._slots:
-            await self._rate.acquire()
-            yield
+#: Creates limited within this process (a limiter and a token bucket).
+LocalCreateGate = CreateSlots
 
 
 async def _remember_retry_after(response: httpx.Response) -> None:
@@ -195,10 +170,15 @@ class FleetProvider:
         api_key: str,
         base_url: str | None = None,
         create_gate: CreateGate | None = None,
+        admission: AdmissionController | None = None,
     ) -> None:
         self._settings = settings
         self._events = events
         self._where = base_url or "Fleet"
+        self._admission = admission
+        #: Each admitted instance's place, given back at its release.
+        self._tickets: dict[str, Ticket] = {}
+        self._account_read = False
         p = settings.provisioning
         t = settings.timeouts
         # Several small HTTP clients ("lanes") instead of one big one: httpcore
@@ -236,7 +216,9 @@ class FleetProvider:
         # the loop). One provider, resolved once, is shared by every instance.
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
-        self._gate = create_gate or LocalCreateGate(p.max_concurrent_creates, p.creates_per_second)
+        self._gate: CreateGate = (
+            create_gate or admission or CreateSlots(p.max_concurrent_creates, p.creates_per_second)
+        )
         self._verifier = Verifier(
             timeout_s=t.verifier_s,
             max_source_bytes=settings.pool.max_verifier_bytes,
@@ -406,8 +388,10 @@ class FleetProvider:
             )
             emit_retry(retry)
 
+        ticket: Ticket | None = None
         try:
             with anyio.fail_after(budget) as scope:
+                ticket = await self._admit(task)
                 async for retry in retrying.attempts(
                     "make",
                     retrying.budget(self._settings, "make"),
@@ -419,14 +403,23 @@ class FleetProvider:
                         attempt = retry.num
                         _retry_after.set(None)
                         try:
-                            env = await self._create_once(task, run_id)
+                            env = await self._create_admitted(task, run_id, ticket)
                         except Exception as exc:
                             last = exc
                             raise
+        except EnvUnavailableError:
+            raise
         except Exception as exc:
+            if ticket is not None and self._admission is not None:
+                self._admission.release(ticket)
             failure = last if isinstance(exc, TimeoutError) and last is not None else exc
             verdict = classify(failure, retry_instance_limit=p.retry_instance_limit)
-            if isinstance(exc, TimeoutError) and exc is not last:
+            if isinstance(exc, TimeoutError) and ticket is None:
+                message = (
+                    f"provisioning {task.env_spec} waited its whole {budget:g} s budget "
+                    "for admission (instance limits, or the environment's breaker)"
+                )
+            elif isinstance(exc, TimeoutError) and exc is not last:
                 message = (
                     f"provisioning {task.env_spec} ran out of its "
                     f"{budget:g} s budget after {attempt} attempt(s)"
@@ -451,6 +444,9 @@ class FleetProvider:
                 retry_after_s=verdict.retry_after_s,
                 attempts=attempt,
             ) from exc
+        if ticket is not None and self._admission is not None:
+            self._admission.started(ticket)
+            self._tickets[env.instance_id] = ticket
         elapsed = time.monotonic() - started
         self._events.emit(
             "fleet_provisioning_completed",
@@ -465,6 +461,55 @@ class FleetProvider:
             created_mono=time.monotonic(),
             handle=env,
         )
+
+    async def _admit(self, task: TaskSpec) -> Ticket | None:
+        """A place for the instance (waits for room); None without admission control.
+
+        Raises:
+            EnvUnavailableError: the environment version is quarantined (fail-fast mode).
+        """
+        admission = self._admission
+        if admission is None:
+            return None
+        if not self._account_read and self._settings.admission.account_limit:
+            self._account_read = True
+            await self._read_account()
+        return await admission.acquire(task.env_spec)
+
+    async def _read_account(self) -> None:
+        """Fleet's account instance limit, into admission; unknown if it cannot be read."""
+        assert self._admission is not None
+        with anyio.move_on_after(self._settings.timeouts.provision_create_s):
+            try:
+                account = await self.fleet.account()
+            except Exception as exc:  # no limit known: a 403 will teach it
+                _log.warning("could not read Fleet's account limit: %s", type(exc).__name__)
+                return
+            self._admission.learn_account(account.instance_limit, account.instance_count)
+
+    async def _create_admitted(
+        self, task: TaskSpec, run_id: str | None, ticket: Ticket | None
+    ) -> AsyncEnv:
+        """One create; a 403 ``instance_limit_exceeded`` queues again for a place
+        (admission learns the limit) instead of failing the attempt."""
+        while True:
+            try:
+                return await self._create_once(task, run_id)
+            except fleet_errors.FleetInstanceLimitError as exc:
+                if ticket is None or self._admission is None:
+                    raise
+                self._events.emit(
+                    "fleet_make_retry",
+                    level="warn",
+                    attempt=0,
+                    error_type=type(exc).__name__,
+                    error_message=str(exc)[:500],
+                    status_code=403,
+                    retry_delay_s=0.0,
+                )
+                await self._admission.limit_reached(
+                    ticket, exc.instance_limit, exc.running_instances
+                )
 
     async def _create_once(self, task: TaskSpec, run_id: str | None) -> AsyncEnv:
         modality = self._settings.modalities[task.modality]
@@ -516,8 +561,16 @@ class FleetProvider:
         """Delete the instance; shielded from cancellation and bounded in time.
 
         Returns whether Fleet confirmed the release (a 404 counts: it is gone).
-        Never raises.
+        Never raises. Its admission place is given back either way.
         """
+        try:
+            return await self._release(instance)
+        finally:
+            ticket = self._tickets.pop(instance.instance_id, None)
+            if ticket is not None and self._admission is not None:
+                self._admission.release(ticket)
+
+    async def _release(self, instance: Instance) -> bool:
         timeout = self._settings.timeouts.release_s
         error: str | None = None
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:

@@ -488,6 +488,8 @@ class Rollout:
         self.result = self._build_result()
         self.live.end(self.result)
         stages.report_completed(self.engine.events, self.result)
+        if self.engine.admission is not None:  # the environment's circuit breaker
+            self.engine.admission.record(self.task.env_spec, self.result.failure_reason)
 
     def _fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
         """Record the first failure (``force``: cancellation overrides)."""

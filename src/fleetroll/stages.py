@@ -16,8 +16,9 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from fleetroll.admission import AdmissionController
 from fleetroll.environments import Instance, Provider
-from fleetroll.errors import OperationTimeout, ProvisionError, ToolsError
+from fleetroll.errors import EnvUnavailableError, OperationTimeout, ProvisionError, ToolsError
 from fleetroll.policies import ToolSpec
 from fleetroll.policy_gate import PolicyGate
 from fleetroll.progress import Progress, RolloutIds
@@ -50,6 +51,7 @@ class RolloutContext(Protocol):
     events: Events
     redactor: Redactor
     policy_gate: PolicyGate
+    admission: AdmissionController | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,8 @@ async def provision(
     began = time.monotonic()
     try:
         return await ctx.provider.provision(task, run_id=run_id)
+    except EnvUnavailableError as exc:
+        return SetupFailure(FailureReason.ENV_UNAVAILABLE, str(exc), exc)
     except ProvisionError as exc:
         return SetupFailure(FailureReason.INIT_ERROR, str(exc), exc)
     finally:

@@ -70,6 +70,13 @@ class FaultProfile(BaseModel):
     tool_hang_s: Seconds = 3600.0
     #: Probability that a tool call answers with an injected MCP tool error.
     p_tool_error: Probability = 0.0
+    #: Broken environments (``"key:version"``, or ``"key"`` for every version):
+    #: their instances come up, but their MCP endpoints always answer 502.
+    broken_envs: tuple[str, ...] = ()
+
+    def broken(self, env_key: str, version: str) -> bool:
+        """Whether instances of ``env_key:version`` are broken (``broken_envs``)."""
+        return env_key in self.broken_envs or f"{env_key}:{version}" in self.broken_envs
 
     # -- instance manager ---------------------------------------------------
     #: Probability that a reset hangs for ``reset_hang_s``.

@@ -96,6 +96,10 @@ class McpRouter:
             response = JSONResponse({"detail": f"Instance '{instance_id}' not found"}, 404)
             await response(scope, receive, send)
             return
+        if self._faults.profile.broken(inst.env.key, inst.version):
+            response = JSONResponse({"detail": "the environment's MCP service crashed"}, 502)
+            await response(scope, receive, send)
+            return
         warmup = self._faults.profile.mcp_warmup_s
         if warmup and inst.age() < warmup:
             self._ledger.mcp_rejected_warming += 1

@@ -29,6 +29,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -205,12 +206,14 @@ class AdmissionController:
     def learn_account(self, instance_limit: int | None, instance_count: int | None) -> None:
         """Fleet's account limit (``account()`` or a 403's body); instances of others count.
 
-        A limit below 0 or None means none.
+        A limit below 0 or None means none. Fleet's count is taken to include
+        our instances still starting: if it does not, the cap comes out too
+        high and the next 403 corrects it, never too low for good.
         """
         if instance_limit is None or instance_limit < 0:
             self._account_cap = None
         else:
-            others = max(0, (instance_count or 0) - self._running)
+            others = max(0, (instance_count or 0) - self._held.total)
             self._account_cap = max(0, instance_limit - others)
         self._wake()
 
@@ -330,7 +333,7 @@ class AdmissionController:
             # failure changes nothing (the probe's release set the next one).
             if not failed:
                 breaker.open = breaker.probing = False
-                self._emit("fleet_env_recovered", env, breaker)
+                self._events.emit("fleet_env_recovered", **self._attributes(env, breaker))
                 breaker.outcomes.clear()
                 self._wake()
             return
@@ -338,23 +341,23 @@ class AdmissionController:
             breaker.open = True
             breaker.probing = False
             breaker.next_probe = self._clock() + b.probe_interval_s
-            self._emit("fleet_env_quarantined", env, breaker)
+            self._events.emit(
+                "fleet_env_quarantined", level="warn", **self._attributes(env, breaker)
+            )
 
     @staticmethod
     def _share(breaker: _Breaker) -> float:
         n = len(breaker.outcomes)
         return sum(breaker.outcomes) / n if n else 0.0
 
-    def _emit(self, name: str, env: str, breaker: _Breaker) -> None:
+    def _attributes(self, env: str, breaker: _Breaker) -> dict[str, Any]:
         key, _, version = env.partition(":")
-        self._events.emit(
-            name,
-            level="warn" if name == "fleet_env_quarantined" else "info",
-            env_key=key,
-            env_version=version or None,
-            failure_share=round(self._share(breaker), 4),
-            window=len(breaker.outcomes),
-        )
+        return {
+            "env_key": key,
+            "env_version": version or None,
+            "failure_share": round(self._share(breaker), 4),
+            "window": len(breaker.outcomes),
+        }
 
     def quarantined(self) -> list[str]:
         """Environment versions whose breaker is open."""

@@ -179,6 +179,7 @@ class FleetProvider:
         #: Each admitted instance's place, given back at its release.
         self._tickets: dict[str, Ticket] = {}
         self._account_read = False
+        self._account_lock = anyio.Lock()
         p = settings.provisioning
         t = settings.timeouts
         # Several small HTTP clients ("lanes") instead of one big one: httpcore
@@ -414,7 +415,7 @@ class FleetProvider:
                 self._admission.release(ticket)
             failure = last if isinstance(exc, TimeoutError) and last is not None else exc
             verdict = classify(failure, retry_instance_limit=p.retry_instance_limit)
-            if isinstance(exc, TimeoutError) and ticket is None:
+            if isinstance(exc, TimeoutError) and ticket is None and self._admission is not None:
                 message = (
                     f"provisioning {task.env_spec} waited its whole {budget:g} s budget "
                     "for admission (instance limits, or the environment's breaker)"
@@ -472,8 +473,10 @@ class FleetProvider:
         if admission is None:
             return None
         if not self._account_read and self._settings.admission.account_limit:
-            self._account_read = True
-            await self._read_account()
+            async with self._account_lock:  # every create waits for the limit, read once
+                if not self._account_read:
+                    await self._read_account()
+                    self._account_read = True
         return await admission.acquire(task.env_spec)
 
     async def _read_account(self) -> None:

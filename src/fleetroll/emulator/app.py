@@ -79,6 +79,10 @@ class EmulatorApp:
         self._create_queue = anyio.Lock()
         self._reaper_wake: anyio.Event | None = None
         self._next_create_slot = 0.0
+        #: Creates admitted under the instance limit and not answered yet: like
+        #: Fleet, the limit counts instances still starting, so concurrent
+        #: creates cannot pass it together.
+        self._starting = 0
         self.mcp = McpRouter(envs, store, faults, ledger)
         #: What the trace API received (``/v1/traces/jobs``, ``/v1/sessions/ingest``).
         self.traces = trace_api.TraceStore()
@@ -205,7 +209,7 @@ class EmulatorApp:
                 "team_id": "team-emulator",
                 "team_name": "fleetroll emulator",
                 "instance_limit": -1 if limit is None else limit,
-                "instance_count": self.ledger.running,
+                "instance_count": self._instance_count(),
             }
         )
 
@@ -234,25 +238,30 @@ class EmulatorApp:
             self.ledger.create_finished(outcome)
         return response
 
+    def _instance_count(self) -> int:
+        """Instances counted against the account's limit: running and starting."""
+        return self.ledger.running + self._starting
+
     async def _create(
         self, request: Request, body: InstanceRequest, env: SampleEnv, version: str
     ) -> tuple[Response, str]:
-        faults = self.faults
-        decision = faults.create_outcome(self.ledger.running)
+        count = self._instance_count()
+        decision = self.faults.create_outcome(count)
         if decision == "instance_limit":
-            limit = faults.profile.instance_limit
+            limit = self.faults.profile.instance_limit
             return _error(
                 403,
                 {
                     "error_type": "instance_limit_exceeded",
                     "message": (
-                        f"Instance limit reached: You have {self.ledger.running} running "
+                        f"Instance limit reached: You have {count} running "
                         f"instances out of a maximum of {limit}."
                     ),
-                    "running_instances": self.ledger.running,
+                    "running_instances": count,
                     "instance_limit": limit,
                 },
             ), "instance_limit"
+        faults = self.faults
         # As on Fleet, a create answers within the wait the client asked for
         # (the SDK asks for its own timeout minus 30 s; 0 when that is shorter
         # than 30 s, which we read as "no wait asked": its own deadline rules).
@@ -274,7 +283,18 @@ class EmulatorApp:
             else:
                 detail = "Provisioning backend unavailable"
             return _error(status, detail), str(status)
+        self._starting += 1
+        try:
+            return await self._make(request, body, env, version)
+        finally:
+            self._starting -= 1
 
+    async def _make(
+        self, request: Request, body: InstanceRequest, env: SampleEnv, version: str
+    ) -> tuple[Response, str]:
+        faults = self.faults
+        wait = body.max_wait_seconds
+        max_wait = float(wait) if wait is not None and wait > 0 else math.inf
         await self._wait_create_slot()
         latency = faults.create_latency()
         if latency and await _hang(request, min(latency, max_wait)):

@@ -191,3 +191,19 @@ async def test_the_metrics_show_admissions_gauges() -> None:
         "fleetroll_admission_open_breakers 1",
     ):
         assert line in text.splitlines()
+
+
+async def test_other_clients_instances_are_presumed_gone_after_the_recheck_interval() -> None:
+    ctl, _, clock = controller(limit_recheck_s=10)
+    ctl.learn_account(3, 3)  # someone else holds the whole account
+    assert ctl.limit == 0
+    late: list[Ticket] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(admitted_later, ctl, "ledger:v1", late)
+            await anyio.wait_all_tasks_blocked()
+            assert late == [] and ctl.state().queued == 1
+            clock.now = 11.0
+            assert (await ctl.acquire("ledger:v1")).env == "ledger:v1"  # tried again
+            assert ctl.limit == 3
+            tg.cancel_scope.cancel()

@@ -183,7 +183,10 @@ class AdmissionController:
         self._clock = clock
         p = settings.provisioning
         self.creates = CreateSlots(p.max_concurrent_creates, p.creates_per_second)
-        self._account_cap: int | None = None
+        self._account_limit: int | None = None
+        #: Instances of other clients on the account, as last seen (a 403, account()).
+        self._others = 0
+        self._others_seen = 0.0
         self._held = _Counts()
         self._running = 0
         self._queued = 0
@@ -200,7 +203,10 @@ class AdmissionController:
 
     @property
     def limit(self) -> int | None:
-        caps = [c for c in (self._settings.max_instances, self._account_cap) if c is not None]
+        account = None
+        if self._account_limit is not None:
+            account = max(0, self._account_limit - self._others)
+        caps = [c for c in (self._settings.max_instances, account) if c is not None]
         return min(caps) if caps else None
 
     def learn_account(self, instance_limit: int | None, instance_count: int | None) -> None:
@@ -211,11 +217,26 @@ class AdmissionController:
         high and the next 403 corrects it, never too low for good.
         """
         if instance_limit is None or instance_limit < 0:
-            self._account_cap = None
+            self._account_limit, self._others = None, 0
         else:
-            others = max(0, (instance_count or 0) - self._held.total)
-            self._account_cap = max(0, instance_limit - others)
+            self._account_limit = instance_limit
+            self._others = max(0, (instance_count or 0) - self._held.total)
+            self._others_seen = self._clock()
         self._wake()
+
+    def _others_recheck(self) -> float | None:
+        """Seconds until other clients' instances are presumed gone (None: none seen).
+
+        They are released without our knowing: after ``admission.limit_recheck_s``
+        a create is tried again (a 403 teaches the count anew).
+        """
+        if not self._others:
+            return None
+        due = self._others_seen + self._settings.limit_recheck_s - self._clock()
+        if due <= 0:
+            self._others = 0
+            return None
+        return due
 
     async def acquire(self, env: str, *, again: Ticket | None = None) -> Ticket:
         """A place for one instance of ``env`` (``key:version``); waits for room.
@@ -235,14 +256,14 @@ class AdmissionController:
                 changed = self._changed
                 if verdict is None:
                     await changed.wait()
-                else:  # the breaker's next probe is due in `verdict` seconds
+                else:  # a probe, or a recheck of the account's count, is due then
                     with anyio.move_on_after(verdict):
                         await changed.wait()
         finally:
             self._queued -= 1
 
     def _admissible(self, env: str, again: Ticket | None) -> Ticket | float | None:
-        """A ticket, or None to wait for a change, or seconds until a probe is due."""
+        """A ticket, or None to wait for a change, or seconds to wait at most."""
         probe = False
         breaker = self._breakers.get(env)
         if breaker is not None and breaker.open:
@@ -256,9 +277,10 @@ class AdmissionController:
                     )
                 return None if breaker.probing else max(due, 0.0)
             probe = True
+        recheck = self._others_recheck()
         limit = self.limit
         if limit is not None and self._held.total >= limit:
-            return None
+            return recheck
         env_cap = self._env_settings(env).max_instances
         if env_cap is not None and self._held.by_env.get(env, 0) >= env_cap:
             return None
@@ -310,10 +332,11 @@ class AdmissionController:
         if instance_limit is not None:
             self.learn_account(instance_limit, running)
         if self.limit is None or self._held.total < self.limit:
-            # Fleet counts differently from us (another client's instances):
-            # wait for one of ours to be released before asking again.
+            # Fleet's count does not explain the refusal: do not ask again at
+            # once, but after a release or admission.limit_recheck_s.
             changed = self._changed
-            await changed.wait()
+            with anyio.move_on_after(self._settings.limit_recheck_s):
+                await changed.wait()
         await self.acquire(ticket.env, again=ticket)
 
     # -- circuit breaker ----------------------------------------------------

@@ -149,6 +149,9 @@ class AdmissionSettings(_Section):
     max_instances: int | None = Field(None, ge=1)
     #: Read Fleet's account instance limit (``account()``) at start and after a 403.
     account_limit: bool = True
+    #: Other clients' instances on the account (seen in a 403) are presumed
+    #: gone this long after: a create is tried again.
+    limit_recheck_s: float = Field(10.0, gt=0)
     breaker: BreakerSettings = BreakerSettings()
     #: Per environment version (``"key:version"``) or key (``"key"``).
     env: dict[str, EnvAdmissionSettings] = Field(default_factory=dict)

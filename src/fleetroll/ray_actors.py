@@ -1,7 +1,9 @@
 """The actors of :class:`~fleetroll.ray_pool.RayRolloutPool`, and what they run on.
 
 * :class:`CreateLimiter`: Fleet's create limits (concurrency and rate) for
-  the whole cluster, since they are per account;
+  the whole cluster, since they are per account (the rate is
+  :mod:`fleetroll.admission`'s token bucket; instance caps and breakers are
+  each actor's pool's own ``RolloutPool.admission``);
 * :class:`RolloutWorker`: runs shards of batches, one
   :class:`~fleetroll.pool.RolloutPool` per shard, and keeps what the driver
   takes from it (results, telemetry events stamped with the actor's
@@ -18,10 +20,10 @@ from typing import Any
 
 import anyio
 
+from fleetroll.admission import TokenBucket
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
 from fleetroll.pool import Batch, RolloutPool
-from fleetroll.provisioning import TokenBucket
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutView
 from fleetroll.rollout_events import EventPage

@@ -280,6 +280,10 @@ async def test_metrics_count_rollouts_and_provisioning_in_prometheus_text(
         == (samples["fleetroll_provision_seconds_count"])
     )
     assert "fleetroll_rollouts_in_flight 0" in text
+    # Admission's gauges: no account limit on the emulator, nothing held at the end.
+    assert samples["fleetroll_admission_limit"] == "-1"
+    assert samples["fleetroll_admission_in_use"] == samples["fleetroll_admission_queued"] == "0"
+    assert samples["fleetroll_admission_open_breakers"] == "0"
 
 
 async def test_the_dashboard_is_served_by_the_service(served: Running) -> None:

@@ -138,3 +138,48 @@ async def test_the_emulators_limit_counts_instances_still_starting_and_account_r
             assert emu.ledger.peak_running == 2
             for env in made:
                 await env.close()  # type: ignore[attr-defined]
+
+
+async def test_a_quarantined_environment_that_heals_recovers_through_a_probe_and_runs_on() -> None:
+    profile = FaultProfile(broken_envs=("desktop:v1",))
+    sink = MemorySink()
+    async with Emulator(profile) as emu:
+
+        class HealOnQuarantine:
+            """Mends the environment the moment its breaker opens (no sleeps, no polling)."""
+
+            def emit(self, event: Any) -> None:
+                if event.name == "fleet_env_quarantined":
+                    emu.app.faults.profile = profile.model_copy(update={"broken_envs": ()})
+
+        settings = load_settings(
+            provisioning=FAST,
+            retries={"mcp_connect_attempts": 1},
+            admission={
+                "env": {"desktop:v1": {"max_instances": 1}},
+                "breaker": {
+                    "window": 4,
+                    "min_rollouts": 4,
+                    "failure_share": 0.75,
+                    "on_open": "wait",
+                    "probe_interval_s": 0.1,
+                },
+            },
+        )
+        events = Events([sink, HealOnQuarantine()])
+        async with RolloutPool(
+            settings, api_key=emu.api_key, base_url=emu.base_url, events=events
+        ) as pool:
+            with anyio.fail_after(240):
+                results = await pool.run_batch(DESKTOP[:8], ScriptedPolicy()).results()
+            state = pool.admission.state()
+        assert emu.ledger.running == 0
+    reasons = Counter(r.failure_reason for r in results)
+    assert reasons[FailureReason.INIT_ERROR] == 4  # until the breaker opened
+    assert reasons[FailureReason.ENV_UNAVAILABLE] == 0  # "wait": nobody failed fast
+    assert len(results) == 8
+    assert [e.name for e in sink.events if e.name.startswith("fleet_env_")] == [
+        "fleet_env_quarantined",
+        "fleet_env_recovered",
+    ]
+    assert state.open_breakers == 0

@@ -133,5 +133,11 @@ async def test_a_bounded_fuzz_run_finds_no_server_error_and_no_hang(
             fuzz, document, fuzzed.url, known, abandon_on_cancel=True
         )
     exercised = {key.rsplit(" ", 1)[0] for key in statuses}
-    assert len(exercised) == 19, statuses  # every operation answered
+    documented = {
+        f"{method.upper()} {path}"
+        for path, item in document["paths"].items()
+        for method in item
+        if method != "parameters"
+    }
+    assert exercised == documented, statuses  # every operation answered
     assert not any(key.endswith((" 500", " 502", " 503", " 504")) for key in statuses)

@@ -159,11 +159,11 @@ async def test_an_openai_like_server_gives_nulls_and_one_warning_per_missing_fie
     policy, _ = mock_policy(
         lambda body: httpx.Response(200, json=answer), return_token_ids=True, logprobs=True
     )
-    with caplog.at_level(logging.WARNING, logger="fleetroll.policies"):
+    with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
         turns = [await act(policy) for _ in range(5)]
 
     assert {t.data for t in turns} == {TurnData(model="fake-model", finish_reason="stop")}
-    warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.policies"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.openai_policy"]
     assert len(warnings) == 1
     assert "prompt_token_ids, completion_token_ids, logprobs" in warnings[0]
 
@@ -172,10 +172,10 @@ async def test_token_data_not_asked_for_is_not_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     policy, _ = mock_policy(lambda body: httpx.Response(200, json=completion("done")))
-    with caplog.at_level(logging.WARNING, logger="fleetroll.policies"):
+    with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
         turn = await act(policy)
     assert turn.data == TurnData(model="fake-model", finish_reason="stop")
-    assert not [r for r in caplog.records if r.name == "fleetroll.policies"]
+    assert not [r for r in caplog.records if r.name == "fleetroll.openai_policy"]
 
 
 async def test_a_length_finish_with_cut_arguments_is_an_arguments_error_not_a_crash() -> None:

@@ -187,7 +187,7 @@ async def test_a_server_without_token_data_gives_nulls_and_one_warning_for_the_b
 ) -> None:
     shape = VllmShape(token_ids=False, logprobs=False)
     async with FakeChatServer(solving([TOOL_USE]), vllm=shape) as server:
-        with caplog.at_level(logging.WARNING, logger="fleetroll.policies"):
+        with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
             results = await run(emulator, server, TOOL_USE, n=3, policy=TRAINING)
 
     assert [r.reward for r in results] == [1.0] * 3
@@ -195,7 +195,7 @@ async def test_a_server_without_token_data_gives_nulls_and_one_warning_for_the_b
     assert len(turns) == 3 * 5
     assert all(t.prompt_token_ids is None and t.logprobs is None for t in turns)
     assert all(t.usage is not None and t.model is not None for t in turns)
-    warnings = [r for r in caplog.records if r.name == "fleetroll.policies"]
+    warnings = [r for r in caplog.records if r.name == "fleetroll.openai_policy"]
     assert len(warnings) == 1
 
 

@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 
 import anyio
 
-from fleetroll.policies import AssistantTurn, Message, ScriptedPolicy, ToolSpec
+from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.tasks import TaskSpec
+from fleetroll.turns import Message
 
 __all__ = ["PlannedPolicy"]
 

@@ -1,0 +1,578 @@
+"""The policy that asks an OpenAI-compatible ``/chat/completions`` endpoint
+(OpenAI, vLLM, SGLang, a proxy in front of a trainer) for each turn: request
+encoding, retries, response parsing and the training data a server returns.
+
+Import it from :mod:`fleetroll.policies` or :mod:`fleetroll`; this module holds
+its implementation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType, TracebackType
+from typing import Any, Self
+
+import anyio
+import httpx
+from pydantic import SecretStr
+
+import fleetroll.retrying as retrying
+from fleetroll.errors import ContextOverflowError, PolicyError
+from fleetroll.retrying import Decision, decide, retry_after_s, transient_status
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.turns import AssistantTurn, EncodedMessages, Message, ToolCall, ToolSpec, TurnData
+
+__all__ = ["OpenAIChatPolicy"]
+
+_OPERATION = "policy"
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
+#: A connection that cannot even be opened in this long will not be opened by
+#: waiting longer; failing it early leaves the rest of the deadline to retries.
+_CONNECT_TIMEOUT_S = 10.0
+#: How much of an error body goes into a PolicyError's message.
+_EXCERPT_CHARS = 300
+#: Statuses worth trying again: rate limits, timeouts and server-side failures.
+#: OpenAI-compatible servers answer 409 for a lock that timed out: worth another try.
+_ALSO_TRANSIENT = frozenset({409})
+#: What servers say when a prompt is longer than the model's context: vLLM ("This
+#: model's maximum context length is N tokens"), SGLang ("... exceeds the maximum
+#: allowed length", "longer than the model's context length"), OpenAI
+#: (``context_length_exceeded``).
+_CONTEXT_OVERFLOW = re.compile(
+    r"(?i)maximum context length|context[_ ]length[_ ]exceeded"
+    r"|longer than the model's context length|exceeds the maximum allowed length"
+)
+_log = logging.getLogger(__name__)
+
+
+class OpenAIChatPolicy:
+    """Asks an OpenAI-compatible ``/chat/completions`` endpoint for each turn.
+
+    Use it as an async context manager, or call :meth:`aclose` when done::
+
+        async with OpenAIChatPolicy(base_url="http://127.0.0.1:8000/v1", model="m") as p:
+            turn = await p.act(task, messages, tools)
+
+    Args:
+        base_url: the API root, e.g. ``https://api.openai.com/v1``.
+        model: the ``model`` field of every request.
+        api_key: sent as ``Authorization: Bearer``; None sends no header.
+        temperature, top_p, max_tokens: sampling parameters, sent when set.
+        extra_body: more body fields for every request (vLLM's ``top_k``...);
+            they win over the fields above.
+        system_prompt: prepended when the transcript does not start with a
+            system message.
+        timeout_s: the deadline of one :meth:`act`, retries included.
+        max_retries: how many times a 408/409/429/5xx answer, a connection error
+            or a transport timeout is retried.
+        backoff_initial_s, backoff_max_s: exponential backoff between retries
+            (full jitter); a longer Retry-After from the server wins. A retry
+            that could not start before the deadline is not made. Each retry
+            is reported as :func:`fleetroll.retrying.attempts` says (in a
+            rollout: a ``fleet_retry`` event).
+        http_client: a client to use (and leave open); by default the policy
+            makes its own and closes it in :meth:`aclose`.
+        return_token_ids: ask for the prompt's and the completion's token ids
+            (vLLM's ``return_token_ids``).
+        logprobs, top_logprobs: ask for each completion token's logprob and,
+            with ``top_logprobs``, that many alternatives per token.
+
+    Raises:
+        ValueError: a number is out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str,
+        api_key: SecretStr | str | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        max_tokens: int | None = None,
+        extra_body: Mapping[str, Any] = _EMPTY,
+        system_prompt: str | None = None,
+        timeout_s: float = 300.0,
+        max_retries: int = 2,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        http_client: httpx.AsyncClient | None = None,
+        return_token_ids: bool = False,
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, not {max_retries}")
+        if backoff_initial_s < 0 or backoff_max_s < 0:
+            raise ValueError("backoff_initial_s and backoff_max_s must be >= 0")
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self._api_key = SecretStr(api_key) if isinstance(api_key, str) else api_key
+        self._sampling = {
+            name: value
+            for name, value in (
+                ("temperature", temperature),
+                ("top_p", top_p),
+                ("max_tokens", max_tokens),
+            )
+            if value is not None
+        }
+        # Training data: vLLM answers these with top-level prompt_token_ids,
+        # choices[0].token_ids and choices[0].logprobs.content (OpenAI's shape).
+        self._training: dict[str, Any] = {}
+        if return_token_ids:
+            self._training["return_token_ids"] = True
+        if logprobs or top_logprobs is not None:
+            self._training["logprobs"] = True  # top_logprobs requires it
+        if top_logprobs is not None:
+            self._training["top_logprobs"] = top_logprobs
+        #: Fields the server left out, already warned about (one warning each
+        #: per policy, so per run, not per turn).
+        self._warned: set[str] = set()
+        self._extra_body = dict(extra_body)
+        self.system_prompt = system_prompt
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self._backoff_initial_s = backoff_initial_s
+        self._backoff_max_s = backoff_max_s
+        self._owns_client = http_client is None
+        self._client = http_client or httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S)),
+            # The rollout pool bounds concurrency; a second, smaller limit here
+            # would only queue turns behind each other.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Self:
+        """A policy configured by ``settings.policy``, ``settings.openai_api_key``,
+        ``settings.timeouts.policy_s`` and ``settings.retries.policy_backoff_*``."""
+        policy = settings.policy
+        return cls(
+            base_url=policy.base_url,
+            model=policy.model,
+            api_key=settings.openai_api_key,
+            temperature=policy.temperature,
+            top_p=policy.top_p,
+            max_tokens=policy.max_tokens,
+            extra_body=policy.extra_body,
+            system_prompt=policy.system_prompt,
+            timeout_s=settings.timeouts.policy_s,
+            max_retries=policy.max_retries,
+            backoff_initial_s=settings.retries.policy_backoff_initial_s,
+            backoff_max_s=settings.retries.policy_backoff_max_s,
+            return_token_ids=policy.return_token_ids,
+            logprobs=policy.logprobs,
+            top_logprobs=policy.top_logprobs,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(url={self.url!r}, model={self.model!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP client, if the policy made it."""
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        """One chat completion, parsed into a turn.
+
+        Tool-call arguments that are not a JSON object do not raise: the call
+        comes back with ``arguments_error`` set.
+
+        Raises:
+            ContextOverflowError: the server answered that the prompt is longer
+                than the model's context.
+            PolicyError: the endpoint failed (transient for 408/409/429/5xx,
+                connection errors and the deadline, once retries are spent;
+                not transient for other statuses), or answered something that
+                is not a chat completion (not transient).
+        """
+        content = self._request(messages, tools)
+        try:
+            with anyio.fail_after(self.timeout_s) as scope:
+                payload = await self._post(content, deadline=scope.deadline)
+        except PolicyError as exc:
+            if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
+                raise ContextOverflowError(str(exc), operation=_OPERATION, transient=False) from exc
+            raise
+        except TimeoutError:
+            raise PolicyError(
+                f"no answer from {self.url} within the policy deadline of {self.timeout_s:g}s"
+                " (retries included); raise timeouts.policy_s if the model is just slow",
+                operation=_OPERATION,
+                transient=True,
+            ) from None
+        return self._parse(payload)
+
+    # ------------------------------------------------------------- request
+
+    def _body(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:
+        sent: list[Message] = list(messages)
+        if self.system_prompt is not None and (not sent or sent[0].get("role") != "system"):
+            sent.insert(0, {"role": "system", "content": self.system_prompt})
+        body: dict[str, Any] = {"model": self.model, "messages": sent}
+        if tools:
+            # OpenAI rejects tool_choice without tools, so both or neither.
+            body["tools"] = [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": tool.name,
+                        "description": tool.description,
+                        "parameters": tool.input_schema,
+                    },
+                }
+                for tool in tools
+            ]
+            body["tool_choice"] = "auto"
+        body.update(self._sampling)
+        body.update(self._training)
+        body.update(self._extra_body)
+        return body
+
+    def _request(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> bytes:
+        """The request body, reusing each message's encoding when the transcript keeps it."""
+        body = self._body(messages, tools)
+        if not isinstance(messages, EncodedMessages) or "messages" in self._extra_body:
+            return self._encode(body)
+        sent = body.pop("messages")
+        added = len(sent) - len(messages)  # the system prompt, when we inserted it
+        parts = [self._encode(message) for message in sent[:added]]
+        parts += [messages.encoded(index) for index in range(len(messages))]
+        rest = self._encode(body)  # never empty: it holds "model"
+        # One join, so the transcript's bytes are copied once, not once per level.
+        pieces = [b'{"messages":[']
+        for index, part in enumerate(parts):
+            if index:
+                pieces.append(b",")
+            pieces.append(part)
+        pieces += [b"],", rest[1:]]
+        return b"".join(pieces)
+
+    def _encode(self, body: Mapping[str, Any]) -> bytes:
+        def mapping_to_dict(value: object) -> object:
+            if isinstance(value, Mapping):
+                return dict(value)
+            raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+        try:
+            return json.dumps(body, default=mapping_to_dict, ensure_ascii=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise PolicyError(
+                f"the request to {self.url} cannot be encoded as JSON: {exc}",
+                operation=_OPERATION,
+                transient=False,
+            ) from None
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self._api_key is not None:
+            headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
+        return headers
+
+    async def _post(self, content: bytes, *, deadline: float) -> Any:
+        """POST until an answer, a permanent failure, or no retries or time left."""
+        budget = retrying.Budget(self.max_retries + 1, self._backoff_initial_s, self._backoff_max_s)
+        tries = 0
+        last: httpx.Response | None = None
+
+        def decision(exc: BaseException) -> Decision:
+            if not isinstance(exc, PolicyError):
+                return decide(exc)
+            if last is None:  # no answer: a transport failure
+                return Decision(exc.transient)
+            return Decision(exc.transient, last.status_code, retry_after_s(last.headers))
+
+        try:
+            async for attempt in retrying.attempts(
+                "policy", budget, deadline=deadline, classify=decision
+            ):
+                with attempt:
+                    tries, last = attempt.num, None
+                    try:
+                        response = await self._client.post(
+                            self.url, content=content, headers=self._headers()
+                        )
+                    except httpx.TransportError as exc:
+                        # Its text can hold the URL, never the headers; redact anyway.
+                        problem = f"could not reach {self.url}: {type(exc).__name__}: {exc}"
+                        raise PolicyError(
+                            self._redact(problem), operation=_OPERATION, transient=True
+                        ) from exc
+                    if not response.is_success:
+                        last = response
+                        status = response.status_code
+                        problem = f"{self.url} answered HTTP {status}: {self._excerpt(response)}"
+                        raise PolicyError(
+                            self._redact(problem),
+                            operation=_OPERATION,
+                            transient=transient_status(status) or status in _ALSO_TRANSIENT,
+                        )
+            return self._decode(response)
+        except PolicyError as exc:
+            if not exc.transient:
+                raise
+            of = f"attempt {tries} of {budget.attempts}"
+            if budget.attempts is not None and tries < budget.attempts:
+                of += "; a retry would pass the policy deadline"
+            raise PolicyError(f"{exc} ({of})", operation=_OPERATION, transient=True) from (
+                exc.__cause__
+            )
+
+    # ------------------------------------------------------------ response
+
+    def _decode(self, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except ValueError:
+            raise PolicyError(
+                self._redact(
+                    f"{self.url} answered HTTP {response.status_code} with a body that is"
+                    f" not JSON: {self._excerpt(response)}"
+                ),
+                operation=_OPERATION,
+                transient=False,
+            ) from None
+
+    def _parse(self, payload: Any) -> AssistantTurn:
+        def malformed(what: str) -> PolicyError:
+            excerpt = _shorten(json.dumps(payload, ensure_ascii=False, default=str))
+            return PolicyError(
+                self._redact(f"{self.url} answered a malformed chat completion: {what}: {excerpt}"),
+                operation=_OPERATION,
+                transient=False,
+            )
+
+        if not isinstance(payload, dict):
+            raise malformed("the body is not a JSON object")
+        choices = payload.get("choices")
+        if not isinstance(choices, list) or not choices:
+            raise malformed("no 'choices'")
+        choice = choices[0]
+        message = choice.get("message") if isinstance(choice, dict) else None
+        if not isinstance(message, dict):
+            raise malformed("choices[0] has no 'message' object")
+
+        content = message.get("content")
+        if isinstance(content, list):  # some servers answer content parts
+            content = "".join(
+                part.get("text", "")
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            )
+        elif content is not None and not isinstance(content, str):
+            raise malformed("message.content is neither a string, parts nor null")
+
+        raw_calls = message.get("tool_calls") or []
+        if not isinstance(raw_calls, list):
+            raise malformed("message.tool_calls is not a list")
+        calls = []
+        for index, raw in enumerate(raw_calls):
+            function = raw.get("function") if isinstance(raw, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(function, dict) or not isinstance(name, str) or not name:
+                raise malformed(f"tool_calls[{index}] has no function name")
+            call_id = raw.get("id")
+            if not isinstance(call_id, str) or not call_id:
+                call_id = f"call_{secrets.token_hex(12)}"
+            calls.append(_tool_call(call_id, name, function.get("arguments")))
+
+        usage = payload.get("usage")
+        return AssistantTurn(
+            content=content,
+            tool_calls=tuple(calls),
+            usage=_int_fields(usage) if isinstance(usage, dict) else None,
+            data=self._turn_data(payload, choice, usage),
+        )
+
+    def _turn_data(
+        self, payload: dict[str, Any], choice: dict[str, Any], usage: object
+    ) -> TurnData:
+        """The training data of a completion; what is missing is warned about once."""
+        model = payload.get("model")
+        finish_reason = choice.get("finish_reason")
+        # vLLM: top-level prompt_token_ids, choices[0].token_ids. Some servers and
+        # patches put the prompt's ids on the choice.
+        prompt_ids = _ints(payload.get("prompt_token_ids", choice.get("prompt_token_ids")))
+        completion_ids = _ints(choice.get("token_ids"))
+        logprobs, top = _logprobs(choice.get("logprobs"))
+        data = TurnData(
+            model=model if isinstance(model, str) else None,
+            finish_reason=finish_reason if isinstance(finish_reason, str) else None,
+            prompt_token_ids=prompt_ids,
+            completion_token_ids=completion_ids,
+            logprobs=logprobs,
+            top_logprobs=top,
+        )
+        missing = [
+            name
+            for name, value in (
+                ("model", data.model),
+                ("finish_reason", data.finish_reason),
+                ("usage", usage if isinstance(usage, dict) else None),
+            )
+            if value is None
+        ]
+        if "return_token_ids" in self._training:
+            missing += [
+                name
+                for name, value in (
+                    ("prompt_token_ids", prompt_ids),
+                    ("completion_token_ids", completion_ids),
+                )
+                if value is None
+            ]
+        if "logprobs" in self._training and logprobs is None:
+            missing.append("logprobs")
+        if "top_logprobs" in self._training and top is None:
+            missing.append("top_logprobs")
+        new = [name for name in missing if name not in self._warned]
+        if new:
+            self._warned.update(new)
+            _log.warning(
+                "%s answered without %s: recorded as null in the results' turns"
+                " (said once, not per turn)",
+                self.url,
+                ", ".join(new),
+            )
+        return data
+
+    def _excerpt(self, response: httpx.Response) -> str:
+        text = response.text
+        try:
+            error = json.loads(text)["error"]
+            # OpenAI-style {"error": {"message": ...}}: the message is the useful part.
+            text = error["message"] if isinstance(error, dict) else str(error)
+        except (ValueError, KeyError, TypeError):
+            pass
+        return _shorten(str(text)) or "(empty body)"
+
+    def _redact(self, text: str) -> str:
+        """Remove the API key (and any bearer token an error body echoed)."""
+        if self._api_key is not None and (secret := self._api_key.get_secret_value()):
+            text = text.replace(secret, "***")
+        return _BEARER.sub("Bearer ***", text)
+
+
+_BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
+
+
+def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:
+    """A ToolCall, with ``arguments_error`` instead of an exception for bad arguments."""
+    if isinstance(arguments, dict):  # a lenient server sent an object, not a string
+        return ToolCall(id=call_id, name=name, arguments=arguments)
+    if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
+        # No arguments at all: a call to a tool that takes none.
+        return ToolCall(id=call_id, name=name, arguments={}, raw_arguments=arguments)
+    raw = arguments if isinstance(arguments, str) else None
+    try:
+        parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError as exc:
+        reason = f"{exc.msg} at character {exc.pos}"
+        return ToolCall(
+            id=call_id,
+            name=name,
+            arguments={},
+            arguments_error=f"arguments are not a JSON object: {reason} in {_shorten(raw or '')!r}",
+            raw_arguments=raw,
+        )
+    if not isinstance(parsed, dict):
+        return ToolCall(
+            id=call_id,
+            name=name,
+            arguments={},
+            arguments_error=(
+                f"arguments are not a JSON object: got {type(parsed).__name__}"
+                f" {_shorten(json.dumps(parsed, default=str))}"
+            ),
+            raw_arguments=raw,
+        )
+    return ToolCall(id=call_id, name=name, arguments=parsed, raw_arguments=raw)
+
+
+def _ints(value: object) -> tuple[int, ...] | None:
+    """``value`` as token ids, or None unless it is a list of ints."""
+    if not isinstance(value, list) or not all(
+        isinstance(item, int) and not isinstance(item, bool) for item in value
+    ):
+        return None
+    return tuple(value)
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
+
+
+def _logprobs(
+    value: object,
+) -> tuple[tuple[float, ...] | None, tuple[tuple[tuple[str, float], ...], ...] | None]:
+    """The sampled tokens' logprobs and their alternatives, from OpenAI's shape.
+
+    ``choices[0].logprobs.content`` is a list of ``{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}`` (vLLM and SGLang answer the
+    same); anything else is treated as not returned.
+    """
+    content = value.get("content") if isinstance(value, dict) else None
+    if not isinstance(content, list):
+        return None, None
+    logprobs: list[float] = []
+    top: list[tuple[tuple[str, float], ...]] | None = []
+    for entry in content:
+        logprob = _number(entry.get("logprob")) if isinstance(entry, dict) else None
+        if logprob is None:
+            return None, None
+        logprobs.append(logprob)
+        alternatives = entry.get("top_logprobs") if isinstance(entry, dict) else None
+        if top is not None and isinstance(alternatives, list) and alternatives:
+            pairs = []
+            for alternative in alternatives:
+                number = (
+                    _number(alternative.get("logprob")) if isinstance(alternative, dict) else None
+                )
+                token = alternative.get("token") if isinstance(alternative, dict) else None
+                if number is None or not isinstance(token, str):
+                    top = None
+                    break
+                pairs.append((token, number))
+            else:
+                top.append(tuple(pairs))
+        else:
+            top = None  # no alternatives were returned (or not for every token)
+    return tuple(logprobs), (tuple(top) if top else None)
+
+
+def _int_fields(usage: Mapping[str, Any]) -> dict[str, int]:
+    """The token counts of ``usage``; nested details are dropped."""
+    return {
+        key: value
+        for key, value in usage.items()
+        if isinstance(value, int) and not isinstance(value, bool)
+    }
+
+
+def _shorten(text: str, limit: int = _EXCERPT_CHARS) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -55,23 +55,25 @@ import anyio
 import httpx
 
 import fleetroll.retrying as retrying
-from fleetroll.env_session import StepResult
-from fleetroll.errors import InstanceLostError, ServiceError
-from fleetroll.groups import Group
-from fleetroll.policies import ScriptedPolicy, ToolCall, ToolSpec
-from fleetroll.results import RolloutResult
-from fleetroll.retrying import Decision, retry_after_s
+from fleetroll.errors import ServiceError
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.remote import (
+    RETRY_STATUSES,
+    RemoteBatch,
+    RemoteGroups,
+    RemoteSession,
+    ServiceConnection,
+    StreamCut,
+    describe_failure,
+)
+from fleetroll.retrying import Decision
 from fleetroll.rollout_events import RolloutEvent
-from fleetroll.service.models import BatchState, PolicyConfig
+from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import RetrySettings
 from fleetroll.tasks import TaskSpec
-from fleetroll.tools import ToolResult
 
 __all__ = ["FleetrollClient", "RemoteBatch", "RemoteGroups", "RemoteSession", "ServiceError"]
 
-#: Statuses worth another try: the service's own "later" (busy, full, starting).
-#: Narrower than retrying.transient_status: its 502/504 are a session's verdicts.
-_RETRY_STATUSES = frozenset({429, 503})
 #: How long an idle connection to the service is reused (it keeps them 65 s).
 _KEEPALIVE_S = 15.0
 
@@ -139,6 +141,15 @@ class FleetrollClient:
                 max_connections=100, max_keepalive_connections=20, keepalive_expiry=_KEEPALIVE_S
             ),
         )
+        self._service = ServiceConnection(
+            self.base_url,
+            self._headers,
+            timeout_s=timeout_s,
+            stream_read_timeout_s=stream_read_timeout_s,
+            session_timeout_s=session_timeout_s,
+            budget=self._budget,
+            http=self._http,
+        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.base_url!r})"  # never the token
@@ -195,11 +206,11 @@ class FleetrollClient:
             payload["deadline_s"] = deadline_s
         if oversample is not None:
             payload["oversample"] = oversample
-        return RemoteBatch(self, payload["batch_id"], payload=payload)
+        return RemoteBatch(self._service, payload["batch_id"], payload=payload)
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
         """An existing batch, its results read from cursor ``after`` on (e.g. after a restart)."""
-        return RemoteBatch(self, batch_id, after=after)
+        return RemoteBatch(self._service, batch_id, after=after)
 
     async def follow(self, rollout_id: str, *, after: int = 0) -> AsyncIterator[RolloutEvent]:
         """Each live event of a rollout, from cursor ``after`` on, up to its ``end`` event.
@@ -227,9 +238,9 @@ class FleetrollClient:
             response = lines = None
 
         def decision(exc: BaseException) -> Decision:
-            if isinstance(exc, _Cut):
+            if isinstance(exc, StreamCut):
                 return Decision(True)
-            if isinstance(exc, ServiceError) and exc.status_code in _RETRY_STATUSES:
+            if isinstance(exc, ServiceError) and exc.status_code in RETRY_STATUSES:
                 return Decision(True, exc.status_code)
             return Decision(False)
 
@@ -244,20 +255,7 @@ class FleetrollClient:
                         tries = attempt.num
                         try:
                             if lines is None:
-                                request = self._http.build_request(
-                                    "GET",
-                                    self._url(path),
-                                    params={"after": cursor},
-                                    headers={**self._headers, "Accept": "application/x-ndjson"},
-                                    timeout=httpx.Timeout(
-                                        self.timeout_s, read=self.stream_read_timeout_s
-                                    ),
-                                )
-                                opened = await self._http.send(request, stream=True)
-                                if opened.is_error:
-                                    await opened.aread()
-                                    await opened.aclose()
-                                    raise _error("GET", path, opened)
+                                opened = await self._service.open_stream(path, after=cursor)
                                 response, lines = opened, opened.aiter_lines()
                             line = await anext(lines)
                             message: dict[str, Any] = json.loads(line) if line.strip() else {}
@@ -271,8 +269,8 @@ class FleetrollClient:
                             # Cut, a torn line, or no end event: resume from the cursor.
                             self.event_reconnects += 1
                             await disconnect()
-                            raise _Cut(_describe(exc)) from exc
-            except _Cut as exc:
+                            raise StreamCut(describe_failure(exc)) from exc
+            except StreamCut as exc:
                 raise ServiceError(
                     f"lost the events stream of rollout {rollout_id} {tries} times in a row"
                     f" ({exc}); resume later with client.follow({rollout_id!r}, after={cursor})"
@@ -390,7 +388,7 @@ class FleetrollClient:
             request_timeout_s=self.session_timeout_s,
             idempotent=False,
         )
-        env = RemoteSession(self, opened)
+        env = RemoteSession(self._service, opened)
         try:
             yield env
         finally:
@@ -398,9 +396,6 @@ class FleetrollClient:
                 await env.close()
 
     # -- plumbing --------------------------------------------------------------
-
-    def _url(self, path: str) -> str:
-        return self.base_url + path
 
     async def _call(
         self,
@@ -411,366 +406,10 @@ class FleetrollClient:
         request_timeout_s: float | None = None,
         idempotent: bool = True,
     ) -> Any:
-        """One JSON request, retried (if ``idempotent``) on connection errors, 429 and 503."""
-        retry_after: float | None = None
-        tries = 0
-
-        def decision(exc: BaseException) -> Decision:
-            if isinstance(exc, httpx.TransportError):
-                # Only a request that never left is safe to resend when not idempotent.
-                return Decision(idempotent or isinstance(exc, httpx.ConnectError))
-            if isinstance(exc, ServiceError) and exc.status_code in _RETRY_STATUSES:
-                return Decision(idempotent, exc.status_code, retry_after)
-            return Decision(False)
-
-        try:
-            async for attempt in retrying.attempts("client", self._budget, classify=decision):
-                with attempt:
-                    tries, retry_after = attempt.num, None
-                    response = await self._http.request(
-                        method,
-                        self._url(path),
-                        json=json,
-                        headers=self._headers,
-                        timeout=(
-                            httpx.USE_CLIENT_DEFAULT
-                            if request_timeout_s is None
-                            else request_timeout_s
-                        ),
-                    )
-                    if response.is_error:
-                        retry_after = retry_after_s(response.headers)
-                        raise _error(method, path, response)
-        except httpx.TransportError as exc:
-            if not decision(exc).transient:
-                raise ServiceError(f"{method} {path}: {_describe(exc)}") from exc
-            raise ServiceError(
-                f"{method} {path}: gave up after {tries} attempts: {_describe(exc)}"
-            ) from exc
-        return response.json()
-
-
-class _Cut(Exception):
-    """The results stream broke (its cause says how): reopen it from the cursor."""
-
-
-class RemoteBatch:
-    """A batch on the service: an async iterator of its results (see :meth:`groups`).
-
-    Attributes:
-        batch_id: the batch's id (chosen by the client unless given).
-        cursor: the cursor of the last result received; resume a batch
-            elsewhere with ``client.batch(batch_id, after=cursor)``.
-        reconnects: how many times the results stream was reopened.
-        rerun: once submitted, how many rollouts of an identical earlier
-            batch (the same id) run again because they had ended cancelled;
-            read from the start, the batch gives the newest result of each.
-    """
-
-    def __init__(
-        self,
-        client: FleetrollClient,
-        batch_id: str,
-        *,
-        payload: dict[str, Any] | None = None,
-        after: int = 0,
-    ) -> None:
-        self._client = client
-        self.batch_id = batch_id
-        self._payload = payload
-        self.total: int | None = None
-        self.rerun = 0
-        self.cursor = after
-        self.reconnects = 0
-        self._response: httpx.Response | None = None
-        self._lines: AsyncIterator[str] | None = None
-        self._ended = False
-
-    #: The NDJSON stream this object reads.
-    _stream = "results"
-
-    async def submit(self) -> Self:
-        """Submit the batch (once; iterating or entering does it for you).
-
-        Raises:
-            ServiceError: 422 (invalid tasks), 409 (the id holds another batch).
-        """
-        if self._payload is not None:
-            created = await self._client._call("POST", "/v1/batches", json=self._payload)
-            self.total = int(created["rollouts"])
-            self.rerun = int(created.get("rerun", 0))
-            self._payload = None
-        return self
-
-    async def status(self) -> BatchState:
-        """The batch's status and counts."""
-        await self.submit()
-        return BatchState.model_validate(
-            await self._client._call("GET", f"/v1/batches/{self.batch_id}")
+        """One JSON request through the connection (see :meth:`ServiceConnection.call`)."""
+        return await self._service.call(
+            method, path, json=json, request_timeout_s=request_timeout_s, idempotent=idempotent
         )
-
-    async def cancel(self) -> None:
-        """Cancel what is still running; iteration still yields every result."""
-        await self.submit()
-        await self._client._call("DELETE", f"/v1/batches/{self.batch_id}")
-
-    async def aclose(self) -> None:
-        """Cancel the batch (as ``Batch.aclose`` does in-process)."""
-        await self.cancel()
-
-    async def results(self) -> list[RolloutResult]:
-        """Every (remaining) result, once all rollouts have ended."""
-        return [r async for r in self]
-
-    def groups(self, *, after: int = 0) -> RemoteGroups:
-        """Each group of the batch as soon as it is complete, from cursor ``after`` on.
-
-        A stream of its own (as ``Batch.groups`` in-process), reopened like the
-        results stream when it breaks; iterating it submits the batch first.
-        """
-        return RemoteGroups(self, after=after)
-
-    async def __aenter__(self) -> Self:
-        return await self.submit()
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        try:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._client.timeout_s):
-                if not self._ended:
-                    await self.cancel()
-        finally:
-            await self._disconnect()
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> RolloutResult:
-        if self._ended:
-            raise StopAsyncIteration
-        await self.submit()
-        while True:
-            message = await self._next_line()
-            kind = message.get("type")
-            if kind == "result":
-                cursor = int(message["cursor"])
-                if cursor <= self.cursor:
-                    continue  # already seen (cannot happen with ?after=, but cheap to guard)
-                self.cursor = cursor
-                return RolloutResult.model_validate(message["result"])
-            if kind == "end":
-                self._ended = True
-                await self._disconnect()
-                raise StopAsyncIteration
-            # heartbeat, or a line type this client does not know: keep reading
-
-    async def _next_line(self) -> dict[str, Any]:
-        """The next line of the results stream; a broken stream is reopened from the cursor.
-
-        Failures in a row are bounded by the client's budget; any line read
-        (a heartbeat too) starts the count again.
-        """
-        cut = False
-        tries = 0
-
-        def decision(exc: BaseException) -> Decision:
-            if isinstance(exc, _Cut):
-                return Decision(True)
-            if isinstance(exc, ServiceError) and exc.status_code in _RETRY_STATUSES:
-                return Decision(True, exc.status_code)
-            return Decision(False)
-
-        try:
-            async for attempt in retrying.attempts(
-                "client_stream", self._client._budget, classify=decision
-            ):
-                with attempt:
-                    tries = attempt.num
-                    if cut:
-                        self.reconnects += 1
-                        cut = False
-                    try:
-                        if self._lines is None:
-                            await self._connect()
-                            assert self._lines is not None
-                        line = await anext(self._lines)
-                        message: dict[str, Any] = json.loads(line) if line.strip() else {}
-                    except (
-                        httpx.TransportError,
-                        httpx.StreamError,
-                        StopAsyncIteration,
-                        ValueError,
-                    ) as exc:
-                        # Cut (a proxy, the network), a torn line, or no end line: resume.
-                        await self._disconnect()
-                        cut = True
-                        raise _Cut(_describe(exc)) from exc
-        except _Cut as exc:
-            raise ServiceError(
-                f"lost the results stream of batch {self.batch_id} {tries} times in a"
-                f" row ({exc}); resume later with"
-                f" client.batch({self.batch_id!r}, after={self.cursor})"
-            ) from exc.__cause__
-        return message
-
-    async def _connect(self) -> None:
-        c = self._client
-        request = c._http.build_request(
-            "GET",
-            c._url(f"/v1/batches/{self.batch_id}/{self._stream}"),
-            params={"after": self.cursor},
-            headers={**c._headers, "Accept": "application/x-ndjson"},
-            timeout=httpx.Timeout(c.timeout_s, read=c.stream_read_timeout_s),
-        )
-        response = await c._http.send(request, stream=True)
-        if response.is_error:
-            await response.aread()
-            await response.aclose()
-            raise _error("GET", request.url.path, response)
-        self._response = response
-        self._lines = response.aiter_lines()
-
-    async def _disconnect(self) -> None:
-        lines, response = self._lines, self._response
-        self._lines = self._response = None
-        with anyio.CancelScope(shield=True):
-            if lines is not None and hasattr(lines, "aclose"):
-                with suppress(Exception):
-                    await lines.aclose()
-            if response is not None:
-                await response.aclose()
-
-
-class RemoteGroups(RemoteBatch):
-    """A batch's complete groups on the service: an async iterator of :class:`Group`.
-
-    Attributes:
-        cursor: the cursor of the last group received.
-    """
-
-    _stream = "groups"
-
-    def __init__(self, batch: RemoteBatch, *, after: int = 0) -> None:
-        super().__init__(batch._client, batch.batch_id, after=after)
-        self._batch = batch
-
-    async def submit(self) -> Self:
-        await self._batch.submit()
-        self.total = self._batch.total
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self._disconnect()  # the batch is the caller's to cancel
-
-    def __aiter__(self) -> Self:
-        return self
-
-    async def __anext__(self) -> Group:  # type: ignore[override]
-        if self._ended:
-            raise StopAsyncIteration
-        await self.submit()
-        while True:
-            message = await self._next_line()
-            kind = message.get("type")
-            if kind == "group":
-                cursor = int(message["cursor"])
-                if cursor <= self.cursor:
-                    continue
-                self.cursor = cursor
-                return Group.model_validate(message["group"])
-            if kind == "end":
-                self._ended = True
-                await self._disconnect()
-                raise StopAsyncIteration
-
-
-class RemoteSession:
-    """An env-style session on the service, like :class:`~fleetroll.env_session.EnvSession`."""
-
-    def __init__(self, client: FleetrollClient, opened: Mapping[str, Any]) -> None:
-        self._client = client
-        self.session_id: str = opened["session_id"]
-        self._messages: list[dict[str, Any]] = list(opened["messages"])
-        self.tools = [
-            ToolSpec(name=t["name"], description=t["description"], input_schema=t["input_schema"])
-            for t in opened["tools"]
-        ]
-        self._result: RolloutResult | None = None
-        self._closed = False
-        self._told_done = False  # done() reached the service
-
-    async def reset(self) -> list[dict[str, Any]]:
-        """The opening messages (the task prompt). The instance is fresh already."""
-        return list(self._messages)
-
-    async def step(self, call: ToolCall | Mapping[str, Any]) -> StepResult:
-        """Run one tool call; ``done`` once the episode is over.
-
-        Raises:
-            InstanceLostError: the instance is gone (the session has ended).
-            ServiceError: the service refused or failed the step.
-        """
-        if isinstance(call, ToolCall):
-            body: dict[str, Any] = {"name": call.name, "arguments": dict(call.arguments)}
-            body["id"] = call.id
-        else:
-            body = {"name": str(call["name"]), "arguments": dict(call.get("arguments") or {})}
-            if call.get("id"):
-                body["id"] = str(call["id"])
-        try:
-            answer = await self._client._call(
-                "POST", f"/v1/sessions/{self.session_id}/step", json=body, idempotent=False
-            )
-        except ServiceError as exc:
-            if exc.status_code == 502:
-                raise InstanceLostError(
-                    exc.detail or str(exc), operation="step", rollout_id=None
-                ) from exc
-            raise
-        observation = ToolResult(text=answer["text"], is_error=bool(answer["is_error"]))
-        return StepResult(observation, bool(answer["done"]), tuple(answer["messages"]))
-
-    async def done(self) -> None:
-        """Say the episode is over (the agent finished): the result will be ``completed``.
-
-        As :meth:`fleetroll.env_session.EnvSession.done` in-process: later steps
-        answer "The episode is over.", and without it a session whose task needs
-        no final answer ends ``abandoned`` when closed
-        (``POST /v1/sessions/{id}/done``).
-
-        Raises:
-            ServiceError: the service refused it (410: the session had ended).
-        """
-        if not self._told_done and not self._closed:
-            await self._client._call("POST", f"/v1/sessions/{self.session_id}/done")
-            self._told_done = True
-
-    async def close(self) -> RolloutResult | None:
-        """End the episode (``abandoned`` if it had not ended, see :meth:`done`); its result.
-
-        Closing twice returns the same result.
-
-        Raises:
-            ServiceError: the service could not close the session.
-        """
-        if not self._closed:
-            answer = await self._client._call(
-                "DELETE",
-                f"/v1/sessions/{self.session_id}",
-                request_timeout_s=self._client.session_timeout_s,
-            )
-            self._result = RolloutResult.model_validate(answer)
-            self._closed = True
-        return self._result
 
 
 def _task_record(task: TaskSpec | Mapping[str, Any]) -> dict[str, Any]:
@@ -807,25 +446,3 @@ def _policy_record(policy: PolicyConfig | ScriptedPolicy | Mapping[str, Any]) ->
         f"a {type(policy).__name__} runs in this process only; describe the policy for the"
         " service with PolicyConfig(kind='openai', base_url=..., model=...)"
     )
-
-
-def _error(method: str, path: str, response: httpx.Response) -> ServiceError:
-    try:
-        detail: Any = response.json().get("detail", "")
-    except (ValueError, AttributeError):
-        detail = response.text[:300]
-    if isinstance(detail, list):  # a 422: where and what, per problem
-        detail = "; ".join(
-            f"{'.'.join(str(p) for p in item.get('loc', []))}: {item.get('msg', '')}"
-            for item in detail
-            if isinstance(item, dict)
-        )
-    status = response.status_code
-    return ServiceError(
-        f"{method} {path}: HTTP {status}: {detail}", status_code=status, detail=str(detail)
-    )
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

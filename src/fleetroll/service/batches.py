@@ -16,26 +16,23 @@ stream, so a reader from the start gets one result per rollout, the newest.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 
 from fleetroll.batch_pool import BatchPool, RunningBatch
 from fleetroll.errors import PoolFullError, TaskFileError
-from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
+from fleetroll.policies import Policy
 from fleetroll.pool import RolloutPool, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.service.errors import ApiError, loc_of
+from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import (
@@ -45,9 +42,16 @@ from fleetroll.service.models import (
     BatchStatus,
     PolicyConfig,
 )
+from fleetroll.service.requests import (
+    batch_fingerprint,
+    build_policy,
+    parse_one,
+    parse_records,
+    task_path,
+)
 from fleetroll.service.training import GroupLog
 from fleetroll.settings import Settings
-from fleetroll.tasks import TaskLimits, TaskSpec, load_task_paths, parse_task
+from fleetroll.tasks import TaskLimits, TaskSpec, load_task_paths
 
 __all__ = ["BatchRecord", "BatchRegistry", "build_policy", "parse_one", "parse_records"]
 
@@ -55,7 +59,6 @@ __all__ = ["BatchRecord", "BatchRegistry", "build_policy", "parse_one", "parse_r
 _LINES_PER_CHUNK = 64
 #: Closing a batch's policy (an HTTP client) after the batch: bounded, shielded.
 _POLICY_CLOSE_S = 5.0
-_SOURCE = "request body"
 #: How long a resubmission waits for a cancelled batch's last results before re-running it.
 _CANCEL_SETTLE_SLACK_S = 5.0
 
@@ -314,7 +317,9 @@ class BatchRegistry:
                 pool is full, or a cancel of the identical batch is still
                 settling).
         """
-        fingerprint = _fingerprint(tasks, policy_config, samples_per_task, deadline_s, oversample)
+        fingerprint = batch_fingerprint(
+            tasks, policy_config, samples_per_task, deadline_s, oversample
+        )
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
         if existing is not None:
@@ -477,7 +482,7 @@ class BatchRegistry:
                 parse_records, records, s.modalities, limits, limiter=self._parsing
             )
         assert request.tasks_file is not None
-        path = _task_path(request.tasks_file, s.service.tasks_root)
+        path = task_path(request.tasks_file, s.service.tasks_root)
         try:
             return await anyio.to_thread.run_sync(
                 load_task_paths, [path], s.modalities, limits, limiter=self._parsing
@@ -486,137 +491,6 @@ class BatchRegistry:
             # Paths as the client gave them: relative to tasks_root, not the server's layout.
             reason = str(exc).replace(f"{s.service.tasks_root.resolve()}{os.sep}", "")
             raise ApiError(422, reason, loc=["body", "tasks_file"], type="task_error") from None
-
-
-def parse_records(
-    records: Sequence[Mapping[str, Any]], modalities: Any, limits: TaskLimits
-) -> list[TaskSpec]:
-    """Tasks of a request's ``tasks`` list, checked as a task file is.
-
-    Blocking (each verifier is compiled): the service runs it in a worker thread.
-
-    Raises:
-        ApiError: 422 naming the item and field (``["body", "tasks", 2, "env_key"]``).
-    """
-    if not records:
-        raise ApiError(422, "no tasks", loc=["body", "tasks"])
-    if limits.max_tasks is not None and len(records) > limits.max_tasks:
-        reason = f"{len(records)} tasks, over this service's limit of {limits.max_tasks}"
-        raise ApiError(422, reason, loc=["body", "tasks"])
-    tasks: list[TaskSpec] = []
-    first_use: dict[str, int] = {}
-    for i, record in enumerate(records):
-        try:
-            task = parse_task(
-                record,
-                source=_SOURCE,
-                modalities=modalities,
-                max_verifier_bytes=limits.max_verifier_bytes,
-            )
-        except TaskFileError as exc:
-            reason = f"{exc.reason} (the {_nth(i + 1)} task in the list)"
-            loc = ["body", "tasks", i, *loc_of(exc.field)]
-            raise ApiError(422, reason, loc=loc, type="task_error") from None
-        first = first_use.setdefault(task.key, i)
-        if first != i:
-            reason = f"duplicate key {task.key!r}, first used by the {_nth(first + 1)} task"
-            raise ApiError(422, reason, loc=["body", "tasks", i, "key"], type="task_error")
-        tasks.append(task)
-    return tasks
-
-
-def parse_one(
-    record: Mapping[str, Any],
-    modalities: Any,
-    *,
-    loc: Sequence[str],
-    max_verifier_bytes: int | None = None,
-) -> TaskSpec:
-    """One task of a request (a session's, an MCP tool's), its verifier's size checked first.
-
-    Raises:
-        ApiError: 422 naming the field.
-    """
-    try:
-        return parse_task(
-            record, source=_SOURCE, modalities=modalities, max_verifier_bytes=max_verifier_bytes
-        )
-    except TaskFileError as exc:
-        raise ApiError(422, exc.reason, loc=[*loc, *loc_of(exc.field)], type="task_error") from None
-
-
-def _nth(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
-
-
-def _task_path(given: str, root: Path) -> Path:
-    base = root.resolve()
-    try:
-        path = (base / given).resolve()
-    except (OSError, RuntimeError, ValueError) as exc:  # symlink loops, NUL bytes
-        raise ApiError(422, f"not a usable path: {exc}", loc=["body", "tasks_file"]) from None
-    if not path.is_relative_to(base):
-        raise ApiError(
-            422,
-            "is outside the folder this service reads task files from (service.tasks_root)",
-            loc=["body", "tasks_file"],
-        )
-    return path
-
-
-def _fingerprint(
-    tasks: Sequence[TaskSpec],
-    policy: PolicyConfig | None,
-    samples_per_task: int,
-    deadline_s: float | None,
-    oversample: int = 0,
-) -> str:
-    """What makes two submissions "the same batch" (a policy's api_key does not)."""
-    identity: dict[str, Any] = {
-        "tasks": [t.model_dump(mode="json") for t in tasks],
-        "samples_per_task": samples_per_task,
-        "policy": policy.model_dump(mode="json", exclude={"api_key"}) if policy else None,
-        "deadline_s": deadline_s,
-    }
-    if oversample:  # absent when 0: fingerprints of earlier batches stay the same
-        identity["oversample"] = oversample
-    blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()
-
-
-def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
-    """The policy a request asks for; unset fields come from ``settings.policy``.
-
-    The server's own ``OPENAI_API_KEY`` goes only to the server's configured
-    endpoint: a request naming another ``base_url`` must bring its own key.
-    """
-    base = settings.policy
-    cfg = config or PolicyConfig()
-    if (cfg.kind or base.kind) == "scripted":
-        think = base.think_time_s if cfg.think_time_s is None else cfg.think_time_s
-        return ScriptedPolicy(think_time_s=think)
-    base_url = cfg.base_url or base.base_url
-    api_key = cfg.api_key
-    if api_key is None and base_url.rstrip("/") == base.base_url.rstrip("/"):
-        api_key = settings.openai_api_key
-    return OpenAIChatPolicy(
-        base_url=base_url,
-        model=cfg.model or base.model,
-        api_key=api_key,
-        temperature=base.temperature if cfg.temperature is None else cfg.temperature,
-        top_p=base.top_p if cfg.top_p is None else cfg.top_p,
-        max_tokens=base.max_tokens if cfg.max_tokens is None else cfg.max_tokens,
-        extra_body=base.extra_body if cfg.extra_body is None else cfg.extra_body,
-        system_prompt=base.system_prompt if cfg.system_prompt is None else cfg.system_prompt,
-        timeout_s=settings.timeouts.policy_s,
-        max_retries=base.max_retries if cfg.max_retries is None else cfg.max_retries,
-        return_token_ids=(
-            base.return_token_ids if cfg.return_token_ids is None else cfg.return_token_ids
-        ),
-        logprobs=base.logprobs if cfg.logprobs is None else cfg.logprobs,
-        top_logprobs=base.top_logprobs if cfg.top_logprobs is None else cfg.top_logprobs,
-    )
 
 
 async def _close_policy(policy: Policy) -> None:

@@ -226,3 +226,19 @@ async def test_a_view_without_messages_of_a_long_rollout_exports_no_transcript(
     assert exported_by_brief == 0 and exports[0] == 102  # then the view with messages, the result
     assert brief[-1].messages == () and len(full.messages) == 102
     assert brief[-1].phase is full.phase is Phase.ACTING and brief[-1].steps == full.steps == 51
+
+
+@pytest.mark.parametrize("phase", [Phase.PROVISIONING, Phase.RELEASING])
+async def test_a_rollout_that_broke_after_it_left_pending_still_gets_its_one_result(
+    phase: Phase,
+) -> None:
+    """The pool's last resort for a run() that raised: never_started must not raise itself."""
+    async with engine(MemorySink()) as (eng, _):
+        rollout = eng.rollout(TASK, RolloutIds("b", "r"))
+        rollout._enter(Phase.PROVISIONING)  # where a bug in run() could have left it
+        if phase is Phase.RELEASING:
+            rollout._enter(Phase.RELEASING)
+        result = rollout.never_started(FailureReason.INIT_ERROR, "fleetroll bug")
+
+    assert rollout.phase is Phase.DONE and rollout.result is result
+    assert (result.failure_reason, result.reward) == (FailureReason.INIT_ERROR, None)

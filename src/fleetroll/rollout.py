@@ -552,9 +552,18 @@ class Rollout:
         return StepResult(result, self.finished, self._p.transcript.since(before))
 
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
-        """The result of a rollout that ended before it started (no events)."""
+        """The result of a rollout that ended before it started (no events).
+
+        Also the pool's last resort when :meth:`run` itself raised (a bug)
+        after the rollout left PENDING: it then passes through RELEASING to
+        DONE instead of refusing the transition; an instance it may hold
+        carries the batch's run_id, so the batch's sweep releases it.
+        """
         self._fail(reason, error)
-        self._enter(Phase.DONE)
+        if self.phase is not Phase.DONE:
+            if Phase.DONE not in _NEXT[self.phase]:
+                self._enter(Phase.RELEASING)  # every phase before DONE may release
+            self._enter(Phase.DONE)
         self.result = self._build_result()
         self.live.end(self.result)
         return self.result

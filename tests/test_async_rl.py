@@ -163,7 +163,7 @@ async def test_a_resumed_oversampled_run_only_runs_what_its_groups_still_lack(
     settings = load_settings(provisioning=FAST, pool={"oversample": 1})
     out = tmp_path / "results.jsonl"
     # A run that was killed after its first sample was scored.
-    claim = claim_journal(out, BatchIdentity.of("b", [task], 2), resume=False)
+    claim = claim_journal(out, BatchIdentity.of("b", [task], 2, oversample=1), resume=False)
     claim.close()
     journaled = RolloutResult(
         rollout_id=rollout_id("b", task.key, 0),

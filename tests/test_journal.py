@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -168,3 +169,26 @@ def test_a_fifo_or_a_device_is_refused_as_a_journal_without_reading_it(tmp_path:
             claim_journal(path, BatchIdentity.of("b", TASKS, 1), resume=True)
         with pytest.raises(ValueError, match="not a regular file"):
             read_journal(path)
+
+
+def test_a_resume_with_another_oversample_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    claim_journal(path, BatchIdentity.of("b", TASKS, 2, oversample=1), resume=False).close()
+    write_lines(path, result(1))
+    why = "started with pool.oversample = 1, this run asks for 0"
+    with pytest.raises(ConfigError, match=re.escape(why)):
+        claim_journal(path, BatchIdentity.of("b", TASKS, 2), resume=True)
+    claim_journal(path, BatchIdentity.of("b", TASKS, 2, oversample=1), resume=True).close()
+
+
+def test_a_journal_from_before_oversample_was_recorded_resumes_with_any(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    claim_journal(path, BatchIdentity.of("b", TASKS, 2), resume=False).close()
+    write_lines(path, result(1))
+    old = json.loads(meta_path(path).read_bytes())
+    del old["oversample"]
+    meta_path(path).write_text(json.dumps(old))
+
+    claim = claim_journal(path, BatchIdentity.of("b", TASKS, 2, oversample=3), resume=True)
+    claim.close()
+    assert claim.batch_id == "b"

@@ -107,21 +107,34 @@ def task_digest(task: TaskSpec) -> str:
 
 @dataclass(frozen=True, slots=True)
 class BatchIdentity:
-    """What makes a batch the same batch: its id, its samples, its tasks' content."""
+    """What makes a batch the same batch: its id, its samples, its oversample,
+    its tasks' content.
+
+    ``oversample`` is None in an identity written before it was recorded: such
+    a journal resumes whatever this run's ``pool.oversample`` (as it did).
+    """
 
     batch_id: str
     samples: int
     tasks: Mapping[str, str] = field(repr=False)  # task key -> task_digest
+    oversample: int | None = 0
 
     @classmethod
-    def of(cls, batch_id: str, tasks: Sequence[TaskSpec], samples: int) -> BatchIdentity:
-        return cls(batch_id, samples, {t.key: task_digest(t) for t in tasks})
+    def of(
+        cls, batch_id: str, tasks: Sequence[TaskSpec], samples: int, oversample: int = 0
+    ) -> BatchIdentity:
+        return cls(batch_id, samples, {t.key: task_digest(t) for t in tasks}, oversample)
 
     def difference(self, other: BatchIdentity) -> str | None:
         """How ``other`` (this run) differs from this batch, or None (batch ids aside)."""
         if other.samples != self.samples:
             return (
                 f"it was started with --samples {self.samples}, this run asks for {other.samples}"
+            )
+        if None not in (self.oversample, other.oversample) and other.oversample != self.oversample:
+            return (
+                f"it was started with pool.oversample = {self.oversample}, this run asks"
+                f" for {other.oversample}"
             )
         for key, digest in self.tasks.items():
             if key not in other.tasks:
@@ -139,6 +152,7 @@ class BatchIdentity:
                 "format": _META_FORMAT,
                 "batch_id": self.batch_id,
                 "samples": self.samples,
+                "oversample": self.oversample,
                 "tasks": dict(self.tasks),
             },
             sort_keys=True,
@@ -154,7 +168,13 @@ class BatchIdentity:
             tasks = raw["tasks"]
             if not isinstance(tasks, dict):
                 raise ValueError("'tasks' is not an object")
-            return cls(str(raw["batch_id"]), int(raw["samples"]), tasks)
+            oversample = raw.get("oversample")  # absent: written before it was recorded
+            return cls(
+                str(raw["batch_id"]),
+                int(raw["samples"]),
+                tasks,
+                None if oversample is None else int(oversample),
+            )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a batch identity: {exc}") from None
 
@@ -268,8 +288,8 @@ def _check(path: Path, fd: int, identity: BatchIdentity, *, resume: bool) -> Jou
         why = started.difference(identity)
         if why is not None:
             raise ConfigError(
-                f"cannot resume {path}: {why}; resume with the same tasks and --samples, "
-                "or choose another --out"
+                f"cannot resume {path}: {why}; resume with the same tasks, --samples and"
+                " pool.oversample, or choose another --out"
             )
         return JournalClaim(path, started.batch_id, previous, fd)
     unknown = sorted({r.task_key for r in previous} - set(identity.tasks))
@@ -279,13 +299,14 @@ def _check(path: Path, fd: int, identity: BatchIdentity, *, resume: bool) -> Jou
             + ", ".join(unknown[:5])
         )
     beyond = max((r.sample_index for r in previous), default=0)
-    if beyond >= identity.samples:
+    if beyond >= identity.samples + (identity.oversample or 0):
         raise ConfigError(
             f"cannot resume {path}: it holds sample {beyond} of a task, "
             f"this run asks for --samples {identity.samples}"
         )
     batch_id = batches[0] if batches else identity.batch_id
-    _write_atomically(meta, BatchIdentity(batch_id, identity.samples, identity.tasks).to_json())
+    started = BatchIdentity(batch_id, identity.samples, identity.tasks, identity.oversample)
+    _write_atomically(meta, started.to_json())
     return JournalClaim(path, batch_id, previous, fd)
 
 

@@ -127,7 +127,9 @@ async def run_job(
             # leaves nothing behind to clean up or --resume.
             await preflight_fleet(settings, fleet, tasks)
         if out is not None:
-            identity = await anyio.to_thread.run_sync(BatchIdentity.of, batch_id, tasks, samples)
+            identity = await anyio.to_thread.run_sync(
+                BatchIdentity.of, batch_id, tasks, samples, settings.pool.oversample
+            )
             claim = await anyio.to_thread.run_sync(
                 functools.partial(claim_journal, out, identity, resume=resume)
             )

@@ -11,9 +11,10 @@ import pytest
 
 pytest.importorskip("ray")  # RayBatch.view names Ray's exception types
 
-from fleetroll.errors import OperationTimeout
+from fleetroll.errors import ConfigError, OperationTimeout
+from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool import rollout_id
-from fleetroll.ray_pool import RayBatch
+from fleetroll.ray_pool import RayBatch, RayRolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import Phase, RolloutIds, RolloutView
 from fleetroll.settings import config_dir, load_settings
@@ -115,3 +116,13 @@ async def test_an_actor_that_does_not_answer_in_time_is_an_operation_timeout(
     with anyio.fail_after(10), pytest.raises(OperationTimeout, match="ray_call_s") as caught:
         await ray_batch.view(RID)
     assert caught.value.rollout_id == RID and caught.value.timeout_s == 0.05
+
+
+@pytest.mark.parametrize(("config", "argument"), [(0, 2), (3, None)])
+def test_oversampling_on_ray_is_refused_in_one_line_naming_the_setting(
+    config: int, argument: int | None
+) -> None:
+    pool = RayRolloutPool(load_settings(pool={"oversample": config}), api_key="k")
+    given = "pool.oversample" if argument is None else "oversample"
+    with pytest.raises(ConfigError, match=f"^{given} = {argument or config} needs the local pool"):
+        pool.run_batch([TASK], ScriptedPolicy(), oversample=argument)

@@ -39,7 +39,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from fleetroll._serving import exit_transparently
-from fleetroll.errors import OperationTimeout
+from fleetroll.errors import ConfigError, OperationTimeout
 from fleetroll.policies import Policy
 from fleetroll.pool import (
     BatchCounts,
@@ -329,14 +329,26 @@ class RayRolloutPool:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         skip: Collection[str] = (),
+        oversample: int | None = None,
     ) -> RayBatch:
         """Start a batch sharded round-robin over the actors (see RolloutPool.run_batch).
 
+        ``oversample`` (default ``pool.oversample``) must be 0: Ray runs every
+        sample, as ``fleetroll run --ray`` says.
+
         Raises:
+            ConfigError: ``oversample`` (or ``pool.oversample``) is not 0.
             ValueError: two tasks share a key, or a batch with this id is still running.
             PoolFullError: the batch would take the unfinished rollouts past
                 ``pool.max_queued_rollouts``.
         """
+        extra = self.settings.pool.oversample if oversample is None else oversample
+        if extra:
+            given = "pool.oversample" if oversample is None else "oversample"
+            raise ConfigError(
+                f"{given} = {extra} needs the local pool: oversampling is not supported"
+                " on Ray (pass 0, or use RolloutPool)"
+            )
         if self._tg is None:
             raise RuntimeError("the pool is not open: use `async with RayRolloutPool(...)`")
         if samples_per_task < 1:

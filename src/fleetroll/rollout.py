@@ -14,11 +14,14 @@ bounded), ``fleet_rollout_completed`` is emitted exactly once, and
 :attr:`Rollout.result` holds a result with the right ``failure_reason``.
 
 Around it: what rollouts share is the engine (:mod:`fleetroll.engine`); what
-each phase does against the provider (provision, reset, connect, score, the
-completed event) is :mod:`fleetroll.stages`; one tool call and what it means
-is :mod:`fleetroll.dispatch`; the mutable state and the (redacted) result are
-:mod:`fleetroll.progress`; the transcript is :mod:`fleetroll.transcript`; the
-env-style session API is :mod:`fleetroll.env_session`.
+each phase does (provision, reset, connect, one policy call, score, the
+completed event) is :mod:`fleetroll.stages`; the phases, their transitions
+and the read model are :mod:`fleetroll.phases`; when a rollout is too far
+behind the trainer's policy is :mod:`fleetroll.staleness`; one tool call and
+what it means is :mod:`fleetroll.dispatch`; the mutable state and the
+(redacted) result are :mod:`fleetroll.progress`; the transcript is
+:mod:`fleetroll.transcript`; the env-style session API is
+:mod:`fleetroll.env_session`.
 """
 
 from __future__ import annotations
@@ -32,19 +35,19 @@ from contextlib import (
     asynccontextmanager,
     contextmanager,
 )
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Any, Final, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 
 import fleetroll.stages as stages
+import fleetroll.staleness as staleness
 from fleetroll.dispatch import StepResult, dispatch
 from fleetroll.environments import Instance
-from fleetroll.errors import ContextOverflowError, InstanceLostError, PolicyError
+from fleetroll.errors import InstanceLostError
+from fleetroll.phases import NEXT, Phase, RolloutView
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.progress import Progress, RolloutIds
-from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult
+from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.retrying import reporting as report_retries
 from fleetroll.rollout_events import RolloutEventLog
 from fleetroll.routing import Route
@@ -57,54 +60,6 @@ from fleetroll.tools import ToolResult, ToolSession, describe
 T = TypeVar("T")
 
 __all__ = ["Phase", "Rollout", "RolloutIds", "RolloutView"]
-
-
-class Phase(StrEnum):
-    PENDING = "pending"
-    PROVISIONING = "provisioning"
-    WAITING = "waiting"  # instance ready, waiting for an active slot
-    RESETTING = "resetting"
-    CONNECTING = "connecting"
-    ACTING = "acting"
-    VERIFYING = "verifying"
-    RELEASING = "releasing"
-    DONE = "done"
-
-
-#: The transitions a rollout may take; anything else is a bug, caught at once.
-#: VERIFYING follows any phase after the instance is ready (a rollout that
-#: timed out or was abandoned is still scored); RELEASING follows any phase.
-_NEXT: Final[dict[Phase, frozenset[Phase]]] = {
-    Phase.PENDING: frozenset({Phase.PROVISIONING, Phase.RELEASING, Phase.DONE}),
-    Phase.PROVISIONING: frozenset({Phase.WAITING, Phase.RESETTING, Phase.RELEASING}),
-    Phase.WAITING: frozenset({Phase.RESETTING, Phase.RELEASING}),
-    Phase.RESETTING: frozenset({Phase.CONNECTING, Phase.VERIFYING, Phase.RELEASING}),
-    Phase.CONNECTING: frozenset({Phase.ACTING, Phase.VERIFYING, Phase.RELEASING}),
-    Phase.ACTING: frozenset({Phase.VERIFYING, Phase.RELEASING}),
-    Phase.VERIFYING: frozenset({Phase.RELEASING}),
-    # PROVISIONING again: a stale rollout restarted (pool.staleness_action).
-    Phase.RELEASING: frozenset({Phase.DONE, Phase.PROVISIONING}),
-    Phase.DONE: frozenset(),
-}
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutView:
-    """A rollout as others may see it, running or ended: copies, redacted.
-
-    The service and the MCP tools read rollouts only through this, never the
-    live object's state.
-    """
-
-    ids: RolloutIds
-    task_key: str
-    phase: Phase
-    steps: int
-    #: The transcript so far, as a result would hold it (redacted, images elided);
-    #: empty in a view asked for without messages (:meth:`Rollout.view`).
-    messages: tuple[dict[str, Any], ...]
-    #: Set once the rollout has ended.
-    result: RolloutResult | None
 
 
 class Rollout:
@@ -242,7 +197,7 @@ class Rollout:
 
     def _enter(self, phase: Phase) -> None:
         """Move to ``phase`` (checked against the transition table) and notify."""
-        if phase not in _NEXT[self.phase]:
+        if phase not in NEXT[self.phase]:
             raise RuntimeError(f"a rollout cannot go from {self.phase} to {phase}")
         self.phase = phase
         self._notify()
@@ -333,26 +288,12 @@ class Rollout:
                 self._deadline += waited_s
             if self._p.first_policy_version is None:
                 self._p.first_policy_version = version
-            began = time.monotonic()
-            try:
-                with anyio.fail_after(timeout):
-                    turn = await policy.act(self.task, self._p.transcript.messages, self.tools)
-            except ContextOverflowError as exc:
-                self._fail(FailureReason.CONTEXT_OVERFLOW, str(exc))
+            asked = await stages.ask_policy(
+                policy, self.task, self._p, self.tools, timeout_s=timeout, policy_version=version
+            )
+            if asked is None:
                 return
-            except TimeoutError:
-                self._fail(FailureReason.POLICY_ERROR, f"the policy took over {timeout:g} s")
-                return
-            except PolicyError as exc:
-                self._fail(FailureReason.POLICY_ERROR, str(exc))
-                return
-            except Exception as exc:  # the policy is an adapter: its bugs are its failures
-                self._fail(FailureReason.POLICY_ERROR, f"the policy raised {describe(exc)}")
-                return
-            finally:
-                latency = time.monotonic() - began
-                self._p.timings.policy_s += latency
-            self._p.record_turn(turn, policy_version=version, latency_s=latency)
+            turn, latency = asked
             self.live.turn(turn, latency_s=latency, policy_version=version)
             await self.apply(turn)
 
@@ -414,31 +355,10 @@ class Rollout:
         await stages.score(self.engine, self.instance, self.task, self._p)
 
     def _check_staleness(self, may_restart: bool) -> bool:
-        """Flag a rollout whose first policy call is too far behind (``pool.max_staleness``).
-
-        Only a rollout the verifier would score can be stale. Returns whether
-        to restart it instead (``may_restart``).
-        """
-        p = self._p
+        """Whether to restart a stale rollout (see :func:`fleetroll.staleness.check`)."""
         limit = self.engine.settings.pool.max_staleness
-        first = p.first_policy_version
-        if limit is None or first is None:
-            return False
-        if p.reason is not None and p.reason not in SCORED_REASONS:
-            return False
         now = self.engine.policy_gate.version
-        if now - first <= limit:
-            return False
-        if may_restart:
-            return True
-        ended = f"; it had ended as {p.reason.value}" if p.reason is not None else ""
-        self._fail(
-            FailureReason.STALE,
-            f"the rollout's first policy call used policy version {first}, {now - first} versions"
-            f" behind version {now} (pool.max_staleness = {limit}){ended}",
-            force=True,
-        )
-        return False
+        return staleness.check(self._p, limit, now, may_restart=may_restart)
 
     def stop(self, reason: FailureReason, error: str) -> None:
         """End the rollout early, from another task: it ends as ``reason``.
@@ -456,10 +376,9 @@ class Rollout:
 
     def _start_again(self, restarted: int) -> None:
         """Forget the stale attempt (its instance is released; its cost stays) and say so."""
-        self.engine.events.emit(
-            "fleet_rollout_restarted",
-            level="warn",
-            instance_id=self.instance.instance_id if self.instance else None,
+        staleness.report_restart(
+            self.engine.events,
+            self.instance,
             restarts=restarted + 1,
             first_policy_version=self._p.first_policy_version,
             policy_version=self.engine.policy_gate.version,
@@ -561,7 +480,7 @@ class Rollout:
         """
         self._fail(reason, error)
         if self.phase is not Phase.DONE:
-            if Phase.DONE not in _NEXT[self.phase]:
+            if Phase.DONE not in NEXT[self.phase]:
                 self._enter(Phase.RELEASING)  # every phase before DONE may release
             self._enter(Phase.DONE)
         self.result = self._build_result()

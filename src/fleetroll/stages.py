@@ -12,14 +12,24 @@ instead of raising, and the rollout decides what comes next.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import anyio
+
 from fleetroll.admission import AdmissionController
 from fleetroll.environments import Instance, Provider
-from fleetroll.errors import EnvUnavailableError, OperationTimeout, ProvisionError, ToolsError
-from fleetroll.policies import ToolSpec
+from fleetroll.errors import (
+    ContextOverflowError,
+    EnvUnavailableError,
+    OperationTimeout,
+    PolicyError,
+    ProvisionError,
+    ToolsError,
+)
+from fleetroll.policies import AssistantTurn, Policy, ToolSpec
 from fleetroll.policy_gate import PolicyGate
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
@@ -32,6 +42,7 @@ from fleetroll.tools import ToolSession, describe
 __all__ = [
     "RolloutContext",
     "SetupFailure",
+    "ask_policy",
     "connect",
     "event_attributes",
     "provision",
@@ -217,3 +228,42 @@ def report_completed(events: Events, result: RolloutResult) -> None:
         policy_calls=result.cost.policy_calls,
         tool_calls=result.cost.tool_calls,
     )
+
+
+async def ask_policy(
+    policy: Policy,
+    task: TaskSpec,
+    progress: Progress,
+    tools: Sequence[ToolSpec],
+    *,
+    timeout_s: float,
+    policy_version: int,
+) -> tuple[AssistantTurn, float] | None:
+    """One policy call of the acting phase, timed and recorded on ``progress``.
+
+    Returns the turn and the call's latency (s), or None when the call failed:
+    the failure is recorded (``context_overflow``, or ``policy_error`` for an
+    error, a timeout or a bug of the policy's: the policy is an adapter, its
+    bugs are its failures).
+    """
+    began = time.monotonic()
+    try:
+        with anyio.fail_after(timeout_s):
+            turn = await policy.act(task, progress.transcript.messages, tools)
+    except ContextOverflowError as exc:
+        progress.fail(FailureReason.CONTEXT_OVERFLOW, str(exc))
+        return None
+    except TimeoutError:
+        progress.fail(FailureReason.POLICY_ERROR, f"the policy took over {timeout_s:g} s")
+        return None
+    except PolicyError as exc:
+        progress.fail(FailureReason.POLICY_ERROR, str(exc))
+        return None
+    except Exception as exc:  # the policy is an adapter: its bugs are its failures
+        progress.fail(FailureReason.POLICY_ERROR, f"the policy raised {describe(exc)}")
+        return None
+    finally:
+        latency = time.monotonic() - began
+        progress.timings.policy_s += latency
+    progress.record_turn(turn, policy_version=policy_version, latency_s=latency)
+    return turn, latency

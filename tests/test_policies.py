@@ -497,3 +497,13 @@ async def test_a_client_it_was_given_is_left_open(fake_openai: FakeChatServer) -
             await act(policy)
 
         assert not client.is_closed
+
+
+async def test_the_policy_opens_connections_within_timeouts_policy_connect_s() -> None:
+    settings = load_settings(
+        policy={"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
+        timeouts={"policy_connect_s": 2.5},
+    )
+    async with OpenAIChatPolicy.from_settings(settings) as policy:
+        assert policy._client.timeout.connect == 2.5
+        assert policy._client.timeout.read == settings.timeouts.policy_s

@@ -31,9 +31,6 @@ __all__ = ["OpenAIChatPolicy"]
 
 _OPERATION = "policy"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
-#: A connection that cannot even be opened in this long will not be opened by
-#: waiting longer; failing it early leaves the rest of the deadline to retries.
-_CONNECT_TIMEOUT_S = 10.0
 #: How much of an error body goes into a PolicyError's message.
 _EXCERPT_CHARS = 300
 #: Statuses worth trying again: rate limits, timeouts and server-side failures.
@@ -68,6 +65,8 @@ class OpenAIChatPolicy:
         system_prompt: prepended when the transcript does not start with a
             system message.
         timeout_s: the deadline of one :meth:`act`, retries included.
+        connect_timeout_s: opening a connection (``timeouts.policy_connect_s``),
+            at most ``timeout_s``.
         max_retries: how many times a 408/409/429/5xx answer, a connection error
             or a transport timeout is retried.
         backoff_initial_s, backoff_max_s: exponential backoff between retries
@@ -98,6 +97,7 @@ class OpenAIChatPolicy:
         extra_body: Mapping[str, Any] = _EMPTY,
         system_prompt: str | None = None,
         timeout_s: float = 300.0,
+        connect_timeout_s: float = 10.0,
         max_retries: int = 2,
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
@@ -108,6 +108,8 @@ class OpenAIChatPolicy:
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
+        if connect_timeout_s <= 0:
+            raise ValueError(f"connect_timeout_s must be > 0, not {connect_timeout_s}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, not {max_retries}")
         if backoff_initial_s < 0 or backoff_max_s < 0:
@@ -144,7 +146,7 @@ class OpenAIChatPolicy:
         self._backoff_max_s = backoff_max_s
         self._owns_client = http_client is None
         self._client = http_client or httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, _CONNECT_TIMEOUT_S)),
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, connect_timeout_s)),
             # The rollout pool bounds concurrency; a second, smaller limit here
             # would only queue turns behind each other.
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
@@ -165,6 +167,7 @@ class OpenAIChatPolicy:
             extra_body=policy.extra_body,
             system_prompt=policy.system_prompt,
             timeout_s=settings.timeouts.policy_s,
+            connect_timeout_s=settings.timeouts.policy_connect_s,
             max_retries=policy.max_retries,
             backoff_initial_s=settings.retries.policy_backoff_initial_s,
             backoff_max_s=settings.retries.policy_backoff_max_s,

@@ -86,6 +86,10 @@ class TimeoutSettings(_Section):
     list_tools_s: float = Field(60.0, gt=0)
     call_tool_s: float = Field(60.0, gt=0)
     policy_s: float = Field(300.0, gt=0)
+    #: Opening a connection to the policy endpoint (inside ``policy_s``): one
+    #: that cannot open in this long will not by waiting longer, and failing it
+    #: early leaves the rest of ``policy_s`` to retries.
+    policy_connect_s: float = Field(10.0, gt=0)
     verifier_s: float = Field(120.0, gt=0)
     release_s: float = Field(30.0, gt=0)
     telemetry_s: float = Field(5.0, gt=0)
@@ -399,6 +403,9 @@ class ServiceSettings(_Section):
     query_max_rows: int = Field(10_000, ge=1)
     query_max_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     query_timeout_s: float = Field(10.0, gt=0)
+    #: Telemetry reads run at once (``/v1/query``, stats, the dashboard): each
+    #: holds a worker thread and a SQLite reader; more wait their turn.
+    max_concurrent_queries: int = Field(2, ge=1)
     #: Accept ``mcp`` tasks that run commands on this host (``environment.command``,
     #: ``verifier.command``). Off: anyone holding the service token could run
     #: anything as the service's user; such tasks are refused with a 422.

@@ -149,6 +149,7 @@ def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
         extra_body=base.extra_body if cfg.extra_body is None else cfg.extra_body,
         system_prompt=base.system_prompt if cfg.system_prompt is None else cfg.system_prompt,
         timeout_s=settings.timeouts.policy_s,
+        connect_timeout_s=settings.timeouts.policy_connect_s,
         max_retries=base.max_retries if cfg.max_retries is None else cfg.max_retries,
         return_token_ids=(
             base.return_token_ids if cfg.return_token_ids is None else cfg.return_token_ids

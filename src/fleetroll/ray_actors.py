@@ -33,8 +33,6 @@ from fleetroll.telemetry.events import Event, Events
 
 __all__ = ["CreateLimiter", "RolloutWorker", "holder", "load_ray"]
 
-_RELEASE_TIMEOUT_S = 10.0
-
 
 def load_ray() -> Any:
     """The ``ray`` module.
@@ -105,9 +103,10 @@ class CreateLimiter:
 class _RemoteGate:
     """A :class:`~fleetroll.provisioning.CreateGate` backed by the limiter actor."""
 
-    def __init__(self, limiter: Any, holder: str) -> None:
+    def __init__(self, limiter: Any, holder: str, release_s: float) -> None:
         self._limiter = limiter
         self._holder = holder
+        self._release_s = release_s  # timeouts.ray_call_s: the limiter answers at once
 
     def slot(self) -> AbstractAsyncContextManager[None]:
         return self._slot()
@@ -118,7 +117,7 @@ class _RemoteGate:
         try:
             yield
         finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(_RELEASE_TIMEOUT_S):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self._release_s):
                 await self._limiter.release.remote(self._holder)
 
 
@@ -175,7 +174,9 @@ class RolloutWorker:
                 api_key=self._api_key,
                 base_url=self._base_url,
                 events=Events([buffer]),
-                create_gate=_RemoteGate(self._limiter, self._worker_id),
+                create_gate=_RemoteGate(
+                    self._limiter, self._worker_id, self._settings.timeouts.ray_call_s
+                ),
             )
             async with pool, anyio.create_task_group() as tg:
                 batch = pool.run_batch(

@@ -62,6 +62,9 @@ from fleetroll.telemetry.events import Event, Events
 
 __all__ = ["RayBatch", "RayRolloutPool"]
 
+#: How long an actor holds a ``take`` call open for results (a long poll).
+#: Not a setting: it trades a cancel's latency against calls per second, and
+#: nothing a user runs changes that trade.
 _TAKE_WAIT_S = 0.5
 
 

@@ -100,7 +100,8 @@ class TimeoutSettings(_Section):
     #: out fails that request (and an MCP session with it).
     http_keepalive_s: float = Field(15.0, gt=0)
     #: With ``--ray``: a call to an actor that answers at once (a rollout's
-    #: view, for the service's ``get_state`` and ``get_messages``).
+    #: view, for the service's ``get_state`` and ``get_messages``; giving a
+    #: create slot back to the limiter actor).
     ray_call_s: float = Field(30.0, gt=0)
     #: Each pre-flight check of ``fleetroll run`` (the environment listing,
     #: the policy endpoint's ``/models``).

@@ -99,6 +99,11 @@ __all__ = ["Service", "create_app"]
 
 M = TypeVar("M", bound=BaseModel)
 _NDJSON = "application/x-ndjson"
+#: Slack over ``timeouts.release_s`` for cancelling every batch at shutdown, and
+#: over the sum of a rollout's deadlines for waiting on its result. Not
+#: settings: margins over deadlines that are settings already.
+_SLACK_S = 5.0
+_WAIT_SLACK_S = 30.0
 
 
 class Service:
@@ -150,7 +155,7 @@ class Service:
                 # Let each batch's consumer see its batch to the end (the pool answers
                 # a cancelled batch at once), so nothing is left half-read.
                 with anyio.CancelScope(shield=True):
-                    await self.batches.cancel_all(self.settings.timeouts.release_s + 5.0)
+                    await self.batches.cancel_all(self.settings.timeouts.release_s + _SLACK_S)
                 tg.cancel_scope.cancel()
 
     def stop(self) -> None:
@@ -282,7 +287,7 @@ class Service:
     def rollout_wait_s(self) -> float:
         """The longest a rollout can take from start to result."""
         t = self.settings.timeouts
-        return t.provision_total_s + t.rollout_s + t.verifier_s + t.release_s + 30.0
+        return t.provision_total_s + t.rollout_s + t.verifier_s + t.release_s + _WAIT_SLACK_S
 
     def _forget_rollouts(self, record: BatchRecord) -> None:
         rid = self._rollout_of.pop(record.batch_id, None)

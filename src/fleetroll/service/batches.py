@@ -58,8 +58,10 @@ __all__ = ["BatchRecord", "BatchRegistry", "build_policy", "parse_one", "parse_r
 #: A results chunk holds at most this many lines (fewer, larger writes).
 _LINES_PER_CHUNK = 64
 #: Closing a batch's policy (an HTTP client) after the batch: bounded, shielded.
+#: Not a setting: closing a client does no I/O worth waiting for longer.
 _POLICY_CLOSE_S = 5.0
 #: How long a resubmission waits for a cancelled batch's last results before re-running it.
+#: Not a setting: a margin over ``timeouts.release_s``, which is one.
 _CANCEL_SETTLE_SLACK_S = 5.0
 
 
@@ -238,6 +240,8 @@ class BatchRegistry:
         self._records: dict[str, BatchRecord] = {}
         self._finished: deque[str] = deque()
         #: Reading and checking task files and lists: in a worker thread, one at a time.
+        #: Not a setting: each is bounded by the service's size limits, and one at
+        #: a time leaves the other worker threads to queries and verifiers.
         self._parsing = anyio.CapacityLimiter(1)
         self.tg: TaskGroup | None = None
         self.stopping = False

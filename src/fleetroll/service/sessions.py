@@ -40,6 +40,7 @@ from fleetroll.tools import describe
 __all__ = ["SessionRegistry"]
 
 #: Slack on top of the settings' own deadlines for one answer from an actor.
+#: Not a setting: a margin over deadlines that are settings already.
 _SLACK_S = 30.0
 
 _Kind = Literal["step", "done", "close"]

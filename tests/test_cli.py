@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import anyio
 import pytest
-from anyio.abc import Process
+from anyio.abc import ByteReceiveStream, Process
+from anyio.streams.text import TextReceiveStream
 
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
@@ -121,38 +123,20 @@ def test_a_bad_config_file_fails_with_exit_code_2(tmp_path: Path) -> None:
     assert done.returncode == 2 and "timeouts.call_tool_s" in done.stderr
 
 
-def test_a_run_killed_with_sigkill_resumes_to_exactly_one_result_per_rollout(
+async def test_a_run_killed_with_sigkill_resumes_to_exactly_one_result_per_rollout(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "results.jsonl"
     slow = tmp_path / "slow.toml"
     slow.write_text("[policy]\nthink_time_s = 0.2\n[pool]\nconcurrency = 8\n")
     samples = 4
-    args = [
-        sys.executable,
-        "-m",
-        "fleetroll",
-        "run",
-        str(LEDGER),
-        "--out",
-        str(out),
-        "--samples",
-        str(samples),
-        "--config",
-        str(slow),
-    ]
-    child = subprocess.Popen(
-        args, cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not out.exists() or out.read_bytes().count(b"\n") < 10:
-            assert child.poll() is None, "the run ended before it could be killed"
-            assert time.monotonic() < deadline, "no results within 120 s"
-            time.sleep(0.05)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.wait(timeout=30)
+    args = run_args(LEDGER, out, "--config", str(slow), samples=samples)
+    async with started(tmp_path, args) as (child, log):
+        with anyio.fail_after(120):
+            await log.wait_for(lambda: log.journaled >= 10)
+        child.kill()
+        with anyio.fail_after(30):
+            await child.wait()
     before = read_journal(out)
     assert 10 <= len(before) < samples * TASKS
 
@@ -200,36 +184,93 @@ def slow_config(tmp_path: Path) -> Path:
     return path
 
 
+#: ``python -m fleetroll`` whose journal also says on stdout each time it has results on disk
+#: (its debug records), so that a test can wait for them; stderr is what a user sees.
+WATCHED_FLEETROLL = (
+    "import logging, runpy, sys\n"
+    "journal = logging.getLogger('fleetroll.journal')\n"
+    "journal.setLevel(logging.DEBUG)\n"
+    "journal.addHandler(logging.StreamHandler(sys.stdout))\n"
+    "runpy.run_module('fleetroll', run_name='__main__', alter_sys=True)\n"
+)
+_WRITTEN = re.compile(r"journal .*: (\d+) results written$")
+
+
+class Output:
+    """A child's output, read as it comes: tests wait on it instead of polling."""
+
+    def __init__(self) -> None:
+        self.stderr: list[str] = []
+        #: Results on the journal's disk, as its last debug record (on stdout) said.
+        self.journaled = 0
+        self._open = 2
+        self._changed = anyio.Event()
+
+    def read_text(self) -> str:
+        """Its stderr so far."""
+        return "\n".join(self.stderr)
+
+    async def read(self, stream: ByteReceiveStream, *, stdout: bool) -> None:
+        tail = ""
+        try:
+            async for chunk in TextReceiveStream(stream):
+                *lines, tail = (tail + chunk).split("\n")
+                self._take(lines, stdout=stdout)
+        finally:
+            self._take([tail] if tail else [], stdout=stdout)
+            self._open -= 1
+
+    def _take(self, lines: list[str], *, stdout: bool) -> None:
+        if stdout:
+            for line in lines:
+                if match := _WRITTEN.search(line):
+                    self.journaled = int(match[1])
+        else:
+            self.stderr += lines
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_for(self, condition: Callable[[], bool]) -> None:
+        """Return once ``condition()`` holds (the caller bounds the wait with fail_after)."""
+        while not condition():
+            assert self._open, f"the run ended first:\n{self.read_text()}"
+            await self._changed.wait()
+
+    async def closed(self) -> None:
+        await self.wait_for(lambda: not self._open)
+
+
 @asynccontextmanager
 async def started(
     tmp_path: Path, args: list[str], env: dict[str, str] | None = None
-) -> AsyncIterator[tuple[Process, Path]]:
-    """``args`` as a child process, its stderr in a file; killed if still running at the end."""
-    log = tmp_path / f"stderr-{len(list(tmp_path.glob('stderr-*')))}.txt"
-    with log.open("wb") as stderr:
-        child = await anyio.open_process(
-            args,
-            cwd=tmp_path,
-            env=env or clean_env(),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
-    try:
-        yield child, log
-    finally:
-        with anyio.CancelScope(shield=True):
-            if child.returncode is None:
-                child.kill()
+) -> AsyncIterator[tuple[Process, Output]]:
+    """``args`` (``python -m fleetroll ...``) as a child process, its output read as it comes
+    (:data:`WATCHED_FLEETROLL`); killed if still running at the end."""
+    assert args[:3] == [sys.executable, "-m", "fleetroll"], args
+    child = await anyio.open_process(
+        [sys.executable, "-c", WATCHED_FLEETROLL, *args[3:]],
+        cwd=tmp_path,
+        env=env or clean_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    output = Output()
+    assert child.stdout is not None and child.stderr is not None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(output.read, child.stdout, stdout=True))
+        tg.start_soon(functools.partial(output.read, child.stderr, stdout=False))
+        try:
+            yield child, output
+        finally:
+            with anyio.CancelScope(shield=True):
+                if child.returncode is None:
+                    child.kill()
                 await child.wait()
-            await child.aclose()
-
-
-async def until(condition: Callable[[], bool], child: Process) -> None:
-    """Return once ``condition()`` holds (the caller bounds the wait with fail_after)."""
-    while not condition():
-        assert child.returncode is None, "the run ended first"
-        await anyio.sleep(0.05)
+                with anyio.move_on_after(30):  # the rest of its output, up to the end
+                    await output.closed()
+                tg.cancel_scope.cancel()
+                await child.aclose()
 
 
 def lines_in(path: Path) -> int:
@@ -244,7 +285,7 @@ async def test_ctrl_c_then_resume_reruns_exactly_the_cancelled_and_missing_rollo
     args = run_args(LEDGER, out, "--config", str(slow_config(tmp_path)), samples=samples)
     async with started(tmp_path, args) as (child, log):
         with anyio.fail_after(120):
-            await until(lambda: lines_in(out) >= 5, child)
+            await log.wait_for(lambda: log.journaled >= 5)
         child.send_signal(signal.SIGINT)
         with anyio.fail_after(60):
             await child.wait()
@@ -298,10 +339,10 @@ async def test_a_second_ctrl_c_exits_130_with_every_result_journaled_and_nothing
         }
         async with started(tmp_path, args, env) as (child, log):
             with anyio.fail_after(120):
-                await until(lambda: lines_in(out) >= 5, child)
+                await log.wait_for(lambda: log.journaled >= 5)
             child.send_signal(signal.SIGINT)
             with anyio.fail_after(30):  # two signals, not one the kernel merged
-                await until(lambda: "interrupted" in log.read_text(), child)
+                await log.wait_for(lambda: "interrupted" in log.read_text())
             child.send_signal(signal.SIGINT)
             with anyio.fail_after(90):
                 await child.wait()
@@ -327,7 +368,7 @@ async def test_a_second_run_on_a_journal_in_use_gets_one_line_and_exit_code_2(
     args = run_args(LEDGER, out, "--config", str(slow_config(tmp_path)))
     async with started(tmp_path, args) as (child, log):
         with anyio.fail_after(120):
-            await until(lambda: lines_in(out) >= 1, child)
+            await log.wait_for(lambda: log.journaled >= 1)
             second = await anyio.run_process(
                 run_args(LEDGER, out, "--resume"), cwd=tmp_path, env=clean_env(), check=False
             )

@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import stat
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 _MAX_LINES_PER_WRITE = 512
+_log = logging.getLogger(__name__)
 _META_FORMAT = 1
 
 
@@ -398,6 +400,8 @@ class Journal:
                             break
                     await anyio.to_thread.run_sync(_write, f, _encode(lines))
                     self.written += len(lines)
+                    # On disk now: what a watcher of a run (and its tests) can wait on.
+                    _log.debug("journal %s: %d results written", self.path, self.written)
         except OSError as exc:
             self._error = exc
         finally:

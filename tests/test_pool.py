@@ -21,7 +21,7 @@ from fleetroll.errors import PoolFullError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.pool import RolloutPool, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Phase
+from fleetroll.rollout import Phase, Rollout
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import Events, MemorySink
@@ -189,17 +189,15 @@ async def test_active_rollouts_are_limited_while_provisioning_runs_ahead() -> No
             batch = pool.run_batch(LEDGER[:10], ScriptedPolicy(think_time_s=0.05))
             peak_acting = 0
 
-            async def watch() -> None:
+            def count(_: Rollout) -> None:  # at every change of phase: an exact peak
                 nonlocal peak_acting
-                while not batch.finished.is_set():
-                    now = sum(1 for r in batch.rollouts if r.phase in acting)
-                    peak_acting = max(peak_acting, now)
-                    await anyio.sleep(0.005)
+                now = sum(1 for r in batch.rollouts if r.phase in acting)
+                peak_acting = max(peak_acting, now)
 
+            for rollout in batch.rollouts:  # none has started yet
+                rollout.observers.append(count)
             with anyio.fail_after(120):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(watch)
-                    results = await batch.results()
+                results = await batch.results()
         # Instances held: active (2) plus those made ahead (max_concurrent_creates).
         assert emu.ledger.peak_running <= 2 + FAST["max_concurrent_creates"]
     assert peak_acting == 2 and len(results) == 10

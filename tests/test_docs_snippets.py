@@ -25,7 +25,7 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -125,29 +125,36 @@ def _free_port() -> int:
 
 @contextmanager
 def _serving(env: dict[str, str], tmp_path: Path, cwd: Path, port: int) -> Iterator[None]:
-    log = (tmp_path / "serve.log").open("wb")
+    """``fleetroll serve`` on ``port``, once it says it listens (its output goes to serve.log)."""
+    log_path = tmp_path / "serve.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "fleetroll", "serve", "--port", str(port)],
         cwd=cwd,
         env=env,
-        stdout=log,
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )
+    listening, said_so = threading.Event(), list[bytes]()
+
+    def copy_output() -> None:  # and drain it, so that serve never blocks on a full pipe
+        assert proc.stdout is not None
+        with proc.stdout, log_path.open("wb") as log:
+            for line in proc.stdout:
+                log.write(line)
+                log.flush()
+                if line.startswith(b"fleetroll serve: http"):
+                    said_so.append(line)
+                    listening.set()
+        listening.set()  # it exited: the check below says so
+
+    copier = threading.Thread(target=copy_output, daemon=True)
+    copier.start()
     try:
-        give_up = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(
-                    f"fleetroll serve exited: {(tmp_path / 'serve.log').read_text()}"
-                )
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).is_success:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > give_up:
-                raise AssertionError("fleetroll serve did not answer /healthz within 60 s")
-            time.sleep(0.2)  # waiting on another process: there is no event to wait on
+        if not listening.wait(timeout=60):
+            raise AssertionError("fleetroll serve did not say it listens within 60 s")
+        if not said_so:
+            raise AssertionError(f"fleetroll serve exited: {log_path.read_text()}")
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).is_success
         yield
     finally:
         proc.terminate()
@@ -156,7 +163,7 @@ def _serving(env: dict[str, str], tmp_path: Path, cwd: Path, port: int) -> Itera
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
+        copier.join(timeout=30)
 
 
 @contextmanager

@@ -57,10 +57,14 @@ def assert_one_result_each(results: Sequence[RolloutResult], expected: int) -> N
     assert len(ids) == expected and len(set(ids)) == expected
 
 
+#: Rollouts in the load tests: enough for hundreds in flight at once, few enough for CI.
+LOAD = 400
+
+
 @pytest.mark.slow
-async def test_a_thousand_rollouts_yield_a_thousand_results_each_once() -> None:
+async def test_hundreds_of_rollouts_yield_one_result_each_once() -> None:
     sink = MemorySink()
-    tasks, samples = LEDGER[:25], 40
+    tasks, samples = LEDGER[:25], LOAD // 25
     async with EmulatorProcess() as emu:
         async with pool_for(emu, sink, pool={"concurrency": 200}) as pool:
             with anyio.fail_after(300):
@@ -68,10 +72,10 @@ async def test_a_thousand_rollouts_yield_a_thousand_results_each_once() -> None:
                     tasks, ScriptedPolicy(), samples_per_task=samples
                 ).results()
         ledger = await emu.ledger()
-    assert_one_result_each(results, 1000)
-    assert Counter(r.status for r in results) == {"completed": 1000}
+    assert_one_result_each(results, LOAD)
+    assert Counter(r.status for r in results) == {"completed": LOAD}
     assert all(r.reward == 1.0 for r in results)
-    assert ledger["running"] == 0 and ledger["created"] == ledger["deleted"] == 1000
+    assert ledger["running"] == 0 and ledger["created"] == ledger["deleted"] == LOAD
     assert ledger["peak_concurrent_creates"] <= FAST["max_concurrent_creates"]
     assert_pairs(sink)
 
@@ -91,20 +95,20 @@ CHAOS_TIMEOUTS = {
 
 
 @pytest.mark.slow
-async def test_a_thousand_rollouts_under_chaos_lose_nothing_and_leak_nothing() -> None:
+async def test_hundreds_of_rollouts_under_chaos_lose_nothing_and_leak_nothing() -> None:
     sink = MemorySink()
     chaos = SETTINGS.emulator.fault_profile("chaos")
     async with EmulatorProcess(chaos) as emu:
         async with pool_for(emu, sink, pool={"concurrency": 250}, timeouts=CHAOS_TIMEOUTS) as pool:
             with anyio.fail_after(400):
                 results = await pool.run_batch(
-                    LEDGER, ScriptedPolicy(), samples_per_task=40
+                    LEDGER[:25], ScriptedPolicy(), samples_per_task=LOAD // 25
                 ).results()
         ledger = await emu.ledger()
-    assert_one_result_each(results, 1000)
+    assert_one_result_each(results, LOAD)
     reasons = Counter(r.failure_reason for r in results)
     # Chaos shows up as failures of the right kinds, never as fake zeros.
-    assert reasons[None] > 500, reasons
+    assert reasons[None] > LOAD // 2, reasons
     assert all(
         r.reward is None
         for r in results
@@ -326,11 +330,11 @@ async def test_memory_stays_flat_over_hundreds_of_batches_in_one_pool() -> None:
     """A soak: a training controller's pool runs batch after batch for days.
 
     Before, every finished batch stayed in ``pool.batches`` with its
-    transcripts: ~46 KB per ledger rollout, ~20 MiB over these 120 batches.
-    Measured with tracemalloc (Python's own allocations, so the allocator's
-    noise in the resident size does not count).
+    transcripts: ~46 KB per ledger rollout, ~11 MiB over these 60 batches
+    (the bound is a tenth of that). Measured with tracemalloc (Python's own
+    allocations, so the allocator's noise in the resident size does not count).
     """
-    batches, warm_up, samples = 150, 30, 4
+    batches, warm_up, samples = 90, 30, 4
     tracemalloc.start(1)
     try:
         async with EmulatorProcess() as emu, pool_for(emu) as pool:

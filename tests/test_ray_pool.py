@@ -34,6 +34,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 SETTINGS = load_settings()
 LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
 CREATE_LIMIT = 4
+#: Samples per ledger task in the load tests: 100 rollouts, a third on each of three actors.
+SAMPLES = 4
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +65,7 @@ def assert_pairs(sink: MemorySink) -> None:
     assert started == completed and set(completed.values()) <= {1}
 
 
-async def test_three_actors_run_300_rollouts_with_one_result_each_and_no_leak(local_ray):
+async def test_three_actors_run_a_hundred_rollouts_with_one_result_each_and_no_leak(local_ray):
     sink = MemorySink()
     profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
     async with EmulatorProcess(profile) as emu:
@@ -76,21 +78,21 @@ async def test_three_actors_run_300_rollouts_with_one_result_each_and_no_leak(lo
         ) as pool:
             with anyio.fail_after(300):
                 results = await pool.run_batch(
-                    LEDGER[:25], ScriptedPolicy(), samples_per_task=12
+                    LEDGER[:25], ScriptedPolicy(), samples_per_task=SAMPLES
                 ).results()
             limiter = await pool.limiter.stats.remote()
         ledger = await emu.ledger()
     ids = Counter(r.rollout_id for r in results)
-    assert len(ids) == 300 and set(ids.values()) == {1}
+    assert len(ids) == 25 * SAMPLES and set(ids.values()) == {1}
     assert all(r.reward == 1.0 for r in results)
-    assert ledger["running"] == 0 and ledger["created"] == 300
+    assert ledger["running"] == 0 and ledger["created"] == 25 * SAMPLES
     # The create limit held cluster-wide, in the limiter and in Fleet's own view.
     assert limiter["peak"] <= CREATE_LIMIT
     assert ledger["peak_concurrent_creates"] <= CREATE_LIMIT
     assert_pairs(sink)
 
 
-async def test_killing_an_actor_mid_batch_still_yields_300_results(local_ray):
+async def test_killing_an_actor_mid_batch_still_yields_every_result_once(local_ray):
     sink = MemorySink()
     profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
     async with EmulatorProcess(profile) as emu:
@@ -102,7 +104,7 @@ async def test_killing_an_actor_mid_batch_still_yields_300_results(local_ray):
             events=Events([sink]),
         ) as pool:
             batch = pool.run_batch(
-                LEDGER[:25], ScriptedPolicy(think_time_s=0.05), samples_per_task=12
+                LEDGER[:25], ScriptedPolicy(think_time_s=0.05), samples_per_task=SAMPLES
             )
             results = []
             with anyio.fail_after(300):
@@ -112,9 +114,9 @@ async def test_killing_an_actor_mid_batch_still_yields_300_results(local_ray):
                         ray.kill(pool.workers[1])
         ledger = await emu.ledger()
     ids = Counter(r.rollout_id for r in results)
-    assert len(ids) == 300 and set(ids.values()) == {1}
+    assert len(ids) == 25 * SAMPLES and set(ids.values()) == {1}
     assert pool.alive == [True, False, True]
-    assert sum(r.reward == 1.0 for r in results) == 300  # the lost ones were re-run
+    assert sum(r.reward == 1.0 for r in results) == 25 * SAMPLES  # the lost ones were re-run
     assert ledger["running"] == 0
     assert sink.named("fleet_worker_lost")
     assert_pairs(sink)

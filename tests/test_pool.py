@@ -62,6 +62,7 @@ LOAD = 400
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 async def test_hundreds_of_rollouts_yield_one_result_each_once() -> None:
     sink = MemorySink()
     tasks, samples = LEDGER[:25], LOAD // 25
@@ -95,6 +96,7 @@ CHAOS_TIMEOUTS = {
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
 async def test_hundreds_of_rollouts_under_chaos_lose_nothing_and_leak_nothing() -> None:
     sink = MemorySink()
     chaos = SETTINGS.emulator.fault_profile("chaos")

@@ -44,9 +44,9 @@ from fleet.runner_auth import RunnerTokenProvider
 
 import fleetroll.retrying as retrying
 from fleetroll.admission import AdmissionController, CreateSlots, Ticket, TokenBucket
+from fleetroll.environment_names import missing_environments
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import EnvUnavailableError, ProvisionError
-from fleetroll.preflight import missing_environments
 from fleetroll.retrying import Decision, Retry, decide, retry_after_s, transient_status
 from fleetroll.routing import Route, route
 from fleetroll.settings import Settings

@@ -29,9 +29,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import signal
 import sys
-import tempfile
 import time
 import uuid
 from collections import deque
@@ -39,23 +37,33 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from subprocess import DEVNULL, PIPE
-from typing import Any, Final
+from subprocess import PIPE
+from typing import Any
 
 import anyio
 import httpx
 import httpx2
-import mcp_types as types
 from anyio.abc import Process
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from anyio.streams.text import TextReceiveStream
 from mcp import Client
-from mcp.shared.message import SessionMessage
 
 import fleetroll.examples_mcp
 import fleetroll.retrying as retrying
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import OperationTimeout, ProvisionError, ToolsError
+from fleetroll.mcp_process import (
+    OUTPUT_KEPT,
+    WORKDIR_PREFIX,
+    Ran,
+    make_workdir,
+    no_reward,
+    process_transport,
+    remove_workdir,
+    reward_number,
+    run_command,
+    stop_process,
+    tool_reward,
+)
+from fleetroll.mcp_process import reward_number as _number  # noqa: F401 (its old name)
 from fleetroll.mcp_tasks import McpEnvironment, McpVerifier, ToolCallSpec
 from fleetroll.results import VerifierOutcome
 from fleetroll.routing import Route, route
@@ -63,13 +71,9 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
-from fleetroll.tools import ToolResult, ToolSession, describe, open_tool_session
+from fleetroll.tools import ToolSession, describe, open_tool_session
 
 __all__ = ["WORKDIR_PREFIX", "McpHandle", "McpProvider"]
-
-#: Every working directory this provider makes starts so; it deletes no other.
-WORKDIR_PREFIX: Final = "fleetroll-mcp-"
-_OUTPUT_KEPT: Final = 64 * 1024  # bytes of a command's stdout/stderr kept for the result
 
 
 @dataclass(eq=False)
@@ -97,16 +101,6 @@ class McpHandle:
     def label(self) -> str:
         """Where the tools are, for messages."""
         return self.environment.url or f"stdio://{self.instance_id}"
-
-
-@dataclass(frozen=True, slots=True)
-class _Ran:
-    """A finished (or killed) command."""
-
-    returncode: int | None
-    stdout: str
-    stderr: str
-    timed_out: bool
 
 
 class McpProvider:
@@ -184,7 +178,9 @@ class McpProvider:
         made: list[Path] = []  # the folder, as soon as it exists (a cancelled thread's too)
         ready = False
         try:
-            folder = await anyio.to_thread.run_sync(self._make_workdir, environment, made)
+            folder = await anyio.to_thread.run_sync(
+                make_workdir, self._settings.mcp.workdir_root, environment.files, made
+            )
             handle = McpHandle(
                 instance_id=f"mcp-{uuid.uuid4().hex[:12]}",
                 environment=environment,
@@ -234,31 +230,6 @@ class McpProvider:
         else:
             why = f"{type(exc).__name__}: {exc}"
         return ProvisionError(f"{what} failed: {why}{self._stderr_tail(handle)}", transient=False)
-
-    def _make_workdir(self, environment: McpEnvironment, made: list[Path]) -> Path:
-        """A fresh folder (``WORKDIR_PREFIX``) holding ``work/`` with the task's files."""
-        root = self._settings.mcp.workdir_root
-        if root is not None:
-            root.mkdir(parents=True, exist_ok=True)
-        folder = Path(tempfile.mkdtemp(prefix=WORKDIR_PREFIX, dir=root)).resolve()
-        made.append(folder)
-        workdir = folder / "work"
-        try:
-            workdir.mkdir()
-            for relative, text in environment.files.items():
-                target = (workdir / relative).resolve()
-                if workdir not in target.parents:  # checked at load; a symlink could escape
-                    raise ProvisionError(
-                        f"file {relative!r} leaves the working directory", transient=False
-                    )
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(text, encoding="utf-8")
-        except (OSError, ProvisionError):
-            made.clear()
-            with suppress(OSError):
-                self._remove(folder)
-            raise
-        return folder
 
     def _minimal_env(self, given: Mapping[str, str], workdir: Path) -> dict[str, str]:
         env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": os.environ.get("HOME", "/")}
@@ -417,7 +388,7 @@ class McpProvider:
         if handle.process is None or handle.process.returncode is not None:
             raise ToolsError(f"the server of {handle.label} is not running", operation="connect")
         return Client(
-            _process_transport(handle.process, handle.stdout_closed),
+            process_transport(handle.process, handle.stdout_closed),
             read_timeout_seconds=self._settings.timeouts.call_tool_s,
         )
 
@@ -460,10 +431,10 @@ class McpProvider:
         timeout = self._settings.timeouts.verifier_s
         env = None if final_answer is None else {**handle.env, "FINAL_ANSWER": final_answer}
         ran = await self._run(self._argv(verifier.command, handle), handle, timeout, env=env)
-        stdout = redact(ran.stdout[-_OUTPUT_KEPT:])
+        stdout = redact(ran.stdout[-OUTPUT_KEPT:])
         if ran.timed_out:
             error = f"the verifier took over {timeout:g} s (timeouts.verifier_s) and was killed"
-            return _no_reward(error, stdout, "TimeoutError")
+            return no_reward(error, stdout, "TimeoutError")
         if verifier.reward_file is not None:
             path = handle.workdir / verifier.reward_file
             try:
@@ -471,23 +442,27 @@ class McpProvider:
             except (OSError, UnicodeDecodeError) as exc:
                 why = f"exited with status {ran.returncode}; " if ran.returncode else ""
                 error = f"the verifier {why}wrote no {verifier.reward_file}: {exc}"
-                return _no_reward(redact(error + self._tail(ran.stderr, redact)), stdout)
-            reward = _number(text.strip())
+                return no_reward(redact(error + self._tail(ran.stderr, redact)), stdout)
+            reward = reward_number(text.strip())
             if reward is None:
                 error = f"{verifier.reward_file} holds no number: {text.strip()[:80]!r}"
-                return _no_reward(redact(error), stdout)
+                return no_reward(redact(error), stdout)
             return Verdict(reward, VerifierOutcome(success=True, stdout=stdout))
         if ran.returncode != 0:
             error = f"the verifier exited with status {ran.returncode}" + self._tail(
                 ran.stderr, redact
             )
-            return _no_reward(error, stdout, "VerifierCrashed")
+            return no_reward(error, stdout, "VerifierCrashed")
         reward = next(
-            (n for line in reversed(ran.stdout.splitlines()) if (n := _number(line)) is not None),
+            (
+                n
+                for line in reversed(ran.stdout.splitlines())
+                if (n := reward_number(line)) is not None
+            ),
             None,
         )
         if reward is None:
-            return _no_reward("the verifier printed no number", stdout)
+            return no_reward("the verifier printed no number", stdout)
         return Verdict(reward, VerifierOutcome(success=True, stdout=stdout))
 
     async def _verify_tool(
@@ -500,13 +475,13 @@ class McpProvider:
                     answer = await session.call(tool.name, tool.arguments)
         except TimeoutError:
             error = f"the verifier tool {tool.name} took over {timeout:g} s (timeouts.verifier_s)"
-            return _no_reward(error, "", "TimeoutError")
-        text = redact(answer.text[-_OUTPUT_KEPT:])
+            return no_reward(error, "", "TimeoutError")
+        text = redact(answer.text[-OUTPUT_KEPT:])
         if answer.is_error:
-            return _no_reward(f"the verifier tool {tool.name} failed: {text[:300]}", text)
-        reward = _tool_number(answer)
+            return no_reward(f"the verifier tool {tool.name} failed: {text[:300]}", text)
+        reward = tool_reward(answer)
         if reward is None:
-            return _no_reward(f"the verifier tool {tool.name} gave no number: {text[:80]!r}", text)
+            return no_reward(f"the verifier tool {tool.name} gave no number: {text[:80]!r}", text)
         return Verdict(reward, VerifierOutcome(success=True, stdout=text))
 
     async def _run(
@@ -516,37 +491,11 @@ class McpProvider:
         limit_s: float,
         *,
         env: dict[str, str] | None = None,
-    ) -> _Ran:
-        """Run a command in the workdir in its own process group, killed at ``timeout``.
-
-        Raises:
-            OSError: it could not be started (no such command...).
-        """
-        process = await anyio.open_process(
-            argv,
-            cwd=handle.workdir,
-            env=env or handle.env,
-            stdin=DEVNULL,
-            stdout=PIPE,
-            stderr=PIPE,
-            start_new_session=True,
-        )
-        out: list[bytes] = []
-        err: list[bytes] = []
-        try:
-            with anyio.move_on_after(limit_s) as scope:
-                async with anyio.create_task_group() as tg:
-                    assert process.stdout is not None and process.stderr is not None
-                    tg.start_soon(_collect, process.stdout, out)
-                    tg.start_soon(_collect, process.stderr, err)
-                await process.wait()
-        finally:
-            await self._stop(process)
-        return _Ran(
-            None if scope.cancelled_caught else process.returncode,
-            b"".join(out).decode("utf-8", "replace"),
-            b"".join(err).decode("utf-8", "replace"),
-            scope.cancelled_caught,
+    ) -> Ran:
+        """:func:`run_command` in the workdir, with the handle's environment by default."""
+        grace, wait = self._settings.mcp.kill_grace_s, self._settings.timeouts.release_s
+        return await run_command(
+            argv, handle.workdir, env or handle.env, limit_s, grace_s=grace, wait_s=wait
         )
 
     # -- liveness and release ----------------------------------------------------
@@ -572,13 +521,13 @@ class McpProvider:
             return True
         handle.released = True
         self._live.pop(handle.instance_id, None)
-        timeout = self._settings.timeouts.release_s
+        timeout, grace = self._settings.timeouts.release_s, self._settings.mcp.kill_grace_s
         error: str | None = None
         began = time.monotonic()
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
             try:
                 if handle.process is not None:
-                    await self._stop(handle.process)
+                    await stop_process(handle.process, grace_s=grace, wait_s=timeout)
                 if not self._settings.mcp.keep_workdirs:
                     await anyio.to_thread.run_sync(self._remove, handle.folder)
             except Exception as exc:  # a failed release is reported, never raised
@@ -598,28 +547,7 @@ class McpProvider:
         return False
 
     def _remove(self, folder: Path) -> None:
-        root = self._settings.mcp.workdir_root
-        expected = Path(tempfile.gettempdir() if root is None else root).resolve()
-        # Only a folder this provider made: its prefix, in its root.
-        if not folder.name.startswith(WORKDIR_PREFIX) or folder.parent != expected:
-            raise OSError(f"refusing to remove {folder}: not a folder fleetroll made")
-        shutil.rmtree(folder)
-
-    async def _stop(self, process: Process) -> None:
-        """SIGTERM to the process group, SIGKILL after ``mcp.kill_grace_s``; shielded."""
-        grace = self._settings.mcp.kill_grace_s
-        with anyio.CancelScope(shield=True):
-            _signal_group(process.pid, signal.SIGTERM)
-            with anyio.move_on_after(grace):
-                await process.wait()
-            # Even when the leader is gone, what it started may still run.
-            _signal_group(process.pid, signal.SIGKILL)
-            with anyio.move_on_after(self._settings.timeouts.release_s):
-                await process.wait()
-            for stream in (process.stdin, process.stdout, process.stderr):
-                if stream is not None:
-                    with suppress(Exception):
-                        await stream.aclose()
+        remove_workdir(folder, self._settings.mcp.workdir_root)
 
     async def sweep(self, run_id: str) -> int:
         """Release every environment of ``run_id`` still held; never raises."""
@@ -643,7 +571,7 @@ class McpProvider:
         if handle is None or handle.process is None:
             return ""
         try:
-            text = handle.stderr_path.read_bytes()[-_OUTPUT_KEPT:].decode("utf-8", "replace")
+            text = handle.stderr_path.read_bytes()[-OUTPUT_KEPT:].decode("utf-8", "replace")
         except OSError:
             return ""
         return self._tail(text, self._redactor(handle))
@@ -667,97 +595,3 @@ def _handle(instance: Instance) -> McpHandle:
     handle = instance.handle
     assert isinstance(handle, McpHandle), "an instance of another provider"
     return handle
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> None:
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-
-
-async def _collect(stream: anyio.abc.ByteReceiveStream, into: list[bytes]) -> None:
-    kept = 0
-    with suppress(anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
-        async for chunk in stream:
-            if kept < _OUTPUT_KEPT:
-                into.append(chunk[: _OUTPUT_KEPT - kept])
-                kept += len(chunk)
-
-
-def _no_reward(error: str, stdout: str, error_type: str = "VerifierError") -> Verdict:
-    return Verdict(None, VerifierOutcome(success=False, stdout=stdout, error=error), error_type)
-
-
-def _number(text: str) -> float | None:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
-
-
-def _tool_number(answer: ToolResult) -> float | None:
-    structured = answer.structured
-    if isinstance(structured, Mapping):
-        structured = structured.get("result")
-    if isinstance(structured, int | float) and not isinstance(structured, bool):
-        return float(structured) if math.isfinite(structured) else None
-    return _number(answer.text)
-
-
-@asynccontextmanager
-async def _process_transport(
-    process: Process, stdout_closed: anyio.Event
-) -> AsyncIterator[
-    tuple[
-        MemoryObjectReceiveStream[SessionMessage | Exception],
-        MemoryObjectSendStream[SessionMessage],
-    ]
-]:
-    """An MCP transport over a running server's pipes, leaving the server running.
-
-    The SDK's ``stdio_client`` starts and stops its own process; here the
-    process outlives each session (the rollout's tools, then a verifier's
-    tool call), and release kills it.
-    """
-    assert process.stdin is not None and process.stdout is not None
-    stdin, stdout = process.stdin, process.stdout
-    to_session, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
-    write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](0)
-
-    async def read() -> None:
-        buffer = ""
-        async with to_session:
-            with suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-                async for chunk in TextReceiveStream(stdout, errors="replace"):
-                    lines = (buffer + chunk).split("\n")
-                    buffer = lines.pop()
-                    for line in lines:
-                        if line.strip():
-                            await to_session.send(_parse(line))
-            stdout_closed.set()  # end of stream: the server is exiting
-
-    async def write() -> None:
-        async with from_session:
-            try:
-                async for message in from_session:
-                    data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
-                    await stdin.send((data + "\n").encode())
-            except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):
-                await to_session.aclose()  # the session sees the end, not a hang
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(read)
-        tg.start_soon(write)
-        try:
-            yield read_stream, write_stream
-        finally:
-            tg.cancel_scope.cancel()
-            read_stream.close()
-            write_stream.close()
-
-
-def _parse(line: str) -> SessionMessage | Exception:
-    try:
-        return SessionMessage(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
-    except ValueError as exc:
-        return exc

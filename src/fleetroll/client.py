@@ -428,6 +428,7 @@ def _task_record(task: TaskSpec | Mapping[str, Any]) -> dict[str, Any]:
         "solution": [s.model_dump() for s in task.solution] if task.solution else None,
         "requires_final_answer": task.requires_final_answer or None,
         "metadata": task.metadata or None,
+        "ttl_seconds": task.ttl_seconds,
     }
     return {k: v for k, v in record.items() if v is not None}
 

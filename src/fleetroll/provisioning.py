@@ -48,7 +48,7 @@ from fleetroll.environment_names import missing_environments
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import EnvUnavailableError, ProvisionError
 from fleetroll.retrying import Decision, Retry, decide, retry_after_s, transient_status
-from fleetroll.routing import Route, route
+from fleetroll.routing import Route, route, wants_final_answer
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -252,7 +252,11 @@ class FleetProvider:
             task.modality,
             self._settings.modalities,
             urls.root,
-            final_answer=task.requires_final_answer,
+            final_answer=wants_final_answer(
+                requires=task.requires_final_answer,
+                verifier=task.verifier_func,
+                prompt=task.prompt,
+            ),
         )
 
     @asynccontextmanager
@@ -525,7 +529,7 @@ class FleetProvider:
                     region=self._settings.provisioning.region,
                     env_variables=task.env_variables or None,
                     image_type=modality.image_type,
-                    ttl_seconds=modality.ttl_s,
+                    ttl_seconds=task.ttl_seconds or modality.ttl_s,
                     run_id=run_id,
                     timeout=create_timeout,
                 )

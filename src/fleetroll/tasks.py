@@ -58,6 +58,7 @@ _KNOWN_FIELDS: Final = frozenset(
         "key", "prompt", "env_id", "version", "env_key", "data_id", "data_version", "data_key",
         "modality", "task_modality", "verifier_func", "max_steps", "env_variables", "solution",
         "requires_final_answer", "metadata", "environment", "verifier",
+        "verifier_code", "ttl_seconds",
     }
 )  # fmt: skip
 _T = TypeVar("_T")
@@ -94,6 +95,8 @@ class TaskSpec(BaseModel):
     #: An ``mcp`` task's environment and verifier (then ``env_key`` is its name, or "mcp").
     environment: McpEnvironment | None = None
     verifier: McpVerifier | None = None
+    #: The instance's lifetime on Fleet; None: the modality's ``ttl_s``.
+    ttl_seconds: int | None = Field(default=None, ge=1)
 
     @property
     def env_spec(self) -> str:
@@ -398,7 +401,13 @@ def _parse(
     max_steps = record.get("max_steps")
     if max_steps is not None and (type(max_steps) is not int or max_steps < 1):
         raise where.error(f"must be a whole number ≥ 1, got {_describe(max_steps)}", "max_steps")
+    ttl = record.get("ttl_seconds")
+    if ttl is not None and (type(ttl) is not int or ttl < 1):
+        raise where.error(f"must be a whole number ≥ 1, got {_describe(ttl)}", "ttl_seconds")
     verifier = record.get("verifier_func")
+    if verifier is not None and record.get("verifier_code") is not None:
+        raise where.error("give 'verifier_func' or 'verifier_code', not both", "verifier_code")
+    verifier = record.get("verifier_code") if verifier is None else verifier  # Fleet: both
     if verifier is not None:
         verifier = verifiers.check(_string(verifier, "verifier_func", where), where)
     # Every field is checked above: construct without validating it all again.
@@ -418,6 +427,7 @@ def _parse(
         metadata=metadata,
         environment=None if mcp is None else mcp[0],
         verifier=None if mcp is None else mcp[1],
+        ttl_seconds=ttl,
     )
 
 

@@ -21,7 +21,7 @@ from mcp.server.mcpserver import MCPServer
 from fleetroll.environments import Instance, Provider, Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.results import VerifierOutcome
-from fleetroll.routing import Route, route
+from fleetroll.routing import Route, route, wants_final_answer
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools import ToolSession
@@ -105,7 +105,9 @@ class FakeProvider:
             task.modality,
             self.settings.modalities,
             f"memory://{instance.instance_id}/",
-            final_answer=task.requires_final_answer,
+            final_answer=wants_final_answer(
+                requires=task.requires_final_answer, verifier=task.verifier_func, prompt=task.prompt
+            ),
         )
 
     @asynccontextmanager

@@ -53,7 +53,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.telemetry.retries import retry_emitter
-from fleetroll.tools import ToolSession, open_tool_session
+from fleetroll.tools import RetryRefusedConnections, ToolSession, open_tool_session
 from fleetroll.verification import Verifier
 
 __all__ = [
@@ -278,6 +278,7 @@ class FleetProvider:
                     call_timeout_s=t.call_tool_s,
                     list_timeout_s=t.list_tools_s,
                     budget=retrying.budget(self._settings, "mcp_connect"),
+                    list_budget=retrying.budget(self._settings, "list_tools"),
                     report=retry_emitter(self._events),
                 )
             )
@@ -285,13 +286,21 @@ class FleetProvider:
     def mcp_client(self) -> httpx2.AsyncClient:
         """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""
         t = self._settings.timeouts
-        return httpx2.AsyncClient(
+        transport = httpx2.AsyncHTTPTransport(
             verify=self._mcp_tls,
+            limits=httpx2.Limits(
+                max_connections=8, max_keepalive_connections=4, keepalive_expiry=t.http_keepalive_s
+            ),
+        )
+        return httpx2.AsyncClient(
             timeout=httpx2.Timeout(
                 max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
             ),
-            limits=httpx2.Limits(
-                max_connections=8, max_keepalive_connections=4, keepalive_expiry=t.http_keepalive_s
+            # A request whose connection was refused never left: sent again.
+            transport=RetryRefusedConnections(
+                transport,
+                retrying.budget(self._settings, "mcp_request"),
+                retry_emitter(self._events),
             ),
         )
 

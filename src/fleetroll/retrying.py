@@ -64,7 +64,15 @@ __all__ = [
 
 #: Every operation fleetroll retries, as ``fleet_retry`` names it.
 Operation = Literal[
-    "make", "preflight", "mcp_connect", "verify", "policy", "client", "client_stream"
+    "make",
+    "preflight",
+    "mcp_connect",
+    "list_tools",
+    "mcp_request",
+    "verify",
+    "policy",
+    "client",
+    "client_stream",
 ]
 
 _log = logging.getLogger("fleetroll.retries")
@@ -184,6 +192,12 @@ def budget(settings: Settings, operation: Operation) -> Budget:
     if operation == "mcp_connect":
         initial, cap = r.mcp_connect_backoff_initial_s, r.mcp_connect_backoff_max_s
         return Budget(r.mcp_connect_attempts, initial, cap)
+    if operation == "list_tools":  # idempotent: as many as fit in timeouts.list_tools_s
+        initial, cap = r.mcp_connect_backoff_initial_s, r.mcp_connect_backoff_max_s
+        return Budget(r.list_tools_attempts, initial, cap)
+    if operation == "mcp_request":  # a request whose connection could not be opened
+        initial, cap = r.mcp_connect_backoff_initial_s, r.mcp_connect_backoff_max_s
+        return Budget(r.mcp_request_attempts, initial, cap)
     if operation == "verify":
         initial, cap = r.verifier_backoff_initial_s, r.verifier_backoff_max_s
         return Budget(r.verifier_attempts, initial, cap)

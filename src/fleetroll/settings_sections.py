@@ -137,6 +137,12 @@ class RetrySettings(_Section):
     mcp_connect_backoff_max_s: float = Field(2.0, ge=0)
     #: Tries in all to open an MCP session; none: until timeouts.mcp_connect_s.
     mcp_connect_attempts: int | None = Field(None, ge=1)
+    #: Tries in all of an MCP session's tools/list (idempotent), inside
+    #: timeouts.list_tools_s, with the mcp_connect backoffs.
+    list_tools_attempts: int = Field(3, ge=1)
+    #: Tries in all of one MCP HTTP request (a tools/call too) whose connection
+    #: could not be opened: the request never left, so sending it again is safe.
+    mcp_request_attempts: int = Field(3, ge=1)
     #: The policy's waits; how many retries is policy.max_retries.
     policy_backoff_initial_s: float = Field(0.5, ge=0)
     policy_backoff_max_s: float = Field(30.0, ge=0)

@@ -31,7 +31,7 @@ from jsonschema.validators import validator_for
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp.types import CallToolResult, ImageContent, TextContent, Tool
+from mcp.types import REQUEST_TIMEOUT, CallToolResult, ImageContent, TextContent, Tool
 from referencing import Registry
 
 import fleetroll.retrying as retrying
@@ -39,7 +39,14 @@ from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
 from fleetroll.retrying import Decision
 
-__all__ = ["ToolCallFailed", "ToolResult", "ToolSession", "normalise", "open_tool_session"]
+__all__ = [
+    "RetryRefusedConnections",
+    "ToolCallFailed",
+    "ToolResult",
+    "ToolSession",
+    "normalise",
+    "open_tool_session",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,22 +89,43 @@ class ToolSession:
     """An open MCP session on one endpoint, and the tools it lists."""
 
     def __init__(
-        self, client: Client, url: str, *, call_timeout_s: float, list_timeout_s: float
+        self,
+        client: Client,
+        url: str,
+        *,
+        call_timeout_s: float,
+        list_timeout_s: float,
+        list_budget: retrying.Budget | None = None,
+        report: retrying.Report | None = None,
     ) -> None:
         self._client = client
         self.url = url
         self._call_timeout_s = call_timeout_s
         self._list_timeout_s = list_timeout_s
+        self._list_budget = list_budget or retrying.Budget(1, 0.0, 0.0)
+        self._report = report
 
     async def list_tools(self) -> list[ToolSpec]:
         """Every tool of the endpoint.
+
+        Listing is idempotent: a transient failure (an MCP error answer, a
+        transport error) is tried again (operation ``list_tools``,
+        ``retries.list_tools_attempts``) inside the one ``list_timeout_s``.
 
         Raises:
             ToolsError: listing failed or timed out.
         """
         try:
-            with anyio.fail_after(self._list_timeout_s):
-                listed = await self._client.list_tools()
+            with anyio.fail_after(self._list_timeout_s) as scope:
+                async for attempt in retrying.attempts(
+                    "list_tools",
+                    self._list_budget,
+                    deadline=scope.deadline,
+                    classify=_list_transient,
+                    report=self._report,
+                ):
+                    with attempt:
+                        listed = await self._client.list_tools()
         except TimeoutError:
             raise OperationTimeout(
                 f"list_tools at {self.url} took over {self._list_timeout_s:g} s",
@@ -132,16 +160,73 @@ class ToolSession:
                 result = await self._client.call_tool(
                     name, dict(arguments), read_timeout_seconds=timeout
                 )
-        except TimeoutError:
+        except TimeoutError as exc:
+            # Chained from the TimeoutError: `error_type` in telemetry says so.
             raise ToolCallFailed(
                 f"{name} took over {timeout:g} s", operation="call_tool", transient=True
-            ) from None
+            ) from exc
         except Exception as exc:
             text = describe(exc)
-            if "timed out" in text.lower():
+            if _timed_out(exc):
                 text = f"{name} took over {timeout:g} s ({text})"
-            raise ToolCallFailed(text, operation="call_tool", transient=True) from exc
+                cause: BaseException = TimeoutError(text)
+            else:
+                cause = exc
+            raise ToolCallFailed(text, operation="call_tool", transient=True) from cause
         return normalise(result)
+
+
+def _list_transient(exc: BaseException) -> Decision:
+    """A failed listing worth another try: an error answer or a transport failure,
+    not our own deadline (the attempts stop there)."""
+    return Decision(not isinstance(exc, TimeoutError) and _connect_transient(exc))
+
+
+class RetryRefusedConnections(httpx2.AsyncBaseTransport):
+    """An HTTP transport that sends a request again only when it provably never
+    left: its connection could not be opened (``ConnectError``, ``ConnectTimeout``).
+
+    Every MCP request of a session goes through it, a ``tools/call`` too, which is
+    not idempotent: a failure after the connection was open (a read error, a
+    reset) is never retried, as the server may have acted on it. Tries:
+    ``retries.mcp_request_attempts`` (operation ``mcp_request``), inside the
+    caller's deadline.
+    """
+
+    def __init__(
+        self,
+        inner: httpx2.AsyncBaseTransport,
+        budget: retrying.Budget,
+        report: retrying.Report | None = None,
+    ) -> None:
+        self._inner = inner
+        self._budget = budget
+        self._report = report
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        async for attempt in retrying.attempts(
+            "mcp_request", self._budget, classify=_never_sent, report=self._report
+        ):
+            with attempt:
+                return await self._inner.handle_async_request(request)
+        raise AssertionError("unreachable: the last attempt's error propagates")
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def _never_sent(exc: BaseException) -> Decision:
+    return Decision(isinstance(exc, httpx2.ConnectError | httpx2.ConnectTimeout))
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """The MCP client's own read timeout (``REQUEST_TIMEOUT``), or a timeout leaf."""
+    for leaf in _leaves(exc):
+        if isinstance(leaf, TimeoutError | httpx2.TimeoutException):
+            return True
+        if isinstance(leaf, MCPError) and leaf.error.code == REQUEST_TIMEOUT:
+            return True
+    return "timed out" in describe(exc).lower()
 
 
 #: Compiled output-schema validators, by schema text, shared by every session.
@@ -193,6 +278,7 @@ async def open_tool_session(
     call_timeout_s: float,
     list_timeout_s: float,
     budget: retrying.Budget,
+    list_budget: retrying.Budget | None = None,
     report: retrying.Report | None = None,
 ) -> AsyncIterator[ToolSession]:
     """Connect to an MCP endpoint, retrying while its service starts.
@@ -236,6 +322,8 @@ async def open_tool_session(
                                 url,
                                 call_timeout_s=call_timeout_s,
                                 list_timeout_s=list_timeout_s,
+                                list_budget=list_budget,
+                                report=report,
                             )
                     except Exception as exc:
                         if not connected:
@@ -317,11 +405,21 @@ def normalise(result: CallToolResult) -> ToolResult:
         texts.append(json.dumps(structured))
     if problems:
         texts.append("Malformed tool answer: " + "; ".join(problems))
+    # An answer that says it failed (a truthy "error", or "status": "failed")
+    # is a tool error even when MCP's isError is not set, as the reference counts it.
+    failed = _says_failed(structured) or any(_says_failed(_maybe_json(t)) for t in texts)
     return ToolResult(
         text="\n".join(texts),
         images=tuple(images),
-        is_error=bool(result.is_error) or bool(problems),
+        is_error=bool(result.is_error) or bool(problems) or failed,
         structured=structured,
+    )
+
+
+def _says_failed(answer: Any) -> bool:
+    """A JSON object answer that reports a failure of its own."""
+    return isinstance(answer, dict) and (
+        bool(answer.get("error")) or answer.get("status") == "failed"
     )
 
 

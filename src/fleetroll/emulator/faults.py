@@ -70,6 +70,9 @@ class FaultProfile(BaseModel):
     tool_hang_s: Seconds = 3600.0
     #: Probability that a tool call answers with an injected MCP tool error.
     p_tool_error: Probability = 0.0
+    #: The first this many ``tools/list`` requests of each instance answer a
+    #: JSON-RPC internal error (a server still loading its tools).
+    list_tools_failures: int = Field(default=0, ge=0)
     #: Broken environments (``"key:version"``, or ``"key"`` for every version):
     #: their instances come up, but their MCP endpoints always answer 502.
     broken_envs: tuple[str, ...] = ()

@@ -13,14 +13,16 @@ to the server's own and puts the instance id into the ASGI scope, where
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Literal
 
 from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
+from mcp.types import INTERNAL_ERROR
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleetroll.emulator.computer import register_computer_tool
 from fleetroll.emulator.envs.base import INSTANCE_SCOPE_KEY, SampleEnv, ToolGate
@@ -43,6 +45,8 @@ class McpRouter:
         self._store = store
         self._faults = faults
         self._ledger = ledger
+        #: tools/list requests failed so far, per instance (``list_tools_failures``).
+        self._listings_failed: dict[str, int] = {}
         gate = ToolGate(store, faults, ledger)
         # Fleet's MCP servers sit behind its own routing; the Host header is ours.
         security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
@@ -108,7 +112,58 @@ class McpRouter:
             )
             await response(scope, receive, send)
             return
+        if self._faults.profile.list_tools_failures and scope.get("method") == "POST":
+            body = await _body(receive)
+            if await self._fail_listing(instance_id, body, scope, receive, send):
+                return
+            receive = _replay(body, receive)
         app = self._apps[(inst.env.key, endpoint)]
         scope = dict(scope, path=_MCP_PATH, raw_path=_MCP_PATH.encode(), root_path="")
         scope[INSTANCE_SCOPE_KEY] = instance_id
         await app(scope, receive, send)
+
+    async def _fail_listing(
+        self, instance_id: str, body: bytes, scope: Scope, receive: Receive, send: Send
+    ) -> bool:
+        """Answer a ``tools/list`` with a JSON-RPC error while the fault lasts."""
+        try:
+            message = json.loads(body)
+        except ValueError:
+            return False
+        if not isinstance(message, dict) or message.get("method") != "tools/list":
+            return False
+        failed = self._listings_failed.get(instance_id, 0)
+        if failed >= self._faults.profile.list_tools_failures:
+            return False
+        self._listings_failed[instance_id] = failed + 1
+        error = {"code": INTERNAL_ERROR, "message": "tools are still loading (injected fault)"}
+        response = JSONResponse({"jsonrpc": "2.0", "id": message.get("id"), "error": error})
+        await response(scope, receive, send)
+        return True
+
+
+async def _body(receive: Receive) -> bytes:
+    chunks: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the already-read body to the app first, then
+    passes on the server's own messages (a disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

@@ -250,7 +250,8 @@ class Rollout:
         if isinstance(connected, SetupFailure):
             return self._set_up_failed(connected)
         self.session, self.tools = connected
-        self._p.transcript.add_prompt(self.task.prompt)
+        shot = await stages.first_screenshot(e, self.session, self.route)
+        self._p.transcript.add_prompt(self.task.prompt, shot)
         self._enter(Phase.ACTING)
         return True
 

@@ -33,11 +33,11 @@ from fleetroll.policies import AssistantTurn, Policy, ToolSpec
 from fleetroll.policy_gate import PolicyGate
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.routing import ComputerToolMissing, Route
+from fleetroll.routing import COMPUTER_TOOL, ComputerToolMissing, Route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
-from fleetroll.tools import ToolSession, describe
+from fleetroll.tools import ToolCallFailed, ToolSession, describe
 
 __all__ = [
     "RolloutContext",
@@ -45,6 +45,7 @@ __all__ = [
     "ask_policy",
     "connect",
     "event_attributes",
+    "first_screenshot",
     "provision",
     "report_completed",
     "reset",
@@ -138,6 +139,29 @@ async def connect(
         detail = str(exc) or f"{doing} the MCP endpoint {route.url} timed out"
         error = f"instance {instance.instance_id} is gone: {detail}" if lost else detail
         return SetupFailure(_tools_reason(lost, opened=session is not None), error, exc)
+
+
+async def first_screenshot(
+    ctx: RolloutContext, session: ToolSession, route: Route
+) -> tuple[str, ...]:
+    """The screen before the first action, for a computer modality's first observation
+    (as the reference does); none for API tools. Best effort: a failed screenshot
+    leaves the prompt alone (the agent can ask for one)."""
+    if route.tools != "computer":
+        return ()
+    try:
+        shot = await session.call(COMPUTER_TOOL, {"action": "screenshot"})
+    except ToolCallFailed as exc:
+        ctx.events.emit(
+            "fleet_tool_call_failed",
+            level="warn",
+            tool_name=COMPUTER_TOOL,
+            step_count=0,
+            error_type=type(exc.__cause__ or exc).__name__,
+            error_message=f"the initial screenshot: {exc}"[:500],
+        )
+        return ()
+    return () if shot.is_error else shot.images
 
 
 def setup_error(failure: SetupFailure | None, error: str | None) -> Exception:

@@ -81,8 +81,18 @@ class Transcript:
         """The messages added after the first ``start``."""
         return tuple(self.messages[start:])
 
-    def add_prompt(self, prompt: str) -> None:
-        self.messages.append({"role": "user", "content": prompt})
+    def add_prompt(self, prompt: str, images: tuple[str, ...] = ()) -> None:
+        """The task's prompt; with ``images`` (the initial screenshot of a computer
+        modality), one multimodal message: the text, then the images."""
+        if not images:
+            self.messages.append({"role": "user", "content": prompt})
+            return
+        parts: list[Message] = [{"type": "text", "text": prompt}]
+        parts += [{"type": "image_url", "image_url": {"url": url}} for url in images]
+        self.messages.append({"role": "user", "content": parts})
+        self._with_images.append((len(self.messages) - 1, len(images)))
+        self._images += len(images)
+        self._elide_old_images()
 
     def add_turn(self, turn: AssistantTurn) -> None:
         self.messages.append(assistant_message(turn))

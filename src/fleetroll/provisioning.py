@@ -468,6 +468,13 @@ class FleetProvider:
             attempts=attempt,
             instance_id=env.instance_id,
         )
+        # The reference's name for the same moment (existing dashboards query it).
+        self._events.emit(
+            "fleet_env_created",
+            provisioning_time_s=round(elapsed, 4),
+            instance_id=env.instance_id,
+            env_key=task.env_key,
+        )
         return Instance(
             instance_id=env.instance_id,
             attempts=attempt,
@@ -612,6 +619,16 @@ class FleetProvider:
             lifetime_s=lifetime,
             error_message=error[:500],
         )
+        # The reference's event, only when the instance is really still there.
+        with anyio.CancelScope(shield=True):
+            still_there = await self.is_alive(instance)
+        if still_there:
+            self._events.emit(
+                "fleet_env_close_failed",
+                level="error",
+                instance_id=instance.instance_id,
+                error_message=error[:500],
+            )
         return False
 
     async def sweep(self, run_id: str) -> int:

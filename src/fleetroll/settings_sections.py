@@ -243,8 +243,9 @@ class TelemetrySettings(_Section):
 
     #: The local SQLite store; ``/dev/null`` (``os.devnull``) turns it off.
     db_path: Path = Path(".fleetroll/telemetry.db")
-    #: ``deployment_environment`` of every record.
-    environment: str = "local"
+    #: ``deployment_environment`` of every record (Logfire's ``environment``);
+    #: the reference's name, which existing dashboards filter on.
+    environment: str = "training_rollouts"
     #: Console lines at or above this level (see fleetroll.telemetry.sinks).
     console_level: Literal["debug", "info", "warning", "error"] = "info"
     #: On a terminal, failed rollouts are summed up per failure reason: one

@@ -356,6 +356,8 @@ class EmulatorApp:
         inst = self._instance(request)
         if isinstance(inst, Response):
             return inst
+        if inst.alive and self.faults.chance(self.faults.profile.p_delete_error):
+            return _error(500, "Instance manager error: the instance could not be stopped")
         self.store.delete(inst)
         return JSONResponse(inst.to_response(self.base_url))
 

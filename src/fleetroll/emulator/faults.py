@@ -88,6 +88,8 @@ class FaultProfile(BaseModel):
     #: Probability that an instance dies, and when (seconds after creation).
     p_instance_death: Probability = 0.0
     death_after: Latency = Latency(min_s=5.0)
+    #: Probability that a delete answers 500 and the instance keeps running.
+    p_delete_error: Probability = 0.0
     #: TTL applied when a create does not ask for one. None = no TTL.
     default_ttl_s: Seconds | None = None
 

@@ -75,6 +75,9 @@ DEBUG, INFO, WARNING, ERROR = logging.DEBUG, logging.INFO, logging.WARNING, logg
 CONSOLE_LEVELS: Final[Mapping[str, int]] = {
     "fleet_rollout_started": DEBUG,
     "fleet_provisioning_completed": DEBUG,
+    "fleet_env_created": DEBUG,
+    # Its fleet_instance_release_failed twin is the error line.
+    "fleet_env_close_failed": DEBUG,
     "fleet_instance_released": DEBUG,
     "fleet_make_retry": DEBUG,
     "fleet_retry": DEBUG,

@@ -271,3 +271,39 @@ async def test_list_tools_failing_past_its_attempts_is_a_tools_failure() -> None
         result = await run_one(emu, LEDGER, retries={"list_tools_attempts": 2})
     assert result.failure_reason is FailureReason.TOOLS_ERROR and result.reward is None
     assert "still loading" in (result.error or "")
+
+
+# -- browser_use's lease flow ------------------------------------------------
+
+
+def leased_browser_use() -> dict[str, dict[str, Any]]:
+    table = {name: row.model_dump() for name, row in SETTINGS.modalities.items()}
+    table["browser_use"]["browser_lease"] = True
+    return table
+
+
+async def test_browser_use_by_lease_drives_the_leased_browser_and_deletes_the_lease() -> None:
+    sink = MemorySink()
+    policy = Recording()
+    task = DESKTOP.model_copy(update={"modality": "browser_use"})
+    async with Emulator() as emu:
+        assert emu.app is not None
+        result = await run_one(emu, task, policy, sink=sink, modalities=leased_browser_use())
+        leases = emu.app.leases
+        assert leases.created == 1 and leases.open == {} and leases.served > 0
+        assert emu.ledger.running == 0
+    assert result.reward == 1.0 and policy.tools == ["computer", FINAL_ANSWER]
+    assert [p["type"] for p in policy.first[0]["content"]] == ["text", "image_url"]
+    assert sink.named("fleet_instance_release_failed") == []
+
+
+async def test_a_browser_lease_is_deleted_when_the_rollout_fails() -> None:
+    task = DESKTOP.model_copy(update={"modality": "browser_use"})
+    async with Emulator(FaultProfile(p_tool_hang=1.0, tool_hang_s=30.0)) as emu:
+        assert emu.app is not None
+        result = await run_one(
+            emu, task, modalities=leased_browser_use(), timeouts={"call_tool_s": 0.5}
+        )
+        assert emu.app.leases.created == 1 and emu.app.leases.open == {}
+        assert emu.ledger.running == 0
+    assert result.failure_reason is FailureReason.TOOL_FAILURE

@@ -26,6 +26,7 @@ that talks to the ``fleet`` SDK (verification goes through
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import itertools
 import logging
 import math
@@ -138,6 +139,14 @@ def classify(exc: BaseException, *, retry_instance_limit: bool = False) -> Class
     return Classification(any(word in text for word in _TRANSIENT_TEXT), status, retry_after)
 
 
+@dataclass(frozen=True, slots=True)
+class _Lease:
+    """A browser leased for one instance (browser_use's lease flow)."""
+
+    lease_id: str
+    mcp_url: str
+
+
 class CreateGate(Protocol):
     """Admission for instance creates: a concurrency slot, then the rate.
 
@@ -228,6 +237,8 @@ class FleetProvider:
         )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
+        #: Browser leases by instance id (modalities with ``browser_lease``).
+        self._leases: dict[str, _Lease] = {}
 
     async def aclose(self) -> None:
         for client in self._clients:
@@ -248,7 +259,7 @@ class FleetProvider:
         """The MCP endpoint of ``task``'s modality on the instance (``[modalities]``)."""
         urls = self._env(instance).urls
         assert urls is not None  # provision() hands out running instances only
-        return route(
+        chosen = route(
             task.modality,
             self._settings.modalities,
             urls.root,
@@ -258,6 +269,9 @@ class FleetProvider:
                 prompt=task.prompt,
             ),
         )
+        lease = self._leases.get(instance.instance_id)
+        # The lease flow: the tools are the leased browser's, not the instance's.
+        return chosen if lease is None else dataclasses.replace(chosen, url=lease.mcp_url)
 
     @asynccontextmanager
     async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
@@ -461,6 +475,8 @@ class FleetProvider:
         if ticket is not None and self._admission is not None:
             self._admission.started(ticket)
             self._tickets[env.instance_id] = ticket
+        if self._settings.modalities[task.modality].browser_lease:
+            await self._lease_browser(env, task, attempt)
         elapsed = time.monotonic() - started
         self._events.emit(
             "fleet_provisioning_completed",
@@ -534,6 +550,82 @@ class FleetProvider:
                     ticket, exc.instance_limit, exc.running_instances
                 )
 
+    async def _lease_browser(self, env: AsyncEnv, task: TaskSpec, attempts: int) -> None:
+        """Lease a browser for ``env``: create, navigate to its UI, health check
+        (``timeouts.browser_lease_s`` in all). On failure the lease and the
+        instance are given back.
+
+        Raises:
+            ProvisionError: the lease could not be set up.
+        """
+        client = self.fleet.client
+        timeout = self._settings.timeouts.browser_lease_s
+        lease_id: str | None = None
+        try:
+            with anyio.fail_after(timeout):
+                modality = self._settings.modalities[task.modality]
+                made = await client.request(
+                    "POST",
+                    "/v1/browser/leases",
+                    json={
+                        "instance_id": env.instance_id,
+                        "ttl_seconds": task.ttl_seconds or modality.ttl_s,
+                    },
+                )
+                body = made.json()
+                lease_id = str(body["lease_id"])
+                assert env.urls is not None
+                ui = env.urls.app[0] if env.urls.app else env.urls.root
+                path = f"/v1/browser/leases/{lease_id}"
+                await client.request("POST", f"{path}/navigate", json={"url": ui})
+                await client.request("GET", f"{path}/health")
+                self._leases[env.instance_id] = _Lease(lease_id, str(body["mcp_url"]))
+        except Exception as exc:
+            why = f"no answer within {timeout:g} s" if isinstance(exc, TimeoutError) else exc
+            if lease_id is not None:
+                await self._delete_lease(lease_id, env.instance_id)
+            await self._close(env)
+            ticket = self._tickets.pop(env.instance_id, None)
+            if ticket is not None and self._admission is not None:
+                self._admission.release(ticket)
+            self._events.emit(
+                "fleet_make_failed",
+                level="error",
+                attempt=attempts,
+                error_type=type(exc).__name__,
+                error_message=f"browser lease: {why}"[:500],
+                status_code=getattr(exc, "status_code", None),
+            )
+            raise ProvisionError(
+                f"the browser lease for {task.env_spec} could not be set up: {why}",
+                transient=classify(exc).transient,
+                status_code=getattr(exc, "status_code", None),
+                attempts=attempts,
+            ) from exc
+
+    async def _delete_lease(self, lease_id: str, instance_id: str) -> bool:
+        """Give a browser lease back; shielded and bounded, never raises."""
+        error: str | None = None
+        timeout = self._settings.timeouts.release_s
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
+            try:
+                await self.fleet.client.request("DELETE", f"/v1/browser/leases/{lease_id}")
+            except fleet_errors.FleetAPIError as exc:
+                if exc.status_code != 404:  # 404: gone already
+                    error = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # reported, never raised
+                error = f"{type(exc).__name__}: {exc}"
+        if scope.cancelled_caught:
+            error = f"timed out after {timeout:g} s"
+        if error is not None:
+            self._events.emit(
+                "fleet_instance_release_failed",
+                level="error",
+                instance_id=instance_id,
+                error_message=f"browser lease {lease_id}: {error}"[:500],
+            )
+        return error is None
+
     async def _create_once(self, task: TaskSpec, run_id: str | None) -> AsyncEnv:
         modality = self._settings.modalities[task.modality]
         create_timeout = self._settings.timeouts.provision_create_s
@@ -594,18 +686,22 @@ class FleetProvider:
                 self._admission.release(ticket)
 
     async def _release(self, instance: Instance) -> bool:
+        lease = self._leases.pop(instance.instance_id, None)
+        if lease is not None:  # the browser first: it shows the instance
+            await self._delete_lease(lease.lease_id, instance.instance_id)
         timeout = self._settings.timeouts.release_s
         error: str | None = None
+        error_type = "TimeoutError"
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
             try:
                 await self._env(instance).close()
             except fleet_errors.FleetAPIError as exc:
                 if exc.status_code != 404:  # 404: it is gone already, as asked
-                    error = f"{type(exc).__name__}: {exc}"
+                    error, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
             except Exception as exc:  # a failed release is reported, never raised
-                error = f"{type(exc).__name__}: {exc}"
+                error, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
         if scope.cancelled_caught:
-            error = f"release timed out after {timeout:g} s"
+            error, error_type = f"release timed out after {timeout:g} s", "TimeoutError"
         lifetime = round(time.monotonic() - instance.created_mono, 3)
         if error is None:
             self._events.emit(
@@ -627,6 +723,7 @@ class FleetProvider:
                 "fleet_env_close_failed",
                 level="error",
                 instance_id=instance.instance_id,
+                error_type=error_type,
                 error_message=error[:500],
             )
         return False

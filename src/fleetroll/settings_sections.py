@@ -53,6 +53,8 @@ class TimeoutSettings(_Section):
     policy_connect_s: float = Field(10.0, gt=0)
     verifier_s: float = Field(120.0, gt=0)
     release_s: float = Field(30.0, gt=0)
+    #: Setting up a browser lease (create, navigate, health check) in all.
+    browser_lease_s: float = Field(60.0, gt=0)
     telemetry_s: float = Field(5.0, gt=0)
     rollout_s: float = Field(1800.0, gt=0)
     #: An idle HTTP connection (control plane, MCP) is not reused after this
@@ -159,6 +161,9 @@ class ModalitySettings(_Section):
     image_type: str | None = None
     ttl_s: int = Field(900, ge=1)
     tools: Literal["api", "computer"] = "api"
+    #: browser_use's lease flow: a browser leased apart from the instance,
+    #: navigated to its UI; the route goes to the lease's MCP URL.
+    browser_lease: bool = False
 
 
 class PoolSettings(_Section):

@@ -30,6 +30,7 @@ from fleetroll.emulator import traces as trace_api
 from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector
 from fleetroll.emulator.instances import Instance, InstanceStore
+from fleetroll.emulator.leases import BrowserLeases
 from fleetroll.emulator.ledger import Ledger
 from fleetroll.emulator.mcp_routing import McpRouter
 from fleetroll.emulator.verifiers import BundleError, VerifierRunner
@@ -86,6 +87,12 @@ class EmulatorApp:
         self.mcp = McpRouter(envs, store, faults, ledger)
         #: What the trace API received (``/v1/traces/jobs``, ``/v1/sessions/ingest``).
         self.traces = trace_api.TraceStore()
+        self.leases = BrowserLeases(
+            store,
+            authorized=self._authorized,
+            unauthorized=self._unauthorized,
+            base_url=lambda: self.base_url,
+        )
         self._starlette = Starlette(
             routes=[
                 Route("/v1/env/", self.list_envs, methods=["GET"]),
@@ -103,6 +110,7 @@ class EmulatorApp:
                 Route("/v1/verifiers/execute", self.execute_verifier, methods=["POST"]),
                 Route("/v1/traces/jobs", self.trace_job, methods=["POST"]),
                 Route("/v1/sessions/ingest", self.ingest_trace, methods=["POST"]),
+                *self.leases.routes(),
                 Route("/_emulator/ledger", self.get_ledger, methods=["GET"]),
                 Route("/instances/{instance_id}/api/v1/env/reset", self.reset, methods=["POST"]),
                 Route("/instances/{instance_id}/api/v1/env/health", self.health, methods=["GET"]),
@@ -124,6 +132,12 @@ class EmulatorApp:
                 matched = McpRouter.match(scope["path"])
                 if matched is not None:
                     await self.mcp.handle(*matched, scope, receive, send)
+                    return
+                lease_id = BrowserLeases.match(scope["path"])
+                if lease_id is not None:
+                    # A leased browser's MCP: the computer tool on its instance's screen.
+                    leased = self.leases.instance_of(lease_id) or ""
+                    await self.mcp.handle(leased, "aggregator", scope, receive, send)
                     return
             await self._starlette(scope, receive, send)
         except* ClientDisconnect:

@@ -192,11 +192,11 @@ async def test_a_computer_modality_starts_with_a_screenshot(emulator, modality: 
     policy = Recording()
     result = await run_one(emulator, task, policy)
     assert result.reward == 1.0 and policy.tools == ["computer", FINAL_ANSWER]
-    (prompt,) = policy.first
-    kinds = [part["type"] for part in prompt["content"]]
-    assert prompt["role"] == "user" and kinds == ["text", "image_url"]
-    assert prompt["content"][0]["text"] == task.prompt
-    assert prompt["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
+    prompt, screen = policy.first
+    assert prompt == {"role": "user", "content": task.prompt}
+    kinds = [part["type"] for part in screen["content"]]
+    assert screen["role"] == "user" and kinds == ["text", "image_url"]
+    assert screen["content"][1]["image_url"]["url"].startswith("data:image/png;base64,")
     inst = next(i for i in emulator.store if i.instance_id == result.instance_id)
     assert inst.image_type == "mcp" and inst.ttl_s == 1800
 
@@ -293,7 +293,7 @@ async def test_browser_use_by_lease_drives_the_leased_browser_and_deletes_the_le
         assert leases.created == 1 and leases.open == {} and leases.served > 0
         assert emu.ledger.running == 0
     assert result.reward == 1.0 and policy.tools == ["computer", FINAL_ANSWER]
-    assert [p["type"] for p in policy.first[0]["content"]] == ["text", "image_url"]
+    assert [p["type"] for p in policy.first[1]["content"]] == ["text", "image_url"]
     assert sink.named("fleet_instance_release_failed") == []
 
 

@@ -164,7 +164,7 @@ async def test_computer_use_screenshots_are_elided_from_the_result_transcript(em
     ]
     assert not [p for p in parts if p["type"] == "image_url"]
     placeholders = [p for p in parts if p["text"].startswith("[image:")]
-    assert len(placeholders) == result.steps
+    assert len(placeholders) == result.steps + 1  # and the initial screenshot
 
 
 # -- one test per failure reason ---------------------------------------------
@@ -365,8 +365,11 @@ async def test_an_openai_compatible_policy_drives_multi_turn_tool_use(
     assert result.steps == len(calls) and len(requests) == len(calls) + 1
     last = requests[-1]
     sent_tools = {t["function"]["name"] for t in last["tools"]}
+    # The verifiers take final_answer, so submit_final_answer is offered too.
     assert sent_tools == (
-        {"computer"} if modality == "computer_use" else {t for t in sent_tools if t != "computer"}
+        {"computer", "submit_final_answer"}
+        if modality == "computer_use"
+        else {t for t in sent_tools if t != "computer"}
     )
     assert [m["role"] for m in last["messages"]].count("tool") == len(calls)
     image_parts = [
@@ -376,8 +379,8 @@ async def test_an_openai_compatible_policy_drives_multi_turn_tool_use(
         for p in m["content"]
         if p.get("type") == "image_url"
     ]
-    if modality == "computer_use":  # screenshots reach the model as images
-        assert len(image_parts) == len(calls)
+    if modality == "computer_use":  # screenshots reach the model as images, the first too
+        assert len(image_parts) == len(calls) + 1
         assert image_parts[0]["image_url"]["url"].startswith("data:image/png;base64,")
     else:
         assert not image_parts

@@ -157,7 +157,10 @@ async def test_turns_hold_exactly_what_the_server_sent_and_cost_sums_it(
     assert cost.prompt_tokens == sum(r["usage"]["prompt_tokens"] for r in replies)
     assert cost.completion_tokens == sum(r["usage"]["completion_tokens"] for r in replies)
     assert cost.policy_calls == len(replies)
-    assert cost.tool_calls == emulator.ledger.tool_calls - tool_calls_before == result.steps
+    # The environment also served a computer modality's initial screenshot.
+    initial = 1 if task.modality == "computer_use" else 0
+    assert cost.tool_calls == emulator.ledger.tool_calls - tool_calls_before - initial
+    assert cost.tool_calls == result.steps
     # Two clocks (ours from provisioned to released, the emulator's from created to
     # terminated) a loopback round trip apart at each end.
     assert cost.instance_s == pytest.approx(lifetime_s(emulator, result.instance_id), abs=1.0)
@@ -210,7 +213,8 @@ async def test_max_images_sends_only_the_last_screenshots_and_the_transcript_say
         requests = list(server.requests)
 
     assert result.reward == 1.0
-    assert [len(image_parts(r["messages"])) for r in requests] == [0] + [1] * (len(requests) - 1)
+    # The first request holds the initial screenshot.
+    assert [len(image_parts(r["messages"])) for r in requests] == [1] * len(requests)
     omitted = [
         part
         for m in result.transcript
@@ -218,7 +222,7 @@ async def test_max_images_sends_only_the_last_screenshots_and_the_transcript_say
         for part in m["content"]
         if part.get("text", "").startswith("[screenshot omitted: only the last 1")
     ]
-    assert len(omitted) == result.steps - 1
+    assert len(omitted) == result.steps  # every screenshot but the last, the initial one too
 
 
 async def test_a_prompt_over_max_context_tokens_ends_the_rollout_as_context_overflow_scored(

@@ -82,17 +82,17 @@ class Transcript:
         return tuple(self.messages[start:])
 
     def add_prompt(self, prompt: str, images: tuple[str, ...] = ()) -> None:
-        """The task's prompt; with ``images`` (the initial screenshot of a computer
-        modality), one multimodal message: the text, then the images."""
-        if not images:
-            self.messages.append({"role": "user", "content": prompt})
-            return
-        parts: list[Message] = [{"type": "text", "text": prompt}]
-        parts += [{"type": "image_url", "image_url": {"url": url}} for url in images]
-        self.messages.append({"role": "user", "content": parts})
-        self._with_images.append((len(self.messages) - 1, len(images)))
-        self._images += len(images)
-        self._elide_old_images()
+        """The task's prompt, then (the initial screenshot of a computer modality)
+        ``images`` in a user message of their own: the first observation."""
+        self.messages.append({"role": "user", "content": prompt})
+        if images:
+            intro = "Screenshot before your first action:"
+            parts: list[Message] = [{"type": "text", "text": intro}]
+            parts += [{"type": "image_url", "image_url": {"url": url}} for url in images]
+            self.messages.append({"role": "user", "content": parts})
+            self._with_images.append((len(self.messages) - 1, len(images)))
+            self._images += len(images)
+            self._elide_old_images()
 
     def add_turn(self, turn: AssistantTurn) -> None:
         self.messages.append(assistant_message(turn))

@@ -22,6 +22,7 @@ from fleetroll.emulator.computer import Screen
 from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
 from fleetroll.engine import RolloutEngine
+from fleetroll.errors import TaskFileError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.provisioning import FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
@@ -307,3 +308,23 @@ async def test_a_browser_lease_is_deleted_when_the_rollout_fails() -> None:
         assert emu.app.leases.created == 1 and emu.app.leases.open == {}
         assert emu.ledger.running == 0
     assert result.failure_reason is FailureReason.TOOL_FAILURE
+
+
+# -- task-file checks of the new fields -----------------------------------------
+
+
+def test_verifier_func_and_verifier_code_together_are_an_error_naming_the_field() -> None:
+    record = ledger_record()
+    record["verifier_code"] = record["verifier_func"]
+    with pytest.raises(TaskFileError, match="not both") as caught:
+        parse_task(record, source="t.jsonl", modalities=SETTINGS.modalities)
+    assert caught.value.field == "verifier_code"
+
+
+@pytest.mark.parametrize("ttl", [0, -5, 1.5, "600", True])
+def test_a_ttl_seconds_that_is_not_a_whole_number_of_seconds_is_an_error(ttl: object) -> None:
+    record = ledger_record()
+    record["ttl_seconds"] = ttl
+    with pytest.raises(TaskFileError, match="whole number") as caught:
+        parse_task(record, source="t.jsonl", modalities=SETTINGS.modalities)
+    assert caught.value.field == "ttl_seconds"

@@ -328,3 +328,17 @@ def test_a_ttl_seconds_that_is_not_a_whole_number_of_seconds_is_an_error(ttl: ob
     with pytest.raises(TaskFileError, match="whole number") as caught:
         parse_task(record, source="t.jsonl", modalities=SETTINGS.modalities)
     assert caught.value.field == "ttl_seconds"
+
+
+async def test_a_browser_lease_that_never_turns_healthy_is_init_error_and_gives_all_back() -> None:
+    sink = MemorySink()
+    task = DESKTOP.model_copy(update={"modality": "browser_use"})
+    async with Emulator(FaultProfile(p_browser_lease_unhealthy=1.0)) as emu:
+        assert emu.app is not None
+        result = await run_one(emu, task, sink=sink, modalities=leased_browser_use())
+        assert emu.app.leases.created == 1 and emu.app.leases.open == {}
+        assert emu.ledger.running == 0 and emu.ledger.created == 1
+    assert result.failure_reason is FailureReason.INIT_ERROR and result.reward is None
+    assert "browser lease" in (result.error or "")
+    (failed,) = sink.named("fleet_make_failed")
+    assert "browser lease" in failed.attributes["error_message"]

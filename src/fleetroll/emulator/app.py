@@ -92,6 +92,7 @@ class EmulatorApp:
             authorized=self._authorized,
             unauthorized=self._unauthorized,
             base_url=lambda: self.base_url,
+            faults=faults,
         )
         self._starlette = Starlette(
             routes=[

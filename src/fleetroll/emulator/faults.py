@@ -90,6 +90,9 @@ class FaultProfile(BaseModel):
     death_after: Latency = Latency(min_s=5.0)
     #: Probability that a delete answers 500 and the instance keeps running.
     p_delete_error: Probability = 0.0
+    #: Probability that a browser lease never turns healthy (its health check
+    #: answers 503).
+    p_browser_lease_unhealthy: Probability = 0.0
     #: TTL applied when a create does not ask for one. None = no TTL.
     default_ttl_s: Seconds | None = None
 

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetroll.emulator.faults import FaultInjector
 from fleetroll.emulator.instances import InstanceStore
 
 __all__ = ["BrowserLease", "BrowserLeases"]
@@ -38,6 +39,8 @@ class BrowserLease:
     instance_id: str
     ttl_s: float | None
     url: str | None = None
+    #: Never turns healthy (``p_browser_lease_unhealthy``).
+    broken: bool = False
 
     def to_response(self, base_url: str, status: str) -> dict[str, object]:
         return {
@@ -60,8 +63,10 @@ class BrowserLeases:
         authorized: Callable[[Request], bool],
         unauthorized: Callable[[], Response],
         base_url: Callable[[], str],
+        faults: FaultInjector,
     ) -> None:
         self._store = store
+        self._faults = faults
         self._authorized = authorized
         self._unauthorized = unauthorized
         self._base_url = base_url
@@ -109,6 +114,7 @@ class BrowserLeases:
             f"lease-{next(self._ids):06d}",
             inst.instance_id,
             float(ttl) if isinstance(ttl, int | float) else None,
+            broken=self._faults.chance(self._faults.profile.p_browser_lease_unhealthy),
         )
         self.open[lease.lease_id] = lease
         self.created += 1
@@ -132,7 +138,7 @@ class BrowserLeases:
         if isinstance(lease, Response):
             return lease
         inst = self._store.get(lease.instance_id)
-        healthy = lease.url is not None and inst is not None and inst.alive
+        healthy = lease.url is not None and inst is not None and inst.alive and not lease.broken
         status = "healthy" if healthy else "unhealthy"
         return JSONResponse(lease.to_response(self._base_url(), status), 200 if healthy else 503)
 

@@ -1,9 +1,11 @@
 """Fleet as an environment provider: instances through the real SDK.
 
 :class:`FleetProvider` implements :class:`fleetroll.environments.Provider`
-for Fleet (and the embedded emulator): it is the only module of the core
-that talks to the ``fleet`` SDK (verification goes through
-:mod:`fleetroll.verification`, which it owns).
+for Fleet (and the embedded emulator): with the modules it owns
+(:mod:`fleetroll.fleet_control`: failure classification, the SDK's clients,
+browser leases, the pre-flight listing; :mod:`fleetroll.verification`;
+:mod:`fleetroll.fleet_traces`) it is the only code of the core that talks to
+the ``fleet`` SDK.
 
 * ``AsyncFleet(max_retries=0)``: the SDK's own transport retries (which would
   re-POST creates) are off, so every retry decision is made here, once.
@@ -25,30 +27,35 @@ that talks to the ``fleet`` SDK (verification goes through
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
-import httpx
 import httpx2
 from fleet._async import exceptions as fleet_errors
-from fleet._async.client import AsyncEnv, AsyncFleet
+from fleet._async.client import AsyncEnv
 from fleet.runner_auth import RunnerTokenProvider
 
 import fleetroll.retrying as retrying
 from fleetroll.admission import AdmissionController, CreateSlots, Ticket, TokenBucket
-from fleetroll.environment_names import missing_environments
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import EnvUnavailableError, ProvisionError
-from fleetroll.retrying import Decision, Retry, decide, retry_after_s, transient_status
+from fleetroll.fleet_control import (
+    Classification,
+    Lease,
+    classify,
+    create_lease,
+    delete_lease,
+    forget_retry_after,
+    listing_problems,
+    sdk_lanes,
+)
+from fleetroll.retrying import Decision, Retry
 from fleetroll.routing import Route, route, wants_final_answer
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -67,84 +74,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-_retry_after: contextvars.ContextVar[float | None] = contextvars.ContextVar(
-    "fleetroll_retry_after", default=None
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Classification:
-    """What one failed create means for the next attempt."""
-
-    transient: bool
-    status_code: int | None = None
-    retry_after_s: float | None = None
-
-
-_PERMANENT_TYPES: tuple[type[Exception], ...] = (
-    fleet_errors.FleetAuthenticationError,
-    fleet_errors.FleetPermissionError,  # includes environment access, team not found
-    fleet_errors.FleetBadRequestError,  # includes region, env and version not found
-    fleet_errors.FleetConfigurationError,
-)
-_CONNECTIONS_PER_LANE = 64
-_TRANSIENT_TEXT = (
-    "retryable",
-    "try again",
-    "temporarily",
-    "timed out",
-    "timeout",
-    "unavailable",
-    "overloaded",
-    "rate limit",
-)
-
-
-def classify(exc: BaseException, *, retry_instance_limit: bool = False) -> Classification:
-    """Decide whether a failed create is worth another attempt.
-
-    Order: our own deadline, the SDK's exception type, the HTTP status, a
-    structured ``retryable`` flag in the body, and only then the message text.
-    """
-    retry_after = _retry_after.get()
-    status: int | None = getattr(exc, "status_code", None)
-    if isinstance(exc, TimeoutError | fleet_errors.FleetTimeoutError):
-        return Classification(True, status)
-    if isinstance(exc, fleet_errors.FleetRateLimitError):
-        return Classification(True, 429, retry_after)
-    if isinstance(exc, fleet_errors.FleetInstanceLimitError):
-        return Classification(retry_instance_limit, 403, retry_after)
-    if isinstance(exc, fleet_errors.FleetConflictError):
-        # A duplicate-create 409 that the SDK could not recover: a new request may work.
-        return Classification(exc.instance_id is not None, 409)
-    if isinstance(exc, _PERMANENT_TYPES):
-        return Classification(False, status)
-    if isinstance(exc, fleet_errors.FleetEnvironmentError):  # health / readiness failures
-        return Classification(True, status)
-    if isinstance(exc, fleet_errors.FleetAPIError):
-        body = getattr(exc, "response_data", None) or {}
-        detail = body.get("detail") if isinstance(body, dict) else None
-        flag = detail.get("retryable") if isinstance(detail, dict) else None
-        if isinstance(flag, bool):
-            return Classification(flag, status, retry_after)
-        if status is None:  # the SDK's wrapper of transport errors (connection refused...)
-            return Classification(True, None)
-        if transient_status(status):
-            return Classification(True, status, retry_after)
-        if 400 <= status < 500:
-            return Classification(False, status)
-    if decide(exc).transient:  # transport failures of the HTTP clients
-        return Classification(True, None)
-    text = str(exc).lower()
-    return Classification(any(word in text for word in _TRANSIENT_TEXT), status, retry_after)
-
-
-@dataclass(frozen=True, slots=True)
-class _Lease:
-    """A browser leased for one instance (browser_use's lease flow)."""
-
-    lease_id: str
-    mcp_url: str
 
 
 class CreateGate(Protocol):
@@ -161,11 +90,6 @@ class CreateGate(Protocol):
 
 #: Creates limited within this process (a limiter and a token bucket).
 LocalCreateGate = CreateSlots
-
-
-async def _remember_retry_after(response: httpx.Response) -> None:
-    if response.status_code >= 400:
-        _retry_after.set(retry_after_s(response.headers))
 
 
 class FleetProvider:
@@ -191,33 +115,7 @@ class FleetProvider:
         self._account_lock = anyio.Lock()
         p = settings.provisioning
         t = settings.timeouts
-        # Several small HTTP clients ("lanes") instead of one big one: httpcore
-        # scans every connection of a pool on each request, so one pool of
-        # hundreds of connections made the control plane cost grow with the
-        # square of concurrency (the largest CPU cost in `fleetroll bench`).
-        # An instance stays on the lane that made it (reset, verify, delete).
-        held = settings.pool.concurrency + p.max_concurrent_creates
-        lanes = max(1, math.ceil(held / _CONNECTIONS_PER_LANE))
-        # One TLS context for every lane: building one costs ~50 ms of CPU
-        # (loading the CA bundle), a second and a half at 1,000 rollouts.
-        tls = httpx.create_ssl_context()
-        self._clients = [
-            httpx.AsyncClient(
-                verify=tls,
-                timeout=httpx.Timeout(t.provision_create_s, connect=t.mcp_connect_s),
-                limits=httpx.Limits(
-                    max_connections=_CONNECTIONS_PER_LANE * 2,
-                    max_keepalive_connections=_CONNECTIONS_PER_LANE,
-                    keepalive_expiry=t.http_keepalive_s,
-                ),
-                event_hooks={"response": [_remember_retry_after]},
-            )
-            for _ in range(lanes)
-        ]
-        self._lanes = [
-            AsyncFleet(api_key=api_key, base_url=base_url, max_retries=0, httpx_client=client)
-            for client in self._clients
-        ]
+        self._clients, self._lanes = sdk_lanes(settings, api_key=api_key, base_url=base_url)
         self._lane = itertools.cycle(self._lanes)
         #: For calls that belong to no instance (listing, sweeping).
         self.fleet = self._lanes[0]
@@ -238,7 +136,7 @@ class FleetProvider:
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
         #: Browser leases by instance id (modalities with ``browser_lease``).
-        self._leases: dict[str, _Lease] = {}
+        self._leases: dict[str, Lease] = {}
 
     async def aclose(self) -> None:
         for client in self._clients:
@@ -323,66 +221,12 @@ class FleetProvider:
         return await self._verifier.verify(task, self._env(instance), final_answer)
 
     async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
-        """The control plane answers, the key is accepted, every env version exists.
-
-        One environment listing (``GET /v1/env/``), under ``timeouts.preflight_s``;
-        a 429 or 5xx answer is asked again (the ``make`` budget) within that
-        time, while an address that does not answer is reported at once.
-        """
-        timeout = self._settings.timeouts.preflight_s
-        where = self._where
-
-        def decision(exc: BaseException) -> Decision:
-            verdict = classify(exc)
-            busy = verdict.status_code is not None and transient_status(verdict.status_code)
-            return Decision(busy, verdict.status_code, verdict.retry_after_s)
-
-        try:
-            with anyio.fail_after(timeout) as scope:
-                async for attempt in retrying.attempts(
-                    "preflight",
-                    retrying.budget(self._settings, "preflight"),
-                    deadline=scope.deadline,
-                    classify=decision,
-                    report=retry_emitter(self._events),
-                ):
-                    with attempt:
-                        listing = await self.fleet.list_envs()
-        except TimeoutError:
-            return [
-                f"the Fleet control plane at {where} did not answer within {timeout:g} s"
-                " (timeouts.preflight_s; is FLEET_BASE_URL right?)"
-            ]
-        except fleet_errors.FleetAuthenticationError:
-            return [f"FLEET_API_KEY was refused by the Fleet control plane at {where} (401)"]
-        except fleet_errors.FleetAPIError as exc:
-            status = exc.status_code
-            if status in (401, 403):
-                return [
-                    f"FLEET_API_KEY was refused by the Fleet control plane at {where} ({status})"
-                ]
-            if status is None:
-                return [
-                    f"cannot reach a Fleet control plane at {where}: {exc}"
-                    " (is FLEET_BASE_URL right?)"
-                ]
-            return [
-                f"{where} answered {status} to the environment listing (GET /v1/env/):"
-                " not a Fleet control plane? (is FLEET_BASE_URL right?)"
-            ]
-        except (ValueError, TypeError) as exc:  # not JSON, or not a list of environments
-            return [
-                f"{where} does not answer like a Fleet control plane"
-                f" ({type(exc).__name__} reading its environment listing;"
-                " is FLEET_BASE_URL right?)"
-            ]
-        except httpx.HTTPError as exc:
-            return [
-                f"cannot reach a Fleet control plane at {where}: {type(exc).__name__}: {exc}"
-                " (is FLEET_BASE_URL right?)"
-            ]
-        known = {env.env_key: {*env.versions, *env.versions.values()} for env in listing}
-        return missing_environments(tasks, known)
+        """The control plane answers, the key is accepted, every env version exists
+        (:func:`fleetroll.fleet_control.listing_problems`)."""
+        report = retry_emitter(self._events)
+        return await listing_problems(
+            self.fleet, tasks, self._settings, where=self._where, report=report
+        )
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
         """Create a running instance for ``task``, retrying transient failures.
@@ -429,7 +273,7 @@ class FleetProvider:
                 ):
                     with retry:
                         attempt = retry.num
-                        _retry_after.set(None)
+                        forget_retry_after()
                         try:
                             env = await self._create_admitted(task, run_id, ticket)
                         except Exception as exc:
@@ -551,39 +395,23 @@ class FleetProvider:
                 )
 
     async def _lease_browser(self, env: AsyncEnv, task: TaskSpec, attempts: int) -> None:
-        """Lease a browser for ``env``: create, navigate to its UI, health check
-        (``timeouts.browser_lease_s`` in all). On failure the lease and the
-        instance are given back.
+        """Lease a browser for ``env`` (``timeouts.browser_lease_s`` in all). On
+        failure the lease and the instance are given back.
 
         Raises:
             ProvisionError: the lease could not be set up.
         """
-        client = self.fleet.client
-        timeout = self._settings.timeouts.browser_lease_s
-        lease_id: str | None = None
+        t = self._settings.timeouts
+        ttl_s = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
         try:
-            with anyio.fail_after(timeout):
-                modality = self._settings.modalities[task.modality]
-                made = await client.request(
-                    "POST",
-                    "/v1/browser/leases",
-                    json={
-                        "instance_id": env.instance_id,
-                        "ttl_seconds": task.ttl_seconds or modality.ttl_s,
-                    },
-                )
-                body = made.json()
-                lease_id = str(body["lease_id"])
-                assert env.urls is not None
-                ui = env.urls.app[0] if env.urls.app else env.urls.root
-                path = f"/v1/browser/leases/{lease_id}"
-                await client.request("POST", f"{path}/navigate", json={"url": ui})
-                await client.request("GET", f"{path}/health")
-                self._leases[env.instance_id] = _Lease(lease_id, str(body["mcp_url"]))
+            with anyio.fail_after(t.browser_lease_s):
+                lease = await create_lease(self.fleet, env, ttl_s=ttl_s, release_s=t.release_s)
         except Exception as exc:
-            why = f"no answer within {timeout:g} s" if isinstance(exc, TimeoutError) else exc
-            if lease_id is not None:
-                await self._delete_lease(lease_id, env.instance_id)
+            why = (
+                f"no answer within {t.browser_lease_s:g} s"
+                if isinstance(exc, TimeoutError)
+                else exc
+            )
             await self._close(env)
             ticket = self._tickets.pop(env.instance_id, None)
             if ticket is not None and self._admission is not None:
@@ -602,21 +430,12 @@ class FleetProvider:
                 status_code=getattr(exc, "status_code", None),
                 attempts=attempts,
             ) from exc
+        self._leases[env.instance_id] = lease
 
     async def _delete_lease(self, lease_id: str, instance_id: str) -> bool:
         """Give a browser lease back; shielded and bounded, never raises."""
-        error: str | None = None
         timeout = self._settings.timeouts.release_s
-        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
-            try:
-                await self.fleet.client.request("DELETE", f"/v1/browser/leases/{lease_id}")
-            except fleet_errors.FleetAPIError as exc:
-                if exc.status_code != 404:  # 404: gone already
-                    error = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # reported, never raised
-                error = f"{type(exc).__name__}: {exc}"
-        if scope.cancelled_caught:
-            error = f"timed out after {timeout:g} s"
+        error = await delete_lease(self.fleet, lease_id, timeout_s=timeout)
         if error is not None:
             self._events.emit(
                 "fleet_instance_release_failed",

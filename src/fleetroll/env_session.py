@@ -10,10 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
+
 from fleetroll.dispatch import StepResult
-from fleetroll.policies import ToolCall, ToolSpec
-from fleetroll.results import RolloutResult
+from fleetroll.errors import InstanceLostError
+from fleetroll.policies import AssistantTurn, ToolCall, ToolSpec
+from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Rollout
+from fleetroll.tools import ToolResult
 
 __all__ = ["EnvSession", "StepResult"]
 
@@ -48,6 +52,10 @@ class EnvSession:
     async def step(self, call: ToolCall | Mapping[str, Any]) -> StepResult:
         """Run one tool call; ``done`` once the episode is over.
 
+        The rollout's state machine stays in ACTING meanwhile: this checks the
+        episode's limits (deadline, step budget), records the call in the
+        transcript and runs it through :meth:`Rollout.call_tool`.
+
         Raises:
             InstanceLostError: the instance is gone.
         """
@@ -59,7 +67,34 @@ class EnvSession:
                 name=str(call["name"]),
                 arguments=dict(call.get("arguments") or {}),
             )
-        return await r.step(call)
+        over = None
+        if r.finished:
+            over = "The episode is over."
+        elif anyio.current_time() >= r.deadline:
+            r.time_out()
+            over = "The rollout's deadline passed."
+        elif r.progress.steps >= r.max_steps:
+            r.fail(FailureReason.MAX_STEPS, f"the step budget of {r.max_steps} ran out")
+            over = "The step budget ran out."
+        if over is not None:
+            return StepResult(ToolResult(text=over, is_error=True), True)
+        before = len(r.progress.transcript)
+        r.progress.transcript.add_turn(AssistantTurn(tool_calls=(call,)))
+        r.notify()
+        r.progress.steps += 1
+        result: ToolResult | None = None
+        with anyio.CancelScope(deadline=r.deadline) as scope:
+            result = await r.call_tool(call)
+        if scope.cancelled_caught or result is None:
+            r.time_out()
+            result = ToolResult(text="The rollout's deadline passed.", is_error=True)
+        if r.progress.reason is FailureReason.INSTANCE_LOST:
+            raise InstanceLostError(
+                r.progress.error or "the instance is gone",
+                operation="step",
+                rollout_id=r.ids.rollout_id,
+            )
+        return StepResult(result, r.finished, r.progress.transcript.since(before))
 
     async def done(self) -> None:
         """Say the episode is over: the agent finished the task.

@@ -41,9 +41,8 @@ import anyio
 
 import fleetroll.stages as stages
 import fleetroll.staleness as staleness
-from fleetroll.dispatch import StepResult, dispatch
+from fleetroll.dispatch import dispatch
 from fleetroll.environments import Instance
-from fleetroll.errors import InstanceLostError
 from fleetroll.phases import NEXT, Phase, RolloutView
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.progress import Progress, RolloutIds
@@ -95,9 +94,11 @@ class Rollout:
         self.tools: list[ToolSpec] = []
         self.session: ToolSession | None = None
         self.result: RolloutResult | None = None
-        self._p = Progress()
+        #: The mutable state (only the rollout's own task, or its session, touches it).
+        self.progress = Progress()
         self._started = time.monotonic()
-        self._deadline = float("inf")
+        #: When the rollout's clock runs out (``anyio.current_time()``), once ready.
+        self.deadline = float("inf")
         self._deadline_scope: anyio.CancelScope | None = None
         #: Entered around the whole run by its owner; :meth:`stop` cancels it.
         self.stop_scope = anyio.CancelScope()
@@ -105,7 +106,7 @@ class Rollout:
         self._setup_failure: SetupFailure | None = None
         s = engine.settings
         self.max_steps = task.max_steps or s.pool.max_steps
-        self._p.transcript.max_images = s.policy.max_images
+        self.progress.transcript.max_images = s.policy.max_images
         self._provisioned_at: float | None = None
 
     # -- the whole rollout --------------------------------------------------
@@ -188,7 +189,7 @@ class Rollout:
                     await self._guarded(self._score())
             except anyio.get_cancelled_exc_class():
                 reason, error = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
-                self._fail(reason, error, force=True)
+                self.fail(reason, error, force=True)
                 raise
             finally:
                 await self._tear_down(restart=restart, restarted=restarted)
@@ -200,9 +201,10 @@ class Rollout:
         if phase not in NEXT[self.phase]:
             raise RuntimeError(f"a rollout cannot go from {self.phase} to {phase}")
         self.phase = phase
-        self._notify()
+        self.notify()
 
-    def _notify(self) -> None:
+    def notify(self) -> None:
+        """Tell the observers and :meth:`wait_until` that something changed."""
         if self._changed is not None:
             self._changed.set()
             self._changed = None
@@ -221,13 +223,13 @@ class Rollout:
         try:
             return await work
         except Exception as exc:  # the boundary: one rollout's bug must not escape
-            self._fail(self._crash_reason(), f"unexpected error in {self.phase}: {describe(exc)}")
+            self.fail(self._crash_reason(), f"unexpected error in {self.phase}: {describe(exc)}")
             return default
 
     async def _set_up(self, stack: AsyncExitStack, deadline: anyio.CancelScope | None) -> bool:
         e = self.engine
         self._enter(Phase.PROVISIONING)
-        instance = await stages.provision(e, self.task, self._p, run_id=self.run_id)
+        instance = await stages.provision(e, self.task, self.progress, run_id=self.run_id)
         if isinstance(instance, SetupFailure):
             return self._set_up_failed(instance)
         self.instance = instance
@@ -235,14 +237,14 @@ class Rollout:
         if self._gate is not None:
             self._enter(Phase.WAITING)
             await stack.enter_async_context(self._gate())
-        self._deadline = anyio.current_time() + e.settings.timeouts.rollout_s
+        self.deadline = anyio.current_time() + e.settings.timeouts.rollout_s
         self._deadline_scope = deadline
         if deadline is not None:
-            deadline.deadline = self._deadline
+            deadline.deadline = self.deadline
         stack.enter_context(Events.bind(instance_id=instance.instance_id))
 
         self._enter(Phase.RESETTING)
-        await stages.reset(e, instance, self._p)
+        await stages.reset(e, instance, self.progress)
 
         self._enter(Phase.CONNECTING)
         self.route = e.provider.route(instance, self.task)
@@ -251,19 +253,19 @@ class Rollout:
             return self._set_up_failed(connected)
         self.session, self.tools = connected
         shot = await stages.first_screenshot(e, self.session, self.route)
-        self._p.transcript.add_prompt(self.task.prompt, shot)
+        self.progress.transcript.add_prompt(self.task.prompt, shot)
         self._enter(Phase.ACTING)
         return True
 
     def _set_up_failed(self, failure: SetupFailure) -> bool:
         """Record why set-up stopped (kept for :meth:`setup_error`); the rollout is not ready."""
         self._setup_failure = failure
-        self._fail(failure.reason, failure.error)
+        self.fail(failure.reason, failure.error)
         return False
 
     async def _session_failed(self, exc: Exception) -> None:
         opened = self.session is not None
-        await stages.session_failed(self.engine, self.instance, self._p, exc, opened=opened)
+        await stages.session_failed(self.engine, self.instance, self.progress, exc, opened=opened)
 
     # -- acting -------------------------------------------------------------
 
@@ -271,12 +273,15 @@ class Rollout:
         settings = self.engine.settings
         timeout = settings.timeouts.policy_s
         max_context = settings.policy.max_context_tokens
-        while not self._p.finished and self._p.reason is None:
-            if self._p.steps >= self.max_steps:
-                self._fail(FailureReason.MAX_STEPS, f"the step budget of {self.max_steps} ran out")
+        while not self.progress.finished and self.progress.reason is None:
+            if self.progress.steps >= self.max_steps:
+                self.fail(FailureReason.MAX_STEPS, f"the step budget of {self.max_steps} ran out")
                 return
-            if max_context is not None and (estimate := self._p.context_estimate()) > max_context:
-                self._fail(
+            if (
+                max_context is not None
+                and (estimate := self.progress.context_estimate()) > max_context
+            ):
+                self.fail(
                     FailureReason.CONTEXT_OVERFLOW,
                     f"the next prompt would hold about {estimate} tokens, over"
                     f" policy.max_context_tokens = {max_context}",
@@ -286,11 +291,16 @@ class Rollout:
             # of the rollout's: neither its own nor policy_s (counted from here on).
             with self._deadline_lifted():
                 version, waited_s = await self.engine.policy_gate.admit()
-                self._deadline += waited_s
-            if self._p.first_policy_version is None:
-                self._p.first_policy_version = version
+                self.deadline += waited_s
+            if self.progress.first_policy_version is None:
+                self.progress.first_policy_version = version
             asked = await stages.ask_policy(
-                policy, self.task, self._p, self.tools, timeout_s=timeout, policy_version=version
+                policy,
+                self.task,
+                self.progress,
+                self.tools,
+                timeout_s=timeout,
+                policy_version=version,
             )
             if asked is None:
                 return
@@ -301,7 +311,7 @@ class Rollout:
     @contextmanager
     def _deadline_lifted(self) -> Iterator[None]:
         """The rollout's deadline cannot pass during the block; after it, it is
-        ``self._deadline`` again (which the block may have moved)."""
+        ``self.deadline`` again (which the block may have moved)."""
         scope = self._deadline_scope
         if scope is None:
             yield
@@ -310,30 +320,30 @@ class Rollout:
         try:
             yield
         finally:
-            scope.deadline = self._deadline
+            scope.deadline = self.deadline
 
     async def apply(self, turn: AssistantTurn) -> None:
         """Record an assistant turn and run its tool calls."""
-        self._p.transcript.add_turn(turn)
-        self._notify()
+        self.progress.transcript.add_turn(turn)
+        self.notify()
         if not turn.tool_calls:
-            self._p.finished = True
+            self.progress.finished = True
             return
-        self._p.steps += 1
+        self.progress.steps += 1
         for call in turn.tool_calls:
-            if self._p.finished or self._p.reason is not None:
+            if self.progress.finished or self.progress.reason is not None:
                 return
-            await self._call(call)
-            self._notify()  # the tool's answer is in the transcript
+            await self.call_tool(call)
+            self.notify()  # the tool's answer is in the transcript
 
-    async def _call(self, call: ToolCall) -> ToolResult:
+    async def call_tool(self, call: ToolCall) -> ToolResult:
         """Run one tool call and record its answer (a failure may end the rollout)."""
         e = self.engine
-        self._p.cost.tool_calls += 1
+        self.progress.cost.tool_calls += 1
         began = time.monotonic()
         result = await dispatch(
             call,
-            progress=self._p,
+            progress=self.progress,
             provider=e.provider,
             events=e.events,
             stop_on_failure=e.settings.pool.on_tool_failure == "fail",
@@ -349,17 +359,17 @@ class Rollout:
 
     async def _score(self) -> None:
         """Run the verifier when the outcome calls for a reward."""
-        if self.instance is None or not self._p.to_score:
+        if self.instance is None or not self.progress.to_score:
             return
-        self._p.scored = True
+        self.progress.scored = True
         self._enter(Phase.VERIFYING)
-        await stages.score(self.engine, self.instance, self.task, self._p)
+        await stages.score(self.engine, self.instance, self.task, self.progress)
 
     def _check_staleness(self, may_restart: bool) -> bool:
         """Whether to restart a stale rollout (see :func:`fleetroll.staleness.check`)."""
         limit = self.engine.settings.pool.max_staleness
         now = self.engine.policy_gate.version
-        return staleness.check(self._p, limit, now, may_restart=may_restart)
+        return staleness.check(self.progress, limit, now, may_restart=may_restart)
 
     def stop(self, reason: FailureReason, error: str) -> None:
         """End the rollout early, from another task: it ends as ``reason``.
@@ -381,7 +391,7 @@ class Rollout:
             self.engine.events,
             self.instance,
             restarts=restarted + 1,
-            first_policy_version=self._p.first_policy_version,
+            first_policy_version=self.progress.first_policy_version,
             policy_version=self.engine.policy_gate.version,
         )
         self.instance = None
@@ -391,8 +401,8 @@ class Rollout:
         self._setup_failure = None
         self._deadline_scope = None
         self._provisioned_at = None
-        self._p = Progress(cost=self._p.cost)
-        self._p.transcript.max_images = self.engine.settings.policy.max_images
+        self.progress = Progress(cost=self.progress.cost)
+        self.progress.transcript.max_images = self.engine.settings.policy.max_images
 
     async def _tear_down(self, *, restart: bool = False, restarted: int = 0) -> None:
         self._enter(Phase.RELEASING)
@@ -400,7 +410,7 @@ class Rollout:
             await self.engine.provider.release(self.instance)
         if self._provisioned_at is not None:
             # Summed: a restarted rollout paid for its stale attempt's instance too.
-            self._p.cost.instance_s += time.monotonic() - self._provisioned_at
+            self.progress.cost.instance_s += time.monotonic() - self._provisioned_at
         if restart:
             self._start_again(restarted)
             return
@@ -411,9 +421,9 @@ class Rollout:
         if self.engine.admission is not None:  # the environment's circuit breaker
             self.engine.admission.record(self.task.env_spec, self.result.failure_reason)
 
-    def _fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
+    def fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
         """Record the first failure (``force``: cancellation overrides)."""
-        self._p.fail(reason, error, force=force)
+        self.progress.fail(reason, error, force=force)
 
     def _crash_reason(self) -> FailureReason:
         if self.phase in (Phase.PROVISIONING, Phase.RESETTING, Phase.CONNECTING):
@@ -424,52 +434,17 @@ class Rollout:
 
     def setup_error(self) -> Exception:
         """Why set-up failed, for session callers."""
-        return stages.setup_error(self._setup_failure, self._p.error)
+        return stages.setup_error(self._setup_failure, self.progress.error)
 
     def _build_result(self) -> RolloutResult:
-        self._p.timings.total_s = time.monotonic() - self._started
-        return self._p.result(
+        self.progress.timings.total_s = time.monotonic() - self._started
+        return self.progress.result(
             self.ids,
             self.task,
             self.instance.instance_id if self.instance else None,
             redact=self.engine.redactor,
             keep_images=self.engine.settings.pool.transcript_images,
         )
-
-    async def step(self, call: ToolCall) -> StepResult:
-        """One tool call driven from outside (the env-style session API).
-
-        Raises:
-            InstanceLostError: the instance is gone.
-        """
-        over = None
-        if self.finished:
-            over = "The episode is over."
-        elif anyio.current_time() >= self._deadline:
-            self.time_out()
-            over = "The rollout's deadline passed."
-        elif self._p.steps >= self.max_steps:
-            self._fail(FailureReason.MAX_STEPS, f"the step budget of {self.max_steps} ran out")
-            over = "The step budget ran out."
-        if over is not None:
-            return StepResult(ToolResult(text=over, is_error=True), True)
-        before = len(self._p.transcript)
-        self._p.transcript.add_turn(AssistantTurn(tool_calls=(call,)))
-        self._notify()
-        self._p.steps += 1
-        result: ToolResult | None = None
-        with anyio.CancelScope(deadline=self._deadline) as scope:
-            result = await self._call(call)
-        if scope.cancelled_caught or result is None:
-            self.time_out()
-            result = ToolResult(text="The rollout's deadline passed.", is_error=True)
-        if self._p.reason is FailureReason.INSTANCE_LOST:
-            raise InstanceLostError(
-                self._p.error or "the instance is gone",
-                operation="step",
-                rollout_id=self.ids.rollout_id,
-            )
-        return StepResult(result, self.finished, self._p.transcript.since(before))
 
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         """The result of a rollout that ended before it started (no events).
@@ -479,7 +454,7 @@ class Rollout:
         DONE instead of refusing the transition; an instance it may hold
         carries the batch's run_id, so the batch's sweep releases it.
         """
-        self._fail(reason, error)
+        self.fail(reason, error)
         if self.phase is not Phase.DONE:
             if Phase.DONE not in NEXT[self.phase]:
                 self._enter(Phase.RELEASING)  # every phase before DONE may release
@@ -492,11 +467,11 @@ class Rollout:
 
     @property
     def finished(self) -> bool:
-        return self._p.finished or self._p.reason is not None
+        return self.progress.finished or self.progress.reason is not None
 
     @property
     def messages(self) -> list[dict[str, Any]]:
-        return self._p.transcript.messages
+        return self.progress.transcript.messages
 
     def view(self, *, messages: bool = True) -> RolloutView:
         """What the rollout is doing, for others to read (see :class:`RolloutView`).
@@ -512,21 +487,21 @@ class Rollout:
         elif messages:
             e = self.engine
             keep_images = e.settings.pool.transcript_images
-            transcript = tuple(self._p.transcript.export(e.redactor, keep_images=keep_images))
-        steps = self._p.steps if result is None else result.steps
+            transcript = tuple(self.progress.transcript.export(e.redactor, keep_images=keep_images))
+        steps = self.progress.steps if result is None else result.steps
         return RolloutView(self.ids, self.task.key, self.phase, steps, transcript, result)
 
     def finish(self) -> None:
         """The controller ended the episode: it completes (and is scored)."""
         if not self.finished:
-            self._p.finished = True
+            self.progress.finished = True
 
     def abandon(self) -> None:
         if not self.finished:
-            self._fail(FailureReason.ABANDONED, "the session was closed before the episode ended")
+            self.fail(FailureReason.ABANDONED, "the session was closed before the episode ended")
 
     def time_out(self) -> None:
-        self._fail(
+        self.fail(
             FailureReason.TIMEOUT,
             f"the rollout passed its {self.engine.settings.timeouts.rollout_s:g} s deadline",
         )

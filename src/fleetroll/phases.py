@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from fleetroll.progress import RolloutIds
-from fleetroll.results import RolloutResult
+from fleetroll.progress import Progress, RolloutIds
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.telemetry.events import Redactor
 
-__all__ = ["NEXT", "Phase", "RolloutView"]
+__all__ = ["NEXT", "Phase", "RolloutView", "crash_reason", "view_of"]
 
 
 class Phase(StrEnum):
@@ -46,6 +47,15 @@ NEXT: Final[dict[Phase, frozenset[Phase]]] = {
 }
 
 
+def crash_reason(phase: Phase) -> FailureReason:
+    """The failure reason of an unexpected error (a bug) raised in ``phase``."""
+    if phase in (Phase.PROVISIONING, Phase.RESETTING, Phase.CONNECTING):
+        return FailureReason.INIT_ERROR
+    if phase is Phase.VERIFYING:
+        return FailureReason.VERIFIER_ERROR
+    return FailureReason.TOOLS_ERROR
+
+
 @dataclass(frozen=True, slots=True)
 class RolloutView:
     """A rollout as others may see it, running or ended: copies, redacted.
@@ -63,3 +73,28 @@ class RolloutView:
     messages: tuple[dict[str, Any], ...]
     #: Set once the rollout has ended.
     result: RolloutResult | None
+
+
+def view_of(
+    ids: RolloutIds,
+    task_key: str,
+    phase: Phase,
+    progress: Progress,
+    result: RolloutResult | None,
+    *,
+    redactor: Redactor,
+    keep_images: bool,
+    messages: bool = True,
+) -> RolloutView:
+    """The view of a rollout (see :meth:`fleetroll.rollout.Rollout.view`).
+
+    Once it has a result, the view copies the result's (already redacted)
+    transcript and step count; before that, it exports the live transcript.
+    """
+    transcript: tuple[dict[str, Any], ...] = ()
+    if messages and result is not None:
+        transcript = tuple(result.transcript)
+    elif messages:
+        transcript = tuple(progress.transcript.export(redactor, keep_images=keep_images))
+    steps = progress.steps if result is None else result.steps
+    return RolloutView(ids, task_key, phase, steps, transcript, result)

@@ -43,7 +43,7 @@ import fleetroll.stages as stages
 import fleetroll.staleness as staleness
 from fleetroll.dispatch import dispatch
 from fleetroll.environments import Instance
-from fleetroll.phases import NEXT, Phase, RolloutView
+from fleetroll.phases import NEXT, Phase, RolloutView, crash_reason, view_of
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
@@ -223,7 +223,9 @@ class Rollout:
         try:
             return await work
         except Exception as exc:  # the boundary: one rollout's bug must not escape
-            self.fail(self._crash_reason(), f"unexpected error in {self.phase}: {describe(exc)}")
+            self.fail(
+                crash_reason(self.phase), f"unexpected error in {self.phase}: {describe(exc)}"
+            )
             return default
 
     async def _set_up(self, stack: AsyncExitStack, deadline: anyio.CancelScope | None) -> bool:
@@ -425,13 +427,6 @@ class Rollout:
         """Record the first failure (``force``: cancellation overrides)."""
         self.progress.fail(reason, error, force=force)
 
-    def _crash_reason(self) -> FailureReason:
-        if self.phase in (Phase.PROVISIONING, Phase.RESETTING, Phase.CONNECTING):
-            return FailureReason.INIT_ERROR
-        if self.phase is Phase.VERIFYING:
-            return FailureReason.VERIFIER_ERROR
-        return FailureReason.TOOLS_ERROR
-
     def setup_error(self) -> Exception:
         """Why set-up failed, for session callers."""
         return stages.setup_error(self._setup_failure, self.progress.error)
@@ -480,16 +475,18 @@ class Rollout:
         empty), so a caller that wants only the phase and counts does not pay
         for exporting and redacting every message.
         """
-        result = self.result
-        transcript: tuple[dict[str, Any], ...] = ()
-        if messages and result is not None:
-            transcript = tuple(result.transcript)
-        elif messages:
-            e = self.engine
-            keep_images = e.settings.pool.transcript_images
-            transcript = tuple(self.progress.transcript.export(e.redactor, keep_images=keep_images))
-        steps = self.progress.steps if result is None else result.steps
-        return RolloutView(self.ids, self.task.key, self.phase, steps, transcript, result)
+        e = self.engine
+        keep_images = e.settings.pool.transcript_images
+        return view_of(
+            self.ids,
+            self.task.key,
+            self.phase,
+            self.progress,
+            self.result,
+            redactor=e.redactor,
+            keep_images=keep_images,
+            messages=messages,
+        )
 
     def finish(self) -> None:
         """The controller ended the episode: it completes (and is scored)."""

@@ -89,25 +89,28 @@ class Rollout:
         )
         self.observers.append(self.live.observe)
         self._changed: anyio.Event | None = None
+        self.result: RolloutResult | None = None
+        self._started = time.monotonic()
+        #: When the rollout's clock runs out (``anyio.current_time()``), once ready.
+        self.deadline = float("inf")
+        #: Entered around the whole run by its owner; :meth:`stop` cancels it.
+        self.stop_scope = anyio.CancelScope()
+        self._stop: tuple[FailureReason, str] | None = None
+        self.max_steps = task.max_steps or engine.settings.pool.max_steps
+        self._new_attempt(Progress())
+
+    def _new_attempt(self, progress: Progress) -> None:
+        """Start an attempt afresh: no instance, no session, ``progress`` as the state."""
         self.instance: Instance | None = None
         self.route: Route | None = None
         self.tools: list[ToolSpec] = []
         self.session: ToolSession | None = None
-        self.result: RolloutResult | None = None
-        #: The mutable state (only the rollout's own task, or its session, touches it).
-        self.progress = Progress()
-        self._started = time.monotonic()
-        #: When the rollout's clock runs out (``anyio.current_time()``), once ready.
-        self.deadline = float("inf")
-        self._deadline_scope: anyio.CancelScope | None = None
-        #: Entered around the whole run by its owner; :meth:`stop` cancels it.
-        self.stop_scope = anyio.CancelScope()
-        self._stop: tuple[FailureReason, str] | None = None
         self._setup_failure: SetupFailure | None = None
-        s = engine.settings
-        self.max_steps = task.max_steps or s.pool.max_steps
-        self.progress.transcript.max_images = s.policy.max_images
+        self._deadline_scope: anyio.CancelScope | None = None
         self._provisioned_at: float | None = None
+        #: The mutable state (only the rollout's own task, or its session, touches it).
+        self.progress = progress
+        self.progress.transcript.max_images = self.engine.settings.policy.max_images
 
     # -- the whole rollout --------------------------------------------------
 
@@ -396,15 +399,7 @@ class Rollout:
             first_policy_version=self.progress.first_policy_version,
             policy_version=self.engine.policy_gate.version,
         )
-        self.instance = None
-        self.route = None
-        self.tools = []
-        self.session = None
-        self._setup_failure = None
-        self._deadline_scope = None
-        self._provisioned_at = None
-        self.progress = Progress(cost=self.progress.cost)
-        self.progress.transcript.max_images = self.engine.settings.policy.max_images
+        self._new_attempt(Progress(cost=self.progress.cost))
 
     async def _tear_down(self, *, restart: bool = False, restarted: int = 0) -> None:
         self._enter(Phase.RELEASING)

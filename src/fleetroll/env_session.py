@@ -47,7 +47,7 @@ class EnvSession:
 
     async def reset(self) -> list[dict[str, Any]]:
         """The opening messages (the task prompt). The instance is fresh already."""
-        return list(self._rollout.messages)
+        return list(self._rollout.progress.transcript.messages)
 
     async def step(self, call: ToolCall | Mapping[str, Any]) -> StepResult:
         """Run one tool call; ``done`` once the episode is over.
@@ -105,7 +105,8 @@ class EnvSession:
         later steps answer "The episode is over.". Without it, a session
         whose task needs no final answer ends ``abandoned`` when closed.
         """
-        self._rollout.finish()
+        if not self._rollout.finished:
+            self._rollout.progress.finished = True
 
     async def close(self) -> RolloutResult | None:
         """End the episode (``abandoned`` if it had not ended, see :meth:`done`).

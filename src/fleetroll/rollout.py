@@ -26,14 +26,12 @@ what it means is :mod:`fleetroll.dispatch`; the mutable state and the
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import (
     AbstractAsyncContextManager,
     AsyncExitStack,
     asynccontextmanager,
-    contextmanager,
 )
 from typing import Any, TypeVar
 
@@ -184,10 +182,18 @@ class Rollout:
                         # The MCP session failed under us (its transport task
                         # died and cancelled what we were doing, or closing it
                         # failed): whatever we were doing did not finish.
-                        await self._session_failed(exc)
+                        opened = self.session is not None
+                        await stages.session_failed(
+                            self.engine, self.instance, self.progress, exc, opened=opened
+                        )
                 if deadline.cancelled_caught:
                     self.time_out()
-                restart = self._check_staleness(may_restart)
+                # Whether to restart a stale rollout (see fleetroll.staleness.check).
+                limit, now = (
+                    self.engine.settings.pool.max_staleness,
+                    self.engine.policy_gate.version,
+                )
+                restart = staleness.check(self.progress, limit, now, may_restart=may_restart)
                 if not restart:
                     await self._guarded(self._score())
             except anyio.get_cancelled_exc_class():
@@ -268,10 +274,6 @@ class Rollout:
         self.fail(failure.reason, failure.error)
         return False
 
-    async def _session_failed(self, exc: Exception) -> None:
-        opened = self.session is not None
-        await stages.session_failed(self.engine, self.instance, self.progress, exc, opened=opened)
-
     # -- acting -------------------------------------------------------------
 
     async def _act(self, policy: Policy) -> None:
@@ -294,7 +296,7 @@ class Rollout:
                 return
             # A trainer's pause (pool.policy_paused) is charged to no deadline
             # of the rollout's: neither its own nor policy_s (counted from here on).
-            with self._deadline_lifted():
+            with stages.deadline_lifted(self._deadline_scope, lambda: self.deadline):
                 version, waited_s = await self.engine.policy_gate.admit()
                 self.deadline += waited_s
             if self.progress.first_policy_version is None:
@@ -312,20 +314,6 @@ class Rollout:
             turn, latency = asked
             self.live.turn(turn, latency_s=latency, policy_version=version)
             await self.apply(turn)
-
-    @contextmanager
-    def _deadline_lifted(self) -> Iterator[None]:
-        """The rollout's deadline cannot pass during the block; after it, it is
-        ``self.deadline`` again (which the block may have moved)."""
-        scope = self._deadline_scope
-        if scope is None:
-            yield
-            return
-        scope.deadline = math.inf
-        try:
-            yield
-        finally:
-            scope.deadline = self.deadline
 
     async def apply(self, turn: AssistantTurn) -> None:
         """Record an assistant turn and run its tool calls."""
@@ -369,12 +357,6 @@ class Rollout:
         self.progress.scored = True
         self._enter(Phase.VERIFYING)
         await stages.score(self.engine, self.instance, self.task, self.progress)
-
-    def _check_staleness(self, may_restart: bool) -> bool:
-        """Whether to restart a stale rollout (see :func:`fleetroll.staleness.check`)."""
-        limit = self.engine.settings.pool.max_staleness
-        now = self.engine.policy_gate.version
-        return staleness.check(self.progress, limit, now, may_restart=may_restart)
 
     def stop(self, reason: FailureReason, error: str) -> None:
         """End the rollout early, from another task: it ends as ``reason``.
@@ -482,11 +464,6 @@ class Rollout:
             keep_images=keep_images,
             messages=messages,
         )
-
-    def finish(self) -> None:
-        """The controller ended the episode: it completes (and is scored)."""
-        if not self.finished:
-            self.progress.finished = True
 
     def abandon(self) -> None:
         if not self.finished:

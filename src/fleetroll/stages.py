@@ -11,9 +11,10 @@ instead of raising, and the rollout decides what comes next.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -291,3 +292,18 @@ async def ask_policy(
         progress.timings.policy_s += latency
     progress.record_turn(turn, policy_version=policy_version, latency_s=latency)
     return turn, latency
+
+
+@contextmanager
+def deadline_lifted(scope: anyio.CancelScope | None, after: Callable[[], float]) -> Iterator[None]:
+    """The rollout's deadline (``scope``'s) cannot pass during the block; after
+    it, it is ``after()`` again (the rollout's deadline, which the block may
+    have moved). No scope (a deadline not enforced): nothing to lift."""
+    if scope is None:
+        yield
+        return
+    scope.deadline = math.inf
+    try:
+        yield
+    finally:
+        scope.deadline = after()

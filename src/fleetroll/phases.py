@@ -13,7 +13,7 @@ from typing import Any, Final
 
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.telemetry.events import Redactor
+from fleetroll.stages import RolloutContext
 
 __all__ = ["NEXT", "Phase", "RolloutView", "crash_reason", "view_of"]
 
@@ -81,9 +81,8 @@ def view_of(
     phase: Phase,
     progress: Progress,
     result: RolloutResult | None,
+    engine: RolloutContext,
     *,
-    redactor: Redactor,
-    keep_images: bool,
     messages: bool = True,
 ) -> RolloutView:
     """The view of a rollout (see :meth:`fleetroll.rollout.Rollout.view`).
@@ -95,6 +94,8 @@ def view_of(
     if messages and result is not None:
         transcript = tuple(result.transcript)
     elif messages:
-        transcript = tuple(progress.transcript.export(redactor, keep_images=keep_images))
+        keep_images = engine.settings.pool.transcript_images
+        exported = progress.transcript.export(engine.redactor, keep_images=keep_images)
+        transcript = tuple(exported)
     steps = progress.steps if result is None else result.steps
     return RolloutView(ids, task_key, phase, steps, transcript, result)

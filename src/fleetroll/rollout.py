@@ -372,17 +372,6 @@ class Rollout:
         """Why :meth:`stop` was called, if it was."""
         return self._stop
 
-    def _start_again(self, restarted: int) -> None:
-        """Forget the stale attempt (its instance is released; its cost stays) and say so."""
-        staleness.report_restart(
-            self.engine.events,
-            self.instance,
-            restarts=restarted + 1,
-            first_policy_version=self.progress.first_policy_version,
-            policy_version=self.engine.policy_gate.version,
-        )
-        self._new_attempt(Progress(cost=self.progress.cost))
-
     async def _tear_down(self, *, restart: bool = False, restarted: int = 0) -> None:
         self._enter(Phase.RELEASING)
         if self.instance is not None:
@@ -391,14 +380,22 @@ class Rollout:
             # Summed: a restarted rollout paid for its stale attempt's instance too.
             self.progress.cost.instance_s += time.monotonic() - self._provisioned_at
         if restart:
-            self._start_again(restarted)
+            # Forget the stale attempt (its instance is released; its cost stays) and say so.
+            p = self.progress
+            staleness.report_restart(
+                self.engine.events,
+                self.instance,
+                restarts=restarted + 1,
+                first_policy_version=p.first_policy_version,
+                policy_version=self.engine.policy_gate.version,
+            )
+            self._new_attempt(Progress(cost=p.cost))
             return
         self._enter(Phase.DONE)
-        self.result = self._build_result()
-        self.live.end(self.result)
-        stages.report_completed(self.engine.events, self.result)
+        result = self._conclude()
+        stages.report_completed(self.engine.events, result)
         if self.engine.admission is not None:  # the environment's circuit breaker
-            self.engine.admission.record(self.task.env_spec, self.result.failure_reason)
+            self.engine.admission.record(self.task.env_spec, result.failure_reason)
 
     def fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
         """Record the first failure (``force``: cancellation overrides)."""
@@ -408,15 +405,18 @@ class Rollout:
         """Why set-up failed, for session callers."""
         return stages.setup_error(self._setup_failure, self.progress.error)
 
-    def _build_result(self) -> RolloutResult:
+    def _conclude(self) -> RolloutResult:
+        """Build and keep the result, and end the live event log with it."""
         self.progress.timings.total_s = time.monotonic() - self._started
-        return self.progress.result(
+        self.result = self.progress.result(
             self.ids,
             self.task,
             self.instance.instance_id if self.instance else None,
             redact=self.engine.redactor,
             keep_images=self.engine.settings.pool.transcript_images,
         )
+        self.live.end(self.result)
+        return self.result
 
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         """The result of a rollout that ended before it started (no events).
@@ -431,9 +431,7 @@ class Rollout:
             if Phase.DONE not in NEXT[self.phase]:
                 self._enter(Phase.RELEASING)  # every phase before DONE may release
             self._enter(Phase.DONE)
-        self.result = self._build_result()
-        self.live.end(self.result)
-        return self.result
+        return self._conclude()
 
     # -- session support ----------------------------------------------------
 
@@ -452,18 +450,8 @@ class Rollout:
         empty), so a caller that wants only the phase and counts does not pay
         for exporting and redacting every message.
         """
-        e = self.engine
-        keep_images = e.settings.pool.transcript_images
-        return view_of(
-            self.ids,
-            self.task.key,
-            self.phase,
-            self.progress,
-            self.result,
-            redactor=e.redactor,
-            keep_images=keep_images,
-            messages=messages,
-        )
+        ids, key, engine = self.ids, self.task.key, self.engine
+        return view_of(ids, key, self.phase, self.progress, self.result, engine, messages=messages)
 
     def abandon(self) -> None:
         if not self.finished:

@@ -19,13 +19,15 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fleetroll.environments import Instance, Provider
 from fleetroll.policies import ToolCall, ToolSpec
 from fleetroll.progress import Progress
 from fleetroll.results import FailureReason
+from fleetroll.rollout_events import RolloutEventLog
 from fleetroll.routing import SUBMIT_FINAL_ANSWER, Route
+from fleetroll.stages import RolloutContext
 from fleetroll.telemetry.events import Events
 from fleetroll.tools import ToolCallFailed, ToolResult, ToolSession
 
@@ -115,4 +117,39 @@ async def dispatch(
     if result.is_error:
         progress.tool_errors += 1
     progress.transcript.add_answer(call, result)
+    return result
+
+
+class ToolCaller(Protocol):
+    """What :func:`call_tool` needs of a rollout (:class:`fleetroll.rollout.Rollout` has it)."""
+
+    engine: RolloutContext
+    progress: Progress
+    live: RolloutEventLog
+    route: Route | None
+    tools: list[ToolSpec]
+    session: ToolSession | None
+    instance: Instance | None
+
+
+async def call_tool(rollout: ToolCaller, call: ToolCall) -> ToolResult:
+    """Run one tool call of ``rollout`` and record its answer (a failure may end the rollout).
+
+    Counts it in the rollout's cost and shows it in its live event log.
+    """
+    e = rollout.engine
+    rollout.progress.cost.tool_calls += 1
+    began = time.monotonic()
+    result = await dispatch(
+        call,
+        progress=rollout.progress,
+        provider=e.provider,
+        events=e.events,
+        stop_on_failure=e.settings.pool.on_tool_failure == "fail",
+        route=rollout.route,
+        tools=rollout.tools,
+        session=rollout.session,
+        instance=rollout.instance,
+    )
+    rollout.live.tool_call(call, result, duration_s=time.monotonic() - began)
     return result

@@ -37,9 +37,9 @@ from typing import Any, TypeVar
 
 import anyio
 
+import fleetroll.dispatch as dispatch
 import fleetroll.stages as stages
 import fleetroll.staleness as staleness
-from fleetroll.dispatch import dispatch
 from fleetroll.environments import Instance
 from fleetroll.phases import NEXT, Phase, RolloutView, crash_reason, view_of
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
@@ -330,23 +330,8 @@ class Rollout:
             self.notify()  # the tool's answer is in the transcript
 
     async def call_tool(self, call: ToolCall) -> ToolResult:
-        """Run one tool call and record its answer (a failure may end the rollout)."""
-        e = self.engine
-        self.progress.cost.tool_calls += 1
-        began = time.monotonic()
-        result = await dispatch(
-            call,
-            progress=self.progress,
-            provider=e.provider,
-            events=e.events,
-            stop_on_failure=e.settings.pool.on_tool_failure == "fail",
-            route=self.route,
-            tools=self.tools,
-            session=self.session,
-            instance=self.instance,
-        )
-        self.live.tool_call(call, result, duration_s=time.monotonic() - began)
-        return result
+        """Run one tool call and record its answer (see :func:`fleetroll.dispatch.call_tool`)."""
+        return await dispatch.call_tool(self, call)
 
     # -- the end ------------------------------------------------------------
 

@@ -110,7 +110,9 @@ async def test_killing_an_actor_mid_batch_still_yields_every_result_once(local_r
             with anyio.fail_after(300):
                 async for result in batch:
                     results.append(result)
-                    if len(results) == 40:
+                    # Early, while every actor still has rollouts in flight: with 100
+                    # rollouts an actor killed later may have finished its share already.
+                    if len(results) == 10:
                         ray.kill(pool.workers[1])
         ledger = await emu.ledger()
     ids = Counter(r.rollout_id for r in results)

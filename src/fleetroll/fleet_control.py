@@ -21,9 +21,11 @@ from fleet._async.client import AsyncEnv, AsyncFleet
 
 import fleetroll.retrying as retrying
 from fleetroll.environment_names import missing_environments
+from fleetroll.errors import ProvisionError
 from fleetroll.retrying import Decision, Report, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
 
 __all__ = [
     "Classification",
@@ -33,6 +35,7 @@ __all__ = [
     "delete_lease",
     "forget_retry_after",
     "listing_problems",
+    "provisioning_failed",
     "remember_retry_after",
     "sdk_lanes",
 ]
@@ -106,6 +109,58 @@ def classify(exc: BaseException, *, retry_instance_limit: bool = False) -> Class
         return Classification(True, None)
     text = str(exc).lower()
     return Classification(any(word in text for word in _TRANSIENT_TEXT), status, retry_after)
+
+
+def provisioning_failed(
+    settings: Settings,
+    events: Events,
+    task: TaskSpec,
+    exc: Exception,
+    last: BaseException | None,
+    attempt: int,
+    *,
+    waited_for_admission: bool,
+) -> ProvisionError:
+    """The error a failed provisioning raises, after ``fleet_make_failed``.
+
+    ``exc`` ended it; ``last`` is the last attempt's error, the cause when the
+    total budget ran out; ``waited_for_admission``: it never got a place.
+    """
+    p = settings.provisioning
+    budget = settings.timeouts.provision_total_s
+    p_create_s = settings.timeouts.provision_create_s
+    failure = last if isinstance(exc, TimeoutError) and last is not None else exc
+    verdict = classify(failure, retry_instance_limit=p.retry_instance_limit)
+    if isinstance(exc, TimeoutError) and waited_for_admission:
+        message = (
+            f"provisioning {task.env_spec} waited its whole {budget:g} s budget "
+            "for admission (instance limits, or the environment's breaker)"
+        )
+    elif isinstance(exc, TimeoutError) and exc is not last:
+        message = (
+            f"provisioning {task.env_spec} ran out of its "
+            f"{budget:g} s budget after {attempt} attempt(s)"
+        )
+    else:
+        why = f"{type(failure).__name__}: {failure}"
+        if isinstance(failure, TimeoutError) and not str(failure):
+            why = f"no answer within {p_create_s:g} s (timeouts.provision_create_s)"
+        message = f"provisioning {task.env_spec} failed after {attempt} attempt(s): {why}"
+    events.emit(
+        "fleet_make_failed",
+        level="error",
+        attempt=attempt,
+        error_type=type(failure).__name__,
+        error_message=str(failure)[:500],
+        status_code=verdict.status_code,
+    )
+    return ProvisionError(
+        message,
+        transient=verdict.transient,
+        status_code=verdict.status_code,
+        retry_after_s=verdict.retry_after_s,
+        attempts=attempt,
+    )
 
 
 async def remember_retry_after(response: httpx.Response) -> None:

@@ -53,6 +53,7 @@ from fleetroll.fleet_control import (
     delete_lease,
     forget_retry_after,
     listing_problems,
+    provisioning_failed,
     sdk_lanes,
 )
 from fleetroll.retrying import Decision, Retry
@@ -237,7 +238,6 @@ class FleetProvider:
         """
         p = self._settings.provisioning
         budget = self._settings.timeouts.provision_total_s
-        p_create_s = self._settings.timeouts.provision_create_s
         started = time.monotonic()
         attempt = 0
         last: BaseException | None = None
@@ -284,37 +284,9 @@ class FleetProvider:
         except Exception as exc:
             if ticket is not None and self._admission is not None:
                 self._admission.release(ticket)
-            failure = last if isinstance(exc, TimeoutError) and last is not None else exc
-            verdict = classify(failure, retry_instance_limit=p.retry_instance_limit)
-            if isinstance(exc, TimeoutError) and ticket is None and self._admission is not None:
-                message = (
-                    f"provisioning {task.env_spec} waited its whole {budget:g} s budget "
-                    "for admission (instance limits, or the environment's breaker)"
-                )
-            elif isinstance(exc, TimeoutError) and exc is not last:
-                message = (
-                    f"provisioning {task.env_spec} ran out of its "
-                    f"{budget:g} s budget after {attempt} attempt(s)"
-                )
-            else:
-                why = f"{type(failure).__name__}: {failure}"
-                if isinstance(failure, TimeoutError) and not str(failure):
-                    why = f"no answer within {p_create_s:g} s (timeouts.provision_create_s)"
-                message = f"provisioning {task.env_spec} failed after {attempt} attempt(s): {why}"
-            self._events.emit(
-                "fleet_make_failed",
-                level="error",
-                attempt=attempt,
-                error_type=type(failure).__name__,
-                error_message=str(failure)[:500],
-                status_code=verdict.status_code,
-            )
-            raise ProvisionError(
-                message,
-                transient=verdict.transient,
-                status_code=verdict.status_code,
-                retry_after_s=verdict.retry_after_s,
-                attempts=attempt,
+            waited = ticket is None and self._admission is not None
+            raise provisioning_failed(
+                self._settings, self._events, task, exc, last, attempt, waited_for_admission=waited
             ) from exc
         if ticket is not None and self._admission is not None:
             self._admission.started(ticket)

@@ -240,19 +240,26 @@ class RemoteBatch:
         return self
 
     async def __anext__(self) -> RolloutResult:
+        return RolloutResult.model_validate(await self._next_item("result"))
+
+    async def _next_item(self, kind: str) -> Any:
+        """The payload of the stream's next ``kind`` line (``result``, ``group``).
+
+        Raises:
+            StopAsyncIteration: the stream said ``end``.
+        """
         if self._ended:
             raise StopAsyncIteration
         await self.submit()
         while True:
             message = await self._next_line()
-            kind = message.get("type")
-            if kind == "result":
+            if message.get("type") == kind:
                 cursor = int(message["cursor"])
                 if cursor <= self.cursor:
                     continue  # already seen (cannot happen with ?after=, but cheap to guard)
                 self.cursor = cursor
-                return RolloutResult.model_validate(message["result"])
-            if kind == "end":
+                return message[kind]
+            if message.get("type") == "end":
                 self._ended = True
                 await self._disconnect()
                 raise StopAsyncIteration
@@ -355,22 +362,7 @@ class RemoteGroups(RemoteBatch):
         return self
 
     async def __anext__(self) -> Group:  # type: ignore[override]
-        if self._ended:
-            raise StopAsyncIteration
-        await self.submit()
-        while True:
-            message = await self._next_line()
-            kind = message.get("type")
-            if kind == "group":
-                cursor = int(message["cursor"])
-                if cursor <= self.cursor:
-                    continue
-                self.cursor = cursor
-                return Group.model_validate(message["group"])
-            if kind == "end":
-                self._ended = True
-                await self._disconnect()
-                raise StopAsyncIteration
+        return Group.model_validate(await self._next_item("group"))
 
 
 class RemoteSession:

@@ -307,6 +307,9 @@ class RolloutPool:
             "fleet_batch_started",
             batch_id=batch.batch_id,
             rollouts=batch.total,
+            # The whole batch, with rollouts an earlier run (resume) or another
+            # shard has: what the dashboard measures progress against.
+            total=batch.total + batch.skipped,
             concurrency=self.settings.pool.concurrency,
         )
         try:

@@ -265,6 +265,14 @@ class TelemetrySettings(_Section):
     max_queued: int = Field(100_000, ge=1)
     #: Each of the final flushes (store, Logfire cloud) gives up after this long.
     shutdown_timeout_s: float = Field(10.0, gt=0)
+    #: The dashboard lists a rollout started this long ago and not completed
+    #: (its process alive) as stuck.
+    dashboard_stuck_after_s: float = Field(600.0, gt=0)
+    #: The dashboard's ETA: the completion rate over this last stretch of the
+    #: batch (not since its start, so a slow start does not skew it).
+    dashboard_eta_window_s: float = Field(300.0, gt=0)
+    #: The dashboard shows this many of the latest failed rollouts.
+    dashboard_errors: int = Field(20, ge=1, le=500)
 
 
 class EmulatorSettings(_Section):

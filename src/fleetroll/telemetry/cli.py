@@ -344,7 +344,9 @@ def stats(
 
     With --check, verify instead that every rollout id has exactly one
     fleet_rollout_started and one fleet_rollout_completed event (exit code 1,
-    with the offending ids, if not).
+    with the offending ids, if not). Rollouts whose process is gone (killed
+    before they completed) are listed as lost, with their batch ids, and do
+    not fail the check.
     """
     from fleetroll.telemetry import queries
 
@@ -368,6 +370,7 @@ def stats(
                         "completed_more_than_once": result.completed_more_than_once,
                         "completed_without_start": result.completed_without_start,
                         "rerun": result.rerun,
+                        "lost": [{"rollout_id": r, "batch_id": b} for r, b in result.lost],
                     },
                     indent=2,
                 )
@@ -473,14 +476,16 @@ def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
 def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | None) -> None:
     """Serve the live dashboard of the telemetry store until Ctrl-C.
 
-    Rollouts over time, failure reasons by environment, provisioning latency,
-    rewards, the slowest rollouts and the cost by environment (per batch with
-    the batch selector), refreshed every two seconds: open the printed URL in
-    a browser. The store is only ever read.
+    The current batch's progress with an ETA, throughput, reward per batch,
+    uniform-reward groups, stuck and lost rollouts, the latest errors,
+    admission state, rollouts over time, failure reasons, provisioning
+    latency, rewards, the slowest rollouts and the cost, refreshed every two
+    seconds: open the printed URL in a browser. The store is only ever read.
 
     Guarded as `fleetroll serve` is: anything but loopback needs
-    FLEETROLL_SERVICE_TOKEN (open the page as /dashboard#token=<token>);
-    without a token, only requests naming a loopback host are answered.
+    FLEETROLL_SERVICE_TOKEN (open /dashboard/login?token=<token> once: it
+    sets a cookie and opens the page); without a token, only requests naming
+    a loopback host are answered.
     """
     import anyio
 
@@ -497,18 +502,26 @@ def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | No
         from fleetroll._serving import serve_asgi
         from fleetroll.cli import _until_signalled
         from fleetroll.service.security import Guard
-        from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_app
+        from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_app, dashboard_panels
+        from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, cookie_authorizer
 
+        token = settings.service_token
         app = Guard(
-            dashboard_app(db, query_timeout_s=settings.service.query_timeout_s),
-            token=settings.service_token,
+            dashboard_app(
+                db,
+                query_timeout_s=settings.service.query_timeout_s,
+                panels=dashboard_panels(settings),
+                token=token,
+            ),
+            token=token,
             max_body_bytes=settings.service.max_body_bytes,
             open_paths={"/healthz", *PAGE_PATHS},
+            also_authorized=cookie_authorizer(token),
         )
         async with serve_asgi(app, host=host, port=port) as url:
             page = f"{url}/dashboard"
-            if settings.service_token is not None:
-                page += "#token=<FLEETROLL_SERVICE_TOKEN>"
+            if token is not None:  # its shape: the token itself is never printed
+                page = f"{url}{LOGIN_PATH}?token=<FLEETROLL_SERVICE_TOKEN>"
             click.echo(f"fleetroll dashboard: {page}  (store {db}; Ctrl-C to stop)")
             await _until_signalled()
         click.echo("fleetroll dashboard: stopped", err=True)

@@ -25,6 +25,7 @@ from typing import Any, Final, Literal
 
 from fleetroll.errors import NoSuchBatchError, QueryError, ReadOnlyError
 from fleetroll.telemetry import dialect as logfire_sql
+from fleetroll.telemetry import writers
 from fleetroll.telemetry.store import COLUMNS, connect
 
 __all__ = [
@@ -494,7 +495,9 @@ class CheckResult:
     """The invariant of docs/telemetry.md: each start of a rollout id has one completion.
 
     A rollout started and completed once, or re-run after a resume (started
-    twice, completed twice), passes.
+    twice, completed twice), passes; so does one whose process died before it
+    completed (:attr:`lost`: that process could emit nothing more), and one
+    re-run to completion after such a lost start.
     """
 
     rollouts: int
@@ -506,6 +509,9 @@ class CheckResult:
     completed_without_start: list[str] = field(default_factory=list)
     #: Rollouts started more than once, each start completed (re-runs after a resume).
     rerun: int = 0
+    #: ``(rollout_id, batch_id)`` of rollouts never completed whose process is
+    #: gone (killed): lost, not in flight; they do not break the invariant.
+    lost: list[tuple[str, str | None]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -517,12 +523,17 @@ class CheckResult:
         """One line when it holds; otherwise a count per kind of offence, ids included."""
         if self.ok:
             if self.rerun:
-                return (
+                head = (
                     f"ok: {self.rollouts} rollouts, every start completed once"
                     f" ({self.rerun} re-run after a resume)"
                 )
-            return f"ok: {self.rollouts} rollouts, all started and completed once"
+            else:
+                head = f"ok: {self.rollouts} rollouts, all started and completed once"
+            if self.lost:
+                head = f"ok: {self.rollouts} rollouts, every start completed once or lost"
+            return "\n".join([head, *self._describe_lost()])
         lines = [f"FAILED: {self.rollouts} rollouts; the started/completed invariant is broken"]
+        lines += self._describe_lost()
         for label, ids in (
             ("started but never completed", self.never_completed),
             ("completed more than once", self.completed_more_than_once),
@@ -533,6 +544,19 @@ class CheckResult:
                 shown = ", ".join(ids[:20]) + more
                 lines.append(f"  {len(ids)} {label}: {shown}")
         return "\n".join(lines)
+
+    def _describe_lost(self) -> list[str]:
+        by_batch: dict[str, list[str]] = defaultdict(list)
+        for rid, batch in self.lost:
+            by_batch[batch or "?"].append(rid)
+        lines = []
+        for batch, ids in by_batch.items():
+            more = f" (and {len(ids) - 20} more)" if len(ids) > 20 else ""
+            lines.append(
+                f"  {len(ids)} lost in batch {batch} (started, never completed, their process"
+                f" is gone): {', '.join(ids[:20])}{more}"
+            )
+        return lines
 
 
 def check(
@@ -556,4 +580,17 @@ def check(
             orphan.append(rid)
         else:
             twice.append(rid)
-    return CheckResult(int(rollouts), never, twice, orphan, int(rerun))
+    lost: list[tuple[str, str | None]] = []
+    if never:  # which of them lost their process (killed) rather than being in flight
+        gaps = writers.unfinished(
+            lambda sql, p: _run(db, sql, p).rows, batch_id=batch_id, service_name=service_name
+        )
+        # A lost start re-run to completion counts as a re-run (started twice).
+        explained = {gap.rollout_id: gap for gap in gaps if gap.lost}
+        lost = [
+            (rid, explained[rid].batch_id)
+            for rid in never
+            if rid in explained and not explained[rid].completed
+        ]
+        never = [rid for rid in never if rid not in explained]
+    return CheckResult(int(rollouts), never, twice, orphan, int(rerun), sorted(lost))

@@ -9,10 +9,15 @@ Two routes, mountable in any Starlette app (the HTTP service adds
 - ``GET /dashboard/data?since=&batch=``: a JSON snapshot the page polls every
   two seconds (see :func:`snapshot` for its shape).
 
+- ``GET /dashboard/login?token=``: behind a service token, sets the cookie
+  the data requests carry (:mod:`fleetroll.telemetry.dashboard_auth`).
+
 Behind a bearer token (the service's :class:`~fleetroll.service.security.Guard`)
-the page itself holds no data and stays open (:data:`PAGE_PATHS`); it reads
-the token from its URL fragment (``/dashboard#token=...``) and sends it with
-each data request.
+the page itself holds no data and stays open (:data:`PAGE_PATHS`); the data
+needs the token: the login URL's cookie, or a bearer header the page sends
+when opened as ``/dashboard#token=...``. The training-run panels (progress
+and ETA, throughput, rewards per batch, uniform groups, stuck and lost
+rollouts, errors, admission) are :mod:`fleetroll.telemetry.dashboard_panels`.
 
 Every snapshot is a handful of read-only SQL queries (:func:`queries.query`:
 ``mode=ro``, an authorizer that allows reading only, a time limit), run in a
@@ -31,7 +36,7 @@ from datetime import UTC, datetime, timedelta
 from functools import cache, partial
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 from starlette.applications import Starlette
@@ -39,14 +44,23 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 
+from fleetroll.telemetry import dashboard_panels as panel
+from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, login_route
+from fleetroll.telemetry.dashboard_panels import Panels
 from fleetroll.telemetry.queries import COST_FIELDS, COST_SUMS_SQL, QueryError, QueryResult, query
 from fleetroll.telemetry.store import StoreError
+
+if TYPE_CHECKING:
+    from pydantic import SecretStr
+
+    from fleetroll.settings import Settings
 
 __all__ = [
     "DEFAULT_QUERY_TIMEOUT_S",
     "PAGE_PATHS",
     "SinceError",
     "dashboard_app",
+    "dashboard_panels",
     "dashboard_routes",
     "parse_since",
     "snapshot",
@@ -54,6 +68,8 @@ __all__ = [
 
 #: Time limit of each SQL query behind one snapshot (callers pass their setting).
 DEFAULT_QUERY_TIMEOUT_S: Final = 10.0
+#: The panels' settings when a caller gives none (the shipped defaults).
+DEFAULT_PANELS: Final = Panels()
 #: At most this many time buckets in the timeline.
 _MAX_BUCKETS: Final = 60
 #: Bucket widths the timeline picks from, in seconds.
@@ -210,6 +226,9 @@ def snapshot(
     batch: str | None = None,
     service_name: str = "fleetroll",
     timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S,
+    panels: Panels = DEFAULT_PANELS,
+    gauges: Mapping[str, Any] | None = None,
+    now: float | None = None,
 ) -> dict[str, Any]:
     """Everything the page draws, from the store at ``db`` (blocking: run it in a thread).
 
@@ -230,9 +249,26 @@ def snapshot(
                       "failure_reason", "reward", "time"}],
          "cost": {"envs": [{"env", "completed", "instance_s", "prompt_tokens",
                             "completion_tokens", "policy_calls", "tool_calls"}],
-                  "total": {the same but "env"}}}    # the results' cost, summed
+                  "total": {the same but "env"}},   # the results' cost, summed
+         "progress": {"batch_id", "total", "done", "failed", "lost", "remaining",
+                      "state": "running"|"finished"|"lost", "first_started", "started",
+                      "rate_per_min", "eta_s", "eta_window_s"} | null,
+         "throughput": [{"t", "per_min"}],                 # the timeline's buckets
+         "batch_rewards": [{"batch_id", "t", "reward_mean", "rewarded", "completed"}],
+         "groups": {"groups", "uniform", "rows": [{"batch_id", "task_key", "samples",
+                    "reward"}]},                          # uniform-reward groups
+         "unfinished": {"stuck_after_s", "lost", "stuck", "in_flight",
+                        "rows": [{"rollout_id", "batch_id", "env", "task_key", "phase",
+                                  "last_event", "age_s", "instance_id", "pid",
+                                  "state": "lost"|"stuck"}]},
+         "errors": [{"time", "rollout_id", "batch_id", "env", "failure_reason", "message"}],
+         "admission": {"envs": [{"env", "state", "since", "failure_share", "window"}],
+                       "gauges": {"limit", "in_use", ...} | null}}
 
-    A batch's cost totals are ``cost.total`` with ``batch`` given.
+    A batch's cost totals are ``cost.total`` with ``batch`` given. The
+    progress is of ``batch``, or else of the newest batch; ``totals.lost``
+    counts rollouts whose process is gone (:mod:`fleetroll.telemetry.writers`),
+    which ``totals.in_flight`` leaves out. ``now`` (epoch seconds) is for tests.
 
     Raises:
         StoreError: there is no store at ``db``, or it cannot be read.
@@ -323,6 +359,27 @@ def snapshot(
     started = sum(b["started"] for b in buckets)
     completed = sum(e["completed"] for e in envs.values())
     failed = sum(e["failed"] for e in envs.values())
+    at = datetime.now(UTC).timestamp() if now is None else now
+    gaps = panel.unfinished_panel(
+        run, batch, service_name, now=at, stuck_after_s=panels.stuck_after_s
+    )
+    lost_by_batch = gaps.pop("lost_by_batch")
+    live = {
+        "progress": panel.progress(
+            run,
+            batch,
+            params,
+            now=at,
+            window_s=panels.eta_window_s,
+            lost_by_batch=lost_by_batch,
+        ),
+        "throughput": panel.throughput(buckets, bucket_s),
+        "batch_rewards": panel.batch_rewards(run, params, since),
+        "groups": panel.uniform_groups(run, where, params),
+        "unfinished": gaps,
+        "errors": panel.latest_errors(run, where, params, panels.errors),
+        "admission": panel.admission(run, params, gauges),
+    }
     return {
         "generated_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "since": since,
@@ -331,7 +388,8 @@ def snapshot(
         "totals": {
             "started": started,
             "completed": completed,
-            "in_flight": buckets[-1]["in_flight"] if buckets else 0,
+            "in_flight": max(0, (buckets[-1]["in_flight"] if buckets else 0) - gaps["lost"]),
+            "lost": gaps["lost"],
             "failed": failed,
             "failed_pct": 100.0 * failed / completed if completed else None,
             "reward_mean": sum(all_rewards) / len(all_rewards) if all_rewards else None,
@@ -361,6 +419,7 @@ def snapshot(
         },
         "slowest": slowest,
         "cost": {"envs": cost_envs, "total": _cost_total(cost_envs)},
+        **live,
     }
 
 
@@ -368,7 +427,7 @@ def _cost_total(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {name: sum(e[name] for e in envs) for name in ("completed", *COST_FIELDS)}
 
 
-def _empty(since: str | None, batch: str | None, note: str) -> dict[str, Any]:
+def _empty(since: str | None, batch: str | None, note: str, panels: Panels) -> dict[str, Any]:
     return {
         "generated_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
         "since": since,
@@ -379,6 +438,7 @@ def _empty(since: str | None, batch: str | None, note: str) -> dict[str, Any]:
             "started": 0,
             "completed": 0,
             "in_flight": 0,
+            "lost": 0,
             "failed": 0,
             "failed_pct": None,
             "reward_mean": None,
@@ -390,10 +450,21 @@ def _empty(since: str | None, batch: str | None, note: str) -> dict[str, Any]:
         "rewards": {"envs": []},
         "slowest": [],
         "cost": {"envs": [], "total": _cost_total([])},
+        **panel.empty(panels),
     }
 
 
 # -- routes ----------------------------------------------------------------------------
+
+
+def dashboard_panels(settings: Settings) -> Panels:
+    """The panels' settings from ``telemetry.dashboard_*``."""
+    t = settings.telemetry
+    return Panels(
+        stuck_after_s=t.dashboard_stuck_after_s,
+        eta_window_s=t.dashboard_eta_window_s,
+        errors=t.dashboard_errors,
+    )
 
 
 @cache
@@ -409,7 +480,7 @@ def _invalid(loc: list[str], message: str) -> JSONResponse:
 
 #: Paths that serve no telemetry (the page, and ``/`` leading to it): a browser
 #: opens them without an Authorization header, so a token guard lets them through.
-PAGE_PATHS: Final = frozenset({"/", "/dashboard"})
+PAGE_PATHS: Final = frozenset({"/", "/dashboard", LOGIN_PATH})
 
 
 def dashboard_routes(
@@ -418,14 +489,23 @@ def dashboard_routes(
     service_name: str = "fleetroll",
     query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S,
     limiter: anyio.CapacityLimiter | None = None,
+    panels: Panels = DEFAULT_PANELS,
+    gauges: Callable[[], Mapping[str, Any]] | None = None,
+    token: SecretStr | None = None,
 ) -> list[Route]:
-    """``GET /dashboard`` and ``GET /dashboard/data``, to add to a Starlette app's routes.
+    """``GET /dashboard``, ``/dashboard/data`` and ``/dashboard/login``, for a Starlette app.
 
     Args:
         db_path: the telemetry store (it may not exist yet: the page says "no data yet").
         service_name: whose records to show.
         query_timeout_s: time limit of each SQL query.
         limiter: bounds the worker threads running queries (default: two, for these routes).
+        panels: the training-run panels' settings (``telemetry.dashboard_*``).
+        gauges: the admission gauges of ``/metrics``, read at each snapshot
+            (the service's; None elsewhere).
+        token: the service token the login URL checks (see
+            :mod:`fleetroll.telemetry.dashboard_auth`); the guard in front must
+            accept :func:`~fleetroll.telemetry.dashboard_auth.cookie_authorizer`'s cookie.
     """
     db = Path(db_path)
     store_readers = limiter or anyio.CapacityLimiter(2)
@@ -451,6 +531,8 @@ def dashboard_routes(
                     batch=batch,
                     service_name=service_name,
                     timeout_s=query_timeout_s,
+                    panels=panels,
+                    gauges=gauges() if gauges is not None else None,
                 ),
                 limiter=store_readers,
             )
@@ -458,12 +540,13 @@ def dashboard_routes(
             return JSONResponse({"detail": str(exc)}, 503)
         except StoreError as exc:
             # No store yet (nothing has run): an empty dashboard, with the reason.
-            answer = _empty(since, batch, str(exc))
+            answer = _empty(since, batch, str(exc), panels)
         return JSONResponse(answer, headers={"Cache-Control": "no-store"})
 
     return [
         Route("/dashboard", dashboard, methods=["GET"]),
         Route("/dashboard/data", data, methods=["GET"]),
+        login_route(token),
     ]
 
 
@@ -472,11 +555,19 @@ def dashboard_app(
     *,
     service_name: str = "fleetroll",
     query_timeout_s: float = DEFAULT_QUERY_TIMEOUT_S,
+    panels: Panels = DEFAULT_PANELS,
+    token: SecretStr | None = None,
 ) -> Starlette:
     """The dashboard alone (``fleetroll dashboard``): its routes, and ``/`` leading to it."""
 
     async def root(request: Request) -> Response:
         return RedirectResponse("dashboard")
 
-    routes = dashboard_routes(db_path, service_name=service_name, query_timeout_s=query_timeout_s)
+    routes = dashboard_routes(
+        db_path,
+        service_name=service_name,
+        query_timeout_s=query_timeout_s,
+        panels=panels,
+        token=token,
+    )
     return Starlette(routes=[Route("/", root, methods=["GET"]), *routes])

@@ -1,0 +1,306 @@
+"""The dashboard's training-run panels: what a person watching a run asks.
+
+Each function reads the store through ``run`` (the snapshot's read-only SQL)
+and answers one panel of :func:`fleetroll.telemetry.dashboard.snapshot`:
+
+- :func:`progress`: the current batch against its total, with a rate and an
+  ETA over a recent window (:func:`eta`), and its state (running, finished,
+  lost);
+- :func:`throughput`: completions per minute over time;
+- :func:`batch_rewards`: the mean reward of each batch, oldest first;
+- :func:`uniform_groups`: GRPO groups (the samples of one task in one batch)
+  whose scored samples all got the same reward;
+- :func:`unfinished_panel`: rollouts stuck (running longer than a threshold,
+  with phase, age, instance) and lost (their process is gone);
+- :func:`latest_errors`: the most recent failed rollouts;
+- :func:`admission`: each environment version's circuit breaker, from its
+  latest ``fleet_env_quarantined``/``fleet_env_recovered`` event.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from fleetroll.telemetry.queries import QueryResult
+from fleetroll.telemetry.writers import process_gone, unfinished
+
+__all__ = [
+    "Panels",
+    "admission",
+    "batch_rewards",
+    "eta",
+    "latest_errors",
+    "progress",
+    "throughput",
+    "unfinished_panel",
+    "uniform_groups",
+]
+
+Run = Callable[[str, Mapping[str, Any]], QueryResult]
+
+_STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
+#: Rows shown at most in the group and stuck/lost tables.
+_ROWS: Final = 50
+
+
+@dataclass(frozen=True, slots=True)
+class Panels:
+    """The panels' settings (``telemetry.dashboard_*``)."""
+
+    stuck_after_s: float = 600.0
+    eta_window_s: float = 300.0
+    errors: int = 20
+
+
+def _epoch(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp).timestamp()
+
+
+def eta(
+    completions: Sequence[float],
+    *,
+    now: float,
+    started: float,
+    remaining: int,
+    window_s: float,
+) -> tuple[float | None, float | None]:
+    """``(rate per second, seconds left)`` from the completions of the last ``window_s``.
+
+    The rate is the completions in ``[max(now - window_s, started), now]``
+    over that span: recent, so a slow start (instances warming up) or a stall
+    an hour ago does not skew it. ``completions`` are epoch seconds. Seconds
+    left: ``remaining / rate``; 0 when nothing remains; None when nothing
+    completed in the window (no rate to go by).
+    """
+    begin = max(now - window_s, started)
+    span = now - begin
+    recent = sum(1 for t in completions if begin <= t <= now)
+    rate = recent / span if span > 0 and recent else None
+    if remaining <= 0:
+        return rate, 0.0
+    return rate, (remaining / rate if rate else None)
+
+
+def progress(
+    run: Run,
+    batch: str | None,
+    params: Mapping[str, Any],
+    *,
+    now: float,
+    window_s: float,
+    lost_by_batch: Mapping[str | None, int],
+) -> dict[str, Any] | None:
+    """The current batch (``batch``, or the newest one) against its total.
+
+    The total is the batch's ``fleet_batch_started`` ``total`` (the whole
+    batch, resumed runs and shards included); stores written before that
+    attribute existed give the ``rollouts`` of its latest start. ``done``
+    counts distinct rollout ids completed, so a re-run counts once. The state
+    is ``finished`` once ``fleet_batch_completed`` follows its latest start,
+    ``lost`` when the process that started it is gone, else ``running``.
+    """
+    p = {**params, "batch": batch}
+    pick = "AND attributes->>'batch_id' = :batch" if batch is not None else ""
+    rows = run(
+        "SELECT attributes->>'batch_id', MAX(start_timestamp), MIN(start_timestamp), "
+        "MAX(attributes->>'total'), attributes->>'rollouts', process_pid, "
+        "otel_resource_attributes->>'host.name' FROM records "
+        "WHERE message = 'fleet_batch_started' AND service_name = :service "
+        f"AND attributes->>'batch_id' IS NOT NULL {pick} "
+        "GROUP BY 1 ORDER BY 2 DESC LIMIT 1",
+        p,
+    ).rows
+    if not rows:
+        return None
+    batch_id, last_start, first_start, total, rollouts, pid, host = rows[0]
+    lost = lost_by_batch.get(batch_id, 0)
+    p["batch"] = batch_id
+    ((done, failed, finished),) = run(
+        "SELECT COUNT(DISTINCT attributes->>'rollout_id') FILTER (WHERE message = :completed), "
+        "COUNT(DISTINCT attributes->>'rollout_id') FILTER (WHERE message = :completed "
+        "AND attributes->>'failure_reason' IS NOT NULL), "
+        "COUNT(*) FILTER (WHERE message = 'fleet_batch_completed' AND start_timestamp >= :last) "
+        "FROM records WHERE service_name = :service AND attributes->>'batch_id' = :batch "
+        "AND message IN (:completed, 'fleet_batch_completed')",
+        {**p, "completed": _COMPLETED, "last": last_start},
+    ).rows
+    recent = [
+        _epoch(t)
+        for (t,) in run(
+            "SELECT start_timestamp FROM records WHERE service_name = :service "
+            "AND message = :completed AND attributes->>'batch_id' = :batch "
+            "AND start_timestamp >= :since",
+            {
+                **p,
+                "completed": _COMPLETED,
+                "since": datetime.fromtimestamp(now - window_s, UTC).strftime(
+                    "%Y-%m-%dT%H:%M:%S.%fZ"
+                ),
+            },
+        ).rows
+    ]
+    total = int(total if isinstance(total, int) else rollouts or 0)
+    remaining = max(0, total - int(done) - lost)
+    rate, left = eta(
+        recent, now=now, started=_epoch(last_start), remaining=remaining, window_s=window_s
+    )
+    if finished:
+        state = "finished"
+    elif process_gone(pid if isinstance(pid, int) else None, host, _epoch(last_start)):
+        state = "lost"
+    else:
+        state = "running"
+    return {
+        "batch_id": batch_id,
+        "total": total,
+        "done": int(done),
+        "failed": int(failed),
+        "lost": lost,
+        "remaining": remaining,
+        "state": state,
+        "first_started": first_start,
+        "started": last_start,
+        "rate_per_min": rate * 60 if rate is not None else None,
+        "eta_s": None if state != "running" else left,
+        "eta_window_s": window_s,
+    }
+
+
+def throughput(buckets: Sequence[Mapping[str, Any]], bucket_s: int) -> list[dict[str, Any]]:
+    """Completions per minute in each timeline bucket."""
+    return [{"t": b["t"], "per_min": b["completed"] * 60.0 / bucket_s} for b in buckets]
+
+
+def batch_rewards(run: Run, params: Mapping[str, Any], since: str | None) -> list[dict[str, Any]]:
+    """Each batch's mean reward over its scored rollouts, oldest batch first (at most 50)."""
+    after = "AND start_timestamp >= :since" if since is not None else ""
+    rows = run(
+        "SELECT attributes->>'batch_id', MIN(start_timestamp) AS first, "
+        "AVG(attributes->>'reward'), COUNT(attributes->>'reward'), COUNT(*) FROM records "
+        f"WHERE message = '{_COMPLETED}' AND service_name = :service {after} "
+        "AND attributes->>'batch_id' IS NOT NULL GROUP BY 1 ORDER BY first DESC LIMIT 50",
+        params,
+    ).rows
+    return [
+        {"batch_id": b, "t": first, "reward_mean": mean, "rewarded": int(n), "completed": int(c)}
+        for b, first, mean, n, c in reversed(rows)
+    ]
+
+
+def uniform_groups(run: Run, where: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    """Groups with two or more scored samples, and those whose rewards are all equal.
+
+    A group is the samples of one task in one batch (its ``group_id`` is
+    derived from both: :func:`fleetroll.batch.group_id`), as in
+    :mod:`fleetroll.groups`: only scored samples (a reward) count.
+    """
+    rows = run(
+        "SELECT attributes->>'batch_id' AS b, attributes->>'task_key' AS t, COUNT(*) AS n, "
+        "MIN(attributes->>'reward') AS lo, MAX(attributes->>'reward') AS hi FROM records "
+        f"WHERE message = '{_COMPLETED}' AND {where} AND attributes->>'reward' IS NOT NULL "
+        "GROUP BY 1, 2 HAVING n >= 2 ORDER BY MAX(start_timestamp) DESC",
+        params,
+    ).rows
+    uniform = [
+        {"batch_id": b, "task_key": t, "samples": int(n), "reward": lo}
+        for b, t, n, lo, hi in rows
+        if lo == hi
+    ]
+    return {"groups": len(rows), "uniform": len(uniform), "rows": uniform[:_ROWS]}
+
+
+def unfinished_panel(
+    run: Run, batch: str | None, service_name: str, *, now: float, stuck_after_s: float
+) -> dict[str, Any]:
+    """Lost rollouts (process gone) and stuck ones (running over ``stuck_after_s``)."""
+    gaps = unfinished(lambda sql, p: run(sql, p).rows, batch_id=batch, service_name=service_name)
+    rows: list[dict[str, Any]] = [
+        {
+            "rollout_id": g.rollout_id,
+            "batch_id": g.batch_id,
+            "env": g.env_key,
+            "task_key": g.task_key,
+            "phase": g.phase,
+            "last_event": g.last_event,
+            "age_s": max(0.0, now - _epoch(g.started_at)),
+            "instance_id": g.instance_id,
+            "pid": g.writer.pid,
+            "state": "lost" if g.lost else "stuck",
+        }
+        for g in gaps
+        if g.lost or now - _epoch(g.started_at) >= stuck_after_s
+    ]
+    lost = [g for g in gaps if g.lost and not g.completed]
+    by_batch: dict[str | None, int] = {}
+    for g in lost:
+        by_batch[g.batch_id] = by_batch.get(g.batch_id, 0) + 1
+    return {
+        "stuck_after_s": stuck_after_s,
+        "lost": len(lost),
+        "lost_by_batch": by_batch,
+        "stuck": sum(1 for r in rows if r["state"] == "stuck"),
+        "in_flight": sum(1 for g in gaps if not g.lost),
+        "rows": sorted(rows, key=lambda r: (r["state"] != "lost", -float(r["age_s"])))[:_ROWS],
+    }
+
+
+def latest_errors(run: Run, where: str, params: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+    """The ``n`` most recent failed rollouts (newest first)."""
+    return run(
+        "SELECT start_timestamp AS time, attributes->>'rollout_id' AS rollout_id, "
+        "attributes->>'batch_id' AS batch_id, attributes->>'env_key' AS env, "
+        "attributes->>'failure_reason' AS failure_reason, "
+        "attributes->>'error_message' AS message FROM records "
+        f"WHERE message = '{_COMPLETED}' AND {where} "
+        "AND attributes->>'failure_reason' IS NOT NULL "
+        "ORDER BY start_timestamp DESC LIMIT :errors",
+        {**params, "errors": n},
+    ).dicts()
+
+
+def admission(
+    run: Run, params: Mapping[str, Any], gauges: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """Each environment version's breaker (its latest event), and the live gauges if any."""
+    # SQLite: the bare columns of a MAX() aggregate come from the row holding the max.
+    rows = run(
+        "SELECT attributes->>'env_key', attributes->>'env_version', MAX(start_timestamp), "
+        "message, attributes->>'failure_share', attributes->>'window' FROM records "
+        "WHERE message IN ('fleet_env_quarantined', 'fleet_env_recovered') "
+        "AND service_name = :service GROUP BY 1, 2 ORDER BY 3 DESC",
+        params,
+    ).rows
+    envs = [
+        {
+            "env": f"{key}:{version}" if version else key,
+            "state": "quarantined" if message == "fleet_env_quarantined" else "recovered",
+            "since": at,
+            "failure_share": share,
+            "window": window,
+        }
+        for key, version, at, message, share, window in rows
+    ]
+    return {"envs": envs, "gauges": dict(gauges) if gauges is not None else None}
+
+
+def empty(panels: Panels) -> dict[str, Any]:
+    """The panels of a store with nothing in it."""
+    return {
+        "progress": None,
+        "throughput": [],
+        "batch_rewards": [],
+        "groups": {"groups": 0, "uniform": 0, "rows": []},
+        "unfinished": {
+            "stuck_after_s": panels.stuck_after_s,
+            "lost": 0,
+            "lost_by_batch": {},
+            "stuck": 0,
+            "in_flight": 0,
+            "rows": [],
+        },
+        "errors": [],
+        "admission": {"envs": [], "gauges": None},
+    }

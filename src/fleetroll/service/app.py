@@ -47,6 +47,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import asdict
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, TypeVar
@@ -93,7 +94,8 @@ from fleetroll.service.training import PauseLeases
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Redactor
-from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_routes
+from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_panels, dashboard_routes
+from fleetroll.telemetry.dashboard_auth import cookie_authorizer
 
 __all__ = ["Service", "create_app"]
 
@@ -572,7 +574,12 @@ def create_app(service: Service) -> ASGIApp:
 
     s = service.settings
     dashboard = dashboard_routes(
-        s.telemetry.db_path, query_timeout_s=s.service.query_timeout_s, limiter=service._queries
+        s.telemetry.db_path,
+        query_timeout_s=s.service.query_timeout_s,
+        limiter=service._queries,
+        panels=dashboard_panels(s),
+        gauges=lambda: asdict(service.pool.admission.state()),
+        token=s.service_token,
     )
     routes = Starlette(routes=[*_routes(service), *dashboard], lifespan=lifespan)
 
@@ -588,4 +595,5 @@ def create_app(service: Service) -> ASGIApp:
         token=service.settings.service_token,
         max_body_bytes=service.settings.service.max_body_bytes,
         open_paths={"/healthz", *PAGE_PATHS},  # the page holds no data; it sends the token
+        also_authorized=cookie_authorizer(s.service_token),  # the dashboard's login cookie
     )

@@ -111,6 +111,12 @@ async def _serve(
         auth = "bearer token required" if settings.service_token else "no token (loopback only)"
         click.echo(f"fleetroll serve: {url} on {backend}; {auth}", err=True)
         click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
+        if settings.service_token is not None:  # its shape: never the token itself
+            click.echo(
+                f"  dashboard: {url}/dashboard/login?token=<FLEETROLL_SERVICE_TOKEN>", err=True
+            )
+        else:
+            click.echo(f"  dashboard: {url}/dashboard", err=True)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 break

@@ -20,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from pydantic import SecretStr
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -89,6 +89,7 @@ class Guard:
         token: SecretStr | None,
         max_body_bytes: int,
         open_paths: Iterable[str] = _OPEN_PATHS,
+        also_authorized: Callable[[str, Mapping[str, str]], bool] | None = None,
     ) -> None:
         self.app = app
         if token is not None:
@@ -98,6 +99,9 @@ class Guard:
         self._token = token.get_secret_value().strip().encode() if token is not None else None
         self._max = max_body_bytes
         self._open = frozenset(open_paths)
+        # Another credential for some paths (the dashboard's login cookie):
+        # ``(path, headers) -> bool``.
+        self._also = also_authorized
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,7 +112,11 @@ class Guard:
             if not is_loopback(_host_name(headers.get("host", ""))):
                 await _reject(send, 421, "this service only answers to loopback host names")
                 return
-        elif scope["path"] not in self._open and not self._authorized(headers):
+        elif (
+            scope["path"] not in self._open
+            and not self._authorized(headers)
+            and not (self._also is not None and self._also(scope["path"], headers))
+        ):
             await _reject(
                 send,
                 401,

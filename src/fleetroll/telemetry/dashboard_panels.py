@@ -107,7 +107,7 @@ def progress(
     rows = run(
         "SELECT attributes->>'batch_id', MAX(start_timestamp), MIN(start_timestamp), "
         "MAX(attributes->>'total'), attributes->>'rollouts', process_pid, "
-        "otel_resource_attributes->>'host.name' FROM records "
+        "otel_resource_attributes->>'$.\"host.name\"' FROM records "
         "WHERE message = 'fleet_batch_started' AND service_name = :service "
         f"AND attributes->>'batch_id' IS NOT NULL {pick} "
         "GROUP BY 1 ORDER BY 2 DESC LIMIT 1",

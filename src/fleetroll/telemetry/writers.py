@@ -69,7 +69,7 @@ LIMIT :limit
 #: Every event of those rollouts, oldest first.
 _EVENTS_SQL: Final = """
 SELECT attributes->>'rollout_id', message, start_timestamp, process_pid, service_instance_id,
-    otel_resource_attributes->>'host.name', attributes->>'instance_id',
+    otel_resource_attributes->>'$."host.name"', attributes->>'instance_id',
     attributes->>'batch_id', attributes->>'env_key', attributes->>'task_key'
 FROM records
 WHERE service_name = :service AND attributes->>'rollout_id' IN ({unfinished})

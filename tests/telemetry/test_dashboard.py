@@ -7,7 +7,7 @@ import re
 import shutil
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from html.parser import HTMLParser
@@ -18,18 +18,29 @@ import httpx
 import pytest
 from click.testing import CliRunner
 from PIL import Image, ImageStat
-from telemetry_helpers import PYTHON, child_env, local_settings
+from pydantic import SecretStr
+from telemetry_helpers import PYTHON, child_env, local_settings, lost_batch_writer
 
 from fleetroll._serving import serve_asgi
 from fleetroll.cli import main
 from fleetroll.emulator import Emulator, FaultProfile, Latency
-from fleetroll.policies import ScriptedPolicy
+from fleetroll.policies import AssistantTurn, ScriptedPolicy
 from fleetroll.pool import RolloutPool
 from fleetroll.results import RolloutResult
+from fleetroll.service.security import Guard
 from fleetroll.settings import config_dir, load_settings
-from fleetroll.tasks import load_tasks
-from fleetroll.telemetry import open_telemetry
-from fleetroll.telemetry.dashboard import dashboard_app, dashboard_routes, page, parse_since
+from fleetroll.tasks import TaskSpec, load_tasks
+from fleetroll.telemetry import Telemetry, open_telemetry
+from fleetroll.telemetry.dashboard import (
+    PAGE_PATHS,
+    dashboard_app,
+    dashboard_routes,
+    page,
+    parse_since,
+)
+from fleetroll.telemetry.dashboard_auth import cookie_authorizer
+from fleetroll.telemetry.dashboard_panels import Panels
+from fleetroll.turns import Message, ToolSpec
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -258,7 +269,7 @@ async def test_fleetroll_dashboard_with_a_token_wants_it_for_data_but_not_for_th
     token = "a-dashboard-token-of-32-characters"
     async with fleetroll_dashboard(batch.db, FLEETROLL_SERVICE_TOKEN=token) as line:
         assert token not in line
-        found = re.search(r"(http://\S+/dashboard)#token=<FLEETROLL_SERVICE_TOKEN>", line)
+        found = re.search(r"(http://\S+/dashboard)/login\?token=<FLEETROLL_SERVICE_TOKEN>", line)
         assert found is not None, line
         page_url = found.group(1)
         async with httpx.AsyncClient(timeout=30) as client:
@@ -268,10 +279,15 @@ async def test_fleetroll_dashboard_with_a_token_wants_it_for_data_but_not_for_th
             right = await client.get(
                 page_url + "/data", headers={"Authorization": f"Bearer {token}"}
             )
-    assert page_answer.status_code == 200 and "location.hash" in page_answer.text
-    assert (anonymous.status_code, wrong.status_code) == (401, 401)
+            refused = await client.get(page_url + "/login", params={"token": "nope"})
+            login = await client.get(page_url + "/login", params={"token": token})
+            by_cookie = await client.get(page_url + "/data")  # the login's cookie
+    assert page_answer.status_code == 200 and token not in page_answer.text
+    assert (anonymous.status_code, wrong.status_code, refused.status_code) == (401, 401, 401)
     assert right.status_code == 200
     assert right.json()["totals"]["started"] == len(batch.results)
+    assert login.status_code == 303 and token not in login.headers["set-cookie"]
+    assert by_cookie.status_code == 200
 
 
 @pytest.mark.slow
@@ -410,3 +426,94 @@ async def test_the_screenshot_shows_charts_drawn_in_colour(
     assert len(saturated) >= 5, f"too few chart colours: {saturated}"
     (spread,) = ImageStat.Stat(charts.convert("L")).stddev
     assert spread > 10  # not one flat colour
+
+
+class HeldPolicy:
+    """The scripted policy, except that rollouts of the ``held`` tasks wait for ``release``."""
+
+    def __init__(self, held: set[str]) -> None:
+        self.inner = ScriptedPolicy()
+        self.held = held
+        self.release = anyio.Event()
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        if task.key in self.held:
+            await self.release.wait()
+        return await self.inner.act(task, messages, tools)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@pytest.mark.slow
+async def test_the_browser_logs_in_with_a_token_and_shows_a_live_batch_and_a_killed_process(
+    chromium: str, tmp_path: Path
+) -> None:
+    db = tmp_path / "telemetry.db"
+    # A process killed with -9 in the middle of its batch: two rollouts lost.
+    async with lost_batch_writer(db, "start") as child:
+        child.kill()
+        with anyio.fail_after(30):
+            await child.wait()
+
+    # A live batch: 6 tasks x 2 samples; the rollouts of two tasks wait in their policy.
+    tasks = TASKS[:6]
+    policy = HeldPolicy({tasks[0].key, tasks[1].key})
+    token = SecretStr("a-dashboard-token-of-32-characters")
+    settings = local_settings(db, pool={"concurrency": 12})
+    results: list[RolloutResult] = []
+    eight_done, all_done = anyio.Event(), anyio.Event()
+
+    async def collect(batch: AsyncIterator[RolloutResult]) -> None:
+        async for result in batch:
+            results.append(result)
+            if len(results) == 8:
+                eight_done.set()
+        all_done.set()
+
+    with Telemetry(settings) as telemetry:
+        async with (
+            Emulator() as emu,
+            RolloutPool(
+                settings, api_key=emu.api_key, base_url=emu.base_url, events=telemetry.events
+            ) as pool,
+            anyio.create_task_group() as tg,
+        ):
+            batch = pool.run_batch(tasks, policy, samples_per_task=2, batch_id="live")
+            tg.start_soon(collect, batch)
+            with anyio.fail_after(60):
+                await eight_done.wait()
+                assert await anyio.to_thread.run_sync(telemetry.flush)
+            app = Guard(
+                dashboard_app(db, panels=Panels(stuck_after_s=0.001), token=token),
+                token=token,
+                max_body_bytes=1024,
+                open_paths={"/healthz", *PAGE_PATHS},
+                also_authorized=cookie_authorizer(token),
+            )
+            async with serve_asgi(app) as base:
+                login = f"{base}/dashboard/login?token={token.get_secret_value()}"
+                html = await browse(chromium, login, tmp_path / "profile", "--dump-dom")
+            policy.release.set()
+            with anyio.fail_after(60):
+                await all_done.wait()
+    assert len(results) == 12
+
+    assert token.get_secret_value() not in html
+    assert "live · updated" in html
+    # The live batch's progress: 8 of 12, running.
+    assert re.search(r'id="card-progress"[^>]*data-state="running"', html), html[:3000]
+    assert re.search(r'id="progress-batch">live<', html)
+    assert re.search(r'id="progress-done">8<', html)
+    assert re.search(r'id="progress-total">12<', html)
+    # The killed process's two rollouts are lost; the four held ones are stuck, acting.
+    row = r'<tr class="unfinished" data-rollout-id="([^"]+)" data-state="(\w+)"'
+    states = re.findall(row, html)
+    lost = sorted(rid for rid, state in states if state == "lost")
+    assert lost == ["doomed-1", "doomed-2"]
+    assert sum(1 for _, state in states if state == "stuck") == 4
+    assert re.search(r'id="stat-lost"[^>]*>2<', html)
+    # The finished groups scored 1.0 on both samples: uniform.
+    assert len(re.findall(r'<tr class="group"', html)) == 4

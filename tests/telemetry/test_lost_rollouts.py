@@ -6,64 +6,16 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import pytest
-from anyio.abc import Process
 from click.testing import CliRunner
-from telemetry_helpers import PYTHON, child_env
+from telemetry_helpers import lost_batch_writer as writer
 
 from fleetroll.cli import main
 from fleetroll.telemetry.dashboard import snapshot
 from fleetroll.telemetry.writers import process_gone
-
-#: A small fleetroll process writing a batch to the store: three rollouts started,
-#: one completed, one with its instance; then it waits (for its kill) or, with
-#: ``finish``, completes the other two and exits.
-WRITER = """
-import sys
-from fleetroll.settings import load_settings
-from fleetroll.telemetry import Telemetry
-from fleetroll.telemetry.events import Events
-
-db, mode = sys.argv[1], sys.argv[2]
-telemetry = {"db_path": db, "send_to_logfire": False, "console_level": "error"}
-settings = load_settings(telemetry=telemetry)
-telemetry = Telemetry(settings)
-events = telemetry.events
-ids = ["doomed-0", "doomed-1", "doomed-2"]
-events.emit("fleet_batch_started", batch_id="doomed", rollouts=3, total=3, concurrency=3)
-for i, rid in enumerate(ids if mode == "start" else ids[1:]):
-    with Events.bind(batch_id="doomed", rollout_id=rid, task_key=f"t{i}", env_key="ledger"):
-        events.emit("fleet_rollout_started")
-        if rid == "doomed-1":
-            events.emit("fleet_provisioning_completed", instance_id="inst-1")
-        if rid == "doomed-0" or mode == "finish":
-            events.emit("fleet_rollout_completed", status="completed", reward=1.0)
-assert telemetry.flush(60), "the flush did not finish"
-print("ready", flush=True)
-if mode == "start":
-    sys.stdin.readline()  # until the parent kills this process
-telemetry.close()
-"""
-
-
-@asynccontextmanager
-async def writer(db: Path, mode: str) -> AsyncIterator[Process]:
-    """The writer child, once its records are in the store."""
-    async with await anyio.open_process(
-        [PYTHON, "-c", WRITER, str(db), mode], env=child_env()
-    ) as child:
-        assert child.stdout is not None
-        with anyio.fail_after(60):
-            line = b""
-            while b"\n" not in line:
-                line += await child.stdout.receive()
-        assert line.strip() == b"ready", line
-        yield child
 
 
 def check(db: Path, *args: str) -> tuple[int, str]:

@@ -292,3 +292,19 @@ async def test_the_dashboard_is_served_by_the_service(served: Running) -> None:
         data = await client.get("/dashboard/data")
     assert page.status_code == 200 and "<svg" in page.text
     assert data.status_code == 200 and "totals" in data.json()
+
+
+async def test_the_dashboard_login_cookie_opens_its_data_with_the_gauges_and_nothing_else(
+    guarded: Running,
+) -> None:
+    async with guarded.http() as browser:
+        with anyio.fail_after(30):
+            refused = await browser.get("/dashboard/login", params={"token": "not-it"})
+            login = await browser.get("/dashboard/login", params={"token": TOKEN})
+            data = await browser.get("/dashboard/data")
+            metrics = await browser.get("/metrics")  # the cookie opens the dashboard only
+    assert refused.status_code == 401 and "not-it" not in refused.text
+    assert login.status_code == 303 and TOKEN not in login.headers["set-cookie"]
+    assert data.status_code == 200 and metrics.status_code == 401
+    gauges = data.json()["admission"]["gauges"]
+    assert set(gauges) == {"limit", "in_use", "starting", "queued", "open_breakers"}

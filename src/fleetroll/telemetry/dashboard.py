@@ -514,6 +514,7 @@ def dashboard_routes(
         return HTMLResponse(page(), headers={"Cache-Control": "no-store"})
 
     async def data(request: Request) -> Response:
+        live = gauges() if gauges is not None else None
         raw_since = request.query_params.get("since") or None
         batch = request.query_params.get("batch") or None
         since = None
@@ -532,7 +533,7 @@ def dashboard_routes(
                     service_name=service_name,
                     timeout_s=query_timeout_s,
                     panels=panels,
-                    gauges=gauges() if gauges is not None else None,
+                    gauges=live,
                 ),
                 limiter=store_readers,
             )
@@ -541,6 +542,7 @@ def dashboard_routes(
         except StoreError as exc:
             # No store yet (nothing has run): an empty dashboard, with the reason.
             answer = _empty(since, batch, str(exc), panels)
+            answer["admission"]["gauges"] = live
         return JSONResponse(answer, headers={"Cache-Control": "no-store"})
 
     return [

@@ -26,6 +26,9 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+Run = tuple[Path, subprocess.CompletedProcess[str]]
+
+
 def bench(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fleetroll", "bench", *args],
@@ -37,11 +40,21 @@ def bench(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedPro
     )
 
 
-def test_the_smoke_scenario_runs_every_system_and_writes_its_report(tmp_path: Path) -> None:
-    out = tmp_path / "bench"
-    done = bench("--scenario", "smoke", "--out", str(out), "--no-plot", cwd=tmp_path, timeout=110)
+@pytest.fixture(scope="module")
+def smoke(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Run:
+    """One smoke run with the default ``--out``, in a folder of its own: the tests read it."""
+    cwd = tmp_path_factory.mktemp("smoke")
+    return cwd, bench("--scenario", "smoke", "--no-plot", cwd=cwd, timeout=110)
+
+
+def test_the_smoke_scenario_runs_every_system_and_writes_its_report(
+    smoke: Run,
+) -> None:
+    cwd, done = smoke
     assert done.returncode == 0, done.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["smoke.json", "smoke.md"]
+    out = cwd / ".fleetroll" / "bench"
     report = ScenarioReport.model_validate(json.loads((out / "smoke.json").read_text()))
     assert [r.system for r in report.runs] == ["fleetroll", "fresh-session", "naive-gather"]
     for run in report.runs:
@@ -56,16 +69,14 @@ def test_the_smoke_scenario_runs_every_system_and_writes_its_report(tmp_path: Pa
     assert "| fleetroll | 8 | 8 / 8 |" in markdown
 
 
-@pytest.mark.slow
 def test_reports_go_under_dot_fleetroll_by_default_and_the_output_says_where(
-    tmp_path: Path,
+    smoke: Run,
 ) -> None:
-    args = ("--scenario", "smoke", "--rollouts", "2", "--baselines", "none", "--no-plot")
-    done = bench(*args, cwd=tmp_path, timeout=110)
+    cwd, done = smoke
     assert done.returncode == 0, done.stderr
-    out = tmp_path / ".fleetroll" / "bench"
+    out = cwd / ".fleetroll" / "bench"
     assert sorted(p.name for p in out.iterdir()) == ["smoke.json", "smoke.md"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".fleetroll"]
+    assert sorted(p.name for p in cwd.iterdir()) == [".fleetroll"]
     assert f"fleetroll bench: reports go to {out}" in done.stderr
 
 
@@ -91,6 +102,7 @@ def test_the_policy_turn_scenario_reports_cpu_per_turn_for_every_turn_index(
     args = ("--scenario", "policy-turn", "--rollouts", "1", "--out", str(out), "--no-plot")
     done = bench(*args, cwd=tmp_path, timeout=110)
     assert done.returncode == 0, done.stderr
+    assert f"fleetroll bench: reports go to {out}" in done.stderr  # --out is where they go
     assert sorted(p.name for p in out.iterdir()) == ["policy-turn.json", "policy-turn.md"]
     report = ScenarioReport.model_validate(json.loads((out / "policy-turn.json").read_text()))
     record = report.policy_turns

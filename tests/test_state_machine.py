@@ -94,7 +94,7 @@ async def test_a_verifier_that_cannot_run_is_verifier_error_never_a_zero() -> No
 
 async def test_a_rollout_past_its_deadline_is_timeout_and_still_scored() -> None:
     result, provider, _ = await run(
-        HANGING, timeouts={"rollout_s": 0.05}, pool={"on_tool_failure": "continue"}
+        HANGING, timeouts={"rollout_s": 0.5}, pool={"on_tool_failure": "continue"}
     )
 
     assert result.failure_reason is FailureReason.TIMEOUT

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import compileall
+import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -42,6 +43,20 @@ def _outside_the_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterato
 def anyio_backend() -> str:
     """One backend for the whole run, so module-scoped async fixtures can exist."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def local_ray() -> Iterator[None]:
+    """One local Ray instance per test process, for every test that needs one.
+
+    Starting Ray costs seconds of CPU (its GCS, raylet and first workers):
+    once per worker process, not once per test file.
+    """
+    ray = pytest.importorskip("ray")
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 The verifier's code is sent to Fleet (or the emulator) exactly as the SDK
 sends it (``AsyncVerifierFunction.remote_with_response``: bundle check,
-upload, execute), and it runs there. It never runs in this process: the
+upload, execute), and it runs there; the bundle check is asked once per
+content per process (:class:`_KnownBundle`). It never runs in this process: the
 function's name is read with ``ast``, not by executing the code (the SDK's
 ``Task.verify_detailed_async`` would ``exec`` it here to find that name).
 
@@ -77,6 +78,43 @@ def verifier_signature(code: str) -> tuple[str, bool]:
     raise ValueError("the verifier code defines no function")
 
 
+class _KnownBundle(AsyncVerifierFunction):  # type: ignore[misc]  # the SDK is untyped
+    """The SDK's verifier function, minus the bundle check once the bundle is known.
+
+    The SDK asks ``GET /v1/verifiers/check`` before every execution. Once an
+    execution of this content has gone through (uploaded or found), the
+    control plane has the bundle, so later executions go straight to
+    ``execute``; should it have forgotten it since, the SDK's own fallback
+    (a "bundle not found" answer) uploads it with a second execute. While the
+    first execution runs, the others wait for it (within their own deadline)
+    rather than each checking and uploading the same bundle.
+    """
+
+    _known = False
+    _first: anyio.Event | None = None
+
+    async def _check_bundle_status(self, env: Any) -> tuple[str, bool]:
+        if self._known:
+            return str(self._get_or_create_bundle()[1]), False
+        sha, needs_upload = await super()._check_bundle_status(env)
+        return str(sha), bool(needs_upload)
+
+    async def remote_with_response(self, env: Any, *args: Any, **kwargs: Any) -> Any:
+        first = self._first
+        if first is None:
+            first = self._first = anyio.Event()
+            try:
+                response = await super().remote_with_response(env, *args, **kwargs)
+                self._known = True
+            finally:
+                first.set()
+            return response
+        await first.wait()
+        response = await super().remote_with_response(env, *args, **kwargs)
+        self._known = True
+        return response
+
+
 @dataclass(frozen=True, slots=True)
 class _Compiled:
     """A verifier, ready to send, or why it cannot be."""
@@ -99,7 +137,7 @@ def _compile(code: str, sha256: str) -> _Compiled:
     remote_only.__name__ = remote_only.__qualname__ = name
     # Key and id are the content's, never a task's key: Fleet sees one
     # verifier per content, and the SDK's bundle sha is of the content too.
-    function = AsyncVerifierFunction(
+    function = _KnownBundle(
         remote_only, f"fleetroll-{sha256[:32]}", verifier_id=sha256, raw_code=code
     )
     return _Compiled(function, takes_answer)

@@ -22,6 +22,7 @@ from fleet._async.client import AsyncEnv, AsyncFleet
 import fleetroll.retrying as retrying
 from fleetroll.environment_names import missing_environments
 from fleetroll.errors import ProvisionError
+from fleetroll.http_transport import SdkAiohttpTransport
 from fleetroll.retrying import Decision, Report, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -186,9 +187,11 @@ def sdk_lanes(
     """The SDK clients a provider spreads its instances over, and their HTTP clients.
 
     Several small HTTP clients ("lanes") instead of one big one: httpcore
-    scans every connection of a pool on each request, so one pool of
+    scanned every connection of a pool on each request, so one pool of
     hundreds of connections made the control plane cost grow with the
-    square of concurrency (the largest CPU cost in `fleetroll bench`). An
+    square of concurrency. Each lane now sends over aiohttp
+    (:class:`fleetroll.http_transport.SdkAiohttpTransport`), whose pool does
+    not scan; the lanes stay, as a bound on connections per client. An
     instance stays on the lane that made it (reset, verify, delete). The
     SDK's own retries are off (``max_retries=0``): every retry is decided
     once, by fleetroll.
@@ -201,12 +204,11 @@ def sdk_lanes(
     tls = httpx.create_ssl_context()
     clients = [
         httpx.AsyncClient(
-            verify=tls,
             timeout=httpx.Timeout(t.provision_create_s, connect=t.mcp_connect_s),
-            limits=httpx.Limits(
+            transport=SdkAiohttpTransport(
+                verify=tls,
+                keepalive_s=t.http_keepalive_s,
                 max_connections=_CONNECTIONS_PER_LANE * 2,
-                max_keepalive_connections=_CONNECTIONS_PER_LANE,
-                keepalive_expiry=t.http_keepalive_s,
             ),
             event_hooks={"response": [remember_retry_after]},
         )

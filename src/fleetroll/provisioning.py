@@ -56,6 +56,7 @@ from fleetroll.fleet_control import (
     provisioning_failed,
     sdk_lanes,
 )
+from fleetroll.http_transport import AiohttpTransport
 from fleetroll.retrying import Decision, Retry
 from fleetroll.routing import Route, route, wants_final_answer
 from fleetroll.settings import Settings
@@ -199,11 +200,8 @@ class FleetProvider:
     def mcp_client(self) -> httpx2.AsyncClient:
         """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""
         t = self._settings.timeouts
-        transport = httpx2.AsyncHTTPTransport(
-            verify=self._mcp_tls,
-            limits=httpx2.Limits(
-                max_connections=8, max_keepalive_connections=4, keepalive_expiry=t.http_keepalive_s
-            ),
+        transport = AiohttpTransport(
+            verify=self._mcp_tls, keepalive_s=t.http_keepalive_s, max_connections=8
         )
         return httpx2.AsyncClient(
             timeout=httpx2.Timeout(

@@ -55,3 +55,24 @@ async def test_refused_connections_stop_after_the_attempts() -> None:
     with pytest.raises(httpx2.ConnectError):
         await post(RetryRefusedConnections(inner, BUDGET))
     assert len(seen) == 3
+
+
+async def test_a_call_that_goes_through_first_time_opens_no_retry_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[str] = []
+    real = retrying.attempts
+
+    def counting(operation: retrying.Operation, *args: object, **kwargs: object) -> object:
+        opened.append(operation)
+        return real(operation, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(retrying, "attempts", counting)
+    inner, seen = flaky([])
+    response = await post(RetryRefusedConnections(inner, BUDGET))
+    assert response.status_code == 200 and len(seen) == 1
+    assert opened == []
+    inner, seen = flaky([httpx2.ConnectError("refused")])
+    response = await post(RetryRefusedConnections(inner, BUDGET))
+    assert response.status_code == 200 and len(seen) == 2
+    assert opened == ["mcp_request"]

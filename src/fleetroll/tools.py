@@ -204,10 +204,19 @@ class RetryRefusedConnections(httpx2.AsyncBaseTransport):
         self._report = report
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        # The first attempt goes straight out: the retry machinery (a stamina
+        # context per request) cost more CPU than the request when nothing failed.
+        try:
+            return await self._inner.handle_async_request(request)
+        except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:
+            failed: BaseException | None = exc
         async for attempt in retrying.attempts(
             "mcp_request", self._budget, classify=_never_sent, report=self._report
         ):
             with attempt:
+                if failed is not None:  # attempt 1: the one above, reported and counted
+                    first, failed = failed, None
+                    raise first
                 return await self._inner.handle_async_request(request)
         raise AssertionError("unreachable: the last attempt's error propagates")
 

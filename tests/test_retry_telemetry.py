@@ -37,16 +37,17 @@ async def test_mcp_connect_and_verifier_retries_are_fleet_retry_records_of_their
     settings = load_settings(
         telemetry={"db_path": str(db), "send_to_logfire": False},
         retries={
-            "mcp_connect_backoff_initial_s": 0.0,
-            "mcp_connect_backoff_max_s": 0.0,
+            "mcp_connect_backoff_initial_s": 0.2,
+            "mcp_connect_backoff_max_s": 0.2,
             "verifier_attempts": 2,
             "verifier_backoff_initial_s": 0.0,
             "verifier_backoff_max_s": 0.0,
         },
     )
     task = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=settings.modalities)[0]
-    # MCP answers 503 for a while after each create; every verifier run fails on the platform.
-    faults = FaultProfile(mcp_warmup_s=0.2, p_verifier_error=1.0)
+    # MCP answers 503 for 2 s after each create (long enough that a loaded machine's
+    # first request still meets it); every verifier run fails on the platform.
+    faults = FaultProfile(mcp_warmup_s=2.0, p_verifier_error=1.0)
     async with (
         open_telemetry(settings) as events,
         Emulator(faults) as emu,

@@ -205,6 +205,7 @@ class EmulatorApp:
     async def list_envs(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._unauthorized()
+        self.ledger.env_listings += 1
         return JSONResponse([env.describe() for env in self.envs.values()])
 
     async def get_env(self, request: Request) -> Response:

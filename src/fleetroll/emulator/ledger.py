@@ -32,6 +32,8 @@ class Ledger:
     verifier_runs: int = 0
     verifier_runs_by_outcome: Counter[str] = field(default_factory=Counter)
     mcp_rejected_warming: int = 0
+    #: Environment listings served (``GET /v1/env/``): what pre-flights cost Fleet.
+    env_listings: int = 0
     #: Highest number of creates being served at the same moment.
     peak_concurrent_creates: int = 0
     _creates_in_flight: int = 0
@@ -82,4 +84,5 @@ class Ledger:
             "verifier_runs": self.verifier_runs,
             "verifier_runs_by_outcome": dict(self.verifier_runs_by_outcome),
             "mcp_rejected_warming": self.mcp_rejected_warming,
+            "env_listings": self.env_listings,
         }

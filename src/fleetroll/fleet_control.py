@@ -23,6 +23,7 @@ import fleetroll.retrying as retrying
 from fleetroll.environment_names import missing_environments
 from fleetroll.errors import ProvisionError
 from fleetroll.http_transport import SdkAiohttpTransport
+from fleetroll.preflight_cache import PreflightCache
 from fleetroll.retrying import Decision, Report, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -30,6 +31,7 @@ from fleetroll.telemetry.events import Events
 
 __all__ = [
     "Classification",
+    "Known",
     "Lease",
     "classify",
     "create_lease",
@@ -290,13 +292,41 @@ async def listing_problems(
     *,
     where: str,
     report: Report,
+    cache: PreflightCache[Known] | None = None,
 ) -> list[str]:
     """The control plane answers, the key is accepted, every env version exists.
 
     One environment listing (``GET /v1/env/``), under ``timeouts.preflight_s``;
     a 429 or 5xx answer is asked again (the ``make`` budget) within that
     time, while an address that does not answer is reported at once.
+
+    With a ``cache``, a listing fetched within its time to live is used
+    instead, unless it lacks something the tasks name (then it is fetched
+    again: a version published since is found, a typo costs one listing).
     """
+    if cache is None:
+        known = await _listing(fleet, settings, where=where, report=report)
+        return known if isinstance(known, list) else missing_environments(tasks, known)
+    key = f"listing {where}"
+    async with cache.lock(key):
+        kept = cache.get(key)
+        if kept is not None and not missing_environments(tasks, kept):
+            return []
+        known = await _listing(fleet, settings, where=where, report=report)
+        if isinstance(known, list):
+            return known
+        cache.put(key, known)
+    return missing_environments(tasks, known)
+
+
+#: Each environment key of a listing, with its versions (and what its tags name).
+Known = dict[str, set[str]]
+
+
+async def _listing(
+    fleet: AsyncFleet, settings: Settings, *, where: str, report: Report
+) -> Known | list[str]:
+    """The environment listing as :data:`Known`, or the problem lines of not getting it."""
     timeout = settings.timeouts.preflight_s
 
     def decision(exc: BaseException) -> Decision:
@@ -345,5 +375,4 @@ async def listing_problems(
             f"cannot reach a Fleet control plane at {where}: {type(exc).__name__}: {exc}"
             " (is FLEET_BASE_URL right?)"
         ]
-    known = {env.env_key: {*env.versions, *env.versions.values()} for env in listing}
-    return missing_environments(tasks, known)
+    return {env.env_key: {*env.versions, *env.versions.values()} for env in listing}

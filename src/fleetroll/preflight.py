@@ -11,18 +11,25 @@ and before the pool makes its first instance:
 
 Every problem found is one line of one :class:`~fleetroll.errors.PreflightError`;
 no line holds a key. ``fleetroll run --no-preflight`` skips all of this.
+
+``fleetroll serve`` runs the same checks on every batch it is sent
+(:mod:`fleetroll.service.preflight`), reusing the answers that are cheap to
+keep (:class:`~fleetroll.preflight_cache.PreflightCache`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
 import httpx
+from pydantic import SecretStr
 
 from fleetroll.environment_names import missing_environments
 from fleetroll.errors import PreflightError
+from fleetroll.preflight_cache import PreflightCache
 
 if TYPE_CHECKING:
     from fleetroll.batch_pool import FleetTarget
@@ -30,7 +37,14 @@ if TYPE_CHECKING:
     from fleetroll.settings import Settings
     from fleetroll.tasks import TaskSpec
 
-__all__ = ["check_policy", "missing_environments", "preflight", "preflight_fleet"]
+__all__ = [
+    "PreflightCache",
+    "check_endpoint",
+    "check_policy",
+    "missing_environments",
+    "preflight",
+    "preflight_fleet",
+]
 
 
 def _shown(url: str) -> str:
@@ -51,11 +65,42 @@ async def check_policy(settings: Settings) -> list[str]:
     """
     if settings.policy.kind != "openai":
         return []
-    timeout = settings.timeouts.preflight_s
-    base = settings.policy.base_url.rstrip("/")
+    return await check_endpoint(
+        settings.policy.base_url, settings.openai_api_key, settings.timeouts.preflight_s
+    )
+
+
+async def check_endpoint(
+    base_url: str,
+    api_key: SecretStr | None,
+    timeout_s: float,
+    *,
+    cache: PreflightCache[bool] | None = None,
+) -> list[str]:
+    """An OpenAI-compatible endpoint answers ``GET {base_url}/models`` within ``timeout_s``.
+
+    One problem line when it does not; with a ``cache``, an endpoint (and
+    key) that answered within its time to live is not asked again.
+    """
+    base = base_url.rstrip("/")
+    if cache is None:
+        return await _models_answer(base, api_key, timeout_s)
+    # The key is part of what answered, but never kept: only a digest of it.
+    secret = api_key.get_secret_value() if api_key else ""
+    key = "policy " + hashlib.sha256(f"{base}\n{secret}".encode()).hexdigest()
+    async with cache.lock(key):
+        if cache.get(key):
+            return []
+        problems = await _models_answer(base, api_key, timeout_s)
+        if not problems:
+            cache.put(key, True)
+    return problems
+
+
+async def _models_answer(base: str, key: SecretStr | None, timeout_s: float) -> list[str]:
+    timeout = timeout_s
     url = f"{base}/models"
     shown = _shown(url)
-    key = settings.openai_api_key
     headers = {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
     try:
         with anyio.fail_after(timeout):
@@ -79,8 +124,18 @@ async def check_policy(settings: Settings) -> list[str]:
     return []
 
 
-async def preflight(settings: Settings, provider: Provider, tasks: Sequence[TaskSpec]) -> None:
+async def preflight(
+    settings: Settings,
+    provider: Provider,
+    tasks: Sequence[TaskSpec],
+    *,
+    policy: Callable[[], Awaitable[list[str]]] | None = None,
+    skip: str = "--no-preflight",
+) -> None:
     """Run the provider's checks and the policy endpoint's, together.
+
+    ``policy`` replaces the check of ``settings.policy`` (the service checks
+    the policy a request names); ``skip`` is what the error says turns it off.
 
     Raises:
         PreflightError: any check found a problem (all of them are in it).
@@ -92,10 +147,10 @@ async def preflight(settings: Settings, provider: Provider, tasks: Sequence[Task
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(collect, "provider", lambda: provider.preflight(tasks))
-        tg.start_soon(collect, "policy", lambda: check_policy(settings))
+        tg.start_soon(collect, "policy", policy or (lambda: check_policy(settings)))
     problems = found["provider"] + found["policy"]
     if problems:
-        raise PreflightError(problems)
+        raise PreflightError(problems, skip=skip)
 
 
 async def preflight_fleet(

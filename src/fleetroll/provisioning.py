@@ -47,6 +47,7 @@ from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import EnvUnavailableError, ProvisionError
 from fleetroll.fleet_control import (
     Classification,
+    Known,
     Lease,
     classify,
     create_lease,
@@ -57,6 +58,7 @@ from fleetroll.fleet_control import (
     sdk_lanes,
 )
 from fleetroll.http_transport import AiohttpTransport
+from fleetroll.preflight_cache import PreflightCache
 from fleetroll.retrying import Decision, Retry
 from fleetroll.routing import Route, route, wants_final_answer
 from fleetroll.settings import Settings
@@ -121,6 +123,9 @@ class FleetProvider:
         self._lane = itertools.cycle(self._lanes)
         #: For calls that belong to no instance (listing, sweeping).
         self.fleet = self._lanes[0]
+        #: The environment listing, reused by pre-flights within its time to live
+        #: (a service checks every batch on this one provider).
+        self._listings = PreflightCache[Known](settings.service.preflight_cache_s)
         # The SDK resolves the instance-router token once per *instance*, each
         # time building a new HTTP client (~20 ms of blocking TLS set-up on
         # the loop). One provider, resolved once, is shared by every instance.
@@ -224,7 +229,12 @@ class FleetProvider:
         (:func:`fleetroll.fleet_control.listing_problems`)."""
         report = retry_emitter(self._events)
         return await listing_problems(
-            self.fleet, tasks, self._settings, where=self._where, report=report
+            self.fleet,
+            tasks,
+            self._settings,
+            where=self._where,
+            report=report,
+            cache=self._listings,
         )
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:

@@ -395,3 +395,10 @@ class ServiceSettings(_Section):
     #: Longest lease of one pause of policy calls (``POST /v1/policy/pauses``):
     #: a trainer renews it to hold longer; one that crashed lets go within it.
     max_pause_ttl_s: float = Field(600.0, gt=0)
+    #: Check every batch (``POST /v1/batches``, the MCP tools' rollouts) as
+    #: ``fleetroll run`` does before it provisions anything: its environment
+    #: versions exist, Fleet accepts the key, the policy answers. 422 otherwise.
+    preflight: bool = True
+    #: Pre-flight reuses Fleet's environment listing and a policy endpoint that
+    #: answered for this long, in this process (0: asks on every batch).
+    preflight_cache_s: float = Field(30.0, ge=0)

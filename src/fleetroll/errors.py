@@ -8,6 +8,7 @@
     ├── EmulatorError            the embedded emulator failed to start or stop
     ├── PoolFullError            a pool has too many unfinished rollouts to take a batch
     ├── PreflightError           a batch cannot run: unknown env, key refused, policy dead
+    │   └── ServicePreflightError  the service's pre-flight refused it (also a ServiceError)
     ├── ServiceError             the HTTP service answered an error (fleetroll.client)
     ├── StoreError               the local telemetry store could not be opened or read
     │   ├── NoSuchBatchError     a batch id the store has never seen
@@ -56,6 +57,7 @@ __all__ = [
     "ReadOnlyError",
     "RolloutError",
     "ServiceError",
+    "ServicePreflightError",
     "StoreError",
     "TaskFileError",
     "ToolCallFailed",
@@ -81,12 +83,10 @@ class PreflightError(FleetrollError):
     refused key, a policy endpoint that does not answer); never a secret.
     """
 
-    def __init__(self, problems: Sequence[str]) -> None:
+    def __init__(self, problems: Sequence[str], *, skip: str = "--no-preflight") -> None:
         self.problems = list(problems)
         lines = "; ".join(self.problems)
-        super().__init__(
-            f"pre-flight failed, nothing was provisioned (--no-preflight skips it): {lines}"
-        )
+        super().__init__(f"pre-flight failed, nothing was provisioned ({skip} skips it): {lines}")
 
 
 class TaskFileError(FleetrollError):
@@ -251,6 +251,22 @@ class ServiceError(FleetrollError):
         super().__init__(message)
         self.status_code = status_code
         self.detail = detail
+
+
+class ServicePreflightError(PreflightError, ServiceError):
+    """The service's pre-flight refused a batch (its 422): the remote :class:`PreflightError`.
+
+    Caught as either: ``except PreflightError`` works as in-process, and
+    ``status_code`` is 422 for code that handles every :class:`ServiceError`.
+    ``problems`` holds the service's problem lines as one line.
+    """
+
+    def __init__(self, message: str) -> None:
+        FleetrollError.__init__(self, message)
+        _, found, lines = message.partition(" skips it): ")
+        self.problems = [lines if found else message]
+        self.status_code: int | None = 422
+        self.detail = message
 
 
 class StoreError(FleetrollError):

@@ -134,7 +134,7 @@ class Service:
             settings.logfire_token,
         )
         self.redact = Redactor(s.get_secret_value() for s in secrets if s is not None)
-        self.batches = BatchRegistry(self.batch_pool, settings, self.metrics)
+        self.batches = BatchRegistry(self.batch_pool, settings, self.metrics, preflight_pool=pool)
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
         #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}

@@ -42,6 +42,7 @@ from fleetroll.service.models import (
     BatchStatus,
     PolicyConfig,
 )
+from fleetroll.service.preflight import BatchPreflight
 from fleetroll.service.requests import (
     batch_fingerprint,
     build_policy,
@@ -233,8 +234,18 @@ class BatchRecord:
 class BatchRegistry:
     """The service's batches, by id, run on ``pool``. Needs a task group (``tg``) before use."""
 
-    def __init__(self, pool: BatchPool, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        pool: BatchPool,
+        settings: Settings,
+        metrics: Metrics,
+        *,
+        preflight_pool: RolloutPool | None = None,
+    ) -> None:
         self._pool = pool
+        #: Checks new batches first; with the pool of this process (``pool`` may be Ray's).
+        local = preflight_pool or (pool if isinstance(pool, RolloutPool) else None)
+        self._preflight = BatchPreflight(local, settings) if local is not None else None
         self._settings = settings
         self._metrics = metrics
         self._records: dict[str, BatchRecord] = {}
@@ -299,6 +310,7 @@ class BatchRegistry:
             batch_id=request.batch_id,
             deadline_s=request.deadline_s,
             oversample=oversample,
+            loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
         )
 
     async def start(
@@ -310,22 +322,28 @@ class BatchRegistry:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         oversample: int = 0,
+        loc: Sequence[str] = ("task",),
     ) -> tuple[BatchRecord, bool, int]:
         """Start a batch of validated tasks (or find the identical one).
 
-        Returns the record, whether it is new, and the rollouts run again
-        (see :meth:`submit`).
+        A new batch passes the pre-flight first (:mod:`fleetroll.service.preflight`);
+        ``loc`` is where its tasks are in the request (default: an MCP tool's
+        ``task``). Returns the record, whether it is new, and the rollouts run
+        again (see :meth:`submit`).
 
         Raises:
-            ApiError: 409 (the id is taken by a different request), 503 (the
-                pool is full, or a cancel of the identical batch is still
-                settling).
+            ApiError: 422 (the pre-flight found a problem), 409 (the id is
+                taken by a different request), 503 (the pool is full, or a
+                cancel of the identical batch is still settling).
         """
         fingerprint = batch_fingerprint(
             tasks, policy_config, samples_per_task, deadline_s, oversample
         )
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
+        if existing is None and self._preflight is not None:
+            await self._preflight.check(tasks, policy_config, loc=loc)
+            existing = self._records.get(batch_id)  # its twin may have started it meanwhile
         if existing is not None:
             if existing.fingerprint != fingerprint:
                 raise ApiError(

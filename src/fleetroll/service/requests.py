@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
+
 from fleetroll.errors import TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
 from fleetroll.service.errors import ApiError, loc_of
@@ -22,7 +24,14 @@ from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskLimits, TaskSpec, parse_task
 
-__all__ = ["batch_fingerprint", "build_policy", "parse_one", "parse_records", "task_path"]
+__all__ = [
+    "batch_fingerprint",
+    "build_policy",
+    "parse_one",
+    "parse_records",
+    "policy_endpoint",
+    "task_path",
+]
 
 _SOURCE = "request body"
 
@@ -124,6 +133,25 @@ def batch_fingerprint(
     return hashlib.sha256(blob).hexdigest()
 
 
+def policy_endpoint(
+    config: PolicyConfig | None, settings: Settings
+) -> tuple[str, SecretStr | None] | None:
+    """The base URL and key of the endpoint a request's policy calls (None: scripted).
+
+    The server's own ``OPENAI_API_KEY`` goes only to the server's configured
+    endpoint: a request naming another ``base_url`` must bring its own key.
+    """
+    base = settings.policy
+    cfg = config or PolicyConfig()
+    if (cfg.kind or base.kind) == "scripted":
+        return None
+    base_url = cfg.base_url or base.base_url
+    api_key = cfg.api_key
+    if api_key is None and base_url.rstrip("/") == base.base_url.rstrip("/"):
+        api_key = settings.openai_api_key
+    return base_url, api_key
+
+
 def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
     """The policy a request asks for; unset fields come from ``settings.policy``.
 
@@ -132,13 +160,11 @@ def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
     """
     base = settings.policy
     cfg = config or PolicyConfig()
-    if (cfg.kind or base.kind) == "scripted":
+    endpoint = policy_endpoint(config, settings)
+    if endpoint is None:
         think = base.think_time_s if cfg.think_time_s is None else cfg.think_time_s
         return ScriptedPolicy(think_time_s=think)
-    base_url = cfg.base_url or base.base_url
-    api_key = cfg.api_key
-    if api_key is None and base_url.rstrip("/") == base.base_url.rstrip("/"):
-        api_key = settings.openai_api_key
+    base_url, api_key = endpoint
     return OpenAIChatPolicy(
         base_url=base_url,
         model=cfg.model or base.model,

@@ -1,0 +1,78 @@
+"""The service's pre-flight: a batch is checked as ``fleetroll run`` checks one.
+
+``POST /v1/batches`` and the MCP tools' rollouts are checked here before the
+batch reaches the pool that runs it (with ``serve --ray``: in the service's
+process, before it is sharded over the actors): every distinct
+``env_key:version`` exists, Fleet's control plane answers and accepts the key,
+mcp servers can start or answer, the policy the request names answers. A
+problem is a 422 with the pre-flight's one line (``type`` ``preflight_error``)
+and nothing is provisioned.
+
+A trainer posts a batch every few seconds, so the answers that are cheap to
+keep are reused for ``service.preflight_cache_s``: Fleet's environment listing
+(kept by the pool's Fleet provider) and each policy endpoint that answered
+(kept here). ``service.preflight = false`` turns all of it off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fleetroll.errors import PreflightError
+from fleetroll.pool import RolloutPool
+from fleetroll.preflight import check_endpoint, preflight
+from fleetroll.preflight_cache import PreflightCache
+from fleetroll.service.errors import ApiError
+from fleetroll.service.models import PolicyConfig
+from fleetroll.service.requests import policy_endpoint
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+
+__all__ = ["BatchPreflight"]
+
+#: What a refused client is told turns the checks off.
+_SKIP = "service.preflight = false on the server"
+
+
+class BatchPreflight:
+    """Checks batches before they are accepted, with ``pool``'s environment provider.
+
+    Args:
+        pool: the pool in this process (its provider makes the checks; on
+            ``serve --ray`` batches run elsewhere, but are checked here).
+    """
+
+    def __init__(self, pool: RolloutPool, settings: Settings) -> None:
+        self._pool = pool
+        self._settings = settings
+        self._policies = PreflightCache[bool](settings.service.preflight_cache_s)
+
+    async def check(
+        self, tasks: Sequence[TaskSpec], policy: PolicyConfig | None, *, loc: Sequence[str]
+    ) -> None:
+        """Pass, or refuse the batch (unless ``service.preflight`` is off).
+
+        Raises:
+            ApiError: 422 with the pre-flight's message, at ``loc``.
+        """
+        if not self._settings.service.preflight:
+            return
+        endpoint = policy_endpoint(policy, self._settings)
+        timeout = self._settings.timeouts.preflight_s
+
+        async def policy_problems() -> list[str]:
+            if endpoint is None:  # scripted: nothing to ask
+                return []
+            base_url, api_key = endpoint
+            return await check_endpoint(base_url, api_key, timeout, cache=self._policies)
+
+        try:
+            await preflight(
+                self._settings,
+                self._pool.engine.provider,
+                tasks,
+                policy=policy_problems,
+                skip=_SKIP,
+            )
+        except PreflightError as exc:
+            raise ApiError(422, str(exc), loc=loc, type="preflight_error") from None

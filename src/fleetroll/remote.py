@@ -20,7 +20,7 @@ import httpx
 
 import fleetroll.retrying as retrying
 from fleetroll.env_session import StepResult
-from fleetroll.errors import InstanceLostError, ServiceError
+from fleetroll.errors import InstanceLostError, ServiceError, ServicePreflightError
 from fleetroll.groups import Group
 from fleetroll.results import RolloutResult
 from fleetroll.retrying import Decision, retry_after_s
@@ -183,6 +183,8 @@ class RemoteBatch:
         """Submit the batch (once; iterating or entering does it for you).
 
         Raises:
+            ServicePreflightError: the service's pre-flight refused the batch
+                (a :class:`~fleetroll.errors.PreflightError` too, status 422).
             ServiceError: 422 (invalid tasks), 409 (the id holds another batch).
         """
         if self._payload is not None:
@@ -451,6 +453,10 @@ def _error(method: str, path: str, response: httpx.Response) -> ServiceError:
     except (ValueError, AttributeError):
         detail = response.text[:300]
     if isinstance(detail, list):  # a 422: where and what, per problem
+        for item in detail:
+            if isinstance(item, dict) and item.get("type") == "preflight_error":
+                # What a library user gets in-process, so one except serves both.
+                return ServicePreflightError(str(item.get("msg", "")))
         detail = "; ".join(
             f"{'.'.join(str(p) for p in item.get('loc', []))}: {item.get('msg', '')}"
             for item in detail

@@ -165,7 +165,11 @@ def _paths() -> dict[str, Any]:
                     "409": _error("The batch_id is taken by a different request"),
                     "413": _TOO_LARGE,
                     "415": _UNSUPPORTED,
-                    "422": _INVALID,
+                    "422": _json(
+                        ValidationErrorBody,
+                        "Invalid request: each problem with its location; or the pre-flight"
+                        " refused the batch (type preflight_error, nothing provisioned)",
+                    ),
                     "503": _error(
                         "The pool is full (pool.max_queued_rollouts), or a cancel of this"
                         " batch is still settling: retry after Retry-After seconds"

@@ -189,7 +189,9 @@ class FleetrollClient:
         controller restarts are safe), and runs again those of its rollouts
         that ended cancelled (after a cancel or a deadline): iterated, it then
         gives one result per rollout, the newest. Different content under the
-        id is a 409.
+        id is a 409. A batch the service's pre-flight refuses raises, on
+        submission, :class:`~fleetroll.errors.ServicePreflightError` (a
+        ``PreflightError``, as in-process, and a ``ServiceError``, 422).
 
         Raises:
             TypeError: ``policy`` is an in-process policy the service cannot

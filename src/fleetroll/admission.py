@@ -1,11 +1,11 @@
 """Admission control: which instance may be created, and when.
 
-One :class:`AdmissionController` per pool decides, in one place:
+One :class:`AdmissionController` per pool (on Ray, one for the whole cluster,
+in the limiter actor: :mod:`fleetroll.ray_admission`) decides, in one place:
 
 * **creates**: at most ``provisioning.max_concurrent_creates`` create
   requests at once and ``provisioning.creates_per_second`` (a token bucket):
-  :class:`CreateSlots`, also used by the Ray pool's limiter actor so that a
-  cluster shares the account's limits;
+  :class:`CreateSlots`;
 * **instances**: provisioned and not released yet, those still starting
   counted too (``admission.max_instances``), and per environment
   (``[admission.env."ledger:v1"]``);
@@ -18,6 +18,10 @@ One :class:`AdmissionController` per pool decides, in one place:
   ``breaker.failure_share``, new rollouts of it wait (or end at once as
   ``env_unavailable``) while one probe rollout at a time tests recovery.
 
+What pools, providers and rollouts ask of it is :class:`Admission`, which the
+controller and its Ray proxy (:class:`fleetroll.ray_admission.RemoteAdmission`)
+both implement.
+
 Waiters are woken by a broadcast :class:`anyio.Event`, replaced on each
 change; the counts are only ever changed on the event loop.
 """
@@ -29,7 +33,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
@@ -40,6 +44,7 @@ from fleetroll.telemetry.events import Events
 
 __all__ = [
     "INFRASTRUCTURE_FAILURES",
+    "Admission",
     "AdmissionController",
     "AdmissionState",
     "CreateSlots",
@@ -152,6 +157,51 @@ class AdmissionState:
     starting: int
     queued: int
     open_breakers: int
+
+
+class Admission(Protocol):
+    """What a pool's provider and rollouts ask of admission: an
+    :class:`AdmissionController` in this process, or the proxy of a Ray
+    cluster's one (:class:`fleetroll.ray_admission.RemoteAdmission`)."""
+
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        """A create slot (concurrency and rate): a ``CreateGate``."""
+        ...
+
+    async def acquire(self, env: str, *, again: Ticket | None = None) -> Ticket:
+        """A place for one instance of ``env`` (``key:version``); waits for room.
+
+        Raises:
+            EnvUnavailableError: the environment's breaker is open and
+                ``admission.breaker.on_open`` is ``"fail"``.
+        """
+        ...
+
+    def started(self, ticket: Ticket) -> None:
+        """The ticket's instance is running (no longer starting)."""
+
+    def release(self, ticket: Ticket) -> None:
+        """Give the ticket's place back (idempotent)."""
+
+    async def limit_reached(
+        self, ticket: Ticket, instance_limit: int | None, running: int | None
+    ) -> None:
+        """Fleet refused a create (403): learn its limit, queue again with the same ticket.
+
+        Raises:
+            EnvUnavailableError: as :meth:`acquire`.
+        """
+        ...
+
+    def learn_account(self, instance_limit: int | None, instance_count: int | None) -> None:
+        """Fleet's account limit (``account()`` or a 403's body)."""
+
+    def record(self, env: str, reason: FailureReason | None) -> None:
+        """One rollout of ``env`` ended with ``reason`` (None: completed)."""
+
+    def state(self) -> AdmissionState:
+        """The gauges of ``/metrics``."""
+        ...
 
 
 @dataclass(slots=True)

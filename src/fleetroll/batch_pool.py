@@ -15,6 +15,7 @@ from typing import Protocol, TypeVar
 
 import anyio
 
+from fleetroll.admission import Admission
 from fleetroll.cli_options import ray_options
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
@@ -85,6 +86,11 @@ class RunningBatch(Protocol):
 
 class BatchPool(Protocol):
     """What callers need of a pool that runs batches (see ``RolloutPool.run_batch``)."""
+
+    @property
+    def admission(self) -> Admission:
+        """Its admission (a Ray cluster's one, on Ray): ``state()`` gives the gauges."""
+        ...
 
     def forget(self, batch_id: str) -> None:
         """Let a finished batch go (a long-lived caller's; unknown ids are ignored)."""

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 from pydantic import SecretStr
 
-from fleetroll.admission import AdmissionController
+from fleetroll.admission import Admission
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
 from fleetroll.policy_gate import PolicyGate
@@ -34,7 +34,7 @@ class RolloutEngine:
         settings: Settings,
         provider: Provider,
         events: Events,
-        admission: AdmissionController | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.settings = settings
         self.provider = provider
@@ -58,7 +58,7 @@ class RolloutEngine:
         settings: Settings,
         events: Events,
         provider: Provider,
-        admission: AdmissionController | None = None,
+        admission: Admission | None = None,
     ) -> AsyncIterator[RolloutEngine]:
         """An engine over ``provider``, which it closes on exit."""
         try:

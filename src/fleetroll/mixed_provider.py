@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 
-from fleetroll.admission import AdmissionController
+from fleetroll.admission import Admission
 from fleetroll.environments import Instance, Provider, Verdict
 from fleetroll.mcp_provider import McpHandle, McpProvider
 from fleetroll.provisioning import CreateGate, FleetProvider
@@ -40,7 +40,7 @@ class MixedProvider:
         api_key: str,
         base_url: str | None = None,
         create_gate: CreateGate | None = None,
-        admission: AdmissionController | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._settings = settings
         self._events = events

@@ -50,7 +50,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from fleetroll._serving import exit_transparently
-from fleetroll.admission import AdmissionController
+from fleetroll.admission import Admission, AdmissionController
 from fleetroll.batch import (
     Batch,
     BatchCounts,
@@ -106,6 +106,7 @@ class RolloutPool:
         events: Events | None = None,
         create_gate: CreateGate | None = None,
         provider: Provider | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.settings = settings
         self._provider = provider
@@ -123,8 +124,9 @@ class RolloutPool:
             concurrency + settings.provisioning.max_concurrent_creates
         )
         #: Instance caps, Fleet's account limit, per-environment breakers (and
-        #: the create limits, unless ``create_gate`` holds them cluster-wide).
-        self.admission = AdmissionController(settings, self.events)
+        #: the create limits, unless ``create_gate`` holds them): this pool's
+        #: own, or ``admission`` (a Ray cluster's, :mod:`fleetroll.ray_admission`).
+        self.admission: Admission = admission or AdmissionController(settings, self.events)
         #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
         self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
 

@@ -42,7 +42,7 @@ from fleet._async.client import AsyncEnv
 from fleet.runner_auth import RunnerTokenProvider
 
 import fleetroll.retrying as retrying
-from fleetroll.admission import AdmissionController, CreateSlots, Ticket, TokenBucket
+from fleetroll.admission import Admission, CreateSlots, Ticket, TokenBucket
 from fleetroll.environments import Instance, Verdict
 from fleetroll.errors import EnvUnavailableError, ProvisionError
 from fleetroll.fleet_control import (
@@ -107,7 +107,7 @@ class FleetProvider:
         api_key: str,
         base_url: str | None = None,
         create_gate: CreateGate | None = None,
-        admission: AdmissionController | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._settings = settings
         self._events = events

@@ -1,9 +1,9 @@
 """The actors of :class:`~fleetroll.ray_pool.RayRolloutPool`, and what they run on.
 
-* :class:`CreateLimiter`: Fleet's create limits (concurrency and rate) for
-  the whole cluster, since they are per account (the rate is
-  :mod:`fleetroll.admission`'s token bucket; instance caps and breakers are
-  each actor's pool's own ``RolloutPool.admission``);
+* :class:`~fleetroll.ray_admission.AdmissionHost` (the limiter): the
+  cluster's one admission controller (create limits, instance caps, Fleet's
+  account limit, circuit breakers), which every actor's pools use through a
+  :class:`~fleetroll.ray_admission.RemoteAdmission`;
 * :class:`RolloutWorker`: runs shards of batches, one
   :class:`~fleetroll.pool.RolloutPool` per shard, and keeps what the driver
   takes from it (results, telemetry events stamped with the actor's
@@ -14,16 +14,14 @@ The classes are plain here; the pool makes them Ray actors when it opens.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
 
-from fleetroll.admission import TokenBucket
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
 from fleetroll.pool import Batch, RolloutPool
+from fleetroll.ray_admission import RemoteAdmission
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutView
 from fleetroll.rollout_events import EventPage
@@ -31,7 +29,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events
 
-__all__ = ["CreateLimiter", "RolloutWorker", "holder", "load_ray"]
+__all__ = ["RolloutWorker", "holder", "load_ray"]
 
 
 def load_ray() -> Any:
@@ -45,80 +43,6 @@ def load_ray() -> Any:
     except ImportError:
         raise ConfigError("Ray is not installed: pip install 'fleetroll[ray]'") from None
     return ray
-
-
-class CreateLimiter:
-    """Cluster-wide admission for creates: a semaphore and a token bucket."""
-
-    def __init__(self, max_concurrent: int, per_second: float) -> None:
-        self._max = max_concurrent
-        self._per_second = per_second
-        self._bucket: TokenBucket | None = None  # made on the actor's event loop
-        self._held: dict[str, int] = {}
-        self._dead: set[str] = set()
-        self._in_use = 0
-        self._changed: anyio.Event | None = None
-        self.peak = 0
-
-    async def acquire(self, holder: str) -> None:
-        while self._in_use >= self._max and holder not in self._dead:
-            self._changed = self._changed or anyio.Event()
-            await self._changed.wait()
-        if holder in self._dead:
-            # A call sent before its worker died: it must not take a slot that
-            # nobody will ever give back.
-            raise RuntimeError(f"{holder} is gone")
-        self._in_use += 1
-        self.peak = max(self.peak, self._in_use)
-        self._held[holder] = self._held.get(holder, 0) + 1
-        if self._bucket is None:
-            self._bucket = TokenBucket(self._per_second, burst=self._max)
-        await self._bucket.acquire()
-
-    def _free(self, count: int) -> None:
-        self._in_use -= count
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
-
-    async def release(self, holder: str) -> None:
-        if self._held.get(holder, 0) > 0:
-            self._held[holder] -= 1
-            self._free(1)
-
-    async def release_all(self, holder: str) -> int:
-        """Free every slot a dead holder still had, and refuse it any more."""
-        self._dead.add(holder)
-        count = self._held.pop(holder, 0)
-        self._free(count)
-        if self._changed is not None:  # wake its pending calls, so they fail
-            self._changed.set()
-            self._changed = None
-        return count
-
-    async def stats(self) -> dict[str, int]:
-        return {"in_use": self._in_use, "peak": self.peak}
-
-
-class _RemoteGate:
-    """A :class:`~fleetroll.provisioning.CreateGate` backed by the limiter actor."""
-
-    def __init__(self, limiter: Any, holder: str, release_s: float) -> None:
-        self._limiter = limiter
-        self._holder = holder
-        self._release_s = release_s  # timeouts.ray_call_s: the limiter answers at once
-
-    def slot(self) -> AbstractAsyncContextManager[None]:
-        return self._slot()
-
-    @asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        await self._limiter.acquire.remote(self._holder)
-        try:
-            yield
-        finally:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._release_s):
-                await self._limiter.release.remote(self._holder)
 
 
 class _Buffer:
@@ -148,9 +72,10 @@ class RolloutWorker:
         self._settings = settings
         self._api_key = api_key
         self._base_url = base_url
-        self._limiter = limiter
         self._index = index
         self._worker_id = holder(index)
+        #: The cluster's admission, shared by every shard's pool on this actor.
+        self._admission = RemoteAdmission(limiter, self._worker_id, settings.timeouts.ray_call_s)
         self._buffers: dict[str, _Buffer] = {}
         self._cancel: dict[str, anyio.Event] = {}
         #: Each shard's batch, for views, until the driver has its every result.
@@ -174,9 +99,7 @@ class RolloutWorker:
                 api_key=self._api_key,
                 base_url=self._base_url,
                 events=Events([buffer]),
-                create_gate=_RemoteGate(
-                    self._limiter, self._worker_id, self._settings.timeouts.ray_call_s
-                ),
+                admission=self._admission,
             )
             async with pool, anyio.create_task_group() as tg:
                 batch = pool.run_batch(

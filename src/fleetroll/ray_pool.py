@@ -9,8 +9,10 @@
 The same interface and guarantees as :class:`~fleetroll.pool.RolloutPool`:
 
 * exactly one result per rollout, with the same deterministic ids;
-* creates limited cluster-wide (Fleet's limits are per account) by a small
-  limiter actor; active rollouts are limited per actor;
+* admission cluster-wide, in a small limiter actor holding the cluster's one
+  :class:`~fleetroll.admission.AdmissionController` (:mod:`fleetroll.ray_admission`):
+  creates, instance caps, Fleet's account limit (all per account) and each
+  environment's circuit breaker; active rollouts are limited per actor;
 * cancellation reaches every actor;
 * an actor that dies has its unfinished rollouts re-run on a healthy actor,
   and the instances it held are released (each shard has its own Fleet
@@ -52,7 +54,8 @@ from fleetroll.pool import (
 )
 from fleetroll.progress import RolloutIds
 from fleetroll.provisioning import FleetProvider
-from fleetroll.ray_actors import CreateLimiter, RolloutWorker, holder, load_ray
+from fleetroll.ray_actors import RolloutWorker, holder, load_ray
+from fleetroll.ray_admission import AdmissionHost, RemoteAdmission
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase, RolloutView
 from fleetroll.rollout_events import EventPage, ended_page
@@ -265,6 +268,7 @@ class RayRolloutPool:
         self.workers: list[Any] = []
         self.alive: list[bool] = []
         self.limiter: Any = None
+        self._admission: RemoteAdmission | None = None
         self._tg: TaskGroup | None = None
         self._stack = AsyncExitStack()
         self._provider: FleetProvider | None = None
@@ -286,10 +290,11 @@ class RayRolloutPool:
                 )
                 self._started_ray = True
                 stack.callback(ray.shutdown)
-            p = self.settings.provisioning
-            limiter_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(CreateLimiter)
+            limiter_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(AdmissionHost)
             worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(RolloutWorker)
-            self.limiter = limiter_cls.remote(p.max_concurrent_creates, p.creates_per_second)
+            self.limiter = limiter_cls.remote(self.settings)
+            call_s = self.settings.timeouts.ray_call_s
+            self._admission = RemoteAdmission(self.limiter, "driver", call_s)
             for n in range(self._num_actors):
                 self.workers.append(
                     worker_cls.remote(self.settings, self._api_key, self._base_url, self.limiter, n)
@@ -303,6 +308,8 @@ class RayRolloutPool:
                 self.settings, self.events, api_key=self._api_key, base_url=self._base_url
             )
             stack.push_async_callback(self._provider.aclose)
+            # Entered before the batches' task group: its last look runs after them.
+            await stack.enter_async_context(self._admission.followed(self.events))
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             self._stack = stack.pop_all()
         return self
@@ -314,6 +321,18 @@ class RayRolloutPool:
         tb: TracebackType | None,
     ) -> None:
         await exit_transparently(self._stack, exc_type, exc, tb)
+
+    @property
+    def admission(self) -> RemoteAdmission:
+        """The cluster's admission (the limiter actor's): ``state()`` is its gauges
+        (as :attr:`RolloutPool.admission`'s), current within a fraction of a second.
+
+        Raises:
+            RuntimeError: the pool is not open.
+        """
+        if self._admission is None:
+            raise RuntimeError("the pool is not open: use `async with RayRolloutPool(...)`")
+        return self._admission
 
     def _kill_actors(self) -> None:
         ray = load_ray()
@@ -478,7 +497,8 @@ class RayRolloutPool:
             shard_id=shard.shard_id,
         )
         with anyio.CancelScope(shield=True):
-            await self.limiter.release_all.remote(holder(shard.worker))
+            with anyio.move_on_after(self.settings.timeouts.ray_call_s):
+                await self.limiter.release_all.remote(holder(shard.worker))
             await self._provider_sweep(shard.shard_id)
         missing = [rid for rid in shard.ids if rid not in batch.delivered]
         live = [n for n, ok in enumerate(self.alive) if ok]

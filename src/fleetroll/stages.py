@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from fleetroll.admission import AdmissionController
+from fleetroll.admission import Admission
 from fleetroll.environments import Instance, Provider
 from fleetroll.errors import (
     ContextOverflowError,
@@ -64,7 +64,7 @@ class RolloutContext(Protocol):
     events: Events
     redactor: Redactor
     policy_gate: PolicyGate
-    admission: AdmissionController | None
+    admission: Admission | None
 
 
 @dataclass(frozen=True, slots=True)

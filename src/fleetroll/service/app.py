@@ -387,7 +387,7 @@ def _routes(service: Service) -> list[Route]:
             in_flight=service.batches.in_flight(),
             sessions_open=service.sessions.open_count,
             batches=batches,
-            admission=service.pool.admission.state(),
+            admission=service.batch_pool.admission.state(),
         )
         return Response(text, media_type=CONTENT_TYPE)
 
@@ -578,7 +578,7 @@ def create_app(service: Service) -> ASGIApp:
         query_timeout_s=s.service.query_timeout_s,
         limiter=service._queries,
         panels=dashboard_panels(s),
-        gauges=lambda: asdict(service.pool.admission.state()),
+        gauges=lambda: asdict(service.batch_pool.admission.state()),
         token=s.service_token,
     )
     routes = Starlette(routes=[*_routes(service), *dashboard], lifespan=lifespan)

@@ -95,6 +95,8 @@ class RolloutPool:
     ``provider`` replaces Fleet (the emulator's or the real one) with another
     :class:`~fleetroll.environments.Provider` (tests use the in-memory
     :class:`~fleetroll.testing.fake_provider.FakeProvider`); the pool closes it.
+    ``admission`` replaces the pool's own admission controller (a Ray actor's
+    pools share the cluster's: :mod:`fleetroll.ray_admission`).
     """
 
     def __init__(

@@ -3,9 +3,8 @@ process: the instance cap and the circuit breakers hold across actors."""
 
 from __future__ import annotations
 
-import os
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -30,14 +29,6 @@ LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS
 DESKTOP = load_tasks(config_dir() / "tasks" / "desktop.jsonl", modalities=SETTINGS.modalities)
 #: Fleet's account limit in the emulator, and the cluster's instance cap.
 LIMIT = 5
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")

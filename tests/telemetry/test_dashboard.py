@@ -418,9 +418,10 @@ async def test_the_screenshot_shows_charts_drawn_in_colour(
     with Image.open(shot) as image:
         assert image.size == WINDOW
         rgb = image.convert("RGB")
-    # The chart area (below the header and the headline numbers): several distinct
+    # The chart area (below the header and the headline numbers, to the window's
+    # end: the training-run panels moved the failure bars down): several distinct
     # saturated colours (series, bars, failure reasons), not a blank or grey page.
-    charts = rgb.crop((0, 200, WINDOW[0], 1300)).quantize(colors=64).convert("RGB")
+    charts = rgb.crop((0, 200, WINDOW[0], WINDOW[1])).quantize(colors=64).convert("RGB")
     colours = charts.getcolors(64) or []
     saturated = [c for n, c in colours if n > 150 and max(c) - min(c) > 60 and max(c) > 90]
     assert len(saturated) >= 5, f"too few chart colours: {saturated}"

@@ -116,7 +116,8 @@ async def test_killing_an_actor_mid_batch_still_yields_every_result_once(local_r
     ids = Counter(r.rollout_id for r in results)
     assert len(ids) == 25 * SAMPLES and set(ids.values()) == {1}
     assert pool.alive == [True, False, True]
-    assert sum(r.reward == 1.0 for r in results) == 25 * SAMPLES  # the lost ones were re-run
+    unscored = [(r.rollout_id, r.failure_reason, r.error) for r in results if r.reward != 1.0]
+    assert unscored == []  # the lost ones were re-run
     assert ledger["running"] == 0
     assert sink.named("fleet_worker_lost")
     assert_pairs(sink)

@@ -40,11 +40,28 @@ __all__ = ["Verifier", "verifier_signature"]
 
 #: CPython 3.11's parser keeps some state per interpreter, not per thread:
 #: two threads parsing at once can fail ("AST constructor recursion depth
-#: mismatch"). Parsing here is rare (once per verifier content), so serialise it.
-_PARSE_LOCK = threading.Lock()
+#: mismatch", CPython gh-106905). Parsing here is rare (once per verifier
+#: content), so it is serialised for the whole process, the SDK's own parsing
+#: of a bundle included (every pool and Ray shard has its own worker thread).
+_PARSE_LOCK = threading.RLock()
+#: Parses of one verifier: a parse in another thread that takes no lock (a
+#: traceback being formatted, which parses its source line) can still meet
+#: ours; that failure is transient, so the parse is tried again.
+_PARSE_TRIES = 3
 
 #: Verifiers remembered (by content) per engine; the oldest is forgotten first.
 _CACHE_MAX = 1024
+
+
+def _parse(code: str) -> ast.Module:
+    with _PARSE_LOCK:
+        for tries_left in reversed(range(_PARSE_TRIES)):
+            try:
+                return ast.parse(code, filename="<verifier_func>")
+            except SystemError:  # gh-106905: another thread's parse met ours
+                if not tries_left:
+                    raise
+    raise AssertionError("unreachable")
 
 
 def verifier_signature(code: str) -> tuple[str, bool]:
@@ -58,8 +75,7 @@ def verifier_signature(code: str) -> tuple[str, bool]:
             for Python's parser), or defines no function.
     """
     try:
-        with _PARSE_LOCK:
-            tree = ast.parse(code, filename="<verifier_func>")
+        tree = _parse(code)
     except SyntaxError as exc:
         at = f" at line {exc.lineno}" if exc.lineno else ""
         raise ValueError(f"the verifier is not valid Python: {exc.msg}{at}") from None
@@ -126,6 +142,11 @@ class _Compiled:
 
 def _compile(code: str, sha256: str) -> _Compiled:
     """Parse ``code`` (blocking) and wrap it for the SDK's remote execution."""
+    with _PARSE_LOCK:  # the SDK's verifier object may parse too
+        return _compile_locked(code, sha256)
+
+
+def _compile_locked(code: str, sha256: str) -> _Compiled:
     try:
         name, takes_answer = verifier_signature(code)
     except ValueError as exc:

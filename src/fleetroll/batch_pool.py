@@ -114,13 +114,13 @@ async def open_batch_pool(
     events: Events,
     *,
     ray_address: str | None = None,
-    ray_actors: int = 2,
+    ray_actors: int | None = None,
 ) -> tuple[BatchPool, str]:
     """The pool to run batches on, entered on ``stack``, and where it runs (for humans).
 
     Without ``ray_address``, a :class:`RolloutPool` in this process; with it, a
-    :class:`~fleetroll.ray_pool.RayRolloutPool` of ``ray_actors`` actors on a
-    local Ray (``"local"``) or on the cluster at ``ray_address``.
+    :class:`~fleetroll.ray_pool.RayRolloutPool` of ``ray_actors`` actors (None:
+    one per CPU) on a local Ray (``"local"``) or on the cluster at ``ray_address``.
 
     Raises:
         ConfigError: Ray is asked for but not installed, or with pool.oversample.
@@ -138,7 +138,7 @@ async def open_batch_pool(
         )
     from fleetroll.ray_pool import RayRolloutPool
 
-    pool = await stack.enter_async_context(
+    on_ray = await stack.enter_async_context(
         RayRolloutPool(
             settings,
             api_key=fleet.api_key,
@@ -148,4 +148,4 @@ async def open_batch_pool(
             address=None if ray_address == "local" else ray_address,
         )
     )
-    return pool, f"{fleet.description} over {ray_actors} Ray actors"
+    return on_ray, f"{fleet.description} over {on_ray.num_actors} Ray actors"

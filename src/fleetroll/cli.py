@@ -286,7 +286,7 @@ def run(
     resume: bool,
     no_preflight: bool,
     ray_address: str | None,
-    ray_actors: int,
+    ray_actors: int | None,
     config_file: Path | None,
 ) -> None:
     """Run every task in TASKS (files: JSON Lines or a JSON array; or folders) and report.

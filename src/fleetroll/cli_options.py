@@ -25,9 +25,8 @@ def ray_options(command: F) -> F:
     command = click.option(
         "--ray-actors",
         type=click.IntRange(min=1),
-        default=2,
-        show_default=True,
-        help="Ray actors, each running its own pool (with --ray).",
+        default=None,
+        help="Ray actors, each running its own pool (with --ray) [default: one per CPU].",
     )(command)
     return click.option(
         "--ray",

@@ -30,6 +30,7 @@ Ray is optional: ``pip install 'fleetroll[ray]'``.
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, suppress
@@ -236,12 +237,27 @@ class RayBatch(ResultStream):
             await cancel()
 
 
+def default_num_actors() -> int:
+    """One actor per CPU this process may use: the default on one machine.
+
+    Each actor is a process with its own event loop, so actors scale a
+    CPU-bound batch up to the cores there are, and no further
+    (benchmarks/RESULTS.md, "Ray on one machine").
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
 class RayRolloutPool:
     """A RolloutPool spread over Ray actors. An async context manager.
 
     Args:
         num_actors: actors to create; each runs its own RolloutPool with
-            ``pool.concurrency`` active rollouts.
+            ``pool.concurrency`` active rollouts. None: one per CPU
+            (:func:`default_num_actors` on a local Ray, the cluster's CPUs
+            when joining one at ``address``).
         address: a Ray cluster to join (default: join the one this process
             is in, or start a local one).
     """
@@ -252,11 +268,11 @@ class RayRolloutPool:
         *,
         api_key: str,
         base_url: str | None = None,
-        num_actors: int = 2,
+        num_actors: int | None = None,
         address: str | None = None,
         events: Events | None = None,
     ) -> None:
-        if num_actors < 1:
+        if num_actors is not None and num_actors < 1:
             raise ValueError("num_actors must be at least 1")
         self.settings = settings
         self.events = events or Events()
@@ -290,6 +306,11 @@ class RayRolloutPool:
                 )
                 self._started_ray = True
                 stack.callback(ray.shutdown)
+            if self._num_actors is None:
+                # A cluster we joined: its CPUs; a Ray we started here: ours.
+                joined = not self._started_ray
+                cpus = int(ray.cluster_resources().get("CPU", 0)) if joined else 0
+                self._num_actors = cpus or default_num_actors()
             limiter_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(AdmissionHost)
             worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(RolloutWorker)
             self.limiter = limiter_cls.remote(self.settings)
@@ -333,6 +354,11 @@ class RayRolloutPool:
         if self._admission is None:
             raise RuntimeError("the pool is not open: use `async with RayRolloutPool(...)`")
         return self._admission
+
+    @property
+    def num_actors(self) -> int:
+        """The actors this pool runs (known once it has started)."""
+        return len(self.workers) or self._num_actors or default_num_actors()
 
     def _kill_actors(self) -> None:
         ray = load_ray()

@@ -80,7 +80,7 @@ async def run_job(
     console: Console | None = None,
     batch_id: str | None = None,
     ray_address: str | None = None,
-    ray_actors: int = 2,
+    ray_actors: int | None = None,
     signals: AsyncIterator[int] | None = None,
     preflight: bool = True,
 ) -> JobReport:

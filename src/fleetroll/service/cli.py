@@ -51,7 +51,7 @@ def serve(
     config_file: Path | None,
     profile: str | None,
     ray_address: str | None,
-    ray_actors: int,
+    ray_actors: int | None,
 ) -> None:
     """Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.
 
@@ -83,7 +83,7 @@ async def _serve(
     port: int,
     profile: str | None,
     ray_address: str | None,
-    ray_actors: int,
+    ray_actors: int | None,
 ) -> None:
     from fleetroll.batch_pool import BatchPool, open_batch_pool
     from fleetroll.pool import RolloutPool

@@ -125,3 +125,19 @@ def test_an_unknown_baseline_is_a_usage_error(tmp_path: Path) -> None:
     done = bench("--baselines", "ray", cwd=tmp_path)
     assert done.returncode == 2
     assert "unknown baseline(s) ray" in done.stderr
+
+
+def test_the_cpu_floor_runs_when_asked_for_and_its_cpu_per_rollout_is_in_the_table(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "bench"
+    args = ("--scenario", "smoke", "--rollouts", "2", "--baselines", "cpu-floor", "--no-plot")
+    done = bench(*args, "--out", str(out), cwd=tmp_path, timeout=110)
+    assert done.returncode == 0, done.stderr
+    report = ScenarioReport.model_validate(json.loads((out / "smoke.json").read_text()))
+    assert [r.system for r in report.runs] == ["fleetroll", "cpu-floor"]
+    floor = report.runs[1]
+    assert floor.scored == 2 and floor.leaked == 0 and floor.cpu_ms_per_rollout > 0
+    markdown = (out / "smoke.md").read_text()
+    assert "| CPU ms / rollout | emulator CPU ms / rollout |" in markdown
+    assert "| cpu-floor | 8 | 2 / 2 | 2 |" in markdown

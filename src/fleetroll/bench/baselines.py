@@ -9,6 +9,10 @@ SDK (``fleet-python``) and MCP client (``mcp``) fleetroll uses.
     did (5 attempts, 2 s * 2^n backoff, on top of the SDK's own transport
     retries), the instance released shielded and bounded.
 
+``cpu-floor`` (:mod:`fleetroll.bench.cpu_floor`)
+    fleetroll's requests written by hand over one keep-alive connection per
+    rollout: the CPU floor. Only when asked for (``--baselines cpu-floor``).
+
 ``naive-gather``
     The loop a user writes by hand: ``asyncio.gather`` over every rollout,
     each doing ``AsyncFleet.make`` (SDK defaults: its transport retries on),
@@ -35,6 +39,7 @@ from fleet import AsyncFleet
 from fleet import Task as FleetTask
 from mcp import Client
 
+from fleetroll.bench.cpu_floor import run_cpu_floor
 from fleetroll.bench.records import Sample
 from fleetroll.bench.systems import Outcome, RunContext
 from fleetroll.policies import Policy, ToolSpec
@@ -284,4 +289,8 @@ def _retrieve(future: asyncio.Future[Any]) -> None:
         future.exception()
 
 
-BASELINE_SYSTEMS = {"fresh-session": run_fresh_session, "naive-gather": run_naive_gather}
+BASELINE_SYSTEMS = {
+    "fresh-session": run_fresh_session,
+    "naive-gather": run_naive_gather,
+    "cpu-floor": run_cpu_floor,
+}

@@ -79,7 +79,7 @@ def _has_matplotlib() -> bool:
     "--baselines",
     callback=_baselines,
     default=None,
-    help="fresh-session,naive-gather (default: the scenario's) or none.",
+    help="fresh-session,naive-gather,cpu-floor (default: the scenario's) or none.",
 )
 @click.option(
     "--discovery-wait",

@@ -31,13 +31,20 @@ def _leaks(run: RunRecord) -> str:
     return f"{run.leaked} ({run.leaked_after_cleanup} after cancelling)"
 
 
+def _emulator_ms(run: RunRecord) -> float | None:
+    if run.emulator_cpu_s is None or not run.requested:
+        return None
+    return run.emulator_cpu_s / run.requested * 1000
+
+
 def _runs_table(runs: list[RunRecord]) -> list[str]:
     lines = [
         "| system | C | returned / requested | scored | makespan s | ideal s | overhead "
         "| rollouts/s | loop lag p99 / max ms | peak RSS MiB | CPU ms / rollout "
+        "| emulator CPU ms / rollout "
         "| fleetroll-process CPU (cores) | emulator CPU (cores) | others' CPU (cores) "
         "| leaked | past deadline + 5 s | finished on its own | provisional |",
-        "|" + "---|" * 18,
+        "|" + "---|" * 19,
     ]
     for r in runs:
         rss = _num(r.peak_rss_mb, 0) + ("" if r.peak_rss_of_run else " (process)")
@@ -46,7 +53,8 @@ def _runs_table(runs: list[RunRecord]) -> list[str]:
             f"| {_num(r.makespan_s)} | {_num(r.ideal_s)} | {_num(r.overhead, 3)} "
             f"| {_num(r.rollouts_per_s)} "
             f"| {_num(r.loop_lag_p99_ms, 1)} / {_num(r.loop_lag_max_ms, 1)} | {rss} "
-            f"| {_num(r.cpu_ms_per_rollout, 1)} | {_num(r.cpu_utilisation)} "
+            f"| {_num(r.cpu_ms_per_rollout, 1)} | {_num(_emulator_ms(r), 1)} "
+            f"| {_num(r.cpu_utilisation)} "
             f"| {_num(r.emulator_cpu_utilisation)} | {_num(r.other_cpu_utilisation)} "
             f"| {_leaks(r)} | {r.past_deadline} | {'yes' if r.finished_on_its_own else 'NO'} "
             f"| {'yes' if r.provisional else 'no'} |"

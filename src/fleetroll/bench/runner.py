@@ -143,8 +143,9 @@ async def run_scenario(
         settings = fleetroll_settings(scenario, concurrency, config_file)
         ideal = _ideal(scenario, settings, n, concurrency)
         systems = [("fleetroll", run_fleetroll)]
-        if "fresh-session" in baselines:
-            systems.append(("fresh-session", BASELINE_SYSTEMS["fresh-session"]))
+        for name in ("fresh-session", "cpu-floor"):
+            if name in baselines:
+                systems.append((name, BASELINE_SYSTEMS[name]))
         for name, system in systems:
             run = await measure_run(
                 name,

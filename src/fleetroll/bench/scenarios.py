@@ -29,8 +29,10 @@ __all__ = [
     "fleetroll_settings",
 ]
 
-#: The baselines ``fleetroll bench`` knows (see :mod:`fleetroll.bench.baselines`).
-BASELINES = ("fresh-session", "naive-gather")
+#: The baselines ``fleetroll bench`` knows (see :mod:`fleetroll.bench.baselines`);
+#: ``cpu-floor`` (:mod:`fleetroll.bench.cpu_floor`) runs only when asked for.
+BASELINES = ("fresh-session", "naive-gather", "cpu-floor")
+_DEFAULT_BASELINES = ("fresh-session", "naive-gather")
 
 #: Tight deadlines for the chaos run (as in ``tests/test_pool.py``): a hung
 #: create, reset or tool call costs seconds, not the shipped minutes.
@@ -91,7 +93,7 @@ class Scenario:
     max_creates: int | None = None
     creates_per_second: float = 100_000.0
     wall_limit_s: float = 600.0
-    baselines: tuple[str, ...] = BASELINES
+    baselines: tuple[str, ...] = _DEFAULT_BASELINES
     discovery_wait_s: float = 8.0
     samples_per_task: int = 8
     screenshot_kb: int = 100

@@ -1,0 +1,57 @@
+"""The cpu-floor baseline against the embedded emulator: fleetroll's requests, its rewards."""
+
+from __future__ import annotations
+
+from fleetroll.bench.cpu_floor import run_cpu_floor
+from fleetroll.bench.scenarios import SCENARIOS, bench_tasks, fleetroll_settings
+from fleetroll.bench.systems import RunContext, run_fleetroll
+from fleetroll.emulator import Emulator
+
+#: Scores the instance's state: the number of accounts (11 in the seed) over 44.
+_PARTIAL = (
+    "def verify(env, final_answer=None):\n"
+    "    rows = env.db('current').query('SELECT COUNT(*) FROM accounts').rows\n"
+    "    return rows[0][0] / 44\n"
+)
+
+
+def context(emulator: Emulator) -> RunContext:
+    scenario = SCENARIOS["smoke"]
+    tasks, samples = bench_tasks(4, 2, samples=2)
+    tasks[1] = tasks[1].model_copy(update={"key": "bench-partial", "verifier_func": _PARTIAL})
+    return RunContext(
+        scenario=scenario,
+        concurrency=4,
+        tasks=tasks,
+        samples_per_task=samples,
+        settings=fleetroll_settings(scenario, 4),
+        base_url=emulator.base_url,
+        api_key=emulator.api_key,
+    )
+
+
+async def test_the_cpu_floor_scores_every_rollout_as_fleetroll_does(emulator: Emulator) -> None:
+    ctx = context(emulator)
+    fleetroll = await run_fleetroll(ctx)
+    floor = await run_cpu_floor(ctx)
+    assert floor.finished_on_its_own and floor.returned == 4
+    assert [s.failure for s in floor.samples] == [None] * 4
+    assert sorted(s.reward for s in floor.samples) == sorted(s.reward for s in fleetroll.samples)
+    assert sorted(s.reward for s in floor.samples) == [0.25, 0.25, 1.0, 1.0]
+
+
+async def test_the_cpu_floor_makes_a_rollouts_requests_and_deletes_its_instances(
+    emulator: Emulator,
+) -> None:
+    ctx = context(emulator)
+    before = emulator.ledger.snapshot()
+    outcome = await run_cpu_floor(ctx)
+    after = emulator.ledger.snapshot()
+    assert outcome.returned == 4
+    # Per rollout: a create, a reset, 2 tool calls, a verifier run, a delete.
+    assert after["created"] - before["created"] == 4
+    assert after["deleted"] - before["deleted"] == 4
+    assert after["resets"] - before["resets"] == 4
+    assert after["tool_calls"] - before["tool_calls"] == 8
+    assert after["verifier_runs"] - before["verifier_runs"] == 4
+    assert after["running"] == before["running"]

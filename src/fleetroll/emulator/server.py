@@ -155,6 +155,10 @@ class Emulator:
                 startup_timeout_s=_STARTUP_TIMEOUT_S,
                 shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S,
                 backlog=4096,
+                # The compiled parser (a dependency); no proxy in front of us,
+                # so no proxy-header middleware on every request either.
+                http="httptools",
+                proxy_headers=False,
             ) as base_url:
                 self.base_url = base_url
                 self.app.base_url = base_url

@@ -48,12 +48,16 @@ def _create_timed_out(max_wait: float) -> JSONResponse:
 
 
 async def _hang(request: Request, seconds: float) -> bool:
-    """Wait ``seconds`` or until the client goes away; True if it went away."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if await request.is_disconnected():
-            return True
-        await anyio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+    """Wait ``seconds`` or until the client goes away; True if it went away.
+
+    Waits on the connection itself (its next ASGI message is the disconnect),
+    not by polling: a poll every 0.25 s cost each 5 s create 20 wake-ups.
+    """
+    with anyio.move_on_after(seconds):
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return True
     return False
 
 

@@ -132,3 +132,20 @@ def test_heartbeats_do_not_pile_up_deadlines(tmp_path: Path) -> None:
             store.heartbeat(inst)
     assert len(store._deadlines) <= 2 * len(beating) + 64 + 1
     store.close()
+
+
+def test_every_instance_and_every_reseed_starts_from_the_seed_not_from_another_instance(
+    tmp_path: Path,
+) -> None:
+    store = InstanceStore(tmp_path, Ledger())
+    first = make(store, ttl_s=None)
+    seeded = first.conn.execute("SELECT name, balance_cents FROM accounts").fetchall()
+    first.conn.execute("UPDATE accounts SET balance_cents = 1")
+    first.conn.execute("INSERT INTO accounts (name, kind, balance_cents) VALUES ('X', 'asset', 2)")
+    second = make(store, ttl_s=None)
+    assert second.conn.execute("SELECT name, balance_cents FROM accounts").fetchall() == seeded
+    store.reseed(first)
+    assert first.conn.execute("SELECT name, balance_cents FROM accounts").fetchall() == seeded
+    # The verifier reads the file, not our connection: the copy is on disk.
+    assert first.db_path.stat().st_size > 0
+    store.close()

@@ -174,6 +174,7 @@ class InstanceStore:
         self._deadlines: list[tuple[float, int, str]] = []  # (when, tiebreak, instance id)
         self._tiebreak = itertools.count()
         self._ended: deque[tuple[float, str]] = deque()  # (when it ended, id), oldest first
+        self._templates: dict[tuple[str, str], sqlite3.Connection] = {}
         #: Called when a deadline earlier than all others appears (the reaper's wake-up).
         self.on_earlier_deadline: Callable[[], None] | None = None
 
@@ -206,9 +207,7 @@ class InstanceStore:
         instance_id = secrets.token_hex(8)
         db_path = self._dir / f"{instance_id}.db"
         conn = open_db(db_path)
-        with conn:  # one transaction for the whole seed
-            conn.execute("BEGIN")
-            env.seed(conn, data_key or env.default_data_key)
+        self._seeded(env, data_key).backup(conn)
         now = time.monotonic()
         inst = Instance(
             instance_id=instance_id,
@@ -231,6 +230,23 @@ class InstanceStore:
         self._ledger.instance_started(env.key)
         self._schedule(inst)
         return inst
+
+    def _seeded(self, env: SampleEnv, data_key: str | None) -> sqlite3.Connection:
+        """An in-memory database seeded for ``(env, data_key)``, made once.
+
+        Instances get a copy, and a reset copies it again (SQLite's backup API
+        copies pages in C): running the seed's SQL for each create and reset
+        cost the emulator ~2.7 ms of CPU per realistic rollout.
+        """
+        key = (env.key, data_key or env.default_data_key)
+        template = self._templates.get(key)
+        if template is None:
+            template = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+            with template:  # one transaction for the whole seed
+                template.execute("BEGIN")
+                env.seed(template, key[1])
+            self._templates[key] = template
+        return template
 
     def heartbeat(self, inst: Instance) -> None:
         inst.last_heartbeat_mono = time.monotonic()
@@ -330,9 +346,7 @@ class InstanceStore:
             self._end(inst, InstanceStatus.ERROR, "died")
 
     def reseed(self, inst: Instance) -> None:
-        with inst.conn:
-            inst.conn.execute("BEGIN")
-            inst.env.reset_db(inst.conn, inst.data_key or inst.env.default_data_key)
+        self._seeded(inst.env, inst.data_key).backup(inst.conn)
         inst.updated_at = _now_iso()
 
     def _end(self, inst: Instance, status: InstanceStatus, how: str) -> None:
@@ -360,6 +374,9 @@ class InstanceStore:
         for inst in self:
             if inst.alive:
                 inst.conn.close()
+        for template in self._templates.values():
+            template.close()
+        self._templates.clear()
         self._instances.clear()
         self._deadlines.clear()
         self._ended.clear()

@@ -245,3 +245,28 @@ def test_the_shipped_profiles_hang_creates_for_less_than_a_minute() -> None:
     for name, profile in profiles.items():
         if profile.p_create_hang:
             assert profile.create_hang_s <= 60, name
+
+
+async def test_a_hanging_tool_call_ends_on_the_emulator_once_its_client_gives_up(sdk) -> None:
+    async with Emulator(FaultProfile(p_tool_hang=1.0, tool_hang_s=3600)) as emu:
+        env = await sdk(emu).make("ledger")
+        # Observes the MCP requests the emulator is still serving (instrumentation only).
+        handle, in_flight, drained = emu.app.mcp.handle, [0], anyio.Event()
+
+        async def watched(*args) -> None:
+            in_flight[0] += 1
+            try:
+                await handle(*args)
+            finally:
+                in_flight[0] -= 1
+                if not in_flight[0] and emu.ledger.tool_calls_by_outcome["hang"]:
+                    drained.set()
+
+        emu.app.mcp.handle = watched
+        async with Client(env.mcp.url) as session:
+            with pytest.raises(MCPError):
+                await session.call_tool("list_accounts", {}, read_timeout_seconds=0.3)
+        # The hour-long hang ends with the client's connection, not in an hour.
+        with anyio.fail_after(10):
+            await drained.wait()
+        await env.close()

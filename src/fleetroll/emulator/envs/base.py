@@ -19,6 +19,8 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 if TYPE_CHECKING:
+    from starlette.requests import Request
+
     from fleetroll.emulator.computer import Screen
     from fleetroll.emulator.faults import FaultInjector
     from fleetroll.emulator.instances import Instance, InstanceStore
@@ -39,6 +41,23 @@ def create_schema(conn: sqlite3.Connection, schema: str) -> None:
     for statement in schema.split(";"):
         if statement.strip():
             conn.execute(statement)
+
+
+async def _hang(request: Request | None, seconds: float) -> bool:
+    """Wait ``seconds``, or until the client that sent ``request`` goes away (True).
+
+    The MCP servers answer JSON (``json_response``), so no task of the SDK
+    watches for the client leaving: without this, a hung call the client
+    gave up on would stay in the emulator for all of ``seconds``.
+    """
+    with anyio.move_on_after(seconds):
+        if request is None:
+            await anyio.sleep(seconds)
+            return False
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        return True
+    return False
 
 
 class SampleEnv(abc.ABC):
@@ -113,7 +132,8 @@ class ToolGate:
             await anyio.sleep(latency)
         if faults.chance(faults.profile.p_tool_hang):
             self._ledger.tool_called("hang")
-            await anyio.sleep(faults.profile.tool_hang_s)
+            if await _hang(request, faults.profile.tool_hang_s):
+                raise ToolError("the client went away")
         if faults.chance(faults.profile.p_tool_error):
             self._ledger.tool_called("injected_error")
             raise ToolError("internal error in the environment (injected fault)")

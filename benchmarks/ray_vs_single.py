@@ -1,6 +1,6 @@
 """Single process against Ray: the same batch through RolloutPool and RayRolloutPool.
 
-    python benchmarks/ray_vs_single.py [--rollouts 1000] [--concurrency 250] [--actors 2 4]
+    python benchmarks/ray_vs_single.py [--rollouts 1000] [--concurrency 250] [--actors 1 2]
 
 One batch of the benchmark's ledger tasks (``fleetroll.bench.scenarios.bench_tasks``:
 ``--steps`` read-only tool calls each, scripted) runs once on a
@@ -19,7 +19,8 @@ cancelled, and says so.
 
 Nothing here asserts: it measures. On this 2-core machine two actors gave
 1.17x (CPU-bound) and 1.24x (realistic latencies) the single process's
-throughput, four no more (benchmarks/RESULTS.md).
+throughput, four no more (benchmarks/RESULTS.md): hence ``--ray``'s default
+of one actor per CPU, and this script's default of 1 and that many.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from fleetroll.emulator import FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool import RolloutPool
-from fleetroll.ray_pool import RayRolloutPool
+from fleetroll.ray_pool import RayRolloutPool, default_num_actors
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
 
@@ -162,7 +163,11 @@ def main() -> None:
         "--concurrency", type=int, default=250, help="active rollouts, all actors together"
     )
     parser.add_argument(
-        "--actors", type=int, nargs="*", default=[2, 4], help="Ray actor counts to run"
+        "--actors",
+        type=int,
+        nargs="*",
+        default=None,
+        help="Ray actor counts to run [default: 1 and one per CPU, --ray's default]",
     )
     parser.add_argument("--create-s", type=float, default=0.5, help="emulator create latency")
     parser.add_argument("--tool-s", type=float, default=0.05, help="emulator tool-call latency")
@@ -172,6 +177,8 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the runs as JSON")
     args = parser.parse_args()
+    if args.actors is None:
+        args.actors = sorted({1, default_num_actors()})
     if args.rollouts < 1 or args.concurrency < 1 or any(n < 1 for n in args.actors):
         parser.error("--rollouts, --concurrency and --actors must be at least 1")
 

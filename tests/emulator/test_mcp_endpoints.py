@@ -99,3 +99,21 @@ async def test_instances_do_not_share_state(sdk) -> None:
         assert missing.is_error
         await a.close()
         await b.close()
+
+
+def test_the_emulators_mcp_servers_run_without_the_sdks_tracing_middleware(tmp_path) -> None:
+    # No tracer is configured in the emulator: the SDK's middleware only cost CPU.
+    from mcp.server._otel import OpenTelemetryMiddleware
+
+    from fleetroll.emulator.envs import default_envs
+    from fleetroll.emulator.faults import FaultInjector, FaultProfile
+    from fleetroll.emulator.instances import InstanceStore
+    from fleetroll.emulator.ledger import Ledger
+    from fleetroll.emulator.mcp_routing import McpRouter
+
+    ledger = Ledger()
+    store = InstanceStore(tmp_path, ledger)
+    router = McpRouter(default_envs(), store, FaultInjector(FaultProfile()), ledger)
+    middleware = [m for server in router._servers for m in server.middleware]
+    assert middleware  # the SDK's own RequestStateBoundary stays
+    assert not [m for m in middleware if isinstance(m, OpenTelemetryMiddleware)]

@@ -58,6 +58,8 @@ class McpRouter:
             aggregator = MCPServer(f"{env.key}-aggregator", instructions=env.description)
             env.register_tools(aggregator, gate)
             register_computer_tool(aggregator, gate, env.screen())
+            for server in (api, aggregator):
+                _without_tracing(server)
             pairs: tuple[tuple[Endpoint, MCPServer], ...] = (
                 ("api", api),
                 ("aggregator", aggregator),
@@ -146,6 +148,14 @@ class McpRouter:
         response = JSONResponse({"jsonrpc": "2.0", "id": message.get("id"), "error": error})
         await response(scope, receive, send)
         return True
+
+
+def _without_tracing(server: MCPServer) -> None:
+    """Drop the SDK's OpenTelemetry middleware: the emulator configures no
+    tracer, so it opened and closed a no-op span around every request."""
+    server.middleware[:] = [
+        m for m in server.middleware if type(m).__name__ != "OpenTelemetryMiddleware"
+    ]
 
 
 async def _body(receive: Receive) -> bytes:

@@ -18,10 +18,10 @@ A verifier that cannot run gives ``reward=None`` and an error, never 0.
 
 from __future__ import annotations
 
-import ast
 import hashlib
+import inspect
 import math
-import threading
+import types
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -38,44 +38,29 @@ from fleetroll.tasks import TaskSpec
 
 __all__ = ["Verifier", "verifier_signature"]
 
-#: CPython 3.11's parser keeps some state per interpreter, not per thread:
-#: two threads parsing at once can fail ("AST constructor recursion depth
-#: mismatch", CPython gh-106905). Parsing here is rare (once per verifier
-#: content), so it is serialised for the whole process, the SDK's own parsing
-#: of a bundle included (every pool and Ray shard has its own worker thread).
-_PARSE_LOCK = threading.RLock()
-#: Parses of one verifier: a parse in another thread that takes no lock (a
-#: traceback being formatted, which parses its source line) can still meet
-#: ours; that failure is transient, so the parse is tried again.
-_PARSE_TRIES = 3
-
 #: Verifiers remembered (by content) per engine; the oldest is forgotten first.
 _CACHE_MAX = 1024
-
-
-def _parse(code: str) -> ast.Module:
-    with _PARSE_LOCK:
-        for tries_left in reversed(range(_PARSE_TRIES)):
-            try:
-                return ast.parse(code, filename="<verifier_func>")
-            except SystemError:  # gh-106905: another thread's parse met ours
-                if not tries_left:
-                    raise
-    raise AssertionError("unreachable")
 
 
 def verifier_signature(code: str) -> tuple[str, bool]:
     """The verifier function's name, and whether it takes ``final_answer``.
 
     The first top-level function is the verifier (as Fleet's runner takes it).
-    Blocking (it parses): call it from a worker thread for anything large.
+    Blocking (it compiles): call it from a worker thread for anything large.
+
+    The code is compiled, never turned into :mod:`ast` objects: CPython 3.11
+    keeps the state of its AST constructor per interpreter, not per thread
+    (gh-106905), so an ``ast.parse`` on a worker thread failed now and then
+    with "AST constructor recursion depth mismatch", here or in whatever the
+    event loop was parsing at that moment (a traceback being formatted).
+    Compiling has no such state. Nothing in the code runs.
 
     Raises:
-        ValueError: the code does not parse (including code nested too deeply
+        ValueError: the code does not compile (including code nested too deeply
             for Python's parser), or defines no function.
     """
     try:
-        tree = _parse(code)
+        module = compile(code, "<verifier_func>", "exec", dont_inherit=True)
     except SyntaxError as exc:
         at = f" at line {exc.lineno}" if exc.lineno else ""
         raise ValueError(f"the verifier is not valid Python: {exc.msg}{at}") from None
@@ -86,11 +71,23 @@ def verifier_signature(code: str) -> tuple[str, bool]:
         ) from None
     except ValueError as exc:  # null bytes
         raise ValueError(f"the verifier is not valid Python: {exc}") from None
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-            args = node.args
-            names = {a.arg for a in args.args + args.kwonlyargs}
-            return node.name, "final_answer" in names or args.kwarg is not None
+    lines = code.splitlines()
+    # The module's functions, in the order they are defined: those at the top
+    # level start (their first decorator, or `def`) in the first column; one
+    # under an `if` or a `try` is indented.
+    for const in module.co_consts:
+        if not isinstance(const, types.CodeType) or not const.co_flags & inspect.CO_NEWLOCALS:
+            continue  # a class body, or not code
+        if const.co_name.startswith("<"):  # a lambda or a comprehension
+            continue
+        first = lines[const.co_firstlineno - 1] if const.co_firstlineno <= len(lines) else ""
+        if first[:1].isspace():
+            continue
+        named = const.co_varnames[
+            const.co_posonlyargcount : const.co_argcount + const.co_kwonlyargcount
+        ]
+        keywords = bool(const.co_flags & inspect.CO_VARKEYWORDS)
+        return const.co_name, "final_answer" in named or keywords
     raise ValueError("the verifier code defines no function")
 
 
@@ -141,12 +138,7 @@ class _Compiled:
 
 
 def _compile(code: str, sha256: str) -> _Compiled:
-    """Parse ``code`` (blocking) and wrap it for the SDK's remote execution."""
-    with _PARSE_LOCK:  # the SDK's verifier object may parse too
-        return _compile_locked(code, sha256)
-
-
-def _compile_locked(code: str, sha256: str) -> _Compiled:
+    """Compile ``code`` (blocking) and wrap it for the SDK's remote execution."""
     try:
         name, takes_answer = verifier_signature(code)
     except ValueError as exc:

@@ -332,11 +332,11 @@ async def test_memory_stays_flat_over_hundreds_of_batches_in_one_pool() -> None:
     """A soak: a training controller's pool runs batch after batch for days.
 
     Before, every finished batch stayed in ``pool.batches`` with its
-    transcripts: ~46 KB per ledger rollout, ~11 MiB over these 60 batches
-    (the bound is a tenth of that). Measured with tracemalloc (Python's own
+    transcripts: ~46 KB per ledger rollout, ~5.5 MiB over these 60 batches of
+    two (the bound is under a fifth of that). Measured with tracemalloc (Python's own
     allocations, so the allocator's noise in the resident size does not count).
     """
-    batches, warm_up, samples = 90, 30, 4
+    batches, warm_up, samples = 90, 30, 2
     tracemalloc.start(1)
     try:
         async with EmulatorProcess() as emu, pool_for(emu) as pool:

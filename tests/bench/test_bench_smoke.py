@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fleetroll.bench.records import ScenarioReport
+from fleetroll.bench.scenarios import SCENARIOS
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -44,9 +45,11 @@ def bench(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedPro
 def smoke(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Run:
-    """One smoke run with the default ``--out``, in a folder of its own: the tests read it."""
+    """One smoke run of every system, with the default ``--out``, in a folder of its own:
+    the tests read it."""
     cwd = tmp_path_factory.mktemp("smoke")
-    return cwd, bench("--scenario", "smoke", "--no-plot", cwd=cwd, timeout=110)
+    every = ("--baselines", "fresh-session,naive-gather,cpu-floor")
+    return cwd, bench("--scenario", "smoke", *every, "--no-plot", cwd=cwd, timeout=110)
 
 
 def test_the_smoke_scenario_runs_every_system_and_writes_its_report(
@@ -56,7 +59,8 @@ def test_the_smoke_scenario_runs_every_system_and_writes_its_report(
     assert done.returncode == 0, done.stderr
     out = cwd / ".fleetroll" / "bench"
     report = ScenarioReport.model_validate(json.loads((out / "smoke.json").read_text()))
-    assert [r.system for r in report.runs] == ["fleetroll", "fresh-session", "naive-gather"]
+    systems = ["fleetroll", "fresh-session", "cpu-floor", "naive-gather"]
+    assert [r.system for r in report.runs] == systems
     for run in report.runs:
         assert run.requested == 8
         assert run.returned == 8, run
@@ -127,17 +131,16 @@ def test_an_unknown_baseline_is_a_usage_error(tmp_path: Path) -> None:
     assert "unknown baseline(s) ray" in done.stderr
 
 
-def test_the_cpu_floor_runs_when_asked_for_and_its_cpu_per_rollout_is_in_the_table(
-    tmp_path: Path,
+def test_the_cpu_floor_runs_only_when_asked_for_and_its_cpu_per_rollout_is_in_the_table(
+    smoke: Run,
 ) -> None:
-    out = tmp_path / "bench"
-    args = ("--scenario", "smoke", "--rollouts", "2", "--baselines", "cpu-floor", "--no-plot")
-    done = bench(*args, "--out", str(out), cwd=tmp_path, timeout=110)
+    assert all("cpu-floor" not in scenario.baselines for scenario in SCENARIOS.values())
+    cwd, done = smoke
     assert done.returncode == 0, done.stderr
+    out = cwd / ".fleetroll" / "bench"
     report = ScenarioReport.model_validate(json.loads((out / "smoke.json").read_text()))
-    assert [r.system for r in report.runs] == ["fleetroll", "cpu-floor"]
-    floor = report.runs[1]
-    assert floor.scored == 2 and floor.leaked == 0 and floor.cpu_ms_per_rollout > 0
+    (floor,) = [r for r in report.runs if r.system == "cpu-floor"]
+    assert floor.scored == 8 and floor.leaked == 0 and floor.cpu_ms_per_rollout > 0
     markdown = (out / "smoke.md").read_text()
     assert "| CPU ms / rollout | emulator CPU ms / rollout |" in markdown
-    assert "| cpu-floor | 8 | 2 / 2 | 2 |" in markdown
+    assert "| cpu-floor | 8 | 8 / 8 | 8 |" in markdown

@@ -166,6 +166,28 @@ async def _chunks(stream: Any) -> AsyncIterator[bytes]:
         yield chunk
 
 
+async def _forward(pool: _Pool, request: Any, library: Any, errors: _Errors) -> Any:
+    """Send an httpx or httpx2 ``request`` (``library`` is its module) over ``pool``."""
+    try:
+        data: Any = request.content
+    except library.RequestNotRead:
+        data = _chunks(request.stream)  # a streamed upload
+    response, extensions = await pool.send(
+        request.method,
+        str(request.url),
+        request.headers.multi_items(),
+        data,
+        request.extensions.get("timeout", {}),
+        errors,
+    )
+    return library.Response(
+        status_code=response.status,
+        headers=response.raw_headers,
+        stream=_Body(response, errors),
+        extensions=extensions,
+    )
+
+
 class AiohttpTransport(httpx2.AsyncBaseTransport):
     """httpx2 requests over one aiohttp session (the mcp client's).
 
@@ -181,24 +203,8 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         self._pool = _Pool(verify=verify, keepalive_s=keepalive_s, max_connections=max_connections)
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        try:
-            data: Any = request.content
-        except httpx2.RequestNotRead:
-            data = _chunks(request.stream)  # a streamed upload
-        response, extensions = await self._pool.send(
-            request.method,
-            str(request.url),
-            request.headers.multi_items(),
-            data,
-            request.extensions.get("timeout", {}),
-            _HTTPX2,
-        )
-        return httpx2.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=_Body(response, _HTTPX2),
-            extensions=extensions,
-        )
+        response: httpx2.Response = await _forward(self._pool, request, httpx2, _HTTPX2)
+        return response
 
     async def aclose(self) -> None:
         await self._pool.aclose()
@@ -213,24 +219,8 @@ class SdkAiohttpTransport(httpx.AsyncBaseTransport):
         self._pool = _Pool(verify=verify, keepalive_s=keepalive_s, max_connections=max_connections)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        try:
-            data: Any = request.content
-        except httpx.RequestNotRead:
-            data = _chunks(request.stream)  # a streamed upload
-        response, extensions = await self._pool.send(
-            request.method,
-            str(request.url),
-            request.headers.multi_items(),
-            data,
-            request.extensions.get("timeout", {}),
-            _HTTPX,
-        )
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.raw_headers,
-            stream=_Body(response, _HTTPX),
-            extensions=extensions,
-        )
+        response: httpx.Response = await _forward(self._pool, request, httpx, _HTTPX)
+        return response
 
     async def aclose(self) -> None:
         await self._pool.aclose()

@@ -4,7 +4,7 @@ The verifier's code is sent to Fleet (or the emulator) exactly as the SDK
 sends it (``AsyncVerifierFunction.remote_with_response``: bundle check,
 upload, execute), and it runs there; the bundle check is asked once per
 content per process (:class:`_KnownBundle`). It never runs in this process: the
-function's name is read with ``ast``, not by executing the code (the SDK's
+function's name is read from the compiled code, never by executing it (the SDK's
 ``Task.verify_detailed_async`` would ``exec`` it here to find that name).
 
 Everything cached here is keyed by the verifier's content (the sha256 of its

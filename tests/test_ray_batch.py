@@ -17,6 +17,7 @@ from fleetroll.pool import rollout_id
 from fleetroll.ray_pool import RayBatch, RayRolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import Phase, RolloutIds, RolloutView
+from fleetroll.rollout_events import EventPage, RolloutEvent
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 
@@ -116,6 +117,31 @@ async def test_an_actor_that_does_not_answer_in_time_is_an_operation_timeout(
     with anyio.fail_after(10), pytest.raises(OperationTimeout, match="ray_call_s") as caught:
         await ray_batch.view(RID)
     assert caught.value.rollout_id == RID and caught.value.timeout_s == 0.05
+
+
+class FakeEventsWorker:
+    """A RolloutWorker's handle that answers ``events`` from a list (None: no shard yet)."""
+
+    def __init__(self, answers: list[EventPage | None]) -> None:
+        self.answers = answers
+        self.events = self
+
+    async def remote(self, shard_id: str, rid: str, after: int, wait_s: float) -> Any:
+        return self.answers.pop(0)
+
+
+async def test_a_follower_asking_before_the_actor_opened_the_shard_asks_again_at_once(
+    ray_batch: RayBatch,
+) -> None:
+    # Ray may start `events` on an actor before `run_shard` (whose arguments are
+    # bigger): the actor does not hold the shard yet. Waiting for another placement
+    # there would show a follower nothing until the end (15 s later, with the shipped
+    # heartbeat).
+    first = EventPage((RolloutEvent(1, "phase", 0.0, {"phase": "provisioning"}),), 0, False)
+    ray_batch.place([RID], FakeEventsWorker([None, None, first]), "b-0-abc")
+    with anyio.fail_after(5):
+        pages = [await ray_batch.events(RID, after=0, wait_s=15) for _ in range(3)]
+    assert [p.events for p in pages[:2]] == [(), ()] and pages[2] is first
 
 
 @pytest.mark.parametrize(("config", "argument"), [(0, 2), (3, None)])

@@ -70,6 +70,9 @@ __all__ = ["RayBatch", "RayRolloutPool"]
 #: Not a setting: it trades a cancel's latency against calls per second, and
 #: nothing a user runs changes that trade.
 _TAKE_WAIT_S = 0.5
+#: How soon a follower asks again when a rollout's actor does not hold its shard
+#: yet: the shard opens within a few of these.
+_OPENING_POLL_S = 0.05
 
 
 # -- the driver -----------------------------------------------------------------
@@ -194,6 +197,7 @@ class RayBatch(ResultStream):
         """
         self._rollouts[rollout_id]  # KeyError: not ours
         place = self._where.get(rollout_id)
+        opening = False
         if place is not None:
             worker, shard_id = place
             ray = load_ray()
@@ -212,14 +216,21 @@ class RayBatch(ResultStream):
                 ) from None
             except ray.exceptions.RayActorError:
                 page = None  # its actor died: the rollout runs again elsewhere, or is lost
+            else:
+                opening = page is None
             if page is not None:
                 return page
         result = self._results.get(rollout_id)
         if result is not None:
             return ended_page(after, result)
-        # Not on an actor yet (or again, after its actor died): wait for a placement.
-        with anyio.move_on_after(wait_s):
-            await self._placed.wait()
+        if opening:
+            # Its actor does not hold the shard yet (Ray may start this call before
+            # run_shard, whose arguments are bigger): ask again soon, not after wait_s.
+            await anyio.sleep(min(wait_s, _OPENING_POLL_S))
+        else:
+            # Not on an actor yet (or again, after its actor died): wait for a placement.
+            with anyio.move_on_after(wait_s):
+                await self._placed.wait()
         return EventPage((), missed=0, ended=False)
 
     def cancel(self) -> None:

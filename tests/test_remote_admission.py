@@ -182,3 +182,38 @@ async def test_the_breaker_opens_once_for_the_cluster_and_its_event_is_emitted_o
     assert (event.attributes["env_key"], event.attributes["env_version"]) == ("desktop", "v1")
     assert driver.state().open_breakers == 1
     assert not healthy.released
+
+
+class _Unreadable:
+    """An AdmissionHost whose ``follow`` times out ``failures`` times, then answers."""
+
+    def __init__(self, host: AdmissionHost, failures: int) -> None:
+        self._host = host
+        self.failures = failures
+        self.answered = anyio.Event()
+
+    async def follow(self, wait_s: float) -> Any:
+        if self.failures:
+            self.failures -= 1
+            raise TimeoutError
+        answer = await self._host.follow(0)
+        self.answered.set()
+        return answer
+
+
+async def test_a_limiter_that_cannot_be_read_is_logged_once_per_streak(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with cluster(max_instances=3) as (host, handle):
+        await proxy(handle, "worker-0").acquire("ledger:v1")  # one place taken
+        flaky = _Unreadable(host, failures=20)
+        async with anyio.create_task_group() as tg:
+            driver = proxy(InProcess(flaky, tg), "d")
+            with anyio.fail_after(10), caplog.at_level("WARNING", "fleetroll.ray_admission"):
+                async with driver.followed(Events()):
+                    await flaky.answered.wait()
+            tg.cancel_scope.cancel()
+    logged = [r.getMessage() for r in caplog.records]
+    assert len(logged) == 2 and "could not read the cluster's admission state" in logged[0]
+    assert logged[1] == "the cluster's admission state can be read again"
+    assert flaky.failures == 0 and driver.state().in_use == 1

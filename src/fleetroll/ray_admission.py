@@ -232,6 +232,8 @@ class RemoteAdmission:
         #: The request id each admitted ticket is known by in the host.
         self._ids: dict[Ticket, str] = {}
         self._state = _NONE
+        #: The last refresh failed: later failures of the streak are not logged again.
+        self._unreadable = False
 
     def _new_id(self) -> str:
         return f"{self._prefix}-{next(self._numbers)}"
@@ -354,7 +356,17 @@ class RemoteAdmission:
         try:
             await self.refresh(events, wait_s=wait_s)
         except Exception as exc:  # a slow or dead limiter: the gauges stay as they were
-            _log.warning("could not read the cluster's admission state: %r", exc)
+            if not self._unreadable:  # once per streak, not twice a second
+                _log.warning(
+                    "could not read the cluster's admission state (its gauges keep"
+                    " their last values until it answers): %r",
+                    exc,
+                )
+            self._unreadable = True
             if isinstance(exc, TimeoutError):
                 return
             await anyio.sleep(wait_s)  # the loop does not spin on a dead actor
+        else:
+            if self._unreadable:
+                _log.warning("the cluster's admission state can be read again")
+            self._unreadable = False

@@ -45,12 +45,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def local_ray() -> Iterator[None]:
-    """One local Ray instance per test process, for every test that needs one.
+    """One local Ray instance for a module's tests (the Ray tests are one module).
 
-    Starting Ray costs seconds of CPU (its GCS, raylet and first workers):
-    once per worker process, not once per test file.
+    Starting Ray costs seconds of CPU (its GCS, raylet and first workers): once
+    per run, not once per test; stopped after the module, so it does not idle on
+    the run's two cores through the other files.
     """
     ray = pytest.importorskip("ray")
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -10,6 +10,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ ray = pytest.importorskip("ray")
 
 from mcp import Client  # noqa: E402
 
+from fleetroll.batch_pool import FleetTarget, open_service_pools  # noqa: E402
 from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import FaultProfile, Latency  # noqa: E402
 from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
@@ -136,11 +138,17 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
     s = settings(service={"tasks_root": str(config_dir())})
     profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
     async with EmulatorProcess(profile) as emu:
-        fleet = {"api_key": emu.api_key, "base_url": emu.base_url}
-        async with (
-            RolloutPool(s, **fleet) as local,
-            RayRolloutPool(s, **fleet, num_actors=2) as on_ray,
-        ):
+        async with AsyncExitStack() as stack:
+            # The pools as `fleetroll serve --ray --ray-actors 2` opens them.
+            local, on_ray, _ = await open_service_pools(
+                stack,
+                s,
+                FleetTarget(emu.api_key, emu.base_url, "emulator"),
+                Events(),
+                ray_address="local",
+                ray_actors=2,
+            )
+            assert isinstance(on_ray, RayRolloutPool)
             service = Service(local, s, batch_pool=on_ray)
             async with (
                 serve_app(create_app(service), "127.0.0.1", 0, before_stop=service.stop) as url,
@@ -170,6 +178,9 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
                         await env.reset()
                         for step in LEDGER[0].solution or ():
                             await env.step({"name": step.name, "arguments": step.arguments})
+                        # The session's instance counts in the cluster's one admission.
+                        await on_ray.admission.refresh(Events())
+                        during = on_ray.admission.state()
                     session = await env.close()
             assert "on-ray" in on_ray.batches and "on-ray" not in local.batches
         ledger = await emu.ledger()
@@ -185,6 +196,7 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
     assert len({r.rollout_id for r in cancelled}) == 8
     assert {r.failure_reason for r in cancelled} == {FailureReason.CANCELLED}
     assert session is not None and session.reward == 1.0
+    assert during.in_use == 1 and local.admission is on_ray.admission
     assert ledger["running"] == 0
 
 

@@ -2,8 +2,9 @@
 
 ``fleetroll run`` and ``fleetroll serve`` take the same ``--ray [ADDRESS]``
 and ``--ray-actors N`` options (:func:`ray_options`) and open the pool they
-ask for with :func:`open_batch_pool`. What a caller needs of either pool is a
-:class:`BatchPool`, and of either's batches a :class:`RunningBatch`.
+ask for with :func:`open_batch_pool` (``serve``: :func:`open_service_pools`).
+What a caller needs of either pool is a :class:`BatchPool`, and of either's
+batches a :class:`RunningBatch`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 
-__all__ = ["BatchPool", "FleetTarget", "RunningBatch", "open_batch_pool", "ray_options"]
+__all__ = [
+    "BatchPool",
+    "FleetTarget",
+    "RunningBatch",
+    "open_batch_pool",
+    "open_service_pools",
+    "ray_options",
+]
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -149,3 +157,37 @@ async def open_batch_pool(
         )
     )
     return on_ray, f"{fleet.description} over {on_ray.num_actors} Ray actors"
+
+
+async def open_service_pools(
+    stack: AsyncExitStack,
+    settings: Settings,
+    fleet: FleetTarget,
+    events: Events,
+    *,
+    ray_address: str | None = None,
+    ray_actors: int | None = None,
+) -> tuple[RolloutPool, BatchPool, str]:
+    """The pools of ``fleetroll serve``, entered on ``stack``: the pool env sessions
+    run on (always this process), the pool batches and MCP rollouts run on (the
+    same one, or Ray actors with ``ray_address``), and where they run.
+
+    Both share one admission (on Ray, the cluster's): sessions count against the
+    same instance caps and circuit breakers as the batches.
+    """
+    batch_pool: BatchPool | None = None
+    backend = fleet.description
+    if ray_address is not None:
+        batch_pool, backend = await open_batch_pool(
+            stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
+        )
+    pool = await stack.enter_async_context(
+        RolloutPool(
+            settings,
+            api_key=fleet.api_key,
+            base_url=fleet.base_url,
+            events=events,
+            admission=batch_pool.admission if batch_pool is not None else None,
+        )
+    )
+    return pool, batch_pool or pool, backend

@@ -85,8 +85,7 @@ async def _serve(
     ray_address: str | None,
     ray_actors: int | None,
 ) -> None:
-    from fleetroll.batch_pool import BatchPool, open_batch_pool
-    from fleetroll.pool import RolloutPool
+    from fleetroll.batch_pool import open_service_pools
     from fleetroll.runner import open_fleet
     from fleetroll.service.app import Service, create_app
     from fleetroll.service.server import serve_app
@@ -95,15 +94,10 @@ async def _serve(
     async with AsyncExitStack() as stack:
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
-        pool = await stack.enter_async_context(
-            RolloutPool(settings, api_key=fleet.api_key, base_url=fleet.base_url, events=events)
+        # Sessions here; batches and MCP rollouts here or on Ray, under one admission.
+        pool, batch_pool, backend = await open_service_pools(
+            stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
-        batch_pool: BatchPool = pool
-        backend = fleet.description
-        if ray_address is not None:  # batches and MCP rollouts on Ray; sessions stay here
-            batch_pool, backend = await open_batch_pool(
-                stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
-            )
         service = Service(pool, settings, batch_pool=batch_pool)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)

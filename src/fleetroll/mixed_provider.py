@@ -16,7 +16,7 @@ from contextlib import AbstractAsyncContextManager
 from fleetroll.admission import Admission
 from fleetroll.environments import Instance, Provider, Verdict
 from fleetroll.mcp_provider import McpHandle, McpProvider
-from fleetroll.provisioning import CreateGate, FleetProvider
+from fleetroll.provisioning import FleetProvider
 from fleetroll.routing import Route
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -39,14 +39,12 @@ class MixedProvider:
         *,
         api_key: str,
         base_url: str | None = None,
-        create_gate: CreateGate | None = None,
         admission: Admission | None = None,
     ) -> None:
         self._settings = settings
         self._events = events
         self._api_key = api_key
         self._base_url = base_url
-        self._create_gate = create_gate
         self._admission = admission
         self._fleet: FleetProvider | None = None
         self._mcp: McpProvider | None = None
@@ -60,7 +58,6 @@ class MixedProvider:
                 self._events,
                 api_key=self._api_key,
                 base_url=self._base_url,
-                create_gate=self._create_gate,
                 admission=self._admission,
             )
         return self._fleet

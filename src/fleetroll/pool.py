@@ -68,7 +68,6 @@ from fleetroll.fleet_traces import TraceUploader, open_trace_uploader
 from fleetroll.groups import Group, GroupTracker
 from fleetroll.mixed_provider import MixedProvider
 from fleetroll.policies import Policy
-from fleetroll.provisioning import CreateGate
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Rollout, RolloutIds
 from fleetroll.settings import Settings
@@ -106,7 +105,6 @@ class RolloutPool:
         api_key: str,
         base_url: str | None = None,
         events: Events | None = None,
-        create_gate: CreateGate | None = None,
         provider: Provider | None = None,
         admission: Admission | None = None,
     ) -> None:
@@ -114,7 +112,6 @@ class RolloutPool:
         self._provider = provider
         self.events = events or Events()
         self._api_key = api_key
-        self._create_gate = create_gate
         self._base_url = base_url
         self._engine: RolloutEngine | None = None
         self._traces: TraceUploader | None = None
@@ -125,9 +122,9 @@ class RolloutPool:
         self.instances = anyio.CapacityLimiter(
             concurrency + settings.provisioning.max_concurrent_creates
         )
-        #: Instance caps, Fleet's account limit, per-environment breakers (and
-        #: the create limits, unless ``create_gate`` holds them): this pool's
-        #: own, or ``admission`` (a Ray cluster's, :mod:`fleetroll.ray_admission`).
+        #: Create limits, instance caps, Fleet's account limit, per-environment
+        #: breakers: this pool's own, or ``admission`` (a Ray cluster's,
+        #: :mod:`fleetroll.ray_admission`).
         self.admission: Admission = admission or AdmissionController(settings, self.events)
         #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
         self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
@@ -173,7 +170,6 @@ class RolloutPool:
                         self.events,
                         api_key=self._api_key,
                         base_url=self._base_url,
-                        create_gate=self._create_gate,
                         admission=self.admission,
                     ),
                     self.admission,

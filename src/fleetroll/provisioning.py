@@ -72,7 +72,6 @@ __all__ = [
     "Classification",
     "CreateGate",
     "FleetProvider",
-    "LocalCreateGate",
     "TokenBucket",
     "classify",
 ]
@@ -83,17 +82,13 @@ _log = logging.getLogger(__name__)
 class CreateGate(Protocol):
     """Admission for instance creates: a concurrency slot, then the rate.
 
-    Local by default; fleetroll's Ray pool passes one that holds across
-    every process of the cluster (Fleet's limits are per account).
+    The pool's admission holds it (on Ray, the cluster's one, across every
+    process: Fleet's limits are per account); without one, this process's own.
     """
 
     def slot(self) -> AbstractAsyncContextManager[None]:
         """Held for the duration of one create request."""
         ...
-
-
-#: Creates limited within this process (a limiter and a token bucket).
-LocalCreateGate = CreateSlots
 
 
 class FleetProvider:
@@ -106,7 +101,6 @@ class FleetProvider:
         *,
         api_key: str,
         base_url: str | None = None,
-        create_gate: CreateGate | None = None,
         admission: Admission | None = None,
     ) -> None:
         self._settings = settings
@@ -131,8 +125,8 @@ class FleetProvider:
         # the loop). One provider, resolved once, is shared by every instance.
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
-        self._gate: CreateGate = (
-            create_gate or admission or CreateSlots(p.max_concurrent_creates, p.creates_per_second)
+        self._gate: CreateGate = admission or CreateSlots(
+            p.max_concurrent_creates, p.creates_per_second
         )
         self._verifier = Verifier(
             timeout_s=t.verifier_s,

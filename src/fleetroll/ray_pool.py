@@ -251,9 +251,9 @@ class RayBatch(ResultStream):
 def default_num_actors() -> int:
     """One actor per CPU this process may use: the default on one machine.
 
-    Each actor is a process with its own event loop, so actors scale a
-    CPU-bound batch up to the cores there are, and no further
-    (benchmarks/RESULTS.md, "Ray on one machine").
+    Each actor is a process with its own event loop: more actors than cores
+    only add start-up and contention (benchmarks/RESULTS.md, "Ray against one
+    process").
     """
     try:
         return max(1, len(os.sched_getaffinity(0)))

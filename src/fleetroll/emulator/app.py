@@ -28,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from fleetroll.emulator import traces as trace_api
 from fleetroll.emulator.envs.base import SampleEnv
-from fleetroll.emulator.faults import FaultInjector
+from fleetroll.emulator.faults import FaultInjector, hang
 from fleetroll.emulator.instances import Instance, InstanceStore
 from fleetroll.emulator.leases import BrowserLeases
 from fleetroll.emulator.ledger import Ledger
@@ -45,20 +45,6 @@ def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> J
 def _create_timed_out(max_wait: float) -> JSONResponse:
     waited = "" if math.isinf(max_wait) else f" within max_wait_seconds={max_wait:g}"
     return _error(504, f"Create timed out upstream: the instance was not ready{waited}")
-
-
-async def _hang(request: Request, seconds: float) -> bool:
-    """Wait ``seconds`` or until the client goes away; True if it went away.
-
-    Waits on the connection itself (its next ASGI message is the disconnect),
-    not by polling: a poll every 0.25 s cost each 5 s create 20 wake-ups.
-    """
-    with anyio.move_on_after(seconds):
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return True
-    return False
 
 
 class EmulatorApp:
@@ -288,7 +274,7 @@ class EmulatorApp:
         wait = body.max_wait_seconds
         max_wait = float(wait) if wait is not None and wait > 0 else math.inf
         if decision == "hang":
-            gone = await _hang(request, min(faults.profile.create_hang_s, max_wait))
+            gone = await hang(request, min(faults.profile.create_hang_s, max_wait))
             return _create_timed_out(max_wait), "hang_abandoned" if gone else "hang"
         if decision == "429":
             return _error(
@@ -317,7 +303,7 @@ class EmulatorApp:
         max_wait = float(wait) if wait is not None and wait > 0 else math.inf
         await self._wait_create_slot()
         latency = faults.create_latency()
-        if latency and await _hang(request, min(latency, max_wait)):
+        if latency and await hang(request, min(latency, max_wait)):
             return _error(499, "client went away"), "abandoned"
         if latency > max_wait:
             return _create_timed_out(max_wait), "timed_out"
@@ -425,7 +411,7 @@ class EmulatorApp:
             return self._unauthorized()
         faults = self.faults
         if faults.chance(faults.profile.p_trace_hang):
-            await _hang(request, faults.profile.trace_hang_s)
+            await hang(request, faults.profile.trace_hang_s)
             return _error(504, "the trace API timed out upstream")
         if faults.chance(faults.profile.p_trace_5xx):
             return _error(faults.server_error_status(), "the trace API failed")
@@ -514,7 +500,7 @@ class EmulatorApp:
         if isinstance(inst, Response):
             return inst
         if self.faults.chance(self.faults.profile.p_reset_hang):
-            await _hang(request, self.faults.profile.reset_hang_s)
+            await hang(request, self.faults.profile.reset_hang_s)
             return _error(504, "Reset timed out")
         self.store.reseed(inst)
         self.ledger.resets += 1

@@ -9,11 +9,15 @@ of requests injects the same faults.
 from __future__ import annotations
 
 import random
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
+import anyio
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CreateOutcome", "FaultInjector", "FaultProfile", "Latency"]
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+__all__ = ["CreateOutcome", "FaultInjector", "FaultProfile", "Latency", "hang"]
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 Seconds = Annotated[float, Field(ge=0.0)]
@@ -147,3 +151,22 @@ class FaultInjector:
         if self.chance(self.profile.p_instance_death):
             return self.profile.death_after.draw(self._rng)
         return None
+
+
+async def hang(request: Request | None, seconds: float) -> bool:
+    """Wait ``seconds``, or until the client that sent ``request`` goes away (True).
+
+    Waits on the connection itself (its next ASGI message is the disconnect),
+    not by polling: a poll every 0.25 s cost each 5 s create 20 wake-ups. The
+    MCP servers answer JSON (``json_response``), so no task of the SDK watches
+    for a client leaving either: without this, a hung call the client gave up
+    on would stay in the emulator for all of ``seconds``.
+    """
+    with anyio.move_on_after(seconds):
+        if request is None:
+            await anyio.sleep(seconds)
+            return False
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        return True
+    return False

@@ -240,12 +240,11 @@ class BatchRegistry:
         settings: Settings,
         metrics: Metrics,
         *,
-        preflight_pool: RolloutPool | None = None,
+        preflight_pool: RolloutPool,
     ) -> None:
         self._pool = pool
-        #: Checks new batches first; with the pool of this process (``pool`` may be Ray's).
-        local = preflight_pool or (pool if isinstance(pool, RolloutPool) else None)
-        self._preflight = BatchPreflight(local, settings) if local is not None else None
+        #: Checks new batches first, with the pool of this process (``pool`` may be Ray's).
+        self._preflight = BatchPreflight(preflight_pool, settings)
         self._settings = settings
         self._metrics = metrics
         self._records: dict[str, BatchRecord] = {}
@@ -341,7 +340,7 @@ class BatchRegistry:
         )
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
-        if existing is None and self._preflight is not None:
+        if existing is None:
             await self._preflight.check(tasks, policy_config, loc=loc)
             existing = self._records.get(batch_id)  # its twin may have started it meanwhile
         if existing is not None:

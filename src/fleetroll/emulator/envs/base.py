@@ -18,9 +18,9 @@ import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
-if TYPE_CHECKING:
-    from starlette.requests import Request
+from fleetroll.emulator.faults import hang
 
+if TYPE_CHECKING:
     from fleetroll.emulator.computer import Screen
     from fleetroll.emulator.faults import FaultInjector
     from fleetroll.emulator.instances import Instance, InstanceStore
@@ -43,23 +43,6 @@ def create_schema(conn: sqlite3.Connection, schema: str) -> None:
             conn.execute(statement)
 
 
-async def _hang(request: Request | None, seconds: float) -> bool:
-    """Wait ``seconds``, or until the client that sent ``request`` goes away (True).
-
-    The MCP servers answer JSON (``json_response``), so no task of the SDK
-    watches for the client leaving: without this, a hung call the client
-    gave up on would stay in the emulator for all of ``seconds``.
-    """
-    with anyio.move_on_after(seconds):
-        if request is None:
-            await anyio.sleep(seconds)
-            return False
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        return True
-    return False
-
-
 class SampleEnv(abc.ABC):
     """A sample environment served by the emulator."""
 
@@ -74,18 +57,6 @@ class SampleEnv(abc.ABC):
     @abc.abstractmethod
     def seed(self, conn: sqlite3.Connection, data_key: str) -> None:
         """Create the schema and the rows of ``data_key`` in a new database."""
-
-    def reset_db(self, conn: sqlite3.Connection, data_key: str) -> None:
-        """Bring an existing database back to its seeded state."""
-        tables = [
-            row[0]
-            for row in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type='table' AND name NOT LIKE 'sqlite_%'"
-            )
-        ]
-        for table in tables:
-            conn.execute(f'DROP TABLE "{table}"')
-        self.seed(conn, data_key)
 
     @abc.abstractmethod
     def register_tools(self, server: MCPServer, gate: ToolGate) -> None:
@@ -132,7 +103,7 @@ class ToolGate:
             await anyio.sleep(latency)
         if faults.chance(faults.profile.p_tool_hang):
             self._ledger.tool_called("hang")
-            if await _hang(request, faults.profile.tool_hang_s):
+            if await hang(request, faults.profile.tool_hang_s):
                 raise ToolError("the client went away")
         if faults.chance(faults.profile.p_tool_error):
             self._ledger.tool_called("injected_error")

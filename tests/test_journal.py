@@ -11,7 +11,14 @@ import anyio
 import pytest
 
 from fleetroll.errors import ConfigError
-from fleetroll.journal import BatchIdentity, Journal, claim_journal, meta_path, read_journal
+from fleetroll.journal import (
+    BatchIdentity,
+    Journal,
+    check_journal,
+    claim_journal,
+    meta_path,
+    read_journal,
+)
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.tasks import TaskSpec
 
@@ -159,6 +166,33 @@ def test_a_journal_from_before_identities_resumes_and_gets_one(tmp_path: Path) -
     claim.close()
     assert claim.batch_id == "b"
     assert BatchIdentity.from_json(meta_path(path).read_bytes()).batch_id == "b"
+
+
+def test_the_early_check_refuses_what_the_claim_would_and_leaves_nothing_behind(
+    tmp_path: Path,
+) -> None:
+    fresh = tmp_path / "new" / "results.jsonl"
+    check_journal(fresh, BatchIdentity.of("b", TASKS, 1), resume=False)
+    assert not fresh.parent.exists()  # a journal to be: the claim creates it
+
+    old = tmp_path / "old.jsonl"  # a journal from before identities: the claim writes one
+    write_lines(old, result(1).model_copy(update={"task_key": "t"}))
+    check_journal(old, BatchIdentity.of("new", TASKS, 1), resume=True)
+    assert not meta_path(old).exists()
+    with pytest.raises(ConfigError, match="already exists: pass --resume"):
+        check_journal(old, BatchIdentity.of("new", TASKS, 1), resume=False)
+    beyond = tmp_path / "beyond.jsonl"
+    write_lines(beyond, result(2).model_copy(update={"task_key": "t", "sample_index": 3}))
+    with pytest.raises(ConfigError, match="this run asks for --samples 1"):
+        check_journal(beyond, BatchIdentity.of("new", TASKS, 1), resume=True)
+
+    held = claim_journal(old, BatchIdentity.of("new", TASKS, 4), resume=True)
+    with pytest.raises(ConfigError, match="in use by another fleetroll run"):
+        check_journal(old, BatchIdentity.of("new", TASKS, 4), resume=True)
+    held.close()
+    for path in (Path("/dev/zero"), tmp_path):
+        with pytest.raises(ConfigError, match="not a regular file"):
+            check_journal(path, BatchIdentity.of("b", TASKS, 1), resume=True)
 
 
 def test_a_fifo_or_a_device_is_refused_as_a_journal_without_reading_it(tmp_path: Path) -> None:

@@ -66,3 +66,19 @@ def test_a_run_on_a_missing_task_file_loads_neither_mcp_the_sdk_nor_logfire(
     }
     found = probe("run", str(tmp_path / "missing.jsonl"), env=env)
     assert found == {"plugins": "logfire-plugin", "loaded": []}
+
+
+def test_a_run_refused_for_its_journal_or_its_key_loads_neither_mcp_the_sdk_nor_logfire(
+    tmp_path: Path,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "FLEETROLL_"))}
+    tasks = Path(__file__).parent.parent / "config" / "tasks" / "ledger.jsonl"
+    journal = tmp_path / "results.jsonl"
+    journal.write_text('{"not": "ours"}\n')
+    for args, extra in (
+        (["--out", str(journal)], {}),  # it exists, and no --resume
+        (["--out", "/dev/zero", "--resume"], {}),  # not a regular file
+        ([], {"FLEET_BASE_URL": "http://127.0.0.1:9"}),  # a Fleet without its key
+    ):
+        found = probe("run", str(tasks), *args, env=env | extra)
+        assert found["loaded"] == [], (args, found)

@@ -316,8 +316,16 @@ def run(
         )
     try:
         tasks = load_task_paths(tasks_paths, settings.modalities)
+        # A user's mistakes are said before the slow imports and before anything starts.
         if settings.uses_emulator:
-            settings.emulator.fault_profile(profile)  # fail early on a bad name
+            settings.emulator.fault_profile(profile)  # an unknown name
+        else:
+            settings.require_fleet_api_key()
+        if out is not None:
+            from fleetroll.journal import BatchIdentity, check_journal
+
+            identity = BatchIdentity.of("", tasks, samples, settings.pool.oversample)
+            check_journal(out, identity, resume=resume)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
     # Imported once the input is known good: a bad task file costs no more.

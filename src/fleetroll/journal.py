@@ -229,6 +229,25 @@ def claim_journal(path: Path, identity: BatchIdentity, *, resume: bool) -> Journ
     return claim
 
 
+def check_journal(path: Path, identity: BatchIdentity, *, resume: bool) -> None:
+    """Refuse now what :func:`claim_journal` would refuse, leaving nothing behind.
+
+    For a command line that wants its user's mistakes said before it starts
+    anything; the claim still checks again. A journal that does not exist
+    yet passes (the claim creates it).
+
+    Raises:
+        ConfigError: as :func:`claim_journal`.
+    """
+    if not os.path.lexists(path):
+        return
+    fd = _open_locked(path)
+    try:
+        _check(path, fd, identity, resume=resume, write=False)
+    finally:
+        os.close(fd)
+
+
 def _open_locked(path: Path) -> int:
     try:
         info = path.stat()
@@ -260,10 +279,13 @@ def _open_locked(path: Path) -> int:
     return fd
 
 
-def _check(path: Path, fd: int, identity: BatchIdentity, *, resume: bool) -> JournalClaim:
+def _check(
+    path: Path, fd: int, identity: BatchIdentity, *, resume: bool, write: bool = True
+) -> JournalClaim:
     meta = meta_path(path)
     if os.fstat(fd).st_size == 0:
-        _write_atomically(meta, identity.to_json())
+        if write:
+            _write_atomically(meta, identity.to_json())
         return JournalClaim(path, identity.batch_id, [], fd)
     if not resume:
         raise ConfigError(
@@ -308,7 +330,8 @@ def _check(path: Path, fd: int, identity: BatchIdentity, *, resume: bool) -> Jou
         )
     batch_id = batches[0] if batches else identity.batch_id
     started = BatchIdentity(batch_id, identity.samples, identity.tasks, identity.oversample)
-    _write_atomically(meta, started.to_json())
+    if write:
+        _write_atomically(meta, started.to_json())
     return JournalClaim(path, batch_id, previous, fd)
 
 

@@ -115,7 +115,7 @@ async def run_job(
     if resume and out is None:
         raise ConfigError("--resume needs --out (the journal to resume)")
     if not settings.uses_emulator:
-        fleet_api_key(settings)  # a missing key fails here, before the journal is claimed
+        settings.require_fleet_api_key()  # a missing key fails here, before the journal
     batch_id = batch_id or uuid.uuid4().hex[:12]
     previous: list[RolloutResult] = []
     async with AsyncExitStack() as stack:
@@ -282,24 +282,10 @@ async def open_fleet(
         )
         return FleetTarget(emu.api_key, emu.base_url, f"emulator {emu.base_url}")
     return FleetTarget(
-        fleet_api_key(settings), settings.fleet_base_url, settings.fleet_base_url or "Fleet"
+        settings.require_fleet_api_key(),
+        settings.fleet_base_url,
+        settings.fleet_base_url or "Fleet",
     )
-
-
-def fleet_api_key(settings: Settings) -> str:
-    """The key for a configured Fleet (not the embedded emulator).
-
-    Raises:
-        ConfigError: FLEET_BASE_URL is set without FLEET_API_KEY (every create
-            would answer 401): said once, before anything runs.
-    """
-    key = settings.fleet_api_key
-    if key is None:
-        raise ConfigError(
-            "FLEET_BASE_URL is set but FLEET_API_KEY is not; set it to the platform's key"
-            " (`fleetroll emulator` prints the export line for its own)"
-        )
-    return key.get_secret_value()
 
 
 async def _watch_signals(

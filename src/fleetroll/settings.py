@@ -267,6 +267,20 @@ class Settings(BaseSettings):
         """True when no Fleet is configured, so the embedded emulator is the backend."""
         return self.fleet_api_key is None and self.fleet_base_url is None
 
+    def require_fleet_api_key(self) -> str:
+        """The key for a configured Fleet (not the embedded emulator).
+
+        Raises:
+            ConfigError: FLEET_BASE_URL is set without FLEET_API_KEY (every create
+                would answer 401): said once, before anything runs.
+        """
+        if self.fleet_api_key is None:
+            raise ConfigError(
+                "FLEET_BASE_URL is set but FLEET_API_KEY is not; set it to the platform's key"
+                " (`fleetroll emulator` prints the export line for its own)"
+            )
+        return self.fleet_api_key.get_secret_value()
+
     @classmethod
     def settings_customise_sources(
         cls,

@@ -244,7 +244,10 @@ async def test_the_server_and_verifier_get_only_the_task_env_never_fleetroll_s(
     assert result.reward == 1.0, result.error
     [folder] = root.iterdir()
     seen = json.loads((folder / "work" / "env.json").read_text())
-    assert set(seen) - {"PWD", "SHLVL", "_", "LC_CTYPE"} == {"PATH", "HOME", "ANSWER"}
+    # Nothing of fleetroll's own environment; the plugin switch is docs/tasks.md's.
+    expected = {"PATH", "HOME", "ANSWER", "PYDANTIC_DISABLE_PLUGINS"}
+    assert set(seen) - {"PWD", "SHLVL", "_", "LC_CTYPE"} == expected
+    assert seen["PYDANTIC_DISABLE_PLUGINS"] == "logfire-plugin"
     assert running_from(root) == []
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetroll.cli import _skip_unused_pydantic_plugins
+from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 
 PROBE = """
 import json, os, sys
@@ -42,17 +42,17 @@ def test_logfires_pydantic_plugin_stays_unloaded_unless_asked_for(
 ) -> None:
     monkeypatch.delenv("PYDANTIC_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("LOGFIRE_PYDANTIC_PLUGIN_RECORD", raising=False)
-    _skip_unused_pydantic_plugins()
+    skip_unused_pydantic_plugins(os.environ)
     assert os.environ["PYDANTIC_DISABLE_PLUGINS"] == "logfire-plugin"
 
     monkeypatch.delenv("PYDANTIC_DISABLE_PLUGINS")
     monkeypatch.setenv("LOGFIRE_PYDANTIC_PLUGIN_RECORD", "all")  # the user wants it: it loads
-    _skip_unused_pydantic_plugins()
+    skip_unused_pydantic_plugins(os.environ)
     assert "PYDANTIC_DISABLE_PLUGINS" not in os.environ
 
     monkeypatch.delenv("LOGFIRE_PYDANTIC_PLUGIN_RECORD")
     monkeypatch.setenv("PYDANTIC_DISABLE_PLUGINS", "__all__")  # the user's own choice stays
-    _skip_unused_pydantic_plugins()
+    skip_unused_pydantic_plugins(os.environ)
     assert os.environ["PYDANTIC_DISABLE_PLUGINS"] == "__all__"
 
 

@@ -18,6 +18,7 @@ import click
 
 from fleetroll.cli_options import ray_options
 from fleetroll.errors import FleetrollError
+from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll.telemetry.console import configure_console_logging
 
 if TYPE_CHECKING:
@@ -57,20 +58,6 @@ async def _until_signalled() -> None:
             return
 
 
-def _skip_unused_pydantic_plugins() -> None:
-    """Leave Logfire's pydantic plugin unloaded in this process unless it is asked for.
-
-    pydantic imports every installed plugin when the first model is built, and
-    Logfire's pulls in most of Logfire and OpenTelemetry: ~0.6 s of CPU in
-    every ``fleetroll`` process (the emulator's, each Ray actor's) for a
-    plugin that records nothing unless ``LOGFIRE_PYDANTIC_PLUGIN_RECORD`` is
-    set, and fleetroll never sets it. With that variable set, or
-    ``PYDANTIC_DISABLE_PLUGINS`` set by the user, nothing changes.
-    """
-    if "LOGFIRE_PYDANTIC_PLUGIN_RECORD" not in os.environ:
-        os.environ.setdefault("PYDANTIC_DISABLE_PLUGINS", "logfire-plugin")
-
-
 class _LazyGroup(click.Group):
     """Subcommands imported when run, not when the command line is built.
 
@@ -103,7 +90,7 @@ class _LazyGroup(click.Group):
     }
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
-        _skip_unused_pydantic_plugins()
+        skip_unused_pydantic_plugins(os.environ)  # before any model is built
         return super().main(*args, **kwargs)
 
     def list_commands(self, ctx: click.Context) -> list[str]:

@@ -65,6 +65,7 @@ from fleetroll.mcp_process import (
 )
 from fleetroll.mcp_process import reward_number as _number  # noqa: F401 (its old name)
 from fleetroll.mcp_tasks import McpEnvironment, McpVerifier, ToolCallSpec
+from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll.results import VerifierOutcome
 from fleetroll.routing import Route, route
 from fleetroll.settings import Settings
@@ -234,6 +235,7 @@ class McpProvider:
     def _minimal_env(self, given: Mapping[str, str], workdir: Path) -> dict[str, str]:
         env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": os.environ.get("HOME", "/")}
         env.update({k: self._fill(v, workdir) for k, v in given.items()})
+        skip_unused_pydantic_plugins(env)  # a server per rollout: its start-up counts
         return env
 
     def _fill(self, text: str, workdir: Path) -> str:

@@ -90,11 +90,9 @@ def _read_line(sock: socket.socket, fds: list[int]) -> bytes:
 def _zygote(fd: int) -> None:
     """The zygote's loop: one forked emulator per request on the socket ``fd``."""
     # What the ``emulator`` command imports, once for every child, as it imports it.
-    import fleetroll.cli
+    from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 
-    fleetroll.cli._skip_unused_pydantic_plugins()
-    import fleetroll.emulator.server
-    import fleetroll.service.security
+    skip_unused_pydantic_plugins(os.environ)
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     requests = socket.socket(fileno=fd)

@@ -8,8 +8,15 @@ from pathlib import Path
 
 import pytest
 
-import fleetroll
-from fleetroll.emulator import Emulator
+from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
+
+# As the fleetroll command does for itself, before any model is built, for every
+# process of the run: the workers, what they start (snippets, examples, Ray's
+# workers) and what those start. ~0.5 s of CPU less per process; nothing changes.
+skip_unused_pydantic_plugins(os.environ)
+
+import fleetroll  # noqa: E402
+from fleetroll.emulator import Emulator  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -2,15 +2,26 @@
 and the cluster's one admission controller (the instance cap and the circuit
 breakers hold across actors).
 
-One file, so one worker process of the run starts Ray (and stops it after)."""
+One file, so one worker process of the run starts Ray (and stops it after).
+Every actor is a process that imports fleetroll, mcp and Ray (seconds of CPU),
+and so is every emulator: the tests share what they can. Two emulators (Fleet
+with no limit, and Fleet with an account limit and a broken environment), one
+service on Ray opened as ``fleetroll serve --ray`` opens it, and one pool with
+a cluster-wide instance cap and breaker; tests that kill an actor, or need a
+pool's own limits, open their own pool. On what is shared, a test reads the
+ledger before and after (a peak is over the emulator's life: every pool on it
+holds the same limit, one test at a time), waits for its batches to end, and
+sees only its own events (:class:`Tap`).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -35,7 +46,7 @@ from fleetroll.service.metrics import Metrics  # noqa: E402
 from fleetroll.settings import config_dir, load_settings  # noqa: E402
 from fleetroll.tasks import TaskSpec, load_tasks  # noqa: E402
 from fleetroll.telemetry import Events, MemorySink  # noqa: E402
-from fleetroll.telemetry.events import Event  # noqa: E402
+from fleetroll.telemetry.events import Event, EventSink  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -43,12 +54,8 @@ SETTINGS = load_settings()
 LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
 DESKTOP = load_tasks(config_dir() / "tasks" / "desktop.jsonl", modalities=SETTINGS.modalities)
 CREATE_LIMIT = 4
-#: Samples per ledger task in the load tests: 100 rollouts, a third on each of three actors.
+#: Samples per ledger task in the load tests: 100 rollouts, half on each of two actors.
 SAMPLES = 4
-#: The live-events test's settings: the shipped pool, quick provisioning retries.
-EVENTS_SETTINGS = load_settings(
-    provisioning={"creates_per_second": 500, "backoff_initial_s": 0.05, "backoff_max_s": 0.5}
-)
 ORDER = ["provisioning", "waiting", "resetting", "connecting", "acting", "verifying"]
 ORDER += ["releasing", "done"]
 
@@ -72,59 +79,127 @@ def assert_pairs(sink: MemorySink) -> None:
     assert started == completed and set(completed.values()) <= {1}
 
 
-async def test_three_actors_run_a_hundred_rollouts_with_one_result_each_and_no_leak(local_ray):
+class Tap:
+    """The events of a pool the module's tests share, passed on to the sinks of the
+    test running now: a test sees its own events, never an earlier test's."""
+
+    def __init__(self) -> None:
+        self._sinks: list[EventSink] = []
+
+    def emit(self, event: Event) -> None:
+        for sink in self._sinks:
+            sink.emit(event)
+
+    @contextmanager
+    def into(self, sink: EventSink) -> Iterator[None]:
+        self._sinks.append(sink)
+        try:
+            yield
+        finally:
+            self._sinks.remove(sink)
+
+
+@dataclass
+class OnRay:
+    """A pool on Ray the module's tests share, the emulator it runs on, and its events."""
+
+    emu: EmulatorProcess
+    pool: RayRolloutPool
+    tap: Tap
+
+
+@dataclass
+class ServiceOnRay(OnRay):
+    """A service on Ray: its own pool (sessions) and its URL besides."""
+
+    local: RolloutPool
+    url: str
+
+
+async def settled(pool: RayRolloutPool, *batch_ids: str) -> None:
+    """Until each batch has ended on every actor (their pools closed, instances
+    released), as closing a pool of its own would."""
+    for batch_id in batch_ids:
+        await pool.batches[batch_id].finished.wait()
+
+
+@pytest.fixture(scope="module")
+async def fleet() -> AsyncIterator[EmulatorProcess]:
+    """Fleet with no account limit, for every test but the admission ones."""
+    async with EmulatorProcess(FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))) as emu:
+        yield emu
+
+
+@pytest.fixture(scope="module")
+async def service_on_ray(local_ray: None, fleet: EmulatorProcess) -> AsyncIterator[ServiceOnRay]:
+    """The pools as `fleetroll serve --ray --ray-actors 2` opens them, and the service on them."""
+    s = settings(service={"tasks_root": str(config_dir())})
+    tap = Tap()
+    async with AsyncExitStack() as stack:
+        local, on_ray, _ = await open_service_pools(
+            stack,
+            s,
+            FleetTarget(fleet.api_key, fleet.base_url, "emulator"),
+            Events([tap]),
+            ray_address="local",
+            ray_actors=2,
+        )
+        assert isinstance(on_ray, RayRolloutPool)
+        service = Service(local, s, batch_pool=on_ray)
+        url = await stack.enter_async_context(
+            serve_app(create_app(service), "127.0.0.1", 0, before_stop=service.stop)
+        )
+        yield ServiceOnRay(fleet, on_ray, tap, local, url)
+
+
+async def test_two_actors_run_a_hundred_rollouts_with_one_result_each_and_no_leak(
+    service_on_ray: ServiceOnRay,
+) -> None:
+    emu, pool = service_on_ray.emu, service_on_ray.pool
     sink = MemorySink()
-    profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
-    async with EmulatorProcess(profile) as emu:
-        async with RayRolloutPool(
-            settings(),
-            api_key=emu.api_key,
-            base_url=emu.base_url,
-            num_actors=3,
-            events=Events([sink]),
-        ) as pool:
-            with anyio.fail_after(300):
-                results = await pool.run_batch(
-                    LEDGER[:25], ScriptedPolicy(), samples_per_task=SAMPLES
-                ).results()
-            limiter = await pool.limiter.stats.remote()
-        ledger = await emu.ledger()
+    before = await emu.ledger()
+    with service_on_ray.tap.into(sink), anyio.fail_after(300):
+        results = await pool.run_batch(
+            LEDGER[:25], ScriptedPolicy(), samples_per_task=SAMPLES
+        ).results()
+        limiter = await pool.limiter.stats.remote()
+    ledger = await emu.ledger()
     ids = Counter(r.rollout_id for r in results)
     assert len(ids) == 25 * SAMPLES and set(ids.values()) == {1}
     assert all(r.reward == 1.0 for r in results)
-    assert ledger["running"] == 0 and ledger["created"] == 25 * SAMPLES
+    assert ledger["running"] == 0 and ledger["created"] - before["created"] == 25 * SAMPLES
     # The create limit held cluster-wide, in the limiter and in Fleet's own view.
     assert limiter["peak"] <= CREATE_LIMIT
     assert ledger["peak_concurrent_creates"] <= CREATE_LIMIT
     assert_pairs(sink)
 
 
-async def test_killing_an_actor_mid_batch_still_yields_every_result_once(local_ray):
+async def test_killing_an_actor_mid_batch_still_yields_every_result_once(
+    local_ray: None, fleet: EmulatorProcess
+) -> None:
     sink = MemorySink()
-    profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
-    async with EmulatorProcess(profile) as emu:
-        async with RayRolloutPool(
-            settings(),
-            api_key=emu.api_key,
-            base_url=emu.base_url,
-            num_actors=3,
-            events=Events([sink]),
-        ) as pool:
-            batch = pool.run_batch(
-                LEDGER[:25], ScriptedPolicy(think_time_s=0.05), samples_per_task=SAMPLES
-            )
-            results = []
-            with anyio.fail_after(300):
-                async for result in batch:
-                    results.append(result)
-                    # Early, while every actor still has rollouts in flight: with 100
-                    # rollouts an actor killed later may have finished its share already.
-                    if len(results) == 10:
-                        ray.kill(pool.workers[1])
-        ledger = await emu.ledger()
+    async with RayRolloutPool(
+        settings(),
+        api_key=fleet.api_key,
+        base_url=fleet.base_url,
+        num_actors=2,
+        events=Events([sink]),
+    ) as pool:
+        batch = pool.run_batch(
+            LEDGER[:25], ScriptedPolicy(think_time_s=0.05), samples_per_task=SAMPLES
+        )
+        results = []
+        with anyio.fail_after(300):
+            async for result in batch:
+                results.append(result)
+                # Early, while every actor still has rollouts in flight: with 100
+                # rollouts an actor killed later may have finished its share already.
+                if len(results) == 10:
+                    ray.kill(pool.workers[1])
+    ledger = await fleet.ledger()
     ids = Counter(r.rollout_id for r in results)
     assert len(ids) == 25 * SAMPLES and set(ids.values()) == {1}
-    assert pool.alive == [True, False, True]
+    assert pool.alive == [True, False]
     unscored = [(r.rollout_id, r.failure_reason, r.error) for r in results if r.reward != 1.0]
     assert unscored == []  # the lost ones were re-run
     assert ledger["running"] == 0
@@ -133,57 +208,44 @@ async def test_killing_an_actor_mid_batch_still_yields_every_result_once(local_r
 
 
 async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_still_serves_sessions(
-    local_ray,
-):
-    s = settings(service={"tasks_root": str(config_dir())})
-    profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
-    async with EmulatorProcess(profile) as emu:
-        async with AsyncExitStack() as stack:
-            # The pools as `fleetroll serve --ray --ray-actors 2` opens them.
-            local, on_ray, _ = await open_service_pools(
-                stack,
-                s,
-                FleetTarget(emu.api_key, emu.base_url, "emulator"),
-                Events(),
-                ray_address="local",
-                ray_actors=2,
+    service_on_ray: ServiceOnRay,
+) -> None:
+    local, on_ray = service_on_ray.local, service_on_ray.pool
+    url = service_on_ray.url
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=30) as http,
+        FleetrollClient(url) as client,
+    ):
+        with anyio.fail_after(120):
+            created = await http.post(
+                "/v1/batches",
+                json={"tasks_file": "tasks/ledger.jsonl", "batch_id": "on-ray"},
             )
-            assert isinstance(on_ray, RayRolloutPool)
-            service = Service(local, s, batch_pool=on_ray)
-            async with (
-                serve_app(create_app(service), "127.0.0.1", 0, before_stop=service.stop) as url,
-                httpx.AsyncClient(base_url=url, timeout=30) as http,
-                FleetrollClient(url) as client,
-            ):
-                with anyio.fail_after(120):
-                    created = await http.post(
-                        "/v1/batches",
-                        json={"tasks_file": "tasks/ledger.jsonl", "batch_id": "on-ray"},
-                    )
-                    lines = []
-                    async with http.stream("GET", "/v1/batches/on-ray/results?after=0") as body:
-                        async for line in body.aiter_lines():
-                            lines.append(json.loads(line))
-                            if lines[-1]["type"] == "end":
-                                break
-                    # Past its deadline, a batch on Ray is cancelled on every actor.
-                    late = client.run_batch(
-                        LEDGER[:4],
-                        {"kind": "scripted", "think_time_s": 60},
-                        samples_per_task=2,
-                        deadline_s=1,
-                    )
-                    cancelled = [r async for r in late]
-                    async with client.session(LEDGER[0]) as env:
-                        await env.reset()
-                        for step in LEDGER[0].solution or ():
-                            await env.step({"name": step.name, "arguments": step.arguments})
-                        # The session's instance counts in the cluster's one admission.
-                        await on_ray.admission.refresh(Events())
-                        during = on_ray.admission.state()
-                    session = await env.close()
-            assert "on-ray" in on_ray.batches and "on-ray" not in local.batches
-        ledger = await emu.ledger()
+            lines = []
+            async with http.stream("GET", "/v1/batches/on-ray/results?after=0") as body:
+                async for line in body.aiter_lines():
+                    lines.append(json.loads(line))
+                    if lines[-1]["type"] == "end":
+                        break
+            # Past its deadline, a batch on Ray is cancelled on every actor.
+            late = client.run_batch(
+                LEDGER[:4],
+                {"kind": "scripted", "think_time_s": 60},
+                samples_per_task=2,
+                deadline_s=1,
+            )
+            cancelled = [r async for r in late]
+            async with client.session(LEDGER[0]) as env:
+                await env.reset()
+                for step in LEDGER[0].solution or ():
+                    await env.step({"name": step.name, "arguments": step.arguments})
+                # The session's instance counts in the cluster's one admission.
+                await on_ray.admission.refresh(Events())
+                during = on_ray.admission.state()
+            session = await env.close()
+            await settled(on_ray, "on-ray", *{r.batch_id for r in cancelled})
+    assert "on-ray" in on_ray.batches and "on-ray" not in local.batches
+    ledger = await service_on_ray.emu.ledger()
     assert created.status_code == 201 and created.json()["rollouts"] == len(LEDGER)
     results = [line["result"] for line in lines if line["type"] == "result"]
     ids = Counter(r["rollout_id"] for r in results)
@@ -200,16 +262,15 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
     assert ledger["running"] == 0
 
 
-async def test_a_ray_pool_refuses_shared_keys_and_forgets_what_it_delivered(local_ray):
-    async with (
-        EmulatorProcess() as emu,
-        RayRolloutPool(
-            load_settings(pool={"keep_finished_batches": 1, "max_queued_rollouts": 4}),
-            api_key=emu.api_key,
-            base_url=emu.base_url,
-            num_actors=1,
-        ) as pool,
-    ):
+async def test_a_ray_pool_refuses_shared_keys_and_forgets_what_it_delivered(
+    local_ray: None, fleet: EmulatorProcess
+) -> None:
+    async with RayRolloutPool(
+        load_settings(pool={"keep_finished_batches": 1, "max_queued_rollouts": 4}),
+        api_key=fleet.api_key,
+        base_url=fleet.base_url,
+        num_actors=1,
+    ) as pool:
         with pytest.raises(ValueError, match=f"duplicate task key '{LEDGER[0].key}'"):
             pool.run_batch([LEDGER[0], LEDGER[0]], ScriptedPolicy())
         with pytest.raises(PoolFullError):
@@ -223,24 +284,20 @@ async def test_a_ray_pool_refuses_shared_keys_and_forgets_what_it_delivered(loca
 
 
 async def test_a_cancelled_batch_whose_actor_dies_reports_its_unfinished_rollouts_cancelled(
-    local_ray,
-):
-    profile = FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))
-    async with EmulatorProcess(profile) as emu:
-        async with RayRolloutPool(
-            settings(), api_key=emu.api_key, base_url=emu.base_url, num_actors=1
-        ) as pool:
-            batch = pool.run_batch(
-                LEDGER[:10], ScriptedPolicy(think_time_s=0.2), samples_per_task=4
-            )
-            results = []
-            with anyio.fail_after(300):
-                async for result in batch:
-                    results.append(result)
-                    if len(results) == 3:
-                        batch.cancel()
-                        ray.kill(pool.workers[0])  # its unfinished rollouts die with it
-        ledger = await emu.ledger()
+    local_ray: None, fleet: EmulatorProcess
+) -> None:
+    async with RayRolloutPool(
+        settings(), api_key=fleet.api_key, base_url=fleet.base_url, num_actors=1
+    ) as pool:
+        batch = pool.run_batch(LEDGER[:10], ScriptedPolicy(think_time_s=0.2), samples_per_task=4)
+        results = []
+        with anyio.fail_after(300):
+            async for result in batch:
+                results.append(result)
+                if len(results) == 3:
+                    batch.cancel()
+                    ray.kill(pool.workers[0])  # its unfinished rollouts die with it
+    ledger = await fleet.ledger()
     ids = Counter(r.rollout_id for r in results)
     assert len(ids) == 40 and set(ids.values()) == {1}
     unfinished = [r for r in results if r.reward is None]
@@ -248,17 +305,18 @@ async def test_a_cancelled_batch_whose_actor_dies_reports_its_unfinished_rollout
     assert ledger["running"] == 0
 
 
-class ProvisioningWatch(MemorySink):
-    """Every event, and a signal when the first instance is ready."""
+class Watch(MemorySink):
+    """Every event, and a signal when the first one of a name comes."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         super().__init__()
-        self.provisioned = anyio.Event()
+        self.name = name
+        self.seen = anyio.Event()
 
     def emit(self, event: Event) -> None:
         super().emit(event)
-        if event.name == "fleet_provisioning_completed":
-            self.provisioned.set()
+        if event.name == self.name:
+            self.seen.set()
 
 
 def mcp_task(task: TaskSpec) -> dict[str, Any]:
@@ -282,37 +340,31 @@ async def call(mcp: Client, tool: str, **arguments: Any) -> dict[str, Any]:
     return result.structured_content
 
 
-async def test_the_mcp_tools_of_a_service_on_ray_run_and_read_rollouts_on_an_actor(local_ray):
-    s = settings()
-    sink = ProvisioningWatch()
+async def test_the_mcp_tools_of_a_service_on_ray_run_and_read_rollouts_on_an_actor(
+    service_on_ray: ServiceOnRay,
+) -> None:
+    local, on_ray = service_on_ray.local, service_on_ray.pool
+    sink = Watch("fleet_provisioning_completed")
     held_policy = {"kind": "scripted", "think_time_s": 3600}
-    async with EmulatorProcess() as emu:
-        fleet = {"api_key": emu.api_key, "base_url": emu.base_url}
-        async with (
-            RolloutPool(s, **fleet) as local,
-            RayRolloutPool(s, **fleet, num_actors=1, events=Events([sink])) as on_ray,
-        ):
-            service = Service(local, s, batch_pool=on_ray)
-            app = create_app(service)
-            async with (
-                serve_app(app, "127.0.0.1", 0, before_stop=service.stop) as url,
-                Client(f"{url}/mcp") as mcp,
-            ):
-                with anyio.fail_after(120):
-                    held = await call(
-                        mcp, "start_rollout", task=mcp_task(LEDGER[3]), policy=held_policy
-                    )
-                    await sink.provisioned.wait()  # it is on the actor now
-                    live = await call(mcp, "get_state", rollout_id=held["rollout_id"])
-                    await call(mcp, "abort_rollout", rollout_id=held["rollout_id"])
-                    aborted = await call(mcp, "finalize_rollout", rollout_id=held["rollout_id"])
-                    ran = await call(mcp, "run_rollout", task=mcp_task(LEDGER[4]))
-                    after = await call(mcp, "get_state", rollout_id=ran["rollout_id"])
-                    transcript = await call(mcp, "get_messages", rollout_id=ran["rollout_id"])
-                    actor_pid = await on_ray.workers[0].pid.remote()
-            ran_here = set(local.batches)
-            ran_on_ray = set(on_ray.batches)
-        ledger = await emu.ledger()
+    ran_here_before = set(local.batches)
+    with service_on_ray.tap.into(sink):
+        async with Client(f"{service_on_ray.url}/mcp") as mcp:
+            with anyio.fail_after(120):
+                held = await call(
+                    mcp, "start_rollout", task=mcp_task(LEDGER[3]), policy=held_policy
+                )
+                await sink.seen.wait()  # it is on the actor now
+                live = await call(mcp, "get_state", rollout_id=held["rollout_id"])
+                await call(mcp, "abort_rollout", rollout_id=held["rollout_id"])
+                aborted = await call(mcp, "finalize_rollout", rollout_id=held["rollout_id"])
+                ran = await call(mcp, "run_rollout", task=mcp_task(LEDGER[4]))
+                after = await call(mcp, "get_state", rollout_id=ran["rollout_id"])
+                transcript = await call(mcp, "get_messages", rollout_id=ran["rollout_id"])
+                actor_pid = await on_ray.workers[0].pid.remote()
+                await settled(on_ray, held["batch_id"], ran["batch_id"])
+        ran_here = set(local.batches) - ran_here_before
+        ran_on_ray = set(on_ray.batches)
+    ledger = await service_on_ray.emu.ledger()
     # The service's own pool ran nothing: both rollouts ran on the actor, in another process.
     assert not ran_here and {held["batch_id"], ran["batch_id"]} <= ran_on_ray
     assert actor_pid != os.getpid()
@@ -338,43 +390,37 @@ def in_order(phases: list[str]) -> bool:
 
 
 async def test_a_rollout_on_a_ray_actor_is_followed_live_and_reports_mcp_progress(
-    local_ray: None,
+    service_on_ray: ServiceOnRay,
 ) -> None:
+    local, on_ray, url = service_on_ray.local, service_on_ray.pool, service_on_ray.url
     held = {"kind": "scripted", "think_time_s": 3600}
     progress: list[str] = []
 
     async def on_progress(value: float, total: float | None, message: str | None) -> None:
         progress.append(message or "")
 
-    async with EmulatorProcess() as emu:
-        fleet = {"api_key": emu.api_key, "base_url": emu.base_url}
-        async with (
-            RolloutPool(EVENTS_SETTINGS, **fleet) as local,
-            RayRolloutPool(EVENTS_SETTINGS, **fleet, num_actors=1) as on_ray,
-        ):
-            service = Service(local, EVENTS_SETTINGS, batch_pool=on_ray)
-            async with (
-                serve_app(create_app(service), "127.0.0.1", 0, before_stop=service.stop) as url,
-                Client(f"{url}/mcp") as mcp,
-                FleetrollClient(url) as client,
-            ):
-                with anyio.fail_after(120):
-                    started = await mcp.call_tool(
-                        "start_rollout", {"task": mcp_task(LEDGER[3]), "policy": held}
-                    )
-                    assert isinstance(started.structured_content, dict)
-                    rid = started.structured_content["rollout_id"]
-                    followed = []
-                    async for event in client.follow(rid):
-                        followed.append(event)
-                        if event.kind == "phase" and event.data["phase"] == "acting":
-                            # Seen live, from the actor: the policy holds it there.
-                            await mcp.call_tool("abort_rollout", {"rollout_id": rid})
-                    ran = await mcp.call_tool(
-                        "run_rollout", {"task": mcp_task(LEDGER[4])}, progress_callback=on_progress
-                    )
-            assert not (set(local.batches))  # everything ran on the actor
-        ledger = await emu.ledger()
+    ran_here_before = set(local.batches)
+    async with Client(f"{url}/mcp") as mcp, FleetrollClient(url) as client:
+        with anyio.fail_after(120):
+            started = await mcp.call_tool(
+                "start_rollout", {"task": mcp_task(LEDGER[3]), "policy": held}
+            )
+            assert isinstance(started.structured_content, dict)
+            rid = started.structured_content["rollout_id"]
+            followed = []
+            async for event in client.follow(rid):
+                followed.append(event)
+                if event.kind == "phase" and event.data["phase"] == "acting":
+                    # Seen live, from the actor: the policy holds it there.
+                    await mcp.call_tool("abort_rollout", {"rollout_id": rid})
+            ran = await mcp.call_tool(
+                "run_rollout", {"task": mcp_task(LEDGER[4])}, progress_callback=on_progress
+            )
+            assert isinstance(ran.structured_content, dict)
+            batch_ids = (started.structured_content["batch_id"], ran.structured_content["batch_id"])
+            await settled(on_ray, *batch_ids)
+    assert not (set(local.batches) - ran_here_before)  # everything ran on the actor
+    ledger = await service_on_ray.emu.ledger()
 
     phases = [e.data["phase"] for e in followed if e.kind == "phase"]
     assert phases[:5] == ORDER[:5] and in_order(phases)
@@ -392,7 +438,7 @@ LIMIT = 5
 
 
 @pytest.fixture(scope="module")
-async def admission_emu(local_ray: None) -> AsyncIterator[EmulatorProcess]:
+async def admission_emu() -> AsyncIterator[EmulatorProcess]:
     profile = FaultProfile(
         instance_limit=LIMIT,
         broken_envs=("desktop:v1",),
@@ -402,54 +448,11 @@ async def admission_emu(local_ray: None) -> AsyncIterator[EmulatorProcess]:
         yield emu
 
 
-def pool_on(emu: EmulatorProcess, sink: MemorySink, **admission: Any) -> RayRolloutPool:
-    admitted = load_settings(
-        pool={"concurrency": 32},
-        provisioning={
-            "max_concurrent_creates": 4,
-            "creates_per_second": 500,
-            "backoff_initial_s": 0.05,
-            "backoff_max_s": 0.5,
-        },
-        retries={"mcp_connect_attempts": 1},
-        admission=admission,
-    )
-    return RayRolloutPool(
-        admitted, api_key=emu.api_key, base_url=emu.base_url, num_actors=2, events=Events([sink])
-    )
-
-
-async def test_two_actors_hold_one_cap_of_5_instances_through_a_batch_of_30(
-    admission_emu: EmulatorProcess,
-) -> None:
-    sink = MemorySink()
-    async with pool_on(admission_emu, sink, max_instances=LIMIT) as pool:
-        with anyio.fail_after(300):
-            results = await pool.run_batch(
-                LEDGER[:15], ScriptedPolicy(), samples_per_task=2
-            ).results()
-            await pool.admission.refresh(pool.events)
-        state = pool.admission.state()
-        limiter = await pool.limiter.stats.remote()
-    ledger = await admission_emu.ledger()
-    assert len(results) == 30
-    reasons = Counter(r.failure_reason for r in results)
-    assert reasons[FailureReason.INIT_ERROR] == 0, [r.error for r in results if r.error][:3]
-    assert all(r.status == "completed" for r in results)
-    # Fleet's own count of running instances, at its highest, and no create it
-    # had to refuse: the cap held across both actors (each with its own cap, 10 tried).
-    assert ledger["peak_running"] <= LIMIT and ledger["running"] == 0
-    assert ledger["creates_by_outcome"].get("instance_limit", 0) == 0
-    assert (state.limit, state.in_use, state.starting, state.queued) == (LIMIT, 0, 0, 0)
-    assert limiter["peak"] <= 4 and limiter["in_use"] == 0
-
-
-async def test_a_broken_environment_trips_one_breaker_for_the_cluster_while_a_healthy_one_runs_on(
-    admission_emu: EmulatorProcess,
-) -> None:
-    sink = MemorySink()
-    before = (await admission_emu.ledger())["creates_by_env"].get("desktop", 0)
+@pytest.fixture(scope="module")
+async def admitted(local_ray: None, admission_emu: EmulatorProcess) -> AsyncIterator[OnRay]:
+    """Two actors under one cap of LIMIT instances, and one breaker per environment."""
     admission = {
+        "max_instances": LIMIT,
         # One desktop instance at a time, cluster-wide: the breaker sees each failure in turn.
         "env": {"desktop:v1": {"max_instances": 1}},
         "breaker": {
@@ -460,12 +463,61 @@ async def test_a_broken_environment_trips_one_breaker_for_the_cluster_while_a_he
             "probe_interval_s": 3600,
         },
     }
-    async with pool_on(admission_emu, sink, **admission) as pool:
-        with anyio.fail_after(300):
-            results = await pool.run_batch([*LEDGER[:9], *DESKTOP[:9]], ScriptedPolicy()).results()
-            await pool.admission.refresh(pool.events)
+    s = load_settings(
+        pool={"concurrency": 32},
+        provisioning={
+            "max_concurrent_creates": 4,
+            "creates_per_second": 500,
+            "backoff_initial_s": 0.05,
+            "backoff_max_s": 0.5,
+        },
+        retries={"mcp_connect_attempts": 1},
+        admission=admission,
+    )
+    tap = Tap()
+    fleet = {"api_key": admission_emu.api_key, "base_url": admission_emu.base_url}
+    async with RayRolloutPool(s, **fleet, num_actors=2, events=Events([tap])) as pool:
+        yield OnRay(admission_emu, pool, tap)
+
+
+async def test_two_actors_hold_one_cap_of_5_instances_through_a_batch_of_30(
+    admitted: OnRay,
+) -> None:
+    emu, pool = admitted.emu, admitted.pool
+    refused_before = (await emu.ledger())["creates_by_outcome"].get("instance_limit", 0)
+    with anyio.fail_after(300):
+        results = await pool.run_batch(LEDGER[:15], ScriptedPolicy(), samples_per_task=2).results()
+        await pool.admission.refresh(pool.events)
         state = pool.admission.state()
-    ledger = await admission_emu.ledger()
+        limiter = await pool.limiter.stats.remote()
+    ledger = await emu.ledger()
+    assert len(results) == 30
+    reasons = Counter(r.failure_reason for r in results)
+    assert reasons[FailureReason.INIT_ERROR] == 0, [r.error for r in results if r.error][:3]
+    assert all(r.status == "completed" for r in results)
+    # Fleet's own count of running instances, at its highest, and no create it
+    # had to refuse: the cap held across both actors (each with its own cap, 10 tried).
+    assert ledger["peak_running"] <= LIMIT and ledger["running"] == 0
+    assert ledger["creates_by_outcome"].get("instance_limit", 0) - refused_before == 0
+    assert (state.limit, state.in_use, state.starting, state.queued) == (LIMIT, 0, 0, 0)
+    assert limiter["peak"] <= 4 and limiter["in_use"] == 0
+
+
+async def test_a_broken_environment_trips_one_breaker_for_the_cluster_while_a_healthy_one_runs_on(
+    admitted: OnRay,
+) -> None:
+    emu, pool = admitted.emu, admitted.pool
+    sink = Watch("fleet_env_quarantined")
+    before = (await emu.ledger())["creates_by_env"].get("desktop", 0)
+    with admitted.tap.into(sink), anyio.fail_after(300):
+        results = await pool.run_batch([*LEDGER[:9], *DESKTOP[:9]], ScriptedPolicy()).results()
+        await pool.admission.refresh(pool.events)
+        # The pool's follower may be shipping it still (a pool of the test's own
+        # would have had its last look on closing).
+        with anyio.fail_after(30):
+            await sink.seen.wait()
+    state = pool.admission.state()
+    ledger = await emu.ledger()
     by_env: dict[str, Counter[str | None]] = {"ledger": Counter(), "desktop": Counter()}
     for r in results:
         env = "desktop" if r.task_key.startswith("desktop") else "ledger"

@@ -55,6 +55,13 @@ class _Buffer:
         self.done = False
         self.error: str | None = None
         self.changed = anyio.Event()
+        self.ended = anyio.Event()
+
+    def end(self) -> None:
+        """The shard's pool has closed: nothing more comes."""
+        self.done = True
+        self.ended.set()
+        self.changed.set()
 
     def emit(self, event: Event) -> None:  # an EventSink
         # Stamped here, in the actor's process: which actor ran what.
@@ -124,20 +131,29 @@ class RolloutWorker:
         except Exception as exc:  # reported to the driver, which accounts for every rollout
             buffer.error = f"{type(exc).__name__}: {exc}"
         finally:
-            buffer.done = True
-            buffer.changed.set()
+            buffer.end()
         return len(buffer.results)
 
     async def take(
-        self, shard_id: str, wait_s: float
+        self, shard_id: str, wait_s: float, gather_s: float = 0.0
     ) -> tuple[list[RolloutResult], list[Event], bool, str | None]:
-        """What the shard produced since the last take (waiting up to ``wait_s``)."""
+        """What the shard produced since the last take: waits up to ``wait_s`` for
+        something, then up to ``gather_s`` for what follows it (unless the shard
+        ends first).
+
+        A rollout's events and its result come in bursts: gathered, one answer
+        carries a burst, where waking on each event made the driver call once
+        per event.
+        """
         buffer = self._buffers.get(shard_id)
         if buffer is None:
             return [], [], False, None
         if not (buffer.results or buffer.events or buffer.done):
             with anyio.move_on_after(wait_s):
                 await buffer.changed.wait()
+        if (buffer.results or buffer.events) and not buffer.done:
+            with anyio.move_on_after(gather_s):
+                await buffer.ended.wait()
         buffer.changed = anyio.Event()
         results, buffer.results = buffer.results, []
         events, buffer.events = buffer.events, []

@@ -70,6 +70,9 @@ __all__ = ["RayBatch", "RayRolloutPool"]
 #: Not a setting: it trades a cancel's latency against calls per second, and
 #: nothing a user runs changes that trade.
 _TAKE_WAIT_S = 0.5
+#: How long an actor, once something came in, gathers what follows before it
+#: answers a ``take``: one call per burst of events, not per event (the same trade).
+_TAKE_GATHER_S = 0.05
 #: How soon a follower asks again when a rollout's actor does not hold its shard
 #: yet: the shard opens within a few of these.
 _OPENING_POLL_S = 0.05
@@ -486,7 +489,7 @@ class RayRolloutPool:
                     await cancel()
                 try:
                     results, events, done, error = await worker.take.remote(
-                        shard.shard_id, _TAKE_WAIT_S
+                        shard.shard_id, _TAKE_WAIT_S, _TAKE_GATHER_S
                     )
                 except ray.exceptions.RayActorError:
                     await self._worker_died(plan, batch, shard, tg)

@@ -54,7 +54,7 @@ SETTINGS = load_settings()
 LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
 DESKTOP = load_tasks(config_dir() / "tasks" / "desktop.jsonl", modalities=SETTINGS.modalities)
 CREATE_LIMIT = 4
-#: Samples per ledger task in the load tests: 100 rollouts, half on each of two actors.
+#: Samples per ledger task: 100 rollouts of 25 tasks, half on each of two actors.
 SAMPLES = 4
 ORDER = ["provisioning", "waiting", "resetting", "connecting", "acting", "verifying"]
 ORDER += ["releasing", "done"]
@@ -174,37 +174,60 @@ async def test_two_actors_run_a_hundred_rollouts_with_one_result_each_and_no_lea
     assert_pairs(sink)
 
 
-async def test_killing_an_actor_mid_batch_still_yields_every_result_once(
+async def test_a_killed_actor_s_rollouts_run_again_once_or_end_cancelled_if_their_batch_was(
     local_ray: None, fleet: EmulatorProcess
 ) -> None:
-    sink = MemorySink()
+    """Killed mid-batch, an actor's rollouts run again on the other one: every result
+    once. Then the last actor, killed in a cancelled batch: its unfinished rollouts
+    end cancelled. Each actor start costs seconds: one pool of two for both."""
+    rerun = MemorySink()
+    tap = Tap()
     async with RayRolloutPool(
         settings(),
         api_key=fleet.api_key,
         base_url=fleet.base_url,
         num_actors=2,
-        events=Events([sink]),
+        events=Events([tap]),
     ) as pool:
         batch = pool.run_batch(
-            LEDGER[:25], ScriptedPolicy(think_time_s=0.05), samples_per_task=SAMPLES
+            LEDGER[:10], ScriptedPolicy(think_time_s=0.05), samples_per_task=SAMPLES
         )
         results = []
-        with anyio.fail_after(300):
+        with tap.into(rerun), anyio.fail_after(300):
             async for result in batch:
                 results.append(result)
-                # Early, while every actor still has rollouts in flight: with 100
-                # rollouts an actor killed later may have finished its share already.
+                # Each actor holds 20 rollouts: killed at the 10th result in all,
+                # it still has at least 10 to lose, and so to run again.
                 if len(results) == 10:
                     ray.kill(pool.workers[1])
-    ledger = await fleet.ledger()
+        alive = list(pool.alive)
+        ledger = await fleet.ledger()
+
+        # The one actor left runs a batch, which is cancelled; then the actor dies.
+        batch = pool.run_batch(LEDGER[:10], ScriptedPolicy(think_time_s=0.2), samples_per_task=4)
+        dead_results = []
+        with anyio.fail_after(300):
+            async for result in batch:
+                dead_results.append(result)
+                if len(dead_results) == 3:
+                    batch.cancel()
+                    ray.kill(pool.workers[0])  # its unfinished rollouts die with it
+    dead_ledger = await fleet.ledger()
+
     ids = Counter(r.rollout_id for r in results)
-    assert len(ids) == 25 * SAMPLES and set(ids.values()) == {1}
-    assert pool.alive == [True, False]
+    assert len(ids) == 10 * SAMPLES and set(ids.values()) == {1}
+    assert alive == [True, False]
     unscored = [(r.rollout_id, r.failure_reason, r.error) for r in results if r.reward != 1.0]
     assert unscored == []  # the lost ones were re-run
     assert ledger["running"] == 0
-    assert sink.named("fleet_worker_lost")
-    assert_pairs(sink)
+    assert rerun.named("fleet_worker_lost")
+    assert_pairs(rerun)
+
+    ids = Counter(r.rollout_id for r in dead_results)
+    assert len(ids) == 40 and set(ids.values()) == {1}
+    unfinished = [r for r in dead_results if r.reward is None]
+    assert unfinished and {r.failure_reason for r in unfinished} == {FailureReason.CANCELLED}
+    assert dead_ledger["running"] == 0
 
 
 async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_still_serves_sessions(
@@ -281,28 +304,6 @@ async def test_a_ray_pool_refuses_shared_keys_and_forgets_what_it_delivered(
         kept = set(pool.batches)
         pool.forget("r2")
     assert kept == {"r2"} and not pool.batches
-
-
-async def test_a_cancelled_batch_whose_actor_dies_reports_its_unfinished_rollouts_cancelled(
-    local_ray: None, fleet: EmulatorProcess
-) -> None:
-    async with RayRolloutPool(
-        settings(), api_key=fleet.api_key, base_url=fleet.base_url, num_actors=1
-    ) as pool:
-        batch = pool.run_batch(LEDGER[:10], ScriptedPolicy(think_time_s=0.2), samples_per_task=4)
-        results = []
-        with anyio.fail_after(300):
-            async for result in batch:
-                results.append(result)
-                if len(results) == 3:
-                    batch.cancel()
-                    ray.kill(pool.workers[0])  # its unfinished rollouts die with it
-    ledger = await fleet.ledger()
-    ids = Counter(r.rollout_id for r in results)
-    assert len(ids) == 40 and set(ids.values()) == {1}
-    unfinished = [r for r in results if r.reward is None]
-    assert unfinished and {r.failure_reason for r in unfinished} == {FailureReason.CANCELLED}
-    assert ledger["running"] == 0
 
 
 class Watch(MemorySink):

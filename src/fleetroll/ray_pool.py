@@ -239,7 +239,7 @@ class RayBatch(ResultStream):
     def cancel(self) -> None:
         """Cancel what is still running on every actor; results keep coming.
 
-        The driver tells the actors within a poll (``_TAKE_WAIT_S``);
+        The driver tells the actors within a poll (``_TAKE_WAIT_S`` and its gather window);
         :meth:`aclose` tells them before it returns.
         """
         self.cancelled = True

@@ -14,8 +14,9 @@ The embedded emulator lives in :mod:`fleetroll.emulator`. Everything not in
 ``import fleetroll`` (and every ``fleetroll`` command) loads only what it uses.
 """
 
-import importlib as _importlib
 import typing as _typing
+
+from fleetroll._lazy import lazy_attributes as _lazy_attributes
 
 if _typing.TYPE_CHECKING:
     from fleetroll.client import FleetrollClient, ServiceError
@@ -120,13 +121,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> _typing.Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value  # once: later lookups do not come here
-    return value
+__getattr__ = _lazy_attributes(__name__, globals(), _WHERE)
 
 
 def __dir__() -> list[str]:

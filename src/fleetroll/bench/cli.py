@@ -125,15 +125,15 @@ def bench(
     apart from fleetroll's) and stops on its own: runs are bounded by the
     scenario's wall limit. Loopback only.
     """
-    # Imported here: `fleetroll --help` should not pay for the SDK and MCP imports.
-    from fleetroll.bench.report import PLOT_HINT, write_report
-    from fleetroll.bench.runner import quiet_libraries, run_scenario, with_overrides
-
     if list_only:
         for s in SCENARIOS.values():
             levels = ",".join(str(c) for c in s.concurrency)
             click.echo(f"{s.name:<11} {s.rollouts:>6} x C={levels:<16} {s.description}")
         return
+    # Imported here: `fleetroll --help` and `--list` should not pay for the SDK and MCP imports.
+    from fleetroll.bench.report import PLOT_HINT, write_report
+    from fleetroll.bench.runner import quiet_libraries, run_scenario, with_overrides
+
     config = str(config_file) if config_file is not None else None
     try:
         settings = load_settings(config)

@@ -7,8 +7,9 @@ Names are imported on first use: code that only needs a :class:`FaultProfile`
 (the settings do) does not load the servers (starlette, uvicorn, mcp).
 """
 
-import importlib as _importlib
 import typing as _typing
+
+from fleetroll._lazy import lazy_attributes as _lazy_attributes
 
 if _typing.TYPE_CHECKING:
     from fleetroll.emulator.faults import FaultProfile, Latency
@@ -25,10 +26,4 @@ _WHERE: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> _typing.Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(_importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = _lazy_attributes(__name__, globals(), _WHERE)

@@ -34,6 +34,25 @@ def pytest_configure(config: pytest.Config) -> None:
     compileall.compile_dir(Path(fleetroll.__file__).parent, quiet=1)
 
 
+#: Files whose tests keep one worker longest (Ray's start and actors, the load tests,
+#: the commands run as a user runs them), scheduled first: started last, one of them
+#: would run on alone while the other workers sit idle at the end of the run.
+LONGEST_FIRST = (
+    "test_ray_pool.py",
+    "test_pool.py",
+    "test_cli.py",
+    "test_docs_snippets.py",
+    "test_control_plane.py",
+    "test_bench_smoke.py",
+    "test_mcp_provider.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep order
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _outside_the_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Run every test, and whatever it starts, in a scratch folder, never in the checkout.

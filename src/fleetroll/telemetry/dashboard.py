@@ -47,7 +47,14 @@ from starlette.routing import Route
 from fleetroll.telemetry import dashboard_panels as panel
 from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, login_route
 from fleetroll.telemetry.dashboard_panels import Panels
-from fleetroll.telemetry.queries import COST_FIELDS, COST_SUMS_SQL, QueryError, QueryResult, query
+from fleetroll.telemetry.queries import (
+    COST_FIELDS,
+    COST_SUMS_SQL,
+    QueryError,
+    QueryResult,
+    percentile,
+    query,
+)
 from fleetroll.telemetry.store import StoreError
 
 if TYPE_CHECKING:
@@ -154,14 +161,6 @@ def _histogram(values: Sequence[float], lo: float, hi: float, bins: int) -> list
         index = min(bins - 1, max(0, int((value - lo) / width)))
         counts[index] += 1
     return [[lo + i * width, lo + (i + 1) * width, counts[i]] for i in range(bins)]
-
-
-def _percentile(ordered: Sequence[float], q: float) -> float | None:
-    if not ordered:
-        return None
-    position = (len(ordered) - 1) * q
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _timeline(
@@ -399,8 +398,8 @@ def snapshot(
         "failures": {"reasons": sorted(reasons), "envs": list(envs.values())},
         "provisioning": {
             "count": len(provisioning),
-            "p50_s": _percentile(provisioning, 0.50),
-            "p95_s": _percentile(provisioning, 0.95),
+            "p50_s": percentile(provisioning, 0.50),
+            "p95_s": percentile(provisioning, 0.95),
             "max_s": high if provisioning else None,
             "bins": _histogram(provisioning, 0.0, provisioning_bins * step, provisioning_bins)
             if provisioning

@@ -41,6 +41,7 @@ __all__ = [
     "ReadOnlyError",
     "batch_costs",
     "check",
+    "percentile",
     "query",
     "schema",
     "stats",
@@ -399,8 +400,9 @@ def _require_batch(db: str | os.PathLike[str], batch_id: str | None, service_nam
     raise NoSuchBatchError(batch_id, recent)
 
 
-def _percentile(ordered: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default)."""
+def percentile(ordered: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted values: linear interpolation between closest ranks
+    (numpy's default); None for no values."""
     if not ordered:
         return None
     position = (len(ordered) - 1) * q
@@ -439,8 +441,8 @@ def stats(
         group = (row["env_key"], row["env_version"], row["modality"])
         ordered = sorted(times.get(group, ()))
         row["failure_reasons"] = dict(sorted(reasons.get(group, {}).items()))
-        row["provisioning_p50_s"] = _percentile(ordered, 0.50)
-        row["provisioning_p95_s"] = _percentile(ordered, 0.95)
+        row["provisioning_p50_s"] = percentile(ordered, 0.50)
+        row["provisioning_p95_s"] = percentile(ordered, 0.95)
         row.pop("rewarded")
         out.append(row)
     return out

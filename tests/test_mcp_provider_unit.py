@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fleetroll.mcp_provider import WORKDIR_PREFIX, McpProvider, _number
+from fleetroll.mcp_process import reward_number
+from fleetroll.mcp_provider import WORKDIR_PREFIX, McpProvider
 from fleetroll.settings import load_settings
 from fleetroll.telemetry import Events
 
@@ -30,4 +31,4 @@ def test_release_refuses_to_delete_a_folder_it_did_not_make(tmp_path: Path, name
     [("1", 1.0), (" 0.25 \n", 0.25), ("-1e0", -1.0), ("nan", None), ("inf", None), ("ok", None)],
 )
 def test_a_reward_line_is_a_finite_number_or_nothing(line: str, reward: float | None) -> None:
-    assert _number(line) == reward
+    assert reward_number(line) == reward

@@ -63,7 +63,6 @@ from fleetroll.mcp_process import (
     stop_process,
     tool_reward,
 )
-from fleetroll.mcp_process import reward_number as _number  # noqa: F401 (its old name)
 from fleetroll.mcp_tasks import McpEnvironment, McpVerifier, ToolCallSpec
 from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll.results import VerifierOutcome

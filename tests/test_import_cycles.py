@@ -1,4 +1,5 @@
-"""No import cycle among fleetroll's modules outside the emulator (issue 14).
+"""Imports that read top-down (issue 14): no cycle among fleetroll's modules
+outside the emulator, and the Fleet SDK only behind the Fleet provider.
 
 Every import counts: module level, under ``TYPE_CHECKING`` and inside
 functions, since each of them ties two modules together.
@@ -23,7 +24,8 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _imports(path: Path, known: dict[str, Path]) -> set[str]:
+def _imported(path: Path) -> set[str]:
+    """Every absolute name a module imports, and each ``from`` import's members."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
@@ -31,7 +33,15 @@ def _imports(path: Path, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.add(node.module)
             names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {name for name in names if name in known}
+    return names
+
+
+def _imports(path: Path, known: dict[str, Path]) -> set[str]:
+    return {name for name in _imported(path) if name in known}
+
+
+def _top_level(path: Path) -> set[str]:
+    return {name.partition(".")[0] for name in _imported(path)}
 
 
 def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
@@ -55,3 +65,21 @@ def test_no_module_outside_the_emulator_imports_itself_back() -> None:
     )
 
     assert in_cycles == []
+
+
+def test_only_the_fleet_provider_s_modules_import_the_fleet_sdk() -> None:
+    """Another provider plugs in at ``environments.Provider``; the SDK stays behind it."""
+    importers = sorted(
+        name
+        for name, path in _modules().items()
+        if "fleet" in _top_level(path)
+        and not name.startswith(("fleetroll.emulator", "fleetroll.bench"))
+    )
+
+    assert importers == [
+        "fleetroll.fleet_control",
+        "fleetroll.fleet_traces",
+        "fleetroll.provisioning",
+        "fleetroll.verification",
+    ]
+    assert {"fleet", "httpx", "httpx2", "httpcore"}.isdisjoint(_top_level(SRC / "rollout.py"))

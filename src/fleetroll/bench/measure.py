@@ -7,7 +7,6 @@ and its children (the verifier workers), so nothing extra needs installing.
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import time
@@ -17,6 +16,8 @@ from pathlib import Path
 
 import anyio
 from anyio.abc import TaskStatus
+
+from fleetroll.telemetry.sql_functions import percentile as sorted_percentile
 
 __all__ = [
     "CpuClock",
@@ -33,14 +34,9 @@ _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The ``q``-th percentile (0-100) by linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """The ``q``-th percentile (0-100) of values in any order, by linear interpolation;
+    None for no values."""
+    return sorted_percentile(sorted(values), q / 100)
 
 
 class LoopLag:

@@ -47,14 +47,8 @@ from starlette.routing import Route
 from fleetroll.telemetry import dashboard_panels as panel
 from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, login_route
 from fleetroll.telemetry.dashboard_panels import Panels
-from fleetroll.telemetry.queries import (
-    COST_FIELDS,
-    COST_SUMS_SQL,
-    QueryError,
-    QueryResult,
-    percentile,
-    query,
-)
+from fleetroll.telemetry.queries import COST_FIELDS, COST_SUMS_SQL, QueryError, QueryResult, query
+from fleetroll.telemetry.sql_functions import percentile
 from fleetroll.telemetry.store import StoreError
 
 if TYPE_CHECKING:

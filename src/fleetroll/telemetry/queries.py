@@ -12,7 +12,6 @@ SQL on Logfire's column names; the same queries run on Logfire cloud.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sqlite3
@@ -26,6 +25,7 @@ from typing import Any, Final, Literal
 from fleetroll.errors import NoSuchBatchError, QueryError, ReadOnlyError
 from fleetroll.telemetry import dialect as logfire_sql
 from fleetroll.telemetry import writers
+from fleetroll.telemetry.sql_functions import percentile
 from fleetroll.telemetry.store import COLUMNS, connect
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "ReadOnlyError",
     "batch_costs",
     "check",
-    "percentile",
     "query",
     "schema",
     "stats",
@@ -398,16 +397,6 @@ def _require_batch(db: str | os.PathLike[str], batch_id: str | None, service_nam
         return
     recent = [str(b) for (b,) in _run(db, _RECENT_BATCHES_SQL, params).rows]
     raise NoSuchBatchError(batch_id, recent)
-
-
-def percentile(ordered: Sequence[float], q: float) -> float | None:
-    """The ``q`` quantile of sorted values: linear interpolation between closest ranks
-    (numpy's default); None for no values."""
-    if not ordered:
-        return None
-    position = (len(ordered) - 1) * q
-    low, high = math.floor(position), math.ceil(position)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def stats(

@@ -15,7 +15,7 @@ import json
 import math
 import re
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final, cast
 
@@ -30,6 +30,7 @@ __all__ = [
     "fr_ts_add",
     "fr_ts_diff",
     "install",
+    "percentile",
 ]
 
 #: Seconds in each unit of fixed length an interval may name.
@@ -203,6 +204,16 @@ def fr_extract(unit: str, value: object) -> float | None:
     return part(when)
 
 
+def percentile(ordered: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (0 to 1) of sorted values, by linear interpolation between
+    the closest ranks (``percentile_cont``, numpy's default); None for no values."""
+    if not ordered:
+        return None
+    position = (len(ordered) - 1) * q
+    low, high = math.floor(position), math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
 class _Percentile:
     """``percentile_cont`` (linear interpolation) or ``percentile_disc`` over non-null values."""
 
@@ -227,11 +238,9 @@ class _Percentile:
         if not self.values or self.q is None:
             return None
         ordered = sorted(self.values)
-        position = (len(ordered) - 1) * self.q
         if self.discrete:
             return ordered[max(0, math.ceil(self.q * len(ordered)) - 1)]
-        low, high = math.floor(position), math.ceil(position)
-        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+        return percentile(ordered, self.q)
 
 
 class _PercentileDisc(_Percentile):

@@ -129,7 +129,7 @@ def _emulator(request: dict[str, Any], output: int) -> int:
         main(["emulator", *request["args"]], prog_name="fleetroll")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except BaseException:  # it would have printed its traceback and exited 1
+    except BaseException:  # never unwind into the zygote's loop: print, exit 1 (as Python would)
         import traceback
 
         traceback.print_exc()

@@ -41,6 +41,13 @@ def test_a_url_environment_takes_a_reset_and_a_tool_verifier() -> None:
     assert task.verifier.tool.arguments == {"x": 1}
 
 
+def test_a_url_server_serves_one_rollout_at_a_time_unless_the_task_says_more() -> None:
+    url = {"url": "http://127.0.0.1:9/mcp"}
+    assert parse(environment=url, verifier=CHECK).environment.max_concurrent_rollouts == 1
+    more = parse(environment={**url, "max_concurrent_rollouts": 4}, verifier=CHECK)
+    assert more.environment.max_concurrent_rollouts == 4
+
+
 def test_fleet_tasks_have_no_environment() -> None:
     task = parse(env_key="ledger:v1")
     assert task.environment is None and task.verifier is None and task.env_key == "ledger"
@@ -61,6 +68,10 @@ def test_fleet_tasks_have_no_environment() -> None:
          "environment.colour", "unknown field"),
         ({"environment": {**SERVER, "reset": {"tool": {"name": "r"}}}, "verifier": CHECK},
          "environment", "'url' server"),
+        ({"environment": {**SERVER, "max_concurrent_rollouts": 2}, "verifier": CHECK},
+         "environment", "'url' server"),
+        ({"environment": {"url": "http://a/", "max_concurrent_rollouts": 0}, "verifier": CHECK},
+         "environment.max_concurrent_rollouts", "greater than or equal to 1"),
         ({"environment": SERVER}, "verifier", "missing required field"),
         ({"environment": SERVER, "verifier": {**CHECK, "tool": {"name": "t"}}},
          "verifier", "exactly one"),

@@ -59,6 +59,7 @@ INFRASTRUCTURE_FAILURES = frozenset(
         FailureReason.TOOLS_ERROR,
         FailureReason.INSTANCE_LOST,
         FailureReason.VERIFIER_ERROR,
+        FailureReason.RESET_FAILED,
     }
 )
 #: Ends that say nothing of the environment's health: not counted in the window.

@@ -43,6 +43,12 @@ class Instance:
         provision_s: seconds from the first attempt to ready.
         created_mono: ``time.monotonic()`` when it became ready.
         handle: the provider's own object; nothing else touches it.
+        reset_required: whether the instance is in the task's start state
+            only once :meth:`Provider.reset` succeeded (a shared server that
+            keeps the last rollout's state): then a failed reset ends the
+            rollout as ``reset_failed``, never scored. False (a Fleet
+            instance, a server started for this rollout): it is fresh anyway,
+            and a failed reset is only logged.
     """
 
     instance_id: str
@@ -50,6 +56,7 @@ class Instance:
     provision_s: float
     created_mono: float
     handle: object
+    reset_required: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +94,8 @@ class Provider(Protocol):
         ...
 
     async def reset(self, instance: Instance) -> None:
-        """Bring the instance back to the task's start state (may raise)."""
+        """Bring the instance back to the task's start state (may raise; whether a
+        failure is fatal is the instance's :attr:`Instance.reset_required`)."""
         ...
 
     def route(self, instance: Instance, task: TaskSpec) -> Route:

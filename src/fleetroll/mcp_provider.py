@@ -14,7 +14,11 @@ tasks that give ``environment`` instead of a Fleet ``env_key``:
   ``verifier.tool``) is a client over the running process's pipes.
 * ``environment.url``: a streamable-HTTP server already running, connected
   with retries (:func:`fleetroll.tools.open_tool_session`), reset before
-  each rollout when the task says how.
+  each rollout when the task says how. Its state is shared, so provisioning
+  waits for a lease on the URL (:mod:`fleetroll.server_leases`, at most
+  ``environment.max_concurrent_rollouts`` at once), held until release; and
+  its instance is fresh only once reset (``Instance.reset_required``): a
+  failed reset ends the rollout as ``reset_failed``.
 * ``verifier.command`` runs in the working directory under
   ``timeouts.verifier_s`` in its own process group (killed on timeout), with
   the same minimal environment; ``verifier.tool`` is a call on the server.
@@ -67,13 +71,14 @@ from fleetroll.mcp_tasks import McpEnvironment, McpVerifier, ToolCallSpec
 from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll.results import VerifierOutcome
 from fleetroll.routing import Route, route
+from fleetroll.server_leases import ServerLeases
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
 from fleetroll.tools import ToolSession, describe, open_tool_session
 
-__all__ = ["WORKDIR_PREFIX", "McpHandle", "McpProvider"]
+__all__ = ["WORKDIR_PREFIX", "McpHandle", "McpProvider", "public_url"]
 
 
 @dataclass(eq=False)
@@ -88,6 +93,7 @@ class McpHandle:
     process: Process | None = None
     stdout_closed: anyio.Event = field(default_factory=anyio.Event)
     released: bool = False
+    leased: bool = False  # holds a lease on its url server (ServerLeases)
 
     @property
     def workdir(self) -> Path:
@@ -110,6 +116,8 @@ class McpProvider:
         self._settings = settings
         self._events = events
         self._live: dict[str, McpHandle] = {}
+        #: Who may use each url server now (its rollouts' states must not mix).
+        self.leases = ServerLeases()
         self._examples = str(Path(fleetroll.examples_mcp.__file__).resolve().parent)
 
     # -- pre-flight -----------------------------------------------------------
@@ -165,7 +173,9 @@ class McpProvider:
     # -- provisioning ---------------------------------------------------------
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
-        """A working directory and, for a ``command`` server, the server answering MCP.
+        """A working directory and, for a ``command`` server, the server answering MCP;
+        for a ``url`` server, a lease on it (waiting, cancellably, while
+        ``environment.max_concurrent_rollouts`` rollouts hold one).
 
         Raises:
             ProvisionError: setup failed, the server did not start or answer
@@ -192,6 +202,11 @@ class McpProvider:
             if environment.command is not None:
                 await self._setup(handle, task)
                 await self._start(handle)
+            else:
+                assert environment.url is not None
+                limit = environment.max_concurrent_rollouts
+                await self.leases.acquire(environment.url, limit, handle)
+                handle.leased = True  # given back by _release, on every path
             ready = True
         except (ProvisionError, OSError, TimeoutError, ToolsError) as exc:
             error = exc if isinstance(exc, ProvisionError) else self._provision_error(exc, handle)
@@ -221,7 +236,15 @@ class McpProvider:
             attempts=1,
             instance_id=handle.instance_id,
         )
-        return Instance(handle.instance_id, 1, elapsed, time.monotonic(), handle=handle)
+        return Instance(
+            handle.instance_id,
+            1,
+            elapsed,
+            time.monotonic(),
+            handle=handle,
+            # A url server keeps the last rollout's state: fresh only once reset.
+            reset_required=environment.url is not None,
+        )
 
     def _provision_error(self, exc: BaseException, handle: McpHandle | None) -> ProvisionError:
         what = "starting the MCP server" if handle and handle.process else "setting up the server"
@@ -290,7 +313,8 @@ class McpProvider:
     async def reset(self, instance: Instance) -> None:
         """Run a ``url`` server's ``environment.reset`` (``timeouts.reset_s``).
 
-        A ``command`` server starts fresh: nothing to do.
+        A ``command`` server starts fresh: nothing to do. Errors name the
+        server by :func:`public_url` (never its credentials or query).
 
         Raises:
             OperationTimeout: the reset passed its deadline.
@@ -301,26 +325,39 @@ class McpProvider:
         if reset is None:
             return
         timeout = self._settings.timeouts.reset_s
+        url = reset.http.url if reset.http is not None else handle.label
+        if reset.http is not None:
+            target = f"{reset.http.method} {public_url(url)}"
+        else:
+            assert reset.tool is not None
+            target = f"the tool {reset.tool.name} of {public_url(url)}"
+
+        def failed(exc: Exception) -> ToolsError:
+            # The text may quote the URL whole (with a token in it): named as above.
+            why = describe(exc).replace(url, public_url(url))
+            return ToolsError(f"reset ({target}) failed: {why}", operation="reset")
+
         try:
             with anyio.fail_after(timeout):
                 if reset.http is not None:
                     async with self._http() as http:
                         response = await http.request(reset.http.method, reset.http.url)
-                        response.raise_for_status()
+                    said = f"HTTP {response.status_code}" if response.is_error else None
                 else:
                     assert reset.tool is not None
                     async with self._session(handle) as session:
                         answer = await session.call(reset.tool.name, reset.tool.arguments)
-                    if answer.is_error:
-                        raise ToolsError(f"reset tool said: {answer.text[:300]}", operation="reset")
+                    said = answer.text[:300] if answer.is_error else None
         except TimeoutError:
             raise OperationTimeout(
-                f"resetting {handle.label} took over {timeout:g} s",
+                f"reset ({target}) took over {timeout:g} s (timeouts.reset_s)",
                 operation="reset",
                 timeout_s=timeout,
             ) from None
-        except httpx2.HTTPError as exc:
-            raise ToolsError(f"reset of {handle.label} failed: {exc}", operation="reset") from exc
+        except (httpx2.HTTPError, ToolsError, OperationTimeout) as exc:  # its request or session
+            raise failed(exc) from exc
+        if said is not None:
+            raise ToolsError(f"reset ({target}) answered an error: {said}", operation="reset")
 
     def route(self, instance: Instance, task: TaskSpec) -> Route:
         """The task's modality's tool filter, on the server itself."""
@@ -522,6 +559,9 @@ class McpProvider:
             return True
         handle.released = True
         self._live.pop(handle.instance_id, None)
+        if handle.leased and handle.environment.url is not None:
+            handle.leased = False
+            self.leases.release(handle.environment.url, handle)  # the next in line may go
         timeout, grace = self._settings.timeouts.release_s, self._settings.mcp.kill_grace_s
         error: str | None = None
         began = time.monotonic()
@@ -583,6 +623,12 @@ class McpProvider:
         if not keep or not lines:
             return ""
         return "; stderr: " + redact(" | ".join(lines))
+
+
+def public_url(url: str) -> str:
+    """``url`` without what may be secret (user and password, query, fragment)."""
+    parts = httpx.URL(url)
+    return str(parts.copy_with(userinfo=b"", query=None, fragment=None))
 
 
 def _environment(task: TaskSpec) -> McpEnvironment:

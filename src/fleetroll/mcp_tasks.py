@@ -3,7 +3,8 @@
 A task runs on any MCP server when it gives ``environment`` instead of
 ``env_key``: a stdio server started per rollout (``environment.command``,
 with ``files``, ``setup`` and ``env``) or a streamable-HTTP server already
-running (``environment.url``, with an optional ``reset``). Its ``verifier``
+running (``environment.url``, with an optional ``reset`` and
+``max_concurrent_rollouts``, how many rollouts it serves at once). Its ``verifier``
 is a command run in the rollout's working directory or a tool call on the
 environment's own server. :func:`parse_mcp` checks both fields of a record,
 raising the loader's :class:`~fleetroll.errors.TaskFileError` naming the
@@ -85,6 +86,9 @@ class McpEnvironment(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     url: str | None = Field(None, pattern=r"^https?://")
     reset: Reset | None = None
+    #: Rollouts the ``url`` server serves at once (their states must not mix):
+    #: more wait for it, from before their reset until they are verified.
+    max_concurrent_rollouts: int = Field(1, ge=1)
 
     _commands = field_validator("command", "setup")(_command)
 
@@ -105,6 +109,11 @@ class McpEnvironment(_Strict):
             raise ValueError("'files', 'setup' and 'env' are for a 'command' server, not a 'url'")
         if self.command is not None and self.reset is not None:
             raise ValueError("'reset' is for a 'url' server (a 'command' server starts fresh)")
+        if self.command is not None and "max_concurrent_rollouts" in self.model_fields_set:
+            raise ValueError(
+                "'max_concurrent_rollouts' is for a 'url' server (a 'command' server is"
+                " started for each rollout)"
+            )
         return self
 
 

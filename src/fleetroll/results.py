@@ -43,6 +43,9 @@ class FailureReason(StrEnum):
     #: The environment version's circuit breaker was open (too many
     #: infrastructure failures) and ``admission.breaker.on_open = "fail"``.
     ENV_UNAVAILABLE = "env_unavailable"
+    #: The environment's reset failed where only the reset makes its state the
+    #: task's start (a shared ``environment.url`` server): not scored.
+    RESET_FAILED = "reset_failed"
 
 
 #: Reasons after which the verifier still scores the rollout (docs/results.md);

@@ -3,7 +3,8 @@
 ::
 
     PENDING → PROVISIONING → (WAITING) → RESETTING → CONNECTING → ACTING → VERIFYING → DONE
-                   │              (reset failures are logged, not fatal)
+                   │              (a failed reset is logged; fatal only where
+                   │               the reset makes the state fresh)
                    └── any phase may end early; RELEASING always runs
 
 Every operation runs under its own deadline, and everything after the
@@ -255,7 +256,9 @@ class Rollout:
         stack.enter_context(Events.bind(instance_id=instance.instance_id))
 
         self._enter(Phase.RESETTING)
-        await stages.reset(e, instance, self.progress)
+        failed = await stages.reset(e, instance, self.progress)
+        if failed is not None:
+            return self._set_up_failed(failed)
 
         self._enter(Phase.CONNECTING)
         self.route = e.provider.route(instance, self.task)

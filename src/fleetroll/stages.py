@@ -104,22 +104,30 @@ async def provision(
         progress.timings.provision_s = time.monotonic() - began
 
 
-async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> None:
-    """Reset the instance; best effort (it is fresh anyway), so a failure is only logged."""
+async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> SetupFailure | None:
+    """Reset the instance. A failure is only logged where the instance is fresh anyway
+    (a Fleet instance); where the reset is what makes it fresh
+    (:attr:`~fleetroll.environments.Instance.reset_required`, a shared server),
+    it is why set-up stopped (``reset_failed``): never scored on a state left by
+    another rollout."""
     timeout = ctx.settings.timeouts.reset_s
     began = time.monotonic()
     try:
         await ctx.provider.reset(instance)
-    except Exception as exc:  # reset is best effort: the instance is fresh anyway
+    except Exception as exc:  # the provider's error, whatever it is, is the news
         ctx.events.emit(
             "fleet_env_reset_failed",
-            level="warn",
+            level="error" if instance.reset_required else "warn",
             timeout_s=timeout,
             error_type=type(exc).__name__,
             error_message=str(exc)[:500],
         )
+        if instance.reset_required:
+            error = f"{describe(exc)}; not scored: the state is not the task's start"
+            return SetupFailure(FailureReason.RESET_FAILED, error, exc)
     finally:
         progress.timings.reset_s = time.monotonic() - began
+    return None
 
 
 async def connect(

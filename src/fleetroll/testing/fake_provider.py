@@ -53,12 +53,17 @@ class FakeProvider:
         provision_error: ProvisionError | None = None,
         verify_error: str | None = None,
         preflight_problems: Sequence[str] = (),
+        reset_error: Exception | None = None,
+        reset_required: bool = False,
     ) -> None:
         self.settings = settings
         self.preflight_problems = list(preflight_problems)
         self.preflights = 0
         self.provision_error = provision_error
         self.verify_error = verify_error
+        self.reset_error = reset_error
+        #: Its instances are fresh only once reset (as a shared server's are).
+        self.reset_required = reset_required
         self.states: dict[str, FakeState] = {}
         self.released: list[str] = []
         self.resets = 0
@@ -95,10 +100,20 @@ class FakeProvider:
             raise self.provision_error
         state = FakeState(f"fake-{next(self._ids)}")
         self.states[state.instance_id] = state
-        return Instance(state.instance_id, 1, 0.0, time.monotonic(), handle=state)
+        return Instance(
+            state.instance_id,
+            1,
+            0.0,
+            time.monotonic(),
+            handle=state,
+            reset_required=self.reset_required,
+        )
 
     async def reset(self, instance: Instance) -> None:
+        await anyio.lowlevel.checkpoint()
         self.resets += 1
+        if self.reset_error is not None:
+            raise self.reset_error
 
     def route(self, instance: Instance, task: TaskSpec) -> Route:
         return route(

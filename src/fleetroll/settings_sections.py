@@ -99,7 +99,7 @@ class BreakerSettings(_Section):
     #: No verdict on fewer rollouts than this in the window.
     min_rollouts: int = Field(10, ge=1)
     #: Share of infrastructure failures (init_error, tools_error,
-    #: instance_lost, verifier_error) in the window that opens the breaker.
+    #: instance_lost, verifier_error, reset_failed) in the window that opens the breaker.
     failure_share: float = Field(0.5, gt=0, le=1)
     #: While open: "wait" holds new rollouts of it (within the provisioning
     #: budget); "fail" ends them at once as ``env_unavailable``.

@@ -48,7 +48,7 @@ async def shared_server(tmp_path: Path) -> AsyncIterator[Server]:
     folder = tmp_path / "served"
     folder.mkdir()
     (folder / "status.txt").write_text("done")  # a previous rollout's state
-    mcp = build(folder)
+    mcp = build(folder, hang_tool=True)
     server = Server("", folder)
 
     @mcp.tool(description="A rollout begins: back to an empty folder (the reset).")
@@ -82,13 +82,17 @@ def task(key: str, server: Server, solution: list[dict[str, Any]], **environment
     return parse_task(record, source="test", modalities={"tool_use"})
 
 
-async def run(tasks: list[TaskSpec], root: Path, *, samples: int = 1) -> list[RolloutResult]:
+def pool_in(root: Path) -> RolloutPool:
     settings = load_settings(
         timeouts={"mcp_connect_s": 20.0, "call_tool_s": 20.0},
         mcp={"workdir_root": str(root)},
     )
+    return RolloutPool(settings, api_key="unused", base_url=NOWHERE)
+
+
+async def run(tasks: list[TaskSpec], root: Path, *, samples: int = 1) -> list[RolloutResult]:
     with anyio.fail_after(120):
-        async with RolloutPool(settings, api_key="unused", base_url=NOWHERE) as pool:
+        async with pool_in(root) as pool:
             batch = pool.run_batch(tasks, ScriptedPolicy(), samples_per_task=samples)
             return await batch.results()
 
@@ -99,12 +103,14 @@ async def test_a_shared_server_whose_reset_fails_gives_no_reward_not_the_last_st
     async with shared_server(tmp_path) as server:
         reset = {"http": {"method": "POST", "url": f"{server.url}-reset?token=s3cr3t-value"}}
         did_nothing = task("did-nothing", server, [], reset=reset)  # status.txt still says done
-        [result] = await run([did_nothing], tmp_path / "workdirs")
+        # Two samples: the second gets the server once the first gave it back.
+        results = await run([did_nothing], tmp_path / "workdirs", samples=2)
 
-    assert result.reward is None and result.verifier is None  # not 1.0 from the last state
-    assert result.failure_reason is FailureReason.RESET_FAILED
-    assert result.error is not None and f"POST {server.url}-reset" in result.error
-    assert "HTTP 404" in result.error and "s3cr3t" not in result.error
+    for result in results:
+        assert result.reward is None and result.verifier is None  # not 1.0 from the last state
+        assert result.failure_reason is FailureReason.RESET_FAILED
+        assert result.error is not None and f"POST {server.url}-reset" in result.error
+        assert "HTTP 404" in result.error and "s3cr3t" not in result.error
 
 
 async def test_six_rollouts_on_one_shared_server_each_get_their_own_reward(
@@ -129,3 +135,17 @@ async def test_a_shared_server_declaring_two_serves_at_most_two_rollouts_at_once
 
     assert [r.failure_reason for r in results] == [None] * 6
     assert server.most == 2 and server.in_flight == 0
+
+
+async def test_a_rollout_cancelled_while_it_holds_the_server_gives_it_back(tmp_path: Path) -> None:
+    async with shared_server(tmp_path) as server, pool_in(tmp_path / "workdirs") as pool:
+        hangs = task("hangs", server, [{"name": "hang", "arguments": {}}])
+        with anyio.fail_after(60):
+            [cancelled] = await pool.run_batch([hangs], ScriptedPolicy(), deadline_s=2).results()
+            # The same pool (the same leases): the next rollout gets the server.
+            [after] = await pool.run_batch(
+                [task("looks", server, LOOK)], ScriptedPolicy()
+            ).results()
+
+    assert cancelled.failure_reason is FailureReason.CANCELLED
+    assert after.failure_reason is None and after.reward == 0.0

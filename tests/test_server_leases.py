@@ -36,8 +36,9 @@ DONE = parse_task(
 )  # fmt: skip
 
 
-async def waits(work: Callable[[], Awaitable[object]]) -> bool:
-    """Whether ``work`` blocks once everything else has run (it is then cancelled)."""
+async def waits(leases: ServerLeases, work: Callable[[], Awaitable[object]]) -> bool:
+    """Whether ``work`` ends up waiting for a lease on ``URL`` (it is then cancelled)
+    rather than finishing."""
     done = False
 
     async def run() -> None:
@@ -47,7 +48,9 @@ async def waits(work: Callable[[], Awaitable[object]]) -> bool:
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(run)
-        await anyio.wait_all_tasks_blocked()
+        # Until one or the other: making a workdir runs on a thread first.
+        while not done and leases.waiting(URL) == 0:
+            await anyio.wait_all_tasks_blocked()
         tg.cancel_scope.cancel()
     return not done
 
@@ -134,10 +137,10 @@ async def test_tasks_declaring_different_limits_on_one_url_get_the_smallest() ->
         await leases.acquire(URL, 4, "a")
         await leases.acquire(URL, 2, "b")
         assert leases.limit(URL) == 2
-        assert await waits(lambda: leases.acquire(URL, 4, "c"))  # two hold it: a third waits
+        assert await waits(leases, lambda: leases.acquire(URL, 4, "c"))  # a third waits
         assert leases.held(URL) == 2
         leases.release(URL, "a")
-        assert not await waits(lambda: leases.acquire(URL, 4, "c"))
+        assert not await waits(leases, lambda: leases.acquire(URL, 4, "c"))
 
 
 # -- the mcp provider's url instances ---------------------------------------------
@@ -176,7 +179,8 @@ async def test_a_url_server_s_next_rollout_is_provisioned_once_the_last_is_relea
         assert first.reset_required  # the server keeps the last rollout's state
         async with anyio.create_task_group() as tg:
             tg.start_soon(provision)
-            await anyio.wait_all_tasks_blocked()
+            while provider.leases.waiting(URL) == 0:  # its workdir is made on a thread first
+                await anyio.wait_all_tasks_blocked()
             assert got == [] and provider.leases.held(URL) == 1  # waiting, as provisioning
             await provider.release(first)
         [second] = got
@@ -191,7 +195,7 @@ async def test_a_rollout_cancelled_while_it_waits_for_the_server_leaks_no_lease_
     task = url_task()
     with anyio.fail_after(5):
         holder = await provider.provision(task, run_id="b")
-        assert await waits(lambda: provider.provision(task, run_id="b"))  # then cancelled
+        assert await waits(provider.leases, lambda: provider.provision(task, run_id="b"))
         assert provider.leases.held(URL) == 1 and len(workdirs(tmp_path)) == 1  # the holder's
         await provider.release(holder)
         # The lease is free: the next one gets it at once.
@@ -206,7 +210,7 @@ async def test_a_url_task_declaring_two_lets_two_rollouts_hold_the_server(tmp_pa
     task = url_task(max_concurrent_rollouts=2)
     with anyio.fail_after(5):
         both = [await provider.provision(task) for _ in range(2)]
-        assert await waits(lambda: provider.provision(task))
+        assert await waits(provider.leases, lambda: provider.provision(task))
         assert provider.leases.held(URL) == 2
         for instance in both:
             await provider.release(instance)

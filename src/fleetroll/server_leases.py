@@ -51,6 +51,11 @@ class ServerLeases:
         limiter = self._limiters.get(url)
         return 0 if limiter is None else limiter.borrowed_tokens
 
+    def waiting(self, url: str) -> int:
+        """Rollouts waiting for a lease on ``url`` now."""
+        limiter = self._limiters.get(url)
+        return 0 if limiter is None else limiter.statistics().tasks_waiting
+
     def limit(self, url: str) -> int | None:
         """The limit that applies to ``url`` (None before its first lease)."""
         limiter = self._limiters.get(url)

@@ -4,8 +4,8 @@ A task runs on any MCP server when it gives ``environment`` instead of
 ``env_key``: a stdio server started per rollout (``environment.command``,
 with ``files``, ``setup`` and ``env``) or a streamable-HTTP server already
 running (``environment.url``, with an optional ``reset`` and
-``max_concurrent_rollouts``, how many rollouts it serves at once). Its ``verifier``
-is a command run in the rollout's working directory or a tool call on the
+``max_concurrent_rollouts``, how many rollouts it serves at once). Its
+``verifier`` is a command run in the rollout's working directory or a tool call on the
 environment's own server. :func:`parse_mcp` checks both fields of a record,
 raising the loader's :class:`~fleetroll.errors.TaskFileError` naming the
 field (``environment.files.notes/../x``). Pure: nothing runs here.

@@ -123,7 +123,7 @@ async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> 
             error_message=str(exc)[:500],
         )
         if instance.reset_required:
-            error = f"{describe(exc)}; not scored: the state is not the task's start"
+            error = f"{str(exc) or describe(exc)}; not scored: the state is not the task's start"
             return SetupFailure(FailureReason.RESET_FAILED, error, exc)
     finally:
         progress.timings.reset_s = time.monotonic() - began

@@ -249,6 +249,45 @@ def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
     assert tracker.add(result("r1", 1.0)) is None  # not one of its running rollouts any more
 
 
+def test_a_result_settled_after_its_group_completed_is_superseded_whatever_it_was() -> None:
+    tracker = GroupTracker("b", 1, {"g": ("t", ["r0", "r1", "r2", "r3"])})
+
+    def result(
+        rid: str, reward: float | None, reason: FailureReason | None = None
+    ) -> RolloutResult:
+        return RolloutResult(
+            rollout_id=rid,
+            batch_id="b",
+            task_key="t",
+            group_id="g",
+            env_key="e",
+            modality="tool_use",
+            status="completed" if reason is None else "failed",
+            failure_reason=reason,
+            error=None if reason is None else "boom",
+            reward=reward,
+        )
+
+    first, done = tracker.settle(result("r0", 0.5))
+    assert first == result("r0", 0.5) and done is not None and done[1] == ["r1", "r2", "r3"]
+    scored, _ = tracker.settle(result("r1", 1.0))
+    lost, _ = tracker.settle(result("r2", None, FailureReason.INSTANCE_LOST))
+    stopped = result("r3", None, FailureReason.SUPERSEDED)
+    assert tracker.settle(stopped) == (stopped, None)
+    for late in (scored, lost):
+        assert (late.status, late.failure_reason, late.reward) == (
+            "failed",
+            FailureReason.SUPERSEDED,
+            None,
+        )
+    assert (
+        scored.error
+        == "its group (task 't') had its 1 scored samples; it had ended completed with reward 1"
+    )
+    assert lost.error is not None and lost.error.endswith("it had ended instance_lost: boom")
+    assert done[0].superseded == 3  # the group counted all three as the results now say
+
+
 async def test_oversampling_on_ray_is_refused_in_one_line_before_anything_starts() -> None:
     settings = load_settings(pool={"oversample": 2})
     fleet = FleetTarget(api_key="unused", base_url=None, description="nowhere")

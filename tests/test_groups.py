@@ -224,22 +224,26 @@ async def test_a_batch_read_only_through_its_groups_is_forgotten_like_a_drained_
     assert held == {"b2"}
 
 
+def result(rid: str, reward: float | None, reason: FailureReason | None = None) -> RolloutResult:
+    """A result of rollout ``rid`` of group ``g`` (task ``t``), for the tracker alone."""
+    return RolloutResult(
+        rollout_id=rid,
+        batch_id="b",
+        task_key="t",
+        group_id="g",
+        env_key="e",
+        modality="tool_use",
+        status="completed" if reason is None else "failed",
+        failure_reason=reason,
+        error=None if reason is None else "boom",
+        reward=reward,
+    )
+
+
 def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
     members = {"g": ("t", ["r0", "r1", "r2"])}
     tracker = GroupTracker("b", 1, members)
     assert tracker.start() == []
-
-    def result(rid: str, reward: float | None) -> RolloutResult:
-        return RolloutResult(
-            rollout_id=rid,
-            batch_id="b",
-            task_key="t",
-            group_id="g",
-            env_key="e",
-            modality="tool_use",
-            status="completed",
-            reward=reward,
-        )
 
     done = tracker.add(result("r1", 0.5))
     assert done is not None
@@ -251,23 +255,6 @@ def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
 
 def test_a_result_settled_after_its_group_completed_is_superseded_whatever_it_was() -> None:
     tracker = GroupTracker("b", 1, {"g": ("t", ["r0", "r1", "r2", "r3"])})
-
-    def result(
-        rid: str, reward: float | None, reason: FailureReason | None = None
-    ) -> RolloutResult:
-        return RolloutResult(
-            rollout_id=rid,
-            batch_id="b",
-            task_key="t",
-            group_id="g",
-            env_key="e",
-            modality="tool_use",
-            status="completed" if reason is None else "failed",
-            failure_reason=reason,
-            error=None if reason is None else "boom",
-            reward=reward,
-        )
-
     first, done = tracker.settle(result("r0", 0.5))
     assert first == result("r0", 0.5) and done is not None and done[1] == ["r1", "r2", "r3"]
     scored, _ = tracker.settle(result("r1", 1.0))

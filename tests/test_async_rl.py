@@ -18,8 +18,8 @@ import pytest
 from rich.console import Console
 
 from fleetroll.emulator import Emulator, FaultProfile, Latency
-from fleetroll.journal import BatchIdentity, claim_journal, read_journal
-from fleetroll.policies import OpenAIChatPolicy
+from fleetroll.journal import BatchIdentity, Journal, claim_journal, read_journal
+from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.runner import run_job
@@ -153,6 +153,57 @@ async def test_oversampled_groups_stream_in_completion_order_with_exactly_their_
         for r in results
         if r.failure_reason is FailureReason.SUPERSEDED
     )
+    assert_pairs(sink)
+
+
+@pytest.mark.timeout(300)
+async def test_oversampled_groups_agree_exactly_with_results_journal_and_telemetry(
+    tmp_path: Path,
+) -> None:
+    # 25 groups of 2 samples + 2 extras, every rollout solving its task, tool
+    # latencies spread so that extras are verified and releasing their instances
+    # just as their groups complete: no group may count more, or other, samples
+    # than the results, the journal and the completed events say were scored.
+    sink = MemorySink()
+    profile = FaultProfile(seed=27, tool_latency=Latency(min_s=0.0, max_s=0.3))
+    out = tmp_path / "results.jsonl"
+    results: list[RolloutResult] = []
+    async with Emulator(profile) as emu:
+        async with (
+            anyio.create_task_group() as tg,
+            Journal(out, tg) as journal,
+            pool_for(emu, sink, pool={"concurrency": 100}) as pool,
+        ):
+            batch = pool.run_batch(
+                LEDGER, ScriptedPolicy(), samples_per_task=2, oversample=2, batch_id="b"
+            )
+            with anyio.fail_after(240):
+                async for result in batch:
+                    journal.append(result)
+                    results.append(result)
+                groups = [g async for g in batch.groups()]
+        assert emu.ledger.running == 0
+    assert len(results) == 100 and len(groups) == 25
+    journaled = {r.rollout_id: r for r in read_journal(out, latest=False)}
+    assert len(journaled) == 100
+    events = sink.named("fleet_rollout_completed")
+    completed = {e.attributes["rollout_id"]: e.attributes for e in events}
+    for group in groups:
+        mine = [r for r in results if r.group_id == group.group_id]
+        scored = [r for r in mine if r.reward is not None]
+        # Every rollout solves: each group has its 2 scored samples, not one more.
+        assert len(scored) == min(group.expected, len(scored)) == 2, group.task_key
+        assert [r.rollout_id for r in group.results] == [r.rollout_id for r in scored]
+        assert group.results == scored
+        superseded = [r for r in mine if r.failure_reason is FailureReason.SUPERSEDED]
+        assert (group.superseded, group.failed) == (len(superseded), 0) == (2, 0)
+        for result in mine:
+            assert journaled[result.rollout_id] == result
+            event = completed[result.rollout_id]
+            assert (event["reward"], event["failure_reason"]) == (
+                result.reward,
+                result.failure_reason.value if result.failure_reason else None,
+            )
     assert_pairs(sink)
 
 

@@ -112,6 +112,9 @@ def _environment(tmp_path: Path) -> dict[str, str]:
         if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_"))
     }
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    # A home of its own: `fleetroll serve` makes its token in ~/.local/state, and
+    # the snippets read it there, as the user's would.
+    env["HOME"] = str(tmp_path / "home")
     env["FLEETROLL_TELEMETRY__DB_PATH"] = str(tmp_path / "telemetry.db")
     env["PYTHONUNBUFFERED"] = "1"
     return env

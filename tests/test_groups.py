@@ -224,22 +224,26 @@ async def test_a_batch_read_only_through_its_groups_is_forgotten_like_a_drained_
     assert held == {"b2"}
 
 
+def result(rid: str, reward: float | None, reason: FailureReason | None = None) -> RolloutResult:
+    """A result of rollout ``rid`` of group ``g`` (task ``t``), for the tracker alone."""
+    return RolloutResult(
+        rollout_id=rid,
+        batch_id="b",
+        task_key="t",
+        group_id="g",
+        env_key="e",
+        modality="tool_use",
+        status="completed" if reason is None else "failed",
+        failure_reason=reason,
+        error=None if reason is None else "boom",
+        reward=reward,
+    )
+
+
 def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
     members = {"g": ("t", ["r0", "r1", "r2"])}
     tracker = GroupTracker("b", 1, members)
     assert tracker.start() == []
-
-    def result(rid: str, reward: float | None) -> RolloutResult:
-        return RolloutResult(
-            rollout_id=rid,
-            batch_id="b",
-            task_key="t",
-            group_id="g",
-            env_key="e",
-            modality="tool_use",
-            status="completed",
-            reward=reward,
-        )
 
     done = tracker.add(result("r1", 0.5))
     assert done is not None
@@ -247,6 +251,28 @@ def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
     assert group.rewards == [0.5] and stop == ["r0", "r2"] and group.superseded == 2
     assert tracker.add(result("r0", 1.0)) is None
     assert tracker.add(result("r1", 1.0)) is None  # not one of its running rollouts any more
+
+
+def test_a_result_settled_after_its_group_completed_is_superseded_whatever_it_was() -> None:
+    tracker = GroupTracker("b", 1, {"g": ("t", ["r0", "r1", "r2", "r3"])})
+    first, done = tracker.settle(result("r0", 0.5))
+    assert first == result("r0", 0.5) and done is not None and done[1] == ["r1", "r2", "r3"]
+    scored, _ = tracker.settle(result("r1", 1.0))
+    lost, _ = tracker.settle(result("r2", None, FailureReason.INSTANCE_LOST))
+    stopped = result("r3", None, FailureReason.SUPERSEDED)
+    assert tracker.settle(stopped) == (stopped, None)
+    for late in (scored, lost):
+        assert (late.status, late.failure_reason, late.reward) == (
+            "failed",
+            FailureReason.SUPERSEDED,
+            None,
+        )
+    assert (
+        scored.error
+        == "its group (task 't') had its 1 scored samples; it had ended completed with reward 1"
+    )
+    assert lost.error is not None and lost.error.endswith("it had ended instance_lost: boom")
+    assert done[0].superseded == 3  # the group counted all three as the results now say
 
 
 async def test_oversampling_on_ray_is_refused_in_one_line_before_anything_starts() -> None:
@@ -269,3 +295,107 @@ async def test_a_shard_yields_only_the_groups_it_runs() -> None:
         with anyio.fail_after(10):
             groups = [g async for g in batch.groups()]
     assert [(g.task_key, g.rewards) for g in groups] == [(OTHER.key, [1.0, 1.0])]
+
+
+class HeldReleases(FakeProvider):
+    """Releases (shielded, as the real providers' are) wait for :attr:`open` while
+    :attr:`holding`; :attr:`all_held` is set once ``expect`` of them wait."""
+
+    def __init__(self, settings: Any, expect: int) -> None:
+        super().__init__(settings)
+        self.holding = False
+        self.open = anyio.Event()
+        self.all_held = anyio.Event()
+        self._expect = expect
+        self._held = 0
+
+    async def release(self, instance: Any) -> bool:
+        with anyio.CancelScope(shield=True):
+            if self.holding:
+                self._held += 1
+                if self._held == self._expect:
+                    self.all_held.set()
+                await self.open.wait()
+        return await super().release(instance)
+
+
+def assert_results_agree_with_groups(results: list[RolloutResult], groups: list[Group]) -> None:
+    """Per group: its results are exactly the batch's results with a reward, and
+    every other result is counted as failed or superseded, as it says."""
+    for group in groups:
+        mine = [r for r in results if r.group_id == group.group_id]
+        scored = [r for r in mine if r.reward is not None]
+        assert {r.rollout_id for r in scored} == {r.rollout_id for r in group.results}
+        assert [r.model_dump() for r in group.results] == [
+            next(s for s in scored if s.rollout_id == g.rollout_id).model_dump()
+            for g in group.results
+        ]
+        assert len(scored) <= group.expected
+        reasons = Counter(r.failure_reason for r in mine if r.reward is None)
+        assert reasons.pop(FailureReason.SUPERSEDED, 0) == group.superseded
+        assert sum(reasons.values()) == group.failed
+
+
+async def test_an_extra_scored_while_its_group_completes_ends_superseded_everywhere() -> None:
+    # Four rollouts for two samples: one solves first; two are verified (reward 1)
+    # and releasing their instances when the group completes, so one of them
+    # completes it and the other ended too late; the last is still acting.
+    sink = MemorySink()
+    settings = load_settings()
+    provider = HeldReleases(settings, expect=2)
+    pool = RolloutPool(settings, api_key="unused", events=Events([sink]), provider=provider)
+    policy = PlannedPolicy({TASK.key: ["solve", "gate", "gate", "hold"]})
+    async with pool:
+        batch = pool.run_batch([TASK], policy, samples_per_task=2, oversample=2, batch_id="b")
+        results: list[RolloutResult] = []
+        with anyio.fail_after(10):
+            async for result in batch:
+                results.append(result)
+                if len(results) == 1:  # the first solver's, counted
+                    assert result.reward == 1.0
+                    provider.holding = True
+                    policy.go.set()
+                    await provider.all_held.wait()  # both gated ones scored, releasing
+                    provider.open.set()
+            groups = [g async for g in batch.groups()]
+            views = [await batch.view(r.rollout_id, messages=False) for r in results]
+    (group,) = groups
+    assert group.rewards == [1.0, 1.0] and group.superseded == 2
+    assert [r.reward for r in results].count(1.0) == 2
+    late = [r for r in results if r.error and "it had ended completed with reward 1" in r.error]
+    assert len(late) == 1, [r.error for r in results]
+    (late_one,) = late
+    assert late_one.failure_reason is FailureReason.SUPERSEDED and late_one.reward is None
+    assert late_one.status == "failed" and late_one.verifier is not None  # kept for debugging
+    assert late_one.steps == 1 and late_one.transcript  # its rollout data stays
+    assert_results_agree_with_groups(results, groups)
+    # Telemetry and each rollout's own view say the same as the stream.
+    events = sink.named("fleet_rollout_completed")
+    completed = {e.attributes["rollout_id"]: e.attributes for e in events}
+    for result, view in zip(results, views, strict=True):
+        event = completed[result.rollout_id]
+        assert (event["reward"], event["failure_reason"]) == (
+            result.reward,
+            result.failure_reason.value if result.failure_reason else None,
+        )
+        assert view.result == result
+    assert provider.running == 0
+    assert_pairs(sink)
+
+
+async def test_an_extra_that_ends_before_its_group_completes_counts_in_it() -> None:
+    # Three rollouts for two samples, all solving one after another: whichever two
+    # end first count (an extra included), the third ends superseded.
+    sink = MemorySink()
+    settings = load_settings(pool={"concurrency": 1}, provisioning={"max_concurrent_creates": 2})
+    provider = HeldReleases(settings, expect=0)
+    pool = RolloutPool(settings, api_key="unused", events=Events([sink]), provider=provider)
+    async with pool:
+        batch = pool.run_batch([TASK], PlannedPolicy(), samples_per_task=2, oversample=1)
+        with anyio.fail_after(10):
+            results = await batch.results()
+            groups = [g async for g in batch.groups()]
+    assert [r.reward for r in results][:2] == [1.0, 1.0]
+    assert results[2].failure_reason is FailureReason.SUPERSEDED
+    assert_results_agree_with_groups(results, groups)
+    assert_pairs(sink)

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -46,7 +47,7 @@ async def test_a_port_taken_after_the_check_is_an_os_error_not_uvicorns_exit(
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["emulator", "serve", "dashboard"])
 def test_each_server_command_on_a_busy_port_says_so_in_one_line(
-    command: str, busy_port: int
+    command: str, busy_port: int, tmp_path: Path
 ) -> None:
     env = {
         k: v
@@ -54,6 +55,7 @@ def test_each_server_command_on_a_busy_port_says_so_in_one_line(
         if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_"))
     }
     env["FLEETROLL_TELEMETRY__DB_PATH"] = os.devnull
+    env["FLEETROLL_SERVICE__TOKEN_FILE"] = str(tmp_path / "service-token")  # serve makes one
     done = subprocess.run(
         [sys.executable, "-m", "fleetroll", command, "--port", str(busy_port)],
         capture_output=True,

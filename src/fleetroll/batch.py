@@ -21,7 +21,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from fleetroll.errors import PoolFullError
 from fleetroll.fleet_traces import TraceUploader
-from fleetroll.groups import Completion, Group, GroupTracker
+from fleetroll.groups import Completion, Group, GroupTracker, superseded_error
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase, Rollout, RolloutView
 from fleetroll.rollout_events import EventPage
@@ -275,6 +275,8 @@ class Batch(ResultStream):
         self._groups = _Groups()
         #: Where each result's trace goes (``traces.upload``), or None.
         self.traces: TraceUploader | None = None
+        for rollout in rollouts:
+            rollout.settle = self._settle
         for completion in tracker.start() if tracker else ():
             self._complete(completion)
 
@@ -299,17 +301,23 @@ class Batch(ResultStream):
         super().deliver(result)
         if self.traces is not None and (rollout := self._by_id.get(result.rollout_id)):
             self.traces.submit(result, rollout.messages, rollout.engine.redactor)
+
+    def _settle(self, result: RolloutResult) -> RolloutResult:
+        """A rollout's result as it is built: its group decides, once, whether it
+        counts (:meth:`GroupTracker.settle`), and it is delivered at once, so the
+        stream, telemetry and the groups see the same outcome, in the same order."""
         if self._tracker is not None:
-            completion = self._tracker.add(result)
+            result, completion = self._tracker.settle(result)
             if completion is not None:
                 self._complete(completion)
+        self.deliver(result)
+        return result
 
     def _complete(self, completion: Completion) -> None:
         group, stop = completion
         for rid in stop:
             self._by_id[rid].stop(
-                FailureReason.SUPERSEDED,
-                f"its group (task {group.task_key!r}) had its {group.expected} scored samples",
+                FailureReason.SUPERSEDED, superseded_error(group.task_key, group.expected)
             )
         self._groups.add(group)
 

@@ -83,7 +83,8 @@ class FleetrollClient:
 
     Args:
         base_url: the service, e.g. ``http://127.0.0.1:8750``.
-        token: the bearer token (the server's ``FLEETROLL_SERVICE_TOKEN``), if it has one.
+        token: the bearer token: the server's ``FLEETROLL_SERVICE_TOKEN``, or the
+            one ``fleetroll serve`` made in ``service.token_file`` without it.
         timeout_s: deadline of one ordinary request.
         stream_read_timeout_s: longest silence on a results stream before it
             counts as broken (the server sends heartbeats while idle).

@@ -16,6 +16,15 @@ ended, whichever comes first. With oversampling (``samples_per_task + m``
 rollouts per group), the rollouts still running when it completes are
 stopped and end as ``superseded``.
 
+Whether a result counts is decided once, as the rollout's result is built and
+before anyone sees it (:meth:`GroupTracker.settle`): every consumer (the
+results, the journal, telemetry, the groups) sees the same outcome. A rollout
+that ends after its group was complete is ``superseded`` however far it got:
+one that had been scored in the meantime keeps its transcript and
+``verifier`` outcome, its reward becomes null, and its ``error`` says what it
+had ended as (``it had ended completed with reward 1``). So a group's
+``results`` are exactly the batch's results with a reward in that group.
+
 Rollouts that end with no reward (infrastructure failures: ``init_error``,
 ``instance_lost``, ``policy_error``...) are not counted, only tallied in
 :attr:`Group.failed`; the statistics are over the scored samples, so a group
@@ -33,7 +42,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetroll.results import FailureReason, RolloutResult
 
-__all__ = ["Group", "GroupTracker"]
+__all__ = ["Group", "GroupTracker", "superseded_error"]
+
+
+def superseded_error(task_key: str, expected: int) -> str:
+    """Why a rollout of a complete group ends ``superseded``."""
+    return f"its group (task {task_key!r}) had its {expected} scored samples"
 
 
 class Group(BaseModel):
@@ -140,8 +154,37 @@ class GroupTracker:
                 done.append(completion)
         return done
 
+    def settle(self, result: RolloutResult) -> tuple[RolloutResult, Completion | None]:
+        """Decide, once, what an ended rollout's result is in its group.
+
+        Returns the result as every consumer must see it (``superseded``, with
+        no reward, when its group was already complete) and the group it
+        completes, if it does. Call it once per result, before passing the
+        result on.
+        """
+        group = self._groups.get(result.group_id or "")
+        if group is None or result.rollout_id not in group.running or not group.complete:
+            return result, self.add(result)
+        group.running.discard(result.rollout_id)
+        if result.failure_reason is FailureReason.SUPERSEDED:
+            return result, None
+        # It ended after its group was complete: the group counted it as superseded.
+        if result.reward is not None:
+            ended = f"{result.failure_reason or 'completed'} with reward {result.reward:g}"
+        else:
+            ended = f"{result.failure_reason}: {result.error}"
+        error = f"{superseded_error(group.task_key, self.expected)}; it had ended {ended}"
+        return result.model_copy(
+            update={
+                "status": "failed",
+                "failure_reason": FailureReason.SUPERSEDED,
+                "reward": None,
+                "error": error,
+            }
+        ), None
+
     def add(self, result: RolloutResult) -> Completion | None:
-        """Count one ended rollout; the group it completes, if it does."""
+        """Count one ended rollout, as it was delivered; the group it completes, if it does."""
         group = self._groups.get(result.group_id or "")
         if group is None or result.rollout_id not in group.running:
             return None

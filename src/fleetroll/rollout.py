@@ -95,6 +95,9 @@ class Rollout:
         #: Entered around the whole run by its owner; :meth:`stop` cancels it.
         self.stop_scope = anyio.CancelScope()
         self._stop: tuple[FailureReason, str] | None = None
+        #: The owner's last word on the result as it is built, before anyone
+        #: sees it (a batch: whether it counts in its group, :mod:`fleetroll.groups`).
+        self.settle: Callable[[RolloutResult], RolloutResult] | None = None
         self.max_steps = task.max_steps or engine.settings.pool.max_steps
         self._new_attempt(Progress())
 
@@ -396,13 +399,14 @@ class Rollout:
     def _conclude(self) -> RolloutResult:
         """Build and keep the result, and end the live event log with it."""
         self.progress.timings.total_s = time.monotonic() - self._started
-        self.result = self.progress.result(
+        result = self.progress.result(
             self.ids,
             self.task,
             self.instance.instance_id if self.instance else None,
             redact=self.engine.redactor,
             keep_images=self.engine.settings.pool.transcript_images,
         )
+        self.result = result if self.settle is None else self.settle(result)
         self.live.end(self.result)
         return self.result
 

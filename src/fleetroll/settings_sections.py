@@ -357,8 +357,8 @@ class TraceSettings(_Section):
 class ServiceSettings(_Section):
     """``fleetroll serve``: the HTTP service for remote training controllers.
 
-    The bearer token is not here: it comes only from ``FLEETROLL_SERVICE_TOKEN``
-    (:attr:`Settings.service_token`).
+    The bearer token is not here: it comes from ``FLEETROLL_SERVICE_TOKEN``
+    (:attr:`Settings.service_token`), else from ``token_file``.
     """
 
     host: str = "127.0.0.1"
@@ -402,3 +402,7 @@ class ServiceSettings(_Section):
     #: Pre-flight reuses Fleet's environment listing and a policy endpoint that
     #: answered for this long, in this process (0: asks on every batch).
     preflight_cache_s: float = Field(30.0, ge=0)
+    #: Without ``FLEETROLL_SERVICE_TOKEN``, ``serve`` takes its bearer token from
+    #: this file (made on first use, readable by this user only): every route
+    #: but ``/healthz`` always needs a token.
+    token_file: Path = Path("~/.local/state/fleetroll/service-token")

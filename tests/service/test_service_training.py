@@ -64,6 +64,33 @@ async def test_groups_stream_in_completion_order_and_oversampled_extras_are_supe
     assert ahead.status_code == 422 and ahead.json()["detail"][0]["loc"] == ["query", "after"]
 
 
+async def test_an_oversampled_group_run_again_after_a_cancel_counts_the_samples_it_kept(
+    served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    task = LEDGER[5]
+    policy = PlannedPolicy({task.key: ["solve", "hold", "hold"]})
+    plan(monkeypatch, policy)
+    async with FleetrollClient(served.url) as client:
+        batch = client.run_batch([task], samples_per_task=2, oversample=1, batch_id="os-rerun")
+        with anyio.fail_after(60):
+            async for result in batch:
+                if result.reward is not None:
+                    await batch.cancel()  # the two held ones end cancelled
+            policy.release.set()
+            # Resubmitted: its two cancelled rollouts run again, and both would solve.
+            again = client.run_batch([task], samples_per_task=2, oversample=1, batch_id="os-rerun")
+            results = await again.results()
+            groups = [g async for g in again.groups()]
+    assert again.rerun == 2 and len(results) == 3
+    scored = [r for r in results if r.reward is not None]
+    # The group needed one more sample, not two: the last one is superseded.
+    assert [r.failure_reason for r in results].count(FailureReason.SUPERSEDED) == 1
+    (group,) = groups
+    assert sorted(r.rollout_id for r in group.results) == sorted(r.rollout_id for r in scored)
+    assert (len(scored), group.superseded, group.failed) == (2, 1, 0)
+    assert emulator.ledger.running == 0
+
+
 async def test_a_pause_over_http_holds_policy_calls_until_the_trainer_lets_go(
     emulator: Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

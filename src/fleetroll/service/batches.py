@@ -388,8 +388,9 @@ class BatchRegistry:
         cancelled = record.cancelled_ids()
         if not cancelled:
             return 0
-        keep = {r.rollout_id for r in record.newest()} - cancelled
-        batch, policy = self._run(record.plan, record.batch_id, skip=keep)
+        kept = [r for r in record.newest() if r.rollout_id not in cancelled]
+        keep = {r.rollout_id for r in kept}
+        batch, policy = self._run(record.plan, record.batch_id, skip=keep, previous=kept)
         with suppress(ValueError):
             self._finished.remove(record.batch_id)
         record.rerun(batch, record.plan.rollout_ids(record.batch_id) - keep)
@@ -397,9 +398,17 @@ class BatchRegistry:
         return batch.total
 
     def _run(
-        self, plan: _Plan, batch_id: str, *, skip: set[str] | None = None
+        self,
+        plan: _Plan,
+        batch_id: str,
+        *,
+        skip: set[str] | None = None,
+        previous: Sequence[RolloutResult] = (),
     ) -> tuple[RunningBatch, Policy]:
         """Start ``plan`` on the pool (all of it, or all but ``skip``); its policy.
+
+        ``previous``: the results kept from an earlier run; an oversampled
+        group counts them, so it stops at ``samples_per_task`` scored in all.
 
         Raises:
             ApiError: 409 (the pool runs a batch of this id), 503 (the pool is full).
@@ -409,7 +418,7 @@ class BatchRegistry:
         policy = build_policy(plan.policy, self._settings)
         try:
             # Only the local pool oversamples (start refuses it elsewhere).
-            extra = {"oversample": plan.oversample} if plan.oversample else {}
+            extra = {"oversample": plan.oversample, "previous": previous} if plan.oversample else {}
             batch = self._pool.run_batch(
                 plan.tasks,
                 policy,

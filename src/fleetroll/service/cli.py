@@ -15,7 +15,7 @@ import click
 
 from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
-from fleetroll.service.security import check_bind
+from fleetroll.service.security import check_bind, token_from_file
 from fleetroll.settings import Settings, load_settings
 
 __all__ = ["serve"]
@@ -57,10 +57,11 @@ def serve(
 
     One rollout pool serves every request: on the embedded emulator unless
     FLEET_API_KEY or FLEET_BASE_URL is set. With --ray, batches and MCP
-    rollouts are sharded over Ray actors; sessions stay in this process. Binding
-    anything but loopback needs FLEETROLL_SERVICE_TOKEN (then every route but
-    /healthz wants `Authorization: Bearer <token>`). Exit code 2 for bad
-    configuration.
+    rollouts are sharded over Ray actors; sessions stay in this process. Every
+    route but /healthz wants `Authorization: Bearer <token>`: the token is
+    FLEETROLL_SERVICE_TOKEN, else the one in service.token_file (made on first
+    use, readable by you only; binding anything but loopback needs
+    FLEETROLL_SERVICE_TOKEN). Exit code 2 for bad configuration.
     """
     try:
         settings = load_settings(config_file)
@@ -69,10 +70,19 @@ def serve(
         check_bind(host, settings.service_token)
         if settings.uses_emulator:
             settings.emulator.fault_profile(profile)  # fail early on a bad name
+        token_file: Path | None = None
+        made = ""
+        if settings.service_token is None:
+            # Never serve unauthenticated: a caller's task may carry code (a
+            # verifier, a command) that would run as this user.
+            token, new = token_from_file(settings.service.token_file)
+            settings = settings.model_copy(update={"service_token": token})
+            token_file = settings.service.token_file.expanduser()
+            made = "made now" if new else "kept from an earlier start"
     except FleetrollError as exc:
         raise _Refused(str(exc)) from None
     try:
-        anyio.run(_serve, settings, host, port, profile, ray_address, ray_actors)
+        anyio.run(_serve, settings, host, port, profile, ray_address, ray_actors, token_file, made)
     except FleetrollError as exc:
         raise _Refused(str(exc)) from None
 
@@ -84,6 +94,8 @@ async def _serve(
     profile: str | None,
     ray_address: str | None,
     ray_actors: int | None,
+    token_file: Path | None,
+    made: str,
 ) -> None:
     from fleetroll.batch_pool import open_service_pools
     from fleetroll.runner import open_fleet
@@ -102,15 +114,15 @@ async def _serve(
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)
         )
-        auth = "bearer token required" if settings.service_token else "no token (loopback only)"
-        click.echo(f"fleetroll serve: {url} on {backend}; {auth}", err=True)
-        click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
-        if settings.service_token is not None:  # its shape: never the token itself
-            click.echo(
-                f"  dashboard: {url}/dashboard/login?token=<FLEETROLL_SERVICE_TOKEN>", err=True
-            )
+        click.echo(f"fleetroll serve: {url} on {backend}; bearer token required", err=True)
+        # Where the token is, never the token itself (this output may be logged).
+        if token_file is None:
+            click.echo("  token: FLEETROLL_SERVICE_TOKEN", err=True)
         else:
-            click.echo(f"  dashboard: {url}/dashboard", err=True)
+            click.echo(f"  token: in {token_file} ({made}; readable by you only)", err=True)
+        click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
+        token = "FLEETROLL_SERVICE_TOKEN" if token_file is None else f"the token in {token_file}"
+        click.echo(f"  dashboard: {url}/dashboard/login?token=<{token}>", err=True)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
                 break

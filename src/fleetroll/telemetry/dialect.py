@@ -12,6 +12,11 @@ for SQLite, rewriting on the syntax tree what SQLite has no words for:
   the index on ``start_timestamp``);
 - an ``interval`` is a number of seconds; ``timestamp - timestamp`` is one
   too, so ``extract(epoch from end_timestamp - start_timestamp)`` is seconds;
+  ``x ± interval`` where nothing says what ``x`` is (a CTE's column, ``->>``)
+  is decided per value (``fr_plus_interval``): a number is an interval, text
+  must be a timestamp, never a number made from the text's leading digits;
+- ``::json``/``::jsonb`` is SQLite's ``json(x)``, which refuses text that is
+  no JSON (SQLite's ``CAST(x AS JSON)`` would make it the number 0);
 - ``level`` compares by severity (``level > 'info'``,
   ``level >= level_num('error')``), as on Logfire, though the store keeps names;
 - ``percentile_cont(q) WITHIN GROUP (ORDER BY x)``, ``percentile_disc``,
@@ -21,6 +26,10 @@ for SQLite, rewriting on the syntax tree what SQLite has no words for:
 - ``->`` and ``->>`` keep the key as written (``attributes->>'env_key'``),
   which SQLite reads as that key, dots included, and which the store's
   expression indexes match.
+
+Errors are one line about the SQL as written: a syntax error gives the line,
+column and token, never the parser's own classes; SQL nested too deeply for
+the parser is refused, not a ``RecursionError``.
 
 What still differs from Logfire is listed in docs/telemetry.md.
 """
@@ -35,9 +44,11 @@ from typing import Any, ClassVar, Final
 
 import sqlglot
 from sqlglot import exp
+from sqlglot.dialects.postgres import Postgres
 from sqlglot.dialects.sqlite import SQLite
 from sqlglot.errors import ErrorLevel, ParseError, SqlglotError, TokenError
 from sqlglot.generators.sqlite import SQLiteGenerator
+from sqlglot.parsers.postgres import PostgresParser
 
 from fleetroll.errors import QueryError
 from fleetroll.telemetry.sql_functions import UNIT_SECONDS as _SECONDS
@@ -46,6 +57,7 @@ from fleetroll.telemetry.sql_functions import fr_date_bin as fr_date_bin
 from fleetroll.telemetry.sql_functions import fr_date_trunc as fr_date_trunc
 from fleetroll.telemetry.sql_functions import fr_epoch as fr_epoch
 from fleetroll.telemetry.sql_functions import fr_extract as fr_extract
+from fleetroll.telemetry.sql_functions import fr_plus_interval as fr_plus_interval
 from fleetroll.telemetry.sql_functions import fr_ts as fr_ts
 from fleetroll.telemetry.sql_functions import fr_ts_add as fr_ts_add
 from fleetroll.telemetry.sql_functions import fr_ts_diff as fr_ts_diff
@@ -195,6 +207,13 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
         return _call("fr_ts", node.this)
     if isinstance(node, exp.Cast) and node.to.this == exp.DataType.Type.INTERVAL:
         return _as_interval(node.this)
+    if isinstance(node, exp.Cast) and node.to.this in (
+        exp.DataType.Type.JSON,
+        exp.DataType.Type.JSONB,
+    ):
+        return _call("json", node.this)
+    if isinstance(node, exp.RegexpILike):  # x ~* pattern
+        return _call("fr_iregexp", node.expression, node.this)
     if isinstance(node, exp.TimestampTrunc | exp.DateTrunc):
         unit = _unit_name(node.args.get("unit"))
         return _call("fr_date_trunc", exp.Literal.string(unit), node.this)
@@ -240,6 +259,16 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
             return _call("fr_ts_add", node.this, delta)
         if isinstance(node, exp.Add) and left == "interval" and right == "ts":
             return _call("fr_ts_add", node.expression, node.this)
+        # Something the SQL does not type (a CTE's column, ->>, a literal) and an
+        # interval: SQLite would subtract seconds from the number it reads out of
+        # a timestamp's text ('2026-...' - 3600 = -1574). Decided per value instead.
+        if left is None and right == "interval":
+            delta = node.expression
+            if isinstance(node, exp.Sub):
+                delta = exp.Neg(this=exp.Paren(this=delta))
+            return _call("fr_plus_interval", node.this, delta)
+        if isinstance(node, exp.Add) and left == "interval" and right is None:
+            return _call("fr_plus_interval", node.expression, node.this)
     if isinstance(node, exp.JSONExtract | exp.JSONExtractScalar):
         path = node.expression
         if isinstance(path, exp.Cast) and isinstance(path.this, exp.Literal):
@@ -333,6 +362,22 @@ class _LocalStore(SQLite):
     Generator = _LocalGenerator
 
 
+class _LogfireParser(PostgresParser):
+    # sqlglot reads date_bin's third argument (the origin) as a unit word: a
+    # column becomes the bare name, a string loses its quotes. Kept as written,
+    # it is rewritten like time_bucket.
+    FUNCTIONS: ClassVar[dict[str, Callable[..., exp.Expr]]] = {
+        **PostgresParser.FUNCTIONS,
+        "DATE_BIN": lambda args: exp.Anonymous(this="date_bin", expressions=args),
+    }
+
+
+class _Logfire(Postgres):
+    """PostgreSQL as Logfire's users write it (see :class:`_LogfireParser`)."""
+
+    Parser = _LogfireParser
+
+
 @functools.lru_cache(maxsize=256)
 def translate(sql: str) -> str:
     """The SQLite text of one statement of Logfire's (PostgreSQL-flavoured) SQL.
@@ -343,7 +388,19 @@ def translate(sql: str) -> str:
             something the local store cannot express.
     """
     try:
-        statements = [s for s in sqlglot.parse(sql, read="postgres") if s is not None]
+        return _translate(sql)
+    except RecursionError:
+        # sqlglot parses and rewrites recursively: a few hundred nested
+        # parentheses or a long chain of operators run out of stack.
+        raise QueryError(
+            "the SQL is nested too deeply to read (hundreds of levels of parentheses, "
+            "or a very long chain of operators): write it flatter, e.g. with a CTE"
+        ) from None
+
+
+def _translate(sql: str) -> str:
+    try:
+        statements = [s for s in sqlglot.parse(sql, read=_Logfire) if s is not None]
     except ParseError as exc:
         raise QueryError(_parse_error(sql, exc)) from None
     except TokenError as exc:
@@ -359,7 +416,7 @@ def translate(sql: str) -> str:
     except QueryError:
         raise
     except SqlglotError as exc:
-        raise QueryError(f"the local store cannot run this SQL: {exc}") from None
+        raise QueryError(f"the local store cannot run this SQL: {_plain(str(exc))}") from None
 
 
 def _parse_error(sql: str, exc: ParseError) -> str:
@@ -373,7 +430,21 @@ def _parse_error(sql: str, exc: ParseError) -> str:
         col = max(1, col - len(token) + 1)  # sqlglot points at the token's end
     near = f" near {token!r}" if token else ""
     where = f" at line {line}, column {col}" if line is not None else ""
-    return f"SQL syntax error{where}{near}: {description.lower()}"
+    return f"SQL syntax error{where}{near}: {_plain(description).lower()}"
+
+
+#: sqlglot's words for "this part of the SQL is incomplete", and for what it met instead.
+_MISSING: Final = re.compile(r"required keyword: '\w+' missing for <class '[\w.]+'>", re.I)
+_GOT: Final = re.compile(r"\s*but got <token\b.*", re.I | re.S)
+_INTERNAL: Final = re.compile(r"<(?:class|token)\b[^>]*>", re.I)
+
+
+def _plain(description: str) -> str:
+    """sqlglot's description of an error without its internals (classes, tokens)."""
+    text = _MISSING.sub("something is missing after it", description)
+    text = _GOT.sub("", text)
+    text = _INTERNAL.sub("", text)
+    return " ".join(text.split()) or "syntax error"
 
 
 def _token_error(sql: str, exc: TokenError) -> str:

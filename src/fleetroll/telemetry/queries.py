@@ -124,7 +124,7 @@ def query(
     holds more than about those bounds in memory. With ``max_bytes``, no
     single value the query builds may be longer than that either, and the
     aggregates computed in Python (percentiles, ``array_agg``) hold at most
-    that many bytes of values, all groups together.
+    that many bytes of values at once.
 
     Raises:
         StoreError: there is no store at ``db``.

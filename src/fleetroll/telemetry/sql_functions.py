@@ -249,8 +249,9 @@ class _Budget:
 
     SQLite hands every row of a group to ``step``; an aggregate that keeps
     them (percentiles, ``array_agg``) takes its share here, and gives it back
-    when it finishes, so that all of one query's groups together stay under
-    ``limit`` (``service.query_max_bytes``; None: no bound).
+    when its group is finished, so that what all of one query's aggregates
+    hold at once stays under ``limit`` (``service.query_max_bytes``; None: no
+    bound). SQLite finishes one group before it starts the next.
     """
 
     def __init__(self, limit: int | None = None) -> None:
@@ -419,7 +420,7 @@ def install(conn: sqlite3.Connection, *, now: datetime, max_bytes: int | None = 
 
     ``now()`` is one value for the whole statement, as in PostgreSQL. The
     aggregates that keep values (percentiles, ``array_agg``) hold at most
-    ``max_bytes`` of them, all groups of a statement together. Returns a list
+    ``max_bytes`` of them at once, all of a statement's together. Returns a list
     that collects what the functions refused (SQLite itself only says
     "user-defined function raised exception"), for the error message.
     """

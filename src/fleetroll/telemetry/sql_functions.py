@@ -32,6 +32,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, ClassVar, Final, cast
 
 import re2  # type: ignore[import-untyped]
+from re2 import _re2
 
 __all__ = [
     "UNIT_SECONDS",
@@ -382,32 +383,41 @@ class _ArrayAgg:
 
 #: What a pattern RE2 refuses may be written as instead, told with its error.
 _RE2_SYNTAX: Final = "RE2 syntax, as on Logfire: no backreferences or lookaround"
+_UNANCHORED: Final = _re2.RE2.Anchor.UNANCHORED
 
 
 @functools.lru_cache(maxsize=256)
 def _pattern(pattern: str, ignore_case: bool) -> Any:
-    """``pattern`` compiled by RE2 (quietly: RE2 logs refusals to stderr by default).
+    """``pattern`` compiled by RE2, quietly (RE2 logs refusals to stderr by default).
+
+    The binding under ``re2``'s Python wrapper: the wrapper's ``search`` builds
+    a match object and decodes offsets, five times the cost of the match itself
+    for the short texts of a store (10 µs a row against 2 µs); a query only
+    needs whether it matched.
 
     Raises:
         ValueError: RE2 cannot compile it; the message says why.
     """
     options = re2.Options()
     options.log_errors = False
+    options.never_capture = True
     options.case_sensitive = not ignore_case
-    try:
-        return re2.compile(pattern, options)
-    except re2.error as exc:
-        reason = exc.args[0] if exc.args else exc
+    compiled = _re2.RE2(pattern.encode(), options)
+    if not compiled.ok():
+        reason = compiled.error()
         if isinstance(reason, bytes):
             reason = reason.decode("utf-8", "replace")
-        raise ValueError(f"regular expression {pattern!r}: {reason} ({_RE2_SYNTAX})") from None
+        raise ValueError(f"regular expression {pattern!r}: {reason} ({_RE2_SYNTAX})")
+    return compiled
 
 
 def _regexp(pattern: object, value: object, *, ignore_case: bool = False) -> bool | None:
     """``value ~ pattern``: does RE2's ``pattern`` match anywhere in ``value``."""
     if pattern is None or value is None:
         return None
-    return _pattern(str(pattern), ignore_case).search(str(value)) is not None
+    text = str(value).encode()
+    spans = _pattern(str(pattern), ignore_case).Match(_UNANCHORED, text, 0, len(text))
+    return bool(spans[0][0] != -1)
 
 
 def _iregexp(pattern: object, value: object) -> bool | None:

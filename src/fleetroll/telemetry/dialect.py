@@ -428,21 +428,22 @@ def _parse_error(sql: str, exc: ParseError) -> str:
     description = str(first.get("description") or "syntax error")
     if isinstance(col, int) and token and "\n" not in token:
         col = max(1, col - len(token) + 1)  # sqlglot points at the token's end
+    if len(token) > 40:  # a long string literal: its start says where
+        token = token[:40] + "…"
     near = f" near {token!r}" if token else ""
     where = f" at line {line}, column {col}" if line is not None else ""
     return f"SQL syntax error{where}{near}: {_plain(description).lower()}"
 
 
-#: sqlglot's words for "this part of the SQL is incomplete", and for what it met instead.
+#: sqlglot's words for "this part of the SQL is incomplete".
 _MISSING: Final = re.compile(r"required keyword: '\w+' missing for <class '[\w.]+'>", re.I)
-_GOT: Final = re.compile(r"\s*but got <token\b.*", re.I | re.S)
 _INTERNAL: Final = re.compile(r"<(?:class|token)\b[^>]*>", re.I)
 
 
 def _plain(description: str) -> str:
     """sqlglot's description of an error without its internals (classes, tokens)."""
-    text = _MISSING.sub("something is missing after it", description)
-    text = _GOT.sub("", text)
+    text = description.partition(" but got <")[0]  # "...but got <Token token_type: ...>"
+    text = _MISSING.sub("something is missing after it", text)
     text = _INTERNAL.sub("", text)
     return " ".join(text.split()) or "syntax error"
 

@@ -167,6 +167,33 @@ def test_an_interval_added_to_an_untyped_value_is_time_arithmetic_or_an_error(
         query(db, "SELECT message - interval '1 hour' FROM records")
 
 
+def test_a_timestamp_beside_an_untyped_value_is_time_arithmetic_not_its_year(
+    store: Store,
+) -> None:
+    db, conn = store
+    insert_event(conn, "e", n=1, at="2026-01-01T10:30:00.000000Z")
+    insert_event(conn, "e", n=2, at="2026-01-01T10:31:30.000000Z")
+    rows = query(
+        db,
+        "WITH t AS (SELECT min(start_timestamp) AS first FROM records) "
+        "SELECT start_timestamp + 1, 60 + start_timestamp, start_timestamp - 90, "
+        "start_timestamp - first, first - start_timestamp, "
+        "start_timestamp - lag(start_timestamp) OVER (ORDER BY start_timestamp), "
+        "to_timestamp(0) FROM records, t ORDER BY start_timestamp",
+    ).rows
+    assert rows[1] == (
+        "2026-01-01T10:31:31.000000Z",
+        "2026-01-01T10:32:30.000000Z",
+        "2026-01-01T10:30:00.000000Z",
+        90.0,
+        -90.0,
+        90.0,
+        "1970-01-01T00:00:00.000000Z",
+    )
+    with pytest.raises(QueryError, match="a timestamp plus 'x': add an interval"):
+        query(db, "SELECT start_timestamp + 'x' FROM records")
+
+
 def test_date_bin_bins_from_its_origin_as_postgresql_does(store: Store) -> None:
     db, conn = store
     insert_event(conn, "e", at="2020-02-11T15:44:17.000000Z")

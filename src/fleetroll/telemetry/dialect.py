@@ -61,6 +61,8 @@ from fleetroll.telemetry.sql_functions import fr_plus_interval as fr_plus_interv
 from fleetroll.telemetry.sql_functions import fr_ts as fr_ts
 from fleetroll.telemetry.sql_functions import fr_ts_add as fr_ts_add
 from fleetroll.telemetry.sql_functions import fr_ts_diff as fr_ts_diff
+from fleetroll.telemetry.sql_functions import fr_ts_minus as fr_ts_minus
+from fleetroll.telemetry.sql_functions import fr_ts_plus as fr_ts_plus
 from fleetroll.telemetry.sql_functions import install as install
 
 __all__ = ["install", "interval_seconds", "locate", "translate"]
@@ -72,7 +74,9 @@ logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
 #: Columns of ``records`` that hold timestamps.
 TIMESTAMP_COLUMNS: Final = frozenset({"start_timestamp", "end_timestamp", "created_at"})
-_TS_FUNCTIONS: Final = frozenset({"fr_now", "fr_ts", "fr_date_trunc", "fr_date_bin", "fr_ts_add"})
+_TS_FUNCTIONS: Final = frozenset(
+    {"fr_now", "fr_ts", "fr_date_trunc", "fr_date_bin", "fr_ts_add", "fr_ts_plus"}
+)
 _INTERVAL_FUNCTIONS: Final = frozenset({"fr_interval", "fr_ts_diff"})
 
 _INTERVAL_PART = re.compile(r"\s*([-+]?\d+(?:\.\d+)?)\s*([a-z]+)\s*", re.IGNORECASE)
@@ -228,6 +232,8 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
             return _call("fr_percentile_cont", args[0], exp.Literal.number(0.5))
         if name == "to_timestamp" and len(args) == 1:
             return _call("fr_ts", args[0])
+    if isinstance(node, exp.UnixToTime) and set(node.args) == {"this"}:  # to_timestamp(n)
+        return _call("fr_ts", node.this)
     if isinstance(node, exp.Median):
         return _call("fr_percentile_cont", node.this, exp.Literal.number(0.5))
     if isinstance(node, exp.WithinGroup):
@@ -269,6 +275,15 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
             return _call("fr_plus_interval", node.this, delta)
         if isinstance(node, exp.Add) and left == "interval" and right is None:
             return _call("fr_plus_interval", node.expression, node.this)
+        # A timestamp and something untyped (a number, a CTE's timestamp, lag(...)):
+        # SQLite would add to the year it reads out of the text ('2026-...' + 1 = 2027).
+        if left == "ts" and right is None:
+            name = "fr_ts_plus" if isinstance(node, exp.Add) else "fr_ts_minus"
+            return _call(name, node.this, node.expression)
+        if left is None and right == "ts":
+            if isinstance(node, exp.Add):
+                return _call("fr_ts_plus", node.expression, node.this)
+            return _call("fr_ts_diff", node.this, node.expression)
     if isinstance(node, exp.JSONExtract | exp.JSONExtractScalar):
         path = node.expression
         if isinstance(path, exp.Cast) and isinstance(path.this, exp.Literal):

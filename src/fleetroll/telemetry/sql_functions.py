@@ -45,6 +45,8 @@ __all__ = [
     "fr_ts",
     "fr_ts_add",
     "fr_ts_diff",
+    "fr_ts_minus",
+    "fr_ts_plus",
     "install",
     "percentile",
 ]
@@ -141,6 +143,35 @@ def fr_plus_interval(value: object, seconds: float | None) -> object:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return value + seconds
     return fr_ts_add(value, seconds)
+
+
+def fr_ts_plus(value: object, other: object) -> str | None:
+    """``timestamp + other`` where the SQL does not say what ``other`` is: a number is seconds.
+
+    Raises:
+        ValueError: ``other`` is no number (two timestamps do not add up).
+    """
+    if value is None or other is None:
+        return None
+    if isinstance(other, int | float) and not isinstance(other, bool):
+        return fr_ts_add(value, other)
+    raise ValueError(
+        f"a timestamp plus {other!r}: add an interval ('1 hour') or a number of seconds"
+    )
+
+
+def fr_ts_minus(value: object, other: object) -> str | float | None:
+    """``timestamp - other`` where the SQL does not say what ``other`` is: a number is
+    seconds (a timestamp earlier), anything else a timestamp (the seconds between).
+
+    Raises:
+        ValueError: ``other`` is text that is no timestamp.
+    """
+    if value is None or other is None:
+        return None
+    if isinstance(other, int | float) and not isinstance(other, bool):
+        return fr_ts_add(value, -other)
+    return fr_ts_diff(value, other)
 
 
 def fr_epoch(value: object) -> float | None:
@@ -480,6 +511,8 @@ def install(conn: sqlite3.Connection, *, now: datetime, max_bytes: int | None = 
         ("fr_date_bin", fr_date_bin, 3),
         ("fr_extract", fr_extract, 2),
         ("fr_plus_interval", fr_plus_interval, 2),
+        ("fr_ts_plus", fr_ts_plus, 2),
+        ("fr_ts_minus", fr_ts_minus, 2),
         ("regexp", _regexp, 2),
         ("fr_iregexp", _iregexp, 2),
     ):

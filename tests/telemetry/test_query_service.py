@@ -70,9 +70,14 @@ async def service(store: Path) -> AsyncIterator[httpx.AsyncClient]:
             ) as client:
                 yield client
         finally:
-            process.send_signal(signal.SIGKILL)  # a frozen service would not hear SIGINT
-            with anyio.move_on_after(10, shield=True):
-                await process.wait()
+            with anyio.CancelScope(shield=True):
+                process.send_signal(signal.SIGINT)  # it stops its emulator's processes
+                with anyio.move_on_after(30):
+                    await process.wait()
+                if process.returncode is None:  # frozen: it cannot hear SIGINT
+                    process.kill()
+                    with anyio.move_on_after(10):
+                        await process.wait()
 
 
 async def test_a_backtracking_pattern_leaves_healthz_answering_within_a_second_throughout(

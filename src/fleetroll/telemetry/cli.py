@@ -292,7 +292,10 @@ def _since(text: str) -> timedelta:
         amount, unit = float(text[:-1]), units[text[-1]]
     except (ValueError, KeyError, IndexError):
         raise _failed(f"--since {text!r}: use a number and a unit: 30m, 6h, 7d") from None
-    return timedelta(**{unit: amount})
+    try:
+        return timedelta(**{unit: amount})
+    except OverflowError:  # 1e20d
+        raise _failed(f"--since {text!r} reaches back before year 1: give less") from None
 
 
 def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -304,7 +307,10 @@ def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...
     token = os.environ.get("LOGFIRE_READ_TOKEN")
     if not token:
         raise _failed("--logfire needs a read token in LOGFIRE_READ_TOKEN (Logfire → Settings)")
-    min_timestamp = datetime.now(UTC) - _since(since)
+    try:
+        min_timestamp = datetime.now(UTC) - _since(since)
+    except OverflowError:  # before year 1
+        raise _failed(f"--since {since!r} reaches back before year 1: give less") from None
 
     async def run() -> Any:
         async with AsyncLogfireQueryClient(read_token=token) as client:

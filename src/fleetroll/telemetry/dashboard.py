@@ -99,20 +99,25 @@ def parse_since(text: str, *, now: datetime | None = None) -> str:
         SinceError: neither; the message says what is accepted.
     """
     match = _RELATIVE.match(text)
-    if match:
-        amount, unit = float(match.group(1)), _UNITS[match.group(2)]
-        when = (now or datetime.now(UTC)) - timedelta(**{unit: amount})
-    else:
-        try:
-            when = datetime.fromisoformat(text.strip())
-        except ValueError:
-            raise SinceError(
-                f"since={text!r} is not a time: give a duration back from now "
-                "(90s, 15m, 6h, 7d) or an ISO 8601 time (2026-01-01T12:00:00Z)"
-            ) from None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    try:
+        if match:
+            amount, unit = float(match.group(1)), _UNITS[match.group(2)]
+            when = (now or datetime.now(UTC)) - timedelta(**{unit: amount})
+        else:
+            try:
+                when = datetime.fromisoformat(text.strip())
+            except ValueError:
+                raise SinceError(
+                    f"since={text!r} is not a time: give a duration back from now "
+                    "(90s, 15m, 6h, 7d) or an ISO 8601 time (2026-01-01T12:00:00Z)"
+                ) from None
+            if when.tzinfo is None:
+                when = when.replace(tzinfo=UTC)
+        return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    except OverflowError:  # 99999999999d, or 0001-01-01T00:00+05:00 in UTC
+        raise SinceError(
+            f"since={text!r} is before year 1 or after year 9999: give a shorter duration"
+        ) from None
 
 
 # -- the snapshot ----------------------------------------------------------------------

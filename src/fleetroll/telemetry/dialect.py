@@ -12,6 +12,11 @@ for SQLite, rewriting on the syntax tree what SQLite has no words for:
   the index on ``start_timestamp``);
 - an ``interval`` is a number of seconds; ``timestamp - timestamp`` is one
   too, so ``extract(epoch from end_timestamp - start_timestamp)`` is seconds;
+  ``x ± interval`` where nothing says what ``x`` is (a CTE's column, ``->>``)
+  is decided per value (``fr_plus_interval``): a number is an interval, text
+  must be a timestamp, never a number made from the text's leading digits;
+- ``::json``/``::jsonb`` is SQLite's ``json(x)``, which refuses text that is
+  no JSON (SQLite's ``CAST(x AS JSON)`` would make it the number 0);
 - ``level`` compares by severity (``level > 'info'``,
   ``level >= level_num('error')``), as on Logfire, though the store keeps names;
 - ``percentile_cont(q) WITHIN GROUP (ORDER BY x)``, ``percentile_disc``,
@@ -21,6 +26,10 @@ for SQLite, rewriting on the syntax tree what SQLite has no words for:
 - ``->`` and ``->>`` keep the key as written (``attributes->>'env_key'``),
   which SQLite reads as that key, dots included, and which the store's
   expression indexes match.
+
+Errors are one line about the SQL as written: a syntax error gives the line,
+column and token, never the parser's own classes; SQL nested too deeply for
+the parser is refused, not a ``RecursionError``.
 
 What still differs from Logfire is listed in docs/telemetry.md.
 """
@@ -35,9 +44,11 @@ from typing import Any, ClassVar, Final
 
 import sqlglot
 from sqlglot import exp
+from sqlglot.dialects.postgres import Postgres
 from sqlglot.dialects.sqlite import SQLite
 from sqlglot.errors import ErrorLevel, ParseError, SqlglotError, TokenError
 from sqlglot.generators.sqlite import SQLiteGenerator
+from sqlglot.parsers.postgres import PostgresParser
 
 from fleetroll.errors import QueryError
 from fleetroll.telemetry.sql_functions import UNIT_SECONDS as _SECONDS
@@ -46,9 +57,12 @@ from fleetroll.telemetry.sql_functions import fr_date_bin as fr_date_bin
 from fleetroll.telemetry.sql_functions import fr_date_trunc as fr_date_trunc
 from fleetroll.telemetry.sql_functions import fr_epoch as fr_epoch
 from fleetroll.telemetry.sql_functions import fr_extract as fr_extract
+from fleetroll.telemetry.sql_functions import fr_plus_interval as fr_plus_interval
 from fleetroll.telemetry.sql_functions import fr_ts as fr_ts
 from fleetroll.telemetry.sql_functions import fr_ts_add as fr_ts_add
 from fleetroll.telemetry.sql_functions import fr_ts_diff as fr_ts_diff
+from fleetroll.telemetry.sql_functions import fr_ts_minus as fr_ts_minus
+from fleetroll.telemetry.sql_functions import fr_ts_plus as fr_ts_plus
 from fleetroll.telemetry.sql_functions import install as install
 
 __all__ = ["install", "interval_seconds", "locate", "translate"]
@@ -60,7 +74,9 @@ logging.getLogger("sqlglot").setLevel(logging.ERROR)
 
 #: Columns of ``records`` that hold timestamps.
 TIMESTAMP_COLUMNS: Final = frozenset({"start_timestamp", "end_timestamp", "created_at"})
-_TS_FUNCTIONS: Final = frozenset({"fr_now", "fr_ts", "fr_date_trunc", "fr_date_bin", "fr_ts_add"})
+_TS_FUNCTIONS: Final = frozenset(
+    {"fr_now", "fr_ts", "fr_date_trunc", "fr_date_bin", "fr_ts_add", "fr_ts_plus"}
+)
 _INTERVAL_FUNCTIONS: Final = frozenset({"fr_interval", "fr_ts_diff"})
 
 _INTERVAL_PART = re.compile(r"\s*([-+]?\d+(?:\.\d+)?)\s*([a-z]+)\s*", re.IGNORECASE)
@@ -195,6 +211,13 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
         return _call("fr_ts", node.this)
     if isinstance(node, exp.Cast) and node.to.this == exp.DataType.Type.INTERVAL:
         return _as_interval(node.this)
+    if isinstance(node, exp.Cast) and node.to.this in (
+        exp.DataType.Type.JSON,
+        exp.DataType.Type.JSONB,
+    ):
+        return _call("json", node.this)
+    if isinstance(node, exp.RegexpILike):  # x ~* pattern
+        return _call("fr_iregexp", node.expression, node.this)
     if isinstance(node, exp.TimestampTrunc | exp.DateTrunc):
         unit = _unit_name(node.args.get("unit"))
         return _call("fr_date_trunc", exp.Literal.string(unit), node.this)
@@ -209,6 +232,8 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
             return _call("fr_percentile_cont", args[0], exp.Literal.number(0.5))
         if name == "to_timestamp" and len(args) == 1:
             return _call("fr_ts", args[0])
+    if isinstance(node, exp.UnixToTime) and set(node.args) == {"this"}:  # to_timestamp(n)
+        return _call("fr_ts", node.this)
     if isinstance(node, exp.Median):
         return _call("fr_percentile_cont", node.this, exp.Literal.number(0.5))
     if isinstance(node, exp.WithinGroup):
@@ -240,6 +265,25 @@ def _rewrite(node: exp.Expr) -> exp.Expr:
             return _call("fr_ts_add", node.this, delta)
         if isinstance(node, exp.Add) and left == "interval" and right == "ts":
             return _call("fr_ts_add", node.expression, node.this)
+        # Something the SQL does not type (a CTE's column, ->>, a literal) and an
+        # interval: SQLite would subtract seconds from the number it reads out of
+        # a timestamp's text ('2026-...' - 3600 = -1574). Decided per value instead.
+        if left is None and right == "interval":
+            delta = node.expression
+            if isinstance(node, exp.Sub):
+                delta = exp.Neg(this=exp.Paren(this=delta))
+            return _call("fr_plus_interval", node.this, delta)
+        if isinstance(node, exp.Add) and left == "interval" and right is None:
+            return _call("fr_plus_interval", node.expression, node.this)
+        # A timestamp and something untyped (a number, a CTE's timestamp, lag(...)):
+        # SQLite would add to the year it reads out of the text ('2026-...' + 1 = 2027).
+        if left == "ts" and right is None:
+            name = "fr_ts_plus" if isinstance(node, exp.Add) else "fr_ts_minus"
+            return _call(name, node.this, node.expression)
+        if left is None and right == "ts":
+            if isinstance(node, exp.Add):
+                return _call("fr_ts_plus", node.expression, node.this)
+            return _call("fr_ts_diff", node.this, node.expression)
     if isinstance(node, exp.JSONExtract | exp.JSONExtractScalar):
         path = node.expression
         if isinstance(path, exp.Cast) and isinstance(path.this, exp.Literal):
@@ -333,6 +377,22 @@ class _LocalStore(SQLite):
     Generator = _LocalGenerator
 
 
+class _LogfireParser(PostgresParser):
+    # sqlglot reads date_bin's third argument (the origin) as a unit word: a
+    # column becomes the bare name, a string loses its quotes. Kept as written,
+    # it is rewritten like time_bucket.
+    FUNCTIONS: ClassVar[dict[str, Callable[..., exp.Expr]]] = {
+        **PostgresParser.FUNCTIONS,
+        "DATE_BIN": lambda args: exp.Anonymous(this="date_bin", expressions=args),
+    }
+
+
+class _Logfire(Postgres):
+    """PostgreSQL as Logfire's users write it (see :class:`_LogfireParser`)."""
+
+    Parser = _LogfireParser
+
+
 @functools.lru_cache(maxsize=256)
 def translate(sql: str) -> str:
     """The SQLite text of one statement of Logfire's (PostgreSQL-flavoured) SQL.
@@ -343,7 +403,19 @@ def translate(sql: str) -> str:
             something the local store cannot express.
     """
     try:
-        statements = [s for s in sqlglot.parse(sql, read="postgres") if s is not None]
+        return _translate(sql)
+    except RecursionError:
+        # sqlglot parses and rewrites recursively: a few hundred nested
+        # parentheses or a long chain of operators run out of stack.
+        raise QueryError(
+            "the SQL is nested too deeply to read (hundreds of levels of parentheses, "
+            "or a very long chain of operators): write it flatter, e.g. with a CTE"
+        ) from None
+
+
+def _translate(sql: str) -> str:
+    try:
+        statements = [s for s in sqlglot.parse(sql, read=_Logfire) if s is not None]
     except ParseError as exc:
         raise QueryError(_parse_error(sql, exc)) from None
     except TokenError as exc:
@@ -359,7 +431,7 @@ def translate(sql: str) -> str:
     except QueryError:
         raise
     except SqlglotError as exc:
-        raise QueryError(f"the local store cannot run this SQL: {exc}") from None
+        raise QueryError(f"the local store cannot run this SQL: {_plain(str(exc))}") from None
 
 
 def _parse_error(sql: str, exc: ParseError) -> str:
@@ -371,9 +443,24 @@ def _parse_error(sql: str, exc: ParseError) -> str:
     description = str(first.get("description") or "syntax error")
     if isinstance(col, int) and token and "\n" not in token:
         col = max(1, col - len(token) + 1)  # sqlglot points at the token's end
+    if len(token) > 40:  # a long string literal: its start says where
+        token = token[:40] + "…"
     near = f" near {token!r}" if token else ""
     where = f" at line {line}, column {col}" if line is not None else ""
-    return f"SQL syntax error{where}{near}: {description.lower()}"
+    return f"SQL syntax error{where}{near}: {_plain(description).lower()}"
+
+
+#: sqlglot's words for "this part of the SQL is incomplete".
+_MISSING: Final = re.compile(r"required keyword: '\w+' missing for <class '[\w.]+'>", re.I)
+_INTERNAL: Final = re.compile(r"<(?:class|token)\b[^>]*>", re.I)
+
+
+def _plain(description: str) -> str:
+    """sqlglot's description of an error without its internals (classes, tokens)."""
+    text = description.partition(" but got <")[0]  # "...but got <Token token_type: ...>"
+    text = _MISSING.sub("something is missing after it", text)
+    text = _INTERNAL.sub("", text)
+    return " ".join(text.split()) or "syntax error"
 
 
 def _token_error(sql: str, exc: TokenError) -> str:

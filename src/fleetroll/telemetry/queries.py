@@ -122,7 +122,9 @@ def query(
     rows or ``max_bytes`` bytes of values, whichever comes first
     (``truncated`` is then true), so a query that matches a huge table never
     holds more than about those bounds in memory. With ``max_bytes``, no
-    single value the query builds may be longer than that either.
+    single value the query builds may be longer than that either, and the
+    aggregates computed in Python (percentiles, ``array_agg``) hold at most
+    that many bytes of values at once.
 
     Raises:
         StoreError: there is no store at ``db``.
@@ -141,7 +143,7 @@ def query(
             unreadable = exc
     conn = _open(db)
     try:
-        problems = logfire_sql.install(conn, now=datetime.now(UTC))
+        problems = logfire_sql.install(conn, now=datetime.now(UTC), max_bytes=max_bytes)
         if timeout_s is not None:
             deadline = time.monotonic() + timeout_s
             conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
@@ -183,6 +185,8 @@ def query(
             if unreadable is not None:
                 raise unreadable from None
             raise QueryError(_explain(str(exc), sql, problems)) from None
+        except OverflowError as exc:  # a parameter SQLite cannot hold
+            raise QueryError(f"a parameter is out of range: {exc} (64-bit integers)") from None
         columns = [d[0] for d in cursor.description or ()]
         return QueryResult(columns, rows, truncated)
     finally:

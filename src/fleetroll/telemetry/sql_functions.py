@@ -5,6 +5,18 @@
 ``regexp``, percentiles, variance/stddev and ``array_agg``. Moved out of
 ``dialect.py`` to keep modules short; ``fleetroll.telemetry.dialect`` re-exports
 :func:`install` and the ``fr_*`` functions as before.
+
+None of them may hurt the process that runs the query (the service answers
+``/healthz`` and runs rollouts beside it):
+
+- ``~`` (SQLite's ``REGEXP``) runs RE2, which matches in time linear in the
+  text and releases the GIL while it matches; Python's ``re`` backtracks, and
+  one backtracking pattern held the GIL, and so the whole service, for as
+  long as it liked. RE2's syntax is the one Logfire's engine (Rust's
+  ``regex``) takes: no backreferences, no lookaround.
+- the aggregates computed here (percentiles, ``array_agg``) count the bytes
+  they hold against one budget per query (``service.query_max_bytes``) and
+  fail with a clear message past it, rather than growing without bound.
 """
 
 from __future__ import annotations
@@ -13,11 +25,14 @@ import contextlib
 import functools
 import json
 import math
-import re
 import sqlite3
+from array import array
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, Final, cast
+from typing import Any, ClassVar, Final, cast
+
+import re2  # type: ignore[import-untyped]
+from re2 import _re2
 
 __all__ = [
     "UNIT_SECONDS",
@@ -26,9 +41,12 @@ __all__ = [
     "fr_date_trunc",
     "fr_epoch",
     "fr_extract",
+    "fr_plus_interval",
     "fr_ts",
     "fr_ts_add",
     "fr_ts_diff",
+    "fr_ts_minus",
+    "fr_ts_plus",
     "install",
     "percentile",
 ]
@@ -110,6 +128,50 @@ def fr_ts_diff(a: object, b: object) -> float | None:
     if left is None or right is None:
         return None
     return (left - right).total_seconds()
+
+
+def fr_plus_interval(value: object, seconds: float | None) -> object:
+    """``value + interval`` where the SQL does not say what ``value`` is (a CTE's
+    column, ``->>``, a literal): a number is an interval (seconds, the sum is
+    too), anything else must be a timestamp (the sum is the store's text).
+
+    Raises:
+        ValueError: ``value`` is text that is no timestamp.
+    """
+    if value is None or seconds is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return value + seconds
+    return fr_ts_add(value, seconds)
+
+
+def fr_ts_plus(value: object, other: object) -> str | None:
+    """``timestamp + other`` where the SQL does not say what ``other`` is: a number is seconds.
+
+    Raises:
+        ValueError: ``other`` is no number (two timestamps do not add up).
+    """
+    if value is None or other is None:
+        return None
+    if isinstance(other, int | float) and not isinstance(other, bool):
+        return fr_ts_add(value, other)
+    raise ValueError(
+        f"a timestamp plus {other!r}: add an interval ('1 hour') or a number of seconds"
+    )
+
+
+def fr_ts_minus(value: object, other: object) -> str | float | None:
+    """``timestamp - other`` where the SQL does not say what ``other`` is: a number is
+    seconds (a timestamp earlier), anything else a timestamp (the seconds between).
+
+    Raises:
+        ValueError: ``other`` is text that is no timestamp.
+    """
+    if value is None or other is None:
+        return None
+    if isinstance(other, int | float) and not isinstance(other, bool):
+        return fr_ts_add(value, -other)
+    return fr_ts_diff(value, other)
 
 
 def fr_epoch(value: object) -> float | None:
@@ -214,13 +276,52 @@ def percentile(ordered: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+class _Budget:
+    """The bytes of values the Python aggregates of one query hold, and their bound.
+
+    SQLite hands every row of a group to ``step``; an aggregate that keeps
+    them (percentiles, ``array_agg``) takes its share here, and gives it back
+    when its group is finished, so that what all of one query's aggregates
+    hold at once stays under ``limit`` (``service.query_max_bytes``; None: no
+    bound). SQLite finishes one group before it starts the next.
+    """
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int, what: str) -> None:
+        """Count ``size`` more bytes for ``what`` (an aggregate's name).
+
+        Raises:
+            ValueError: the query's aggregates would hold more than ``limit``.
+        """
+        self.held += size
+        if self.limit is not None and self.held > self.limit:
+            raise ValueError(
+                f"{what} holds over the {self.limit} byte limit (service.query_max_bytes) "
+                "of values kept by the query's aggregates: aggregate fewer or smaller "
+                "values (a narrower WHERE, a shorter time range)"
+            )
+
+    def give(self, size: int) -> None:
+        self.held -= size
+
+
+#: Bytes a number takes in an aggregate's memory (``array('d')``) and in an answer.
+_NUMBER_BYTES: Final = 8
+
+
 class _Percentile:
     """``percentile_cont`` (linear interpolation) or ``percentile_disc`` over non-null values."""
 
     discrete = False
+    name = "percentile_cont"
+    #: Set per query by :func:`install`; the class's own has no bound.
+    budget: ClassVar[_Budget] = _Budget()
 
     def __init__(self) -> None:
-        self.values: list[float] = []
+        self.values = array("d")  # 8 bytes a value, as counted
         self.q: float | None = None
 
     def step(self, value: object, q: object) -> None:
@@ -228,16 +329,22 @@ class _Percentile:
             if not 0 <= q <= 1:
                 raise ValueError("a percentile is between 0 and 1")
             self.q = float(q)
+        number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            self.values.append(float(value))
+            number = float(value)
         elif isinstance(value, str):
             with contextlib.suppress(ValueError):  # text that is no number: skipped
-                self.values.append(float(value))
+                number = float(value)
+        if number is not None:
+            self.budget.take(_NUMBER_BYTES, self.name)
+            self.values.append(number)
 
     def finalize(self) -> float | None:
+        self.budget.give(len(self.values) * _NUMBER_BYTES)
         if not self.values or self.q is None:
             return None
         ordered = sorted(self.values)
+        self.values = array("d")
         if self.discrete:
             return ordered[max(0, math.ceil(self.q * len(ordered)) - 1)]
         return percentile(ordered, self.q)
@@ -245,6 +352,7 @@ class _Percentile:
 
 class _PercentileDisc(_Percentile):
     discrete = True
+    name = "percentile_disc"
 
 
 class _Variance:
@@ -285,48 +393,111 @@ class _StddevPop(_Variance):
 class _ArrayAgg:
     """``array_agg(x)``: a JSON array (SQLite has no arrays)."""
 
+    budget: ClassVar[_Budget] = _Budget()
+
     def __init__(self) -> None:
         self.items: list[object] = []
+        self.held = 0
 
     def step(self, value: object) -> None:
+        # What the item adds to the JSON array: a text's length, quotes and comma.
+        size = len(value) + 3 if isinstance(value, str | bytes) else _NUMBER_BYTES
+        self.budget.take(size, "array_agg")
+        self.held += size
         self.items.append(value)
 
     def finalize(self) -> str:
-        return json.dumps(self.items, ensure_ascii=False, default=str)
+        self.budget.give(self.held)
+        items, self.items, self.held = self.items, [], 0
+        return json.dumps(items, ensure_ascii=False, default=str)
 
 
-def _regexp(pattern: str | None, value: object) -> bool | None:
+#: What a pattern RE2 refuses may be written as instead, told with its error.
+_RE2_SYNTAX: Final = "RE2 syntax, as on Logfire: no backreferences or lookaround"
+_UNANCHORED: Final = _re2.RE2.Anchor.UNANCHORED
+
+
+@functools.lru_cache(maxsize=256)
+def _pattern(pattern: str, ignore_case: bool) -> Any:
+    """``pattern`` compiled by RE2, quietly (RE2 logs refusals to stderr by default).
+
+    The binding under ``re2``'s Python wrapper: the wrapper's ``search`` builds
+    a match object and decodes offsets, five times the cost of the match itself
+    for the short texts of a store (10 µs a row against 2 µs); a query only
+    needs whether it matched.
+
+    Raises:
+        ValueError: RE2 cannot compile it; the message says why.
+    """
+    options = re2.Options()
+    options.log_errors = False
+    options.never_capture = True
+    options.case_sensitive = not ignore_case
+    compiled = _re2.RE2(pattern.encode(), options)
+    if not compiled.ok():
+        reason = compiled.error()
+        if isinstance(reason, bytes):
+            reason = reason.decode("utf-8", "replace")
+        raise ValueError(f"regular expression {pattern!r}: {reason} ({_RE2_SYNTAX})")
+    return compiled
+
+
+def _regexp(pattern: object, value: object, *, ignore_case: bool = False) -> bool | None:
+    """``value ~ pattern``: does RE2's ``pattern`` match anywhere in ``value``."""
     if pattern is None or value is None:
         return None
-    return re.search(pattern, str(value)) is not None
+    text = str(value).encode()
+    spans = _pattern(str(pattern), ignore_case).Match(_UNANCHORED, text, 0, len(text))
+    return bool(spans[0][0] != -1)
 
 
-def install(conn: sqlite3.Connection, *, now: datetime) -> list[str]:
+def _iregexp(pattern: object, value: object) -> bool | None:
+    """``value ~* pattern``: ``~`` ignoring case."""
+    return _regexp(pattern, value, ignore_case=True)
+
+
+def install(conn: sqlite3.Connection, *, now: datetime, max_bytes: int | None = None) -> list[str]:
     """Register on ``conn`` the functions translated SQL calls; ``now()`` is ``now``.
 
-    ``now()`` is one value for the whole statement, as in PostgreSQL. Returns
-    a list that collects what the functions refused (SQLite itself only says
+    ``now()`` is one value for the whole statement, as in PostgreSQL. The
+    aggregates that keep values (percentiles, ``array_agg``) hold at most
+    ``max_bytes`` of them at once, all of a statement's together. Returns a list
+    that collects what the functions refused (SQLite itself only says
     "user-defined function raised exception"), for the error message.
     """
     stamp = _iso(now.astimezone(UTC))
     problems: list[str] = []
+    budget = _Budget(max_bytes)
 
     def told(func: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(func)
         def call(*args: Any) -> Any:
             try:
                 return func(*args)
-            except (ValueError, OverflowError, re.error) as exc:
+            except ValueError as exc:
                 problems.append(str(exc))
                 raise
+            except OverflowError:
+                # Raised as it is, sqlite3 would report "string or blob too big".
+                problems.append(
+                    "a value out of range: timestamps run from year 1 to 9999 "
+                    "(a smaller interval or number)"
+                )
+                raise ValueError(problems[-1]) from None
 
         return call
 
-    def percentile(kind: type[_Percentile]) -> type[_Percentile]:
-        class Told(kind):  # type: ignore[valid-type,misc]
-            def step(self, value: object, q: object) -> None:
-                told(super().step)(value, q)
+    def bounded(kind: type[Any]) -> type[Any]:
+        """``kind`` on this query's budget, its refusals told."""
 
+        class Told(kind):  # type: ignore[misc]
+            def step(self, *args: object) -> None:
+                told(super().step)(*args)
+
+            def finalize(self) -> object:
+                return told(super().finalize)()
+
+        Told.budget = budget
         return Told
 
     conn.create_function("fr_now", 0, lambda: stamp, deterministic=True)
@@ -339,11 +510,15 @@ def install(conn: sqlite3.Connection, *, now: datetime) -> list[str]:
         ("fr_date_bin", fr_date_bin, 2),
         ("fr_date_bin", fr_date_bin, 3),
         ("fr_extract", fr_extract, 2),
+        ("fr_plus_interval", fr_plus_interval, 2),
+        ("fr_ts_plus", fr_ts_plus, 2),
+        ("fr_ts_minus", fr_ts_minus, 2),
         ("regexp", _regexp, 2),
+        ("fr_iregexp", _iregexp, 2),
     ):
         conn.create_function(name, arity, told(func), deterministic=True)
-    conn.create_aggregate("fr_percentile_cont", 2, cast(Any, percentile(_Percentile)))
-    conn.create_aggregate("fr_percentile_disc", 2, cast(Any, percentile(_PercentileDisc)))
+    conn.create_aggregate("fr_percentile_cont", 2, cast(Any, bounded(_Percentile)))
+    conn.create_aggregate("fr_percentile_disc", 2, cast(Any, bounded(_PercentileDisc)))
     for name, aggregate in (
         ("variance", _Variance),
         ("var_samp", _Variance),
@@ -354,5 +529,5 @@ def install(conn: sqlite3.Connection, *, now: datetime) -> list[str]:
         ("stddev_pop", _StddevPop),
     ):
         conn.create_aggregate(name, 1, cast(Any, aggregate))
-    conn.create_aggregate("array_agg", 1, cast(Any, _ArrayAgg))
+    conn.create_aggregate("array_agg", 1, cast(Any, bounded(_ArrayAgg)))
     return problems

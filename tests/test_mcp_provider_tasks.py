@@ -42,7 +42,7 @@ def test_a_url_environment_takes_a_reset_and_a_tool_verifier() -> None:
 
 
 def test_fleet_tasks_have_no_environment() -> None:
-    task = parse(env_key="ledger:v1")
+    task = parse(env_key="ledger:v1", verifier_func="def verify(env):\n    return 1.0\n")
     assert task.environment is None and task.verifier is None and task.env_key == "ledger"
 
 

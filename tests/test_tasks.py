@@ -33,6 +33,7 @@ def short(**fields: Any) -> dict[str, Any]:
         "env_key": "ledger:v1",
         "data_key": "seed:v1",
         "modality": "tool_use",
+        "verifier_func": VERIFIER,
     }
     record.update(fields)
     return {name: value for name, value in record.items() if value is not None}
@@ -87,11 +88,27 @@ def test_fleet_export_and_short_form_give_the_same_task() -> None:
 
 
 def test_optional_parts_default_sensibly() -> None:
-    task = parse({"key": "k", "prompt": "p", "env_key": "ledger"})
+    task = parse({"key": "k", "prompt": "p", "env_key": "ledger", "verifier_func": VERIFIER})
     assert task.env_spec == "ledger" and task.env_version is None
     assert task.data_spec is None and task.modality == "tool_use"
-    assert task.verifier_func is None and task.solution is None and task.max_steps is None
+    assert task.solution is None and task.max_steps is None
     assert task.requires_final_answer is False and task.metadata == {}
+
+
+@pytest.mark.parametrize("nothing", [{}, {"verifier_func": None}, {"verifier_code": None}])
+def test_a_fleet_task_without_a_verifier_is_refused_naming_the_file_line_and_field(
+    tmp_path: Path, nothing: dict[str, Any]
+) -> None:
+    # Every rollout of it would end verifier_error: the load says so once instead.
+    bare = {**short(key="bare", verifier_func=None), **nothing}
+    path = write_jsonl(tmp_path, short(key="ok"), bare)
+
+    with pytest.raises(TaskFileError) as caught:
+        load_tasks(path, modalities=MODALITIES)
+
+    assert (caught.value.line, caught.value.field) == (2, "verifier_func")
+    assert str(caught.value).startswith(f"{path}:2: field 'verifier_func': missing required field")
+    assert "\n" not in str(caught.value)
 
 
 def test_fleet_extra_fields_are_accepted_and_ignored() -> None:
@@ -103,7 +120,8 @@ def test_fleet_extra_fields_are_accepted_and_ignored() -> None:
         "output_json_schema": {"type": "object"},
     }
     assert set(extras) == FLEET_IGNORED_FIELDS
-    # Fleet exports write null for what a task does not set.
+    # Fleet exports write null for what a task does not set (here: the
+    # verifier under its other name, verifier_code).
     nulls = {"data_id": None, "data_version": None, "env_variables": None, "verifier_func": None}
     record = {
         "key": "k",
@@ -111,6 +129,7 @@ def test_fleet_extra_fields_are_accepted_and_ignored() -> None:
         "env_id": "ledger",
         "version": "v1",
         "task_modality": "tool_use",
+        "verifier_code": VERIFIER,
     }
     task = parse({**record, **extras, **nulls, "metadata": None, "env_variables": {"TZ": "UTC"}})
     assert task.env_spec == "ledger:v1" and task.data_spec is None

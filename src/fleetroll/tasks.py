@@ -410,10 +410,16 @@ def _parse(
     verifier = record.get("verifier_code") if verifier is None else verifier  # Fleet: both
     if verifier is not None:
         verifier = verifiers.check(_string(verifier, "verifier_func", where), where)
+    key = _string(record.get("key", _MISSING), "key", where)
+    prompt = _string(record.get("prompt", _MISSING), "prompt", where)
+    if verifier is None and mcp is None:
+        # Every rollout of it would end verifier_error: say so once, before anything runs.
+        example = 'e.g. "def verify(env, final_answer=None): ..."'
+        raise where.error(f"missing required field 'verifier_func' ({example})", "verifier_func")
     # Every field is checked above: construct without validating it all again.
     return TaskSpec.model_construct(
-        key=_string(record.get("key", _MISSING), "key", where),
-        prompt=_string(record.get("prompt", _MISSING), "prompt", where),
+        key=key,
+        prompt=prompt,
         env_key=env_key,
         env_version=env_version,
         data_key=data_key,

@@ -406,6 +406,43 @@ def test_a_folder_whose_files_together_are_over_the_limit_is_refused(tmp_path: P
     assert len(load_task_paths([tmp_path], MODALITIES, TaskLimits(max_file_bytes=2 * one_file)))
 
 
+def test_a_folder_is_read_one_level_deep_and_one_warning_names_subfolders_with_tasks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "top.jsonl").write_text(json.dumps(short(key="top")) + "\n")
+    for sub in ("mcp", "more"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "t.jsonl").write_text(json.dumps(short(key=sub)) + "\n")
+    (tmp_path / "notes").mkdir()  # no task file: nothing to say about it
+
+    with caplog.at_level("WARNING", logger="fleetroll.tasks"):
+        tasks = load_task_paths([tmp_path], MODALITIES)
+
+    assert [t.key for t in tasks] == ["top"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: not reading the task files in its subfolder(s) mcp, more: folders are"
+        " read one level deep; name a subfolder to load it too"
+    ]
+    assert [t.key for t in load_task_paths([tmp_path, tmp_path / "mcp"], MODALITIES)] == [
+        "top",
+        "mcp",
+    ]
+
+
+def test_a_folder_whose_task_files_are_all_in_subfolders_says_so(tmp_path: Path) -> None:
+    (tmp_path / "mcp").mkdir()
+    (tmp_path / "mcp" / "t.jsonl").write_text(json.dumps(short()) + "\n")
+
+    with pytest.raises(TaskFileError) as caught:
+        load_task_paths([tmp_path], MODALITIES)
+
+    assert str(caught.value) == (
+        f"{tmp_path}: no .jsonl or .json task file in this folder; not reading the task files"
+        " in its subfolder(s) mcp: folders are read one level deep; name a subfolder to load it"
+        " too"
+    )
+
+
 def test_reading_stops_at_the_first_task_over_the_count_limit(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path, *(short(key=f"t{n}") for n in range(5)))
 

@@ -23,6 +23,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,7 @@ class TaskLimits:
 
 
 _NO_LIMITS: Final = TaskLimits()
+_log = logging.getLogger("fleetroll.tasks")
 
 
 def load_task_paths(
@@ -173,6 +175,11 @@ def load_task_paths(
 def task_files(paths: Iterable[str | Path]) -> list[Path]:
     """The task files ``paths`` name: files as given, folders' ``*.jsonl``/``*.json`` sorted.
 
+    A folder is read one level deep: its subfolders are not (so a folder of
+    tasks can keep others apart below it). Subfolders holding task files are
+    named in one warning (logger ``fleetroll.tasks``), so they are not
+    skipped unknowingly; name them to load them too.
+
     Raises:
         TaskFileError: a folder holds no task file, or cannot be listed.
     """
@@ -183,14 +190,35 @@ def task_files(paths: Iterable[str | Path]) -> list[Path]:
             files.append(path)
             continue
         try:
-            found = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
+            entries = sorted(path.iterdir())
+            found = [p for p in entries if _is_task_file(p)]
+            skipped = [p.name for p in entries if p.is_dir() and _holds_task_files(p)]
         except OSError as exc:
             reason = f"cannot list the folder: {exc.strerror or exc}"
             raise TaskFileError(reason, path=str(path)) from None
+        below = (
+            f"not reading the task files in its subfolder(s) {', '.join(skipped)}: folders"
+            " are read one level deep; name a subfolder to load it too"
+        )
         if not found:
-            raise TaskFileError("no .jsonl or .json task file in this folder", path=str(path))
+            reason = "no .jsonl or .json task file in this folder"
+            raise TaskFileError(f"{reason}; {below}" if skipped else reason, path=str(path))
+        if skipped:
+            _log.warning("%s: %s", path, below)
         files += found
     return files
+
+
+def _is_task_file(path: Path) -> bool:
+    return path.suffix in (".jsonl", ".json") and not path.is_dir()
+
+
+def _holds_task_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a task file (an unreadable one is not worth a warning)."""
+    try:
+        return any(_is_task_file(p) for p in folder.iterdir())
+    except OSError:
+        return False
 
 
 def load_tasks(

@@ -117,6 +117,27 @@ async def test_a_pool_without_a_fleet_key_runs_mcp_tasks(tmp_path: Path) -> None
     assert_nothing_left(root)
 
 
+async def test_workdir_in_solution_arguments_is_the_rollout_s_working_directory(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "workdirs"
+    # The verifier runs in the working directory: 1 when the note holds its path.
+    check = [
+        "{python}",
+        "-c",
+        "import os; print(float(os.path.samefile(open('where').read(), '.')))",
+    ]
+    tasks = [
+        task(f"where-{n}", verifier={"command": check}, solution=write("where", "{workdir}"))
+        for n in range(2)
+    ]
+
+    results = await run(tasks, root)
+
+    assert [(r.reward, r.failure_reason) for r in results] == [(1.0, None)] * 2
+    assert_nothing_left(root)
+
+
 async def test_the_example_tasks_score_zero_without_a_solution(tmp_path: Path) -> None:
     root = tmp_path / "workdirs"
     settings = settings_for(root)

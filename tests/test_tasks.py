@@ -95,6 +95,27 @@ def test_optional_parts_default_sensibly() -> None:
     assert task.requires_final_answer is False and task.metadata == {}
 
 
+def test_placeholders_are_filled_in_solution_arguments_at_any_depth_and_nowhere_else() -> None:
+    solution = [
+        {"name": "write_file", "arguments": {"path": "{workdir}/a.txt", "n": 3}},
+        {
+            "name": "run",
+            "arguments": {"argv": ["{python}", "{workdir}/x"], "env": {"D": "{workdir}"}},
+        },
+    ]
+    task = parse(short(prompt="Write {workdir}/a.txt.", solution=solution))
+
+    filled = task.with_placeholders({"{workdir}": "/w/1", "{python}": "/usr/bin/python3"})
+
+    assert [dict(step.arguments) for step in filled.solution or ()] == [
+        {"path": "/w/1/a.txt", "n": 3},
+        {"argv": ["/usr/bin/python3", "/w/1/x"], "env": {"D": "/w/1"}},
+    ]
+    assert filled.prompt == "Write {workdir}/a.txt." and filled.key == task.key
+    assert task.solution is not None and task.solution[0].arguments["path"] == "{workdir}/a.txt"
+    assert task.with_placeholders({}) is task
+
+
 @pytest.mark.parametrize("nothing", [{}, {"verifier_func": None}, {"verifier_code": None}])
 def test_a_fleet_task_without_a_verifier_is_refused_naming_the_file_line_and_field(
     tmp_path: Path, nothing: dict[str, Any]

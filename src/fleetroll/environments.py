@@ -18,9 +18,9 @@ Contract for implementations:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from fleetroll.results import VerifierOutcome
@@ -43,6 +43,9 @@ class Instance:
         provision_s: seconds from the first attempt to ready.
         created_mono: ``time.monotonic()`` when it became ready.
         handle: the provider's own object; nothing else touches it.
+        placeholders: what this instance replaces in a task's ``solution``
+            arguments (an ``mcp`` instance's ``{workdir}``...; none for Fleet):
+            :meth:`fleetroll.tasks.TaskSpec.with_placeholders`.
     """
 
     instance_id: str
@@ -50,6 +53,7 @@ class Instance:
     provision_s: float
     created_mono: float
     handle: object
+    placeholders: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

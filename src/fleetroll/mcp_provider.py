@@ -221,7 +221,14 @@ class McpProvider:
             attempts=1,
             instance_id=handle.instance_id,
         )
-        return Instance(handle.instance_id, 1, elapsed, time.monotonic(), handle=handle)
+        return Instance(
+            handle.instance_id,
+            1,
+            elapsed,
+            time.monotonic(),
+            handle=handle,
+            placeholders=self._placeholders(handle.workdir),
+        )
 
     def _provision_error(self, exc: BaseException, handle: McpHandle | None) -> ProvisionError:
         what = "starting the MCP server" if handle and handle.process else "setting up the server"
@@ -237,12 +244,14 @@ class McpProvider:
         skip_unused_pydantic_plugins(env)  # a server per rollout: its start-up counts
         return env
 
+    def _placeholders(self, workdir: Path) -> dict[str, str]:
+        """What each of :data:`~fleetroll.mcp_tasks.PLACEHOLDERS` stands for in a rollout."""
+        return {"{workdir}": str(workdir), "{python}": sys.executable, "{examples}": self._examples}
+
     def _fill(self, text: str, workdir: Path) -> str:
-        return (
-            text.replace("{workdir}", str(workdir))
-            .replace("{python}", sys.executable)
-            .replace("{examples}", self._examples)
-        )
+        for placeholder, value in self._placeholders(workdir).items():
+            text = text.replace(placeholder, value)
+        return text
 
     def _argv(self, command: Sequence[str], handle: McpHandle) -> list[str]:
         return [self._fill(part, handle.workdir) for part in command]

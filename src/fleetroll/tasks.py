@@ -111,6 +111,32 @@ class TaskSpec(BaseModel):
             return None
         return f"{self.data_key}:{self.data_version}" if self.data_version else self.data_key
 
+    def with_placeholders(self, values: Mapping[str, str]) -> TaskSpec:
+        """This task with each placeholder of ``values`` (``{"{workdir}": "/tmp/..."}``)
+        replaced in the strings of its ``solution`` arguments, at any depth.
+
+        The task itself when there is nothing to replace (a Fleet instance has no
+        placeholders; the one task object serves every sample).
+        """
+        if not values or not self.solution:
+            return self
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, str):
+                for placeholder, replacement in values.items():
+                    value = value.replace(placeholder, replacement)
+                return value
+            if isinstance(value, Mapping):
+                return {k: fill(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [fill(v) for v in value]
+            return value
+
+        solution = tuple(
+            step.model_copy(update={"arguments": fill(step.arguments)}) for step in self.solution
+        )
+        return self if solution == self.solution else self.model_copy(update={"solution": solution})
+
 
 @dataclass(frozen=True, slots=True)
 class TaskLimits:

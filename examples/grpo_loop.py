@@ -18,7 +18,12 @@ Each step:
    ``pool.policy_version``.
 
 The fake model solves a share ``skill`` of its attempts at each task (it gives
-up at once on the others), and each weight swap makes it solve more.
+up at once on the others), and each weight swap makes it solve more. Its
+attempts at a task past ``samples_per_task`` in a step stall, as stragglers
+do: each group completes without them and they end ``superseded``, which is
+what oversampling is for. So every number printed is fixed by the tasks and
+the arguments, whichever rollouts happen to finish first, and the same on
+every run.
 
     python examples/grpo_loop.py --steps 3 --tasks 4 --samples 4 --oversample 1
 """
@@ -38,22 +43,35 @@ import anyio
 from fleetroll import OpenAIChatPolicy, RolloutPool, TaskSpec, load_settings, load_tasks
 from fleetroll.emulator import Emulator
 from fleetroll.settings import config_dir
-from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion, tool_call
+from fleetroll.testing.fake_openai import HANG, FakeChatServer, VllmShape, completion, tool_call
 
 EPS = 1e-6
 
 
 @dataclass
 class Model:
-    """The fake weights: the share of its attempts at a task the model solves."""
+    """The fake weights: the share of its attempts at a task the model solves.
+
+    ``answering`` attempts at a task answer per set of weights; later ones stall.
+    """
 
     skill: float
+    answering: int
     attempts: Counter[str] = field(default_factory=Counter)
 
-    def solves(self, prompt: str) -> bool:
-        """Deterministic: of any run of attempts at a task, a ``skill`` share solve it."""
+    def load(self, skill: float) -> None:
+        """New weights: a new skill, and every task's attempts counted afresh."""
+        self.skill = skill
+        self.attempts.clear()
+
+    def attempt(self, prompt: str) -> int:
+        """The number of this attempt at ``prompt`` with these weights, from 0."""
         k = self.attempts[prompt]
         self.attempts[prompt] += 1
+        return k
+
+    def solves(self, k: int) -> bool:
+        """Deterministic: of the first ``k + 1`` attempts, a ``skill`` share solve it."""
         return math.floor((k + 1) * self.skill) > math.floor(k * self.skill)
 
     def chat(self, tasks: Sequence[TaskSpec]) -> Any:
@@ -67,8 +85,12 @@ class Model:
             prompt = next(m["content"] for m in messages if m["role"] == "user")
             turn = sum(1 for m in messages if m["role"] == "assistant")
             steps = solutions[prompt]
-            if turn == 0 and not self.solves(prompt):
-                return completion("I give up.")
+            if turn == 0:
+                k = self.attempt(prompt)
+                if k >= self.answering:
+                    return HANG  # a straggler: its group completes without it
+                if not self.solves(k):
+                    return completion("I give up.")
             if turn >= len(steps):
                 return completion("done")
             name, arguments = steps[turn]
@@ -121,7 +143,7 @@ class Step:
 async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> list[Step]:
     ledger = config_dir() / "tasks" / "ledger.jsonl"
     chosen = load_tasks(ledger, modalities=load_settings().modalities)[:tasks]
-    model = Model(skill=0.5)
+    model = Model(skill=0.5, answering=samples)
     summaries: list[Step] = []
     async with FakeChatServer(model.chat(chosen), vllm=VllmShape()) as server:
         settings = load_settings(
@@ -166,7 +188,7 @@ async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> lis
                             )
                 summaries.append(s)  # a real trainer would take its optimiser step here
                 async with pool.policy_paused():  # new policy calls wait for the swap
-                    model.skill = min(1.0, model.skill + 0.2)  # "load the new weights"
+                    model.load(min(1.0, model.skill + 0.2))  # "load the new weights"
                     pool.policy_version += 1
     return summaries
 

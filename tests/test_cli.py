@@ -99,6 +99,10 @@ def test_run_writes_one_result_per_rollout_and_a_summary(tmp_path: Path) -> None
             "unknown modality 'telepathy'",
         ),
         ("not json\n", "tasks.jsonl:1: invalid JSON"),
+        (
+            '{"key": "a", "prompt": "p", "env_id": "ledger"}\n',
+            "tasks.jsonl:1: field 'verifier_func': missing required field 'verifier_func'",
+        ),
     ],
 )
 def test_bad_task_files_fail_with_exit_code_2_and_say_where(

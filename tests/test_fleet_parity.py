@@ -165,7 +165,8 @@ async def test_a_tool_answer_whose_json_says_failed_is_a_tool_error() -> None:
                 ),
             }
         )
-        result = await run_one(emu, task, sink=sink)
+        # Each step played once: a flagged error would otherwise be played again.
+        result = await run_one(emu, task, ScriptedPolicy(max_attempts=1), sink=sink)
     assert result.tool_errors == 1 and result.reward == 1.0
     (event,) = sink.named("fleet_mcp_tool_error")
     assert event.attributes["tool_name"] == "sync_bank"

@@ -13,7 +13,18 @@ import pytest
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "grpo_loop.py"
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "grpo_loop.py"
+#: The README runs the example with these arguments and shows what it prints.
+README_ARGS = ["--steps", "2", "--tasks", "2", "--samples", "3", "--oversample", "1"]
+
+
+def readme_output() -> list[str]:
+    """The lines of the ``text`` block that follows the README's command."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = "python examples/grpo_loop.py " + " ".join(README_ARGS) + "\n```\n\n```text\n"
+    assert command in text, "the README no longer runs the example with README_ARGS"
+    return text.split(command, 1)[1].split("```", 1)[0].splitlines()
 
 
 def load_example(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
@@ -30,16 +41,16 @@ def test_the_grpo_example_trains_on_groups_with_token_data_and_bumps_the_version
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     example = load_example(monkeypatch)
-    steps = example.main(["--steps", "2", "--tasks", "2", "--samples", "3", "--oversample", "1"])
+    steps = example.main(README_ARGS)
     printed = capsys.readouterr().out.splitlines()
 
     assert [s.step for s in steps] == [s.policy_version for s in steps] == [0, 1]
     first = steps[0]
-    # Half the attempts at each task solve it and the group takes 3 of 4 rollouts:
-    # every group has both rewards, so none is skipped.
+    # Of the 3 attempts at each task that answer, 1 solves it: every group has
+    # both rewards, so none is skipped. The 4th (the straggler) is superseded.
     assert first.groups == 2 and first.uniform == 0 and first.samples == 2 * 3
     for s in steps:
-        assert s.groups == 2 and s.superseded <= 2
+        assert s.groups == 2 and s.superseded == 2
         # Every turn trained on was produced by the weights of its step.
         assert s.turn_versions <= {s.step}
         assert s.samples == 0 or (len(s.data) >= s.samples and s.completion_tokens > 0)
@@ -54,3 +65,13 @@ def test_the_grpo_example_trains_on_groups_with_token_data_and_bumps_the_version
         ["step 0", "version 0"],
         ["step 1", "version 1"],
     ]
+
+
+@pytest.mark.timeout(240)
+def test_the_grpo_example_prints_exactly_what_the_readme_shows(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    example = load_example(monkeypatch)
+    example.main(README_ARGS)
+
+    assert capsys.readouterr().out.splitlines() == readme_output()

@@ -104,6 +104,40 @@ async def test_the_example_tasks_score_one_with_their_solution_and_leave_nothing
     assert_nothing_left(root)
 
 
+async def test_a_pool_without_a_fleet_key_runs_mcp_tasks(tmp_path: Path) -> None:
+    root = tmp_path / "workdirs"
+    settings = settings_for(root)
+    tasks = load_tasks(EXAMPLE, modalities=settings.modalities)[:1]
+
+    with anyio.fail_after(90):
+        async with RolloutPool(settings) as pool:
+            [result] = await pool.run_batch(tasks, ScriptedPolicy()).results()
+
+    assert (result.reward, result.failure_reason) == (1.0, None)
+    assert_nothing_left(root)
+
+
+async def test_workdir_in_solution_arguments_is_the_rollout_s_working_directory(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "workdirs"
+    # The verifier runs in the working directory: 1 when the note holds its path.
+    check = [
+        "{python}",
+        "-c",
+        "import os; print(float(os.path.samefile(open('where').read(), '.')))",
+    ]
+    tasks = [
+        task(f"where-{n}", verifier={"command": check}, solution=write("where", "{workdir}"))
+        for n in range(2)
+    ]
+
+    results = await run(tasks, root)
+
+    assert [(r.reward, r.failure_reason) for r in results] == [(1.0, None)] * 2
+    assert_nothing_left(root)
+
+
 async def test_the_example_tasks_score_zero_without_a_solution(tmp_path: Path) -> None:
     root = tmp_path / "workdirs"
     settings = settings_for(root)

@@ -49,7 +49,7 @@ def test_a_url_server_serves_one_rollout_at_a_time_unless_the_task_says_more() -
 
 
 def test_fleet_tasks_have_no_environment() -> None:
-    task = parse(env_key="ledger:v1")
+    task = parse(env_key="ledger:v1", verifier_func="def verify(env):\n    return 1.0\n")
     assert task.environment is None and task.verifier is None and task.env_key == "ledger"
 
 

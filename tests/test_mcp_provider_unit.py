@@ -1,15 +1,35 @@
-"""Unit tests of the mcp provider's guards: what it deletes, how it reads a reward."""
+"""Unit tests of the mcp provider's guards: what it deletes, how it reads a reward,
+and that a batch of only mcp tasks needs no Fleet key."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+import anyio
 import pytest
 
+from fleetroll.errors import ConfigError
 from fleetroll.mcp_process import reward_number
 from fleetroll.mcp_provider import WORKDIR_PREFIX, McpProvider
+from fleetroll.mcp_tasks import McpEnvironment
+from fleetroll.mixed_provider import MixedProvider
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool import RolloutPool
 from fleetroll.settings import load_settings
+from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events
+
+FLEET_TASK = TaskSpec(key="ledger-001", prompt="Pay the rent.", env_key="ledger")
+MCP_TASK = TaskSpec(
+    key="notes-001",
+    prompt="Write a note.",
+    env_key="notes",
+    environment=McpEnvironment(command=["{python}", "-c", "pass"]),
+)
+NO_KEY = re.escape(
+    "task 'ledger-001' runs on Fleet (it has no 'environment') but the pool has no Fleet api_key"
+)
 
 
 @pytest.mark.parametrize("name", ["precious", f"{WORKDIR_PREFIX}elsewhere"])
@@ -32,3 +52,35 @@ def test_release_refuses_to_delete_a_folder_it_did_not_make(tmp_path: Path, name
 )
 def test_a_reward_line_is_a_finite_number_or_nothing(line: str, reward: float | None) -> None:
     assert reward_number(line) == reward
+
+
+async def test_a_pool_without_a_fleet_key_refuses_a_batch_with_a_fleet_task_in_one_line() -> None:
+    with anyio.fail_after(10):
+        async with RolloutPool(load_settings()) as pool:
+            with pytest.raises(ConfigError, match=NO_KEY) as caught:
+                pool.run_batch([MCP_TASK, FLEET_TASK], ScriptedPolicy())
+
+    assert "\n" not in str(caught.value)
+    assert "FLEET_API_KEY" in str(caught.value)
+
+
+async def test_without_a_fleet_key_only_a_fleet_task_fails_pre_flight_and_provisioning() -> None:
+    provider = MixedProvider(load_settings(), Events())
+    try:
+        with pytest.raises(ConfigError, match=NO_KEY):
+            await provider.preflight([MCP_TASK, FLEET_TASK])
+        with pytest.raises(ConfigError, match=NO_KEY):
+            await provider.provision(FLEET_TASK)
+        assert await provider.preflight([MCP_TASK]) == []
+    finally:
+        await provider.aclose()
+
+
+async def test_a_pool_without_a_fleet_key_refuses_to_upload_traces_to_fleet() -> None:
+    pool = RolloutPool(load_settings(traces={"upload": True}))
+
+    with pytest.raises(
+        ConfigError, match=r"traces\.upload is on but the pool has no Fleet api_key"
+    ):
+        async with pool:
+            pass

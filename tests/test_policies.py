@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import anyio
@@ -13,9 +13,11 @@ import pytest
 from fleetroll.errors import PolicyError
 from fleetroll.policies import (
     AssistantTurn,
+    Message,
     OpenAIChatPolicy,
     Policy,
     ScriptedPolicy,
+    ToolCall,
     ToolSpec,
 )
 from fleetroll.settings import load_settings
@@ -29,7 +31,8 @@ from fleetroll.testing.fake_openai import (
     tool_call,
     tool_calling_script,
 )
-from fleetroll.transcript import assistant_message
+from fleetroll.tools import ToolResult
+from fleetroll.transcript import Transcript, assistant_message
 
 API_KEY = "sk-test-5f3a9c1e7b2d4068"
 #: Bounds every test's waiting; the policies' own deadlines are shorter.
@@ -114,7 +117,7 @@ def transcript_after(messages: list[dict[str, Any]], turn: AssistantTurn) -> lis
     return [*messages, assistant, *results]
 
 
-async def act(policy: Policy, messages: list[dict[str, Any]] | None = None) -> AssistantTurn:
+async def act(policy: Policy, messages: Sequence[Message] | None = None) -> AssistantTurn:
     with anyio.fail_after(TEST_DEADLINE_S):
         return await policy.act(TASK, messages or [USER_MESSAGE], TOOLS)
 
@@ -146,20 +149,43 @@ async def test_the_scripted_policy_plays_the_solution_then_says_done() -> None:
     await policy.aclose()
 
 
+def transcript_of(*answers: ToolResult) -> Transcript:
+    """A rollout's transcript: the prompt, then each answer to the scripted policy's call."""
+    transcript = Transcript()
+    transcript.add_prompt(TASK.prompt)
+    for turn, answer in enumerate(answers):
+        call = ToolCall(id=f"call_{turn}", name="get_balance")
+        transcript.add_turn(AssistantTurn(tool_calls=(call,)))
+        transcript.add_answer(call, answer)
+    return transcript
+
+
 async def test_the_scripted_policy_plays_a_step_again_after_an_error_answer() -> None:
     policy = ScriptedPolicy(max_attempts=2)
-    first = {"role": "assistant", "content": None}
-    error = {"role": "tool", "tool_call_id": "call_0", "content": "Error: injected fault"}
-    ok = {"role": "tool", "tool_call_id": "call_1", "content": "Balance: 850"}
-    user = {"role": "user", "content": TASK.prompt}
+    error = ToolResult(text="Error: injected fault", is_error=True)
+    ok = ToolResult(text="Balance: 850")
 
-    again = await act(policy, [user, first, error])
-    after_ok = await act(policy, [user, first, error, first, ok])
-    gave_up = await act(policy, [user, first, error, first, error])
+    again = await act(policy, transcript_of(error).messages)
+    after_ok = await act(policy, transcript_of(error, ok).messages)
+    gave_up = await act(policy, transcript_of(error, error).messages)
 
     assert [(c.id, c.name) for c in again.tool_calls] == [("call_1", "get_balance")]
     assert [c.name for c in after_ok.tool_calls] == ["record_transaction"]
     assert [c.name for c in gave_up.tool_calls] == ["record_transaction"]
+
+
+async def test_the_scripted_policy_replays_on_the_tools_error_flag_not_on_the_answers_text() -> (
+    None
+):
+    policy = ScriptedPolicy(max_attempts=2)
+    says_error = ToolResult(text="Error codes on this account: none. Balance: 850")
+    flagged = ToolResult(text='{"status": "failed", "reason": "ledger locked"}', is_error=True)
+
+    after_text = await act(policy, transcript_of(says_error).messages)
+    after_flag = await act(policy, transcript_of(flagged).messages)
+
+    assert [c.name for c in after_text.tool_calls] == ["record_transaction"]
+    assert [c.name for c in after_flag.tool_calls] == ["get_balance"]
 
 
 async def test_the_scripted_policy_refuses_a_task_without_a_solution() -> None:

@@ -413,7 +413,7 @@ async def test_an_mcp_command_not_on_path_and_a_dead_url_are_problems_and_python
         mcp_task("typo", command=["no-such-mcp-server-xyz", "--stdio"]),
         mcp_task("dead", url=url),
     ]
-    provider = MixedProvider(load_settings(), Events(), api_key="")
+    provider = MixedProvider(load_settings(), Events())
     try:
         problems = await provider.preflight(tasks)
     finally:

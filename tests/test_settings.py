@@ -85,12 +85,42 @@ def test_a_broken_toml_file_is_reported_with_its_path(tmp_path: Path) -> None:
 
 def test_an_invalid_value_names_the_field_and_the_reason(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
-    bad.write_text("[timeouts]\ncall_tool_s = -1\n[pool]\nconcurrenci = 3\n")
+    bad.write_text("[timeouts]\ncall_tool_s = -1\n[pool]\nconcurrency = 3\n")
     with pytest.raises(ConfigError) as err:
         load_settings(bad)
     message = str(err.value)
     assert "timeouts.call_tool_s" in message and "greater than 0" in message
-    assert "pool.concurrenci" in message and "bad.toml" in message
+    assert "bad.toml" in message
+
+
+@pytest.mark.parametrize(
+    ("toml", "said"),
+    [
+        (
+            "[timeouts]\ncall_tool_s = -1\n[pool]\nconcurrenci = 3\n",
+            "unknown key 'pool.concurrenci' (did you mean 'pool.concurrency'?)",
+        ),
+        ("[pol]\nkind = 'openai'\n", "unknown key 'pol' (did you mean 'pool'?)"),
+        (
+            "[modalities.tool_use]\nttl = 60\n",
+            "unknown key 'modalities.tool_use.ttl' (did you mean 'modalities.tool_use.ttl_s'?)",
+        ),
+        ("[telemetry]\nzzz = 1\n", "unknown key 'telemetry.zzz'"),
+    ],
+)
+def test_an_unknown_key_in_a_file_is_one_line_with_the_file_the_key_path_and_a_guess(
+    tmp_path: Path, toml: str, said: str
+) -> None:
+    bad = tmp_path / "mine.toml"
+    bad.write_text(toml)
+
+    with pytest.raises(ConfigError) as err:
+        load_settings(bad)
+
+    assert str(err.value) == f"{bad}: {said}"
+    result = CliRunner().invoke(main, ["stats", "--config", str(bad)])
+    assert result.exit_code == 2
+    assert result.stderr == f"Error: {bad}: {said}\n"
 
 
 def test_an_unknown_fault_profile_lists_the_known_ones() -> None:

@@ -33,6 +33,7 @@ def short(**fields: Any) -> dict[str, Any]:
         "env_key": "ledger:v1",
         "data_key": "seed:v1",
         "modality": "tool_use",
+        "verifier_func": VERIFIER,
     }
     record.update(fields)
     return {name: value for name, value in record.items() if value is not None}
@@ -87,11 +88,48 @@ def test_fleet_export_and_short_form_give_the_same_task() -> None:
 
 
 def test_optional_parts_default_sensibly() -> None:
-    task = parse({"key": "k", "prompt": "p", "env_key": "ledger"})
+    task = parse({"key": "k", "prompt": "p", "env_key": "ledger", "verifier_func": VERIFIER})
     assert task.env_spec == "ledger" and task.env_version is None
     assert task.data_spec is None and task.modality == "tool_use"
-    assert task.verifier_func is None and task.solution is None and task.max_steps is None
+    assert task.solution is None and task.max_steps is None
     assert task.requires_final_answer is False and task.metadata == {}
+
+
+def test_placeholders_are_filled_in_solution_arguments_at_any_depth_and_nowhere_else() -> None:
+    solution = [
+        {"name": "write_file", "arguments": {"path": "{workdir}/a.txt", "n": 3}},
+        {
+            "name": "run",
+            "arguments": {"argv": ["{python}", "{workdir}/x"], "env": {"D": "{workdir}"}},
+        },
+    ]
+    task = parse(short(prompt="Write {workdir}/a.txt.", solution=solution))
+
+    filled = task.with_placeholders({"{workdir}": "/w/1", "{python}": "/usr/bin/python3"})
+
+    assert [dict(step.arguments) for step in filled.solution or ()] == [
+        {"path": "/w/1/a.txt", "n": 3},
+        {"argv": ["/usr/bin/python3", "/w/1/x"], "env": {"D": "/w/1"}},
+    ]
+    assert filled.prompt == "Write {workdir}/a.txt." and filled.key == task.key
+    assert task.solution is not None and task.solution[0].arguments["path"] == "{workdir}/a.txt"
+    assert task.with_placeholders({}) is task
+
+
+@pytest.mark.parametrize("nothing", [{}, {"verifier_func": None}, {"verifier_code": None}])
+def test_a_fleet_task_without_a_verifier_is_refused_naming_the_file_line_and_field(
+    tmp_path: Path, nothing: dict[str, Any]
+) -> None:
+    # Every rollout of it would end verifier_error: the load says so once instead.
+    bare = {**short(key="bare", verifier_func=None), **nothing}
+    path = write_jsonl(tmp_path, short(key="ok"), bare)
+
+    with pytest.raises(TaskFileError) as caught:
+        load_tasks(path, modalities=MODALITIES)
+
+    assert (caught.value.line, caught.value.field) == (2, "verifier_func")
+    assert str(caught.value).startswith(f"{path}:2: field 'verifier_func': missing required field")
+    assert "\n" not in str(caught.value)
 
 
 def test_fleet_extra_fields_are_accepted_and_ignored() -> None:
@@ -103,7 +141,8 @@ def test_fleet_extra_fields_are_accepted_and_ignored() -> None:
         "output_json_schema": {"type": "object"},
     }
     assert set(extras) == FLEET_IGNORED_FIELDS
-    # Fleet exports write null for what a task does not set.
+    # Fleet exports write null for what a task does not set (here: the
+    # verifier under its other name, verifier_code).
     nulls = {"data_id": None, "data_version": None, "env_variables": None, "verifier_func": None}
     record = {
         "key": "k",
@@ -111,6 +150,7 @@ def test_fleet_extra_fields_are_accepted_and_ignored() -> None:
         "env_id": "ledger",
         "version": "v1",
         "task_modality": "tool_use",
+        "verifier_code": VERIFIER,
     }
     task = parse({**record, **extras, **nulls, "metadata": None, "env_variables": {"TZ": "UTC"}})
     assert task.env_spec == "ledger:v1" and task.data_spec is None
@@ -385,6 +425,43 @@ def test_a_folder_whose_files_together_are_over_the_limit_is_refused(tmp_path: P
     with pytest.raises(TaskFileError, match="over"):
         load_task_paths([tmp_path], MODALITIES, TaskLimits(max_file_bytes=one_file + 1))
     assert len(load_task_paths([tmp_path], MODALITIES, TaskLimits(max_file_bytes=2 * one_file)))
+
+
+def test_a_folder_is_read_one_level_deep_and_one_warning_names_subfolders_with_tasks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "top.jsonl").write_text(json.dumps(short(key="top")) + "\n")
+    for sub in ("mcp", "more"):
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "t.jsonl").write_text(json.dumps(short(key=sub)) + "\n")
+    (tmp_path / "notes").mkdir()  # no task file: nothing to say about it
+
+    with caplog.at_level("WARNING", logger="fleetroll.tasks"):
+        tasks = load_task_paths([tmp_path], MODALITIES)
+
+    assert [t.key for t in tasks] == ["top"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path}: not reading the task files in its subfolder(s) mcp, more: folders are"
+        " read one level deep; name a subfolder to load it too"
+    ]
+    assert [t.key for t in load_task_paths([tmp_path, tmp_path / "mcp"], MODALITIES)] == [
+        "top",
+        "mcp",
+    ]
+
+
+def test_a_folder_whose_task_files_are_all_in_subfolders_says_so(tmp_path: Path) -> None:
+    (tmp_path / "mcp").mkdir()
+    (tmp_path / "mcp" / "t.jsonl").write_text(json.dumps(short()) + "\n")
+
+    with pytest.raises(TaskFileError) as caught:
+        load_task_paths([tmp_path], MODALITIES)
+
+    assert str(caught.value) == (
+        f"{tmp_path}: no .jsonl or .json task file in this folder; not reading the task files"
+        " in its subfolder(s) mcp: folders are read one level deep; name a subfolder to load it"
+        " too"
+    )
 
 
 def test_reading_stops_at_the_first_task_over_the_count_limit(tmp_path: Path) -> None:

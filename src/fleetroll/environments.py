@@ -18,9 +18,9 @@ Contract for implementations:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from fleetroll.results import VerifierOutcome
@@ -49,6 +49,9 @@ class Instance:
             rollout as ``reset_failed``, never scored. False (a Fleet
             instance, a server started for this rollout): it is fresh anyway,
             and a failed reset is only logged.
+        placeholders: what this instance replaces in a task's ``solution``
+            arguments (an ``mcp`` instance's ``{workdir}``...; none for Fleet):
+            :meth:`fleetroll.tasks.TaskSpec.with_placeholders`.
     """
 
     instance_id: str
@@ -57,6 +60,7 @@ class Instance:
     created_mono: float
     handle: object
     reset_required: bool = False
+    placeholders: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,6 +244,7 @@ class McpProvider:
             handle=handle,
             # A url server keeps the last rollout's state: fresh only once reset.
             reset_required=environment.url is not None,
+            placeholders=self._placeholders(handle.workdir),
         )
 
     def _provision_error(self, exc: BaseException, handle: McpHandle | None) -> ProvisionError:
@@ -260,12 +261,14 @@ class McpProvider:
         skip_unused_pydantic_plugins(env)  # a server per rollout: its start-up counts
         return env
 
+    def _placeholders(self, workdir: Path) -> dict[str, str]:
+        """What each of :data:`~fleetroll.mcp_tasks.PLACEHOLDERS` stands for in a rollout."""
+        return {"{workdir}": str(workdir), "{python}": sys.executable, "{examples}": self._examples}
+
     def _fill(self, text: str, workdir: Path) -> str:
-        return (
-            text.replace("{workdir}", str(workdir))
-            .replace("{python}", sys.executable)
-            .replace("{examples}", self._examples)
-        )
+        for placeholder, value in self._placeholders(workdir).items():
+            text = text.replace(placeholder, value)
+        return text
 
     def _argv(self, command: Sequence[str], handle: McpHandle) -> list[str]:
         return [self._fill(part, handle.workdir) for part in command]

@@ -30,9 +30,10 @@ __all__ = [
     "parse_mcp",
 ]
 
-#: Placeholders substituted in ``environment.command``, ``setup``, ``env`` and
-#: ``verifier.command``: the rollout's working directory, the Python running
-#: fleetroll, and the folder of fleetroll's example MCP servers.
+#: Placeholders substituted in ``environment.command``, ``setup``, ``env``,
+#: ``verifier.command`` and the task's ``solution`` arguments: the rollout's
+#: working directory, the Python running fleetroll, and the folder of
+#: fleetroll's example MCP servers.
 PLACEHOLDERS: Final = ("{workdir}", "{python}", "{examples}")
 #: Fields of a Fleet task that an ``mcp`` task may not give.
 _FLEET_ONLY: Final = ("verifier_func", "data_key", "data_id", "data_version", "env_variables")

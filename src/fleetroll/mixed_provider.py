@@ -5,7 +5,9 @@ a task with an ``environment`` goes to :class:`~fleetroll.mcp_provider.McpProvid
 any other to :class:`~fleetroll.provisioning.FleetProvider`, and every later
 call goes to the provider that made the instance. Each is built on first
 use, so a file of only ``mcp`` tasks never builds the Fleet one (no Fleet
-HTTP clients, no calls to Fleet).
+HTTP clients, no calls to Fleet) and needs no Fleet ``api_key``: without
+one, the first Fleet task is refused with a :class:`~fleetroll.errors.ConfigError`
+(:func:`require_fleet_key`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from contextlib import AbstractAsyncContextManager
 
 from fleetroll.admission import Admission
 from fleetroll.environments import Instance, Provider, Verdict
+from fleetroll.errors import ConfigError
 from fleetroll.mcp_provider import McpHandle, McpProvider
 from fleetroll.provisioning import FleetProvider
 from fleetroll.routing import Route
@@ -23,13 +26,32 @@ from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.tools import ToolSession
 
-__all__ = ["MixedProvider"]
+__all__ = ["MixedProvider", "require_fleet_key"]
+
+
+def require_fleet_key(tasks: Sequence[TaskSpec], api_key: str | None) -> None:
+    """Refuse Fleet tasks (those without an ``environment``) when there is no Fleet key.
+
+    Raises:
+        ConfigError: a task is a Fleet task and ``api_key`` is None; the
+            message names the first such task and both ways out.
+    """
+    if api_key is not None:
+        return
+    for task in tasks:
+        if task.environment is None:
+            raise ConfigError(
+                f"task {task.key!r} runs on Fleet (it has no 'environment') but the pool has"
+                " no Fleet api_key: pass api_key= (FLEET_API_KEY) to the pool, or give the"
+                " task an 'environment' to run it on an MCP server"
+            )
 
 
 class MixedProvider:
     """Fleet for Fleet tasks, :class:`McpProvider` for tasks with an ``environment``.
 
-    Takes :class:`FleetProvider`'s arguments.
+    Takes :class:`FleetProvider`'s arguments; ``api_key`` may be None when
+    no task is a Fleet task.
     """
 
     def __init__(
@@ -37,7 +59,7 @@ class MixedProvider:
         settings: Settings,
         events: Events,
         *,
-        api_key: str,
+        api_key: str | None = None,
         base_url: str | None = None,
         admission: Admission | None = None,
     ) -> None:
@@ -51,8 +73,16 @@ class MixedProvider:
 
     @property
     def fleet(self) -> FleetProvider:
-        """The Fleet provider (built on first use)."""
+        """The Fleet provider (built on first use).
+
+        Raises:
+            ConfigError: the provider has no Fleet ``api_key``.
+        """
         if self._fleet is None:
+            if self._api_key is None:
+                raise ConfigError(
+                    "a Fleet task needs a Fleet api_key (FLEET_API_KEY); this pool has none"
+                )
             self._fleet = FleetProvider(
                 self._settings,
                 self._events,
@@ -73,13 +103,19 @@ class MixedProvider:
         return self.mcp if isinstance(instance.handle, McpHandle) else self.fleet
 
     async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
-        """Each provider's checks on its own tasks (Fleet's only if a task is Fleet's)."""
+        """Each provider's checks on its own tasks (Fleet's only if a task is Fleet's).
+
+        Raises:
+            ConfigError: a task is a Fleet task and there is no Fleet ``api_key``.
+        """
+        require_fleet_key(tasks, self._api_key)
         mcp = [task for task in tasks if task.environment is not None]
         fleet = [task for task in tasks if task.environment is None]
         problems = await self.fleet.preflight(fleet) if fleet else []
         return problems + (await self.mcp.preflight(mcp) if mcp else [])
 
     async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
+        require_fleet_key((task,), self._api_key)
         provider: Provider = self.mcp if task.environment is not None else self.fleet
         return await provider.provision(task, run_id=run_id)
 
@@ -117,4 +153,4 @@ class MixedProvider:
 
 
 def _type_check(settings: Settings) -> Provider:
-    return MixedProvider(settings, Events(), api_key="")  # mypy: it satisfies the protocol
+    return MixedProvider(settings, Events())  # mypy: it satisfies the protocol

@@ -24,7 +24,15 @@ from fleetroll.errors import PolicyError
 from fleetroll.openai_policy import OpenAIChatPolicy
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.turns import AssistantTurn, EncodedMessages, Message, ToolCall, ToolSpec, TurnData
+from fleetroll.turns import (
+    AssistantTurn,
+    EncodedMessages,
+    Message,
+    ToolCall,
+    ToolErrorFlags,
+    ToolSpec,
+    TurnData,
+)
 
 __all__ = [
     "AssistantTurn",
@@ -71,10 +79,12 @@ class ScriptedPolicy:
     """Plays ``task.solution``, one tool call per turn, then says ``"done"``.
 
     Where it is in the solution is read off the transcript, so one instance
-    serves any number of concurrent rollouts. A step the environment answered
-    with an error (a tool message starting ``Error``) is played again, up to
-    ``max_attempts`` times in all, as an agent would retry a transient error;
-    after that the policy goes on with the next step.
+    serves any number of concurrent rollouts. A step whose answer the
+    transcript flags as an error (:class:`~fleetroll.turns.ToolErrorFlags`:
+    the tool's own error flag, never the answer's text) is played again, up
+    to ``max_attempts`` times in all, as an agent would retry a transient
+    error; after that the policy goes on with the next step. Messages that
+    carry no flags (a plain list) replay nothing.
 
     Args:
         think_time_s: seconds to wait before each turn, standing in for a
@@ -119,12 +129,12 @@ class ScriptedPolicy:
 
     def _next_step(self, messages: Sequence[Message]) -> int:
         """The index of the solution step to play next."""
+        flags = messages if isinstance(messages, ToolErrorFlags) else None
         step_index = attempt = 0
-        for message in messages:
+        for index, message in enumerate(messages):
             if message.get("role") != "tool":
                 continue
-            content = message.get("content")
-            failed = isinstance(content, str) and content.startswith("Error")
+            failed = flags is not None and flags.is_error_answer(index)
             attempt += 1
             if not failed or attempt >= self.max_attempts:
                 step_index, attempt = step_index + 1, 0

@@ -64,9 +64,10 @@ from fleetroll.batch import (
 from fleetroll.engine import RolloutEngine
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
+from fleetroll.errors import ConfigError
 from fleetroll.fleet_traces import TraceUploader, open_trace_uploader
 from fleetroll.groups import Group, GroupTracker
-from fleetroll.mixed_provider import MixedProvider
+from fleetroll.mixed_provider import MixedProvider, require_fleet_key
 from fleetroll.policies import Policy
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Rollout, RolloutIds
@@ -96,13 +97,21 @@ class RolloutPool:
     :class:`~fleetroll.testing.fake_provider.FakeProvider`); the pool closes it.
     ``admission`` replaces the pool's own admission controller (a Ray actor's
     pools share the cluster's: :mod:`fleetroll.ray_admission`).
+
+    ``api_key`` is Fleet's: a pool that runs only ``mcp`` tasks (each with an
+    ``environment``) needs none, and without one a batch with a Fleet task is
+    refused when it is started.
+
+    Raises:
+        ConfigError: (on entering) ``traces.upload`` is on and there is no
+            ``api_key`` (traces go to Fleet).
     """
 
     def __init__(
         self,
         settings: Settings,
         *,
-        api_key: str,
+        api_key: str | None = None,
         base_url: str | None = None,
         events: Events | None = None,
         provider: Provider | None = None,
@@ -158,6 +167,11 @@ class RolloutPool:
         return self.engine.policy_gate.paused_calls()
 
     async def __aenter__(self) -> Self:
+        if self._api_key is None and self.settings.traces.upload:
+            raise ConfigError(
+                "traces.upload is on but the pool has no Fleet api_key to upload with:"
+                " pass api_key= (FLEET_API_KEY) or set traces.upload = false"
+            )
         stack = AsyncExitStack()
         async with stack:
             self._engine = await stack.enter_async_context(
@@ -178,7 +192,7 @@ class RolloutPool:
             # Entered before the batches' task group: its bounded flush runs after them.
             self._traces = await stack.enter_async_context(
                 open_trace_uploader(
-                    self.settings, self.events, api_key=self._api_key, base_url=self._base_url
+                    self.settings, self.events, api_key=self._api_key or "", base_url=self._base_url
                 )
             )
             self._tg = await stack.enter_async_context(anyio.create_task_group())
@@ -249,9 +263,12 @@ class RolloutPool:
                 two tasks share a key, or a batch with this id is still running.
             PoolFullError: the batch would take the pool's unfinished
                 rollouts past ``pool.max_queued_rollouts``.
+            ConfigError: a task runs on Fleet and the pool has no Fleet ``api_key``.
         """
         if self._tg is None:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
+        if self._provider is None:
+            require_fleet_key(tasks, self._api_key)
         if samples_per_task < 1:
             raise ValueError("samples_per_task must be at least 1")
         extra = self.settings.pool.oversample if oversample is None else oversample

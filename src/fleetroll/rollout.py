@@ -248,6 +248,7 @@ class Rollout:
         if isinstance(instance, SetupFailure):
             return self._set_up_failed(instance)
         self.instance = instance
+        self.task = self.task.with_placeholders(instance.placeholders)  # {workdir} in solution
         self._provisioned_at = time.monotonic()
         if self._gate is not None:
             self._enter(Phase.WAITING)

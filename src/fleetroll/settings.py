@@ -315,9 +315,12 @@ def load_settings(config_file: str | Path | None = None, /, **overrides: Any) ->
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            tomllib.loads(path.read_text(encoding="utf-8"))
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"{path}: not a valid TOML file: {exc}") from exc
+        unknown = _unknown_key(data, Settings)
+        if unknown is not None:
+            raise ConfigError(f"{path}: {unknown}")
     token = _user_config.set(path)
     try:
         return Settings(**overrides)
@@ -348,6 +351,39 @@ def _describe_environment_error(exc: SettingsError) -> str:
                     return f"{name} is not valid JSON: {error}"
         return f"{_ENV_PREFIX}{field.upper()}: cannot be read: {cause or exc}"
     return f"the environment cannot be read: {cause or exc}"
+
+
+def _unknown_key(
+    data: Mapping[str, Any], model: type[BaseModel], path: tuple[str, ...] = ()
+) -> str | None:
+    """The first key of ``data`` that names no setting of ``model``, said with the
+    closest setting at its level (``unknown key 'pool.concurency' (did you mean
+    'pool.concurrency'?)``), or None when every key is known."""
+    fields = model.model_fields
+    known = set(fields) | (_alias_names(model) if not path else set())
+    for key, value in data.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.6)
+            guess = f" (did you mean {'.'.join((*path, close[0]))!r}?)" if close else ""
+            return f"unknown key {'.'.join((*path, key))!r}{guess}"
+        if key not in fields or not isinstance(value, Mapping):
+            continue  # an alias, or a value: pydantic checks it
+        inner = _unwrap(fields[key].annotation)
+        # A table of tables (``[modalities.NAME]``): each row is checked as a section.
+        row = _unwrap(get_args(inner)[-1]) if get_origin(inner) in (dict, Mapping) else None
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            tables = {(*path, key): value}
+            section: type[BaseModel] = inner
+        elif isinstance(row, type) and issubclass(row, BaseModel):
+            tables = {(*path, key, n): t for n, t in value.items() if isinstance(t, Mapping)}
+            section = row
+        else:
+            continue
+        for where, table in tables.items():
+            found = _unknown_key(table, section, where)
+            if found is not None:
+                return found
+    return None
 
 
 def _describe(exc: ValidationError) -> str:

@@ -23,6 +23,7 @@ import difflib
 import hashlib
 import inspect
 import json
+import logging
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +111,32 @@ class TaskSpec(BaseModel):
             return None
         return f"{self.data_key}:{self.data_version}" if self.data_version else self.data_key
 
+    def with_placeholders(self, values: Mapping[str, str]) -> TaskSpec:
+        """This task with each placeholder of ``values`` (``{"{workdir}": "/tmp/..."}``)
+        replaced in the strings of its ``solution`` arguments, at any depth.
+
+        The task itself when there is nothing to replace (a Fleet instance has no
+        placeholders; the one task object serves every sample).
+        """
+        if not values or not self.solution:
+            return self
+
+        def fill(value: Any) -> Any:
+            if isinstance(value, str):
+                for placeholder, replacement in values.items():
+                    value = value.replace(placeholder, replacement)
+                return value
+            if isinstance(value, Mapping):
+                return {k: fill(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [fill(v) for v in value]
+            return value
+
+        solution = tuple(
+            step.model_copy(update={"arguments": fill(step.arguments)}) for step in self.solution
+        )
+        return self if solution == self.solution else self.model_copy(update={"solution": solution})
+
 
 @dataclass(frozen=True, slots=True)
 class TaskLimits:
@@ -129,6 +156,7 @@ class TaskLimits:
 
 
 _NO_LIMITS: Final = TaskLimits()
+_log = logging.getLogger("fleetroll.tasks")
 
 
 def load_task_paths(
@@ -173,6 +201,11 @@ def load_task_paths(
 def task_files(paths: Iterable[str | Path]) -> list[Path]:
     """The task files ``paths`` name: files as given, folders' ``*.jsonl``/``*.json`` sorted.
 
+    A folder is read one level deep: its subfolders are not (so a folder of
+    tasks can keep others apart below it). Subfolders holding task files are
+    named in one warning (logger ``fleetroll.tasks``), so they are not
+    skipped unknowingly; name them to load them too.
+
     Raises:
         TaskFileError: a folder holds no task file, or cannot be listed.
     """
@@ -183,14 +216,35 @@ def task_files(paths: Iterable[str | Path]) -> list[Path]:
             files.append(path)
             continue
         try:
-            found = sorted(p for p in path.iterdir() if p.suffix in (".jsonl", ".json"))
+            entries = sorted(path.iterdir())
+            found = [p for p in entries if _is_task_file(p)]
+            skipped = [p.name for p in entries if p.is_dir() and _holds_task_files(p)]
         except OSError as exc:
             reason = f"cannot list the folder: {exc.strerror or exc}"
             raise TaskFileError(reason, path=str(path)) from None
+        below = (
+            f"not reading the task files in its subfolder(s) {', '.join(skipped)}: folders"
+            " are read one level deep; name a subfolder to load it too"
+        )
         if not found:
-            raise TaskFileError("no .jsonl or .json task file in this folder", path=str(path))
+            reason = "no .jsonl or .json task file in this folder"
+            raise TaskFileError(f"{reason}; {below}" if skipped else reason, path=str(path))
+        if skipped:
+            _log.warning("%s: %s", path, below)
         files += found
     return files
+
+
+def _is_task_file(path: Path) -> bool:
+    return path.suffix in (".jsonl", ".json") and not path.is_dir()
+
+
+def _holds_task_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a task file (an unreadable one is not worth a warning)."""
+    try:
+        return any(_is_task_file(p) for p in folder.iterdir())
+    except OSError:
+        return False
 
 
 def load_tasks(
@@ -410,10 +464,16 @@ def _parse(
     verifier = record.get("verifier_code") if verifier is None else verifier  # Fleet: both
     if verifier is not None:
         verifier = verifiers.check(_string(verifier, "verifier_func", where), where)
+    key = _string(record.get("key", _MISSING), "key", where)
+    prompt = _string(record.get("prompt", _MISSING), "prompt", where)
+    if verifier is None and mcp is None:
+        # Every rollout of it would end verifier_error: say so once, before anything runs.
+        example = 'e.g. "def verify(env, final_answer=None): ..."'
+        raise where.error(f"missing required field 'verifier_func' ({example})", "verifier_func")
     # Every field is checked above: construct without validating it all again.
     return TaskSpec.model_construct(
-        key=_string(record.get("key", _MISSING), "key", where),
-        prompt=_string(record.get("prompt", _MISSING), "prompt", where),
+        key=key,
+        prompt=prompt,
         env_key=env_key,
         env_version=env_version,
         data_key=data_key,

@@ -7,7 +7,9 @@ What each event adds:
   the model's own argument string when there is one (the transcript is
   training data);
 * a tool's answer: a ``tool`` message, then, when the answer holds images,
-  a ``user`` message with them (chat APIs take images only from users).
+  a ``user`` message with them (chat APIs take images only from users),
+  labelled ``Screenshot after computer (id):`` for the ``computer`` tool and
+  ``Image from <tool> (id):`` for any other.
 
 With ``max_images``, only the last that many screenshots stay: older image
 parts are replaced by a text placeholder, in the transcript itself, which so
@@ -27,6 +29,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from fleetroll.policies import AssistantTurn, ToolCall
+from fleetroll.routing import COMPUTER_TOOL
 from fleetroll.tools import ToolResult
 
 __all__ = ["Messages", "Transcript", "assistant_message"]
@@ -43,11 +46,22 @@ class Messages(list[Message]):
 
     Implements :class:`fleetroll.policies.EncodedMessages`. An entry replaced
     by another message is encoded again (the cache is checked by identity).
+    Also :class:`fleetroll.turns.ToolErrorFlags`: which tool answers were
+    errors, a flag kept beside the messages (chat APIs have no field for it).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._encoded: dict[int, tuple[Message, bytes]] = {}
+        self._error_answers: set[int] = set()
+
+    def is_error_answer(self, index: int) -> bool:
+        """Whether message ``index`` is a tool answer flagged as an error."""
+        return index in self._error_answers
+
+    def flag_error_answer(self, index: int) -> None:
+        """Record that message ``index`` is a tool answer flagged as an error."""
+        self._error_answers.add(index)
 
     def encoded(self, index: int) -> bytes:
         """The JSON (UTF-8) of message ``index``."""
@@ -99,10 +113,10 @@ class Transcript:
 
     def add_answer(self, call: ToolCall, result: ToolResult) -> None:
         self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})
+        if result.is_error:
+            self.messages.flag_error_answer(len(self.messages) - 1)
         if result.images:
-            parts: list[Message] = [
-                {"type": "text", "text": f"Screenshot after {call.name} ({call.id}):"}
-            ]
+            parts: list[Message] = [{"type": "text", "text": image_label(call)}]
             parts += [{"type": "image_url", "image_url": {"url": url}} for url in result.images]
             self.messages.append({"role": "user", "content": parts})
             self._with_images.append((len(self.messages) - 1, len(result.images)))
@@ -142,6 +156,14 @@ class Transcript:
     def export(self, redact: Callable[[str], str], *, keep_images: bool) -> list[Message]:
         """The messages for a result: redacted, images elided unless ``keep_images``."""
         return [_redacted(m if keep_images else _without_images(m), redact) for m in self.messages]
+
+
+def image_label(call: ToolCall) -> str:
+    """The text before the images a tool answered: only the ``computer`` tool's
+    are screenshots taken after its action; any other tool's are its own."""
+    if call.name == COMPUTER_TOOL:
+        return f"Screenshot after {call.name} ({call.id}):"
+    return f"Image from {call.name} ({call.id}):"
 
 
 def assistant_message(turn: AssistantTurn) -> Message:

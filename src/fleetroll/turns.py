@@ -17,6 +17,7 @@ __all__ = [
     "EncodedMessages",
     "Message",
     "ToolCall",
+    "ToolErrorFlags",
     "ToolSpec",
     "TurnData",
 ]
@@ -97,4 +98,18 @@ class EncodedMessages(Protocol):
 
     def encoded(self, index: int) -> bytes:
         """The JSON (UTF-8) of message ``index``."""
+        ...
+
+
+@runtime_checkable
+class ToolErrorFlags(Protocol):
+    """A transcript that knows which tool answers were errors.
+
+    The flag is the tool's own (MCP ``isError``, a failed call, bad
+    arguments), not anything read off the answer's text: a tool may well
+    answer ``"Errors: none"``, and an error may say nothing of the kind.
+    """
+
+    def is_error_answer(self, index: int) -> bool:
+        """Whether message ``index`` is a tool answer flagged as an error."""
         ...

@@ -30,7 +30,9 @@ URL = "http://127.0.0.1:9/mcp"  # nothing listens: provisioning a url instance o
 #: Writes "done": the provider double's verifier then says 1.0.
 DONE = parse_task(
     {"key": "note-done", "prompt": "Write done.", "env_key": "fake",
-     "solution": [{"name": "note", "arguments": {"word": "done"}}]},
+     "solution": [{"name": "note", "arguments": {"word": "done"}}],
+     # Fleet tasks carry a verifier; the provider double scores by the note instead.
+     "verifier_func": "def verify(env, final_answer=None):\n    return 1.0\n"},
     source="test",
     modalities={"tool_use"},
 )  # fmt: skip

@@ -91,7 +91,7 @@ SHORT_ROLLOUT = {
     "mcp_connect_s": 20.0,
     "list_tools_s": 20.0,
     "call_tool_s": 20.0,
-    "rollout_s": 8.0,
+    "rollout_s": 10.0,
 }
 LONG_HANGS = {**HANGS, "tool_hang_s": 30.0, "reset_hang_s": 30.0}
 #: Per profile, the platform delays injected over its own faults.

@@ -183,11 +183,13 @@ class Rollout:
                     try:
                         async with AsyncExitStack() as stack:
                             stack.callback(self._session_closed)  # runs last
-                            ready = await self._guarded(
-                                self._set_up(stack, deadline if enforce_deadline else None),
-                                default=False,
-                            )
-                            stack.callback(self._session_closing)  # runs first
+                            try:
+                                ready = await self._guarded(
+                                    self._set_up(stack, deadline if enforce_deadline else None),
+                                    default=False,
+                                )
+                            finally:  # also when the deadline cut set-up short
+                                stack.callback(self._session_closing)  # runs first
                             try:
                                 yielded = True
                                 yield bool(ready)

@@ -210,11 +210,12 @@ async def test_an_instance_that_dies_mid_rollout_is_instance_lost(emulator: Emul
     assert result.steps == 2 and result.tool_failures == 1 and result.tool_errors == 0
 
 
-async def test_a_rollout_past_its_deadline_is_timeout_and_still_scored() -> None:
+async def test_a_rollout_past_its_deadline_in_a_hung_tool_call_is_platform_timeout() -> None:
     async with Emulator(FaultProfile(p_tool_hang=1.0)) as emu:
         result = await run_one(emu, MULTI_STEP, timeouts={"rollout_s": 1.0, "call_tool_s": 60})
-    assert result.failure_reason is FailureReason.TIMEOUT
-    assert result.reward == 0.0 and result.verifier is not None  # scored, task not done
+    # The platform's time ran out, not the policy's: not scored (it would be a fake 0.0).
+    assert result.failure_reason is FailureReason.PLATFORM_TIMEOUT
+    assert result.reward is None and result.verifier is None
 
 
 async def test_a_failing_policy_is_policy_error(emulator: Emulator) -> None:

@@ -92,13 +92,14 @@ async def test_a_verifier_that_cannot_run_is_verifier_error_never_a_zero() -> No
     assert result.verifier is not None and result.verifier.error == "no runtime"
 
 
-async def test_a_rollout_past_its_deadline_is_timeout_and_still_scored() -> None:
+async def test_a_rollout_past_its_deadline_in_a_hung_tool_call_is_platform_timeout() -> None:
     result, provider, _ = await run(
         HANGING, timeouts={"rollout_s": 0.5}, pool={"on_tool_failure": "continue"}
     )
 
-    assert result.failure_reason is FailureReason.TIMEOUT
-    assert result.reward == 0.0  # the verifier's verdict on an undone task, as configured
+    # The platform's time ran out, not the policy's: no reward (the verifier would say 0.0).
+    assert result.failure_reason is FailureReason.PLATFORM_TIMEOUT
+    assert result.reward is None and "the tool call hang" in (result.error or "")
     assert provider.released == [result.instance_id]
 
 

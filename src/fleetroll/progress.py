@@ -8,9 +8,13 @@ string that came from outside.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
+
+import anyio
 
 from fleetroll.policies import AssistantTurn
 from fleetroll.results import (
@@ -64,6 +68,28 @@ class Progress:
     #: and the transcript's length once that turn was added (context estimate).
     _context_tokens: int = 0
     _context_at: int = 0
+    #: When the rollout's clock (``timeouts.rollout_s``) runs out, in
+    #: ``anyio.current_time()`` terms; set once the instance is ready.
+    deadline: float = math.inf
+    #: The wait on the platform during which :attr:`deadline` passed, and how
+    #: far into it (s): see :meth:`platform_wait`.
+    overrun: tuple[str, float] | None = None
+
+    @contextmanager
+    def platform_wait(self, what: str) -> Iterator[None]:
+        """Mark the block as a wait on the platform (``what``: a reset, a connect, a tool call).
+
+        If :attr:`deadline` passes during it, it is the platform's wait that
+        ran over, not the policy's time (:attr:`overrun`): the rollout ends
+        as ``platform_timeout``, not ``timeout``. Judged by the clock, not by
+        where the deadline's cancellation lands, which may be a later await.
+        """
+        began = anyio.current_time()
+        try:
+            yield
+        finally:
+            if self.overrun is None and began < self.deadline <= anyio.current_time():
+                self.overrun = (what, self.deadline - began)
 
     def record_turn(self, turn: AssistantTurn, *, policy_version: int, latency_s: float) -> None:
         """Count a policy call and keep its training data; call before adding the turn."""

@@ -23,7 +23,13 @@ class FailureReason(StrEnum):
     TOOLS_ERROR = "tools_error"
     COMPUTER_TOOL_MISSING = "computer_tool_missing"
     INSTANCE_LOST = "instance_lost"
+    #: The rollout's deadline (``timeouts.rollout_s``) passed while the policy
+    #: had the turn (a policy call, or fleetroll's own work between calls): scored.
     TIMEOUT = "timeout"
+    #: The rollout's deadline passed while fleetroll waited on the platform (a
+    #: reset, the MCP connect, the tool listing, a tool call): the time was not
+    #: the policy's, so the rollout is not scored; ``error`` names the wait.
+    PLATFORM_TIMEOUT = "platform_timeout"
     POLICY_ERROR = "policy_error"
     VERIFIER_ERROR = "verifier_error"
     MAX_STEPS = "max_steps"
@@ -62,16 +68,29 @@ SCORED_REASONS = frozenset(
 
 
 class Timings(BaseModel):
-    """Seconds spent per phase. ``total_s`` runs from the rollout's start."""
+    """Seconds spent per phase. ``total_s`` runs from the rollout's start to its
+    result, and is the sum of the others (``other_s`` is what no phase claims)."""
 
     model_config = ConfigDict(extra="forbid")
 
     provision_s: float = 0.0
+    slot_wait_s: float = 0.0
     reset_s: float = 0.0
+    connect_s: float = 0.0
     tools_s: float = 0.0
     policy_s: float = 0.0
+    paused_s: float = 0.0
     verify_s: float = 0.0
+    release_s: float = 0.0
+    other_s: float = 0.0
     total_s: float = 0.0
+
+    def close(self, total_s: float) -> None:
+        """Set ``total_s`` and make ``other_s`` the seconds no other field accounts for."""
+        self.total_s = total_s
+        self.other_s = 0.0
+        parts = sum(getattr(self, name) for name in type(self).model_fields if name != "total_s")
+        self.other_s = max(0.0, total_s - parts)
 
 
 class VerifierOutcome(BaseModel):

@@ -9,10 +9,15 @@
 
 Every operation runs under its own deadline, and everything after the
 instance is ready runs under the rollout's (``timeouts.rollout_s``: the
-agent's clock starts when its instance is ready). Whatever happens — an
-error, a timeout, cancellation — the instance is released (shielded and
-bounded), ``fleet_rollout_completed`` is emitted exactly once, and
-:attr:`Rollout.result` holds a result with the right ``failure_reason``.
+agent's clock starts when its instance is ready and it holds an acting slot,
+and stops while a trainer pauses policy calls). When that deadline passes,
+what the rollout was waiting on decides its end: the platform (a reset, the
+MCP connect, the tool listing, a tool call) makes it ``platform_timeout``,
+not scored; the policy (its calls, or the turns between them) ``timeout``,
+scored. Whatever happens — an error, a timeout, cancellation — the instance
+is released (shielded and bounded), ``fleet_rollout_completed`` is emitted
+exactly once, and :attr:`Rollout.result` holds a result with the right
+``failure_reason``.
 
 Around it: what rollouts share is the engine (:mod:`fleetroll.engine`); what
 each phase does (provision, reset, connect, one policy call, score, the
@@ -90,8 +95,6 @@ class Rollout:
         self._changed: anyio.Event | None = None
         self.result: RolloutResult | None = None
         self._started = time.monotonic()
-        #: When the rollout's clock runs out (``anyio.current_time()``), once ready.
-        self.deadline = float("inf")
         #: Entered around the whole run by its owner; :meth:`stop` cancels it.
         self.stop_scope = anyio.CancelScope()
         self._stop: tuple[FailureReason, str] | None = None
@@ -100,6 +103,15 @@ class Rollout:
         self.settle: Callable[[RolloutResult], RolloutResult] | None = None
         self.max_steps = task.max_steps or engine.settings.pool.max_steps
         self._new_attempt(Progress())
+
+    @property
+    def deadline(self) -> float:
+        """When the rollout's clock runs out (``anyio.current_time()``), once ready."""
+        return self.progress.deadline
+
+    @deadline.setter
+    def deadline(self, value: float) -> None:
+        self.progress.deadline = value
 
     def _new_attempt(self, progress: Progress) -> None:
         """Start an attempt afresh: no instance, no session, ``progress`` as the state."""
@@ -110,6 +122,7 @@ class Rollout:
         self._setup_failure: SetupFailure | None = None
         self._deadline_scope: anyio.CancelScope | None = None
         self._provisioned_at: float | None = None
+        self._closing_at: float | None = None
         #: The mutable state (only the rollout's own task, or its session, touches it).
         self.progress = progress
         self.progress.transcript.max_images = self.engine.settings.policy.max_images
@@ -146,9 +159,11 @@ class Rollout:
 
         Yields whether the rollout is ready to act. With ``enforce_deadline``,
         the block is cancelled when the rollout's deadline passes (and the
-        rollout ends as ``timeout``, still scored). Failures of set-up and
-        scoring become the result's ``failure_reason``; an exception from the
-        caller's own block is recorded (``abandoned``) and re-raised.
+        rollout ends as ``timeout``, still scored, or as ``platform_timeout``
+        if it was waiting on the platform then: see :meth:`time_out`).
+        Failures of set-up and scoring become the result's ``failure_reason``;
+        an exception from the caller's own block is recorded (``abandoned``)
+        and re-raised.
 
         With ``may_restart``, a stale rollout is released without a result
         (:attr:`result` stays None) for the caller to run again; ``restarted``
@@ -157,7 +172,7 @@ class Rollout:
         if not restarted:
             self._started = time.monotonic()
         caller_error: Exception | None = None
-        restart = False
+        restart = yielded = False
         with (
             Events.bind(**stages.event_attributes(self.ids, self.task)),
             report_retries(retry_emitter(self.engine.events)),
@@ -171,11 +186,16 @@ class Rollout:
                 with anyio.CancelScope() as deadline:
                     try:
                         async with AsyncExitStack() as stack:
-                            ready = await self._guarded(
-                                self._set_up(stack, deadline if enforce_deadline else None),
-                                default=False,
-                            )
+                            stack.callback(self._session_closed)  # runs last
                             try:
+                                ready = await self._guarded(
+                                    self._set_up(stack, deadline if enforce_deadline else None),
+                                    default=False,
+                                )
+                            finally:  # also when the deadline cut set-up short
+                                stack.callback(self._session_closing)  # runs first
+                            try:
+                                yielded = True
                                 yield bool(ready)
                             except Exception as exc:
                                 # Scored as abandoned, then raised again outside the
@@ -206,8 +226,21 @@ class Rollout:
                 raise
             finally:
                 await self._tear_down(restart=restart, restarted=restarted)
+        if not yielded:
+            # The deadline passed during set-up: the rollout has its result,
+            # and the caller's block has nothing to act on.
+            yield False
         if caller_error is not None:
             raise caller_error
+
+    def _session_closing(self) -> None:
+        self._closing_at = time.monotonic()
+
+    def _session_closed(self) -> None:
+        """Closing the MCP session is part of letting the instance go: ``release_s``."""
+        if self._closing_at is not None:
+            self.progress.timings.release_s += time.monotonic() - self._closing_at
+            self._closing_at = None
 
     def _enter(self, phase: Phase) -> None:
         """Move to ``phase`` (checked against the transition table) and notify."""
@@ -252,7 +285,11 @@ class Rollout:
         self._provisioned_at = time.monotonic()
         if self._gate is not None:
             self._enter(Phase.WAITING)
-            await stack.enter_async_context(self._gate())
+            began = time.monotonic()
+            try:
+                await stack.enter_async_context(self._gate())
+            finally:
+                self.progress.timings.slot_wait_s += time.monotonic() - began
         self.deadline = anyio.current_time() + e.settings.timeouts.rollout_s
         self._deadline_scope = deadline
         if deadline is not None:
@@ -260,17 +297,23 @@ class Rollout:
         stack.enter_context(Events.bind(instance_id=instance.instance_id))
 
         self._enter(Phase.RESETTING)
-        failed = await stages.reset(e, instance, self.progress)
+        with self.progress.platform_wait("resetting the instance"):
+            failed = await stages.reset(e, instance, self.progress)
         if failed is not None:
             return self._set_up_failed(failed)
 
         self._enter(Phase.CONNECTING)
-        self.route = e.provider.route(instance, self.task)
-        connected = await stages.connect(e, instance, self.route, stack)
-        if isinstance(connected, SetupFailure):
-            return self._set_up_failed(connected)
-        self.session, self.tools = connected
-        shot = await stages.first_screenshot(e, self.session, self.route)
+        began = time.monotonic()
+        try:
+            self.route = e.provider.route(instance, self.task)
+            connected = await stages.connect(e, instance, self.route, stack, self.progress)
+            if isinstance(connected, SetupFailure):
+                return self._set_up_failed(connected)
+            self.session, self.tools = connected
+            with self.progress.platform_wait("the initial screenshot"):
+                shot = await stages.first_screenshot(e, self.session, self.route)
+        finally:
+            self.progress.timings.connect_s += time.monotonic() - began
         self.progress.transcript.add_prompt(self.task.prompt, shot)
         self._enter(Phase.ACTING)
         return True
@@ -306,6 +349,7 @@ class Rollout:
             with stages.deadline_lifted(self._deadline_scope, lambda: self.deadline):
                 version, waited_s = await self.engine.policy_gate.admit()
                 self.deadline += waited_s
+                self.progress.timings.paused_s += waited_s
             if self.progress.first_policy_version is None:
                 self.progress.first_policy_version = version
             asked = await stages.ask_policy(
@@ -338,7 +382,8 @@ class Rollout:
 
     async def call_tool(self, call: ToolCall) -> ToolResult:
         """Run one tool call and record its answer (see :func:`fleetroll.dispatch.call_tool`)."""
-        return await dispatch.call_tool(self, call)
+        with self.progress.platform_wait(f"the tool call {call.name}"):
+            return await dispatch.call_tool(self, call)
 
     # -- the end ------------------------------------------------------------
 
@@ -367,7 +412,11 @@ class Rollout:
     async def _tear_down(self, *, restart: bool = False, restarted: int = 0) -> None:
         self._enter(Phase.RELEASING)
         if self.instance is not None:
-            await self.engine.provider.release(self.instance)
+            began = time.monotonic()
+            try:
+                await self.engine.provider.release(self.instance)
+            finally:
+                self.progress.timings.release_s += time.monotonic() - began
         if self._provisioned_at is not None:
             # Summed: a restarted rollout paid for its stale attempt's instance too.
             self.progress.cost.instance_s += time.monotonic() - self._provisioned_at
@@ -381,7 +430,8 @@ class Rollout:
                 first_policy_version=p.first_policy_version,
                 policy_version=self.engine.policy_gate.version,
             )
-            self._new_attempt(Progress(cost=p.cost))
+            # Its time is summed too, so that the timings still add up to total_s.
+            self._new_attempt(Progress(cost=p.cost, timings=p.timings))
             return
         self._enter(Phase.DONE)
         result = self._conclude()
@@ -399,7 +449,7 @@ class Rollout:
 
     def _conclude(self) -> RolloutResult:
         """Build and keep the result, and end the live event log with it."""
-        self.progress.timings.total_s = time.monotonic() - self._started
+        self.progress.timings.close(time.monotonic() - self._started)
         result = self.progress.result(
             self.ids,
             self.task,
@@ -451,7 +501,21 @@ class Rollout:
             self.fail(FailureReason.ABANDONED, "the session was closed before the episode ended")
 
     def time_out(self) -> None:
-        self.fail(
-            FailureReason.TIMEOUT,
-            f"the rollout passed its {self.engine.settings.timeouts.rollout_s:g} s deadline",
-        )
+        """The rollout's deadline passed: whose time ran out decides the reason.
+
+        If it passed while the rollout waited on the platform
+        (:meth:`Progress.platform_wait`), the rollout is ``platform_timeout``,
+        never scored (the agent could not act, and what a half-done platform
+        operation left is unknown); otherwise the policy had the turn: ``timeout``.
+        """
+        limit = self.engine.settings.timeouts.rollout_s
+        if (overrun := self.progress.overrun) is not None:
+            what, waited = overrun
+            self.fail(
+                FailureReason.PLATFORM_TIMEOUT,
+                f"the rollout's {limit:g} s deadline (timeouts.rollout_s) passed"
+                f" {waited:.1f} s into a wait on the platform ({what}): not the"
+                " policy's time, so not scored",
+            )
+            return
+        self.fail(FailureReason.TIMEOUT, f"the rollout passed its {limit:g} s deadline")

@@ -131,13 +131,22 @@ async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> 
 
 
 async def connect(
-    ctx: RolloutContext, instance: Instance, route: Route, stack: AsyncExitStack
+    ctx: RolloutContext,
+    instance: Instance,
+    route: Route,
+    stack: AsyncExitStack,
+    progress: Progress,
 ) -> tuple[ToolSession, list[ToolSpec]] | SetupFailure:
-    """Open the instance's MCP session (closed by ``stack``) and choose the route's tools."""
+    """Open the instance's MCP session (closed by ``stack``) and choose the route's tools.
+
+    Both waits are the platform's (:meth:`Progress.platform_wait`).
+    """
     session: ToolSession | None = None
     try:
-        session = await stack.enter_async_context(ctx.provider.open_tools(instance, route))
-        available = await session.list_tools()
+        with progress.platform_wait(f"connecting to the MCP endpoint {route.url}"):
+            session = await stack.enter_async_context(ctx.provider.open_tools(instance, route))
+        with progress.platform_wait(f"listing the tools of {route.url}"):
+            available = await session.list_tools()
         return session, route.select(available)
     except ComputerToolMissing as exc:
         return SetupFailure(FailureReason.COMPUTER_TOOL_MISSING, str(exc), exc)

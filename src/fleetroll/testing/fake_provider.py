@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import anyio
 from mcp import Client
@@ -20,13 +21,17 @@ from mcp.server.mcpserver import MCPServer
 
 from fleetroll.environments import Instance, Provider, Verdict
 from fleetroll.errors import ProvisionError
+from fleetroll.policies import ToolSpec
 from fleetroll.results import VerifierOutcome
 from fleetroll.routing import Route, route, wants_final_answer
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools import ToolSession
 
-__all__ = ["FakeProvider", "FakeState"]
+__all__ = ["FakeProvider", "FakeState", "Operation"]
+
+#: The operations a :class:`FakeProvider` can be told never to finish (``hangs``).
+Operation = Literal["reset", "open_tools", "list_tools"]
 
 
 @dataclass
@@ -43,7 +48,8 @@ class FakeProvider:
 
     The verifier's reward is 1.0 when a ``note`` call recorded the word
     ``"done"``, else 0.0. Knobs make each operation fail the way a real
-    environment can.
+    environment can; ``hangs`` names operations that never finish (a hung
+    reset, an MCP service that never answers, a listing that never ends).
     """
 
     def __init__(
@@ -55,8 +61,10 @@ class FakeProvider:
         preflight_problems: Sequence[str] = (),
         reset_error: Exception | None = None,
         reset_required: bool = False,
+        hangs: Collection[Operation] = (),
     ) -> None:
         self.settings = settings
+        self.hangs = frozenset(hangs)
         self.preflight_problems = list(preflight_problems)
         self.preflights = 0
         self.provision_error = provision_error
@@ -114,6 +122,11 @@ class FakeProvider:
         self.resets += 1
         if self.reset_error is not None:
             raise self.reset_error
+        await self._maybe_hang("reset")
+
+    async def _maybe_hang(self, operation: Operation) -> None:
+        if operation in self.hangs:
+            await anyio.sleep_forever()
 
     def route(self, instance: Instance, task: TaskSpec) -> Route:
         return route(
@@ -129,8 +142,10 @@ class FakeProvider:
     async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
         assert isinstance(instance.handle, FakeState)
         t = self.settings.timeouts
+        await self._maybe_hang("open_tools")
         async with Client(self._server(instance.handle)) as client:
-            yield ToolSession(
+            session = _HangingListing if "list_tools" in self.hangs else ToolSession
+            yield session(
                 client, route.url, call_timeout_s=t.call_tool_s, list_timeout_s=t.list_tools_s
             )
 
@@ -154,6 +169,14 @@ class FakeProvider:
 
     async def aclose(self) -> None:
         pass
+
+
+class _HangingListing(ToolSession):
+    """A session whose tool listing never ends (``hangs={"list_tools"}``)."""
+
+    async def list_tools(self) -> list[ToolSpec]:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
 
 
 def _type_check(settings: Settings) -> Provider:

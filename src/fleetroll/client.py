@@ -181,17 +181,25 @@ class FleetrollClient:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         oversample: int | None = None,
+        after: int = 0,
     ) -> RemoteBatch:
         """A batch on the service; it is submitted when first iterated (or entered).
 
         Iterate it for its results. Submitting an identical request under
         the same ``batch_id`` again returns the same batch (so retries and
         controller restarts are safe), and runs again those of its rollouts
-        that ended cancelled (after a cancel or a deadline): iterated, it then
-        gives one result per rollout, the newest. Different content under the
-        id is a 409. A batch the service's pre-flight refuses raises, on
+        that ended cancelled (after a cancel or a deadline) or have no result
+        (the service restarted while they ran): iterated, it then gives one
+        result per rollout, the newest, or, with ``after`` (the cursor a
+        controller had), only the results after it. Different content under
+        the id is a 409. A batch the service's pre-flight refuses raises, on
         submission, :class:`~fleetroll.errors.ServicePreflightError` (a
         ``PreflightError``, as in-process, and a ``ServiceError``, 422).
+
+        If the service restarts while the batch runs, the stream is reopened
+        from the cursor; when it says the batch was interrupted, the batch is
+        submitted again (``batch.resubmits``) and the rollouts that had no
+        result run: each rollout still arrives once.
 
         Raises:
             TypeError: ``policy`` is an in-process policy the service cannot
@@ -208,7 +216,7 @@ class FleetrollClient:
             payload["deadline_s"] = deadline_s
         if oversample is not None:
             payload["oversample"] = oversample
-        return RemoteBatch(self._service, payload["batch_id"], payload=payload)
+        return RemoteBatch(self._service, payload["batch_id"], payload=payload, after=after)
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
         """An existing batch, its results read from cursor ``after`` on (e.g. after a restart)."""

@@ -89,22 +89,27 @@ async def _serve(
     from fleetroll.runner import open_fleet
     from fleetroll.service.app import Service, create_app
     from fleetroll.service.server import serve_app
+    from fleetroll.service.state import open_store
     from fleetroll.telemetry import open_telemetry
 
     async with AsyncExitStack() as stack:
+        # First: a folder another service holds is refused before anything starts.
+        store = await stack.enter_async_context(open_store(settings.service.state_dir))
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
         # Sessions here; batches and MCP rollouts here or on Ray, under one admission.
         pool, batch_pool, backend = await open_service_pools(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
-        service = Service(pool, settings, batch_pool=batch_pool)
+        service = Service(pool, settings, batch_pool=batch_pool, store=store)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)
         )
         auth = "bearer token required" if settings.service_token else "no token (loopback only)"
         click.echo(f"fleetroll serve: {url} on {backend}; {auth}", err=True)
         click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
+        restored = service.batches.restored
+        click.echo(f"  batches kept in {store.root} ({restored} read back)", err=True)
         if settings.service_token is not None:  # its shape: never the token itself
             click.echo(
                 f"  dashboard: {url}/dashboard/login?token=<FLEETROLL_SERVICE_TOKEN>", err=True

@@ -26,7 +26,8 @@ of its fields, or None for the server's configured policy.
 
 A results stream that breaks (a proxy, a network blip, a server restart
 behind a load balancer) is reopened on its own with ``?after=<cursor>``:
-nothing is lost and nothing arrives twice. Retries are bounded, with
+nothing is lost and nothing arrives twice; a batch the service's restart
+interrupted is submitted again, so its rollouts without a result run. Retries are bounded, with
 exponential backoff and full jitter (``fleetroll.retrying``, defaults from
 ``[retries]``); a batch submission is retried safely
 because the batch id is chosen here, before the first attempt.
@@ -219,7 +220,12 @@ class FleetrollClient:
         return RemoteBatch(self._service, payload["batch_id"], payload=payload, after=after)
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
-        """An existing batch, its results read from cursor ``after`` on (e.g. after a restart)."""
+        """An existing batch, its results read from cursor ``after`` on (e.g. after a restart).
+
+        Not having its request, it cannot submit it again: if the service says
+        the batch was interrupted, iterating raises :class:`ServiceError` (use
+        ``run_batch(..., batch_id=batch_id, after=cursor)``).
+        """
         return RemoteBatch(self._service, batch_id, after=after)
 
     async def follow(self, rollout_id: str, *, after: int = 0) -> AsyncIterator[RolloutEvent]:

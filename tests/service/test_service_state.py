@@ -10,8 +10,9 @@ import httpx
 import pytest
 from service_helpers import task_record
 
+from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
-from fleetroll.errors import ConfigError
+from fleetroll.errors import ConfigError, ServiceError
 from fleetroll.journal import meta_path
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
@@ -160,3 +161,57 @@ async def test_forgotten_batches_leave_the_state_dir_and_the_rest_read_back(
     async with open_store(tmp_path) as store:
         assert [b.request.batch_id for b in store.restored] == ["new"]
         assert len(store.restored[0].results) == len(TASKS)
+
+
+def fake_service(posts: list[dict[str, object]]) -> httpx.MockTransport:
+    """A service whose batch was interrupted at cursor 2 (r[2], r[3] without a result)
+    until it is submitted again; ``posts`` gets each submission."""
+
+    def line(body: dict[str, object]) -> str:
+        return json.dumps(body) + "\n"
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            posts.append(json.loads(request.content))
+            rerun = 2 if len(posts) > 1 else 0
+            return httpx.Response(200, json={"batch_id": BATCH, "rollouts": 4, "rerun": rerun})
+        after = int(request.url.params["after"])
+        stored = [result(0), result(1)] + ([result(2), result(3)] if len(posts) > 1 else [])
+        body = "".join(
+            line({"type": "result", "cursor": n, "result": r.model_dump(mode="json")})
+            for n, r in enumerate(stored, start=1)
+            if n > after
+        )
+        if len(posts) > 1:
+            body += line({"type": "end", "cursor": 4, "status": "finished"})
+        else:
+            body += line({"type": "interrupted", "cursor": 2, "missing": 2})
+        return httpx.Response(200, text=body, headers={"content-type": "application/x-ndjson"})
+
+    return httpx.MockTransport(handler)
+
+
+async def test_the_client_submits_an_interrupted_batch_again_and_gets_each_rollout_once() -> None:
+    posts: list[dict[str, object]] = []
+    async with (
+        httpx.AsyncClient(transport=fake_service(posts)) as http,
+        FleetrollClient("http://service.test", http_client=http) as client,
+    ):
+        batch = client.run_batch(TASKS, {"kind": "scripted"}, samples_per_task=2, batch_id=BATCH)
+        with anyio.fail_after(5):
+            got = [r.rollout_id async for r in batch]
+    assert got == R
+    assert batch.resubmits == 1 and len(posts) == 2 and posts[0] == posts[1]
+
+
+async def test_a_batch_the_client_did_not_submit_says_how_to_resume_an_interruption() -> None:
+    async with (
+        httpx.AsyncClient(transport=fake_service([])) as http,
+        FleetrollClient("http://service.test", http_client=http) as client,
+    ):
+        batch = client.batch(BATCH, after=1)
+        with anyio.fail_after(5), pytest.raises(ServiceError) as refused:
+            async for _ in batch:
+                pass
+    assert batch.cursor == 2
+    assert f"client.run_batch(<the same tasks>, batch_id='{BATCH}', after=2)" in str(refused.value)

@@ -31,7 +31,7 @@ import os
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from contextlib import asynccontextmanager, suppress
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
 from dataclasses import dataclass, replace
 
 import anyio
@@ -39,7 +39,7 @@ from anyio.abc import TaskGroup
 
 from fleetroll.batch import BatchCounts as PoolCounts
 from fleetroll.batch_pool import BatchPool, RunningBatch
-from fleetroll.errors import PoolFullError, TaskFileError
+from fleetroll.errors import ConfigError, PoolFullError, TaskFileError
 from fleetroll.journal import Journal
 from fleetroll.phases import Phase, RolloutView
 from fleetroll.policies import Policy
@@ -668,25 +668,26 @@ class BatchRegistry:
             yield record.append
             return
         assert self.tg is not None
+        journal: Journal | None = None
         try:
-            if not record.saved.is_set():
-                removing = self._removing.get(record.batch_id)
-                if removing is not None:  # an older batch of this id is being forgotten
-                    await removing.wait()
-                request = record.plan.stored(record.batch_id, record.fingerprint)
-                await anyio.to_thread.run_sync(store.save_request, request)
+            async with AsyncExitStack() as stack:
+                try:
+                    if not record.saved.is_set():
+                        removing = self._removing.get(record.batch_id)
+                        if removing is not None:  # an older batch of this id is being forgotten
+                            await removing.wait()
+                        request = record.plan.stored(record.batch_id, record.fingerprint)
+                        await anyio.to_thread.run_sync(store.save_request, request)
+                    path = store.journal_path(record.batch_id)
+                    journal = Journal(path, self.tg, on_written=record.append_all)
+                    await stack.enter_async_context(journal)
+                except (OSError, ConfigError) as exc:
+                    _log.error("service.state_dir: cannot keep batch %s: %s", record.batch_id, exc)
+                    journal = None
+                record.saved.set()
+                yield record.append if journal is None else journal.append
         except OSError as exc:
-            _log.error("service.state_dir: cannot keep batch %s: %s", record.batch_id, exc)
-        record.saved.set()
-        path = store.journal_path(record.batch_id)
-        journal = Journal(path, self.tg, on_written=record.append_all)
-        given = False
-        try:
-            async with journal:
-                given = True
-                yield journal.append
-        except OSError as exc:
-            if given and journal.error is None:
+            if journal is None or journal.error is None:
                 raise  # not the journal's
             _log.error(
                 "service.state_dir: writing the results of batch %s failed (%s); they are"
@@ -694,8 +695,6 @@ class BatchRegistry:
                 record.batch_id,
                 exc,
             )
-            if not given:
-                yield record.append
 
     def _retire(self, record: BatchRecord) -> None:
         self._finished.append(record.batch_id)

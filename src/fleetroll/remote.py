@@ -153,8 +153,9 @@ class RemoteBatch:
             elsewhere with ``client.batch(batch_id, after=cursor)``.
         reconnects: how many times the results stream was reopened.
         rerun: once submitted, how many rollouts of an identical earlier
-            batch (the same id) run again because they had ended cancelled;
-            read from the start, the batch gives the newest result of each.
+            batch (the same id) run again because they had ended cancelled
+            or had no result; read from the start, the batch gives the newest
+            result of each.
         resubmits: how many times the stream said the batch was interrupted
             (the service restarted while it ran) and this object submitted it
             again, to run its rollouts without a result.
@@ -299,7 +300,8 @@ class RemoteBatch:
                 f" after={self.cursor})"
             )
         self._resubmitted_at = self.cursor
-        await self._client.call("POST", "/v1/batches", json=request)
+        answer = await self._client.call("POST", "/v1/batches", json=request)
+        self.rerun = int(answer.get("rerun", 0))
         self.resubmits += 1
 
     async def _next_line(self) -> dict[str, Any]:

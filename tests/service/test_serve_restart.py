@@ -146,6 +146,7 @@ async def restart_under_a_trainer(tmp_path: Path, stop: signal.Signals) -> None:
                 async for result in batch:
                     seen.append((batch.cursor, result))
             assert batch.resubmits == 1
+            assert batch.rerun == len(TASKS) * SAMPLES - len(before)  # only those without one
             async with httpx.AsyncClient(
                 base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}
             ) as http:

@@ -202,6 +202,7 @@ async def test_the_client_submits_an_interrupted_batch_again_and_gets_each_rollo
             got = [r.rollout_id async for r in batch]
     assert got == R
     assert batch.resubmits == 1 and len(posts) == 2 and posts[0] == posts[1]
+    assert batch.rerun == 2
 
 
 async def test_a_batch_the_client_did_not_submit_says_how_to_resume_an_interruption() -> None:

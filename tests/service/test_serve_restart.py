@@ -176,3 +176,17 @@ async def test_a_trainer_reading_a_batch_through_a_sigterm_of_serve_gets_each_ro
     tmp_path: Path,
 ) -> None:
     await restart_under_a_trainer(tmp_path, signal.SIGTERM)
+
+
+async def test_a_second_serve_on_the_same_state_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    async with serving(tmp_path, free_port()):
+        command = [sys.executable, "-m", "fleetroll", "serve", "--port", str(free_port())]
+        with anyio.fail_after(60):
+            second = await anyio.run_process(
+                command, cwd=tmp_path, env=serve_env(tmp_path / "state"), check=False
+            )
+    said = second.stderr.decode()
+    assert second.returncode == 2, said
+    assert "Traceback" not in said
+    assert "is in use by another fleetroll serve" in said
+    assert len(said.strip().splitlines()) == 1, said

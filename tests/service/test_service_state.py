@@ -216,3 +216,17 @@ async def test_a_batch_the_client_did_not_submit_says_how_to_resume_an_interrupt
                 pass
     assert batch.cursor == 2
     assert f"client.run_batch(<the same tasks>, batch_id='{BATCH}', after=2)" in str(refused.value)
+
+
+async def test_a_stored_batch_that_cannot_be_read_refuses_the_start_naming_its_file(
+    tmp_path: Path,
+) -> None:
+    async with open_store(tmp_path) as store:
+        await anyio.to_thread.run_sync(store.save_request, request())
+        store.journal_path(BATCH).write_text("not a result\n")
+    with pytest.raises(ConfigError, match=r"cannot read the batch stored in .*b-1\.jsonl") as no:
+        async with open_store(tmp_path):
+            pass
+    assert "\n" not in str(no.value)
+    async with open_store(tmp_path):  # the lock was let go
+        pass

@@ -228,5 +228,6 @@ async def test_a_stored_batch_that_cannot_be_read_refuses_the_start_naming_its_f
         async with open_store(tmp_path):
             pass
     assert "\n" not in str(no.value)
-    async with open_store(tmp_path):  # the lock was let go
-        pass
+    (tmp_path / "batches" / f"{BATCH}.jsonl").unlink()  # as the message says
+    async with open_store(tmp_path) as store:  # and the lock was let go
+        assert [b.request.batch_id for b in store.restored] == [BATCH]

@@ -137,7 +137,10 @@ async def test_a_policy_api_key_is_never_written_to_the_state_dir(tmp_path) -> N
 async def test_forgotten_batches_leave_the_state_dir_and_the_rest_read_back(
     emulator: Emulator, tmp_path: Path
 ) -> None:
-    settings = load_settings(service={"keep_finished_batches": 1, "state_dir": tmp_path})
+    token = "a-state-test-token-of-32-chars-x"  # whatever serve asks of code-carrying tasks
+    settings = load_settings(
+        service={"keep_finished_batches": 1, "state_dir": tmp_path}, service_token=token
+    )
     body = {"tasks": [task_record(t) for t in TASKS], "policy": {"kind": "scripted"}}
     async with (
         open_store(tmp_path) as store,
@@ -146,7 +149,9 @@ async def test_forgotten_batches_leave_the_state_dir_and_the_rest_read_back(
         service = Service(pool, settings, store=store)
         async with (
             serve_app(create_app(service), "127.0.0.1", 0) as url,
-            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            httpx.AsyncClient(
+                base_url=url, timeout=30, headers={"Authorization": f"Bearer {token}"}
+            ) as http,
         ):
             for batch_id in ("old", "new"):
                 answer = await http.post("/v1/batches", json={**body, "batch_id": batch_id})

@@ -119,7 +119,10 @@ class BatchStore:
                     " move that batch's two files away (or delete them) and start again"
                 ) from None
             if request.batch_id != journal.name.removesuffix(_SUFFIX):
-                raise ConfigError(f"{meta} names batch {request.batch_id!r}, not its file's")
+                raise ConfigError(
+                    f"service.state_dir: {meta} holds batch {request.batch_id!r}, not the"
+                    " one its name says; move that batch's two files away and start again"
+                )
             batches.append(StoredBatch(request, results, mtime))
         batches.sort(key=lambda b: b.mtime)
         return batches

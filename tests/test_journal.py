@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -52,6 +53,26 @@ async def test_results_appended_during_cancellation_still_reach_the_disk(tmp_pat
                 journal.append(result(n))
             await anyio.sleep(3600)
     assert len(read_journal(path)) == 5
+
+
+async def test_a_listener_hears_of_each_result_only_once_it_is_on_disk(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    heard: list[str] = []
+
+    def on_written(results: Sequence[RolloutResult]) -> None:
+        on_disk = {r.rollout_id for r in read_journal(path)}
+        assert {r.rollout_id for r in results} <= on_disk
+        heard.extend(r.rollout_id for r in results)
+
+    async with (
+        anyio.create_task_group() as tg,
+        Journal(path, tg, on_written=on_written) as journal,
+    ):
+        for n in range(300):
+            journal.append(result(n))
+            if n % 7 == 0:
+                await anyio.sleep(0)  # let some writes happen between appends
+    assert heard == [f"r{n}" for n in range(300)]
 
 
 async def test_a_torn_last_line_is_ignored_then_truncated_before_appending(tmp_path) -> None:

@@ -26,7 +26,8 @@ of its fields, or None for the server's configured policy.
 
 A results stream that breaks (a proxy, a network blip, a server restart
 behind a load balancer) is reopened on its own with ``?after=<cursor>``:
-nothing is lost and nothing arrives twice. Retries are bounded, with
+nothing is lost and nothing arrives twice; a batch the service's restart
+interrupted is submitted again, so its rollouts without a result run. Retries are bounded, with
 exponential backoff and full jitter (``fleetroll.retrying``, defaults from
 ``[retries]``); a batch submission is retried safely
 because the batch id is chosen here, before the first attempt.
@@ -182,17 +183,25 @@ class FleetrollClient:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         oversample: int | None = None,
+        after: int = 0,
     ) -> RemoteBatch:
         """A batch on the service; it is submitted when first iterated (or entered).
 
         Iterate it for its results. Submitting an identical request under
         the same ``batch_id`` again returns the same batch (so retries and
         controller restarts are safe), and runs again those of its rollouts
-        that ended cancelled (after a cancel or a deadline): iterated, it then
-        gives one result per rollout, the newest. Different content under the
-        id is a 409. A batch the service's pre-flight refuses raises, on
+        that ended cancelled (after a cancel or a deadline) or have no result
+        (the service restarted while they ran): iterated, it then gives one
+        result per rollout, the newest, or, with ``after`` (the cursor a
+        controller had), only the results after it. Different content under
+        the id is a 409. A batch the service's pre-flight refuses raises, on
         submission, :class:`~fleetroll.errors.ServicePreflightError` (a
         ``PreflightError``, as in-process, and a ``ServiceError``, 422).
+
+        If the service restarts while the batch runs, the stream is reopened
+        from the cursor; when it says the batch was interrupted, the batch is
+        submitted again (``batch.resubmits``) and the rollouts that had no
+        result run: each rollout still arrives once.
 
         Raises:
             TypeError: ``policy`` is an in-process policy the service cannot
@@ -209,10 +218,15 @@ class FleetrollClient:
             payload["deadline_s"] = deadline_s
         if oversample is not None:
             payload["oversample"] = oversample
-        return RemoteBatch(self._service, payload["batch_id"], payload=payload)
+        return RemoteBatch(self._service, payload["batch_id"], payload=payload, after=after)
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
-        """An existing batch, its results read from cursor ``after`` on (e.g. after a restart)."""
+        """An existing batch, its results read from cursor ``after`` on (e.g. after a restart).
+
+        Not having its request, it cannot submit it again: if the service says
+        the batch was interrupted, iterating raises :class:`ServiceError` (use
+        ``run_batch(..., batch_id=batch_id, after=cursor)``).
+        """
         return RemoteBatch(self._service, batch_id, after=after)
 
     async def follow(self, rollout_id: str, *, after: int = 0) -> AsyncIterator[RolloutEvent]:

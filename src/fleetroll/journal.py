@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -373,11 +373,25 @@ class Journal:
 
         async with Journal(path, tg) as journal:
             journal.append(result)
+
+    ``on_written`` hears of each result once it is on disk: a service shows a
+    result to its readers only then, so a crash never takes back what a reader
+    saw. After a write fails, the rest are not written; each still reaches
+    ``on_written``, and leaving the block raises the error.
     """
 
-    def __init__(self, path: Path, task_group: TaskGroup) -> None:
+    def __init__(
+        self,
+        path: Path,
+        task_group: TaskGroup,
+        *,
+        on_written: Callable[[Sequence[RolloutResult]], None] | None = None,
+    ) -> None:
         self.path = path
         self._tg = task_group
+        #: Called on the loop with each group of results once they are on disk (or,
+        #: after a write failed, with those that could not be written: never lost).
+        self._on_written = on_written
         self._send: MemoryObjectSendStream[RolloutResult]
         self._receive: MemoryObjectReceiveStream[RolloutResult]
         self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
@@ -406,6 +420,11 @@ class Journal:
         if self._error is not None and exc is None:
             raise OSError(f"writing the journal {self.path} failed: {self._error}")
 
+    @property
+    def error(self) -> BaseException | None:
+        """Why writing failed (then nothing more is written), or None."""
+        return self._error
+
     def append(self, result: RolloutResult) -> None:
         """Queue a result for writing. Never blocks; safe during cancellation."""
         self._send.send_nowait(result)
@@ -413,20 +432,28 @@ class Journal:
     async def _writer(self) -> None:
         try:
             # Drain even when the batch is cancelled.
-            with anyio.CancelScope(shield=True), self._receive, self.path.open("ab") as f:
-                async for first in self._receive:
-                    lines = [first]
-                    while len(lines) < _MAX_LINES_PER_WRITE:
-                        try:
-                            lines.append(self._receive.receive_nowait())
-                        except (anyio.WouldBlock, anyio.EndOfStream):
-                            break
-                    await anyio.to_thread.run_sync(_write, f, _encode(lines))
-                    self.written += len(lines)
-                    # On disk now: what a watcher of a run (and its tests) can wait on.
-                    _log.debug("journal %s: %d results written", self.path, self.written)
-        except OSError as exc:
-            self._error = exc
+            with anyio.CancelScope(shield=True), self._receive:
+                try:
+                    with self.path.open("ab") as f:
+                        async for first in self._receive:
+                            lines = [first]
+                            while len(lines) < _MAX_LINES_PER_WRITE:
+                                try:
+                                    lines.append(self._receive.receive_nowait())
+                                except (anyio.WouldBlock, anyio.EndOfStream):
+                                    break
+                            await anyio.to_thread.run_sync(_write, f, _encode(lines))
+                            self.written += len(lines)
+                            # On disk now: what a watcher of a run (and its tests) can wait on.
+                            _log.debug("journal %s: %d results written", self.path, self.written)
+                            if self._on_written is not None:
+                                self._on_written(lines)
+                except OSError as exc:
+                    self._error = exc
+                    # Nothing more is written; what is still appended is not lost in memory.
+                    async for rest in self._receive:
+                        if self._on_written is not None:
+                            self._on_written([rest])
         finally:
             self._done.set()
 

@@ -153,8 +153,12 @@ class RemoteBatch:
             elsewhere with ``client.batch(batch_id, after=cursor)``.
         reconnects: how many times the results stream was reopened.
         rerun: once submitted, how many rollouts of an identical earlier
-            batch (the same id) run again because they had ended cancelled;
-            read from the start, the batch gives the newest result of each.
+            batch (the same id) run again because they had ended cancelled
+            or had no result; read from the start, the batch gives the newest
+            result of each.
+        resubmits: how many times the stream said the batch was interrupted
+            (the service restarted while it ran) and this object submitted it
+            again, to run its rollouts without a result.
     """
 
     def __init__(
@@ -168,8 +172,12 @@ class RemoteBatch:
         self._client = client
         self.batch_id = batch_id
         self._payload = payload
+        #: The request, kept to submit it again after an interruption.
+        self._request = payload
+        self._resubmitted_at: int | None = None
         self.total: int | None = None
         self.rerun = 0
+        self.resubmits = 0
         self.cursor = after
         self.reconnects = 0
         self._response: httpx.Response | None = None
@@ -265,7 +273,36 @@ class RemoteBatch:
                 self._ended = True
                 await self._disconnect()
                 raise StopAsyncIteration
+            if message.get("type") == "interrupted":
+                await self._disconnect()
+                await self._resubmit(int(message.get("missing") or 0))
+                continue  # from the cursor: the rollouts that had no result, as they end
             # heartbeat, or a line type this client does not know: keep reading
+
+    def _original(self) -> dict[str, Any] | None:
+        """The batch's request, if this object submitted it."""
+        return self._request
+
+    async def _resubmit(self, missing: int) -> None:
+        """The service stopped while the batch ran: submit it again (once per cursor).
+
+        Raises:
+            ServiceError: this object did not submit the batch (it cannot), or
+                submitted it again at this cursor already.
+        """
+        request = self._original()
+        if request is None or self._resubmitted_at == self.cursor:
+            self._ended = True
+            raise ServiceError(
+                f"batch {self.batch_id} was interrupted (the service stopped while it ran):"
+                f" {missing} rollouts have no result; submit it again to run them, e.g."
+                f" client.run_batch(<the same tasks>, batch_id={self.batch_id!r},"
+                f" after={self.cursor})"
+            )
+        self._resubmitted_at = self.cursor
+        answer = await self._client.call("POST", "/v1/batches", json=request)
+        self.rerun = int(answer.get("rerun", 0))
+        self.resubmits += 1
 
     async def _next_line(self) -> dict[str, Any]:
         """The next line of the results stream; a broken stream is reopened from the cursor.
@@ -351,6 +388,9 @@ class RemoteGroups(RemoteBatch):
         await self._batch.submit()
         self.total = self._batch.total
         return self
+
+    def _original(self) -> dict[str, Any] | None:
+        return self._batch._original()
 
     async def __aexit__(
         self,

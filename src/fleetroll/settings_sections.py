@@ -369,8 +369,12 @@ class ServiceSettings(_Section):
     session_idle_s: float = Field(600.0, gt=0)
     #: Rollouts one batch may hold (tasks × samples_per_task); 422 beyond.
     max_batch_rollouts: int = Field(10_000, ge=1)
-    #: Finished batches whose results stay readable (oldest forgotten first).
+    #: Finished batches whose results stay readable (oldest forgotten first,
+    #: with their files in ``state_dir``).
     keep_finished_batches: int = Field(64, ge=0)
+    #: ``fleetroll serve`` keeps each batch's request and results here (one
+    #: journal per batch), locked while it runs, and reads them back at start-up.
+    state_dir: Path = Path(".fleetroll/service")
     #: Ended sessions whose result a late ``DELETE`` can still fetch.
     keep_ended_sessions: int = Field(256, ge=0)
     #: An idle results stream sends a heartbeat line this often.

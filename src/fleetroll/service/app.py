@@ -90,6 +90,7 @@ from fleetroll.service.openapi import openapi_document
 from fleetroll.service.query import run_query, run_stats
 from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
+from fleetroll.service.state import BatchStore
 from fleetroll.service.training import PauseLeases
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -118,10 +119,17 @@ class Service:
         pool: runs sessions, in this process.
         batch_pool: runs the batches of ``POST /v1/batches`` and the MCP tools'
             rollouts (default: ``pool``).
+        store: where batches and their results are kept across restarts
+            (:func:`fleetroll.service.state.open_store`; default: memory only).
     """
 
     def __init__(
-        self, pool: RolloutPool, settings: Settings, *, batch_pool: BatchPool | None = None
+        self,
+        pool: RolloutPool,
+        settings: Settings,
+        *,
+        batch_pool: BatchPool | None = None,
+        store: BatchStore | None = None,
     ) -> None:
         self.pool = pool
         self.batch_pool = batch_pool or pool
@@ -134,7 +142,9 @@ class Service:
             settings.logfire_token,
         )
         self.redact = Redactor(s.get_secret_value() for s in secrets if s is not None)
-        self.batches = BatchRegistry(self.batch_pool, settings, self.metrics, preflight_pool=pool)
+        self.batches = BatchRegistry(
+            self.batch_pool, settings, self.metrics, preflight_pool=pool, store=store
+        )
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
         #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}

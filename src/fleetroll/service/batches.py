@@ -12,26 +12,41 @@ Resubmitting a batch (the same request under the same ``batch_id``) after it
 ended with cancelled rollouts (a cancel, a deadline) runs those rollouts
 again, on the same record: their cancelled results are then skipped by every
 stream, so a reader from the start gets one result per rollout, the newest.
+
+With a :class:`~fleetroll.service.state.BatchStore` (``fleetroll serve``),
+each batch's request and results are on disk, and a result reaches the
+record (and its readers) only once it is: a restarted service reads every
+batch back with the same cursors. Rollouts cut short by the service stopping
+(a kill, or the cancel at shutdown, whose ``cancelled`` results are not
+kept) have no result: the batch is ``interrupted``, its streams say so, and
+a resubmission runs exactly the rollouts without a result (and those whose
+newest result is ``cancelled``), so no rollout is ever delivered twice.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import suppress
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, suppress
+from dataclasses import dataclass, replace
 
 import anyio
 from anyio.abc import TaskGroup
 
+from fleetroll.batch import BatchCounts as PoolCounts
 from fleetroll.batch_pool import BatchPool, RunningBatch
-from fleetroll.errors import PoolFullError, TaskFileError
+from fleetroll.errors import ConfigError, PoolFullError, TaskFileError
+from fleetroll.journal import Journal
+from fleetroll.phases import Phase, RolloutView
 from fleetroll.policies import Policy
-from fleetroll.pool import RolloutPool, rollout_id
+from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.progress import RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout_events import EventPage, ended_page
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import Metrics
@@ -50,12 +65,14 @@ from fleetroll.service.requests import (
     parse_records,
     task_path,
 )
+from fleetroll.service.state import BatchStore, StoredBatch, StoredRequest, rerun_starts
 from fleetroll.service.training import GroupLog
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskLimits, TaskSpec, load_task_paths
 
 __all__ = ["BatchRecord", "BatchRegistry", "build_policy", "parse_one", "parse_records"]
 
+_log = logging.getLogger(__name__)
 #: A results chunk holds at most this many lines (fewer, larger writes).
 _LINES_PER_CHUNK = 64
 #: Closing a batch's policy (an HTTP client) after the batch: bounded, shielded.
@@ -83,6 +100,89 @@ class _Plan:
             for sample in range(self.samples_per_task + self.oversample)
         }
 
+    def stored(self, batch_id: str, fingerprint: str) -> StoredRequest:
+        """The plan as it is kept on disk (its policy without the api_key)."""
+        policy = self.policy.model_copy(update={"api_key": None}) if self.policy else None
+        return StoredRequest(
+            batch_id=batch_id,
+            fingerprint=fingerprint,
+            tasks=list(self.tasks),
+            policy=policy,
+            samples_per_task=self.samples_per_task,
+            deadline_s=self.deadline_s,
+            oversample=self.oversample,
+        )
+
+    @classmethod
+    def of(cls, request: StoredRequest) -> _Plan:
+        return cls(
+            request.tasks,
+            request.policy,
+            request.samples_per_task,
+            request.deadline_s,
+            request.oversample,
+        )
+
+
+class _Stored:
+    """The :class:`RunningBatch` of a batch read back from disk: nothing runs, results only."""
+
+    def __init__(self, batch_id: str, plan: _Plan, newest: Callable[[str], RolloutResult | None]):
+        self._batch_id = batch_id
+        self._rollouts = {
+            rollout_id(batch_id, task.key, n): (task.key, n)
+            for task in plan.tasks
+            for n in range(plan.samples_per_task + plan.oversample)
+        }
+        self._newest = newest
+        self._finished = anyio.Event()
+        self._finished.set()
+
+    @property
+    def batch_id(self) -> str:
+        return self._batch_id
+
+    @property
+    def total(self) -> int:
+        return len(self._rollouts)
+
+    @property
+    def finished(self) -> anyio.Event:
+        return self._finished
+
+    def counts(self) -> PoolCounts:
+        return PoolCounts(self.total, 0, 0, 0, 0, 0)
+
+    async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
+        key, sample = self._rollouts[rollout_id]
+        ids = RolloutIds(self._batch_id, rollout_id, sample, group_id(self._batch_id, key))
+        result = self._newest(rollout_id)
+        if result is None:
+            return RolloutView(ids, key, Phase.PENDING, 0, (), None)
+        transcript = tuple(result.transcript) if messages else ()
+        return RolloutView(ids, key, Phase.DONE, result.steps, transcript, result)
+
+    async def events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
+        self._rollouts[rollout_id]  # KeyError: not this batch's
+        result = self._newest(rollout_id)
+        if result is None:
+            return EventPage((), missed=0, ended=True)
+        return ended_page(after, result)
+
+    def cancel(self) -> None:
+        pass  # nothing runs
+
+    async def aclose(self) -> None:
+        pass
+
+    def __aiter__(self) -> AsyncIterator[RolloutResult]:
+        return _no_results()
+
+
+async def _no_results() -> AsyncIterator[RolloutResult]:
+    return
+    yield  # an async generator that yields nothing
+
 
 class BatchRecord:
     """One batch and its results so far, in arrival order.
@@ -97,8 +197,12 @@ class BatchRecord:
         self.plan = plan
         self.total = batch.total
         self.results: list[RolloutResult] = []
-        self.done = False  # every result is in
+        self.done = False  # every result is in (or, once interrupted, will not come)
         self.cancel_requested = False
+        #: The service is stopping: the ``cancelled`` results of its rollouts are not kept.
+        self.interrupting = False
+        #: Set once its request is on disk (at once without a store).
+        self.saved = anyio.Event()
         self._latest: dict[str, int] = {}  # rollout id → index of its newest result
         self._superseded: set[int] = set()
         self._pending: set[str] = set()  # re-run rollouts whose new result is not in yet
@@ -118,8 +222,40 @@ class BatchRecord:
     def status(self) -> BatchStatus:
         if not self.done:
             return "running"
+        if self.interrupted:
+            return "interrupted"
         cancelled = self.cancel_requested or bool(self.cancelled_ids())
         return "cancelled" if cancelled else "finished"
+
+    @property
+    def interrupted(self) -> bool:
+        """Over without a result for every rollout: the service stopped while it ran."""
+        return self.done and self.results_in() < self.total
+
+    @classmethod
+    def restored(cls, stored: StoredBatch) -> BatchRecord:
+        """A batch read back from disk: its results in their stored order (the same cursors),
+        re-runs replayed where they began, every result in."""
+        request = stored.request
+        plan = _Plan.of(request)
+        stand_in = _Stored(request.batch_id, plan, lambda rid: None)
+        record = cls(stand_in, request.fingerprint, plan)
+        stand_in._newest = record.newest_of
+        starts = dict(rerun_starts(stored.results, plan.rollout_ids(request.batch_id)))
+        for i, result in enumerate(stored.results):
+            if i in starts:
+                record.rerun(record.batch, set(starts[i]))
+            record.append(result)
+        record.saved.set()
+        record.finish()
+        return record
+
+    def newest_of(self, rollout_id: str) -> RolloutResult | None:
+        """The newest result of a rollout (None: none yet, or it runs again)."""
+        index = self._latest.get(rollout_id)
+        if index is None or index in self._superseded:
+            return None
+        return self.results[index]
 
     def newest(self) -> list[RolloutResult]:
         """The newest result of each rollout, in arrival order."""
@@ -156,6 +292,10 @@ class BatchRecord:
             ),
             results=len(self.results),
         )
+
+    def append_all(self, results: Iterable[RolloutResult]) -> None:
+        for result in results:
+            self.append(result)
 
     def append(self, result: RolloutResult) -> None:
         self.results.append(result)
@@ -196,10 +336,21 @@ class BatchRecord:
         self._changed.set()
         self._changed = anyio.Event()
 
+    def last_line(self, cursor: int) -> bytes:
+        """A stream's last line once the batch is over: ``end``, or ``interrupted``
+        when rollouts have no result (the batch runs them when resubmitted)."""
+        last: dict[str, object]
+        if self.interrupted:
+            missing = self.total - self.results_in()
+            last = {"type": "interrupted", "cursor": cursor, "missing": missing}
+        else:
+            last = {"type": "end", "cursor": cursor, "status": self.status}
+        return (json.dumps(last, separators=(",", ":")) + "\n").encode()
+
     async def lines(
         self, after: int, *, heartbeat_s: float, stopping: Callable[[], bool]
     ) -> AsyncIterator[bytes]:
-        """NDJSON chunks: the results after cursor ``after``, then an end line.
+        """NDJSON chunks: the results after cursor ``after``, then an end (or interrupted) line.
 
         Heartbeat lines go out while nothing happens for ``heartbeat_s``.
         ``stopping()`` true (the server is shutting down) ends the stream
@@ -219,8 +370,7 @@ class BatchRecord:
                 if chunk:
                     yield "".join(chunk).encode()
             if self.done:
-                end = {"type": "end", "cursor": cursor, "status": self.status}
-                yield (json.dumps(end, separators=(",", ":")) + "\n").encode()
+                yield self.last_line(cursor)
                 return
             if stopping():
                 return
@@ -232,7 +382,11 @@ class BatchRecord:
 
 
 class BatchRegistry:
-    """The service's batches, by id, run on ``pool``. Needs a task group (``tg``) before use."""
+    """The service's batches, by id, run on ``pool``. Needs a task group (``tg``) before use.
+
+    With a ``store``, its batches are read back (those it restored) and every
+    new one and its results are kept there.
+    """
 
     def __init__(
         self,
@@ -241,6 +395,7 @@ class BatchRegistry:
         metrics: Metrics,
         *,
         preflight_pool: RolloutPool,
+        store: BatchStore | None = None,
     ) -> None:
         self._pool = pool
         #: Checks new batches first, with the pool of this process (``pool`` may be Ray's).
@@ -257,6 +412,18 @@ class BatchRegistry:
         self.stopping = False
         #: Called with each record forgotten to make room (see ``keep_finished_batches``).
         self.on_forget: list[Callable[[BatchRecord], None]] = []
+        self._store = store
+        #: Batch ids whose files are being removed: a new batch of the id waits for it.
+        self._removing: dict[str, anyio.Event] = {}
+        #: Batches read back from the store at start-up.
+        self.restored = 0
+        if store is not None:
+            restored, store.restored = store.restored, []  # the records hold them now
+            for stored in restored:
+                record = BatchRecord.restored(stored)
+                self._records[record.batch_id] = record
+                self._finished.append(record.batch_id)  # oldest first: forgotten first
+            self.restored = len(restored)
 
     def __iter__(self) -> Iterator[BatchRecord]:
         return iter(list(self._records.values()))
@@ -350,7 +517,9 @@ class BatchRegistry:
                     f"batch {batch_id!r} already exists with different tasks, samples, policy"
                     " or deadline; resubmit the same request, or use another batch_id",
                 )
-            return existing, False, await self._rerun_cancelled(existing)
+            await existing.saved.wait()
+            # Its own policy: the same but for the api_key, which is never stored.
+            return existing, False, await self._rerun_cancelled(existing, policy_config)
         if oversample and not isinstance(self._pool, RolloutPool):
             raise ApiError(
                 422,
@@ -362,10 +531,11 @@ class BatchRegistry:
         record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
         self._consume_soon(record, policy)
+        await record.saved.wait()  # accepted once it would survive a restart
         return record, True, 0
 
-    async def _rerun_cancelled(self, record: BatchRecord) -> int:
-        """Run again the rollouts of ``record`` whose newest result is cancelled.
+    async def _rerun_cancelled(self, record: BatchRecord, policy: PolicyConfig | None) -> int:
+        """Run again the rollouts of ``record`` without a result or whose newest is cancelled.
 
         A cancel still settling (a resubmission right after a ``DELETE``) is
         waited for first, within the time a release takes.
@@ -385,16 +555,18 @@ class BatchRegistry:
                 )
         if not record.done:
             return 0  # running (or re-running already): this request is the same batch
-        cancelled = record.cancelled_ids()
-        if not cancelled:
+        keep = {r.rollout_id for r in record.newest()} - record.cancelled_ids()
+        again = record.plan.rollout_ids(record.batch_id) - keep
+        if not again:
             return 0
-        kept = [r for r in record.newest() if r.rollout_id not in cancelled]
-        keep = {r.rollout_id for r in kept}
-        batch, policy = self._run(record.plan, record.batch_id, skip=keep, previous=kept)
+        kept = [r for r in record.newest() if r.rollout_id in keep]
+        batch, running = self._run(
+            replace(record.plan, policy=policy), record.batch_id, skip=keep, previous=kept
+        )
         with suppress(ValueError):
             self._finished.remove(record.batch_id)
-        record.rerun(batch, record.plan.rollout_ids(record.batch_id) - keep)
-        self._consume_soon(record, policy)
+        record.rerun(batch, again)
+        self._consume_soon(record, running)
         return batch.total
 
     def _run(
@@ -465,9 +637,15 @@ class BatchRegistry:
             record.notify()
 
     async def cancel_all(self, wait_s: float) -> None:
-        """Cancel every running batch and wait (at most ``wait_s``) for their last results."""
+        """Cancel every running batch and wait (at most ``wait_s``) for their last results.
+
+        For the service's shutdown: the ``cancelled`` results of batches nobody
+        asked to cancel are not kept, so those rollouts run when the batch is
+        resubmitted (after a restart) and no rollout is delivered twice.
+        """
         running = [r for r in self._records.values() if not r.done]
         for record in running:
+            record.interrupting = not record.cancel_requested
             record.cancel_requested = True
             record.batch.cancel()
         with anyio.move_on_after(wait_s):
@@ -476,13 +654,58 @@ class BatchRegistry:
 
     async def _consume(self, record: BatchRecord, batch: RunningBatch, policy: Policy) -> None:
         try:
-            async for result in batch:
-                record.append(result)
-                self._metrics.observe(result)
+            async with self._journal(record) as keep:
+                async for result in batch:
+                    self._metrics.observe(result)
+                    if record.interrupting and result.failure_reason is FailureReason.CANCELLED:
+                        continue  # cut short by the shutdown: it runs on a resubmission
+                    keep(result)
             record.finish()
             self._retire(record)
         finally:
             await _close_policy(policy)
+
+    @asynccontextmanager
+    async def _journal(self, record: BatchRecord) -> AsyncIterator[Callable[[RolloutResult], None]]:
+        """What to call with each of ``record``'s results: it puts them in the record,
+        through the batch's journal when there is a store (a new batch's request is
+        written first). Leaving the block waits until every result given is in.
+
+        A store that fails is logged; the batch then goes on in memory only.
+        """
+        store = self._store
+        if store is None:
+            record.saved.set()
+            yield record.append
+            return
+        assert self.tg is not None
+        journal: Journal | None = None
+        try:
+            async with AsyncExitStack() as stack:
+                try:
+                    if not record.saved.is_set():
+                        removing = self._removing.get(record.batch_id)
+                        if removing is not None:  # an older batch of this id is being forgotten
+                            await removing.wait()
+                        request = record.plan.stored(record.batch_id, record.fingerprint)
+                        await anyio.to_thread.run_sync(store.save_request, request)
+                    path = store.journal_path(record.batch_id)
+                    journal = Journal(path, self.tg, on_written=record.append_all)
+                    await stack.enter_async_context(journal)
+                except (OSError, ConfigError) as exc:
+                    _log.error("service.state_dir: cannot keep batch %s: %s", record.batch_id, exc)
+                    journal = None
+                record.saved.set()
+                yield record.append if journal is None else journal.append
+        except OSError as exc:
+            if journal is None or journal.error is None:
+                raise  # not the journal's
+            _log.error(
+                "service.state_dir: writing the results of batch %s failed (%s); they are"
+                " kept in memory only and will not survive a restart",
+                record.batch_id,
+                exc,
+            )
 
     def _retire(self, record: BatchRecord) -> None:
         self._finished.append(record.batch_id)
@@ -493,6 +716,22 @@ class BatchRegistry:
             self._pool.forget(old.batch_id)  # its pool lets go of the transcripts too
             for forget in self.on_forget:
                 forget(old)
+            if self._store is not None:
+                assert self.tg is not None
+                removed = self._removing[old.batch_id] = anyio.Event()
+                self.tg.start_soon(self._remove, old.batch_id, removed)
+
+    async def _remove(self, batch_id: str, removed: anyio.Event) -> None:
+        assert self._store is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._store.remove, batch_id)
+        except OSError as exc:
+            _log.warning("service.state_dir: cannot remove batch %s's files: %s", batch_id, exc)
+        finally:
+            if self._removing.get(batch_id) is removed:
+                del self._removing[batch_id]
+            removed.set()
 
     async def _resolve_tasks(self, request: BatchRequest) -> list[TaskSpec]:
         """The request's tasks, read and checked in a worker thread, limits first.

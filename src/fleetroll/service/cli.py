@@ -101,16 +101,19 @@ async def _serve(
     from fleetroll.runner import open_fleet
     from fleetroll.service.app import Service, create_app
     from fleetroll.service.server import serve_app
+    from fleetroll.service.state import open_store
     from fleetroll.telemetry import open_telemetry
 
     async with AsyncExitStack() as stack:
+        # First: a folder another service holds is refused before anything starts.
+        store = await stack.enter_async_context(open_store(settings.service.state_dir))
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
         # Sessions here; batches and MCP rollouts here or on Ray, under one admission.
         pool, batch_pool, backend = await open_service_pools(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
-        service = Service(pool, settings, batch_pool=batch_pool)
+        service = Service(pool, settings, batch_pool=batch_pool, store=store)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)
         )
@@ -121,6 +124,8 @@ async def _serve(
         else:
             click.echo(f"  token: in {token_file} ({made}; readable by you only)", err=True)
         click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
+        restored = service.batches.restored
+        click.echo(f"  batches kept in {store.root} ({restored} read back)", err=True)
         token = "FLEETROLL_SERVICE_TOKEN" if token_file is None else f"the token in {token_file}"
         click.echo(f"  dashboard: {url}/dashboard/login?token=<{token}>", err=True)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

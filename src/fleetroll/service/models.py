@@ -42,7 +42,9 @@ __all__ = [
 #: Batch ids travel in URLs and become part of rollout ids.
 BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 
-BatchStatus = Literal["running", "finished", "cancelled"]
+#: ``interrupted``: the service stopped while the batch ran (a restart); some
+#: rollouts have no result, and resubmitting the batch runs exactly those.
+BatchStatus = Literal["running", "finished", "cancelled", "interrupted"]
 
 #: A task in the short form, as the OpenAPI document shows it.
 EXAMPLE_TASK: dict[str, Any] = {
@@ -199,7 +201,8 @@ class BatchCounts(BaseModel):
 class BatchState(BaseModel):
     batch_id: str
     status: BatchStatus = Field(
-        description="running until every result is in; then finished, or cancelled if it was"
+        description="running until every result is in; then finished, or cancelled if it was;"
+        " interrupted: the service stopped while it ran (resubmit it to run the rest)"
     )
     cancel_requested: bool
     counts: BatchCounts
@@ -215,12 +218,16 @@ class StreamLine(BaseModel):
     * ``{"type": "end", "cursor": n, "status": ...}``: the last line; the batch
       is over and all ``n`` results were sent. A stream that stops without it
       was cut: reconnect with ``?after=`` the last cursor seen.
+    * ``{"type": "interrupted", "cursor": n, "missing": k}``: the last line of a
+      batch the service stopped while it ran (a restart): ``k`` rollouts have
+      no result. Resubmit the same request, then reconnect with ``?after=n``.
     """
 
-    type: Literal["result", "heartbeat", "end"]
+    type: Literal["result", "heartbeat", "end", "interrupted"]
     cursor: int = Field(ge=0)
     result: RolloutResult | None = None
     status: BatchStatus | None = None
+    missing: int | None = None
 
 
 class GroupStreamLine(BaseModel):
@@ -228,14 +235,16 @@ class GroupStreamLine(BaseModel):
 
     * ``{"type": "group", "cursor": n, "group": {...}}``: the n-th complete
       group (1-based, in completion order). Reconnect with ``?after=n``.
-    * ``{"type": "heartbeat", "cursor": n}`` and ``{"type": "end", "cursor": n,
-      "status": ...}``: as on the results stream.
+    * ``{"type": "heartbeat", "cursor": n}``, ``{"type": "end", "cursor": n,
+      "status": ...}`` and ``{"type": "interrupted", "cursor": n, "missing": k}``:
+      as on the results stream.
     """
 
-    type: Literal["group", "heartbeat", "end"]
+    type: Literal["group", "heartbeat", "end", "interrupted"]
     cursor: int = Field(ge=0)
     group: Group | None = None
     status: BatchStatus | None = None
+    missing: int | None = None
 
 
 class EventStreamLine(BaseModel):

@@ -199,7 +199,10 @@ def _paths() -> dict[str, Any]:
                     " result with `cursor` n; `heartbeat` lines keep an idle stream alive;"
                     " an `end` line closes a complete stream. A stream that stops without"
                     " an `end` line was cut: reconnect with `?after=<last cursor>` to get"
-                    " the rest, nothing lost and nothing twice."
+                    " the rest, nothing lost and nothing twice. An `interrupted` line"
+                    " closes the stream of a batch the service stopped while it ran (a"
+                    " restart): resubmit the same request to run its rollouts without a"
+                    " result, then reconnect with `?after=`."
                 ),
                 "operationId": "streamResults",
                 "parameters": [
@@ -228,8 +231,9 @@ def _paths() -> dict[str, Any]:
                 "description": (
                     "One JSON object per line (GroupStreamLine): `group` lines carry the n-th"
                     " complete group (all samples of one task: rewards, mean, std, uniform)"
-                    " with `cursor` n, in completion order; `heartbeat` and `end` lines as on"
-                    " the results stream. Reconnect with `?after=<last cursor>`."
+                    " with `cursor` n, in completion order; `heartbeat`, `end` and"
+                    " `interrupted` lines as on the results stream. Reconnect with"
+                    " `?after=<last cursor>`."
                 ),
                 "operationId": "streamGroups",
                 "parameters": [_AFTER],

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +23,6 @@ from fleetroll.groups import Group, GroupTracker
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.service.errors import ApiError
-from fleetroll.service.models import BatchStatus
 from fleetroll.tasks import TaskSpec
 
 __all__ = ["GroupLog", "PauseLeases"]
@@ -37,9 +35,8 @@ class _Record(Protocol):
 
     @property
     def done(self) -> bool: ...
-    @property
-    def status(self) -> BatchStatus: ...
     def changed(self) -> anyio.Event: ...
+    def last_line(self, cursor: int) -> bytes: ...
 
 
 class GroupLog:
@@ -113,8 +110,7 @@ class GroupLog:
                 if chunk:
                     yield "".join(chunk).encode()
             if record.done:
-                end = {"type": "end", "cursor": cursor, "status": record.status}
-                yield (json.dumps(end, separators=(",", ":")) + "\n").encode()
+                yield record.last_line(cursor)
                 return
             if stopping():
                 return

@@ -29,8 +29,7 @@ def listing(extra: int) -> dict[str, Any]:
         {"name": "score", "description": "The verifier: 1.", "inputSchema": schema},
     ]
     tools += [
-        {"name": f"tool_{i}", "description": "x" * 200, "inputSchema": schema}
-        for i in range(extra)
+        {"name": f"tool_{i}", "description": "x" * 200, "inputSchema": schema} for i in range(extra)
     ]
     return {"tools": tools}
 

@@ -166,10 +166,10 @@ async def stop_process(process: Process, *, grace_s: float, wait_s: float) -> No
         _signal_group(process.pid, signal.SIGKILL)
         with anyio.move_on_after(wait_s):
             await process.wait()
-        for stream in (process.stdin, process.stdout, process.stderr):
-            if stream is not None:
-                with suppress(Exception):
-                    await stream.aclose()
+        # The process's own aclose closes the pipes' transports too: a pipe whose
+        # reading was paused (a server wrote more than was read) stays open else.
+        with anyio.move_on_after(wait_s), suppress(Exception):
+            await process.aclose()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

@@ -17,8 +17,15 @@ from mcp.shared.message import SessionMessage
 from mcp_types import JSONRPCError, JSONRPCRequest, JSONRPCResponse
 
 from big_answer_server import answer
+from fleetroll.engine import RolloutEngine
 from fleetroll.errors import ToolCallFailed, ToolsError
 from fleetroll.mcp_process import LineReader
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.rollout import RolloutIds
+from fleetroll.settings import load_settings
+from fleetroll.tasks import SolutionStep, TaskSpec
+from fleetroll.telemetry.events import Events
+from fleetroll.testing.fake_provider import FakeProvider
 from fleetroll.tools import ANSWER_TOO_LARGE, AnswerLimits, BoundedAnswers, ToolSession
 
 LIMITS = AnswerLimits(answer_bytes=64 * 1024, listing_bytes=16 * 1024)
@@ -211,3 +218,26 @@ def test_a_stdio_line_over_its_cap_answering_nothing_of_ours_is_an_exception() -
 
     assert len(out) == 1 and isinstance(out[0], ValueError)
     assert "pool.max_tool_answer_bytes" in str(out[0])
+
+
+# -- what a finished rollout keeps ------------------------------------------------------
+
+
+async def test_a_finished_rollout_lets_go_of_its_tool_listing_and_session() -> None:
+    settings = load_settings()
+    task = TaskSpec(
+        key="note-done",
+        prompt="Write done.",
+        env_key="fake",
+        verifier_func="def verify(env):\n    return 1.0\n",
+        solution=(SolutionStep(name="note", arguments={"word": "done"}),),
+    )
+    async with RolloutEngine.open(settings, Events([]), FakeProvider(settings)) as engine:
+        rollout = engine.rollout(task, RolloutIds("b", "r"))
+        seen: list[int] = []
+        rollout.observers.append(lambda r: seen.append(len(r.tools)))
+        with anyio.fail_after(10):
+            result = await rollout.run(ScriptedPolicy())
+
+    assert result.reward == 1.0 and max(seen) > 0  # it had tools while it acted
+    assert rollout.tools == [] and rollout.session is None

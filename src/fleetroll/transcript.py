@@ -17,21 +17,42 @@ transcript's age; an elided message is a new message, encoded once again.
 
 :meth:`Transcript.export` is what goes into a result: every string that came
 from outside redacted, screenshots replaced by ``[image: N KB]`` unless kept.
+Redacting a large text takes seconds (16 MiB: 4 to 8 s), so
+:meth:`Transcript.redact_ahead` redacts each large message once, as it is
+added, in a worker thread and in pieces (:func:`redact_in_pieces`, so that the
+event loop gets the GIL between them); export reuses it.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import anyio
+
 from fleetroll.policies import AssistantTurn, ToolCall
 from fleetroll.tools import ToolResult
 
-__all__ = ["Messages", "Transcript", "assistant_message"]
+__all__ = ["LARGE_TEXT", "Messages", "Transcript", "assistant_message", "redact_in_pieces"]
 
 Message = dict[str, Any]
+
+#: A message holding a string longer than this is redacted ahead, off the loop.
+LARGE_TEXT = 64 * 1024
+#: About how long each piece :func:`redact_in_pieces` redacts at once is.
+_PIECE = 256 * 1024
+#: Where a text may be cut without cutting any match of the redactor's patterns
+#: (fleetroll.telemetry.events.Redactor): a newline after punctuation (their
+#: only newline-spanning parts are whitespace runs after a keyword, a quote, a
+#: backslash, ``:`` or ``=``), or between ``",`` where the quote follows none of
+#: whitespace, ``:``, ``=``, ``\`` (so it ends no credential's prefix, and no
+#: value holds a quote). Group 1 ends where the cut is.
+_CUT = re.compile(r'([.,;!?)\]}>])\n|([^\s:=\\]")(?=,)')
+
+Redact = Callable[[str], str]
 
 #: A rough count of characters per token, to estimate the size of what was
 #: added to a prompt since the server last counted it (``max_context_tokens``).
@@ -70,6 +91,9 @@ class Transcript:
     def __init__(self, max_images: int | None = None) -> None:
         self.messages: Messages = Messages()
         self.max_images = max_images
+        #: Large messages redacted ahead, by index: (the message, the redactor, the result).
+        self._clean: dict[int, tuple[Message, Redact, Message]] = {}
+        self._ahead = 0  # messages before this index were looked at by redact_ahead
         #: Messages whose images are still sent, oldest first, with their count.
         self._with_images: deque[tuple[int, int]] = deque()
         self._images = 0
@@ -139,9 +163,27 @@ class Transcript:
         """Characters of text (not images) in the messages after the first ``start``."""
         return sum(_text_chars(message) for message in self.messages[start:])
 
-    def export(self, redact: Callable[[str], str], *, keep_images: bool) -> list[Message]:
+    async def redact_ahead(self, redact: Redact) -> None:
+        """Redact the large messages added since the last call, in a worker thread,
+        for :meth:`export` to reuse (a redaction of MBs on the loop would stall it)."""
+        while self._ahead < len(self.messages):
+            index, message = self._ahead, self.messages[self._ahead]
+            self._ahead += 1
+            if _largest_text(message) > LARGE_TEXT:
+                clean = await anyio.to_thread.run_sync(_redacted, message, redact)
+                self._clean[index] = (message, redact, clean)
+
+    def export(self, redact: Redact, *, keep_images: bool) -> list[Message]:
         """The messages for a result: redacted, images elided unless ``keep_images``."""
-        return [_redacted(m if keep_images else _without_images(m), redact) for m in self.messages]
+        out = []
+        for index, message in enumerate(self.messages):
+            ahead = self._clean.get(index)
+            if ahead is not None and ahead[0] is message and ahead[1] is redact:
+                clean = ahead[2]  # redaction leaves images alone: elided after, the same
+            else:
+                clean = _redacted(message, redact)
+            out.append(clean if keep_images else _without_images(clean))
+        return out
 
 
 def assistant_message(turn: AssistantTurn) -> Message:
@@ -185,12 +227,50 @@ def _text_chars(message: Message) -> int:
     return chars
 
 
-def _redacted(message: Message, redact: Callable[[str], str]) -> Message:
+def redact_in_pieces(text: str, redact: Redact) -> str:
+    """``redact(text)``, done on pieces of about 256 KiB cut where no credential can
+    span the cut (the same result): a thread running it lets the loop have the GIL
+    between pieces, which one regex over MBs would hold for seconds."""
+    if len(text) <= _PIECE:
+        return redact(text)
+    pieces = []
+    start = 0
+    while len(text) - start > _PIECE:
+        cut = _CUT.search(text, start + _PIECE)
+        if cut is None:
+            break
+        end = cut.end(1) if cut.group(1) else cut.end(2)
+        pieces.append(redact(text[start:end]))
+        start = end
+    pieces.append(redact(text[start:]))
+    return "".join(pieces)
+
+
+def _largest_text(message: Message) -> int:
+    """The length of the longest string in ``message`` (its content, or a part's text)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return max(
+            (
+                len(p["text"])
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ),
+            default=0,
+        )
+    return 0
+
+
+def _redacted(message: Message, redact: Redact) -> Message:
     """``message`` with every string in it redacted, images (data URLs) left alone."""
 
     def clean(value: Any) -> Any:
         if isinstance(value, str):
-            return value if value.startswith("data:") else redact(value)
+            if value.startswith("data:"):
+                return value
+            return redact(value) if len(value) <= _PIECE else redact_in_pieces(value, redact)
         if isinstance(value, dict):
             return {k: clean(v) for k, v in value.items()}
         if isinstance(value, list | tuple):

@@ -1,6 +1,7 @@
 """A 200 MB tool answer, from a real MCP server, against real fleetroll processes:
 ``fleetroll serve`` (HTTP) keeps its memory, and a stdio server's answer is cut
-at its cap; either way the rollout is a ``tool_failure`` and the batch goes on."""
+at its cap; either way the rollout is a ``tool_failure`` and the batch goes on.
+A chat answer that never ends is cut at its cap over real HTTP."""
 
 from __future__ import annotations
 
@@ -20,11 +21,12 @@ import pytest
 from anyio.abc import Process
 from anyio.streams.text import TextReceiveStream
 
-from fleetroll.policies import ScriptedPolicy
+from fleetroll.errors import PolicyError
+from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
 from fleetroll.pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import load_settings
-from fleetroll.tasks import parse_task
+from fleetroll.tasks import TaskSpec, parse_task
 
 pytestmark = pytest.mark.slow
 
@@ -155,3 +157,45 @@ async def test_a_stdio_server_s_answer_over_its_cap_is_a_tool_failure_and_the_ba
     assert big.failure_reason is FailureReason.TOOL_FAILURE and big.reward is None
     assert big.error is not None and "pool.max_tool_answer_bytes (1048576 bytes)" in big.error
     assert small.failure_reason is None and small.reward == 1.0
+
+
+async def test_a_chat_answer_that_never_ends_is_cut_at_its_cap_over_real_http() -> None:
+    from aiohttp import web
+
+    sent = 0
+    closed = anyio.Event()
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        nonlocal sent
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        try:
+            while True:
+                await response.write(b" " * 65536)
+                sent += 65536
+        except (ConnectionError, RuntimeError):
+            closed.set()  # the client closed the connection
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", endless)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        policy = OpenAIChatPolicy(
+            base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_s=30, max_answer_bytes=MB
+        )
+        async with policy:
+            with anyio.fail_after(60), pytest.raises(PolicyError) as failed:
+                await policy.act(TaskSpec(key="t", prompt="p", env_key="e"), [], [])
+            with anyio.fail_after(30):
+                await closed.wait()
+    finally:
+        await runner.cleanup()
+
+    assert "policy.max_answer_bytes (1048576 bytes)" in str(failed.value)
+    assert not failed.value.transient
+    assert sent < 64 * MB  # socket buffers aside, nothing was read past the cap

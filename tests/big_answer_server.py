@@ -34,6 +34,11 @@ def listing(extra: int) -> dict[str, Any]:
     return {"tools": tools}
 
 
+#: What the big answer repeats (``--filler``: e.g. credential-like words, which
+#: make redaction slow).
+FILLER = [b"x"]
+
+
 def answer(message: dict[str, Any], size: int, extra: int) -> Iterator[bytes] | None:
     """The answer's bytes (no newline), or None for a notification."""
     method, rid = message.get("method"), message.get("id")
@@ -47,7 +52,7 @@ def answer(message: dict[str, Any], size: int, extra: int) -> Iterator[bytes] | 
             yield head + text_head
             left = size
             while left > 0:
-                yield b"x" * min(PIECE, left)
+                yield (FILLER[0] * (PIECE // len(FILLER[0]) + 1))[: min(PIECE, left)]
                 left -= PIECE
             yield b'"}]}}'
 
@@ -132,5 +137,7 @@ if __name__ == "__main__":
     parser.add_argument("mode", choices=["stdio", "http"])
     parser.add_argument("--size", type=int, default=200 * 1024 * 1024)
     parser.add_argument("--tools", type=int, default=0)
+    parser.add_argument("--filler", default="x")
     args = parser.parse_args()
+    FILLER[0] = args.filler.encode()
     (stdio if args.mode == "stdio" else http)(args.size, args.tools)

@@ -19,14 +19,14 @@ transcript's age; an elided message is a new message, encoded once again.
 from outside redacted, screenshots replaced by ``[image: N KB]`` unless kept.
 Redacting a large text takes seconds (16 MiB: 4 to 8 s), so
 :meth:`Transcript.redact_ahead` redacts each large message once, as it is
-added, in a worker thread and in pieces (:func:`redact_in_pieces`, so that the
-event loop gets the GIL between them); export reuses it.
+added, in a worker thread and in pieces (:meth:`Redactor.in_pieces
+<fleetroll.telemetry.events.Redactor.in_pieces>`, so that the event loop gets
+the GIL between them); export reuses it.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -34,24 +34,15 @@ from typing import Any
 import anyio
 
 from fleetroll.policies import AssistantTurn, ToolCall
+from fleetroll.telemetry.events import Redactor
 from fleetroll.tools import ToolResult
 
-__all__ = ["LARGE_TEXT", "Messages", "Transcript", "assistant_message", "redact_in_pieces"]
+__all__ = ["LARGE_TEXT", "Messages", "Transcript", "assistant_message"]
 
 Message = dict[str, Any]
 
 #: A message holding a string longer than this is redacted ahead, off the loop.
 LARGE_TEXT = 64 * 1024
-#: About how long each piece :func:`redact_in_pieces` redacts at once is.
-_PIECE = 256 * 1024
-#: Where a text may be cut without cutting any match of the redactor's patterns
-#: (fleetroll.telemetry.events.Redactor): a newline after punctuation (their
-#: only newline-spanning parts are whitespace runs after a keyword, a quote, a
-#: backslash, ``:`` or ``=``), or between ``",`` where the quote follows none of
-#: whitespace, ``:``, ``=``, ``\`` (so it ends no credential's prefix, and no
-#: value holds a quote). Group 1 ends where the cut is.
-_CUT = re.compile(r'([.,;!?)\]}>])\n|([^\s:=\\]")(?=,)')
-
 Redact = Callable[[str], str]
 
 #: A rough count of characters per token, to estimate the size of what was
@@ -227,25 +218,6 @@ def _text_chars(message: Message) -> int:
     return chars
 
 
-def redact_in_pieces(text: str, redact: Redact) -> str:
-    """``redact(text)``, done on pieces of about 256 KiB cut where no credential can
-    span the cut (the same result): a thread running it lets the loop have the GIL
-    between pieces, which one regex over MBs would hold for seconds."""
-    if len(text) <= _PIECE:
-        return redact(text)
-    pieces = []
-    start = 0
-    while len(text) - start > _PIECE:
-        cut = _CUT.search(text, start + _PIECE)
-        if cut is None:
-            break
-        end = cut.end(1) if cut.group(1) else cut.end(2)
-        pieces.append(redact(text[start:end]))
-        start = end
-    pieces.append(redact(text[start:]))
-    return "".join(pieces)
-
-
 def _largest_text(message: Message) -> int:
     """The length of the longest string in ``message`` (its content, or a part's text)."""
     content = message.get("content")
@@ -270,7 +242,9 @@ def _redacted(message: Message, redact: Redact) -> Message:
         if isinstance(value, str):
             if value.startswith("data:"):
                 return value
-            return redact(value) if len(value) <= _PIECE else redact_in_pieces(value, redact)
+            if len(value) > LARGE_TEXT and isinstance(redact, Redactor):
+                return redact.in_pieces(value)
+            return redact(value)
         if isinstance(value, dict):
             return {k: clean(v) for k, v in value.items()}
         if isinstance(value, list | tuple):

@@ -373,3 +373,115 @@ async def test_a_batch_over_http_asks_for_token_data_as_the_server_or_the_reques
     finally:
         await by_server.aclose()
         await by_request.aclose()
+
+
+# -- training data that cannot be trained on ----------------------------------------------
+
+
+def vllm_answer(*, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    """VLLM_ANSWER with these completion token ids and logprobs (no alternatives)."""
+    choice = {
+        **VLLM_ANSWER["choices"][0],
+        "token_ids": token_ids,
+        "logprobs": {"content": [{"token": "t", "logprob": lp} for lp in logprobs]},
+    }
+    return {**VLLM_ANSWER, "choices": [choice]}
+
+
+def raw(answer: dict[str, Any]) -> httpx.Response:
+    """``answer`` as JSON, with NaN and Infinity as Python writes them (vLLM has sent them)."""
+    return httpx.Response(200, content=json.dumps(answer).encode())
+
+
+@pytest.mark.parametrize(
+    ("answer", "why", "logprobs"),
+    [
+        (
+            vllm_answer(token_ids=[1, 2, 3], logprobs=[-0.1, float("nan"), -0.2]),
+            "non-finite logprobs: nan (dropped)",
+            None,
+        ),
+        (
+            vllm_answer(token_ids=[1, 2, 3], logprobs=[-0.1, float("-inf"), -0.2]),
+            "non-finite logprobs: -inf (dropped)",
+            None,
+        ),
+        (
+            vllm_answer(token_ids=[1, 2, 3], logprobs=[-0.1, -0.2]),
+            "logprobs and completion_token_ids of different lengths: 2 and 3",
+            (-0.1, -0.2),
+        ),
+        (
+            vllm_answer(token_ids=[1, -5, 3], logprobs=[-0.1, -0.2, -0.3]),
+            "negative completion_token_ids: -5 is no token id",
+            (-0.1, -0.2, -0.3),
+        ),
+    ],
+)
+async def test_a_turn_with_unusable_training_data_is_flagged_with_one_warning_saying_why(
+    answer: dict[str, Any],
+    why: str,
+    logprobs: tuple[float, ...] | None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    policy, _ = mock_policy(lambda body: raw(answer), return_token_ids=True, logprobs=True)
+    with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
+        turns = [await act(policy) for _ in range(3)]
+
+    assert all(t.data is not None and t.data.training_data_error == why for t in turns)
+    assert all(t.data is not None and t.data.logprobs == logprobs for t in turns)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.openai_policy"]
+    assert len(warnings) == 1 and why in warnings[0]
+    progress = Progress()
+    progress.record_turn(turns[0], policy_version=0, latency_s=0.1)
+    assert progress.turns[0].training_data_error == why
+    # The result is still valid JSON that reads back (no NaN in it).
+    assert json.loads(progress.turns[0].model_dump_json())["training_data_error"] == why
+
+
+async def test_good_training_data_is_not_flagged() -> None:
+    policy, _ = mock_policy(
+        lambda body: httpx.Response(200, json=VLLM_ANSWER), return_token_ids=True, logprobs=True
+    )
+    turn = await act(policy)
+    assert turn.data is not None and turn.data.training_data_error is None
+
+
+# -- the answer's size ----------------------------------------------------------------------
+
+
+class Endless(httpx.AsyncByteStream):
+    """A body that never ends, counting what was pulled of it and whether it was closed."""
+
+    def __init__(self) -> None:
+        self.pulled = 0
+        self.closed = False
+
+    async def __aiter__(self) -> Any:
+        while True:
+            self.pulled += 65536
+            yield b" " * 65536
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.parametrize("status", [200, 500])
+async def test_a_chat_answer_over_max_answer_bytes_is_a_policy_error_read_no_further(
+    status: int,
+) -> None:
+    body = Endless()
+    policy, _ = mock_policy(
+        lambda request: httpx.Response(status, stream=body), max_answer_bytes=1024 * 1024
+    )
+
+    with pytest.raises(PolicyError, match=r"policy.max_answer_bytes \(1048576 bytes\)") as failed:
+        await act(policy)
+
+    assert not failed.value.transient
+    assert 1024 * 1024 < body.pulled <= 1024 * 1024 + 65536 and body.closed
+
+
+def test_the_answer_cap_setting_reaches_the_policy() -> None:
+    settings = load_settings(policy={"kind": "openai", "max_answer_bytes": 4096})
+    assert OpenAIChatPolicy.from_settings(settings).max_answer_bytes == 4096

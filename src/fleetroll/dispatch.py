@@ -151,5 +151,8 @@ async def call_tool(rollout: ToolCaller, call: ToolCall) -> ToolResult:
         session=rollout.session,
         instance=rollout.instance,
     )
-    rollout.live.tool_call(call, result, duration_s=time.monotonic() - began)
+    duration_s = time.monotonic() - began
+    # A large answer is redacted now, off the loop, for the result to reuse.
+    await rollout.progress.transcript.redact_ahead(e.redactor)
+    rollout.live.tool_call(call, result, duration_s=duration_s)
     return result

@@ -6,7 +6,8 @@
 * :func:`run_command`: a command (``setup``, ``verifier.command``) in its own
   process group, output kept up to :data:`OUTPUT_KEPT`, killed at its limit.
 * :func:`stop_process`: SIGTERM to a process group, SIGKILL after a grace; shielded.
-* :func:`process_transport`: an MCP transport over a running server's pipes.
+* :func:`process_transport`: an MCP transport over a running server's pipes,
+  its lines read by :class:`LineReader` (linear time, each capped).
 * :func:`reward_number`, :func:`tool_reward`, :func:`no_reward`: a verifier's answer
   read as a reward (a finite number), or a verdict without one.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -29,17 +31,17 @@ import anyio
 import mcp_types as types
 from anyio.abc import Process
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from anyio.streams.text import TextReceiveStream
 from mcp.shared.message import SessionMessage
 
 from fleetroll.environments import Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.results import VerifierOutcome
-from fleetroll.tools import ToolResult
+from fleetroll.tools import AnswerLimits, ToolResult
 
 __all__ = [
     "OUTPUT_KEPT",
     "WORKDIR_PREFIX",
+    "LineReader",
     "Ran",
     "make_workdir",
     "no_reward",
@@ -164,10 +166,10 @@ async def stop_process(process: Process, *, grace_s: float, wait_s: float) -> No
         _signal_group(process.pid, signal.SIGKILL)
         with anyio.move_on_after(wait_s):
             await process.wait()
-        for stream in (process.stdin, process.stdout, process.stderr):
-            if stream is not None:
-                with suppress(Exception):
-                    await stream.aclose()
+        # The process's own aclose closes the pipes' transports too: a pipe whose
+        # reading was paused (a server wrote more than was read) stays open else.
+        with anyio.move_on_after(wait_s), suppress(Exception):
+            await process.aclose()
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
@@ -184,9 +186,89 @@ async def _collect(stream: anyio.abc.ByteReceiveStream, into: list[bytes]) -> No
                 kept += len(chunk)
 
 
+#: A response's id, as the mcp SDK writes it (``jsonrpc``, ``id``, then ``result``/``error``).
+_RESPONSE_ID = re.compile(rb'"id"\s*:\s*(-?\d{1,18}|"[^"\\]{0,128}")\s*,\s*"(?:result|error)"')
+
+
+class LineReader:
+    """A server's stdout as JSON-RPC lines, split in linear time, each one capped.
+
+    The pieces of the line being read are kept and joined once, when its
+    newline arrives: joining the partial line to each new chunk copied it
+    again per chunk, quadratic in the line's length (an 80 MB answer: 69 s).
+
+    A line is capped by :class:`~fleetroll.tools.AnswerLimits` (the listing
+    cap when it answers a ``tools/list`` request, see :meth:`sent`); past its
+    cap the rest of the line is dropped unread, and the request it answers
+    gets an :data:`~fleetroll.tools.ANSWER_TOO_LARGE` error instead.
+    """
+
+    def __init__(self, limits: AnswerLimits) -> None:
+        self._limits = limits
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self._dropping = False  # the line passed its cap: dropped up to its newline
+        self._listings: set[types.RequestId] = set()
+
+    def sent(self, message: types.JSONRPCMessage) -> None:
+        """Note a request written to the server (a listing's answer has its own cap)."""
+        if isinstance(message, types.JSONRPCRequest) and message.method == "tools/list":
+            if len(self._listings) >= 1024:  # answered long ago; never let it grow
+                self._listings.clear()
+            self._listings.add(message.id)
+
+    def feed(self, chunk: bytes) -> list[SessionMessage | Exception]:
+        """What ``chunk`` completes: parsed lines, and errors for lines over their cap."""
+        out: list[SessionMessage | Exception] = []
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            out += self._add(piece)
+            if end < 0:
+                return out
+            if not self._dropping and self._pieces:
+                line = b"".join(self._pieces)
+                if line.strip():
+                    out.append(_parse(line.decode("utf-8", "replace")))
+            self._pieces, self._size, self._dropping = [], 0, False
+            start = end + 1
+
+    def _add(self, piece: bytes) -> list[SessionMessage | Exception]:
+        if self._dropping or not piece:
+            return []
+        self._pieces.append(piece)
+        self._size += len(piece)
+        if self._size <= min(self._limits.answer_bytes, self._limits.listing_bytes):
+            return []
+        request_id = self._answered()
+        method = "tools/list" if request_id in self._listings else "tools/call"
+        if self._size <= self._limits.cap(method)[0]:
+            return []
+        self._pieces, self._size, self._dropping = [], 0, True
+        if request_id is None:  # not an answer to a request of ours: nobody waits on it
+            return [ValueError(self._limits.too_large(None))]
+        self._listings.discard(request_id)
+        return [SessionMessage(self._limits.error(method, request_id))]
+
+    def _answered(self) -> types.RequestId | None:
+        """The id of the request the line being read answers, from its first bytes."""
+        head, size = [], 0
+        for piece in self._pieces:
+            head.append(piece[: 512 - size])
+            size += len(head[-1])
+            if size >= 512:
+                break
+        found = _RESPONSE_ID.search(b"".join(head))
+        if found is None:
+            return None
+        raw = found.group(1)
+        return raw[1:-1].decode("utf-8", "replace") if raw[:1] == b'"' else int(raw)
+
+
 @asynccontextmanager
 async def process_transport(
-    process: Process, stdout_closed: anyio.Event
+    process: Process, stdout_closed: anyio.Event, limits: AnswerLimits
 ) -> AsyncIterator[
     tuple[
         MemoryObjectReceiveStream[SessionMessage | Exception],
@@ -197,29 +279,28 @@ async def process_transport(
 
     The SDK's ``stdio_client`` starts and stops its own process; here the
     process outlives each session (the rollout's tools, then a verifier's
-    tool call), and release kills it.
+    tool call), and release kills it. Lines are read by :class:`LineReader`
+    (linear time, capped by ``limits``).
     """
     assert process.stdin is not None and process.stdout is not None
     stdin, stdout = process.stdin, process.stdout
     to_session, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
     write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](0)
+    lines = LineReader(limits)
 
     async def read() -> None:
-        buffer = ""
         async with to_session:
             with suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-                async for chunk in TextReceiveStream(stdout, errors="replace"):
-                    lines = (buffer + chunk).split("\n")
-                    buffer = lines.pop()
-                    for line in lines:
-                        if line.strip():
-                            await to_session.send(_parse(line))
+                async for chunk in stdout:
+                    for message in lines.feed(chunk):
+                        await to_session.send(message)
             stdout_closed.set()  # end of stream: the server is exiting
 
     async def write() -> None:
         async with from_session:
             try:
                 async for message in from_session:
+                    lines.sent(message.message)
                     data = message.message.model_dump_json(by_alias=True, exclude_unset=True)
                     await stdin.send((data + "\n").encode())
             except (anyio.ClosedResourceError, anyio.BrokenResourceError, OSError):

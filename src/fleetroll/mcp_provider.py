@@ -76,7 +76,13 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
-from fleetroll.tools import ToolSession, describe, open_tool_session
+from fleetroll.tools import (
+    AnswerLimits,
+    BoundedAnswers,
+    ToolSession,
+    describe,
+    open_tool_session,
+)
 
 __all__ = ["WORKDIR_PREFIX", "McpHandle", "McpProvider", "public_url"]
 
@@ -395,6 +401,7 @@ class McpProvider:
                     list_timeout_s=t.list_tools_s,
                     budget=retrying.budget(self._settings, "mcp_connect"),
                     report=retry_emitter(self._events),
+                    limits=AnswerLimits.from_settings(self._settings),
                 ) as session,
             ):
                 yield session
@@ -429,7 +436,11 @@ class McpProvider:
         if handle.process is None or handle.process.returncode is not None:
             raise ToolsError(f"the server of {handle.label} is not running", operation="connect")
         return Client(
-            process_transport(handle.process, handle.stdout_closed),
+            process_transport(
+                handle.process,
+                handle.stdout_closed,
+                AnswerLimits.from_settings(self._settings),
+            ),
             read_timeout_seconds=self._settings.timeouts.call_tool_s,
         )
 
@@ -438,7 +449,11 @@ class McpProvider:
         return httpx2.AsyncClient(
             timeout=httpx2.Timeout(
                 max(t.call_tool_s, t.list_tools_s) + t.mcp_connect_s, connect=t.mcp_connect_s
-            )
+            ),
+            # Answers are read up to pool.max_tool_*_bytes, counted while read.
+            transport=BoundedAnswers(
+                httpx2.AsyncHTTPTransport(), AnswerLimits.from_settings(self._settings)
+            ),
         )
 
     # -- verification ----------------------------------------------------------

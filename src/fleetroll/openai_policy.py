@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -80,6 +81,9 @@ class OpenAIChatPolicy:
             (vLLM's ``return_token_ids``).
         logprobs, top_logprobs: ask for each completion token's logprob and,
             with ``top_logprobs``, that many alternatives per token.
+        max_answer_bytes: bytes of one answer (or error body) read, counted
+            as they arrive (``policy.max_answer_bytes``); past it reading stops,
+            the connection is closed and :meth:`act` raises a PolicyError.
 
     Raises:
         ValueError: a number is out of range.
@@ -105,6 +109,7 @@ class OpenAIChatPolicy:
         return_token_ids: bool = False,
         logprobs: bool = False,
         top_logprobs: int | None = None,
+        max_answer_bytes: int = 64 * 1024 * 1024,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
@@ -114,6 +119,9 @@ class OpenAIChatPolicy:
             raise ValueError(f"max_retries must be >= 0, not {max_retries}")
         if backoff_initial_s < 0 or backoff_max_s < 0:
             raise ValueError("backoff_initial_s and backoff_max_s must be >= 0")
+        if max_answer_bytes < 1:
+            raise ValueError(f"max_answer_bytes must be >= 1, not {max_answer_bytes}")
+        self.max_answer_bytes = max_answer_bytes
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self._api_key = SecretStr(api_key) if isinstance(api_key, str) else api_key
@@ -174,6 +182,7 @@ class OpenAIChatPolicy:
             return_token_ids=policy.return_token_ids,
             logprobs=policy.logprobs,
             top_logprobs=policy.top_logprobs,
+            max_answer_bytes=policy.max_answer_bytes,
         )
 
     def __repr__(self) -> str:
@@ -314,9 +323,10 @@ class OpenAIChatPolicy:
                 with attempt:
                     tries, last = attempt.num, None
                     try:
-                        response = await self._client.post(
-                            self.url, content=content, headers=self._headers()
-                        )
+                        async with self._client.stream(
+                            "POST", self.url, content=content, headers=self._headers()
+                        ) as response:
+                            body = await self._read(response)
                     except httpx.TransportError as exc:
                         # Its text can hold the URL, never the headers; redact anyway.
                         problem = f"could not reach {self.url}: {type(exc).__name__}: {exc}"
@@ -326,13 +336,13 @@ class OpenAIChatPolicy:
                     if not response.is_success:
                         last = response
                         status = response.status_code
-                        problem = f"{self.url} answered HTTP {status}: {self._excerpt(response)}"
+                        problem = f"{self.url} answered HTTP {status}: {_excerpt(body)}"
                         raise PolicyError(
                             self._redact(problem),
                             operation=_OPERATION,
                             transient=transient_status(status) or status in _ALSO_TRANSIENT,
                         )
-            return self._decode(response)
+            return self._decode(response.status_code, body)
         except PolicyError as exc:
             if not exc.transient:
                 raise
@@ -345,14 +355,37 @@ class OpenAIChatPolicy:
 
     # ------------------------------------------------------------ response
 
-    def _decode(self, response: httpx.Response) -> Any:
+    async def _read(self, response: httpx.Response) -> bytes:
+        """The answer's body, counted as it arrives, up to ``max_answer_bytes``.
+
+        Raises:
+            PolicyError: the body passed the cap (not transient: the same
+                request would answer as much again); the connection is closed
+                with the response, the rest never read.
+        """
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.aiter_bytes():  # decoded: a compressed bomb counts whole
+            size += len(chunk)
+            if size > self.max_answer_bytes:
+                raise PolicyError(
+                    f"{self.url} answered HTTP {response.status_code} with a body over"
+                    f" policy.max_answer_bytes ({self.max_answer_bytes} bytes): reading"
+                    " stopped there and the connection was closed",
+                    operation=_OPERATION,
+                    transient=False,
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _decode(self, status: int, body: bytes) -> Any:
         try:
-            return response.json()
+            return json.loads(body)
         except ValueError:
             raise PolicyError(
                 self._redact(
-                    f"{self.url} answered HTTP {response.status_code} with a body that is"
-                    f" not JSON: {self._excerpt(response)}"
+                    f"{self.url} answered HTTP {status} with a body that is"
+                    f" not JSON: {_excerpt(body)}"
                 ),
                 operation=_OPERATION,
                 transient=False,
@@ -420,13 +453,26 @@ class OpenAIChatPolicy:
         prompt_ids = _ints(payload.get("prompt_token_ids", choice.get("prompt_token_ids")))
         completion_ids = _ints(choice.get("token_ids"))
         logprobs, top = _logprobs(choice.get("logprobs"))
+        problems = _training_problems(prompt_ids, completion_ids, logprobs, top)
+        # A NaN is no number to train on (nor valid JSON): such a list is dropped.
+        finite = logprobs if logprobs is None or all(map(math.isfinite, logprobs)) else None
+        top_finite = top
+        if top is not None and not all(math.isfinite(n) for a in top for _, n in a):
+            top_finite = None
         data = TurnData(
             model=model if isinstance(model, str) else None,
             finish_reason=finish_reason if isinstance(finish_reason, str) else None,
             prompt_token_ids=prompt_ids,
             completion_token_ids=completion_ids,
-            logprobs=logprobs,
-            top_logprobs=top,
+            logprobs=finite,
+            top_logprobs=top_finite,
+            training_data_error="; ".join(problems) or None,
+        )
+        self._warn_once(
+            [p for p in problems if p.split(":")[0] not in self._warned],
+            "%s answered unusable training data (%s): the turn is flagged in the results'"
+            " turns (training_data_error); said once per kind, not per turn",
+            sep="; ",
         )
         missing = [
             name
@@ -450,26 +496,18 @@ class OpenAIChatPolicy:
             missing.append("logprobs")
         if "top_logprobs" in self._training and top is None:
             missing.append("top_logprobs")
-        new = [name for name in missing if name not in self._warned]
-        if new:
-            self._warned.update(new)
-            _log.warning(
-                "%s answered without %s: recorded as null in the results' turns"
-                " (said once, not per turn)",
-                self.url,
-                ", ".join(new),
-            )
+        self._warn_once(
+            [name for name in missing if name not in self._warned],
+            "%s answered without %s: recorded as null in the results' turns"
+            " (said once, not per turn)",
+        )
         return data
 
-    def _excerpt(self, response: httpx.Response) -> str:
-        text = response.text
-        try:
-            error = json.loads(text)["error"]
-            # OpenAI-style {"error": {"message": ...}}: the message is the useful part.
-            text = error["message"] if isinstance(error, dict) else str(error)
-        except (ValueError, KeyError, TypeError):
-            pass
-        return _shorten(str(text)) or "(empty body)"
+    def _warn_once(self, new: list[str], message: str, sep: str = ", ") -> None:
+        """One warning for what was not said yet (a problem's kind: before its colon)."""
+        if new:
+            self._warned.update(item.split(":")[0] for item in new)
+            _log.warning(message, self.url, sep.join(new))
 
     def _redact(self, text: str) -> str:
         """Remove the API key (and any bearer token an error body echoed)."""
@@ -565,6 +603,49 @@ def _logprobs(
         else:
             top = None  # no alternatives were returned (or not for every token)
     return tuple(logprobs), (tuple(top) if top else None)
+
+
+def _excerpt(body: bytes) -> str:
+    """What an answer's body says, shortened (an OpenAI-style error's message)."""
+    text = body.decode("utf-8", "replace")
+    try:
+        error = json.loads(text)["error"]
+        # OpenAI-style {"error": {"message": ...}}: the message is the useful part.
+        text = error["message"] if isinstance(error, dict) else str(error)
+    except (ValueError, KeyError, TypeError):
+        pass
+    return _shorten(str(text)) or "(empty body)"
+
+
+def _training_problems(
+    prompt_ids: tuple[int, ...] | None,
+    completion_ids: tuple[int, ...] | None,
+    logprobs: tuple[float, ...] | None,
+    top: tuple[tuple[tuple[str, float], ...], ...] | None,
+) -> list[str]:
+    """What makes a turn's training data unusable, each as ``kind: detail``."""
+    problems = []
+    for name, ids in (("prompt_token_ids", prompt_ids), ("completion_token_ids", completion_ids)):
+        negative = next((i for i in ids or () if i < 0), None)
+        if negative is not None:
+            problems.append(f"negative {name}: {negative} is no token id")
+    if logprobs is not None:
+        bad = next((n for n in logprobs if not math.isfinite(n)), None)
+        if bad is not None:
+            problems.append(f"non-finite logprobs: {bad} (dropped)")
+        if completion_ids is not None and len(logprobs) != len(completion_ids):
+            problems.append(
+                "logprobs and completion_token_ids of different lengths:"
+                f" {len(logprobs)} and {len(completion_ids)}"
+            )
+    if top is not None:
+        if any(not math.isfinite(n) for alternatives in top for _, n in alternatives):
+            problems.append("non-finite top_logprobs: NaN or infinity (dropped)")
+        if logprobs is not None and len(top) != len(logprobs):
+            problems.append(
+                f"top_logprobs and logprobs of different lengths: {len(top)} and {len(logprobs)}"
+            )
+    return problems
 
 
 def _int_fields(usage: Mapping[str, Any]) -> dict[str, int]:

@@ -118,6 +118,7 @@ class Progress:
                 else [list(alternatives) for alternatives in data.top_logprobs],
                 usage=usage,
                 latency_s=latency_s,
+                training_data_error=data.training_data_error,
             )
         )
 

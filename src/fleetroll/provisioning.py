@@ -65,7 +65,13 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.telemetry.retries import retry_emitter
-from fleetroll.tools import RetryRefusedConnections, ToolSession, open_tool_session
+from fleetroll.tools import (
+    AnswerLimits,
+    BoundedAnswers,
+    RetryRefusedConnections,
+    ToolSession,
+    open_tool_session,
+)
 from fleetroll.verification import Verifier
 
 __all__ = [
@@ -193,6 +199,7 @@ class FleetProvider:
                     budget=retrying.budget(self._settings, "mcp_connect"),
                     list_budget=retrying.budget(self._settings, "list_tools"),
                     report=retry_emitter(self._events),
+                    limits=AnswerLimits.from_settings(self._settings),
                 )
             )
 
@@ -207,10 +214,14 @@ class FleetProvider:
                 max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
             ),
             # A request whose connection was refused never left: sent again.
-            transport=RetryRefusedConnections(
-                transport,
-                retrying.budget(self._settings, "mcp_request"),
-                retry_emitter(self._events),
+            # Answers are read up to pool.max_tool_*_bytes, counted while read.
+            transport=BoundedAnswers(
+                RetryRefusedConnections(
+                    transport,
+                    retrying.budget(self._settings, "mcp_request"),
+                    retry_emitter(self._events),
+                ),
+                AnswerLimits.from_settings(self._settings),
             ),
         )
 

@@ -126,6 +126,10 @@ class Turn(BaseModel):
     top_logprobs: list[list[tuple[str, float]]] | None = None
     usage: dict[str, int] | None = None
     latency_s: float = 0.0
+    #: Why this turn's token ids / logprobs are unusable for training (NaN or
+    #: infinite logprobs, which are then dropped; lists of different lengths;
+    #: negative token ids); None when they are fine or were not asked for.
+    training_data_error: str | None = None
 
 
 class Cost(BaseModel):

@@ -411,6 +411,9 @@ class Rollout:
 
     async def _tear_down(self, *, restart: bool = False, restarted: int = 0) -> None:
         self._enter(Phase.RELEASING)
+        # Not needed once released, and a finished batch keeps its rollouts: a
+        # listing of thousands of tools (and its closed session) is let go.
+        self.tools, self.session = [], None
         if self.instance is not None:
             began = time.monotonic()
             try:

@@ -180,6 +180,13 @@ class PoolSettings(_Section):
     #: Largest verifier source (``verifier_func``, UTF-8 bytes) a rollout
     #: accepts; a bigger one is a ``verifier_error``, never parsed.
     max_verifier_bytes: int = Field(1024 * 1024, ge=1)
+    #: Bytes of one MCP answer to a tool call (the HTTP body, an SSE stream, or
+    #: a stdio line) read before giving up: past it the call is a tool failure
+    #: (``tool_failure``), the connection closed, the rest never read.
+    max_tool_answer_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    #: Bytes of one MCP tool listing (``tools/list``) read before giving up:
+    #: past it connecting is a ``tools_error``.
+    max_tool_listing_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     #: Finished batches a pool still holds (``pool.batches``) once their results
     #: were all read; the oldest is forgotten first. A long-lived pool (a
     #: training controller's) would otherwise keep every transcript it made.
@@ -241,6 +248,9 @@ class PolicySettings(_Section):
     #: A rollout whose next prompt would pass this many tokens ends with
     #: ``context_overflow`` (scored). None: only the server's own limit applies.
     max_context_tokens: int | None = Field(None, ge=1)
+    #: Bytes of one chat completion (the HTTP body) read before giving up: past
+    #: it the turn is a ``policy_error``, the connection closed.
+    max_answer_bytes: int = Field(64 * 1024 * 1024, ge=1024)
 
 
 class TelemetrySettings(_Section):

@@ -7,6 +7,10 @@
 * :meth:`ToolSession.call` runs each call under ``call_tool_s``; a timeout or
   a transport failure raises :class:`ToolCallFailed`, and the session stays
   usable.
+* :class:`BoundedAnswers` counts the bytes of every answer while they are
+  read (``pool.max_tool_answer_bytes``, ``pool.max_tool_listing_bytes``):
+  past the cap it stops reading, closes the connection, and the caller gets
+  a JSON-RPC error (:data:`ANSWER_TOO_LARGE`) instead of the answer.
 * :func:`normalise` turns a ``CallToolResult`` into what a model consumes:
   text, parsed JSON, images as data URLs, errors flagged; malformed answers
   (``{"base64_image": null}``, empty images) become tool errors, not crashes.
@@ -18,10 +22,11 @@ import base64
 import binascii
 import json
 import math
+import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx2
@@ -29,9 +34,10 @@ from jsonschema import SchemaError
 from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
 from mcp import Client
-from mcp.client.streamable_http import streamable_http_client
+from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE, streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp.types import REQUEST_TIMEOUT, CallToolResult, ImageContent, TextContent, Tool
+from mcp_types import ErrorData, JSONRPCError
 from referencing import Registry
 
 import fleetroll.retrying as retrying
@@ -39,7 +45,13 @@ from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
 from fleetroll.retrying import Decision
 
+if TYPE_CHECKING:
+    from fleetroll.settings import Settings
+
 __all__ = [
+    "ANSWER_TOO_LARGE",
+    "AnswerLimits",
+    "BoundedAnswers",
     "RetryRefusedConnections",
     "ToolCallFailed",
     "ToolResult",
@@ -57,6 +69,43 @@ class ToolResult:
     images: tuple[str, ...] = ()  # data URLs
     is_error: bool = False
     structured: Any = None
+
+
+#: The JSON-RPC error code of an answer fleetroll stopped reading at its cap
+#: (in the range JSON-RPC leaves to implementations).
+ANSWER_TOO_LARGE = -32099
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerLimits:
+    """How many bytes of an MCP answer are read (``pool.max_tool_*_bytes``)."""
+
+    answer_bytes: int  # a tool call's (or any other request's) answer
+    listing_bytes: int  # a tools/list answer
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AnswerLimits:
+        pool = settings.pool
+        return cls(pool.max_tool_answer_bytes, pool.max_tool_listing_bytes)
+
+    def cap(self, method: str | None) -> tuple[int, str]:
+        """The cap of the answer to ``method``, and the setting that sets it."""
+        if method == "tools/list":
+            return self.listing_bytes, "pool.max_tool_listing_bytes"
+        return self.answer_bytes, "pool.max_tool_answer_bytes"
+
+    def too_large(self, method: str | None) -> str:
+        """What an answer over its cap is told as."""
+        cap, setting = self.cap(method)
+        return (
+            f"the MCP server's answer to {method or 'a request'} is over {setting}"
+            f" ({cap} bytes): reading stopped there and the connection was closed"
+        )
+
+    def error(self, method: str | None, request_id: Any = None) -> JSONRPCError:
+        """The JSON-RPC error the session gets instead of an answer over its cap."""
+        error = ErrorData(code=ANSWER_TOO_LARGE, message=self.too_large(method))
+        return JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -133,10 +182,11 @@ class ToolSession:
                 timeout_s=self._list_timeout_s,
             ) from None
         except Exception as exc:
+            too_large = _too_large(exc)
             raise ToolsError(
-                f"list_tools at {self.url} failed: {describe(exc)}",
+                f"list_tools at {self.url} failed: {too_large or describe(exc)}",
                 operation="list_tools",
-                transient=True,
+                transient=too_large is None,
             ) from exc
         _share_output_validators(self._client, listed.tools)
         return [
@@ -167,6 +217,10 @@ class ToolSession:
             ) from exc
         except Exception as exc:
             text = describe(exc)
+            if _too_large(exc):
+                # Not worth another try: the same call would answer the same bytes.
+                text = f"{name}: {_too_large(exc)}"
+                raise ToolCallFailed(text, operation="call_tool", transient=False) from exc
             if _timed_out(exc):
                 text = f"{name} took over {timeout:g} s ({text})"
                 cause: BaseException = TimeoutError(text)
@@ -176,10 +230,20 @@ class ToolSession:
         return normalise(result)
 
 
+def _too_large(exc: BaseException) -> str | None:
+    """What an answer over its cap (:data:`ANSWER_TOO_LARGE`) was told as, if it was one."""
+    for leaf in _leaves(exc):
+        if isinstance(leaf, MCPError) and leaf.error.code == ANSWER_TOO_LARGE:
+            return leaf.error.message
+    return None
+
+
 def _list_transient(exc: BaseException) -> Decision:
     """A failed listing worth another try: an error answer or a transport failure,
     not our own deadline (the attempts stop there)."""
-    return Decision(not isinstance(exc, TimeoutError) and _connect_transient(exc))
+    if isinstance(exc, TimeoutError) or _too_large(exc):
+        return Decision(False)  # a listing over its cap would be as large again
+    return Decision(_connect_transient(exc))
 
 
 class RetryRefusedConnections(httpx2.AsyncBaseTransport):
@@ -219,6 +283,101 @@ class RetryRefusedConnections(httpx2.AsyncBaseTransport):
                     raise first
                 return await self._inner.handle_async_request(request)
         raise AssertionError("unreachable: the last attempt's error propagates")
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+#: A JSON-RPC request's method, near the start of its body (the SDK writes
+#: ``jsonrpc``, ``id``, ``method``, ``params`` in that order).
+_METHOD = re.compile(rb'"method"\s*:\s*"([^"\\]{1,64})"')
+
+
+class BoundedAnswers(httpx2.AsyncBaseTransport):
+    """An HTTP transport that reads at most :class:`AnswerLimits` bytes of an answer.
+
+    The cap of a POST's answer is chosen by the JSON-RPC method it carries
+    (``tools/list``: the listing cap; anything else: the answer cap), and
+    counted while the body is read:
+
+    * a JSON answer (the mcp client reads it whole anyway) is read here; past
+      the cap the rest is never read, the connection is closed, and the
+      client gets a 502 whose body is a JSON-RPC error (:data:`ANSWER_TOO_LARGE`),
+      which it hands to the caller as the request's error;
+    * an SSE answer is passed on as it arrives, and ends with an ``SSEError``
+      past the cap (the client answers the request with that error).
+
+    The server's own GET stream (notifications) is not capped as a whole:
+    the client bounds each of its events (``max_sse_event_size``).
+    """
+
+    def __init__(self, inner: httpx2.AsyncBaseTransport, limits: AnswerLimits) -> None:
+        self._inner = inner
+        self._limits = limits
+
+    async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
+        response = await self._inner.handle_async_request(request)
+        if request.method != "POST":
+            return response
+        try:
+            found = _METHOD.search(request.content[:512])
+        except httpx2.RequestNotRead:  # a streamed upload: not one of the mcp client's
+            found = None
+        method = found.group(1).decode("ascii", "replace") if found else None
+        cap, _ = self._limits.cap(method)
+        content_type = response.headers.get("content-type", "").lower()
+        if content_type.startswith("text/event-stream"):
+            stream = _CappedEvents(response.stream, cap, self._limits.too_large(method))
+            return httpx2.Response(
+                response.status_code,
+                headers=response.headers,
+                stream=stream,
+                extensions=response.extensions,
+            )
+        chunks: list[bytes] = []
+        size = 0
+        inner = response.stream
+        assert isinstance(inner, httpx2.AsyncByteStream)
+        try:
+            async for chunk in inner:
+                size += len(chunk)
+                if size > cap:
+                    break
+                chunks.append(chunk)
+        finally:
+            await inner.aclose()  # not read to its end: the connection is closed
+        if size > cap:
+            body = self._limits.error(method).model_dump_json(by_alias=True)
+            return httpx2.Response(
+                502, headers={"content-type": "application/json"}, content=body.encode()
+            )
+        return httpx2.Response(
+            response.status_code,
+            headers=response.headers,
+            stream=httpx2.ByteStream(b"".join(chunks)),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _CappedEvents(httpx2.AsyncByteStream):
+    """An SSE body that raises ``SSEError`` once it passes ``cap`` bytes in all."""
+
+    def __init__(self, inner: Any, cap: int, too_large: str) -> None:
+        self._inner = inner
+        self._cap = cap
+        self._too_large = too_large
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        size = 0
+        async for chunk in self._inner:
+            size += len(chunk)
+            if size > self._cap:
+                await self._inner.aclose()
+                raise httpx2.SSEError(self._too_large)
+            yield chunk
 
     async def aclose(self) -> None:
         await self._inner.aclose()
@@ -289,8 +448,14 @@ async def open_tool_session(
     budget: retrying.Budget,
     list_budget: retrying.Budget | None = None,
     report: retrying.Report | None = None,
+    limits: AnswerLimits | None = None,
 ) -> AsyncIterator[ToolSession]:
     """Connect to an MCP endpoint, retrying while its service starts.
+
+    ``http`` should read answers through :class:`BoundedAnswers`; ``limits``
+    (its caps) also bound each event of the server's SSE streams (the mcp
+    client's own limit, 1 MiB by default, would otherwise refuse a larger
+    answer sent as an event).
 
     Retries (:func:`fleetroll.retrying.attempts`, operation ``mcp_connect``,
     ``retries.mcp_connect_*``) wait full-jitter backoff inside
@@ -302,6 +467,9 @@ async def open_tool_session(
             the budget's attempts ran out first.
     """
     deadline = anyio.current_time() + connect_timeout_s
+    event_bytes = None if limits is None else max(limits.answer_bytes, limits.listing_bytes)
+    if event_bytes is None:
+        event_bytes = DEFAULT_MAX_SSE_EVENT_SIZE
     connected = False
     tries = 0
     last: BaseException | None = None
@@ -321,7 +489,9 @@ async def open_tool_session(
                 with anyio.CancelScope(deadline=deadline) as scope:
                     try:
                         async with Client(
-                            streamable_http_client(url, http_client=http),
+                            streamable_http_client(
+                                url, http_client=http, max_sse_event_size=event_bytes
+                            ),
                             read_timeout_seconds=call_timeout_s,
                         ) as client:
                             connected = True

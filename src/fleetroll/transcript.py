@@ -19,6 +19,11 @@ transcript's age; an elided message is a new message, encoded once again.
 
 :meth:`Transcript.export` is what goes into a result: every string that came
 from outside redacted, screenshots replaced by ``[image: N KB]`` unless kept.
+Redacting a large text takes seconds (16 MiB: 4 to 8 s), so
+:meth:`Transcript.redact_ahead` redacts each large message once, as it is
+added, in a worker thread and in pieces (:meth:`Redactor.in_pieces
+<fleetroll.telemetry.events.Redactor.in_pieces>`, so that the event loop gets
+the GIL between them); export reuses it.
 """
 
 from __future__ import annotations
@@ -28,13 +33,20 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import anyio
+
 from fleetroll.policies import AssistantTurn, ToolCall
 from fleetroll.routing import COMPUTER_TOOL
+from fleetroll.telemetry.events import Redactor
 from fleetroll.tools import ToolResult
 
-__all__ = ["Messages", "Transcript", "assistant_message"]
+__all__ = ["LARGE_TEXT", "Messages", "Transcript", "assistant_message"]
 
 Message = dict[str, Any]
+
+#: A message holding a string longer than this is redacted ahead, off the loop.
+LARGE_TEXT = 64 * 1024
+Redact = Callable[[str], str]
 
 #: A rough count of characters per token, to estimate the size of what was
 #: added to a prompt since the server last counted it (``max_context_tokens``).
@@ -84,6 +96,9 @@ class Transcript:
     def __init__(self, max_images: int | None = None) -> None:
         self.messages: Messages = Messages()
         self.max_images = max_images
+        #: Large messages redacted ahead, by index: (the message, the redactor, the result).
+        self._clean: dict[int, tuple[Message, Redact, Message]] = {}
+        self._ahead = 0  # messages before this index were looked at by redact_ahead
         #: Messages whose images are still sent, oldest first, with their count.
         self._with_images: deque[tuple[int, int]] = deque()
         self._images = 0
@@ -153,9 +168,27 @@ class Transcript:
         """Characters of text (not images) in the messages after the first ``start``."""
         return sum(_text_chars(message) for message in self.messages[start:])
 
-    def export(self, redact: Callable[[str], str], *, keep_images: bool) -> list[Message]:
+    async def redact_ahead(self, redact: Redact) -> None:
+        """Redact the large messages added since the last call, in a worker thread,
+        for :meth:`export` to reuse (a redaction of MBs on the loop would stall it)."""
+        while self._ahead < len(self.messages):
+            index, message = self._ahead, self.messages[self._ahead]
+            self._ahead += 1
+            if _largest_text(message) > LARGE_TEXT:
+                clean = await anyio.to_thread.run_sync(_redacted, message, redact)
+                self._clean[index] = (message, redact, clean)
+
+    def export(self, redact: Redact, *, keep_images: bool) -> list[Message]:
         """The messages for a result: redacted, images elided unless ``keep_images``."""
-        return [_redacted(m if keep_images else _without_images(m), redact) for m in self.messages]
+        out = []
+        for index, message in enumerate(self.messages):
+            ahead = self._clean.get(index)
+            if ahead is not None and ahead[0] is message and ahead[1] is redact:
+                clean = ahead[2]  # redaction leaves images alone: elided after, the same
+            else:
+                clean = _redacted(message, redact)
+            out.append(clean if keep_images else _without_images(clean))
+        return out
 
 
 def image_label(call: ToolCall) -> str:
@@ -207,12 +240,33 @@ def _text_chars(message: Message) -> int:
     return chars
 
 
-def _redacted(message: Message, redact: Callable[[str], str]) -> Message:
+def _largest_text(message: Message) -> int:
+    """The length of the longest string in ``message`` (its content, or a part's text)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return max(
+            (
+                len(p["text"])
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            ),
+            default=0,
+        )
+    return 0
+
+
+def _redacted(message: Message, redact: Redact) -> Message:
     """``message`` with every string in it redacted, images (data URLs) left alone."""
 
     def clean(value: Any) -> Any:
         if isinstance(value, str):
-            return value if value.startswith("data:") else redact(value)
+            if value.startswith("data:"):
+                return value
+            if len(value) > LARGE_TEXT and isinstance(redact, Redactor):
+                return redact.in_pieces(value)
+            return redact(value)
         if isinstance(value, dict):
             return {k: clean(v) for k, v in value.items()}
         if isinstance(value, list | tuple):

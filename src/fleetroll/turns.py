@@ -70,6 +70,9 @@ class TurnData:
     logprobs: tuple[float, ...] | None = None
     #: Per completion token, the ``(token, logprob)`` alternatives, most likely first.
     top_logprobs: tuple[tuple[tuple[str, float], ...], ...] | None = None
+    #: Why the token ids / logprobs are unusable for training (None: they are
+    #: fine, or were not returned); a non-finite logprob's list is dropped.
+    training_data_error: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -182,4 +182,5 @@ def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
         ),
         logprobs=base.logprobs if cfg.logprobs is None else cfg.logprobs,
         top_logprobs=base.top_logprobs if cfg.top_logprobs is None else cfg.top_logprobs,
+        max_answer_bytes=base.max_answer_bytes,
     )

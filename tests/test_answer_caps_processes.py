@@ -31,6 +31,7 @@ from fleetroll.tasks import TaskSpec, parse_task
 pytestmark = pytest.mark.slow
 
 SERVER = str(Path(__file__).with_name("big_answer_server.py"))
+TOKEN = "answer-caps-test-token-0123456789"
 MB = 1024 * 1024
 
 
@@ -106,6 +107,7 @@ async def test_a_200_mb_tool_answer_leaves_the_service_rss_within_100_mb_of_its_
     env |= {
         "FLEETROLL_TELEMETRY__DB_PATH": os.devnull,
         "FLEETROLL_MCP__WORKDIR_ROOT": str(tmp_path / "workdirs"),
+        "FLEETROLL_SERVICE_TOKEN": TOKEN,  # serve always wants one (else it makes a file)
     }
     server_argv = [sys.executable, SERVER, "http", "--size", str(200 * MB)]
     serve_argv = [sys.executable, "-m", "fleetroll", "serve", "--port", "0"]
@@ -117,7 +119,8 @@ async def test_a_200_mb_tool_answer_leaves_the_service_rss_within_100_mb_of_its_
             port = (await first_line(server.stdout, r"port (\d+)")).group(1)
             url = (await first_line(service.stderr, r"fleetroll serve: (http://\S+) ")).group(1)
             environment = {"url": f"http://127.0.0.1:{port}/mcp", "name": "big"}
-            async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as http:
                 # Warm up (imports, pools, caches), then measure the baseline.
                 warm = await batch(http, [task(f"warm-{i}", "small", environment) for i in (1, 2)])
                 baseline = memory_kb(service.pid)["VmRSS"]

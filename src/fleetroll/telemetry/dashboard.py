@@ -47,9 +47,9 @@ from starlette.routing import Route
 from fleetroll.telemetry import dashboard_panels as panel
 from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, login_route
 from fleetroll.telemetry.dashboard_panels import Panels
-from fleetroll.telemetry.queries import COST_FIELDS, COST_SUMS_SQL, QueryError, QueryResult, query
+from fleetroll.telemetry.queries import COST_FIELDS, QueryError, QueryResult, query
 from fleetroll.telemetry.sql_functions import percentile
-from fleetroll.telemetry.store import StoreError
+from fleetroll.telemetry.store import ROLLOUT_EVENTS_FROM_RECORDS, StoreError
 
 if TYPE_CHECKING:
     from pydantic import SecretStr
@@ -81,6 +81,8 @@ _SLOWEST: Final = 12
 _PROVISIONING_BINS: Final = 20
 _REWARD_BINS: Final = 10
 _STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
+#: The cost sums of :data:`queries.COST_SUMS_SQL`, over ``rollout_events``' columns.
+_COST_SUMS: Final = ", ".join(f"COALESCE(SUM({name}), 0) AS {name}" for name in COST_FIELDS)
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
@@ -123,7 +125,7 @@ def _where(since: str | None, batch: str | None) -> str:
     if since is not None:
         clauses.append("start_timestamp >= :since")
     if batch is not None:
-        clauses.append("attributes->>'batch_id' = :batch")
+        clauses.append("batch_id = :batch")
     return " AND ".join(clauses)
 
 
@@ -159,12 +161,13 @@ def _histogram(values: Sequence[float], lo: float, hi: float, bins: int) -> list
 
 def _timeline(
     run: Callable[[str, Mapping[str, Any]], QueryResult],
+    events: str,
     where: str,
     params: Mapping[str, Any],
     since: str | None,
 ) -> tuple[int, list[dict[str, Any]]]:
     (first, last), *_ = run(
-        f"SELECT MIN(start_timestamp), MAX(start_timestamp) FROM records "
+        f"SELECT MIN(start_timestamp), MAX(start_timestamp) FROM {events} "
         f"WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}",
         params,
     ).rows
@@ -179,7 +182,7 @@ def _timeline(
         SELECT CAST((julianday(start_timestamp) - 2440587.5) * 86400.0 / :width AS INTEGER),
             COUNT(*) FILTER (WHERE message = '{_STARTED}'),
             COUNT(*) FILTER (WHERE message = '{_COMPLETED}')
-        FROM records WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}
+        FROM {events} WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}
         GROUP BY 1 ORDER BY 1
         """,
         {**params, "width": width},
@@ -191,7 +194,7 @@ def _timeline(
         ((in_flight,),) = run(
             f"SELECT COUNT(*) FILTER (WHERE message = '{_STARTED}') "
             f"- COUNT(*) FILTER (WHERE message = '{_COMPLETED}') "
-            f"FROM records WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {before}",
+            f"FROM {events} WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {before}",
             params,
         ).rows
     counts = {int(bucket): (int(s), int(c)) for bucket, s, c in rows}
@@ -230,8 +233,8 @@ def snapshot(
 
         {"generated_at": iso, "since": iso|null, "batch": str|null,
          "batches": [{"batch_id", "started", "first_seen"}],      # newest first
-         "totals": {"started", "completed", "in_flight", "failed", "failed_pct",
-                    "reward_mean", "rewarded"},
+         "totals": {"started", "completed", "in_flight", "lost", "rerun", "failed",
+                    "failed_pct", "reward_mean", "rewarded"},
          "timeline": {"bucket_s", "buckets": [{"t", "started", "completed",
                       "started_total", "completed_total", "in_flight"}]},
          "failures": {"reasons": [str], "envs": [{"env", "completed", "failed",
@@ -250,7 +253,7 @@ def snapshot(
          "batch_rewards": [{"batch_id", "t", "reward_mean", "rewarded", "completed"}],
          "groups": {"groups", "uniform", "rows": [{"batch_id", "task_key", "samples",
                     "reward"}]},                          # uniform-reward groups
-         "unfinished": {"stuck_after_s", "lost", "stuck", "in_flight",
+         "unfinished": {"stuck_after_s", "lost", "rerun", "stuck", "in_flight",
                         "rows": [{"rollout_id", "batch_id", "env", "task_key", "phase",
                                   "last_event", "age_s", "instance_id", "pid",
                                   "state": "lost"|"stuck"}]},
@@ -261,7 +264,10 @@ def snapshot(
     A batch's cost totals are ``cost.total`` with ``batch`` given. The
     progress is of ``batch``, or else of the newest batch; ``totals.lost``
     counts rollouts whose process is gone (:mod:`fleetroll.telemetry.writers`),
-    which ``totals.in_flight`` leaves out. ``now`` (epoch seconds) is for tests.
+    which ``totals.in_flight`` leaves out; ``totals.rerun`` those whose lost
+    start ran again to completion (``--resume`` after a kill -9), neither
+    lost nor in flight, as ``fleetroll stats --check`` counts them. ``now``
+    (epoch seconds) is for tests.
 
     Raises:
         StoreError: there is no store at ``db``, or it cannot be read.
@@ -270,23 +276,32 @@ def snapshot(
     run = partial(query, db, timeout_s=timeout_s, dialect="sqlite")  # its own SQL, as written
     where = _where(since, batch)
     params: dict[str, Any] = {"service": service_name, "since": since, "batch": batch}
+    # The rollouts' events as small rows (no JSON to parse), unless the store
+    # predates that table: then the same columns, read from records.
+    events = (
+        "rollout_events"
+        if run(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'rollout_events'", {}
+        ).rows
+        else ROLLOUT_EVENTS_FROM_RECORDS
+    )
 
     batches = [
         {"batch_id": b, "started": int(n), "first_seen": first}
         for b, n, first in run(
-            f"SELECT attributes->>'batch_id', COUNT(*), MIN(start_timestamp) FROM records "
+            f"SELECT batch_id, COUNT(*), MIN(start_timestamp) FROM {events} "
             f"WHERE message = '{_STARTED}' AND service_name = :service "
-            "AND attributes->>'batch_id' IS NOT NULL GROUP BY 1 ORDER BY 3 DESC LIMIT 50",
+            "AND batch_id IS NOT NULL GROUP BY 1 ORDER BY 3 DESC LIMIT 50",
             params,
         ).rows
     ]
-    bucket_s, buckets = _timeline(run, where, params, since)
+    bucket_s, buckets = _timeline(run, events, where, params, since)
 
     reasons: set[str] = set()
     envs: dict[str, dict[str, Any]] = {}
     for env, reason, n in run(
-        f"SELECT COALESCE(attributes->>'env_key', '?'), attributes->>'failure_reason', COUNT(*) "
-        f"FROM records WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2 ORDER BY 1",
+        f"SELECT COALESCE(env_key, '?'), failure_reason, COUNT(*) "
+        f"FROM {events} WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2 ORDER BY 1",
         params,
     ).rows:
         entry = envs.setdefault(env, {"env": env, "completed": 0, "failed": 0, "reasons": {}})
@@ -299,9 +314,9 @@ def snapshot(
     provisioning = sorted(
         float(v)
         for (v,) in run(
-            "SELECT attributes->>'provisioning_time_s' FROM records "
+            f"SELECT provisioning_time_s FROM {events} "
             f"WHERE message = 'fleet_provisioning_completed' AND {where} "
-            "AND attributes->>'provisioning_time_s' IS NOT NULL",
+            "AND provisioning_time_s IS NOT NULL",
             params,
         ).rows
         if isinstance(v, int | float)
@@ -311,8 +326,8 @@ def snapshot(
     provisioning_bins = math.ceil(high / step) if high > 0 else 1
     rewards_by_env: dict[str, list[float]] = defaultdict(list)
     for env, reward in run(
-        f"SELECT COALESCE(attributes->>'env_key', '?'), attributes->>'reward' FROM records "
-        f"WHERE message = '{_COMPLETED}' AND {where} AND attributes->>'reward' IS NOT NULL",
+        f"SELECT COALESCE(env_key, '?'), reward FROM {events} "
+        f"WHERE message = '{_COMPLETED}' AND {where} AND reward IS NOT NULL",
         params,
     ).rows:
         if isinstance(reward, int | float):
@@ -333,9 +348,8 @@ def snapshot(
             "time": time,
         }
         for rid, task, env, duration, reason, reward, time in run(
-            "SELECT attributes->>'rollout_id', attributes->>'task_key', attributes->>'env_key', "
-            "attributes->>'duration_s' AS d, attributes->>'failure_reason', "
-            "attributes->>'reward', start_timestamp FROM records "
+            "SELECT rollout_id, task_key, env_key, duration_s AS d, failure_reason, reward, "
+            f"start_timestamp FROM {events} "
             f"WHERE message = '{_COMPLETED}' AND {where} AND d IS NOT NULL "
             "ORDER BY d DESC LIMIT :limit",
             {**params, "limit": _SLOWEST},
@@ -343,8 +357,8 @@ def snapshot(
     ]
 
     cost_envs = run(
-        f"SELECT COALESCE(attributes->>'env_key', '?') AS env, COUNT(*) AS completed, "
-        f"{COST_SUMS_SQL} FROM records WHERE message = '{_COMPLETED}' AND {where} "
+        f"SELECT COALESCE(env_key, '?') AS env, COUNT(*) AS completed, "
+        f"{_COST_SUMS} FROM {events} WHERE message = '{_COMPLETED}' AND {where} "
         "GROUP BY 1 ORDER BY 1",
         params,
     ).dicts()
@@ -354,12 +368,14 @@ def snapshot(
     failed = sum(e["failed"] for e in envs.values())
     at = datetime.now(UTC).timestamp() if now is None else now
     gaps = panel.unfinished_panel(
-        run, batch, service_name, now=at, stuck_after_s=panels.stuck_after_s
+        run, events, batch, service_name, now=at, stuck_after_s=panels.stuck_after_s
     )
     lost_by_batch = gaps.pop("lost_by_batch")
+    _forget_lost_starts(buckets, bucket_s, gaps.pop("lost_starts"))
     live = {
         "progress": panel.progress(
             run,
+            events,
             batch,
             params,
             now=at,
@@ -367,10 +383,10 @@ def snapshot(
             lost_by_batch=lost_by_batch,
         ),
         "throughput": panel.throughput(buckets, bucket_s),
-        "batch_rewards": panel.batch_rewards(run, params, since),
-        "groups": panel.uniform_groups(run, where, params),
+        "batch_rewards": panel.batch_rewards(run, events, params, since),
+        "groups": panel.uniform_groups(run, events, where, params),
         "unfinished": gaps,
-        "errors": panel.latest_errors(run, where, params, panels.errors),
+        "errors": panel.latest_errors(run, events, where, params, panels.errors),
         "admission": panel.admission(run, params, gauges),
     }
     return {
@@ -381,8 +397,9 @@ def snapshot(
         "totals": {
             "started": started,
             "completed": completed,
-            "in_flight": max(0, (buckets[-1]["in_flight"] if buckets else 0) - gaps["lost"]),
+            "in_flight": gaps["in_flight"],
             "lost": gaps["lost"],
+            "rerun": gaps["rerun"],
             "failed": failed,
             "failed_pct": 100.0 * failed / completed if completed else None,
             "reward_mean": sum(all_rewards) / len(all_rewards) if all_rewards else None,
@@ -416,6 +433,28 @@ def snapshot(
     }
 
 
+def _forget_lost_starts(
+    buckets: list[dict[str, Any]], bucket_s: int, lost_starts: Sequence[tuple[str, int]]
+) -> None:
+    """Take lost starts out of the timeline's in-flight counts, from when each was last seen.
+
+    A start whose process is gone never gets its completion: without this,
+    every rollout of a killed run stays in flight on the chart for good.
+    """
+    if not buckets:
+        return
+    first = int(_epoch(buckets[0]["t"]) // bucket_s)
+    drop = [0] * len(buckets)
+    for started_at, n in lost_starts:
+        index = max(0, int(_epoch(started_at) // bucket_s) - first)
+        if index < len(buckets):
+            drop[index] += n
+    gone = 0
+    for bucket, n in zip(buckets, drop, strict=True):
+        gone += n
+        bucket["in_flight"] = max(0, bucket["in_flight"] - gone)
+
+
 def _cost_total(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return {name: sum(e[name] for e in envs) for name in ("completed", *COST_FIELDS)}
 
@@ -432,6 +471,7 @@ def _empty(since: str | None, batch: str | None, note: str, panels: Panels) -> d
             "completed": 0,
             "in_flight": 0,
             "lost": 0,
+            "rerun": 0,
             "failed": 0,
             "failed_pct": None,
             "reward_mean": None,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import cache, partial
@@ -83,6 +82,8 @@ _REWARD_BINS: Final = 10
 _STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
 #: The cost sums of :data:`queries.COST_SUMS_SQL`, over ``rollout_events``' columns.
 _COST_SUMS: Final = ", ".join(f"COALESCE(SUM({name}), 0) AS {name}" for name in COST_FIELDS)
+#: A reward that is a number (a result's reward is a number or null).
+_REWARD: Final = "(CASE WHEN typeof(reward) IN ('integer', 'real') THEN reward END)"
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
@@ -297,19 +298,34 @@ def snapshot(
     ]
     bucket_s, buckets = _timeline(run, events, where, params, since)
 
+    # Failures, rewards and costs per env in one sweep over the completions.
     reasons: set[str] = set()
     envs: dict[str, dict[str, Any]] = {}
-    for env, reason, n in run(
-        f"SELECT COALESCE(env_key, '?'), failure_reason, COUNT(*) "
-        f"FROM {events} WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2 ORDER BY 1",
+    costs: dict[str, dict[str, Any]] = {}
+    rewarded: dict[str, list[float]] = {}  # env → [count, sum, min, max]
+    for row in run(
+        f"SELECT COALESCE(env_key, '?') AS env, failure_reason, COUNT(*) AS n, "
+        f"COUNT({_REWARD}) AS r_n, SUM({_REWARD}) AS r_sum, MIN({_REWARD}) AS r_lo, "
+        f"MAX({_REWARD}) AS r_hi, {_COST_SUMS} FROM {events} "
+        f"WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2 ORDER BY 1",
         params,
-    ).rows:
+    ).dicts():
+        env, reason, n = row["env"], row["failure_reason"], row["n"]
         entry = envs.setdefault(env, {"env": env, "completed": 0, "failed": 0, "reasons": {}})
         entry["completed"] += n
         if reason is not None:
             entry["failed"] += n
             entry["reasons"][reason] = n
             reasons.add(reason)
+        cost = costs.setdefault(env, {"env": env, "completed": 0, **dict.fromkeys(COST_FIELDS, 0)})
+        cost["completed"] += n
+        for name in COST_FIELDS:
+            cost[name] += row[name]
+        if row["r_n"]:
+            seen = rewarded.setdefault(env, [0, 0.0, row["r_lo"], row["r_hi"]])
+            seen[0] += row["r_n"]
+            seen[1] += row["r_sum"]
+            seen[2], seen[3] = min(seen[2], row["r_lo"]), max(seen[3], row["r_hi"])
 
     provisioning = sorted(
         float(v)
@@ -324,18 +340,19 @@ def snapshot(
     high = provisioning[-1] if provisioning else 0.0
     step = _nice_step(high, _PROVISIONING_BINS)
     provisioning_bins = math.ceil(high / step) if high > 0 else 1
-    rewards_by_env: dict[str, list[float]] = defaultdict(list)
-    for env, reward in run(
-        f"SELECT COALESCE(env_key, '?'), reward FROM {events} "
-        f"WHERE message = '{_COMPLETED}' AND {where} AND reward IS NOT NULL",
-        params,
-    ).rows:
-        if isinstance(reward, int | float):
-            rewards_by_env[env].append(float(reward))
-    all_rewards = [r for values in rewards_by_env.values() for r in values]
     # Rewards are usually in [0, 1]: keep that range so envs and polls compare.
-    r_lo = min([0.0, *all_rewards])
-    r_hi = max([1.0, *all_rewards])
+    r_lo = float(min([0.0, *(seen[2] for seen in rewarded.values())]))
+    r_hi = float(max([1.0, *(seen[3] for seen in rewarded.values())]))
+    r_width = (r_hi - r_lo) / _REWARD_BINS
+    reward_bins: dict[str, list[int]] = {env: [0] * _REWARD_BINS for env in rewarded}
+    for env, index, n in run(
+        f"SELECT COALESCE(env_key, '?'), MIN(:bins - 1, MAX(0, "
+        f"CAST(({_REWARD} - :lo) / :width AS INTEGER))), COUNT(*) FROM {events} "
+        f"WHERE message = '{_COMPLETED}' AND {where} AND {_REWARD} IS NOT NULL GROUP BY 1, 2",
+        {**params, "bins": _REWARD_BINS, "lo": r_lo, "width": r_width},
+    ).rows:
+        reward_bins[env][index] = n
+    rewarded_n = sum(int(seen[0]) for seen in rewarded.values())
 
     slowest = [
         {
@@ -356,12 +373,7 @@ def snapshot(
         ).rows
     ]
 
-    cost_envs = run(
-        f"SELECT COALESCE(env_key, '?') AS env, COUNT(*) AS completed, "
-        f"{_COST_SUMS} FROM {events} WHERE message = '{_COMPLETED}' AND {where} "
-        "GROUP BY 1 ORDER BY 1",
-        params,
-    ).dicts()
+    cost_envs = [costs[env] for env in sorted(costs)]
 
     started = sum(b["started"] for b in buckets)
     completed = sum(e["completed"] for e in envs.values())
@@ -402,8 +414,10 @@ def snapshot(
             "rerun": gaps["rerun"],
             "failed": failed,
             "failed_pct": 100.0 * failed / completed if completed else None,
-            "reward_mean": sum(all_rewards) / len(all_rewards) if all_rewards else None,
-            "rewarded": len(all_rewards),
+            "reward_mean": sum(seen[1] for seen in rewarded.values()) / rewarded_n
+            if rewarded_n
+            else None,
+            "rewarded": rewarded_n,
         },
         "timeline": {"bucket_s": bucket_s, "buckets": buckets},
         "failures": {"reasons": sorted(reasons), "envs": list(envs.values())},
@@ -420,11 +434,14 @@ def snapshot(
             "envs": [
                 {
                     "env": env,
-                    "count": len(values),
-                    "mean": sum(values) / len(values),
-                    "bins": _histogram(values, r_lo, r_hi, _REWARD_BINS),
+                    "count": int(count),
+                    "mean": total / count,
+                    "bins": [
+                        [r_lo + i * r_width, r_lo + (i + 1) * r_width, n]
+                        for i, n in enumerate(reward_bins[env])
+                    ],
                 }
-                for env, values in sorted(rewards_by_env.items())
+                for env, (count, total, _, _) in sorted(rewarded.items())
             ]
         },
         "slowest": slowest,

@@ -280,7 +280,8 @@ def unfinished_panel(
 
 
 def _reruns(run: Run, events: str, batch: str | None, service_name: str) -> int:
-    source = f"{events} INDEXED BY rollout_events_rollout" if events == "rollout_events" else events
+    whole = events == "rollout_events" and batch is None  # as in writers.unfinished
+    source = f"{events} INDEXED BY rollout_events_rollout" if whole else events
     pick = "AND batch_id = :batch" if batch is not None else ""
     ((n,),) = run(
         f"SELECT COUNT(*) FROM (SELECT 1 FROM {source} WHERE service_name = :service "

@@ -178,9 +178,11 @@ def unfinished(
     params = {"service": service_name, "batch": batch_id, "limit": _MAX_UNFINISHED}
     found: dict[str, Unfinished] = {}
     first_write: dict[Writer, float] = {}
-    # The counts per rollout come from the covering index alone; left to itself,
-    # SQLite reads every row through the message index instead, three times slower.
-    source = f"{events} INDEXED BY rollout_events_rollout" if events == "rollout_events" else events
+    # Over the whole store the counts per rollout come from the covering index
+    # alone; left to itself, SQLite reads every row instead, three times slower.
+    # One batch's rows are few: found through its own index.
+    whole = events == "rollout_events" and batch_id is None
+    source = f"{events} INDEXED BY rollout_events_rollout" if whole else events
     gaps = _UNFINISHED_SQL.replace("{batch}", batch).replace("{events}", source)
     for rid, message, at, pid, instance, host, iid, bid, env, task in run(
         _EVENTS_SQL.replace("{unfinished}", gaps), params

@@ -26,7 +26,7 @@ def _fill(conn: sqlite3.Connection) -> None:
                 "fleet_rollout_completed",
                 n=2 * i + 2,
                 **base,
-                reward=None if failed else float(i % 2),
+                reward=None if failed else (1.5 if i == 3 else float(i % 2)),
                 failure_reason="tool_failure" if failed else None,
                 error_message="the tool failed" if failed else None,
                 duration_s=i + 1.0,

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from functools import cache, partial
@@ -84,6 +85,8 @@ _STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
 _COST_SUMS: Final = ", ".join(f"COALESCE(SUM({name}), 0) AS {name}" for name in COST_FIELDS)
 #: A reward that is a number (a result's reward is a number or null).
 _REWARD: Final = "(CASE WHEN typeof(reward) IN ('integer', 'real') THEN reward END)"
+#: Its histogram bin: ``:bins`` bins of ``:width`` from ``:lo`` (the last one closed).
+_BIN: Final = f"MIN(:bins - 1, MAX(0, CAST(({_REWARD} - :lo) / :width AS INTEGER)))"
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
@@ -167,11 +170,14 @@ def _timeline(
     params: Mapping[str, Any],
     since: str | None,
 ) -> tuple[int, list[dict[str, Any]]]:
-    (first, last), *_ = run(
-        f"SELECT MIN(start_timestamp), MAX(start_timestamp) FROM {events} "
-        f"WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}",
-        params,
-    ).rows
+    # One MIN or MAX per event name: each a step down rollout_events' key, where
+    # the two names at once would read every row.
+    ends = " UNION ALL ".join(
+        f"SELECT {f}(start_timestamp) AS t FROM {events} WHERE message = '{m}' AND {where}"
+        for m in (_STARTED, _COMPLETED)
+        for f in ("MIN", "MAX")
+    )
+    (first, last), *_ = run(f"SELECT MIN(t), MAX(t) FROM ({ends})", params).rows
     if first is None:
         return 1, []
     start, end = _epoch(first), _epoch(last)
@@ -298,25 +304,29 @@ def snapshot(
     ]
     bucket_s, buckets = _timeline(run, events, where, params, since)
 
-    # Failures, rewards and costs per env in one sweep over the completions.
+    # Failures, rewards (binned as if in [0, 1]) and costs per env in one sweep
+    # over the completions.
     reasons: set[str] = set()
     envs: dict[str, dict[str, Any]] = {}
     costs: dict[str, dict[str, Any]] = {}
     rewarded: dict[str, list[float]] = {}  # env → [count, sum, min, max]
+    unit_bins: dict[str, list[int]] = defaultdict(lambda: [0] * _REWARD_BINS)
     for row in run(
-        f"SELECT COALESCE(env_key, '?') AS env, failure_reason, COUNT(*) AS n, "
+        f"SELECT COALESCE(env_key, '?') AS env, failure_reason, {_BIN} AS bin, COUNT(*) AS n, "
         f"COUNT({_REWARD}) AS r_n, SUM({_REWARD}) AS r_sum, MIN({_REWARD}) AS r_lo, "
         f"MAX({_REWARD}) AS r_hi, {_COST_SUMS} FROM {events} "
-        f"WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2 ORDER BY 1",
-        params,
+        f"WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2, 3 ORDER BY 1",
+        {**params, "bins": _REWARD_BINS, "lo": 0.0, "width": 1.0 / _REWARD_BINS},
     ).dicts():
         env, reason, n = row["env"], row["failure_reason"], row["n"]
         entry = envs.setdefault(env, {"env": env, "completed": 0, "failed": 0, "reasons": {}})
         entry["completed"] += n
         if reason is not None:
             entry["failed"] += n
-            entry["reasons"][reason] = n
+            entry["reasons"][reason] = entry["reasons"].get(reason, 0) + n
             reasons.add(reason)
+        if row["bin"] is not None:
+            unit_bins[env][row["bin"]] += row["r_n"]
         cost = costs.setdefault(env, {"env": env, "completed": 0, **dict.fromkeys(COST_FIELDS, 0)})
         cost["completed"] += n
         for name in COST_FIELDS:
@@ -344,14 +354,15 @@ def snapshot(
     r_lo = float(min([0.0, *(seen[2] for seen in rewarded.values())]))
     r_hi = float(max([1.0, *(seen[3] for seen in rewarded.values())]))
     r_width = (r_hi - r_lo) / _REWARD_BINS
-    reward_bins: dict[str, list[int]] = {env: [0] * _REWARD_BINS for env in rewarded}
-    for env, index, n in run(
-        f"SELECT COALESCE(env_key, '?'), MIN(:bins - 1, MAX(0, "
-        f"CAST(({_REWARD} - :lo) / :width AS INTEGER))), COUNT(*) FROM {events} "
-        f"WHERE message = '{_COMPLETED}' AND {where} AND {_REWARD} IS NOT NULL GROUP BY 1, 2",
-        {**params, "bins": _REWARD_BINS, "lo": r_lo, "width": r_width},
-    ).rows:
-        reward_bins[env][index] = n
+    reward_bins = {env: unit_bins[env] for env in rewarded}
+    if (r_lo, r_hi) != (0.0, 1.0):  # rewards beyond [0, 1]: bin them again over their range
+        reward_bins = {env: [0] * _REWARD_BINS for env in rewarded}
+        for env, index, n in run(
+            f"SELECT COALESCE(env_key, '?'), {_BIN}, COUNT(*) FROM {events} "
+            f"WHERE message = '{_COMPLETED}' AND {where} AND {_REWARD} IS NOT NULL GROUP BY 1, 2",
+            {**params, "bins": _REWARD_BINS, "lo": r_lo, "width": r_width},
+        ).rows:
+            reward_bins[env][index] = n
     rewarded_n = sum(int(seen[0]) for seen in rewarded.values())
 
     slowest = [

@@ -182,6 +182,9 @@ SCHEMA: Final = (
     )
     + f",\n    PRIMARY KEY ({', '.join(_ROLLOUT_KEY)})\n) WITHOUT ROWID;\n"
     "CREATE INDEX IF NOT EXISTS rollout_events_batch ON rollout_events (batch_id, message);\n"
+    # Covers the GRPO groups' reward spread (the dashboard's uniform groups).
+    "CREATE INDEX IF NOT EXISTS rollout_events_groups"
+    " ON rollout_events (message, service_name, batch_id, task_key, reward);\n"
     # With the key, covers the count of starts and completions per rollout
     # (lost, re-run, in flight).
     "CREATE INDEX IF NOT EXISTS rollout_events_rollout ON rollout_events (rollout_id);\n"

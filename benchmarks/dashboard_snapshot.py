@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import sqlite3
@@ -224,11 +225,17 @@ def main() -> None:
             count = fill(db, args.records)
             print(f"filled {db}: {count} records in {time.perf_counter() - began:.1f} s")
         else:
+            began = time.perf_counter()
             conn = connect(db)  # also brings an older store's schema up to date
+            opened = time.perf_counter() - began
             (count,) = conn.execute("SELECT COUNT(*) FROM records").fetchone()
             conn.close()
-            print(f"store {db}: {count} records")
-        print(f"machine: {platform.node()} {platform.machine()} python {platform.python_version()}")
+            print(f"store {db}: {count} records (opened for writing in {opened:.1f} s)")
+        print(
+            f"machine: {platform.machine()}, {os.cpu_count()} CPUs, python "
+            f"{platform.python_version()}, sqlite {sqlite3.sqlite_version}, "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
         if args.plan:
             from fleetroll.telemetry import dashboard, dashboard_panels
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from telemetry_helpers import insert_event
 
 from fleetroll.telemetry.dashboard import snapshot
+from fleetroll.telemetry.sql_functions import percentile
 from fleetroll.telemetry.store import SCHEMA_VERSION, connect
 
 
@@ -64,6 +65,12 @@ def test_a_store_from_before_rollout_events_is_read_alike_and_filled_when_opened
     assert after["totals"]["completed"] == 5 and after["totals"]["failed"] == 1
     assert after["cost"]["total"]["instance_s"] == 10.0
     assert after["errors"][0]["message"] == "the tool failed"
+    # Ranked and binned in SQL as percentile() and the histogram did in Python.
+    times = after["provisioning"]  # 0.5, 1.5, ... 5.5 s
+    assert (times["count"], times["max_s"]) == (6, 5.5)
+    assert times["p50_s"] == percentile([i + 0.5 for i in range(6)], 0.5) == 3.0
+    assert times["p95_s"] == percentile([i + 0.5 for i in range(6)], 0.95) == 5.25
+    assert sum(n for _, _, n in times["bins"]) == 6 and times["bins"][-1][1] >= 5.5
 
 
 def test_records_written_to_a_new_store_reach_rollout_events_at_once(tmp_path: Path) -> None:

@@ -48,7 +48,6 @@ from fleetroll.telemetry import dashboard_panels as panel
 from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, login_route
 from fleetroll.telemetry.dashboard_panels import Panels
 from fleetroll.telemetry.queries import COST_FIELDS, QueryError, QueryResult, query
-from fleetroll.telemetry.sql_functions import percentile
 from fleetroll.telemetry.store import ROLLOUT_EVENTS_FROM_RECORDS, StoreError
 
 if TYPE_CHECKING:
@@ -85,6 +84,10 @@ _STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
 _COST_SUMS: Final = ", ".join(f"COALESCE(SUM({name}), 0) AS {name}" for name in COST_FIELDS)
 #: A reward that is a number (a result's reward is a number or null).
 _REWARD: Final = "(CASE WHEN typeof(reward) IN ('integer', 'real') THEN reward END)"
+#: A provisioning time that is a number.
+_PROVISIONED: Final = (
+    "(CASE WHEN typeof(provisioning_time_s) IN ('integer', 'real') THEN provisioning_time_s END)"
+)
 #: Its histogram bin: ``:bins`` bins of ``:width`` from ``:lo`` (the last one closed).
 _BIN: Final = f"MIN(:bins - 1, MAX(0, CAST(({_REWARD} - :lo) / :width AS INTEGER)))"
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
@@ -337,19 +340,7 @@ def snapshot(
             seen[1] += row["r_sum"]
             seen[2], seen[3] = min(seen[2], row["r_lo"]), max(seen[3], row["r_hi"])
 
-    provisioning = sorted(
-        float(v)
-        for (v,) in run(
-            f"SELECT provisioning_time_s FROM {events} "
-            f"WHERE message = 'fleet_provisioning_completed' AND {where} "
-            "AND provisioning_time_s IS NOT NULL",
-            params,
-        ).rows
-        if isinstance(v, int | float)
-    )
-    high = provisioning[-1] if provisioning else 0.0
-    step = _nice_step(high, _PROVISIONING_BINS)
-    provisioning_bins = math.ceil(high / step) if high > 0 else 1
+    provisioning = _provisioning(run, events, where, params)
     # Rewards are usually in [0, 1]: keep that range so envs and polls compare.
     r_lo = float(min([0.0, *(seen[2] for seen in rewarded.values())]))
     r_hi = float(max([1.0, *(seen[3] for seen in rewarded.values())]))
@@ -432,15 +423,7 @@ def snapshot(
         },
         "timeline": {"bucket_s": bucket_s, "buckets": buckets},
         "failures": {"reasons": sorted(reasons), "envs": list(envs.values())},
-        "provisioning": {
-            "count": len(provisioning),
-            "p50_s": percentile(provisioning, 0.50),
-            "p95_s": percentile(provisioning, 0.95),
-            "max_s": high if provisioning else None,
-            "bins": _histogram(provisioning, 0.0, provisioning_bins * step, provisioning_bins)
-            if provisioning
-            else [],
-        },
+        "provisioning": provisioning,
         "rewards": {
             "envs": [
                 {
@@ -458,6 +441,58 @@ def snapshot(
         "slowest": slowest,
         "cost": {"envs": cost_envs, "total": _cost_total(cost_envs)},
         **live,
+    }
+
+
+def _provisioning(
+    run: Callable[[str, Mapping[str, Any]], QueryResult],
+    events: str,
+    where: str,
+    params: Mapping[str, Any],
+) -> dict[str, Any]:
+    """How long instances took to be ready: count, p50, p95, max and a histogram.
+
+    Counted, ranked and binned in SQL: a long run has a provisioning time per
+    rollout, too many to carry into Python at every poll.
+    """
+    of = f"FROM {events} WHERE message = 'fleet_provisioning_completed' AND {where}"
+    ((count, high),) = run(f"SELECT COUNT({_PROVISIONED}), MAX({_PROVISIONED}) {of}", params).rows
+    if not count:
+        return {"count": 0, "p50_s": None, "p95_s": None, "max_s": None, "bins": []}
+    # As percentile(): linear interpolation between the two closest ranks.
+    ranks = {}
+    for q in (0.50, 0.95):
+        position = (count - 1) * q
+        ranks[q] = (position, math.floor(position), math.ceil(position))
+    numbers = "typeof(provisioning_time_s) IN ('integer', 'real')"
+    at: dict[int, float] = {}
+    for _, low, up in ranks.values():  # a walk down the index to each rank
+        values = run(
+            f"SELECT provisioning_time_s {of} AND {numbers} "
+            "ORDER BY provisioning_time_s LIMIT :n OFFSET :low",
+            {**params, "n": up - low + 1, "low": low},
+        ).rows
+        at |= {low + i: v for i, (v,) in enumerate(values)}
+    quantiles = {
+        q: at[low] + (at[up] - at[low]) * (position - low)
+        for q, (position, low, up) in ranks.items()
+    }
+    step = _nice_step(high, _PROVISIONING_BINS)
+    bins = math.ceil(high / step) if high > 0 else 1
+    width = bins * step / bins  # as _histogram() divides its range
+    counts = [0] * bins
+    for index, n in run(
+        f"SELECT MIN(:bins - 1, MAX(0, CAST({_PROVISIONED} / :width AS INTEGER))), COUNT(*) "
+        f"{of} AND {_PROVISIONED} IS NOT NULL GROUP BY 1",
+        {**params, "bins": bins, "width": width},
+    ).rows:
+        counts[index] = n
+    return {
+        "count": count,
+        "p50_s": float(quantiles[0.50]),
+        "p95_s": float(quantiles[0.95]),
+        "max_s": float(high),
+        "bins": [[i * width, (i + 1) * width, n] for i, n in enumerate(counts)],
     }
 
 

@@ -182,6 +182,9 @@ SCHEMA: Final = (
     )
     + f",\n    PRIMARY KEY ({', '.join(_ROLLOUT_KEY)})\n) WITHOUT ROWID;\n"
     "CREATE INDEX IF NOT EXISTS rollout_events_batch ON rollout_events (batch_id, message);\n"
+    # Ranks provisioning times (the dashboard's p50 and p95).
+    "CREATE INDEX IF NOT EXISTS rollout_events_provisioning"
+    " ON rollout_events (message, service_name, provisioning_time_s);\n"
     # Covers the GRPO groups' reward spread (the dashboard's uniform groups).
     "CREATE INDEX IF NOT EXISTS rollout_events_groups"
     " ON rollout_events (message, service_name, batch_id, task_key, reward);\n"

@@ -320,6 +320,9 @@ async def _watch_signals(
 #: finished ones is overdue: it may take any time yet (a hung create, a stuck
 #: tool), so the ETA becomes a lower bound, or unknown when they dominate.
 _OVERDUE_FACTOR = 2.0
+#: Until this many rollout durations have passed, the batch is still filling its
+#: slots and the completions so far say little about its pace (see :func:`_eta_s`).
+_RAMP_DURATIONS = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,6 +346,8 @@ class Progress:
     concurrency: int = 0
     mean_s: float | None = None  # mean duration of the finished rollouts
     overdue: int = 0  # in flight for over _OVERDUE_FACTOR x mean_s
+    age_s: float | None = None  # mean age of the rollouts in flight
+    first_done_s: float | None = None  # seconds from the start to the first one finished
 
     @property
     def finished(self) -> int:
@@ -352,17 +357,24 @@ class Progress:
 class _Watch:
     """Looks at a batch now and then; remembers when each rollout started."""
 
-    def __init__(self, batch: RunningBatch, concurrency: int) -> None:
+    def __init__(self, batch: RunningBatch, concurrency: int, started: float = 0.0) -> None:
         self._batch = batch
         self._concurrency = concurrency
         self._started: dict[str, float] = {}
+        self._since = started
+        self._first_done: float | None = None
 
     def look(self, now: float) -> Progress:
         batch = self._batch
         if not isinstance(batch, Batch):
             c = batch.counts()
             return Progress(
-                total=c.total, done=c.done, failed=c.failed, in_flight=c.running, queued=c.queued
+                total=c.total,
+                done=c.done,
+                failed=c.failed,
+                in_flight=c.running,
+                queued=c.queued,
+                first_done_s=self._first_seen(now, c.done + c.failed),
             )
         phases: Counter[Phase] = Counter()
         durations: list[float] = []
@@ -379,6 +391,8 @@ class _Watch:
                 ages.append(now - self._started.setdefault(rollout.ids.rollout_id, now))
         mean = statistics.fmean(durations) if durations else None
         return Progress(
+            age_s=statistics.fmean(ages) if ages else None,
+            first_done_s=self._first_seen(now, len(durations)),
             total=batch.total,
             done=len(durations) - failed,
             failed=failed,
@@ -393,6 +407,11 @@ class _Watch:
             overdue=0 if mean is None else sum(a > _OVERDUE_FACTOR * mean for a in ages),
         )
 
+    def _first_seen(self, now: float, finished: int) -> float | None:
+        if self._first_done is None and finished:
+            self._first_done = now - self._since
+        return self._first_done
+
 
 def _duration(seconds: float) -> str:
     s = round(seconds)
@@ -403,13 +422,39 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def _eta(p: Progress, elapsed: float) -> str:
+def _eta_s(p: Progress, elapsed: float) -> float | None:
+    """Seconds until the batch is done, by the pace it keeps; None: no pace yet.
+
+    While the batch fills its slots (before ``_RAMP_DURATIONS`` rollout
+    durations have passed) the completions so far are the fastest few and
+    the time before any could finish weighs on any rate taken from them, so
+    the pace comes from Little's law instead: ``in_flight`` rollouts, each in
+    flight for about ``w`` seconds, finish ``in_flight / w`` a second. ``w``
+    is the mean duration of those finished, or the mean age of those in
+    flight when that is longer (they have not finished yet). After that, the
+    pace is the completions' rate since the first one.
+    """
     left = p.total - p.finished
     if left <= 0:
-        return "ETA 0s"
+        return 0.0
     if p.finished == 0 or elapsed <= 0:
+        return None
+    w = max(p.mean_s or 0.0, p.age_s or 0.0)
+    if p.mean_s is not None and p.in_flight and elapsed < _RAMP_DURATIONS * w:
+        return left * w / p.in_flight
+    since = elapsed - (p.first_done_s or 0.0)
+    rate = p.finished / since if since >= w and since > 0 else p.finished / elapsed
+    return left / rate
+
+
+def _eta(p: Progress, elapsed: float) -> str:
+    seconds = _eta_s(p, elapsed)
+    if seconds == 0.0:
+        return "ETA 0s"
+    if seconds is None:
         return "ETA ?"  # no rate to go by yet
-    estimate = _duration(left * elapsed / p.finished)
+    left = p.total - p.finished
+    estimate = _duration(seconds)
     if p.overdue and 2 * p.overdue >= left:
         return f"ETA ? ({p.overdue} overdue)"
     if p.overdue:
@@ -417,36 +462,52 @@ def _eta(p: Progress, elapsed: float) -> str:
     return f"ETA {estimate}"
 
 
-def _describe(p: Progress, elapsed: float) -> str:
+#: The live line's parts, most important first: on a narrow terminal the
+#: last ones go first (see :func:`_describe`).
+_KEEP_FIRST = ("done", "eta", "failed", "rate", "acting", "in_flight", "queued",
+               "provisioning", "waiting", "finishing")  # fmt: skip
+
+
+def _describe(p: Progress, elapsed: float, width: int | None = None) -> str:
+    """The live line; with ``width``, the least important parts left out until it fits."""
     rate = p.finished / elapsed if elapsed > 0 else 0.0
-    parts = [f"{p.finished}/{p.total} done"]
+    parts = {"done": f"{p.finished}/{p.total} done"}
     if p.acting is None:
-        parts.append(f"{p.in_flight} in flight")
+        parts["in_flight"] = f"{p.in_flight} in flight"
     else:
-        parts += [
-            f"{p.acting} acting (max {p.concurrency})",
-            f"{p.finishing} finishing",
-            f"{p.provisioning} provisioning",
-            f"{p.waiting} waiting for a slot",
-            f"{p.queued} queued",
-        ]
-    parts += [f"{p.failed} failed", f"{rate:.1f}/s", _eta(p, elapsed)]
-    return " · ".join(parts)
+        parts |= {
+            "acting": f"{p.acting} acting (max {p.concurrency})",
+            "finishing": f"{p.finishing} finishing",
+            "provisioning": f"{p.provisioning} provisioning",
+            "waiting": f"{p.waiting} waiting for a slot",
+            "queued": f"{p.queued} queued",
+        }
+    parts |= {"failed": f"{p.failed} failed", "rate": f"{rate:.1f}/s", "eta": _eta(p, elapsed)}
+    shown = list(parts)
+    line = " · ".join(parts.values())
+    for name in reversed(_KEEP_FIRST):
+        if width is None or len(line) <= width or len(shown) == 1:
+            break
+        if name in shown:
+            shown.remove(name)
+            line = " · ".join(parts[n] for n in shown)
+    return line
 
 
 async def _show_progress(
     batch: RunningBatch, console: Console, started: float, settings: Settings
 ) -> None:
-    watch = _Watch(batch, settings.pool.concurrency)
+    watch = _Watch(batch, settings.pool.concurrency, started)
 
-    def line() -> str:
+    def line(width: int | None = None) -> str:
         now = time.monotonic()
-        return _describe(watch.look(now), now - started)
+        return _describe(watch.look(now), now - started, width)
 
     if console.is_terminal:
         with console.status("starting…") as status:
             while not batch.finished.is_set():
-                status.update(line())
+                # One line beside the spinner: cut by importance, never mid-word at the end.
+                status.update(line(console.width - 2))
                 await anyio.sleep(_LIVE_EVERY_S)
         return
     printed = time.monotonic()
@@ -513,13 +574,17 @@ def print_report(report: JobReport, console: Console, settings: Settings | None 
     """The closing table, the batch's totals, and where results and telemetry went."""
     console.print(summary_table(report.results))
     console.print(cost_table(report.results))
-    failed = [r for r in report.results if r.status == "failed"]
+    # A cancelled rollout (Ctrl-C, an early stop) did not fail: it was not let finish.
+    ran = [r for r in report.results if r.failure_reason is not FailureReason.CANCELLED]
+    cancelled = len(report.results) - len(ran)
+    failed = [r for r in ran if r.status == "failed"]
     common = Counter(r.error for r in failed).most_common(1)
-    if failed and len(failed) == len(report.results) and common:
+    if failed and len(failed) == len(ran) and common:
         # Every rollout failed, most often in one way: say it plainly (a wrong
         # API key or an unknown environment looks like this).
         error, count = common[0]
-        console.print(f"fleetroll: every rollout failed; {count} of them with: {error}")
+        every = "every rollout that ran to its end" if cancelled else "every rollout"
+        console.print(f"fleetroll: {every} failed; {count} of them with: {error}")
     if report.stopped is not None:
         console.print(f"fleetroll: stopped early: {report.stopped}")
     new = len(report.results) - report.resumed
@@ -527,10 +592,11 @@ def print_report(report: JobReport, console: Console, settings: Settings | None 
     console.print(
         f"fleetroll: batch {report.batch_id}: {len(report.results)} results "
         f"({new} this run, {rate:.1f}/s over {report.elapsed_s:.1f}s)"
+        + (f", {cancelled} cancelled" if cancelled else "")
         + (
             " — interrupted: unfinished rollouts were cancelled; --resume runs them"
             if report.interrupted
-            else ""
+            else (" (--resume runs them)" if cancelled else "")
         )
     )
     if report.journal is not None:

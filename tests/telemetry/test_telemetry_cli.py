@@ -121,7 +121,7 @@ def test_stats_prints_a_table_and_json_per_environment(filled: Path) -> None:
     assert "ledger:v1" in out and "init_error" in out and "tool_use" in out
     code, out, _ = invoke("stats", "--db", str(filled), "--json", "--batch", "b1")
     [row] = json.loads(out)
-    assert (row["started"], row["completed"], row["failed"]) == (2, 2, 1)
+    assert (row["started"], row["rollouts"], row["completed"], row["failed"]) == (2, 2, 1, 1)
     assert row["failure_reasons"] == {"init_error": 1} and row["reward_mean"] == 1.0
     assert row["provisioning_p50_s"] == row["provisioning_p95_s"] == 1.5
 

@@ -123,10 +123,16 @@ async def test_fleets_dashboard_query_counts_a_chaos_batch_cancelled_halfway(
     assert verdict.ok, verdict.describe()
     assert verdict.rollouts == len(started)
     [row] = stats(db, "chaos")
-    assert row["started"] == row["completed"] == len(started)
+    ran = [r for r in results if r.rollout_id in started]
+    assert row["started"] == row["rollouts"] == len(started)
+    # As the results say: completed without a failure; failed; cancelled apart.
+    assert row["completed"] == sum(1 for r in ran if r.status == "completed")
     assert row["failure_reasons"]["init_error"] == reasons[FailureReason.INIT_ERROR]
+    assert row["cancelled"] == sum(1 for r in ran if r.failure_reason is FailureReason.CANCELLED)
     assert row["failed"] == sum(
-        1 for r in results if r.rollout_id in started and r.failure_reason is not None
+        1
+        for r in ran
+        if r.failure_reason is not None and r.failure_reason is not FailureReason.CANCELLED
     )
     assert row["provisioning_p50_s"] <= row["provisioning_p95_s"]
     scored = [r.reward for r in results if r.rollout_id in started and r.reward is not None]
@@ -213,7 +219,8 @@ def test_stats_group_by_env_version_and_modality_with_percentiles(
     by_env = {row["env_key"]: row for row in stats(db)}
     ledger = by_env["ledger"]
     assert (ledger["env_version"], ledger["modality"]) == ("v1", "tool_use")
-    assert (ledger["started"], ledger["completed"], ledger["failed"]) == (10, 10, 3)
+    assert (ledger["started"], ledger["rollouts"]) == (10, 10)
+    assert (ledger["completed"], ledger["failed"], ledger["cancelled"]) == (7, 3, 0)
     assert ledger["failure_reasons"] == {"timeout": 2, "verifier_error": 1}
     assert ledger["reward_mean"] == pytest.approx(sum(n / 10 for n in range(1, 10)) / 9)
     assert ledger["provisioning_p50_s"] == pytest.approx(5.5)

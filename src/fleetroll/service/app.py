@@ -586,7 +586,7 @@ def create_app(service: Service) -> ASGIApp:
     dashboard = dashboard_routes(
         s.telemetry.db_path,
         query_timeout_s=s.service.query_timeout_s,
-        limiter=service._queries,
+        # Its own threads: an open dashboard never takes a /v1/query slot.
         panels=dashboard_panels(s),
         gauges=lambda: asdict(service.batch_pool.admission.state()),
         token=s.service_token,

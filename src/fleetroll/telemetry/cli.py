@@ -179,9 +179,29 @@ def _print_schema(fmt: str) -> None:
     _print_rows(result.columns, result.rows, fmt)
 
 
+def _json_columns() -> frozenset[str]:
+    from fleetroll.telemetry.queries import COLUMN_NOTES
+
+    return frozenset(name for name, (kind, _) in COLUMN_NOTES.items() if kind == "json")
+
+
+def _decoded(column: str, value: Any, json_columns: frozenset[str]) -> Any:
+    """A JSON column's text (``attributes``, ``tags``...) as the object it holds."""
+    if column in json_columns and isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    return value
+
+
 def _print_rows(columns: Sequence[str], rows: Sequence[Sequence[Any]], fmt: str) -> None:
     if fmt == "json":
-        records = [dict(zip(columns, row, strict=True)) for row in rows]
+        json_columns = _json_columns()
+        records = [
+            {c: _decoded(c, v, json_columns) for c, v in zip(columns, row, strict=True)}
+            for row in rows
+        ]
         click.echo(json.dumps(records, indent=2, default=str))
     elif fmt == "csv":
         writer = csv.writer(sys.stdout, lineterminator="\n")
@@ -254,7 +274,7 @@ def query(
     service.query_max_bytes of values; past either, the answer is cut short
     and a note on stderr says so. The table cuts long values to one line
     (…) and shows wide rows one column per line; --json and --csv give
-    every value whole.
+    every value whole (--json: JSON columns such as attributes as objects).
     """
     if show_schema:
         _print_schema(fmt)
@@ -418,10 +438,10 @@ def _print_costs(
     """The results' ``cost`` summed per environment (with a total) and per batch."""
     from fleetroll.telemetry.queries import COST_FIELDS
 
-    per_env = [[_env_name(row), row["completed"], *_cost_cells(row)] for row in rows]
+    per_env = [[_env_name(row), row["rollouts"], *_cost_cells(row)] for row in rows]
     if len(rows) > 1:
         total = {name: sum(row[name] for row in rows) for name in COST_FIELDS}
-        per_env.append(["total", sum(row["completed"] for row in rows), *_cost_cells(total)])
+        per_env.append(["total", sum(row["rollouts"] for row in rows), *_cost_cells(total)])
     suffix = f" (batch {batch_id})" if batch_id else ""
     _print_table(
         ["env", "rollouts", *_COST_HEADINGS], per_env, title="cost by environment" + suffix

@@ -47,9 +47,8 @@ from starlette.routing import Route
 from fleetroll.telemetry import dashboard_panels as panel
 from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, login_route
 from fleetroll.telemetry.dashboard_panels import Panels
-from fleetroll.telemetry.queries import COST_FIELDS, COST_SUMS_SQL, QueryError, QueryResult, query
-from fleetroll.telemetry.sql_functions import percentile
-from fleetroll.telemetry.store import StoreError
+from fleetroll.telemetry.queries import COST_FIELDS, QueryError, QueryResult, query
+from fleetroll.telemetry.store import ROLLOUT_EVENTS_FROM_RECORDS, StoreError
 
 if TYPE_CHECKING:
     from pydantic import SecretStr
@@ -81,6 +80,16 @@ _SLOWEST: Final = 12
 _PROVISIONING_BINS: Final = 20
 _REWARD_BINS: Final = 10
 _STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
+#: The cost sums of :data:`queries.COST_SUMS_SQL`, over ``rollout_events``' columns.
+_COST_SUMS: Final = ", ".join(f"COALESCE(SUM({name}), 0) AS {name}" for name in COST_FIELDS)
+#: A reward that is a number (a result's reward is a number or null).
+_REWARD: Final = "(CASE WHEN typeof(reward) IN ('integer', 'real') THEN reward END)"
+#: A provisioning time that is a number.
+_PROVISIONED: Final = (
+    "(CASE WHEN typeof(provisioning_time_s) IN ('integer', 'real') THEN provisioning_time_s END)"
+)
+#: Its histogram bin: ``:bins`` bins of ``:width`` from ``:lo`` (the last one closed).
+_BIN: Final = f"MIN(:bins - 1, MAX(0, CAST(({_REWARD} - :lo) / :width AS INTEGER)))"
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd])\s*$")
 _UNITS: Final = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}
 
@@ -128,7 +137,7 @@ def _where(since: str | None, batch: str | None) -> str:
     if since is not None:
         clauses.append("start_timestamp >= :since")
     if batch is not None:
-        clauses.append("attributes->>'batch_id' = :batch")
+        clauses.append("batch_id = :batch")
     return " AND ".join(clauses)
 
 
@@ -164,15 +173,19 @@ def _histogram(values: Sequence[float], lo: float, hi: float, bins: int) -> list
 
 def _timeline(
     run: Callable[[str, Mapping[str, Any]], QueryResult],
+    events: str,
     where: str,
     params: Mapping[str, Any],
     since: str | None,
 ) -> tuple[int, list[dict[str, Any]]]:
-    (first, last), *_ = run(
-        f"SELECT MIN(start_timestamp), MAX(start_timestamp) FROM records "
-        f"WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}",
-        params,
-    ).rows
+    # One MIN or MAX per event name: each a step down rollout_events' key, where
+    # the two names at once would read every row.
+    ends = " UNION ALL ".join(
+        f"SELECT {f}(start_timestamp) AS t FROM {events} WHERE message = '{m}' AND {where}"
+        for m in (_STARTED, _COMPLETED)
+        for f in ("MIN", "MAX")
+    )
+    (first, last), *_ = run(f"SELECT MIN(t), MAX(t) FROM ({ends})", params).rows
     if first is None:
         return 1, []
     start, end = _epoch(first), _epoch(last)
@@ -184,7 +197,7 @@ def _timeline(
         SELECT CAST((julianday(start_timestamp) - 2440587.5) * 86400.0 / :width AS INTEGER),
             COUNT(*) FILTER (WHERE message = '{_STARTED}'),
             COUNT(*) FILTER (WHERE message = '{_COMPLETED}')
-        FROM records WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}
+        FROM {events} WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {where}
         GROUP BY 1 ORDER BY 1
         """,
         {**params, "width": width},
@@ -196,7 +209,7 @@ def _timeline(
         ((in_flight,),) = run(
             f"SELECT COUNT(*) FILTER (WHERE message = '{_STARTED}') "
             f"- COUNT(*) FILTER (WHERE message = '{_COMPLETED}') "
-            f"FROM records WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {before}",
+            f"FROM {events} WHERE message IN ('{_STARTED}', '{_COMPLETED}') AND {before}",
             params,
         ).rows
     counts = {int(bucket): (int(s), int(c)) for bucket, s, c in rows}
@@ -235,8 +248,8 @@ def snapshot(
 
         {"generated_at": iso, "since": iso|null, "batch": str|null,
          "batches": [{"batch_id", "started", "first_seen"}],      # newest first
-         "totals": {"started", "completed", "in_flight", "failed", "failed_pct",
-                    "reward_mean", "rewarded"},
+         "totals": {"started", "completed", "in_flight", "lost", "rerun", "failed",
+                    "failed_pct", "reward_mean", "rewarded"},
          "timeline": {"bucket_s", "buckets": [{"t", "started", "completed",
                       "started_total", "completed_total", "in_flight"}]},
          "failures": {"reasons": [str], "envs": [{"env", "completed", "failed",
@@ -255,7 +268,7 @@ def snapshot(
          "batch_rewards": [{"batch_id", "t", "reward_mean", "rewarded", "completed"}],
          "groups": {"groups", "uniform", "rows": [{"batch_id", "task_key", "samples",
                     "reward"}]},                          # uniform-reward groups
-         "unfinished": {"stuck_after_s", "lost", "stuck", "in_flight",
+         "unfinished": {"stuck_after_s", "lost", "rerun", "stuck", "in_flight",
                         "rows": [{"rollout_id", "batch_id", "env", "task_key", "phase",
                                   "last_event", "age_s", "instance_id", "pid",
                                   "state": "lost"|"stuck"}]},
@@ -266,7 +279,10 @@ def snapshot(
     A batch's cost totals are ``cost.total`` with ``batch`` given. The
     progress is of ``batch``, or else of the newest batch; ``totals.lost``
     counts rollouts whose process is gone (:mod:`fleetroll.telemetry.writers`),
-    which ``totals.in_flight`` leaves out. ``now`` (epoch seconds) is for tests.
+    which ``totals.in_flight`` leaves out; ``totals.rerun`` those whose lost
+    start ran again to completion (``--resume`` after a kill -9), neither
+    lost nor in flight, as ``fleetroll stats --check`` counts them. ``now``
+    (epoch seconds) is for tests.
 
     Raises:
         StoreError: there is no store at ``db``, or it cannot be read.
@@ -275,57 +291,75 @@ def snapshot(
     run = partial(query, db, timeout_s=timeout_s, dialect="sqlite")  # its own SQL, as written
     where = _where(since, batch)
     params: dict[str, Any] = {"service": service_name, "since": since, "batch": batch}
+    # The rollouts' events as small rows (no JSON to parse), unless the store
+    # predates that table: then the same columns, read from records.
+    events = (
+        "rollout_events"
+        if run(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'rollout_events'", {}
+        ).rows
+        else ROLLOUT_EVENTS_FROM_RECORDS
+    )
 
     batches = [
         {"batch_id": b, "started": int(n), "first_seen": first}
         for b, n, first in run(
-            f"SELECT attributes->>'batch_id', COUNT(*), MIN(start_timestamp) FROM records "
+            f"SELECT batch_id, COUNT(*), MIN(start_timestamp) FROM {events} "
             f"WHERE message = '{_STARTED}' AND service_name = :service "
-            "AND attributes->>'batch_id' IS NOT NULL GROUP BY 1 ORDER BY 3 DESC LIMIT 50",
+            "AND batch_id IS NOT NULL GROUP BY 1 ORDER BY 3 DESC LIMIT 50",
             params,
         ).rows
     ]
-    bucket_s, buckets = _timeline(run, where, params, since)
+    bucket_s, buckets = _timeline(run, events, where, params, since)
 
+    # Failures, rewards (binned as if in [0, 1]) and costs per env in one sweep
+    # over the completions.
     reasons: set[str] = set()
     envs: dict[str, dict[str, Any]] = {}
-    for env, reason, n in run(
-        f"SELECT COALESCE(attributes->>'env_key', '?'), attributes->>'failure_reason', COUNT(*) "
-        f"FROM records WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2 ORDER BY 1",
-        params,
-    ).rows:
+    costs: dict[str, dict[str, Any]] = {}
+    rewarded: dict[str, list[float]] = {}  # env → [count, sum, min, max]
+    unit_bins: dict[str, list[int]] = defaultdict(lambda: [0] * _REWARD_BINS)
+    for row in run(
+        f"SELECT COALESCE(env_key, '?') AS env, failure_reason, {_BIN} AS bin, COUNT(*) AS n, "
+        f"COUNT({_REWARD}) AS r_n, SUM({_REWARD}) AS r_sum, MIN({_REWARD}) AS r_lo, "
+        f"MAX({_REWARD}) AS r_hi, {_COST_SUMS} FROM {events} "
+        f"WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2, 3 ORDER BY 1",
+        {**params, "bins": _REWARD_BINS, "lo": 0.0, "width": 1.0 / _REWARD_BINS},
+    ).dicts():
+        env, reason, n = row["env"], row["failure_reason"], row["n"]
         entry = envs.setdefault(env, {"env": env, "completed": 0, "failed": 0, "reasons": {}})
         entry["completed"] += n
         if reason is not None:
             entry["failed"] += n
-            entry["reasons"][reason] = n
+            entry["reasons"][reason] = entry["reasons"].get(reason, 0) + n
             reasons.add(reason)
+        if row["bin"] is not None:
+            unit_bins[env][row["bin"]] += row["r_n"]
+        cost = costs.setdefault(env, {"env": env, "completed": 0, **dict.fromkeys(COST_FIELDS, 0)})
+        cost["completed"] += n
+        for name in COST_FIELDS:
+            cost[name] += row[name]
+        if row["r_n"]:
+            seen = rewarded.setdefault(env, [0, 0.0, row["r_lo"], row["r_hi"]])
+            seen[0] += row["r_n"]
+            seen[1] += row["r_sum"]
+            seen[2], seen[3] = min(seen[2], row["r_lo"]), max(seen[3], row["r_hi"])
 
-    provisioning = sorted(
-        float(v)
-        for (v,) in run(
-            "SELECT attributes->>'provisioning_time_s' FROM records "
-            f"WHERE message = 'fleet_provisioning_completed' AND {where} "
-            "AND attributes->>'provisioning_time_s' IS NOT NULL",
-            params,
-        ).rows
-        if isinstance(v, int | float)
-    )
-    high = provisioning[-1] if provisioning else 0.0
-    step = _nice_step(high, _PROVISIONING_BINS)
-    provisioning_bins = math.ceil(high / step) if high > 0 else 1
-    rewards_by_env: dict[str, list[float]] = defaultdict(list)
-    for env, reward in run(
-        f"SELECT COALESCE(attributes->>'env_key', '?'), attributes->>'reward' FROM records "
-        f"WHERE message = '{_COMPLETED}' AND {where} AND attributes->>'reward' IS NOT NULL",
-        params,
-    ).rows:
-        if isinstance(reward, int | float):
-            rewards_by_env[env].append(float(reward))
-    all_rewards = [r for values in rewards_by_env.values() for r in values]
+    provisioning = _provisioning(run, events, where, params)
     # Rewards are usually in [0, 1]: keep that range so envs and polls compare.
-    r_lo = min([0.0, *all_rewards])
-    r_hi = max([1.0, *all_rewards])
+    r_lo = float(min([0.0, *(seen[2] for seen in rewarded.values())]))
+    r_hi = float(max([1.0, *(seen[3] for seen in rewarded.values())]))
+    r_width = (r_hi - r_lo) / _REWARD_BINS
+    reward_bins = {env: unit_bins[env] for env in rewarded}
+    if (r_lo, r_hi) != (0.0, 1.0):  # rewards beyond [0, 1]: bin them again over their range
+        reward_bins = {env: [0] * _REWARD_BINS for env in rewarded}
+        for env, index, n in run(
+            f"SELECT COALESCE(env_key, '?'), {_BIN}, COUNT(*) FROM {events} "
+            f"WHERE message = '{_COMPLETED}' AND {where} AND {_REWARD} IS NOT NULL GROUP BY 1, 2",
+            {**params, "bins": _REWARD_BINS, "lo": r_lo, "width": r_width},
+        ).rows:
+            reward_bins[env][index] = n
+    rewarded_n = sum(int(seen[0]) for seen in rewarded.values())
 
     slowest = [
         {
@@ -338,33 +372,29 @@ def snapshot(
             "time": time,
         }
         for rid, task, env, duration, reason, reward, time in run(
-            "SELECT attributes->>'rollout_id', attributes->>'task_key', attributes->>'env_key', "
-            "attributes->>'duration_s' AS d, attributes->>'failure_reason', "
-            "attributes->>'reward', start_timestamp FROM records "
+            "SELECT rollout_id, task_key, env_key, duration_s AS d, failure_reason, reward, "
+            f"start_timestamp FROM {events} "
             f"WHERE message = '{_COMPLETED}' AND {where} AND d IS NOT NULL "
             "ORDER BY d DESC LIMIT :limit",
             {**params, "limit": _SLOWEST},
         ).rows
     ]
 
-    cost_envs = run(
-        f"SELECT COALESCE(attributes->>'env_key', '?') AS env, COUNT(*) AS completed, "
-        f"{COST_SUMS_SQL} FROM records WHERE message = '{_COMPLETED}' AND {where} "
-        "GROUP BY 1 ORDER BY 1",
-        params,
-    ).dicts()
+    cost_envs = [costs[env] for env in sorted(costs)]
 
     started = sum(b["started"] for b in buckets)
     completed = sum(e["completed"] for e in envs.values())
     failed = sum(e["failed"] for e in envs.values())
     at = datetime.now(UTC).timestamp() if now is None else now
     gaps = panel.unfinished_panel(
-        run, batch, service_name, now=at, stuck_after_s=panels.stuck_after_s
+        run, events, batch, service_name, now=at, stuck_after_s=panels.stuck_after_s
     )
     lost_by_batch = gaps.pop("lost_by_batch")
+    _forget_lost_starts(buckets, bucket_s, gaps.pop("lost_starts"))
     live = {
         "progress": panel.progress(
             run,
+            events,
             batch,
             params,
             now=at,
@@ -372,10 +402,10 @@ def snapshot(
             lost_by_batch=lost_by_batch,
         ),
         "throughput": panel.throughput(buckets, bucket_s),
-        "batch_rewards": panel.batch_rewards(run, params, since),
-        "groups": panel.uniform_groups(run, where, params),
+        "batch_rewards": panel.batch_rewards(run, events, params, since),
+        "groups": panel.uniform_groups(run, events, where, params),
         "unfinished": gaps,
-        "errors": panel.latest_errors(run, where, params, panels.errors),
+        "errors": panel.latest_errors(run, events, where, params, panels.errors),
         "admission": panel.admission(run, params, gauges),
     }
     return {
@@ -386,39 +416,111 @@ def snapshot(
         "totals": {
             "started": started,
             "completed": completed,
-            "in_flight": max(0, (buckets[-1]["in_flight"] if buckets else 0) - gaps["lost"]),
+            "in_flight": gaps["in_flight"],
             "lost": gaps["lost"],
+            "rerun": gaps["rerun"],
             "failed": failed,
             "failed_pct": 100.0 * failed / completed if completed else None,
-            "reward_mean": sum(all_rewards) / len(all_rewards) if all_rewards else None,
-            "rewarded": len(all_rewards),
+            "reward_mean": sum(seen[1] for seen in rewarded.values()) / rewarded_n
+            if rewarded_n
+            else None,
+            "rewarded": rewarded_n,
         },
         "timeline": {"bucket_s": bucket_s, "buckets": buckets},
         "failures": {"reasons": sorted(reasons), "envs": list(envs.values())},
-        "provisioning": {
-            "count": len(provisioning),
-            "p50_s": percentile(provisioning, 0.50),
-            "p95_s": percentile(provisioning, 0.95),
-            "max_s": high if provisioning else None,
-            "bins": _histogram(provisioning, 0.0, provisioning_bins * step, provisioning_bins)
-            if provisioning
-            else [],
-        },
+        "provisioning": provisioning,
         "rewards": {
             "envs": [
                 {
                     "env": env,
-                    "count": len(values),
-                    "mean": sum(values) / len(values),
-                    "bins": _histogram(values, r_lo, r_hi, _REWARD_BINS),
+                    "count": int(count),
+                    "mean": total / count,
+                    "bins": [
+                        [r_lo + i * r_width, r_lo + (i + 1) * r_width, n]
+                        for i, n in enumerate(reward_bins[env])
+                    ],
                 }
-                for env, values in sorted(rewards_by_env.items())
+                for env, (count, total, _, _) in sorted(rewarded.items())
             ]
         },
         "slowest": slowest,
         "cost": {"envs": cost_envs, "total": _cost_total(cost_envs)},
         **live,
     }
+
+
+def _provisioning(
+    run: Callable[[str, Mapping[str, Any]], QueryResult],
+    events: str,
+    where: str,
+    params: Mapping[str, Any],
+) -> dict[str, Any]:
+    """How long instances took to be ready: count, p50, p95, max and a histogram.
+
+    Counted, ranked and binned in SQL: a long run has a provisioning time per
+    rollout, too many to carry into Python at every poll.
+    """
+    of = f"FROM {events} WHERE message = 'fleet_provisioning_completed' AND {where}"
+    ((count, high),) = run(f"SELECT COUNT({_PROVISIONED}), MAX({_PROVISIONED}) {of}", params).rows
+    if not count:
+        return {"count": 0, "p50_s": None, "p95_s": None, "max_s": None, "bins": []}
+    # As percentile(): linear interpolation between the two closest ranks.
+    ranks = {}
+    for q in (0.50, 0.95):
+        position = (count - 1) * q
+        ranks[q] = (position, math.floor(position), math.ceil(position))
+    numbers = "typeof(provisioning_time_s) IN ('integer', 'real')"
+    at: dict[int, float] = {}
+    for _, low, up in ranks.values():  # a walk down the index to each rank
+        values = run(
+            f"SELECT provisioning_time_s {of} AND {numbers} "
+            "ORDER BY provisioning_time_s LIMIT :n OFFSET :low",
+            {**params, "n": up - low + 1, "low": low},
+        ).rows
+        at |= {low + i: v for i, (v,) in enumerate(values)}
+    quantiles = {
+        q: at[low] + (at[up] - at[low]) * (position - low)
+        for q, (position, low, up) in ranks.items()
+    }
+    step = _nice_step(high, _PROVISIONING_BINS)
+    bins = math.ceil(high / step) if high > 0 else 1
+    width = bins * step / bins  # as _histogram() divides its range
+    counts = [0] * bins
+    for index, n in run(
+        f"SELECT MIN(:bins - 1, MAX(0, CAST({_PROVISIONED} / :width AS INTEGER))), COUNT(*) "
+        f"{of} AND {_PROVISIONED} IS NOT NULL GROUP BY 1",
+        {**params, "bins": bins, "width": width},
+    ).rows:
+        counts[index] = n
+    return {
+        "count": count,
+        "p50_s": float(quantiles[0.50]),
+        "p95_s": float(quantiles[0.95]),
+        "max_s": float(high),
+        "bins": [[i * width, (i + 1) * width, n] for i, n in enumerate(counts)],
+    }
+
+
+def _forget_lost_starts(
+    buckets: list[dict[str, Any]], bucket_s: int, lost_starts: Sequence[tuple[str, int]]
+) -> None:
+    """Take lost starts out of the timeline's in-flight counts, from when each was last seen.
+
+    A start whose process is gone never gets its completion: without this,
+    every rollout of a killed run stays in flight on the chart for good.
+    """
+    if not buckets:
+        return
+    first = int(_epoch(buckets[0]["t"]) // bucket_s)
+    drop = [0] * len(buckets)
+    for started_at, n in lost_starts:
+        index = max(0, int(_epoch(started_at) // bucket_s) - first)
+        if index < len(buckets):
+            drop[index] += n
+    gone = 0
+    for bucket, n in zip(buckets, drop, strict=True):
+        gone += n
+        bucket["in_flight"] = max(0, bucket["in_flight"] - gone)
 
 
 def _cost_total(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -437,6 +539,7 @@ def _empty(since: str | None, batch: str | None, note: str, panels: Panels) -> d
             "completed": 0,
             "in_flight": 0,
             "lost": 0,
+            "rerun": 0,
             "failed": 0,
             "failed_pct": None,
             "reward_mean": None,

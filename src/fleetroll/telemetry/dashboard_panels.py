@@ -1,7 +1,9 @@
 """The dashboard's training-run panels: what a person watching a run asks.
 
-Each function reads the store through ``run`` (the snapshot's read-only SQL)
-and answers one panel of :func:`fleetroll.telemetry.dashboard.snapshot`:
+Each function reads the store through ``run`` (the snapshot's read-only SQL),
+the rollouts' events from ``events`` (the ``rollout_events`` table, or its
+columns read from ``records`` on an older store), and answers one panel of
+:func:`fleetroll.telemetry.dashboard.snapshot`:
 
 - :func:`progress`: the current batch against its total, with a rate and an
   ETA over a recent window (:func:`eta`), and its state (running, finished,
@@ -86,6 +88,7 @@ def eta(
 
 def progress(
     run: Run,
+    events: str,
     batch: str | None,
     params: Mapping[str, Any],
     *,
@@ -118,20 +121,24 @@ def progress(
     batch_id, last_start, first_start, total, rollouts, pid, host = rows[0]
     lost = lost_by_batch.get(batch_id, 0)
     p["batch"] = batch_id
-    ((done, failed, finished),) = run(
-        "SELECT COUNT(DISTINCT attributes->>'rollout_id') FILTER (WHERE message = :completed), "
-        "COUNT(DISTINCT attributes->>'rollout_id') FILTER (WHERE message = :completed "
-        "AND attributes->>'failure_reason' IS NOT NULL), "
-        "COUNT(*) FILTER (WHERE message = 'fleet_batch_completed' AND start_timestamp >= :last) "
-        "FROM records WHERE service_name = :service AND attributes->>'batch_id' = :batch "
-        "AND message IN (:completed, 'fleet_batch_completed')",
-        {**p, "completed": _COMPLETED, "last": last_start},
+    ((done, failed),) = run(
+        "SELECT COUNT(DISTINCT rollout_id), "
+        "COUNT(DISTINCT rollout_id) FILTER (WHERE failure_reason IS NOT NULL) "
+        f"FROM {events} WHERE service_name = :service AND batch_id = :batch "
+        "AND message = :completed",
+        {**p, "completed": _COMPLETED},
+    ).rows
+    ((finished,),) = run(
+        "SELECT COUNT(*) FROM records WHERE service_name = :service "
+        "AND attributes->>'batch_id' = :batch AND message = 'fleet_batch_completed' "
+        "AND start_timestamp >= :last",
+        {**p, "last": last_start},
     ).rows
     recent = [
         _epoch(t)
         for (t,) in run(
-            "SELECT start_timestamp FROM records WHERE service_name = :service "
-            "AND message = :completed AND attributes->>'batch_id' = :batch "
+            f"SELECT start_timestamp FROM {events} WHERE service_name = :service "
+            "AND message = :completed AND batch_id = :batch "
             "AND start_timestamp >= :since",
             {
                 **p,
@@ -174,14 +181,16 @@ def throughput(buckets: Sequence[Mapping[str, Any]], bucket_s: int) -> list[dict
     return [{"t": b["t"], "per_min": b["completed"] * 60.0 / bucket_s} for b in buckets]
 
 
-def batch_rewards(run: Run, params: Mapping[str, Any], since: str | None) -> list[dict[str, Any]]:
+def batch_rewards(
+    run: Run, events: str, params: Mapping[str, Any], since: str | None
+) -> list[dict[str, Any]]:
     """Each batch's mean reward over its scored rollouts, oldest batch first (at most 50)."""
     after = "AND start_timestamp >= :since" if since is not None else ""
     rows = run(
-        "SELECT attributes->>'batch_id', MIN(start_timestamp) AS first, "
-        "AVG(attributes->>'reward'), COUNT(attributes->>'reward'), COUNT(*) FROM records "
+        "SELECT batch_id, MIN(start_timestamp) AS first, "
+        f"AVG(reward), COUNT(reward), COUNT(*) FROM {events} "
         f"WHERE message = '{_COMPLETED}' AND service_name = :service {after} "
-        "AND attributes->>'batch_id' IS NOT NULL GROUP BY 1 ORDER BY first DESC LIMIT 50",
+        "AND batch_id IS NOT NULL GROUP BY 1 ORDER BY first DESC LIMIT 50",
         params,
     ).rows
     return [
@@ -190,33 +199,52 @@ def batch_rewards(run: Run, params: Mapping[str, Any], since: str | None) -> lis
     ]
 
 
-def uniform_groups(run: Run, where: str, params: Mapping[str, Any]) -> dict[str, Any]:
+def uniform_groups(run: Run, events: str, where: str, params: Mapping[str, Any]) -> dict[str, Any]:
     """Groups with two or more scored samples, and those whose rewards are all equal.
 
     A group is the samples of one task in one batch (its ``group_id`` is
     derived from both: :func:`fleetroll.batch.group_id`), as in
     :mod:`fleetroll.groups`: only scored samples (a reward) count.
     """
+    # Counted in SQL: a long run has tens of thousands of groups, few of them uniform.
     rows = run(
-        "SELECT attributes->>'batch_id' AS b, attributes->>'task_key' AS t, COUNT(*) AS n, "
-        "MIN(attributes->>'reward') AS lo, MAX(attributes->>'reward') AS hi FROM records "
-        f"WHERE message = '{_COMPLETED}' AND {where} AND attributes->>'reward' IS NOT NULL "
-        "GROUP BY 1, 2 HAVING n >= 2 ORDER BY MAX(start_timestamp) DESC",
-        params,
+        "SELECT b, t, n, lo, COUNT(*) OVER (), COALESCE(SUM(lo = hi) OVER (), 0) FROM ("
+        "SELECT batch_id AS b, task_key AS t, COUNT(*) AS n, "
+        "MIN(reward) AS lo, MAX(reward) AS hi, MAX(start_timestamp) AS last "
+        f"FROM {events} WHERE message = '{_COMPLETED}' AND {where} AND reward IS NOT NULL "
+        "GROUP BY 1, 2 HAVING n >= 2) ORDER BY lo = hi DESC, last DESC LIMIT :rows",
+        {**params, "rows": _ROWS},
     ).rows
-    uniform = [
+    groups = int(rows[0][4]) if rows else 0
+    uniform = int(rows[0][5]) if rows else 0
+    shown = [
         {"batch_id": b, "task_key": t, "samples": int(n), "reward": lo}
-        for b, t, n, lo, hi in rows
-        if lo == hi
+        for b, t, n, lo, *_ in rows[:uniform]
     ]
-    return {"groups": len(rows), "uniform": len(uniform), "rows": uniform[:_ROWS]}
+    return {"groups": groups, "uniform": uniform, "rows": shown}
 
 
 def unfinished_panel(
-    run: Run, batch: str | None, service_name: str, *, now: float, stuck_after_s: float
+    run: Run,
+    events: str,
+    batch: str | None,
+    service_name: str,
+    *,
+    now: float,
+    stuck_after_s: float,
 ) -> dict[str, Any]:
-    """Lost rollouts (process gone) and stuck ones (running over ``stuck_after_s``)."""
-    gaps = unfinished(lambda sql, p: run(sql, p).rows, batch_id=batch, service_name=service_name)
+    """Lost rollouts (process gone) and stuck ones (running over ``stuck_after_s``).
+
+    As ``fleetroll stats --check`` tells them apart: a rollout whose lost
+    start was run again to completion (``--resume`` after a kill -9) is a
+    re-run, neither lost nor in flight, and not in the table; ``rerun``
+    counts the rollouts started more than once, as ``--check`` does.
+    """
+    gaps = unfinished(
+        lambda sql, p: run(sql, p).rows, batch_id=batch, service_name=service_name, events=events
+    )
+    rerun = [g for g in gaps if g.lost and g.completed]
+    lost = [g for g in gaps if g.lost and not g.completed]
     rows: list[dict[str, Any]] = [
         {
             "rollout_id": g.rollout_id,
@@ -231,9 +259,9 @@ def unfinished_panel(
             "state": "lost" if g.lost else "stuck",
         }
         for g in gaps
-        if g.lost or now - _epoch(g.started_at) >= stuck_after_s
+        if (g.lost and not g.completed)
+        or (not g.lost and now - _epoch(g.started_at) >= stuck_after_s)
     ]
-    lost = [g for g in gaps if g.lost and not g.completed]
     by_batch: dict[str | None, int] = {}
     for g in lost:
         by_batch[g.batch_id] = by_batch.get(g.batch_id, 0) + 1
@@ -241,21 +269,37 @@ def unfinished_panel(
         "stuck_after_s": stuck_after_s,
         "lost": len(lost),
         "lost_by_batch": by_batch,
+        # When each lost start is last known to have run, and how many there
+        # are: the timeline stops counting them in flight from there.
+        "lost_starts": [(g.started_at, g.started - g.completed) for g in (*lost, *rerun)],
+        "rerun": _reruns(run, events, batch, service_name),
         "stuck": sum(1 for r in rows if r["state"] == "stuck"),
         "in_flight": sum(1 for g in gaps if not g.lost),
         "rows": sorted(rows, key=lambda r: (r["state"] != "lost", -float(r["age_s"])))[:_ROWS],
     }
 
 
-def latest_errors(run: Run, where: str, params: Mapping[str, Any], n: int) -> list[dict[str, Any]]:
+def _reruns(run: Run, events: str, batch: str | None, service_name: str) -> int:
+    whole = events == "rollout_events" and batch is None  # as in writers.unfinished
+    source = f"{events} INDEXED BY rollout_events_rollout" if whole else events
+    pick = "AND batch_id = :batch" if batch is not None else ""
+    ((n,),) = run(
+        f"SELECT COUNT(*) FROM (SELECT 1 FROM {source} WHERE service_name = :service "
+        f"AND message = '{_STARTED}' {pick} GROUP BY rollout_id HAVING COUNT(*) > 1)",
+        {"service": service_name, "batch": batch},
+    ).rows
+    return int(n)
+
+
+def latest_errors(
+    run: Run, events: str, where: str, params: Mapping[str, Any], n: int
+) -> list[dict[str, Any]]:
     """The ``n`` most recent failed rollouts (newest first)."""
     return run(
-        "SELECT start_timestamp AS time, attributes->>'rollout_id' AS rollout_id, "
-        "attributes->>'batch_id' AS batch_id, attributes->>'env_key' AS env, "
-        "attributes->>'failure_reason' AS failure_reason, "
-        "attributes->>'error_message' AS message FROM records "
+        "SELECT start_timestamp AS time, rollout_id, batch_id, env_key AS env, "
+        f"failure_reason, error_message AS message FROM {events} "
         f"WHERE message = '{_COMPLETED}' AND {where} "
-        "AND attributes->>'failure_reason' IS NOT NULL "
+        "AND failure_reason IS NOT NULL "
         "ORDER BY start_timestamp DESC LIMIT :errors",
         {**params, "errors": n},
     ).dicts()
@@ -297,6 +341,7 @@ def empty(panels: Panels) -> dict[str, Any]:
             "stuck_after_s": panels.stuck_after_s,
             "lost": 0,
             "lost_by_batch": {},
+            "rerun": 0,
             "stuck": 0,
             "in_flight": 0,
             "rows": [],

@@ -300,43 +300,86 @@ COST_SUMS_SQL: Final = ",\n    ".join(
 )
 
 #: Per env_key/env_version/modality counts; ``{batch}`` is replaced by an
-#: optional batch filter.
-STATS_SQL: Final = """
+#: optional batch filter. A rollout counts once, by its latest result: one
+#: re-run after ``--resume`` (started and completed twice) is one rollout, and
+#: one cancelled and then run again counts as what its second run became.
+#: ``completed`` are the rollouts that ended without a failure (a result's
+#: ``status``), ``failed`` those that failed, ``cancelled`` those cancelled,
+#: ``rollouts`` all three; the costs are every run's (what was spent).
+STATS_SQL: Final = (
+    """
+WITH latest AS (
+    SELECT
+        attributes->>'env_key' AS env_key,
+        attributes->>'env_version' AS env_version,
+        attributes->>'modality' AS modality,
+        attributes->>'failure_reason' AS failure_reason,
+        attributes->>'reward' AS reward,
+        MAX(start_timestamp)
+    FROM records
+    WHERE service_name = :service AND message = 'fleet_rollout_completed'{batch}
+    GROUP BY attributes->>'rollout_id'
+),
+parts AS (
+    SELECT
+        env_key, env_version, modality,
+        0 AS started,
+        COUNT(*) AS rollouts,
+        COUNT(*) FILTER (WHERE failure_reason IS NULL) AS completed,
+        COUNT(*) FILTER (WHERE failure_reason IS NOT NULL AND failure_reason != 'cancelled')
+            AS failed,
+        COUNT(*) FILTER (WHERE failure_reason = 'cancelled') AS cancelled,
+        SUM(reward) AS reward_sum,
+        COUNT(reward) AS rewarded,
+        0 AS tool_errors, 0 AS verifier_errors,
+        {zeros}
+    FROM latest GROUP BY 1, 2, 3
+    UNION ALL
+    SELECT
+        attributes->>'env_key', attributes->>'env_version', attributes->>'modality',
+        COUNT(DISTINCT attributes->>'rollout_id') FILTER (
+            WHERE message = 'fleet_rollout_started'
+        ),
+        0, 0, 0, 0, NULL, 0,
+        COUNT(*) FILTER (
+            WHERE message IN ('fleet_mcp_tool_error', 'fleet_tool_call_failed')
+        ),
+        COUNT(*) FILTER (WHERE message = 'fleet_verifier_failed'),
+        {costs}
+    FROM records
+    WHERE service_name = :service
+      AND message IN (
+          'fleet_rollout_started', 'fleet_rollout_completed', 'fleet_mcp_tool_error',
+          'fleet_tool_call_failed', 'fleet_verifier_failed'
+      ){batch}
+    GROUP BY 1, 2, 3
+)
 SELECT
-    attributes->>'env_key' AS env_key,
-    attributes->>'env_version' AS env_version,
-    attributes->>'modality' AS modality,
-    COUNT(*) FILTER (WHERE message = 'fleet_rollout_started') AS started,
-    COUNT(*) FILTER (WHERE message = 'fleet_rollout_completed') AS completed,
-    COUNT(*) FILTER (
-        WHERE message = 'fleet_rollout_completed' AND attributes->>'failure_reason' IS NOT NULL
-    ) AS failed,
-    AVG(attributes->>'reward') FILTER (
-        WHERE message = 'fleet_rollout_completed' AND attributes->>'reward' IS NOT NULL
-    ) AS reward_mean,
-    COUNT(*) FILTER (
-        WHERE message = 'fleet_rollout_completed' AND attributes->>'reward' IS NOT NULL
-    ) AS rewarded,
-    COUNT(*) FILTER (
-        WHERE message IN ('fleet_mcp_tool_error', 'fleet_tool_call_failed')
-    ) AS tool_errors,
-    COUNT(*) FILTER (WHERE message = 'fleet_verifier_failed') AS verifier_errors,
-    {costs}
-FROM records
-WHERE service_name = :service
-  AND message IN (
-      'fleet_rollout_started', 'fleet_rollout_completed', 'fleet_mcp_tool_error',
-      'fleet_tool_call_failed', 'fleet_verifier_failed'
-  ){batch}
+    env_key, env_version, modality,
+    SUM(started) AS started,
+    SUM(rollouts) AS rollouts,
+    SUM(completed) AS completed,
+    SUM(failed) AS failed,
+    SUM(cancelled) AS cancelled,
+    SUM(reward_sum) / NULLIF(SUM(rewarded), 0) AS reward_mean,
+    SUM(rewarded) AS rewarded,
+    SUM(tool_errors) AS tool_errors,
+    SUM(verifier_errors) AS verifier_errors,
+    {sums}
+FROM parts
 GROUP BY 1, 2, 3
 ORDER BY 1, 2, 3
 """.replace("{costs}", COST_SUMS_SQL)
+    .replace("{zeros}", ", ".join(f"0 AS {name}" for name in COST_FIELDS))
+    .replace("{sums}", ", ".join(f"SUM({name}) AS {name}" for name in COST_FIELDS))
+)
 
-#: Cost totals per batch (newest first); ``{batch}`` as above.
+#: Cost totals per batch (newest first); ``{batch}`` as above. ``completed``
+#: counts the batch's rollouts with a result, each once however often it ran.
 BATCH_COST_SQL: Final = f"""
 SELECT
     attributes->>'batch_id' AS batch_id,
-    COUNT(*) AS completed,
+    COUNT(DISTINCT attributes->>'rollout_id') AS completed,
     {COST_SUMS_SQL}
 FROM records
 WHERE service_name = :service AND message = 'fleet_rollout_completed'
@@ -345,13 +388,18 @@ GROUP BY 1
 ORDER BY MIN(start_timestamp) DESC, 1
 """
 
+#: Failure reasons of each rollout's latest result; ``{batch}`` as above.
 _REASONS_SQL: Final = """
-SELECT
-    attributes->>'env_key', attributes->>'env_version', attributes->>'modality',
-    attributes->>'failure_reason', COUNT(*)
-FROM records
-WHERE service_name = :service AND message = 'fleet_rollout_completed'
-  AND attributes->>'failure_reason' IS NOT NULL{batch}
+SELECT env_key, env_version, modality, failure_reason, COUNT(*) FROM (
+    SELECT
+        attributes->>'env_key' AS env_key, attributes->>'env_version' AS env_version,
+        attributes->>'modality' AS modality, attributes->>'failure_reason' AS failure_reason,
+        MAX(start_timestamp)
+    FROM records
+    WHERE service_name = :service AND message = 'fleet_rollout_completed'{batch}
+    GROUP BY attributes->>'rollout_id'
+)
+WHERE failure_reason IS NOT NULL
 GROUP BY 1, 2, 3, 4
 """
 
@@ -408,9 +456,11 @@ def stats(
 ) -> list[dict[str, Any]]:
     """Rollout statistics per ``(env_key, env_version, modality)``.
 
-    Each row: ``env_key, env_version, modality, started, completed, failed,
-    failure_reasons`` (``{reason: count}``), ``reward_mean`` (over rollouts
-    with a reward), ``provisioning_p50_s, provisioning_p95_s``,
+    Each row: ``env_key, env_version, modality, started, rollouts`` (with a
+    result), ``completed, failed, cancelled`` (by each rollout's latest
+    result: a re-run counts once), ``failure_reasons`` (``{reason: count}``,
+    ``cancelled`` included), ``reward_mean`` (over rollouts with a reward),
+    ``provisioning_p50_s, provisioning_p95_s``,
     ``tool_errors`` (tool errors answered plus calls that failed),
     ``verifier_errors``, and the sums of the results' ``cost``:
     ``instance_s, prompt_tokens, completion_tokens, policy_calls, tool_calls``.

@@ -117,7 +117,57 @@ COLUMNS: Final[Mapping[str, str]] = {
     "created_at": "TEXT NOT NULL",  # when the row was written (Logfire's internal column)
 }
 
-SCHEMA_VERSION: Final = 1
+#: The events of a rollout's life that the dashboard and ``stats --check`` count.
+ROLLOUT_MESSAGES: Final = (
+    "fleet_rollout_started",
+    "fleet_rollout_completed",
+    "fleet_provisioning_completed",
+)
+#: ``rollout_events``: those records' counted attributes as plain columns, kept
+#: by a trigger as records are written, so that aggregates over hundreds of
+#: thousands of records read small rows and parse no JSON. Its rows are stored
+#: in the order of its key (message, service, time, the record's rowid): the
+#: rows one kind of event of one service lie together, in time order, so a
+#: query over them reads the table in one sweep. Column → the expression over
+#: a ``records`` row that fills it.
+ROLLOUT_EVENT_COLUMNS: Final[Mapping[str, str]] = {
+    "message": "message",
+    "service_name": "COALESCE(service_name, '')",  # a key column: never NULL
+    "start_timestamp": "start_timestamp",
+    "record_id": "rowid",
+    "process_pid": "process_pid",
+    "service_instance_id": "service_instance_id",
+    **{
+        name: f"attributes->>'{name}'"
+        for name in (
+            "batch_id",
+            "rollout_id",
+            "task_key",
+            "env_key",
+            "failure_reason",
+            "error_message",
+            "reward",
+            "duration_s",
+            "provisioning_time_s",
+            "instance_s",
+            "prompt_tokens",
+            "completion_tokens",
+            "policy_calls",
+            "tool_calls",
+        )
+    },
+}
+_ROLLOUT_IN: Final = ", ".join(f"'{m}'" for m in ROLLOUT_MESSAGES)
+#: The same rows read straight from ``records``: what a query uses on a store
+#: written before ``rollout_events`` existed (opened read-only, it cannot be added).
+ROLLOUT_EVENTS_FROM_RECORDS: Final = (
+    "(SELECT "
+    + ", ".join(f"{expr} AS {name}" for name, expr in ROLLOUT_EVENT_COLUMNS.items())
+    + f" FROM records WHERE message IN ({_ROLLOUT_IN}))"
+)
+_ROLLOUT_KEY: Final = ("message", "service_name", "start_timestamp", "record_id")
+
+SCHEMA_VERSION: Final = 2
 SCHEMA: Final = (
     "CREATE TABLE IF NOT EXISTS records (\n    "
     + ",\n    ".join(f"{name} {kind}" for name, kind in COLUMNS.items())
@@ -126,6 +176,35 @@ SCHEMA: Final = (
     "CREATE INDEX IF NOT EXISTS records_message ON records (message);\n"
     "CREATE INDEX IF NOT EXISTS records_rollout_id ON records (attributes->>'rollout_id');\n"
     "CREATE INDEX IF NOT EXISTS records_batch_id ON records (attributes->>'batch_id', message);\n"
+    "CREATE TABLE IF NOT EXISTS rollout_events (\n    "
+    + ",\n    ".join(
+        f"{name} NOT NULL" if name in _ROLLOUT_KEY else name for name in ROLLOUT_EVENT_COLUMNS
+    )
+    + f",\n    PRIMARY KEY ({', '.join(_ROLLOUT_KEY)})\n) WITHOUT ROWID;\n"
+    "CREATE INDEX IF NOT EXISTS rollout_events_batch ON rollout_events (batch_id, message);\n"
+    # Ranks provisioning times (the dashboard's p50 and p95).
+    "CREATE INDEX IF NOT EXISTS rollout_events_provisioning"
+    " ON rollout_events (message, service_name, provisioning_time_s);\n"
+    # Covers the GRPO groups' reward spread (the dashboard's uniform groups).
+    "CREATE INDEX IF NOT EXISTS rollout_events_groups"
+    " ON rollout_events (message, service_name, batch_id, task_key, reward);\n"
+    # With the key, covers the count of starts and completions per rollout
+    # (lost, re-run, in flight).
+    "CREATE INDEX IF NOT EXISTS rollout_events_rollout ON rollout_events (rollout_id);\n"
+    "CREATE TRIGGER IF NOT EXISTS records_rollout_events AFTER INSERT ON records\n"
+    f"WHEN NEW.message IN ({_ROLLOUT_IN}) BEGIN\n"
+    f"    INSERT INTO rollout_events ({', '.join(ROLLOUT_EVENT_COLUMNS)}) VALUES ("
+    + ", ".join(
+        expr.replace("service_name", "NEW.service_name") if "(" in expr else f"NEW.{expr}"
+        for expr in ROLLOUT_EVENT_COLUMNS.values()
+    )
+    + ");\nEND;\n"
+)
+#: Fills ``rollout_events`` from the records of a store made before it existed.
+_BACKFILL: Final = (
+    f"INSERT INTO rollout_events ({', '.join(ROLLOUT_EVENT_COLUMNS)}) "
+    f"SELECT {', '.join(ROLLOUT_EVENT_COLUMNS.values())} "
+    f"FROM records WHERE message IN ({_ROLLOUT_IN})"
 )
 _INSERT: Final = (
     f"INSERT INTO records ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
@@ -226,15 +305,29 @@ def _prepare(conn: sqlite3.Connection) -> None:
         # the store at once both succeed, one after the other.
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for statement in SCHEMA.split(";\n"):
-                if statement.strip():
+            # Read again under the lock: another process may have done it meanwhile.
+            (version,) = conn.execute("PRAGMA user_version").fetchone()
+            if version < SCHEMA_VERSION:
+                for statement in _statements(SCHEMA):
                     conn.execute(statement)
+                if version >= 1:  # records written before rollout_events existed
+                    conn.execute(_BACKFILL)
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+
+
+def _statements(script: str) -> Iterator[str]:
+    """The statements of ``script``, whole (a trigger's body holds semicolons too)."""
+    statement = ""
+    for line in script.splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
+            yield statement
+            statement = ""
 
 
 def _is_busy(exc: sqlite3.Error) -> bool:

@@ -28,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
+from fleetroll.telemetry.store import ROLLOUT_EVENTS_FROM_RECORDS
+
 __all__ = ["Unfinished", "Writer", "process_gone", "unfinished"]
 
 #: Runs our SQL (SQLite's, read-only) with named parameters; returns the rows.
@@ -54,9 +56,11 @@ _PHASE_OF_EVENT: Final[Mapping[str, str]] = {
     "fleet_env_close_failed": "releasing",
 }
 
+#: ``{events}``: ``rollout_events``, or the same columns read from ``records``
+#: (:data:`fleetroll.telemetry.store.ROLLOUT_EVENTS_FROM_RECORDS`).
 _UNFINISHED_SQL: Final = """
-SELECT attributes->>'rollout_id' AS rid
-FROM records
+SELECT rollout_id AS rid
+FROM {events}
 WHERE service_name = :service
   AND message IN ('fleet_rollout_started', 'fleet_rollout_completed'){batch}
 GROUP BY 1
@@ -157,19 +161,31 @@ def process_gone(pid: int | None, host: str | None, since: float | None = None) 
 
 
 def unfinished(
-    run: Run, *, batch_id: str | None = None, service_name: str = "fleetroll"
+    run: Run,
+    *,
+    batch_id: str | None = None,
+    service_name: str = "fleetroll",
+    events: str = ROLLOUT_EVENTS_FROM_RECORDS,
 ) -> list[Unfinished]:
     """Every rollout (of ``batch_id``) started more often than completed, newest first.
 
     Each says whether it is lost (:attr:`Unfinished.lost`): the starts it lacks
-    a completion for all came from processes that are gone.
+    a completion for all came from processes that are gone. ``events`` is
+    where the starts and completions are counted: the store's
+    ``rollout_events`` table when it has one.
     """
-    batch = "\n  AND attributes->>'batch_id' = :batch" if batch_id is not None else ""
+    batch = "\n  AND batch_id = :batch" if batch_id is not None else ""
     params = {"service": service_name, "batch": batch_id, "limit": _MAX_UNFINISHED}
     found: dict[str, Unfinished] = {}
     first_write: dict[Writer, float] = {}
+    # Over the whole store the counts per rollout come from the covering index
+    # alone; left to itself, SQLite reads every row instead, three times slower.
+    # One batch's rows are few: found through its own index.
+    whole = events == "rollout_events" and batch_id is None
+    source = f"{events} INDEXED BY rollout_events_rollout" if whole else events
+    gaps = _UNFINISHED_SQL.replace("{batch}", batch).replace("{events}", source)
     for rid, message, at, pid, instance, host, iid, bid, env, task in run(
-        _EVENTS_SQL.replace("{unfinished}", _UNFINISHED_SQL.replace("{batch}", batch)), params
+        _EVENTS_SQL.replace("{unfinished}", gaps), params
     ):
         writer = Writer(int(pid) if isinstance(pid, int) else None, host, instance)
         first_write.setdefault(writer, _epoch(at))

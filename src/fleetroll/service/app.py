@@ -107,7 +107,8 @@ class Service:
         self.rollouts: dict[str, str] = {}
         self._rollout_of: dict[str, str] = {}
         self.batches.on_forget.append(self._forget_rollouts)
-        self._queries = anyio.CapacityLimiter(settings.service.max_concurrent_queries)
+        #: The worker threads of ``/v1/query`` and ``/v1/stats``.
+        self.queries = anyio.CapacityLimiter(settings.service.max_concurrent_queries)
         #: Pauses of policy calls held for trainers (leases).
         self.pauses = PauseLeases(pool, settings.service.max_pause_ttl_s)
 

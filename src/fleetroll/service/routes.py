@@ -62,6 +62,7 @@ M = TypeVar("M", bound=BaseModel)
 NDJSON: Final = "application/x-ndjson"
 # No buffering by proxies: each line should reach the controller as it is made.
 _STREAM_HEADERS: Final = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+_INVALID = "Invalid request: each problem with its location"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,8 +129,6 @@ class Endpoint:
             implied[422] = _INVALID
         return dict(sorted((implied | dict(self.errors)).items()))
 
-
-_INVALID = "Invalid request: each problem with its location"
 
 #: The description of each path parameter, by name.
 PATH_PARAMETERS: Final = {
@@ -375,7 +374,7 @@ async def query(api: Api, request: Request) -> Response:
             timeout_s=s.service.query_timeout_s,
             max_bytes=s.service.query_max_bytes,
         ),
-        limiter=api.service._queries,
+        limiter=api.service.queries,
     )
     return _json(result)
 
@@ -384,7 +383,7 @@ async def stats(api: Api, request: Request) -> Response:
     batch_id = request.query_params.get("batch_id")
     db_path = api.service.settings.telemetry.db_path
     result = await anyio.to_thread.run_sync(
-        lambda: run_stats(db_path, batch_id), limiter=api.service._queries
+        lambda: run_stats(db_path, batch_id), limiter=api.service.queries
     )
     return _json(result)
 

@@ -12,31 +12,10 @@ tools' rollouts run on another :class:`~fleetroll.batch_pool.BatchPool` (a
 RayRolloutPool, whose batches' views are read on the actors); sessions, each
 held by one task of this process for its whole life, stay on ``pool``.
 
-Routes (all JSON unless said otherwise; the OpenAPI document at
-``/openapi.json`` has every body):
-
-=========================================  ======================================
-``POST /v1/batches``                       start a batch → ``{batch_id, rollouts}``
-``GET /v1/batches/{id}``                   status and counts
-``GET /v1/batches/{id}/results?after=n``   NDJSON results, resumable by cursor
-``GET /v1/batches/{id}/groups?after=n``    NDJSON complete groups, resumable by cursor
-``DELETE /v1/batches/{id}``                cancel
-``GET /v1/policy``                         policy version, pauses held
-``PUT /v1/policy/version``                 set the policy version
-``POST /v1/policy/pauses``                 pause policy calls (a lease) → ``pause_id``
-``PUT /v1/policy/pauses/{id}``             renew a pause's lease
-``DELETE /v1/policy/pauses/{id}``          end a pause
-``POST /v1/sessions``                      open a session → messages and tools
-``POST /v1/sessions/{id}/step``            one tool call → observation
-``POST /v1/sessions/{id}/done``            the episode is over (result: completed)
-``DELETE /v1/sessions/{id}``               close → the rollout's result
-``GET /v1/rollouts/{id}/events?after=n``   NDJSON live events of a rollout
-``POST /v1/query``                         read-only SQL on the telemetry store
-``GET /v1/stats?batch_id=``                rollouts per env, the telemetry invariant
-``GET /healthz``, ``/metrics``,            liveness, Prometheus text, the API
-``/openapi.json``
-``/mcp``                                   the same verbs as MCP tools
-=========================================  ======================================
+The routes are declared once, in :data:`fleetroll.service.routes.ROUTES`
+(method, path, handler, models, error statuses, token or not); the ASGI
+routes, ``/openapi.json`` and the paths open without a token come from it.
+``/mcp`` serves the same verbs as MCP tools.
 
 Every await a route makes on a rollout, a session or the pool is bounded.
 """
@@ -44,20 +23,15 @@ Every await a route makes on a rollout, a session or the pool is bounded.
 from __future__ import annotations
 
 import uuid
-from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
-from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetroll.batch_pool import BatchPool
@@ -65,29 +39,14 @@ from fleetroll.errors import OperationTimeout
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.rollout import RolloutIds, RolloutView
-from fleetroll.rollout_events import EventPage, ndjson_lines
+from fleetroll.rollout_events import EventPage
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
-from fleetroll.service.metrics import CONTENT_TYPE, Metrics
-from fleetroll.service.models import (
-    BatchCreated,
-    BatchRequest,
-    ErrorItem,
-    Health,
-    PauseLease,
-    PauseRequest,
-    PolicyConfig,
-    PolicyState,
-    PolicyVersionRequest,
-    QueryRequest,
-    SessionDone,
-    SessionRequest,
-    StepRequest,
-    ValidationErrorBody,
-)
+from fleetroll.service.metrics import Metrics
+from fleetroll.service.models import PolicyConfig, PolicyState
 from fleetroll.service.openapi import openapi_document
-from fleetroll.service.query import run_query, run_stats
+from fleetroll.service.routes import ROUTES, Api, asgi_routes
 from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.service.state import BatchStore
@@ -100,8 +59,6 @@ from fleetroll.telemetry.dashboard_auth import cookie_authorizer
 
 __all__ = ["Service", "create_app"]
 
-M = TypeVar("M", bound=BaseModel)
-_NDJSON = "application/x-ndjson"
 #: Slack over ``timeouts.release_s`` for cancelling every batch at shutdown, and
 #: over the sum of a rollout's deadlines for waiting on its result. Not
 #: settings: margins over deadlines that are settings already.
@@ -150,7 +107,8 @@ class Service:
         self.rollouts: dict[str, str] = {}
         self._rollout_of: dict[str, str] = {}
         self.batches.on_forget.append(self._forget_rollouts)
-        self._queries = anyio.CapacityLimiter(settings.service.max_concurrent_queries)
+        #: The worker threads of ``/v1/query`` and ``/v1/stats``.
+        self.queries = anyio.CapacityLimiter(settings.service.max_concurrent_queries)
         #: Pauses of policy calls held for trainers (leases).
         self.pauses = PauseLeases(pool, settings.service.max_pause_ttl_s)
 
@@ -307,275 +265,11 @@ class Service:
             self.rollouts.pop(rid, None)
 
 
-# ---------------------------------------------------------------------- routes
-
-
-class _InvalidBody(Exception):
-    def __init__(self, error: ValidationError) -> None:
-        self.error = error
-
-
-async def _parse(request: Request, model: type[M]) -> M:
-    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
-    if media != "application/json":
-        raise ApiError(415, "send the body as JSON, with Content-Type: application/json")
-    try:
-        return model.model_validate_json(await request.body())
-    except ValidationError as exc:
-        raise _InvalidBody(exc) from None
-
-
-def _json(model: BaseModel, status: int = 200) -> Response:
-    return Response(model.model_dump_json(), status, media_type="application/json")
-
-
-def _problem(exc: ApiError) -> Response:
-    if exc.status == 422:
-        body = ValidationErrorBody(detail=[ErrorItem(loc=exc.loc, msg=exc.detail, type=exc.type)])
-        return Response(body.model_dump_json(), 422, exc.headers, "application/json")
-    return JSONResponse({"detail": exc.detail}, exc.status, exc.headers)
-
-
-def _invalid(exc: ValidationError) -> Response:
-    # Never include the input: it may hold a secret (a policy's api_key).
-    items = [
-        ErrorItem(loc=["body", *e["loc"]], msg=e["msg"], type=e["type"])
-        for e in exc.errors(include_url=False, include_input=False, include_context=False)
-    ]
-    return Response(
-        ValidationErrorBody(detail=items).model_dump_json(), 422, None, "application/json"
-    )
-
-
-def _cursor(request: Request, available: int, what: str, whose: str = "this batch's") -> int:
-    """The ``after`` query parameter of a stream.
-
-    Raises:
-        ApiError: 422, not a whole number, or ahead of what the stream holds.
-    """
-    raw = request.query_params.get("after", "0")
-    if not raw.isdigit() or not raw.isascii():
-        raise ApiError(422, "must be a whole number ≥ 0", loc=["query", "after"])
-    after = int(raw)
-    if after > available:
-        raise ApiError(
-            422,
-            f"cursor {after} is ahead of {whose} {available} {what}",
-            loc=["query", "after"],
-        )
-    return after
-
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _route(path: str, handler: Handler, methods: list[str]) -> Route:
-    async def endpoint(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            return _problem(exc)
-        except _InvalidBody as exc:
-            return _invalid(exc.error)
-
-    return Route(path, endpoint, methods=methods)
-
-
-def _routes(service: Service) -> list[Route]:
-    s = service.settings
-    try:
-        app_version = version("fleetroll")
-    except PackageNotFoundError:  # a source tree without installed metadata
-        app_version = "0"
-
-    async def healthz(request: Request) -> Response:
-        return _json(Health())
-
-    async def metrics(request: Request) -> Response:
-        batches = Counter[str](r.status for r in service.batches)
-        text = service.metrics.render(
-            in_flight=service.batches.in_flight(),
-            sessions_open=service.sessions.open_count,
-            batches=batches,
-            admission=service.batch_pool.admission.state(),
-        )
-        return Response(text, media_type=CONTENT_TYPE)
-
-    async def openapi(request: Request) -> Response:
-        doc = openapi_document(version=app_version, token_required=s.service_token is not None)
-        return JSONResponse(doc)
-
-    async def create_batch(request: Request) -> Response:
-        body = await _parse(request, BatchRequest)
-        record, created, rerun = await service.batches.submit(body)
-        answer = BatchCreated(
-            batch_id=record.batch_id, rollouts=record.total, created=created, rerun=rerun
-        )
-        return _json(answer, 201 if created else 200)
-
-    async def get_batch(request: Request) -> Response:
-        return _json(service.batches.get(request.path_params["batch_id"]).state())
-
-    async def cancel_batch(request: Request) -> Response:
-        return _json(service.batches.cancel(request.path_params["batch_id"]).state(), 202)
-
-    async def results(request: Request) -> Response:
-        record = service.batches.get(request.path_params["batch_id"])
-        raw = request.query_params.get("after", "0")
-        if not raw.isdigit() or not raw.isascii():
-            raise ApiError(422, "must be a whole number ≥ 0", loc=["query", "after"])
-        after = int(raw)
-        if after > len(record.results):
-            raise ApiError(
-                422,
-                f"cursor {after} is ahead of this batch's {len(record.results)} results",
-                loc=["query", "after"],
-            )
-        lines = record.lines(
-            after,
-            heartbeat_s=s.service.stream_heartbeat_s,
-            stopping=lambda: service.batches.stopping,
-        )
-        # No buffering by proxies: each line should reach the controller as it is made.
-        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-        return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
-
-    async def groups(request: Request) -> Response:
-        record = service.batches.get(request.path_params["batch_id"])
-        after = _cursor(request, len(record.groups.groups), "groups")
-        lines = record.groups.lines(
-            record,
-            after,
-            heartbeat_s=s.service.stream_heartbeat_s,
-            stopping=lambda: service.batches.stopping,
-        )
-        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-        return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
-
-    async def rollout_events(request: Request) -> Response:
-        rid = request.path_params["rollout_id"]
-        first = await service.rollout_events(rid, after=0, wait_s=0)  # 404 before the stream
-        known = first.events[-1].seq if first.events else 0
-        # Built from a result (its Ray actor let the log go): any cursor is fine.
-        after = _cursor(request, 2**62 if first.from_result else known, "events", "this rollout's")
-
-        async def read(cursor: int, wait_s: float) -> EventPage:
-            try:
-                return await service.rollout_events(rid, after=cursor, wait_s=wait_s)
-            except ApiError:
-                # Forgotten, or its actor is slow: the stream stops without its end,
-                # so the client reconnects (and hears why).
-                return EventPage((), missed=0, ended=True)
-
-        lines = ndjson_lines(
-            read,
-            after,
-            heartbeat_s=s.service.stream_heartbeat_s,
-            stopping=lambda: service.batches.stopping,
-        )
-        headers = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-        return StreamingResponse(lines, media_type=_NDJSON, headers=headers)
-
-    async def get_policy(request: Request) -> Response:
-        return _json(service.policy_state())
-
-    async def set_policy_version(request: Request) -> Response:
-        body = await _parse(request, PolicyVersionRequest)
-        service.policy_state()  # refused on Ray
-        service.pool.policy_version = body.version
-        return _json(service.policy_state())
-
-    async def start_pause(request: Request) -> Response:
-        body = await _parse(request, PauseRequest)
-        service.policy_state()
-        pause_id = await service.pauses.start(body.ttl_s)
-        return _json(PauseLease(pause_id=pause_id, ttl_s=body.ttl_s), 201)
-
-    async def renew_pause(request: Request) -> Response:
-        body = await _parse(request, PauseRequest)
-        pause_id = request.path_params["pause_id"]
-        service.pauses.renew(pause_id, body.ttl_s)
-        return _json(PauseLease(pause_id=pause_id, ttl_s=body.ttl_s))
-
-    async def end_pause(request: Request) -> Response:
-        await service.pauses.release(request.path_params["pause_id"])
-        return _json(service.policy_state())
-
-    async def open_session(request: Request) -> Response:
-        body = await _parse(request, SessionRequest)
-        task = await service.check_task(body.task.record(), loc=["body", "task"])
-        opened = await service.sessions.open(
-            task, batch_id=body.batch_id, sample_index=body.sample_index
-        )
-        return _json(opened, 201)
-
-    async def step_session(request: Request) -> Response:
-        body = await _parse(request, StepRequest)
-        call = body.model_dump(exclude_none=True)
-        observation = await service.sessions.step(request.path_params["session_id"], call)
-        return _json(observation)
-
-    async def end_episode(request: Request) -> Response:
-        session_id = request.path_params["session_id"]
-        await service.sessions.done(session_id)
-        return _json(SessionDone(session_id=session_id))
-
-    async def close_session(request: Request) -> Response:
-        return _json(await service.sessions.close(request.path_params["session_id"]))
-
-    async def query(request: Request) -> Response:
-        body = await _parse(request, QueryRequest)
-        limit = min(body.max_rows or s.service.query_max_rows, s.service.query_max_rows)
-        result = await anyio.to_thread.run_sync(
-            lambda: run_query(
-                s.telemetry.db_path,
-                body.sql,
-                body.params,
-                max_rows=limit,
-                timeout_s=s.service.query_timeout_s,
-                max_bytes=s.service.query_max_bytes,
-            ),
-            limiter=service._queries,
-        )
-        return _json(result)
-
-    async def stats(request: Request) -> Response:
-        batch_id = request.query_params.get("batch_id")
-        result = await anyio.to_thread.run_sync(
-            lambda: run_stats(s.telemetry.db_path, batch_id), limiter=service._queries
-        )
-        return _json(result)
-
-    return [
-        _route("/healthz", healthz, ["GET"]),
-        _route("/metrics", metrics, ["GET"]),
-        _route("/openapi.json", openapi, ["GET"]),
-        _route("/v1/batches", create_batch, ["POST"]),
-        _route("/v1/batches/{batch_id}", get_batch, ["GET"]),
-        _route("/v1/batches/{batch_id}", cancel_batch, ["DELETE"]),
-        _route("/v1/batches/{batch_id}/results", results, ["GET"]),
-        _route("/v1/batches/{batch_id}/groups", groups, ["GET"]),
-        _route("/v1/rollouts/{rollout_id}/events", rollout_events, ["GET"]),
-        _route("/v1/policy", get_policy, ["GET"]),
-        _route("/v1/policy/version", set_policy_version, ["PUT"]),
-        _route("/v1/policy/pauses", start_pause, ["POST"]),
-        _route("/v1/policy/pauses/{pause_id}", renew_pause, ["PUT"]),
-        _route("/v1/policy/pauses/{pause_id}", end_pause, ["DELETE"]),
-        _route("/v1/sessions", open_session, ["POST"]),
-        _route("/v1/sessions/{session_id}/step", step_session, ["POST"]),
-        _route("/v1/sessions/{session_id}/done", end_episode, ["POST"]),
-        _route("/v1/sessions/{session_id}", close_session, ["DELETE"]),
-        _route("/v1/query", query, ["POST"]),
-        _route("/v1/stats", stats, ["GET"]),
-    ]
-
-
 def create_app(service: Service) -> ASGIApp:
     """The service's ASGI app: routes, MCP tools at ``/mcp``, behind the :class:`Guard`."""
     from fleetroll.service.mcp_tools import build_mcp_server, mcp_app
 
     mcp = build_mcp_server(service)
-    mcp_asgi = mcp_app(mcp)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -591,19 +285,33 @@ def create_app(service: Service) -> ASGIApp:
         gauges=lambda: asdict(service.batch_pool.admission.state()),
         token=s.service_token,
     )
-    routes = Starlette(routes=[*_routes(service), *dashboard], lifespan=lifespan)
-
-    async def root(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in ("/mcp", "/mcp/"):
-            scope = dict(scope, path="/mcp", raw_path=b"/mcp")
-            await mcp_asgi(scope, receive, send)
-        else:
-            await routes(scope, receive, send)
-
+    try:
+        app_version = version("fleetroll")
+    except PackageNotFoundError:  # a source tree without installed metadata
+        app_version = "0"
+    document = openapi_document(version=app_version, token_required=s.service_token is not None)
+    api = Api(service, document)
+    routes = Starlette(routes=[*asgi_routes(api), *dashboard], lifespan=lifespan)
     return Guard(
-        root,
+        _Root(routes, mcp_app(mcp)),
         token=service.settings.service_token,
         max_body_bytes=service.settings.service.max_body_bytes,
-        open_paths={"/healthz", *PAGE_PATHS},  # the page holds no data; it sends the token
+        # The dashboard's page holds no data; it sends the token.
+        open_paths={*(e.path for e in ROUTES if not e.auth), *PAGE_PATHS},
         also_authorized=cookie_authorizer(s.service_token),  # the dashboard's login cookie
     )
+
+
+class _Root:
+    """``/mcp`` (and ``/mcp/``) to the MCP app, every other path to ``routes``."""
+
+    def __init__(self, routes: Starlette, mcp: ASGIApp) -> None:
+        self.routes = routes
+        self.mcp = mcp
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in ("/mcp", "/mcp/"):
+            scope = dict(scope, path="/mcp", raw_path=b"/mcp")
+            await self.mcp(scope, receive, send)
+        else:
+            await self.routes(scope, receive, send)

@@ -1,0 +1,689 @@
+"""The HTTP API declared once: :data:`ROUTES`, one :class:`Endpoint` per route.
+
+Each endpoint holds what both sides need: the method and path, the handler,
+the request and answer models (or the answer's media type), the error
+statuses it can answer with their meaning, whether it needs the token, and
+its summary. :func:`asgi_routes` makes the Starlette routes of it,
+:func:`fleetroll.service.openapi.openapi_document` the OpenAPI document, and
+:func:`fleetroll.service.app.create_app` the paths the token guard lets
+through; a test checks that the app's routes and ``/openapi.json`` agree.
+
+Every await a handler makes on a rollout, a session or the pool is bounded.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from fleetroll.results import RolloutResult
+from fleetroll.rollout_events import EventPage, ndjson_lines
+from fleetroll.service.errors import ApiError
+from fleetroll.service.metrics import CONTENT_TYPE
+from fleetroll.service.models import (
+    BatchCreated,
+    BatchRequest,
+    BatchState,
+    ErrorItem,
+    EventStreamLine,
+    GroupStreamLine,
+    Health,
+    Observation,
+    PauseLease,
+    PauseRequest,
+    PolicyState,
+    PolicyVersionRequest,
+    QueryRequest,
+    QueryResult,
+    SessionDone,
+    SessionOpened,
+    SessionRequest,
+    StatsResult,
+    StepRequest,
+    StreamLine,
+    ValidationErrorBody,
+)
+from fleetroll.service.query import run_query, run_stats
+
+if TYPE_CHECKING:
+    from fleetroll.service.app import Service
+
+__all__ = ["PATH_PARAMETERS", "ROUTES", "Api", "Endpoint", "Query", "asgi_routes"]
+
+M = TypeVar("M", bound=BaseModel)
+NDJSON: Final = "application/x-ndjson"
+# No buffering by proxies: each line should reach the controller as it is made.
+_STREAM_HEADERS: Final = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+_INVALID = "Invalid request: each problem with its location"
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    """What a handler is given besides the request."""
+
+    service: Service
+    #: What ``GET /openapi.json`` answers (built once, from :data:`ROUTES`).
+    document: Mapping[str, Any]
+
+
+Handler = Callable[[Api, Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """A query parameter (never required)."""
+
+    name: str
+    description: str
+    schema: Mapping[str, Any] = field(default_factory=lambda: {"type": "string"})
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One route: what its ASGI route runs and what ``/openapi.json`` says of it.
+
+    Attributes:
+        answers: the success statuses, each with its meaning.
+        answer: the success body's model, or its JSON schema when it has none.
+        media: the success body's media type.
+        body: the request body's model (JSON), if it takes one.
+        errors: the error statuses the handler answers, each with its meaning;
+            see :meth:`error_statuses` for those every route of its kind answers.
+        auth: whether the bearer token is needed (when the service has one).
+    """
+
+    method: str
+    path: str
+    handler: Handler
+    operation_id: str
+    summary: str
+    answers: Mapping[int, str]
+    answer: type[BaseModel] | Mapping[str, Any]
+    media: str = "application/json"
+    body: type[BaseModel] | None = None
+    errors: Mapping[int, str] = field(default_factory=dict)
+    query: tuple[Query, ...] = ()
+    description: str | None = None
+    auth: bool = True
+
+    def error_statuses(self, *, token_required: bool) -> dict[int, str]:
+        """Every error status it can answer, with its meaning: its own, those of a
+        JSON body (413, 415, 422), and the token guard's (401 with a token, 421
+        without: the Host check runs on every path)."""
+        implied: dict[int, str] = {}
+        if token_required and self.auth:
+            implied[401] = "Missing or invalid bearer token"
+        if not token_required:
+            implied[421] = "The Host header does not name loopback"
+        if self.body is not None:
+            implied[413] = "The request body is over service.max_body_bytes"
+            implied[415] = "The body must be JSON (Content-Type: application/json)"
+            implied[422] = _INVALID
+        return dict(sorted((implied | dict(self.errors)).items()))
+
+
+#: The description of each path parameter, by name.
+PATH_PARAMETERS: Final = {
+    "batch_id": "The batch's id",
+    "session_id": "The session's id",
+    "pause_id": "The pause's id (from POST /v1/policy/pauses)",
+    "rollout_id": "The rollout's id",
+}
+
+
+# ---------------------------------------------------------------- plumbing
+
+
+class _InvalidBody(Exception):
+    def __init__(self, error: ValidationError) -> None:
+        self.error = error
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json":
+        raise ApiError(415, "send the body as JSON, with Content-Type: application/json")
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        raise _InvalidBody(exc) from None
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(model.model_dump_json(), status, media_type="application/json")
+
+
+def _problem(exc: ApiError) -> Response:
+    if exc.status == 422:
+        body = ValidationErrorBody(detail=[ErrorItem(loc=exc.loc, msg=exc.detail, type=exc.type)])
+        return Response(body.model_dump_json(), 422, exc.headers, "application/json")
+    return JSONResponse({"detail": exc.detail}, exc.status, exc.headers)
+
+
+def _invalid(exc: ValidationError) -> Response:
+    # Never include the input: it may hold a secret (a policy's api_key).
+    items = [
+        ErrorItem(loc=["body", *e["loc"]], msg=e["msg"], type=e["type"])
+        for e in exc.errors(include_url=False, include_input=False, include_context=False)
+    ]
+    return Response(
+        ValidationErrorBody(detail=items).model_dump_json(), 422, None, "application/json"
+    )
+
+
+def _cursor(request: Request, available: int, what: str, whose: str = "this batch's") -> int:
+    """The ``after`` query parameter of a stream.
+
+    Raises:
+        ApiError: 422, not a whole number, or ahead of what the stream holds.
+    """
+    raw = request.query_params.get("after", "0")
+    if not raw.isdigit() or not raw.isascii():
+        raise ApiError(422, "must be a whole number ≥ 0", loc=["query", "after"])
+    after = int(raw)
+    if after > available:
+        raise ApiError(
+            422,
+            f"cursor {after} is ahead of {whose} {available} {what}",
+            loc=["query", "after"],
+        )
+    return after
+
+
+def _endpoint(handler: Handler, api: Api) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(api, request)
+        except ApiError as exc:
+            return _problem(exc)
+        except _InvalidBody as exc:
+            return _invalid(exc.error)
+
+    return endpoint
+
+
+def asgi_routes(api: Api) -> list[Route]:
+    """The Starlette routes of :data:`ROUTES`, their handlers given ``api``."""
+    return [Route(e.path, _endpoint(e.handler, api), methods=[e.method]) for e in ROUTES]
+
+
+# ---------------------------------------------------------------- handlers
+
+
+async def healthz(api: Api, request: Request) -> Response:
+    return _json(Health())
+
+
+async def metrics(api: Api, request: Request) -> Response:
+    service = api.service
+    batches = Counter[str](r.status for r in service.batches)
+    text = service.metrics.render(
+        in_flight=service.batches.in_flight(),
+        sessions_open=service.sessions.open_count,
+        batches=batches,
+        admission=service.batch_pool.admission.state(),
+    )
+    return Response(text, media_type=CONTENT_TYPE)
+
+
+async def openapi(api: Api, request: Request) -> Response:
+    return JSONResponse(api.document)
+
+
+async def create_batch(api: Api, request: Request) -> Response:
+    body = await _parse(request, BatchRequest)
+    record, created, rerun = await api.service.batches.submit(body)
+    answer = BatchCreated(
+        batch_id=record.batch_id, rollouts=record.total, created=created, rerun=rerun
+    )
+    return _json(answer, 201 if created else 200)
+
+
+async def get_batch(api: Api, request: Request) -> Response:
+    return _json(api.service.batches.get(request.path_params["batch_id"]).state())
+
+
+async def cancel_batch(api: Api, request: Request) -> Response:
+    return _json(api.service.batches.cancel(request.path_params["batch_id"]).state(), 202)
+
+
+async def results(api: Api, request: Request) -> Response:
+    service = api.service
+    record = service.batches.get(request.path_params["batch_id"])
+    after = _cursor(request, len(record.results), "results")
+    lines = record.lines(
+        after,
+        heartbeat_s=service.settings.service.stream_heartbeat_s,
+        stopping=lambda: service.batches.stopping,
+    )
+    return StreamingResponse(lines, media_type=NDJSON, headers=_STREAM_HEADERS)
+
+
+async def groups(api: Api, request: Request) -> Response:
+    service = api.service
+    record = service.batches.get(request.path_params["batch_id"])
+    after = _cursor(request, len(record.groups.groups), "groups")
+    lines = record.groups.lines(
+        record,
+        after,
+        heartbeat_s=service.settings.service.stream_heartbeat_s,
+        stopping=lambda: service.batches.stopping,
+    )
+    return StreamingResponse(lines, media_type=NDJSON, headers=_STREAM_HEADERS)
+
+
+async def rollout_events(api: Api, request: Request) -> Response:
+    service = api.service
+    rid = request.path_params["rollout_id"]
+    first = await service.rollout_events(rid, after=0, wait_s=0)  # 404 before the stream
+    known = first.events[-1].seq if first.events else 0
+    # Built from a result (its Ray actor let the log go): any cursor is fine.
+    after = _cursor(request, 2**62 if first.from_result else known, "events", "this rollout's")
+
+    async def read(cursor: int, wait_s: float) -> EventPage:
+        try:
+            return await service.rollout_events(rid, after=cursor, wait_s=wait_s)
+        except ApiError:
+            # Forgotten, or its actor is slow: the stream stops without its end,
+            # so the client reconnects (and hears why).
+            return EventPage((), missed=0, ended=True)
+
+    lines = ndjson_lines(
+        read,
+        after,
+        heartbeat_s=service.settings.service.stream_heartbeat_s,
+        stopping=lambda: service.batches.stopping,
+    )
+    return StreamingResponse(lines, media_type=NDJSON, headers=_STREAM_HEADERS)
+
+
+async def get_policy(api: Api, request: Request) -> Response:
+    return _json(api.service.policy_state())
+
+
+async def set_policy_version(api: Api, request: Request) -> Response:
+    body = await _parse(request, PolicyVersionRequest)
+    api.service.policy_state()  # refused on Ray
+    api.service.pool.policy_version = body.version
+    return _json(api.service.policy_state())
+
+
+async def start_pause(api: Api, request: Request) -> Response:
+    body = await _parse(request, PauseRequest)
+    api.service.policy_state()
+    pause_id = await api.service.pauses.start(body.ttl_s)
+    return _json(PauseLease(pause_id=pause_id, ttl_s=body.ttl_s), 201)
+
+
+async def renew_pause(api: Api, request: Request) -> Response:
+    body = await _parse(request, PauseRequest)
+    pause_id = request.path_params["pause_id"]
+    api.service.pauses.renew(pause_id, body.ttl_s)
+    return _json(PauseLease(pause_id=pause_id, ttl_s=body.ttl_s))
+
+
+async def end_pause(api: Api, request: Request) -> Response:
+    await api.service.pauses.release(request.path_params["pause_id"])
+    return _json(api.service.policy_state())
+
+
+async def open_session(api: Api, request: Request) -> Response:
+    body = await _parse(request, SessionRequest)
+    task = await api.service.check_task(body.task.record(), loc=["body", "task"])
+    opened = await api.service.sessions.open(
+        task, batch_id=body.batch_id, sample_index=body.sample_index
+    )
+    return _json(opened, 201)
+
+
+async def step_session(api: Api, request: Request) -> Response:
+    body = await _parse(request, StepRequest)
+    call = body.model_dump(exclude_none=True)
+    observation = await api.service.sessions.step(request.path_params["session_id"], call)
+    return _json(observation)
+
+
+async def end_episode(api: Api, request: Request) -> Response:
+    session_id = request.path_params["session_id"]
+    await api.service.sessions.done(session_id)
+    return _json(SessionDone(session_id=session_id))
+
+
+async def close_session(api: Api, request: Request) -> Response:
+    return _json(await api.service.sessions.close(request.path_params["session_id"]))
+
+
+async def query(api: Api, request: Request) -> Response:
+    body = await _parse(request, QueryRequest)
+    s = api.service.settings
+    limit = min(body.max_rows or s.service.query_max_rows, s.service.query_max_rows)
+    result = await anyio.to_thread.run_sync(
+        lambda: run_query(
+            s.telemetry.db_path,
+            body.sql,
+            body.params,
+            max_rows=limit,
+            timeout_s=s.service.query_timeout_s,
+            max_bytes=s.service.query_max_bytes,
+        ),
+        limiter=api.service.queries,
+    )
+    return _json(result)
+
+
+async def stats(api: Api, request: Request) -> Response:
+    batch_id = request.query_params.get("batch_id")
+    db_path = api.service.settings.telemetry.db_path
+    result = await anyio.to_thread.run_sync(
+        lambda: run_stats(db_path, batch_id), limiter=api.service.queries
+    )
+    return _json(result)
+
+
+# ---------------------------------------------------------------- the table
+
+_NO_BATCH = "No such batch (unknown, or finished long ago and forgotten)"
+_NO_SESSION = "No such session"
+_NO_PAUSE = "No such pause (released, or its lease expired)"
+_ON_RAY = "Batches run on Ray actors: no policy version or pause from this process"
+_ENDED = "The session has ended: DELETE it for its result"
+_SLOW_SESSION = "The session did not answer in time"
+
+
+def _after(lines: str) -> Query:
+    return Query(
+        "after",
+        f"Send only {lines} with a cursor above this one",
+        {"type": "integer", "minimum": 0, "default": 0},
+    )
+
+
+ROUTES: Final[tuple[Endpoint, ...]] = (
+    Endpoint(
+        "GET",
+        "/healthz",
+        healthz,
+        "healthz",
+        "Liveness (needs no token)",
+        answers={200: "The service is up"},
+        answer=Health,
+        auth=False,
+    ),
+    Endpoint(
+        "GET",
+        "/metrics",
+        metrics,
+        "metrics",
+        "Prometheus metrics (text exposition format)",
+        answers={200: "Rollouts by status, in flight, provisioning latency"},
+        answer={"type": "string"},
+        media="text/plain",
+    ),
+    Endpoint(
+        "GET",
+        "/openapi.json",
+        openapi,
+        "openapi",
+        "This document",
+        answers={200: "The OpenAPI document"},
+        answer={"type": "object"},
+    ),
+    Endpoint(
+        "POST",
+        "/v1/batches",
+        create_batch,
+        "createBatch",
+        "Start a batch of rollouts (idempotent with batch_id)",
+        answers={
+            201: "The batch started",
+            200: "An identical request already started it; those of its rollouts"
+            " that ended cancelled run again (`rerun`)",
+        },
+        answer=BatchCreated,
+        body=BatchRequest,
+        errors={
+            409: "The batch_id is taken by a different request",
+            422: "Invalid request: each problem with its location; or the pre-flight"
+            " refused the batch (type preflight_error, nothing provisioned)",
+            503: "The pool is full (pool.max_queued_rollouts), or a cancel of this"
+            " batch is still settling: retry after Retry-After seconds",
+        },
+    ),
+    Endpoint(
+        "GET",
+        "/v1/batches/{batch_id}",
+        get_batch,
+        "getBatch",
+        "A batch's status and counts",
+        answers={200: "The batch"},
+        answer=BatchState,
+        errors={404: _NO_BATCH},
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/batches/{batch_id}",
+        cancel_batch,
+        "cancelBatch",
+        "Cancel a batch (every result still arrives, cancelled ones too)",
+        answers={202: "Cancelling"},
+        answer=BatchState,
+        errors={404: _NO_BATCH},
+    ),
+    Endpoint(
+        "GET",
+        "/v1/batches/{batch_id}/results",
+        results,
+        "streamResults",
+        "The batch's results as NDJSON, streamed as rollouts end",
+        description=(
+            "One JSON object per line (StreamLine): `result` lines carry the n-th"
+            " result with `cursor` n; `heartbeat` lines keep an idle stream alive;"
+            " an `end` line closes a complete stream. A stream that stops without"
+            " an `end` line was cut: reconnect with `?after=<last cursor>` to get"
+            " the rest, nothing lost and nothing twice. An `interrupted` line"
+            " closes the stream of a batch the service stopped while it ran (a"
+            " restart): resubmit the same request to run its rollouts without a"
+            " result, then reconnect with `?after=`."
+        ),
+        answers={200: "NDJSON: one StreamLine per line"},
+        answer=StreamLine,
+        media=NDJSON,
+        query=(_after("results"),),
+        errors={404: _NO_BATCH, 422: _INVALID},
+    ),
+    Endpoint(
+        "GET",
+        "/v1/batches/{batch_id}/groups",
+        groups,
+        "streamGroups",
+        "The batch's groups as NDJSON, each as soon as it is complete",
+        description=(
+            "One JSON object per line (GroupStreamLine): `group` lines carry the n-th"
+            " complete group (all samples of one task: rewards, mean, std, uniform)"
+            " with `cursor` n, in completion order; `heartbeat`, `end` and"
+            " `interrupted` lines as on the results stream. Reconnect with"
+            " `?after=<last cursor>`."
+        ),
+        answers={200: "NDJSON: one GroupStreamLine per line"},
+        answer=GroupStreamLine,
+        media=NDJSON,
+        query=(_after("lines"),),
+        errors={404: _NO_BATCH, 422: _INVALID},
+    ),
+    Endpoint(
+        "GET",
+        "/v1/rollouts/{rollout_id}/events",
+        rollout_events,
+        "streamRolloutEvents",
+        "A rollout's live events as NDJSON: phases, turns, tool calls, the end",
+        description=(
+            "One JSON object per line (EventStreamLine): `event` lines carry the n-th"
+            " event with `cursor` n; the stream ends after the `end` event. A `gap`"
+            " line says events after the cursor are no longer held (pool.events_max)."
+            " Reconnect with `?after=<last cursor>`."
+        ),
+        answers={200: "NDJSON: one EventStreamLine per line"},
+        answer=EventStreamLine,
+        media=NDJSON,
+        query=(_after("lines"),),
+        errors={
+            404: "No such rollout (unknown, or its batch was forgotten)",
+            422: _INVALID,
+            504: "The Ray actor running the rollout did not answer in time",
+        },
+    ),
+    Endpoint(
+        "GET",
+        "/v1/policy",
+        get_policy,
+        "getPolicy",
+        "The policy version recorded on turns, and the pauses held",
+        answers={200: "The policy"},
+        answer=PolicyState,
+        errors={409: _ON_RAY},
+    ),
+    Endpoint(
+        "PUT",
+        "/v1/policy/version",
+        set_policy_version,
+        "setPolicyVersion",
+        "Set the policy version (after a weight sync)",
+        answers={200: "The policy"},
+        answer=PolicyState,
+        body=PolicyVersionRequest,
+        errors={409: _ON_RAY},
+    ),
+    Endpoint(
+        "POST",
+        "/v1/policy/pauses",
+        start_pause,
+        "startPause",
+        "Pause new policy calls (tool calls go on) for a lease of ttl_s",
+        description=(
+            "The pause ends after `ttl_s` unless renewed with PUT, or at once with"
+            " DELETE: a trainer that crashed mid weight swap cannot pause forever."
+            " Waiting is charged to no rollout deadline, only to a batch's deadline_s."
+        ),
+        answers={201: "The pause is held"},
+        answer=PauseLease,
+        body=PauseRequest,
+        errors={409: _ON_RAY},
+    ),
+    Endpoint(
+        "PUT",
+        "/v1/policy/pauses/{pause_id}",
+        renew_pause,
+        "renewPause",
+        "Renew a pause: it now ends ttl_s from now",
+        answers={200: "Renewed"},
+        answer=PauseLease,
+        body=PauseRequest,
+        errors={404: _NO_PAUSE},
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/policy/pauses/{pause_id}",
+        end_pause,
+        "endPause",
+        "End a pause (policy calls go on when no other is held)",
+        answers={200: "The policy"},
+        answer=PolicyState,
+        errors={404: _NO_PAUSE},
+    ),
+    Endpoint(
+        "POST",
+        "/v1/sessions",
+        open_session,
+        "openSession",
+        "Open an env-style session on one task (provisions an instance)",
+        answers={201: "The opening messages and the tools"},
+        answer=SessionOpened,
+        body=SessionRequest,
+        errors={
+            502: "The environment could not be set up",
+            503: "No instance in time, a transient platform failure, or the service"
+            " is shutting down",
+        },
+    ),
+    Endpoint(
+        "POST",
+        "/v1/sessions/{session_id}/step",
+        step_session,
+        "stepSession",
+        "Run one tool call in the session",
+        answers={200: "The tool's answer"},
+        answer=Observation,
+        body=StepRequest,
+        errors={
+            404: _NO_SESSION,
+            410: _ENDED,
+            502: "The instance is gone: the session has ended",
+            504: _SLOW_SESSION,
+        },
+    ),
+    Endpoint(
+        "POST",
+        "/v1/sessions/{session_id}/done",
+        end_episode,
+        "endEpisode",
+        "End the episode: the agent finished (the result will be completed,"
+        " not abandoned); then DELETE the session for its result",
+        answers={200: "The episode is over"},
+        answer=SessionDone,
+        errors={
+            404: _NO_SESSION,
+            410: _ENDED,
+            502: "Ending the episode failed",
+            504: _SLOW_SESSION,
+        },
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/sessions/{session_id}",
+        close_session,
+        "closeSession",
+        "Close the session: score it (if not yet), release it, get its result",
+        answers={200: "The rollout's result"},
+        answer=RolloutResult,
+        errors={
+            404: _NO_SESSION,
+            410: "The session ended without a result (scoring it failed)",
+            502: "Closing failed",
+            504: _SLOW_SESSION,
+        },
+    ),
+    Endpoint(
+        "POST",
+        "/v1/query",
+        query,
+        "query",
+        "Run one read-only SQL statement on the local telemetry store",
+        answers={200: "The rows"},
+        answer=QueryResult,
+        body=QueryRequest,
+        errors={
+            400: "Invalid SQL, too slow, or more than one statement",
+            403: "The statement tries to change something",
+            404: "No telemetry store yet",
+        },
+    ),
+    Endpoint(
+        "GET",
+        "/v1/stats",
+        stats,
+        "stats",
+        "Rollouts per environment from the telemetry store, and its invariant",
+        answers={200: "The statistics"},
+        answer=StatsResult,
+        query=(Query("batch_id", "Only this batch's rollouts"),),
+        errors={404: "No telemetry store yet, or no such batch"},
+    ),
+)

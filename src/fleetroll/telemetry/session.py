@@ -48,14 +48,7 @@ _log = logging.getLogger(__name__)
 
 def redactor_for(settings: Settings) -> Redactor:
     """A redactor that knows every secret in ``settings``."""
-    secrets = (
-        settings.fleet_api_key,
-        settings.logfire_token,
-        settings.openai_api_key,
-        settings.service_token,
-        settings.emulator_api_key,
-    )
-    return Redactor(s.get_secret_value() for s in secrets if s is not None)
+    return Redactor(settings.secrets())
 
 
 @functools.cache

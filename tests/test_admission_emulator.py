@@ -12,7 +12,7 @@ from fleet._async.client import AsyncFleet
 from fleet._async.exceptions import FleetInstanceLimitError
 
 from fleetroll.emulator import Emulator
-from fleetroll.emulator.faults import FaultProfile, Latency
+from fleetroll.fault_profiles import FaultProfile, Latency
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool import RolloutPool
 from fleetroll.results import FailureReason

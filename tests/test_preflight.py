@@ -83,7 +83,7 @@ async def test_the_provider_s_problems_and_the_policy_s_come_in_one_error() -> N
     settings = openai_settings(f"{dead_url()}/v1")
 
     with pytest.raises(PreflightError) as caught:
-        await preflight(settings, provider, [task("x")])
+        await preflight(provider, [task("x")], lambda: check_policy(settings))
 
     assert provider.preflights == 1
     assert caught.value.problems[0] == "environment x is gone"
@@ -94,7 +94,7 @@ async def test_the_provider_s_problems_and_the_policy_s_come_in_one_error() -> N
 async def test_a_clean_provider_and_the_scripted_policy_pass() -> None:
     provider = FakeProvider(load_settings())
 
-    await preflight(load_settings(), provider, [task("ledger")])
+    await preflight(provider, [task("ledger")], lambda: check_policy(load_settings()))
 
     assert provider.preflights == 1
 

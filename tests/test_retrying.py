@@ -5,7 +5,8 @@ tests: in-process fakes and ``httpx.MockTransport``, backoff 0 from the budget).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
@@ -14,6 +15,7 @@ import anyio
 import httpx
 import httpx2
 import pytest
+import stamina.instrumentation
 from fleet._async import exceptions as fe
 
 from fleetroll import verification
@@ -34,7 +36,7 @@ from fleetroll.retrying import (
 )
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry import Events, MemorySink, Redactor
+from fleetroll.telemetry import Events, MemorySink, Redactor, Telemetry
 from fleetroll.telemetry.retries import retry_emitter
 from fleetroll.tools import open_tool_session
 
@@ -202,6 +204,33 @@ async def test_without_a_reporter_a_retry_is_a_debug_record_on_the_retries_logge
     with caplog.at_level(logging.DEBUG, logger="fleetroll.retries"):
         await run("client", [Later()])
     assert any("retry of client after attempt 1" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture
+def stamina_defaults() -> Iterator[tuple[object, ...]]:
+    """stamina's hooks as a fresh process has them (structlog's console line first)."""
+    before = stamina.instrumentation.get_on_retry_hooks()
+    stamina.instrumentation.set_on_retry_hooks(None)
+    try:
+        yield stamina.instrumentation.get_on_retry_hooks()
+    finally:
+        stamina.instrumentation.set_on_retry_hooks(before)
+
+
+async def test_telemetry_and_retries_leave_stamina_s_process_wide_hooks_as_they_were(
+    stamina_defaults: tuple[object, ...],
+) -> None:
+    """A library never changes a dependency's process-wide state: the retry is
+    reported per call, to the telemetry bound where it happens."""
+    sink = MemorySink()
+    settings = load_settings(telemetry={"db_path": os.devnull, "send_to_logfire": False})
+    with (
+        Telemetry(settings, extra_sinks=[sink]) as telemetry,
+        reporting(retry_emitter(telemetry.events)),
+    ):
+        assert await run("verify", [Later()]) == 2
+    assert stamina.instrumentation.get_on_retry_hooks() == stamina_defaults
+    assert [e.attributes["operation"] for e in sink.named("fleet_retry")] == ["verify"]
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,15 @@ def test_unknown_variables_are_ignored_with_one_warning_each_and_the_closest_set
         "FLEETROLL_TIMEOUT__CALL_TOOL_S is not a fleetroll setting and is ignored;"
         " did you mean FLEETROLL_TIMEOUTS__CALL_TOOL_S?",
     ]
+
+
+def test_importing_the_settings_loads_nothing_of_the_emulator() -> None:
+    """The emulator sits above the settings: it reads them, they never need it."""
+    probe = (
+        "import sys, fleetroll.settings;"
+        "print(sorted(m for m in sys.modules if m.startswith('fleetroll.emulator')))"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert ran.stdout.strip() == "[]"

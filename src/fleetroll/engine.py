@@ -12,7 +12,6 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import anyio
-from pydantic import SecretStr
 
 from fleetroll.admission import Admission
 from fleetroll.env_session import EnvSession
@@ -45,11 +44,7 @@ class RolloutEngine:
         self.policy_gate = PolicyGate()
         #: Telemetry's redactor, knowing every secret of ``settings`` too; results
         #: go through it (an ``Events`` built without settings knows none).
-        self.redactor: Redactor = events.redactor.extended(
-            value.get_secret_value()
-            for value in settings.__dict__.values()
-            if isinstance(value, SecretStr)
-        )
+        self.redactor: Redactor = events.redactor.extended(settings.secrets())
 
     @classmethod
     @asynccontextmanager

@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleet._async.client import AsyncFleet
 
 from fleetroll.results import RolloutResult
-from fleetroll.settings import Settings
+from fleetroll.settings import Settings, TraceSettings
 from fleetroll.telemetry.events import Events
 
 __all__ = ["TraceUploader", "open_trace_uploader", "trace_messages"]
@@ -99,19 +99,17 @@ class TraceUploader:
     Made by :func:`open_trace_uploader`, which runs its workers.
     """
 
-    def __init__(self, settings: Settings, events: Events, fleet: AsyncFleet) -> None:
-        self._settings = settings
+    def __init__(self, traces: TraceSettings, events: Events, fleet: AsyncFleet) -> None:
+        self._traces = traces
         self._events = events
         self._fleet = fleet
         self._send: MemoryObjectSendStream[_Trace]
         self._receive: MemoryObjectReceiveStream[_Trace]
-        self._send, self._receive = anyio.create_memory_object_stream[_Trace](
-            settings.traces.max_queued
-        )
+        self._send, self._receive = anyio.create_memory_object_stream[_Trace](traces.max_queued)
         self._jobs: dict[str, str] = {}
         self._job_lock = anyio.Lock()
         self._pending = 0
-        self._workers = settings.traces.max_parallel
+        self._workers = traces.max_parallel
         #: Set when every worker has posted everything and the queue is closed.
         self.drained = anyio.Event()
         #: Traces dropped because the queue was full.
@@ -163,7 +161,7 @@ class TraceUploader:
     ) -> None:
         """Post queued traces with ``traces.max_parallel`` workers until :meth:`close`."""
         async with anyio.create_task_group() as tg:
-            for _ in range(self._settings.traces.max_parallel):
+            for _ in range(self._traces.max_parallel):
                 tg.start_soon(self._work, self._receive.clone())
             self._receive.close()
             task_status.started()
@@ -172,7 +170,7 @@ class TraceUploader:
         async with self._job_lock:
             job_id = self._jobs.get(batch_id)
             if job_id is None:
-                with anyio.fail_after(self._settings.traces.upload_s):
+                with anyio.fail_after(self._traces.upload_s):
                     job_id = await self._fleet.trace_job(name=f"fleetroll {batch_id}")
                 self._jobs[batch_id] = job_id
                 while len(self._jobs) > _KEEP_JOBS:  # a long-lived pool: the oldest go
@@ -187,7 +185,7 @@ class TraceUploader:
             operation = "ingest"
             messages = trace_messages(trace.messages, trace.redact)
             model = next((t.model for t in result.turns if t.model), None)
-            with anyio.fail_after(self._settings.traces.upload_s):
+            with anyio.fail_after(self._traces.upload_s):
                 # The SDK's ingest: the whole session in one request (its public
                 # helpers post one message per request).
                 await self._fleet._ingest(
@@ -213,7 +211,7 @@ class TraceUploader:
                 operation=operation,
                 error_type=type(exc).__name__,
                 error_message=trace.redact(str(exc))[:500],
-                timeout_s=self._settings.traces.upload_s,
+                timeout_s=self._traces.upload_s,
             )
 
 
@@ -234,7 +232,7 @@ async def open_trace_uploader(
     timeout = httpx.Timeout(t.upload_s, connect=settings.timeouts.mcp_connect_s)
     async with httpx.AsyncClient(timeout=timeout) as client:
         fleet = AsyncFleet(api_key=api_key, base_url=base_url, max_retries=0, httpx_client=client)
-        uploader = TraceUploader(settings, events, fleet)
+        uploader = TraceUploader(t, events, fleet)
         async with anyio.create_task_group() as tg:
             await tg.start(uploader.run)
             try:

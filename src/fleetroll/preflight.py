@@ -125,17 +125,17 @@ async def _models_answer(base: str, key: SecretStr | None, timeout_s: float) -> 
 
 
 async def preflight(
-    settings: Settings,
     provider: Provider,
     tasks: Sequence[TaskSpec],
+    policy: Callable[[], Awaitable[list[str]]],
     *,
-    policy: Callable[[], Awaitable[list[str]]] | None = None,
     skip: str = "--no-preflight",
 ) -> None:
-    """Run the provider's checks and the policy endpoint's, together.
+    """Run the provider's checks and the policy endpoint's (``policy``), together.
 
-    ``policy`` replaces the check of ``settings.policy`` (the service checks
-    the policy a request names); ``skip`` is what the error says turns it off.
+    ``policy`` is :func:`check_policy` of the settings for a run, the check of
+    the policy a request names for the service; ``skip`` is what the error
+    says turns it off.
 
     Raises:
         PreflightError: any check found a problem (all of them are in it).
@@ -147,7 +147,7 @@ async def preflight(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(collect, "provider", lambda: provider.preflight(tasks))
-        tg.start_soon(collect, "policy", policy or (lambda: check_policy(settings)))
+        tg.start_soon(collect, "policy", policy)
     problems = found["provider"] + found["policy"]
     if problems:
         raise PreflightError(problems, skip=skip)
@@ -167,7 +167,7 @@ async def preflight_fleet(
     # The provider the pool builds: Fleet for Fleet tasks, the mcp one for the others.
     provider = MixedProvider(settings, Events(), api_key=fleet.api_key, base_url=fleet.base_url)
     try:
-        await preflight(settings, provider, tasks)
+        await preflight(provider, tasks, lambda: check_policy(settings))
     finally:
         with anyio.CancelScope(shield=True), anyio.move_on_after(settings.timeouts.release_s):
             await provider.aclose()

@@ -7,17 +7,23 @@ the server's wish with :func:`retry_after_s`. The Fleet SDK's typed
 exceptions are mapped onto this table in :mod:`fleetroll.provisioning`, the
 only module that knows them.
 
-Every retry loop is :func:`attempts`, one stamina ``retry_context`` per call,
-its budget (:class:`Budget`) read from Settings by :func:`budget`::
+Every retry loop is :func:`attempts`, its budget (:class:`Budget`) read from
+Settings by :func:`budget`::
 
     async for attempt in retrying.attempts("policy", budget, deadline=scope.deadline):
         with attempt:
             response = await post()
 
-Each retry it schedules is reported once (:class:`Retry`): to the reporter
-the caller passes, else to the one bound for the current context
-(:func:`reporting`; a rollout binds a ``fleet_retry`` emitter), else as a
-debug record on the ``fleetroll.retries`` logger.
+Each retry it schedules is one debug record on the ``fleetroll.retries``
+logger, and is reported once (:class:`Retry`), per call: to the reporter the
+caller passes, else to the one bound for the current context
+(:func:`reporting`; a rollout binds a ``fleet_retry`` emitter).
+
+The loop is fleetroll's own, in the style of stamina's ``retry_context``
+(which it used before): stamina runs only process-wide retry hooks (its
+default prints a line on stdout per retry), and a library must neither
+print nor change a dependency's process-wide state. Every decision (what
+is transient, the wait, the deadline) was fleetroll's already.
 """
 
 from __future__ import annotations
@@ -26,26 +32,23 @@ import contextvars
 import logging
 import math
 import random
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
-from typing import TYPE_CHECKING, Final, Literal, Self
+from types import TracebackType
+from typing import TYPE_CHECKING, Literal, Self
 
 import anyio
 import httpx
 import httpx2
-import stamina
-import stamina.instrumentation
-from stamina.instrumentation import RetryDetails, RetryHook
 
 if TYPE_CHECKING:
-    from stamina import Attempt
-
     from fleetroll.settings import Settings
 
 __all__ = [
+    "Attempt",
     "Budget",
     "Decision",
     "Operation",
@@ -55,10 +58,8 @@ __all__ = [
     "backoff_s",
     "budget",
     "decide",
-    "log_retry",
     "reporting",
     "retry_after_s",
-    "route_retries_to_logging",
     "transient_status",
 ]
 
@@ -247,38 +248,6 @@ def reporting(report: Report) -> Iterator[None]:
         _reporter.reset(token)
 
 
-#: Modules of stamina's own console hooks (structlog's default config: stdout).
-_CONSOLE_HOOK_MODULES: Final = frozenset(
-    {"stamina.instrumentation._structlog", "stamina.instrumentation._logging"}
-)
-
-
-def log_retry(details: RetryDetails) -> None:
-    """A stamina retry hook: one debug record on ``fleetroll.retries``."""
-    _log.debug(
-        "retry %d of %s in %.2f s after %s",
-        details.retry_num,
-        details.name,
-        details.wait_for,
-        type(details.caused_by).__name__,
-    )
-
-
-def route_retries_to_logging() -> None:
-    """Replace stamina's default console hooks with :func:`log_retry`; keep the others.
-
-    Cheap and idempotent: call it before each ``stamina.retry_context``.
-    """
-    hooks = stamina.instrumentation.get_on_retry_hooks()
-    kept: list[RetryHook] = [
-        hook for hook in hooks if getattr(hook, "__module__", "") not in _CONSOLE_HOOK_MODULES
-    ]
-    if log_retry not in kept:
-        kept.append(log_retry)
-    if tuple(kept) != hooks:
-        stamina.instrumentation.set_on_retry_hooks(kept)
-
-
 def _log_retry(retry: Retry) -> None:
     _log.debug(
         "retry of %s after attempt %d in %.3g s: %s",
@@ -289,8 +258,44 @@ def _log_retry(retry: Retry) -> None:
     )
 
 
+class Attempt:
+    """One attempt of :func:`attempts`: ``with attempt:`` around the work.
+
+    A failure in the block that is worth another attempt is kept (the block
+    ends quietly, the loop waits and tries again); any other leaves the
+    loop unchanged.
+    """
+
+    __slots__ = ("_attempts", "num")
+
+    def __init__(self, attempts: _Attempts, num: int) -> None:
+        self._attempts = attempts
+        #: This attempt's number, 1 for the first.
+        self.num = num
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            self._attempts.succeeded = True
+            return False
+        if not isinstance(exc, Exception):  # cancellation, KeyboardInterrupt: never retried
+            return False
+        delay = self._attempts.retry_in(exc)
+        if delay is None:
+            return False
+        self._attempts.wait_s = delay
+        return True
+
+
 class _Attempts:
-    """stamina's retry context with fleetroll's decision, wait and report."""
+    """The attempts at one operation: fleetroll's decision, wait and report."""
 
     def __init__(
         self,
@@ -299,7 +304,7 @@ class _Attempts:
         *,
         deadline: float | None,
         classify: Callable[[BaseException], Decision],
-        report: Report,
+        report: Report | None,
     ) -> None:
         self._operation = operation
         self._budget = budget
@@ -308,38 +313,38 @@ class _Attempts:
         self._report = report
         #: The attempt under way (1 for the first).
         self.number = 0
-        self._context = stamina.retry_context(
-            on=self._on,
-            attempts=budget.attempts,
-            timeout=None,
-            wait_initial=budget.backoff_initial_s,
-            wait_max=budget.backoff_max_s,
-        )
-        self._iterator: AsyncIterator[Attempt] | None = None
+        self.succeeded = False
+        #: The wait before the next attempt, set when the last one failed transiently.
+        self.wait_s: float | None = None
 
-    def _on(self, exc: Exception) -> bool | float:
+    def retry_in(self, exc: Exception) -> float | None:
+        """The wait before another attempt after ``exc``, reported; None: no other."""
         decision = self._classify(exc)
         limit = self._budget.attempts
         if not decision.transient or (limit is not None and self.number >= limit):
-            return False
+            return None
         b = self._budget
         jitter = backoff_s(self.number, initial_s=b.backoff_initial_s, max_s=b.backoff_max_s)
         delay = max(jitter, decision.retry_after_s or 0.0)
         if self._deadline is not None and anyio.current_time() + delay >= self._deadline:
-            return False  # the next attempt could not start in time
-        self._report(Retry(self._operation, self.number, exc, delay, decision))
+            return None  # the next attempt could not start in time
+        retry = Retry(self._operation, self.number, exc, delay, decision)
+        _log_retry(retry)
+        if self._report is not None:
+            self._report(retry)
         return delay
 
     def __aiter__(self) -> Self:
-        route_retries_to_logging()  # stamina prints on stdout otherwise
-        self._iterator = self._context.__aiter__()
         return self
 
     async def __anext__(self) -> Attempt:
-        assert self._iterator is not None
-        attempt = await self._iterator.__anext__()
-        self.number = attempt.num
-        return attempt
+        if self.number > 0:
+            wait, self.wait_s = self.wait_s, None
+            if self.succeeded or wait is None:
+                raise StopAsyncIteration
+            await anyio.sleep(wait)
+        self.number += 1
+        return Attempt(self, self.number)
 
 
 def attempts(
@@ -357,7 +362,7 @@ def attempts(
     can start before ``deadline`` (``anyio.current_time()`` terms). The wait
     is full-jitter exponential backoff, or the server's Retry-After when
     longer. Otherwise the exception propagates unchanged: the caller turns
-    it into its own error. Each retry is reported first (see module doc).
+    it into its own error. Each retry is logged and reported first (see module doc).
     """
-    chosen = report or _reporter.get() or _log_retry
+    chosen = report or _reporter.get()
     return _Attempts(operation, budget, deadline=deadline, classify=classify, report=chosen)

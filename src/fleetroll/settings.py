@@ -267,6 +267,15 @@ class Settings(BaseSettings):
         """True when no Fleet is configured, so the embedded emulator is the backend."""
         return self.fleet_api_key is None and self.fleet_base_url is None
 
+    def secrets(self) -> tuple[str, ...]:
+        """The value of every secret setting (each ``SecretStr`` field, in any section).
+
+        The one list every redactor is built from (telemetry events, results,
+        the service's errors): a secret field added to the settings is redacted
+        everywhere without naming it again.
+        """
+        return tuple(_secret_values(self))
+
     def require_fleet_api_key(self) -> str:
         """The key for a configured Fleet (not the embedded emulator).
 
@@ -296,6 +305,17 @@ class Settings(BaseSettings):
             files.append(user)
         toml = TomlConfigSettingsSource(settings_cls, toml_file=files, deep_merge=True)
         return init_settings, _EnvironmentSource(settings_cls), toml
+
+
+def _secret_values(value: object) -> Iterator[str]:
+    if isinstance(value, SecretStr):
+        yield value.get_secret_value()
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            yield from _secret_values(getattr(value, name))
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _secret_values(item)
 
 
 def load_settings(config_file: str | Path | None = None, /, **overrides: Any) -> Settings:

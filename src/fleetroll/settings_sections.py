@@ -6,14 +6,14 @@ Moved out of ``settings.py`` to keep modules short; import them from
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleetroll.emulator.faults import FaultProfile
-from fleetroll.emulator.verifiers import VerifierLimits
 from fleetroll.errors import ConfigError
+from fleetroll.fault_profiles import FaultProfile
 
 __all__ = [
     "AdmissionSettings",
@@ -30,6 +30,7 @@ __all__ = [
     "TelemetrySettings",
     "TimeoutSettings",
     "TraceSettings",
+    "VerifierLimits",
 ]
 
 
@@ -283,6 +284,19 @@ class TelemetrySettings(_Section):
     dashboard_eta_window_s: float = Field(300.0, gt=0)
     #: The dashboard shows this many of the latest failed rollouts.
     dashboard_errors: int = Field(20, ge=1, le=500)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierLimits:
+    """What one verifier may take and say (the emulator's verifier workers'
+    section, built by :meth:`EmulatorSettings.verifier_limits`)."""
+
+    memory_mb: int = 512
+    cpu_s: int = 60
+    max_output_bytes: int = 1024 * 1024
+    max_answer_bytes: int = 16 * 1024 * 1024
+    #: Run workers with no network (``unshare -rn``) when this machine allows it.
+    isolate_network: bool = True
 
 
 class EmulatorSettings(_Section):

@@ -268,8 +268,8 @@ class RetryRefusedConnections(httpx2.AsyncBaseTransport):
         self._report = report
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
-        # The first attempt goes straight out: the retry machinery (a stamina
-        # context per request) cost more CPU than the request when nothing failed.
+        # The first attempt goes straight out: the retry machinery (a retry loop
+        # per request) cost more CPU than the request when nothing failed.
         try:
             return await self._inner.handle_async_request(request)
         except (httpx2.ConnectError, httpx2.ConnectTimeout) as exc:

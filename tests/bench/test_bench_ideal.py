@@ -9,7 +9,7 @@ import pytest
 
 from fleetroll.bench.ideal import IdealModel, ideal_makespan
 from fleetroll.bench.scenarios import bench_tasks
-from fleetroll.emulator.faults import FaultProfile, Latency
+from fleetroll.fault_profiles import FaultProfile, Latency
 
 BASE = IdealModel(
     rollouts=10,

@@ -106,10 +106,11 @@ def test_the_emulators_mcp_servers_run_without_the_sdks_tracing_middleware(tmp_p
     from mcp.server._otel import OpenTelemetryMiddleware
 
     from fleetroll.emulator.envs import default_envs
-    from fleetroll.emulator.faults import FaultInjector, FaultProfile
+    from fleetroll.emulator.faults import FaultInjector
     from fleetroll.emulator.instances import InstanceStore
     from fleetroll.emulator.ledger import Ledger
     from fleetroll.emulator.mcp_routing import McpRouter
+    from fleetroll.fault_profiles import FaultProfile
 
     ledger = Ledger()
     store = InstanceStore(tmp_path, ledger)

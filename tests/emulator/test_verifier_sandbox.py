@@ -20,7 +20,8 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.emulator.verifiers import VerifierLimits, VerifierRunner
+from fleetroll.emulator.verifiers import VerifierRunner
+from fleetroll.settings_sections import VerifierLimits
 
 SECRETS = {
     "FLEETROLL_SERVICE_TOKEN": "svc-token-0123456789abcdef",

@@ -47,4 +47,4 @@ async def test_a_pool_without_telemetry_logs_retries_at_debug_and_prints_nothing
     assert out == ""
     retries = [r for r in caplog.records if r.name == "fleetroll.retries"]
     assert [r.levelno for r in retries] == [logging.DEBUG]
-    assert retries[0].getMessage().startswith("retry 1 of ")
+    assert retries[0].getMessage().startswith("retry of make after attempt 1 in ")

@@ -30,7 +30,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from fleetroll.emulator.faults import FaultProfile, Latency
+from fleetroll.fault_profiles import FaultProfile, Latency
 
 __all__ = ["IdealModel", "ideal_makespan", "midpoint"]
 

@@ -10,8 +10,6 @@ from contextlib import contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime
 
-import stamina.instrumentation
-
 from fleetroll.bench.baselines import BASELINE_SYSTEMS
 from fleetroll.bench.ideal import IdealModel, ideal_makespan
 from fleetroll.bench.policy_turn import policy_turn_bench
@@ -32,16 +30,14 @@ _NOISY_LOGGERS = ("httpx_retries", "mcp")
 
 @contextmanager
 def quiet_libraries() -> Iterator[None]:
-    """Silence library log lines during runs: stamina's and the SDK retry
-    transport's line per retry, and the mcp client's tracebacks when a
+    """Silence library log lines during runs: the SDK retry transport's line
+    per retry, and the mcp client's tracebacks when a
     session is cancelled (the naive baseline's clean-up).
 
     Under chaos they print thousands of console lines, whose cost would be
     charged to whichever system is running; retries and failures are counted
     elsewhere (results, the emulator's ledger).
     """
-    hooks = stamina.instrumentation.get_on_retry_hooks()
-    stamina.instrumentation.set_on_retry_hooks([])
     loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
@@ -49,7 +45,6 @@ def quiet_libraries() -> Iterator[None]:
     try:
         yield
     finally:
-        stamina.instrumentation.set_on_retry_hooks(hooks)
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from fleetroll.emulator.faults import FaultProfile, Latency
+from fleetroll.fault_profiles import FaultProfile, Latency
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 

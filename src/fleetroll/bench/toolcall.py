@@ -22,8 +22,8 @@ from mcp import Client
 from fleetroll.bench.measure import CpuClock, machine_cpu_s, percentile, process_tree_cpu_s
 from fleetroll.bench.records import ToolCallRecord, ToolCallStats, load_average
 from fleetroll.bench.scenarios import Scenario, bench_tasks
-from fleetroll.emulator.faults import FaultProfile
 from fleetroll.emulator.process import EmulatorProcess
+from fleetroll.fault_profiles import FaultProfile
 from fleetroll.provisioning import FleetProvider
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events

@@ -28,8 +28,8 @@ from typing import Any, Self
 import anyio
 import httpx
 
-from fleetroll.emulator.faults import FaultProfile
 from fleetroll.errors import EmulatorError
+from fleetroll.fault_profiles import FaultProfile
 
 __all__ = ["EmulatorProcess"]
 

@@ -18,12 +18,14 @@ from fleetroll._serving import exit_transparently, serve_asgi
 from fleetroll.emulator.app import EmulatorApp
 from fleetroll.emulator.envs import default_envs
 from fleetroll.emulator.envs.base import SampleEnv
-from fleetroll.emulator.faults import FaultInjector, FaultProfile
+from fleetroll.emulator.faults import FaultInjector
 from fleetroll.emulator.instances import InstanceStore
 from fleetroll.emulator.ledger import Ledger
 from fleetroll.emulator.traces import TraceStore
-from fleetroll.emulator.verifiers import VerifierLimits, VerifierRunner
+from fleetroll.emulator.verifiers import VerifierRunner
 from fleetroll.errors import EmulatorError
+from fleetroll.fault_profiles import FaultProfile
+from fleetroll.settings_sections import VerifierLimits
 
 __all__ = ["Emulator"]
 

@@ -17,7 +17,7 @@ machine allows cheaply:
   emptied after every run and removed with the worker;
 * no network when ``unshare -rn`` works for this user (checked once);
 * caps on address space, CPU time per run, what it prints and the size of
-  its answer (:class:`VerifierLimits`);
+  its answer (:class:`~fleetroll.settings_sections.VerifierLimits`);
 * its own session, so a kill takes whatever it started with it.
 
 A worker that passes a run's timeout, dies, or answers too much is killed
@@ -40,7 +40,6 @@ import time
 import uuid
 import zipfile
 from contextlib import suppress
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,9 @@ import anyio
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-__all__ = ["BundleError", "VerifierLimits", "VerifierRunner"]
+from fleetroll.settings_sections import VerifierLimits
+
+__all__ = ["BundleError", "VerifierRunner"]
 
 _CHILD = Path(__file__).with_name("verifier_child.py")
 #: Cap on what Fleet accepts as an execute timeout (VerifiersExecuteRequest: 1..300).
@@ -62,18 +63,6 @@ _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 class BundleError(ValueError):
     """A bundle is missing, unreadable, or has no ``verifier.py``."""
-
-
-@dataclass(frozen=True, slots=True)
-class VerifierLimits:
-    """What one verifier may take and say."""
-
-    memory_mb: int = 512
-    cpu_s: int = 60
-    max_output_bytes: int = 1024 * 1024
-    max_answer_bytes: int = 16 * 1024 * 1024
-    #: Run workers with no network (``unshare -rn``) when this machine allows it.
-    isolate_network: bool = True
 
 
 class _Worker:

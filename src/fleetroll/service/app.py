@@ -92,13 +92,7 @@ class Service:
         self.batch_pool = batch_pool or pool
         self.settings = settings
         self.metrics = Metrics()
-        secrets = (
-            settings.fleet_api_key,
-            settings.service_token,
-            settings.openai_api_key,
-            settings.logfire_token,
-        )
-        self.redact = Redactor(s.get_secret_value() for s in secrets if s is not None)
+        self.redact = Redactor(settings.secrets())
         self.batches = BatchRegistry(
             self.batch_pool, settings, self.metrics, preflight_pool=pool, store=store
         )

@@ -67,12 +67,6 @@ class BatchPreflight:
             return await check_endpoint(base_url, api_key, timeout, cache=self._policies)
 
         try:
-            await preflight(
-                self._settings,
-                self._pool.engine.provider,
-                tasks,
-                policy=policy_problems,
-                skip=_SKIP,
-            )
+            await preflight(self._pool.engine.provider, tasks, policy_problems, skip=_SKIP)
         except PreflightError as exc:
             raise ApiError(422, str(exc), loc=loc, type="preflight_error") from None

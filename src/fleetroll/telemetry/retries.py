@@ -1,8 +1,5 @@
 """Retries in telemetry.
 
-(stamina's own hooks, which would print on stdout, are routed to logging by
-:func:`fleetroll.retrying.route_retries_to_logging`.)
-
 :func:`retry_emitter` turns :class:`fleetroll.retrying.Retry` reports into
 ``fleet_retry`` events: one per retry of every operation.
 """

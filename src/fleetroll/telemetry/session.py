@@ -15,10 +15,9 @@ running.
 
 Frames of this package are marked as Logfire "non-user code", so a record's
 ``code.filepath``/``code.lineno`` point at the line that emitted the event
-(``rollout.py``...), not at the sink. stamina's default retry log lines
-(printed on stdout through structlog's default configuration, one per
-retry) go to logging at debug instead (:func:`fleetroll.retrying.route_retries_to_logging`):
-each retry is already a ``fleet_retry`` event.
+(``rollout.py``...), not at the sink. Retries are reported per call
+(:mod:`fleetroll.retrying`), as ``fleet_retry`` events and debug records on
+the ``fleetroll.retries`` logger; no dependency's process-wide hooks are set.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from typing import TextIO
 import anyio
 import logfire
 
-from fleetroll.retrying import route_retries_to_logging
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events, EventSink, Redactor
 from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink
@@ -48,14 +46,7 @@ _log = logging.getLogger(__name__)
 
 def redactor_for(settings: Settings) -> Redactor:
     """A redactor that knows every secret in ``settings``."""
-    secrets = (
-        settings.fleet_api_key,
-        settings.logfire_token,
-        settings.openai_api_key,
-        settings.service_token,
-        settings.emulator_api_key,
-    )
-    return Redactor(s.get_secret_value() for s in secrets if s is not None)
+    return Redactor(settings.secrets())
 
 
 @functools.cache
@@ -102,7 +93,6 @@ class Telemetry:
             StoreError: the local store cannot be opened or created.
         """
         _mark_telemetry_frames_as_library_code()
-        route_retries_to_logging()
         t = settings.telemetry
         self.settings = settings
         self.redactor = redactor_for(settings)

@@ -4,7 +4,7 @@ See :mod:`fleetroll.service.app` for the routes and :mod:`fleetroll.client`
 for the Python client.
 
 Names are imported on first use: code that only needs a submodule (the
-emulator and the dashboard use :mod:`fleetroll.service.security`) does not
+service's command uses :mod:`fleetroll.service.security`) does not
 load the service, its MCP tools and the pool behind them.
 """
 

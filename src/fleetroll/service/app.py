@@ -34,6 +34,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from fleetroll._guard import Guard
 from fleetroll.batch_pool import BatchPool
 from fleetroll.errors import OperationTimeout
 from fleetroll.pool import RolloutPool, group_id, rollout_id
@@ -47,7 +48,6 @@ from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import PolicyConfig, PolicyState
 from fleetroll.service.openapi import openapi_document
 from fleetroll.service.routes import ROUTES, Api, asgi_routes
-from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.service.state import BatchStore
 from fleetroll.service.training import PauseLeases

@@ -13,9 +13,10 @@ from pathlib import Path
 import anyio
 import click
 
+from fleetroll._guard import check_bind
 from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
-from fleetroll.service.security import check_bind, token_from_file
+from fleetroll.service.security import token_from_file
 from fleetroll.settings import Settings, load_settings
 
 __all__ = ["serve"]

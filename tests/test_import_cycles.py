@@ -75,6 +75,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "environment_names",
                 "errors",
                 "examples_mcp",
+                "fault_profiles",
                 "groups",
                 "http_transport",
                 "journal",
@@ -93,9 +94,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "telemetry.console",
                 "telemetry.events",
                 "turns",
-                # What the settings still import from the emulator (issue 28, point 3).
-                "emulator.faults",
-                "emulator.verifiers",
             }
         ),
     ),

@@ -11,7 +11,7 @@ import importlib
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import anyio
 import click
@@ -20,9 +20,6 @@ from fleetroll.cli_options import CONFIG_OPTION, Failed, load_command_settings, 
 from fleetroll.errors import FleetrollError
 from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll.telemetry.console import configure_console_logging
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["main"]
 

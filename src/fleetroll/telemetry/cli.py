@@ -14,16 +14,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import click
 
 from fleetroll.cli_options import CONFIG_OPTION, Failed, load_command_settings, until_signalled
 from fleetroll.errors import FleetrollError
 from fleetroll.telemetry.store import StoreError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["dashboard", "query", "stats"]
 

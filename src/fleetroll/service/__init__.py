@@ -13,14 +13,15 @@ import typing as _typing
 from fleetroll._lazy import lazy_attributes as _lazy_attributes
 
 if _typing.TYPE_CHECKING:
-    from fleetroll.service.app import Service, create_app
+    from fleetroll.service.app import Service
+    from fleetroll.service.asgi import create_app
     from fleetroll.service.server import serve_app
 
 __all__ = ["Service", "create_app", "serve_app"]
 
 _WHERE: dict[str, str] = {
     "Service": "fleetroll.service.app",
-    "create_app": "fleetroll.service.app",
+    "create_app": "fleetroll.service.asgi",
     "serve_app": "fleetroll.service.server",
 }
 

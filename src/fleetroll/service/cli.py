@@ -100,7 +100,8 @@ async def _serve(
 ) -> None:
     from fleetroll.batch_pool import open_service_pools
     from fleetroll.runner import open_fleet
-    from fleetroll.service.app import Service, create_app
+    from fleetroll.service.app import Service
+    from fleetroll.service.asgi import create_app
     from fleetroll.service.server import serve_app
     from fleetroll.service.state import open_store
     from fleetroll.telemetry import open_telemetry

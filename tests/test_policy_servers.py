@@ -12,6 +12,7 @@ import anyio
 import httpx
 import pytest
 
+from fleetroll.errors import PolicyError
 from fleetroll.policies import OpenAIChatPolicy
 from fleetroll.policy_servers import (
     Affinity,
@@ -232,3 +233,17 @@ async def test_the_pre_flight_asks_every_server_and_names_each_dead_one() -> Non
 
     assert len(problems) == 2
     assert first in problems[0] and second in problems[1]
+
+
+async def test_a_malformed_answer_is_blamed_on_the_server_that_sent_it() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "b.test":
+            return httpx.Response(200, json={"choices": []})
+        return httpx.Response(200, json=completion("done"))
+
+    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    async with OpenAIChatPolicy(servers=router(), model="m", http_client=client) as model:
+        with anyio.fail_after(5):
+            await model.act(TASK, PROMPT, [])  # a.test: new rollouts take turns on ties
+            with pytest.raises(PolicyError, match=r"^http://b\.test/v1/chat/completions answered"):
+                await model.act(TASK, PROMPT, [])

@@ -257,13 +257,14 @@ class OpenAIChatPolicy:
                 raise ContextOverflowError(str(exc), operation=_OPERATION, transient=False) from exc
             raise
         except TimeoutError:
+            where = affinity.server if affinity is not None else None
             raise PolicyError(
-                f"no answer from {self.url} within the policy deadline of {self.timeout_s:g}s"
+                f"no answer from {self.url if where is None else _chat_url(where)} within the policy deadline of {self.timeout_s:g}s"
                 " (retries included); raise timeouts.policy_s if the model is just slow",
                 operation=_OPERATION,
                 transient=True,
             ) from None
-        turn = self._parse(payload)
+        turn = self._parse(payload, url=_chat_url(server))
         if turn.data is None or len(self.servers.servers) == 1:
             return turn  # one server: nothing to say where the turn went
         return replace(turn, data=replace(turn.data, server=server.name))
@@ -435,11 +436,11 @@ class OpenAIChatPolicy:
                 transient=False,
             ) from None
 
-    def _parse(self, payload: Any) -> AssistantTurn:
+    def _parse(self, payload: Any, *, url: str) -> AssistantTurn:
         def malformed(what: str) -> PolicyError:
             excerpt = _shorten(json.dumps(payload, ensure_ascii=False, default=str))
             return PolicyError(
-                self._redact(f"{self.url} answered a malformed chat completion: {what}: {excerpt}"),
+                self._redact(f"{url} answered a malformed chat completion: {what}: {excerpt}"),
                 operation=_OPERATION,
                 transient=False,
             )

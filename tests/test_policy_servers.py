@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import socket
 from contextlib import AsyncExitStack
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
+from click.testing import CliRunner
 
+from fleetroll.cli import main
 from fleetroll.errors import PolicyError
 from fleetroll.policies import OpenAIChatPolicy
 from fleetroll.policy_servers import (
@@ -213,6 +216,17 @@ def test_base_urls_win_over_base_url_and_a_server_listed_twice_is_refused() -> N
     assert load_settings(policy={"base_url": A, "base_urls": [B, A]}).policy.servers == [B, A]
     with pytest.raises(Exception, match="listed twice"):
         load_settings(policy={"base_urls": [A, A + "/"]})
+
+
+def test_fleetroll_run_refuses_the_same_base_url_twice_in_one_line(tmp_path: Path) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"key": "t", "prompt": "hi", "env_key": "ledger"}\n')
+    args = ["run", str(tasks), "--policy", "openai", "--base-url", A, "--base-url", A + "/"]
+
+    done = CliRunner().invoke(main, args)
+
+    assert done.exit_code == 2, done.output
+    assert done.stderr == "Error: --base-url names the same policy server twice: give each once\n"
 
 
 def dead_url() -> str:

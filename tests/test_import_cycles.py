@@ -110,6 +110,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "environments",
                 "openai_policy",
                 "policies",
+                "policy_servers",
                 "progress",
                 "rollout_events",
                 "routing",

@@ -119,7 +119,11 @@ def main() -> None:
 )
 @click.option("--model", default=None, help="Model name for --policy openai.")
 @click.option(
-    "--base-url", default=None, help="OpenAI-compatible endpoint for --policy openai (…/v1)."
+    "--base-url",
+    "base_urls",
+    multiple=True,
+    help="OpenAI-compatible endpoint for --policy openai (…/v1); repeat it for many"
+    " servers (policy.base_urls): each rollout sticks to one.",
 )
 @click.option(
     "--concurrency",
@@ -144,7 +148,7 @@ def run(
     samples: int,
     policy_kind: str | None,
     model: str | None,
-    base_url: str | None,
+    base_urls: tuple[str, ...],
     concurrency: int | None,
     profile: str | None,
     resume: bool,
@@ -168,11 +172,13 @@ def run(
     overrides: dict[str, Any] = {}
     if concurrency is not None:
         overrides["pool"] = {"concurrency": concurrency}
-    policy_overrides = {
-        k: v
-        for k, v in (("kind", policy_kind), ("model", model), ("base_url", base_url))
-        if v is not None
+    policy_overrides: dict[str, Any] = {
+        k: v for k, v in (("kind", policy_kind), ("model", model)) if v is not None
     }
+    if base_urls:  # they replace both policy.base_url and policy.base_urls
+        if len({url.rstrip("/") for url in base_urls}) < len(base_urls):
+            raise Failed("--base-url names the same policy server twice: give each once")
+        policy_overrides.update(base_url=base_urls[0], base_urls=list(base_urls))
     settings = load_command_settings(config_file, **overrides)
     if policy_overrides:
         settings = settings.model_copy(

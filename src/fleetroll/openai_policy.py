@@ -14,6 +14,7 @@ import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType, TracebackType
 from typing import Any, Self
 
@@ -23,6 +24,13 @@ from pydantic import SecretStr
 
 import fleetroll.retrying as retrying
 from fleetroll.errors import ContextOverflowError, PolicyError
+from fleetroll.policy_servers import (
+    Affinity,
+    PolicyServers,
+    Server,
+    ServerLimits,
+    current_affinity,
+)
 from fleetroll.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -58,6 +66,10 @@ class OpenAIChatPolicy:
 
     Args:
         base_url: the API root, e.g. ``https://api.openai.com/v1``.
+        servers: many API roots instead of ``base_url`` (one of the two is
+            needed; ``servers`` wins): each rollout's calls go to one of them
+            as :mod:`fleetroll.policy_servers` says, and each turn records
+            the server that answered it (``TurnData.server``).
         model: the ``model`` field of every request.
         api_key: sent as ``Authorization: Bearer``; None sends no header.
         temperature, top_p, max_tokens: sampling parameters, sent when set.
@@ -92,7 +104,7 @@ class OpenAIChatPolicy:
     def __init__(
         self,
         *,
-        base_url: str,
+        base_url: str | None = None,
         model: str,
         api_key: SecretStr | str | None = None,
         temperature: float | None = None,
@@ -110,7 +122,13 @@ class OpenAIChatPolicy:
         logprobs: bool = False,
         top_logprobs: int | None = None,
         max_answer_bytes: int = 64 * 1024 * 1024,
+        servers: PolicyServers | None = None,
     ) -> None:
+        if servers is None:
+            if base_url is None:
+                raise ValueError("give base_url or servers")
+            servers = PolicyServers([base_url])
+        self.servers = servers
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
         if connect_timeout_s <= 0:
@@ -122,7 +140,8 @@ class OpenAIChatPolicy:
         if max_answer_bytes < 1:
             raise ValueError(f"max_answer_bytes must be >= 1, not {max_answer_bytes}")
         self.max_answer_bytes = max_answer_bytes
-        self.url = base_url.rstrip("/") + "/chat/completions"
+        #: The first server's endpoint (each call's own is its server's).
+        self.url = _chat_url(servers.servers[0])
         self.model = model
         self._api_key = SecretStr(api_key) if isinstance(api_key, str) else api_key
         self._sampling = {
@@ -163,10 +182,16 @@ class OpenAIChatPolicy:
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
         """A policy configured by ``settings.policy``, ``settings.openai_api_key``,
-        ``settings.timeouts.policy_s`` and ``settings.retries.policy_backoff_*``."""
+        ``settings.timeouts.policy_s`` and ``settings.retries.policy_backoff_*``;
+        its servers are ``policy.servers`` (``base_urls``, or else ``base_url``)."""
         policy = settings.policy
+        limits = ServerLimits(
+            max_calls=policy.max_calls_per_server,
+            eject_after_failures=policy.eject_after_failures,
+            eject_s=policy.eject_s,
+        )
         return cls(
-            base_url=policy.base_url,
+            servers=PolicyServers(policy.servers, limits),
             model=policy.model,
             api_key=settings.openai_api_key,
             temperature=policy.temperature,
@@ -221,21 +246,29 @@ class OpenAIChatPolicy:
                 is not a chat completion (not transient).
         """
         content = self._request(messages, tools)
+        affinity = current_affinity()  # the rollout's, bound by policy_servers.sticky()
         try:
             with anyio.fail_after(self.timeout_s) as scope:
-                payload = await self._post(content, deadline=scope.deadline)
+                payload, server = await self._post(
+                    content, deadline=scope.deadline, affinity=affinity
+                )
         except PolicyError as exc:
             if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
                 raise ContextOverflowError(str(exc), operation=_OPERATION, transient=False) from exc
             raise
         except TimeoutError:
+            where = affinity.server if affinity is not None else None
+            url = self.url if where is None else _chat_url(where)
             raise PolicyError(
-                f"no answer from {self.url} within the policy deadline of {self.timeout_s:g}s"
+                f"no answer from {url} within the policy deadline of {self.timeout_s:g}s"
                 " (retries included); raise timeouts.policy_s if the model is just slow",
                 operation=_OPERATION,
                 transient=True,
             ) from None
-        return self._parse(payload)
+        turn = self._parse(payload, url=_chat_url(server))
+        if turn.data is None or len(self.servers.servers) == 1:
+            return turn  # one server: nothing to say where the turn went
+        return replace(turn, data=replace(turn.data, server=server.name))
 
     # ------------------------------------------------------------- request
 
@@ -303,8 +336,15 @@ class OpenAIChatPolicy:
             headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
         return headers
 
-    async def _post(self, content: bytes, *, deadline: float) -> Any:
-        """POST until an answer, a permanent failure, or no retries or time left."""
+    async def _post(
+        self, content: bytes, *, deadline: float, affinity: Affinity | None
+    ) -> tuple[Any, Server]:
+        """POST until an answer, a permanent failure, or no retries or time left.
+
+        Each attempt goes to the server :attr:`servers` chooses for ``affinity``
+        (the rollout's own, unless it was ejected) and tells it how it went.
+        Returns the decoded answer and the server that gave it.
+        """
         budget = retrying.Budget(self.max_retries + 1, self._backoff_initial_s, self._backoff_max_s)
         tries = 0
         last: httpx.Response | None = None
@@ -322,27 +362,34 @@ class OpenAIChatPolicy:
             ):
                 with attempt:
                     tries, last = attempt.num, None
-                    try:
-                        async with self._client.stream(
-                            "POST", self.url, content=content, headers=self._headers()
-                        ) as response:
-                            body = await self._read(response)
-                    except httpx.TransportError as exc:
-                        # Its text can hold the URL, never the headers; redact anyway.
-                        problem = f"could not reach {self.url}: {type(exc).__name__}: {exc}"
-                        raise PolicyError(
-                            self._redact(problem), operation=_OPERATION, transient=True
-                        ) from exc
-                    if not response.is_success:
-                        last = response
-                        status = response.status_code
-                        problem = f"{self.url} answered HTTP {status}: {_excerpt(body)}"
-                        raise PolicyError(
-                            self._redact(problem),
-                            operation=_OPERATION,
-                            transient=transient_status(status) or status in _ALSO_TRANSIENT,
-                        )
-            return self._decode(response.status_code, body)
+                    async with self.servers.call(affinity) as server:
+                        url, shown = _chat_url(server, shown=False), _chat_url(server)
+                        try:
+                            async with self._client.stream(
+                                "POST", url, content=content, headers=self._headers()
+                            ) as response:
+                                body = await self._read(response, shown)
+                        except httpx.TransportError as exc:
+                            self.servers.failed(server)
+                            # Its text can hold the URL, never the headers; redact anyway.
+                            problem = f"could not reach {shown}: {type(exc).__name__}: {exc}"
+                            raise PolicyError(
+                                self._redact(problem), operation=_OPERATION, transient=True
+                            ) from exc
+                        if response.status_code >= 500:
+                            self.servers.failed(server)
+                        else:  # it answered: a 4xx is the request's fault, not the server's
+                            self.servers.succeeded(server)
+                        if not response.is_success:
+                            last = response
+                            status = response.status_code
+                            problem = f"{shown} answered HTTP {status}: {_excerpt(body)}"
+                            raise PolicyError(
+                                self._redact(problem),
+                                operation=_OPERATION,
+                                transient=transient_status(status) or status in _ALSO_TRANSIENT,
+                            )
+            return self._decode(response.status_code, body, shown), server
         except PolicyError as exc:
             if not exc.transient:
                 raise
@@ -355,7 +402,7 @@ class OpenAIChatPolicy:
 
     # ------------------------------------------------------------ response
 
-    async def _read(self, response: httpx.Response) -> bytes:
+    async def _read(self, response: httpx.Response, url: str) -> bytes:
         """The answer's body, counted as it arrives, up to ``max_answer_bytes``.
 
         Raises:
@@ -369,7 +416,7 @@ class OpenAIChatPolicy:
             size += len(chunk)
             if size > self.max_answer_bytes:
                 raise PolicyError(
-                    f"{self.url} answered HTTP {response.status_code} with a body over"
+                    f"{url} answered HTTP {response.status_code} with a body over"
                     f" policy.max_answer_bytes ({self.max_answer_bytes} bytes): reading"
                     " stopped there and the connection was closed",
                     operation=_OPERATION,
@@ -378,24 +425,23 @@ class OpenAIChatPolicy:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _decode(self, status: int, body: bytes) -> Any:
+    def _decode(self, status: int, body: bytes, url: str) -> Any:
         try:
             return json.loads(body)
         except ValueError:
             raise PolicyError(
                 self._redact(
-                    f"{self.url} answered HTTP {status} with a body that is"
-                    f" not JSON: {_excerpt(body)}"
+                    f"{url} answered HTTP {status} with a body that is not JSON: {_excerpt(body)}"
                 ),
                 operation=_OPERATION,
                 transient=False,
             ) from None
 
-    def _parse(self, payload: Any) -> AssistantTurn:
+    def _parse(self, payload: Any, *, url: str) -> AssistantTurn:
         def malformed(what: str) -> PolicyError:
             excerpt = _shorten(json.dumps(payload, ensure_ascii=False, default=str))
             return PolicyError(
-                self._redact(f"{self.url} answered a malformed chat completion: {what}: {excerpt}"),
+                self._redact(f"{url} answered a malformed chat completion: {what}: {excerpt}"),
                 operation=_OPERATION,
                 transient=False,
             )
@@ -517,6 +563,11 @@ class OpenAIChatPolicy:
 
 
 _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
+
+
+def _chat_url(server: Server, *, shown: bool = True) -> str:
+    """``server``'s chat endpoint: as shown (no credentials), or as called."""
+    return (server.name if shown else server.url) + "/chat/completions"
 
 
 def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:

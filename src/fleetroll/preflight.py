@@ -57,17 +57,28 @@ def _shown(url: str) -> str:
 
 
 async def check_policy(settings: Settings) -> list[str]:
-    """For ``policy.kind = "openai"``: the endpoint answers ``GET {base_url}/models``.
+    """For ``policy.kind = "openai"``: every server answers ``GET {base_url}/models``.
 
-    One problem line when it does not (no answer, a refused key, an error
-    status: likely a wrong ``--base-url``); empty otherwise, and always for
-    the scripted policy.
+    One problem line per server that does not (no answer, a refused key, an
+    error status: likely a wrong ``--base-url``); empty otherwise, and always
+    for the scripted policy. With many servers (``policy.base_urls``) one dead
+    server at the start fails the pre-flight too: a batch starts on the
+    servers it was given; a server that dies later is ejected instead.
     """
     if settings.policy.kind != "openai":
         return []
-    return await check_endpoint(
-        settings.policy.base_url, settings.openai_api_key, settings.timeouts.preflight_s
-    )
+    problems: dict[int, list[str]] = {}
+
+    async def check(index: int, base_url: str) -> None:
+        problems[index] = await check_endpoint(
+            base_url, settings.openai_api_key, settings.timeouts.preflight_s
+        )
+
+    # Each check is bounded by timeouts.preflight_s.
+    async with anyio.create_task_group() as tg:
+        for index, base_url in enumerate(settings.policy.servers):
+            tg.start_soon(check, index, base_url)
+    return [line for index in sorted(problems) for line in problems[index]]
 
 
 async def check_endpoint(

@@ -119,6 +119,7 @@ class Progress:
                 usage=usage,
                 latency_s=latency_s,
                 training_data_error=data.training_data_error,
+                server=data.server,
             )
         )
 

@@ -130,6 +130,9 @@ class Turn(BaseModel):
     #: infinite logprobs, which are then dropped; lists of different lengths;
     #: negative token ids); None when they are fine or were not asked for.
     training_data_error: str | None = None
+    #: The policy server that answered this call (its API root, without
+    #: credentials), with many servers (``policy.base_urls``); null with one.
+    server: str | None = None
 
 
 class Cost(BaseModel):

@@ -49,6 +49,7 @@ import fleetroll.staleness as staleness
 from fleetroll.environments import Instance
 from fleetroll.phases import NEXT, Phase, RolloutView, crash_reason, view_of
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
+from fleetroll.policy_servers import sticky
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.retrying import reporting as report_retries
@@ -327,6 +328,11 @@ class Rollout:
     # -- acting -------------------------------------------------------------
 
     async def _act(self, policy: Policy) -> None:
+        # The rollout's calls go to one policy server (fleetroll.policy_servers).
+        with sticky():
+            await self._act_turns(policy)
+
+    async def _act_turns(self, policy: Policy) -> None:
         settings = self.engine.settings
         timeout = settings.timeouts.policy_s
         max_context = settings.policy.max_context_tokens

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from fleetroll.errors import ConfigError
 from fleetroll.fault_profiles import FaultProfile
@@ -229,6 +229,16 @@ class PolicySettings(_Section):
     think_time_s: float = Field(0.0, ge=0)
     model: str = "gpt-4o-mini"
     base_url: str = "http://127.0.0.1:8000/v1"
+    #: Many policy servers (``--base-url`` repeated): each rollout's calls go to
+    #: one of them (docs/configuration.md, "Many policy servers"). When not
+    #: empty it wins over ``base_url``, which is then ignored.
+    base_urls: list[str] = Field(default_factory=list)
+    #: Calls in flight per policy server; the rest wait for one to end. None: no cap.
+    max_calls_per_server: int | None = Field(None, ge=1)
+    #: A policy server that fails this many calls in a row (unreachable, 5xx)
+    #: is left out for ``eject_s``; its rollouts go on with another server.
+    eject_after_failures: int = Field(2, ge=1)
+    eject_s: float = Field(30.0, gt=0)
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -252,6 +262,19 @@ class PolicySettings(_Section):
     #: Bytes of one chat completion (the HTTP body) read before giving up: past
     #: it the turn is a ``policy_error``, the connection closed.
     max_answer_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+
+    @field_validator("base_urls")
+    @classmethod
+    def _distinct_servers(cls, urls: list[str]) -> list[str]:
+        roots = [url.rstrip("/") for url in urls]
+        if len(set(roots)) < len(roots):
+            raise ValueError("a policy server is listed twice in policy.base_urls")
+        return urls
+
+    @property
+    def servers(self) -> list[str]:
+        """The policy servers' API roots: ``base_urls``, or else ``[base_url]``."""
+        return list(self.base_urls) or [self.base_url]
 
 
 class TelemetrySettings(_Section):

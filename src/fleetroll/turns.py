@@ -73,6 +73,9 @@ class TurnData:
     #: Why the token ids / logprobs are unusable for training (None: they are
     #: fine, or were not returned); a non-finite logprob's list is dropped.
     training_data_error: str | None = None
+    #: The policy server that answered (its API root, without credentials),
+    #: when there are many (``policy.base_urls``); None with one.
+    server: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from fleetroll.env_session import EnvSession
-from fleetroll.executor import ExecutorContext, RolloutHandle
+from fleetroll.executor import Executor, ExecutorContext, RolloutHandle
 from fleetroll.phases import Phase, RolloutView
 from fleetroll.policies import Policy
 from fleetroll.progress import RolloutIds
@@ -206,3 +206,7 @@ class FakeExecutor:
     ) -> AsyncIterator[EnvSession]:
         raise NotImplementedError("FakeExecutor runs no sessions: use a LocalExecutor")
         yield  # pragma: no cover
+
+
+if TYPE_CHECKING:  # the double is an Executor, as mypy sees it
+    _IS_AN_EXECUTOR: Executor = FakeExecutor()

@@ -98,7 +98,7 @@ class Rollout:
         self._changed: anyio.Event | None = None
         self.result: RolloutResult | None = None
         self._started = time.monotonic()
-        #: Entered around the whole run by its owner; :meth:`stop` cancels it.
+        #: Entered around the whole run by :meth:`execute`; :meth:`stop` cancels it.
         self.stop_scope = anyio.CancelScope()
         self._stop: tuple[FailureReason, str] | None = None
         #: The owner's last word on the result as it is built, before anyone

@@ -352,7 +352,7 @@ class Batch(ResultStream):
         Raises:
             KeyError: the batch holds no such rollout.
         """
-        return self._by_id[rollout_id].view(messages=messages)
+        return await self._by_id[rollout_id].read_view(messages=messages)
 
     async def events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
         """One rollout's live events after cursor ``after``, waiting up to ``wait_s`` for one.

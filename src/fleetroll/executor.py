@@ -92,7 +92,8 @@ class RolloutHandle(Protocol):
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         """The result of a rollout that never ran (its batch ended first)."""
 
-    def view(self, *, messages: bool = True) -> RolloutView: ...
+    async def read_view(self, *, messages: bool = True) -> RolloutView:
+        """What it is doing now (or its result), wherever it runs."""
 
     async def events(self, after: int, wait_s: float) -> EventPage:
         """Its live events after cursor ``after``, waiting up to ``wait_s`` for one."""

@@ -526,6 +526,10 @@ class Rollout:
         ids, key, engine = self.ids, self.task.key, self.engine
         return view_of(ids, key, self.phase, self.progress, self.result, engine, messages=messages)
 
+    async def read_view(self, *, messages: bool = True) -> RolloutView:
+        """:meth:`view`, as a pool reads it (:class:`fleetroll.executor.RolloutHandle`)."""
+        return self.view(messages=messages)
+
     async def events(self, after: int, wait_s: float) -> EventPage:
         """Its live events after cursor ``after``, waiting up to ``wait_s`` for one."""
         return await self.live.page(after, wait_s)

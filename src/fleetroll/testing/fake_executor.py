@@ -96,7 +96,7 @@ class FakeRollout:
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         return self._conclude(None, reason, error, None)
 
-    def view(self, *, messages: bool = True) -> RolloutView:
+    async def read_view(self, *, messages: bool = True) -> RolloutView:
         steps = 0 if self.result is None else self.result.steps
         return RolloutView(self.ids, self.task.key, self.phase, steps, (), self.result)
 

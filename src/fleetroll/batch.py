@@ -20,10 +20,11 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from fleetroll.errors import PoolFullError
+from fleetroll.executor import RolloutHandle
 from fleetroll.fleet_traces import TraceUploader
 from fleetroll.groups import Completion, Group, GroupTracker, superseded_error
+from fleetroll.phases import Phase, RolloutView
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Phase, Rollout, RolloutView
 from fleetroll.rollout_events import EventPage
 from fleetroll.tasks import TaskSpec
 
@@ -257,7 +258,7 @@ class Batch(ResultStream):
     def __init__(
         self,
         batch_id: str,
-        rollouts: list[Rollout],
+        rollouts: list[RolloutHandle],
         skipped: int,
         run_id: str | None = None,
         *,
@@ -266,7 +267,6 @@ class Batch(ResultStream):
         self.batch_id = batch_id
         self.run_id = run_id or batch_id
         self.rollouts = rollouts
-        self._by_id = {r.ids.rollout_id: r for r in rollouts}
         self.skipped = skipped
         self.scope = anyio.CancelScope()
         super().__init__(len(rollouts))
@@ -300,7 +300,7 @@ class Batch(ResultStream):
             return
         super().deliver(result)
         if self.traces is not None and (rollout := self._by_id.get(result.rollout_id)):
-            self.traces.submit(result, rollout.messages, rollout.engine.redactor)
+            self.traces.submit(result, rollout.messages, rollout.redactor)
 
     def _settle(self, result: RolloutResult) -> RolloutResult:
         """A rollout's result as it is built: its group decides, once, whether it
@@ -347,12 +347,12 @@ class Batch(ResultStream):
         )
 
     async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
-        """What one rollout of the batch is doing (see :meth:`Rollout.view`).
+        """What one rollout of the batch is doing (see :meth:`RolloutHandle.view`).
 
         Raises:
             KeyError: the batch holds no such rollout.
         """
-        return self._by_id[rollout_id].view(messages=messages)
+        return await self._by_id[rollout_id].read_view(messages=messages)
 
     async def events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
         """One rollout's live events after cursor ``after``, waiting up to ``wait_s`` for one.
@@ -360,7 +360,7 @@ class Batch(ResultStream):
         Raises:
             KeyError: the batch holds no such rollout.
         """
-        return await self._by_id[rollout_id].live.page(after, wait_s)
+        return await self._by_id[rollout_id].events(after, wait_s)
 
     def cancel(self) -> None:
         self.scope.cancel()

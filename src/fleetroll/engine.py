@@ -34,14 +34,17 @@ class RolloutEngine:
         provider: Provider,
         events: Events,
         admission: Admission | None = None,
+        *,
+        policy_gate: PolicyGate | None = None,
     ) -> None:
         self.settings = settings
         self.provider = provider
         self.events = events
         #: Told how each rollout ended (its environment's circuit breaker).
         self.admission = admission
-        #: The policy version recorded on turns, and the trainer's pause on policy calls.
-        self.policy_gate = PolicyGate()
+        #: The policy version recorded on turns, and the trainer's pause on policy
+        #: calls (a pool's, :mod:`fleetroll.executor`).
+        self.policy_gate = policy_gate or PolicyGate()
         #: Telemetry's redactor, knowing every secret of ``settings`` too; results
         #: go through it (an ``Events`` built without settings knows none).
         self.redactor: Redactor = events.redactor.extended(settings.secrets())
@@ -54,10 +57,12 @@ class RolloutEngine:
         events: Events,
         provider: Provider,
         admission: Admission | None = None,
+        *,
+        policy_gate: PolicyGate | None = None,
     ) -> AsyncIterator[RolloutEngine]:
         """An engine over ``provider``, which it closes on exit."""
         try:
-            yield cls(settings, provider, events, admission)
+            yield cls(settings, provider, events, admission, policy_gate=policy_gate)
         finally:
             with anyio.CancelScope(shield=True):
                 await provider.aclose()
@@ -69,10 +74,12 @@ class RolloutEngine:
         *,
         run_id: str | None = None,
         gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        hold: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> Rollout:
         """A rollout, not started. ``gate`` is entered once its instance is ready
-        and held until it ends (the pool's limit on active rollouts)."""
-        return Rollout(self, task, ids, run_id=run_id, gate=gate)
+        and held until it ends (the pool's limit on active rollouts); ``hold``
+        around the whole of :meth:`Rollout.execute` (the limit on instances held)."""
+        return Rollout(self, task, ids, run_id=run_id, gate=gate, hold=hold)
 
     @asynccontextmanager
     async def session(

@@ -35,6 +35,11 @@ does not keep what it has delivered: ``pool.batches`` holds the running
 batches and at most ``pool.keep_finished_batches`` finished ones whose results
 were all read, the oldest forgotten first (:meth:`RolloutPool.forget` lets one
 go at once).
+
+The pool runs its rollouts only through its executor
+(:class:`~fleetroll.executor.Executor`, by default a
+:class:`~fleetroll.executor.LocalExecutor` in this process): everything
+above is the pool's, whatever the executor.
 """
 
 from __future__ import annotations
@@ -65,12 +70,13 @@ from fleetroll.engine import RolloutEngine
 from fleetroll.env_session import EnvSession
 from fleetroll.environments import Provider
 from fleetroll.errors import ConfigError
+from fleetroll.executor import Executor, ExecutorContext, LocalExecutor, RolloutHandle
 from fleetroll.fleet_traces import TraceUploader, open_trace_uploader
 from fleetroll.groups import Group, GroupTracker
-from fleetroll.mixed_provider import MixedProvider, require_fleet_key
 from fleetroll.policies import Policy
+from fleetroll.policy_gate import PolicyGate
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Rollout, RolloutIds
+from fleetroll.rollout import RolloutIds
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -97,6 +103,9 @@ class RolloutPool:
     :class:`~fleetroll.testing.fake_provider.FakeProvider`); the pool closes it.
     ``admission`` replaces the pool's own admission controller (a Ray actor's
     pools share the cluster's: :mod:`fleetroll.ray_admission`).
+    ``executor`` runs the rollouts (default: a
+    :class:`~fleetroll.executor.LocalExecutor` over ``provider``, or Fleet);
+    the pool opens and closes it.
 
     ``api_key`` is Fleet's: a pool that runs only ``mcp`` tasks (each with an
     ``environment``) needs none, and without one a batch with a Fleet task is
@@ -105,6 +114,8 @@ class RolloutPool:
     Raises:
         ConfigError: (on entering) ``traces.upload`` is on and there is no
             ``api_key`` (traces go to Fleet).
+        ValueError: both ``executor`` and ``provider`` are given (the
+            provider is the local executor's).
     """
 
     def __init__(
@@ -116,13 +127,21 @@ class RolloutPool:
         events: Events | None = None,
         provider: Provider | None = None,
         admission: Admission | None = None,
+        executor: Executor | None = None,
     ) -> None:
+        if executor is not None and provider is not None:
+            raise ValueError("pass provider= to the executor, not to a pool given executor=")
         self.settings = settings
-        self._provider = provider
+        self._local: LocalExecutor | None = None
+        if executor is None:
+            self._local = executor = LocalExecutor(
+                settings, api_key=api_key, base_url=base_url, provider=provider
+            )
+        self._executor: Executor = executor
         self.events = events or Events()
         self._api_key = api_key
         self._base_url = base_url
-        self._engine: RolloutEngine | None = None
+        self._open = False
         self._traces: TraceUploader | None = None
         self._tg: TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
@@ -135,14 +154,21 @@ class RolloutPool:
         #: breakers: this pool's own, or ``admission`` (a Ray cluster's,
         #: :mod:`fleetroll.ray_admission`).
         self.admission: Admission = admission or AdmissionController(settings, self.events)
+        #: The policy version recorded on turns, and the trainer's pause on policy calls.
+        self.policy_gate = PolicyGate()
         #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
         self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
 
     @property
     def engine(self) -> RolloutEngine:
-        if self._engine is None:
-            raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
-        return self._engine
+        """The local executor's engine (its provider, its redactor).
+
+        Raises:
+            RuntimeError: the pool is not open, or runs on another executor.
+        """
+        if self._local is None:
+            raise RuntimeError("the pool's rollouts do not run in this process")
+        return self._local.engine
 
     @property
     def policy_version(self) -> int:
@@ -151,11 +177,11 @@ class RolloutPool:
         Raises:
             TypeError: (setting) the value is not an int.
         """
-        return self.engine.policy_gate.version
+        return self.policy_gate.version
 
     @policy_version.setter
     def policy_version(self, value: int) -> None:
-        self.engine.policy_gate.version = value
+        self.policy_gate.version = value
 
     def policy_paused(self) -> AbstractAsyncContextManager[None]:
         """Hold new policy calls for the block (a weight swap); pauses nest.
@@ -164,7 +190,7 @@ class RolloutPool:
         go on. The wait is charged to no rollout deadline, only to the batch's
         ``deadline_s``.
         """
-        return self.engine.policy_gate.paused_calls()
+        return self.policy_gate.paused_calls()
 
     async def __aenter__(self) -> Self:
         if self._api_key is None and self.settings.traces.upload:
@@ -174,21 +200,10 @@ class RolloutPool:
             )
         stack = AsyncExitStack()
         async with stack:
-            self._engine = await stack.enter_async_context(
-                RolloutEngine.open(
-                    self.settings,
-                    self.events,
-                    self._provider
-                    or MixedProvider(
-                        self.settings,
-                        self.events,
-                        api_key=self._api_key,
-                        base_url=self._base_url,
-                        admission=self.admission,
-                    ),
-                    self.admission,
-                )
+            context = ExecutorContext(
+                self.events, self.admission, self.policy_gate, self.active, self.instances
             )
+            await stack.enter_async_context(self._executor.open(context))
             # Entered before the batches' task group: its bounded flush runs after them.
             self._traces = await stack.enter_async_context(
                 open_trace_uploader(
@@ -198,6 +213,7 @@ class RolloutPool:
             self._tg = await stack.enter_async_context(anyio.create_task_group())
             stack.push_async_callback(self._cancel_all)
             self._stack = stack.pop_all()
+        self._open = True
         return self
 
     async def __aexit__(
@@ -210,7 +226,7 @@ class RolloutPool:
         try:
             await exit_transparently(self._stack, exc_type, exc, tb)
         finally:
-            self._engine = None
+            self._open = False
             self._tg = None
 
     async def _cancel_all(self) -> None:
@@ -267,8 +283,7 @@ class RolloutPool:
         """
         if self._tg is None:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
-        if self._provider is None:
-            require_fleet_key(tasks, self._api_key)
+        self._executor.check_tasks(tasks)
         if samples_per_task < 1:
             raise ValueError("samples_per_task must be at least 1")
         extra = self.settings.pool.oversample if oversample is None else oversample
@@ -294,11 +309,7 @@ class RolloutPool:
                     group_id=group_id(batch_id, task.key),
                 )
                 members[ids.group_id or ""][1].append(rid)
-                rollouts.append(
-                    self.engine.rollout(
-                        task, ids, run_id=run_id or batch_id, gate=lambda: self.active
-                    )
-                )
+                rollouts.append(self._executor.rollout(task, ids, run_id=run_id or batch_id))
         # A group of this batch is one with a rollout here or a result from before
         # (a shard, ``only``, holds some groups only).
         before = {r.group_id for r in previous}
@@ -319,8 +330,7 @@ class RolloutPool:
         return batch
 
     async def _run_batch(self, batch: Batch, policy: Policy) -> None:
-        e = self.engine
-        e.events.emit(
+        self.events.emit(
             "fleet_batch_started",
             batch_id=batch.batch_id,
             rollouts=batch.total,
@@ -345,38 +355,26 @@ class RolloutPool:
                     batch.deliver(rollout.never_started(reason, error))
             batch.close_stream()
             # Instances of this batch no rollout knows about carry its run_id.
-            await self.engine.provider.sweep(batch.run_id)
+            await self._executor.sweep(batch.run_id)
             statuses = Counter(
                 (r.result.failure_reason.value if r.result.failure_reason else "completed")
                 for r in batch.rollouts
                 if r.result is not None
             )
-            e.events.emit(
+            self.events.emit(
                 "fleet_batch_completed",
                 batch_id=batch.batch_id,
                 rollouts=batch.total,
                 counts=dict(statuses),
             )
 
-    async def _one(self, batch: Batch, rollout: Rollout, policy: Policy) -> None:
+    async def _one(self, batch: Batch, rollout: RolloutHandle, policy: Policy) -> None:
         try:
-            # rollout.stop() (its group is complete) cancels just this rollout.
-            with rollout.stop_scope:
-                async with self.instances:
-                    await rollout.run(policy)
+            await rollout.execute(policy)
         except anyio.get_cancelled_exc_class():
             if rollout.result is not None:
                 batch.deliver(rollout.result)
             raise
-        except Exception as exc:  # the rollout's own boundary failed: still one result
-            if rollout.result is None:
-                rollout.never_started(FailureReason.INIT_ERROR, f"fleetroll bug: {exc!r}")
-        if rollout.result is None:  # stopped while it waited for an instance slot
-            reason, error = rollout.stop_reason or (
-                FailureReason.CANCELLED,
-                "the rollout was cancelled before it started",
-            )
-            rollout.never_started(reason, error)
         assert rollout.result is not None
         batch.deliver(rollout.result)
 
@@ -392,8 +390,7 @@ class RolloutPool:
             rollout_id=uuid.uuid4().hex,
             group_id=group_id(batch_id, task.key),
         )
-        async with (
-            self.instances,
-            self.engine.session(task, ids, run_id=batch_id, gate=lambda: self.active) as env,
-        ):
+        if not self._open:
+            raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
+        async with self._executor.session(task, ids, run_id=batch_id) as env:
             yield env

@@ -38,6 +38,7 @@ from contextlib import (
     AbstractAsyncContextManager,
     AsyncExitStack,
     asynccontextmanager,
+    nullcontext,
 )
 from typing import Any, TypeVar
 
@@ -53,11 +54,11 @@ from fleetroll.policy_servers import sticky
 from fleetroll.progress import Progress, RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.retrying import reporting as report_retries
-from fleetroll.rollout_events import RolloutEventLog
+from fleetroll.rollout_events import EventPage, RolloutEventLog
 from fleetroll.routing import Route
 from fleetroll.stages import RolloutContext, SetupFailure
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry.events import Events
+from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
 from fleetroll.tools import ToolResult, ToolSession, describe
 
@@ -77,9 +78,11 @@ class Rollout:
         *,
         run_id: str | None,
         gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        hold: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
     ) -> None:
         self.engine = engine
         self._gate = gate
+        self._hold = hold
         self.task = task
         self.ids = ids
         self.run_id = run_id
@@ -96,7 +99,7 @@ class Rollout:
         self._changed: anyio.Event | None = None
         self.result: RolloutResult | None = None
         self._started = time.monotonic()
-        #: Entered around the whole run by its owner; :meth:`stop` cancels it.
+        #: Entered around the whole run by :meth:`execute`; :meth:`stop` cancels it.
         self.stop_scope = anyio.CancelScope()
         self._stop: tuple[FailureReason, str] | None = None
         #: The owner's last word on the result as it is built, before anyone
@@ -151,6 +154,30 @@ class Rollout:
             if self.result is not None:
                 return self.result
             restarted += 1
+
+    async def execute(self, policy: Policy) -> None:
+        """Run it to its end as a pool's rollout (:class:`fleetroll.executor.RolloutHandle`).
+
+        :meth:`run`, under :attr:`stop_scope` and the ``hold`` it was made
+        with; on return :attr:`result` is set, even if :meth:`stop` came
+        before it started or :meth:`run` itself failed (a fleetroll bug).
+        """
+        try:
+            # stop() (its group is complete) cancels just this rollout.
+            with self.stop_scope:
+                async with self._hold() if self._hold else nullcontext():
+                    await self.run(policy)
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # the rollout's own boundary failed: still one result
+            if self.result is None:
+                self.never_started(FailureReason.INIT_ERROR, f"fleetroll bug: {exc!r}")
+        if self.result is None:  # stopped while it waited for an instance slot
+            reason, error = self._stop or (
+                FailureReason.CANCELLED,
+                "the rollout was cancelled before it started",
+            )
+            self.never_started(reason, error)
 
     @asynccontextmanager
     async def lifecycle(
@@ -504,6 +531,18 @@ class Rollout:
         """
         ids, key, engine = self.ids, self.task.key, self.engine
         return view_of(ids, key, self.phase, self.progress, self.result, engine, messages=messages)
+
+    async def read_view(self, *, messages: bool = True) -> RolloutView:
+        """:meth:`view`, as a pool reads it (:class:`fleetroll.executor.RolloutHandle`)."""
+        return self.view(messages=messages)
+
+    async def events(self, after: int, wait_s: float) -> EventPage:
+        """Its live events after cursor ``after``, waiting up to ``wait_s`` for one."""
+        return await self.live.page(after, wait_s)
+
+    @property
+    def redactor(self) -> Redactor:
+        return self.engine.redactor
 
     def abandon(self) -> None:
         if not self.finished:

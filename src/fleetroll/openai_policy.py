@@ -26,7 +26,16 @@ from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.turns import AssistantTurn, EncodedMessages, Message, ToolCall, ToolSpec, TurnData
+from fleetroll.turns import (
+    AssistantTurn,
+    EncodedMessages,
+    Message,
+    TokenHistory,
+    TokenTurn,
+    ToolCall,
+    ToolSpec,
+    TurnData,
+)
 
 __all__ = ["OpenAIChatPolicy"]
 
@@ -37,6 +46,8 @@ _EXCERPT_CHARS = 300
 #: Statuses worth trying again: rate limits, timeouts and server-side failures.
 #: OpenAI-compatible servers answer 409 for a lock that timed out: worth another try.
 _ALSO_TRANSIENT = frozenset({409})
+#: What a server without token-in's routes answers them.
+_NO_ROUTE = frozenset({404, 405})
 #: What servers say when a prompt is longer than the model's context: vLLM ("This
 #: model's maximum context length is N tokens"), SGLang ("... exceeds the maximum
 #: allowed length", "longer than the model's context length"), OpenAI
@@ -84,6 +95,13 @@ class OpenAIChatPolicy:
         max_answer_bytes: bytes of one answer (or error body) read, counted
             as they arrive (``policy.max_answer_bytes``); past it reading stops,
             the connection is closed and :meth:`act` raises a PolicyError.
+        token_in: from the second call of a rollout on, send the conversation
+            as token ids (``policy.token_in``): the last call's prompt and
+            completion ids as the server returned them, then the new messages
+            as the server's ``/tokenize`` renders them, to
+            ``/chat/completions/tokens`` (prime-rl's vLLM route). Implies
+            ``return_token_ids``; needs a transcript that keeps token ids
+            (:class:`~fleetroll.turns.TokenHistory`, as a rollout's does).
 
     Raises:
         ValueError: a number is out of range.
@@ -110,6 +128,7 @@ class OpenAIChatPolicy:
         logprobs: bool = False,
         top_logprobs: int | None = None,
         max_answer_bytes: int = 64 * 1024 * 1024,
+        token_in: bool = False,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, not {timeout_s}")
@@ -123,6 +142,13 @@ class OpenAIChatPolicy:
             raise ValueError(f"max_answer_bytes must be >= 1, not {max_answer_bytes}")
         self.max_answer_bytes = max_answer_bytes
         self.url = base_url.rstrip("/") + "/chat/completions"
+        self.token_in = token_in
+        #: Token-in's routes: the chat completion with a token prompt, and vLLM's
+        #: ``/tokenize``, which sits at the server's root (not under ``/v1``).
+        self.tokens_url = self.url + "/tokens"
+        root = base_url.rstrip("/")
+        self.tokenize_url = root.removesuffix("/v1") + "/tokenize"
+        return_token_ids = return_token_ids or token_in
         self.model = model
         self._api_key = SecretStr(api_key) if isinstance(api_key, str) else api_key
         self._sampling = {
@@ -179,10 +205,11 @@ class OpenAIChatPolicy:
             max_retries=policy.max_retries,
             backoff_initial_s=settings.retries.policy_backoff_initial_s,
             backoff_max_s=settings.retries.policy_backoff_max_s,
-            return_token_ids=policy.return_token_ids,
+            return_token_ids=policy.return_token_ids or policy.trajectory,
             logprobs=policy.logprobs,
             top_logprobs=policy.top_logprobs,
             max_answer_bytes=policy.max_answer_bytes,
+            token_in=policy.token_in,
         )
 
     def __repr__(self) -> str:
@@ -220,10 +247,19 @@ class OpenAIChatPolicy:
                 not transient for other statuses), or answered something that
                 is not a chat completion (not transient).
         """
-        content = self._request(messages, tools)
+        history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         try:
             with anyio.fail_after(self.timeout_s) as scope:
-                payload = await self._post(content, deadline=scope.deadline)
+                if self.token_in and history is not None:
+                    body = self._body(messages, tools)
+                    added = len(body["messages"]) - len(messages)
+                    body["tokens"] = await self._token_prompt(
+                        body, history, added=added, deadline=scope.deadline
+                    )
+                    url, content = self.tokens_url, self._encode(body)
+                else:
+                    url, content = self.url, self._request(messages, tools)
+                payload = await self._post(content, deadline=scope.deadline, url=url)
         except PolicyError as exc:
             if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
                 raise ContextOverflowError(str(exc), operation=_OPERATION, transient=False) from exc
@@ -282,6 +318,52 @@ class OpenAIChatPolicy:
         pieces += [b"],", rest[1:]]
         return b"".join(pieces)
 
+    async def _token_prompt(
+        self, body: dict[str, Any], history: TokenTurn, *, added: int, deadline: float
+    ) -> list[int]:
+        """The prompt as token ids: the last call's prompt and completion exactly
+        as the server returned them, then what the template renders after them.
+
+        The new messages' ids are the server's rendering of the whole
+        conversation less its rendering up to the last assistant message (the
+        delta, as SkyRL and verifiers take it), so a template that re-renders
+        earlier turns differently changes nothing already sent.
+        """
+        messages = body["messages"]
+        # ``added``: the system prompt we inserted shifts the transcript's indexes.
+        end = history.index + added + 1
+        prefix = await self._tokenize(body, messages[:end], False, deadline=deadline)
+        full = await self._tokenize(body, messages, True, deadline=deadline)
+        completion = list(history.completion_token_ids)
+        tail: list[int] = []
+        if completion and history.finish_reason != "length" and completion[-1] in prefix:
+            # What the template adds after the model's end-of-message token
+            # (Qwen's newline after <|im_end|>): the model never generated it.
+            last = len(prefix) - 1 - prefix[::-1].index(completion[-1])
+            tail = prefix[last + 1 :]
+        return [*history.prompt_token_ids, *completion, *tail, *full[len(prefix) :]]
+
+    async def _tokenize(
+        self, body: Mapping[str, Any], messages: list[Message], generation: bool, *, deadline: float
+    ) -> list[int]:
+        """vLLM's ``/tokenize`` of a chat: the ids the server's template renders."""
+        request: dict[str, Any] = {"model": self.model, "messages": messages}
+        if "tools" in body:
+            request["tools"] = body["tools"]
+        request["add_generation_prompt"] = generation
+        answer = await self._post(self._encode(request), deadline=deadline, url=self.tokenize_url)
+        tokens = _ints(answer.get("tokens")) if isinstance(answer, dict) else None
+        if tokens is None:
+            raise PolicyError(
+                self._redact(
+                    f"{self.tokenize_url} answered no 'tokens' list (policy.token_in needs"
+                    f" vLLM's /tokenize): {_shorten(json.dumps(answer, default=str))}"
+                ),
+                operation=_OPERATION,
+                transient=False,
+            )
+        return list(tokens)
+
     def _encode(self, body: Mapping[str, Any]) -> bytes:
         def mapping_to_dict(value: object) -> object:
             if isinstance(value, Mapping):
@@ -303,8 +385,10 @@ class OpenAIChatPolicy:
             headers["Authorization"] = f"Bearer {self._api_key.get_secret_value()}"
         return headers
 
-    async def _post(self, content: bytes, *, deadline: float) -> Any:
-        """POST until an answer, a permanent failure, or no retries or time left."""
+    async def _post(self, content: bytes, *, deadline: float, url: str | None = None) -> Any:
+        """POST (to ``url``, by default the chat completions) until an answer, a
+        permanent failure, or no retries or time left."""
+        url = url or self.url
         budget = retrying.Budget(self.max_retries + 1, self._backoff_initial_s, self._backoff_max_s)
         tries = 0
         last: httpx.Response | None = None
@@ -324,25 +408,31 @@ class OpenAIChatPolicy:
                     tries, last = attempt.num, None
                     try:
                         async with self._client.stream(
-                            "POST", self.url, content=content, headers=self._headers()
+                            "POST", url, content=content, headers=self._headers()
                         ) as response:
                             body = await self._read(response)
                     except httpx.TransportError as exc:
                         # Its text can hold the URL, never the headers; redact anyway.
-                        problem = f"could not reach {self.url}: {type(exc).__name__}: {exc}"
+                        problem = f"could not reach {url}: {type(exc).__name__}: {exc}"
                         raise PolicyError(
                             self._redact(problem), operation=_OPERATION, transient=True
                         ) from exc
                     if not response.is_success:
                         last = response
                         status = response.status_code
-                        problem = f"{self.url} answered HTTP {status}: {_excerpt(body)}"
+                        problem = f"{url} answered HTTP {status}: {_excerpt(body)}"
+                        if url != self.url and status in _NO_ROUTE:
+                            problem += (
+                                "; policy.token_in needs a server with POST"
+                                f" {self.tokens_url} and {self.tokenize_url} (prime-rl's"
+                                " vLLM server): serve one or set policy.token_in = false"
+                            )
                         raise PolicyError(
                             self._redact(problem),
                             operation=_OPERATION,
                             transient=transient_status(status) or status in _ALSO_TRANSIENT,
                         )
-            return self._decode(response.status_code, body)
+            return self._decode(response.status_code, body, url)
         except PolicyError as exc:
             if not exc.transient:
                 raise
@@ -378,14 +468,13 @@ class OpenAIChatPolicy:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _decode(self, status: int, body: bytes) -> Any:
+    def _decode(self, status: int, body: bytes, url: str) -> Any:
         try:
             return json.loads(body)
         except ValueError:
             raise PolicyError(
                 self._redact(
-                    f"{self.url} answered HTTP {status} with a body that is"
-                    f" not JSON: {_excerpt(body)}"
+                    f"{url} answered HTTP {status} with a body that is not JSON: {_excerpt(body)}"
                 ),
                 operation=_OPERATION,
                 transient=False,

@@ -179,10 +179,10 @@ TOOLS = (ToolSpec(name="pay", description="Pay.", input_schema={"type": "object"
 CALLS = [("pay", {"amount": 5}), ("pay", {"amount": 7}), ("pay", {"amount": 9})]
 
 
-async def converse(server: FakeChatServer, **policy: Any) -> Progress:
+async def converse(server: FakeChatServer, images: tuple[str, ...] = (), **policy: Any) -> Progress:
     """A rollout's acting loop without an environment: each call answered "paid"."""
     progress = Progress()
-    progress.transcript.add_prompt(TASK.prompt)
+    progress.transcript.add_prompt(TASK.prompt, images)
     with anyio.fail_after(TEST_DEADLINE_S):
         async with OpenAIChatPolicy(
             base_url=server.base_url, model="m", logprobs=True, timeout_s=5, **policy
@@ -264,6 +264,22 @@ async def test_token_in_keeps_the_ids_sent_back_so_a_drifting_template_does_not_
         answer += [START, *toy_tokenize("assistant")]
         sent = [*(before.prompt_token_ids or []), *(before.completion_token_ids or []), *answer]
         assert request["tokens"] == sent == after.prompt_token_ids
+
+
+async def test_token_in_sends_a_conversation_with_images_as_messages_and_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    shape = VllmShape(token_in=True)
+    async with FakeChatServer(tool_calling_script(CALLS), vllm=shape) as server:
+        progress = await converse(server, images=("data:image/png;base64,AAAA",), token_in=True)
+        requests = list(server.requests)
+
+    assert len(requests) == 4 and not any("tokens" in r for r in requests)
+    assert server.tokenize_requests == []
+    warned = [r for r in caplog.records if "does not expand image placeholders" in r.message]
+    assert len(warned) == 1
+    trajectory = stitch(progress.turns)
+    assert trajectory is not None and not trajectory.drift
 
 
 async def test_token_in_against_a_server_without_its_routes_says_what_to_do() -> None:

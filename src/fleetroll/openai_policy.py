@@ -250,7 +250,7 @@ class OpenAIChatPolicy:
         history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         try:
             with anyio.fail_after(self.timeout_s) as scope:
-                if self.token_in and history is not None:
+                if self.token_in and history is not None and not self._has_images(messages):
                     body = self._body(messages, tools)
                     added = len(body["messages"]) - len(messages)
                     body["tokens"] = await self._token_prompt(
@@ -317,6 +317,23 @@ class OpenAIChatPolicy:
             pieces.append(part)
         pieces += [b"],", rest[1:]]
         return b"".join(pieces)
+
+    def _has_images(self, messages: Sequence[Message]) -> bool:
+        """Whether the conversation holds images: those go by messages, not ids
+        (vLLM's ``/tokenize`` does not expand image placeholders; verifiers
+        falls back the same way). Said once per policy."""
+        images = any(
+            isinstance(part, Mapping) and part.get("type") == "image_url"
+            for message in messages
+            if isinstance(content := message.get("content"), list)
+            for part in content
+        )
+        self._warn_once(
+            [] if not images or "token_in" in self._warned else ["token_in"],
+            "%s: a conversation with images is sent as messages, not token ids (policy.%s is"
+            " set, but /tokenize does not expand image placeholders); said once",
+        )
+        return images
 
     async def _token_prompt(
         self, body: dict[str, Any], history: TokenTurn, *, added: int, deadline: float

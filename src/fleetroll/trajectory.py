@@ -136,7 +136,7 @@ def training_rows(
     ``reward`` and ``advantage``.
 
     Args:
-        groups: :class:`~fleetroll.Group` objects (``run_groups``) or lists of results.
+        groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or lists of results.
         eps: added to the standard deviation.
     """
     rows: list[dict[str, Any]] = []

@@ -445,6 +445,9 @@ class FakeChatServer:
         """prime-rl's token-in chat completion: the prompt is the body's ``tokens``."""
         if self.vllm is None or not self.vllm.token_in:
             return _error(404, "Not Found")
+        body = json.loads(await request.body() or b"null")
+        if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
+            return _error(400, "fake OpenAI server: 'tokens' (a list of token ids) is required")
         return await self._chat(request)
 
     async def _chat(self, request: Request) -> Response:

@@ -8,6 +8,7 @@ its implementation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -250,10 +251,11 @@ class OpenAIChatPolicy:
         history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         try:
             with anyio.fail_after(self.timeout_s) as scope:
+                sent: list[int] | None = None
                 if self.token_in and history is not None and not self._has_images(messages):
                     body = self._body(messages, tools)
                     added = len(body["messages"]) - len(messages)
-                    body["tokens"] = await self._token_prompt(
+                    body["tokens"] = sent = await self._token_prompt(
                         body, history, added=added, deadline=scope.deadline
                     )
                     url, content = self.tokens_url, self._encode(body)
@@ -271,7 +273,12 @@ class OpenAIChatPolicy:
                 operation=_OPERATION,
                 transient=True,
             ) from None
-        return self._parse(payload)
+        turn = self._parse(payload)
+        if sent is not None and turn.data is not None and turn.data.prompt_token_ids is None:
+            # The prompt is the ids we sent, whether or not the server echoed them.
+            data = dataclasses.replace(turn.data, prompt_token_ids=tuple(sent))
+            turn = dataclasses.replace(turn, data=data)
+        return turn
 
     # ------------------------------------------------------------- request
 

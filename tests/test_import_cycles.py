@@ -1,5 +1,6 @@
-"""Imports that read top-down (issue 14): no cycle among fleetroll's modules
-outside the emulator, and the Fleet SDK only behind the Fleet provider.
+"""Imports that read top-down (issues 14 and 28): no cycle among fleetroll's
+modules outside the emulator, no import running back up a layer, the Fleet SDK
+only behind the Fleet provider, and the pool without the web servers.
 
 Every import counts: module level, under ``TYPE_CHECKING`` and inside
 functions, since each of them ties two modules together.
@@ -8,6 +9,9 @@ functions, since each of them ties two modules together.
 from __future__ import annotations
 
 import ast
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import fleetroll
@@ -53,6 +57,161 @@ def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
             seen.add(name)
             todo.extend(graph[name])
     return seen
+
+
+#: The layers of today's package, bottom first: a module imports only from its
+#: own layer and the ones before it. A name stands for that module and every
+#: module under it; the longest name that matches a module gives its layer.
+LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
+    (
+        "foundations: data, errors, settings and plumbing every layer uses",
+        frozenset(
+            {
+                "_exit_stack",
+                "_guard",
+                "_lazy",
+                "_serving",
+                "cli_options",
+                "environment_names",
+                "errors",
+                "examples_mcp",
+                "fault_profiles",
+                "groups",
+                "http_transport",
+                "journal",
+                "mcp_tasks",
+                "policy_gate",
+                "preflight_cache",
+                "pydantic_plugins",
+                "results",
+                "retrying",
+                "server_leases",
+                "service.models",  # the HTTP API's wire format: the client's too
+                "settings",
+                "settings_sections",
+                "task_records",
+                "tasks",
+                "telemetry.console",
+                "telemetry.events",
+                "turns",
+            }
+        ),
+    ),
+    ("the emulator: a Fleet of its own, on the foundations alone", frozenset({"emulator"})),
+    (
+        "telemetry: the store, its queries, the dashboard and their commands",
+        frozenset({"telemetry"}),
+    ),
+    (
+        "policies, tools and the environment protocol",
+        frozenset(
+            {
+                "admission",
+                "environments",
+                "openai_policy",
+                "policies",
+                "progress",
+                "rollout_events",
+                "routing",
+                "tools",
+                "transcript",
+            }
+        ),
+    ),
+    (
+        "the rollout and the environment providers",
+        frozenset(
+            {
+                "dispatch",
+                "engine",
+                "env_session",
+                "fleet_control",
+                "fleet_traces",
+                "mcp_process",
+                "mcp_provider",
+                "mixed_provider",
+                "phases",
+                "provisioning",
+                "rollout",
+                "stages",
+                "staleness",
+                "testing",
+                "verification",
+            }
+        ),
+    ),
+    (
+        "the pool, its Ray shards, and the client of a remote pool",
+        frozenset(
+            {
+                "",  # the package: its public API
+                "batch",
+                "batch_pool",
+                "client",
+                "pool",
+                "preflight",
+                "ray_actors",
+                "ray_admission",
+                "ray_pool",
+                "remote",
+            }
+        ),
+    ),
+    ("the HTTP service", frozenset({"service"})),
+    ("the commands", frozenset({"bench", "runner", "service.cli"})),
+    ("the entry point", frozenset({"cli", "__main__"})),
+)
+
+
+def _layer(module: str) -> int:
+    """The index in LAYERS of ``module`` (a full name); KeyError when none holds it."""
+    name = module.removeprefix("fleetroll").removeprefix(".")
+    holding = [
+        (len(held), index)
+        for index, (_, names) in enumerate(LAYERS)
+        for held in names
+        if name == held or (held != "" and name.startswith(f"{held}."))
+    ]
+    if not holding:
+        raise KeyError(module)
+    return max(holding)[1]
+
+
+def test_every_module_belongs_to_one_layer() -> None:
+    unplaced = []
+    for name in _modules():
+        try:
+            _layer(name)
+        except KeyError:
+            unplaced.append(name)
+
+    assert unplaced == [], "add these modules to LAYERS"
+
+
+def test_no_module_imports_from_a_layer_above_its_own() -> None:
+    known = _modules()
+    upward = sorted(
+        f"{name} -> {imported} ({LAYERS[_layer(name)][0]} -> {LAYERS[_layer(imported)][0]})"
+        for name, path in known.items()
+        for imported in _imports(path, known)
+        if _layer(imported) > _layer(name)
+    )
+
+    assert upward == []
+
+
+def test_importing_the_pool_loads_neither_uvicorn_nor_starlette() -> None:
+    """A library user or a Ray actor that only runs rollouts pays for no web server."""
+    probe = (
+        "import json, sys; import fleetroll.pool; "
+        "print(json.dumps(sorted(m for m in sys.modules "
+        "if m.partition('.')[0] in ('uvicorn', 'starlette'))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+
+    assert json.loads(done.stdout) == []
 
 
 def test_no_module_outside_the_emulator_imports_itself_back() -> None:

@@ -9,14 +9,12 @@ import contextlib
 import errno
 import socket
 from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack
-from types import TracebackType
 from typing import Any, Literal
 
 import anyio
 import uvicorn
 
-__all__ = ["exit_transparently", "serve_asgi"]
+__all__ = ["serve_asgi"]
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -137,19 +135,3 @@ def _check_free(host: str, port: int) -> None:
         except OSError as exc:
             reason = "the port is in use" if exc.errno == errno.EADDRINUSE else exc.strerror
             raise OSError(reason) from None
-
-
-async def exit_transparently(
-    stack: AsyncExitStack,
-    exc_type: type[BaseException] | None,
-    exc: BaseException | None,
-    tb: TracebackType | None,
-) -> None:
-    """Close ``stack``; when a task group in it wrapped the caller's own
-    exception in a group, raise that exception as it was raised."""
-    try:
-        await stack.__aexit__(exc_type, exc, tb)
-    except BaseExceptionGroup as group:
-        if exc is not None and group.exceptions == (exc,):
-            raise exc from exc.__cause__
-        raise

@@ -11,51 +11,17 @@ import importlib
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import anyio
 import click
 
-from fleetroll.cli_options import ray_options
+from fleetroll.cli_options import CONFIG_OPTION, Failed, load_command_settings, ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll.telemetry.console import configure_console_logging
 
-if TYPE_CHECKING:
-    from fleetroll.settings import Settings
-
 __all__ = ["main"]
-
-_CONFIG_OPTION = click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="A TOML file merged over the shipped defaults.",
-)
-
-
-class Failed(click.ClickException):
-    """Bad input or configuration: a clear message and exit code 2."""
-
-    exit_code = 2
-
-
-def _settings(config_file: Path | None, **overrides: Any) -> Settings:
-    from fleetroll.settings import load_settings
-
-    try:
-        settings = load_settings(config_file, **overrides)
-    except FleetrollError as exc:
-        raise Failed(str(exc)) from None
-    configure_console_logging(settings.telemetry.console_level)
-    return settings
-
-
-async def _until_signalled() -> None:
-    """Return on SIGINT or SIGTERM, so servers stop cleanly either way."""
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            return
 
 
 class _LazyGroup(click.Group):
@@ -74,6 +40,10 @@ class _LazyGroup(click.Group):
         "dashboard": (
             "fleetroll.telemetry.cli:dashboard",
             "Serve the live dashboard of the telemetry store until Ctrl-C.",
+        ),
+        "emulator": (
+            "fleetroll.emulator.cli:emulator",
+            "Run the Fleet-compatible emulator until interrupted.",
         ),
         "query": (
             "fleetroll.telemetry.cli:query",
@@ -124,99 +94,6 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--host", default=None, help="Address to listen on (default from config: loopback).")
-@click.option(
-    "--port",
-    type=click.IntRange(0, 65535),
-    default=None,
-    help="Port (default from config; 0 = free).",
-)
-@click.option(
-    "--allow-remote",
-    is_flag=True,
-    help="Allow a --host other than loopback (anyone who has the key can run code here).",
-)
-@click.option("--profile", default=None, help="Fault profile: clean, realistic, chaos, ...")
-@click.option("--seed", type=int, default=None, help="Override the profile's RNG seed.")
-@click.option(
-    "--profile-json",
-    default=None,
-    hidden=True,
-    help="A whole fault profile as JSON (used by EmulatorProcess).",
-)
-@_CONFIG_OPTION
-def emulator(
-    host: str | None,
-    port: int | None,
-    allow_remote: bool,
-    profile: str | None,
-    seed: int | None,
-    profile_json: str | None,
-    config_file: Path | None,
-) -> None:
-    """Run the Fleet-compatible emulator until interrupted.
-
-    It prints the FLEET_BASE_URL and FLEET_API_KEY to point the Fleet SDK
-    (or `fleetroll run`) at it. The key is FLEETROLL_EMULATOR_API_KEY when
-    set, else generated. Verifiers of the tasks run on this host, sandboxed.
-    """
-    from fleetroll.emulator import Emulator, FaultProfile
-    from fleetroll.service.security import is_loopback
-
-    settings = _settings(config_file)
-    emu_settings = settings.emulator
-    try:
-        if profile_json is not None:
-            fault_profile = FaultProfile.model_validate_json(profile_json)
-        else:
-            fault_profile = emu_settings.fault_profile(profile)
-    except (FleetrollError, ValueError) as exc:
-        raise Failed(str(exc)) from None
-    if seed is not None:
-        fault_profile = fault_profile.model_copy(update={"seed": seed})
-    host = host or emu_settings.host
-    if not is_loopback(host):
-        if not allow_remote:
-            raise Failed(
-                f"refusing to listen on {host}: the emulator runs task verifiers on this host;"
-                " pass --allow-remote to serve beyond loopback anyway"
-            )
-        click.echo(
-            f"warning: the emulator listens on {host}, beyond loopback: anyone who reaches it"
-            " with the key can run code on this host as this user",
-            err=True,
-        )
-    key = settings.emulator_api_key
-    emu = Emulator(
-        fault_profile,
-        host=host,
-        port=emu_settings.port if port is None else port,
-        api_key=key.get_secret_value() if key else None,
-        verifier_limits=emu_settings.verifier_limits(),
-        verifier_max_parallel=emu_settings.verifier_max_parallel,
-        keep_ended_instances=emu_settings.keep_ended_instances,
-        keep_ended_s=emu_settings.keep_ended_s,
-    )
-
-    async def run() -> None:
-        async with emu:
-            click.echo(
-                f"fleetroll emulator listening on {emu.base_url} "
-                f"(profile {profile or emu_settings.profile})"
-            )
-            click.echo(f"  export FLEET_BASE_URL={emu.base_url}")
-            click.echo(f"  export FLEET_API_KEY={emu.api_key}")
-            click.echo(f"  ledger: {emu.base_url}/_emulator/ledger   (Ctrl-C to stop)")
-            await _until_signalled()
-        click.echo("emulator stopped")
-
-    try:
-        anyio.run(run)
-    except FleetrollError as exc:
-        raise Failed(str(exc)) from None
-
-
-@main.command()
 @click.argument(
     "tasks_paths", metavar="TASKS...", nargs=-1, required=True, type=click.Path(path_type=Path)
 )
@@ -260,7 +137,7 @@ def emulator(
     help="Skip the checks before the batch (env versions exist, key accepted, policy answers).",
 )
 @ray_options
-@_CONFIG_OPTION
+@CONFIG_OPTION
 def run(
     tasks_paths: tuple[Path, ...],
     out: Path | None,
@@ -296,7 +173,7 @@ def run(
         for k, v in (("kind", policy_kind), ("model", model), ("base_url", base_url))
         if v is not None
     }
-    settings = _settings(config_file, **overrides)
+    settings = load_command_settings(config_file, **overrides)
     if policy_overrides:
         settings = settings.model_copy(
             update={"policy": settings.policy.model_copy(update=policy_overrides)}

@@ -25,18 +25,20 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import DEVNULL, PIPE
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import anyio
 import mcp_types as types
 from anyio.abc import Process
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
-from mcp.shared.message import SessionMessage
 
 from fleetroll.environments import Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.results import VerifierOutcome
 from fleetroll.tools import AnswerLimits, ToolResult
+
+if TYPE_CHECKING:
+    from mcp.shared.message import SessionMessage
 
 __all__ = [
     "OUTPUT_KEPT",
@@ -249,7 +251,7 @@ class LineReader:
         if request_id is None:  # not an answer to a request of ours: nobody waits on it
             return [ValueError(self._limits.too_large(None))]
         self._listings.discard(request_id)
-        return [SessionMessage(self._limits.error(method, request_id))]
+        return [_message(self._limits.error(method, request_id))]
 
     def _answered(self) -> types.RequestId | None:
         """The id of the request the line being read answers, from its first bytes."""
@@ -284,8 +286,8 @@ async def process_transport(
     """
     assert process.stdin is not None and process.stdout is not None
     stdin, stdout = process.stdin, process.stdout
-    to_session, read_stream = anyio.create_memory_object_stream[SessionMessage | Exception](0)
-    write_stream, from_session = anyio.create_memory_object_stream[SessionMessage](0)
+    to_session, read_stream = anyio.create_memory_object_stream["SessionMessage | Exception"](0)
+    write_stream, from_session = anyio.create_memory_object_stream["SessionMessage"](0)
     lines = LineReader(limits)
 
     async def read() -> None:
@@ -319,9 +321,18 @@ async def process_transport(
 
 def _parse(line: str) -> SessionMessage | Exception:
     try:
-        return SessionMessage(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
+        return _message(types.jsonrpc_message_adapter.validate_json(line, by_name=False))
     except ValueError as exc:
         return exc
+
+
+def _message(message: types.JSONRPCMessage) -> SessionMessage:
+    """``message`` as the SDK's session reads it."""
+    # Imported here: ``mcp`` loads starlette and uvicorn (its server side), which
+    # importing the pool does not; by now a session has imported it anyway.
+    from mcp.shared.message import SessionMessage
+
+    return SessionMessage(message)
 
 
 # -- what a verifier answered -------------------------------------------------

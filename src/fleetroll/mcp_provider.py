@@ -42,13 +42,12 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager, suppres
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from subprocess import PIPE
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
 import httpx2
 from anyio.abc import Process
-from mcp import Client
 
 import fleetroll.examples_mcp
 import fleetroll.retrying as retrying
@@ -83,6 +82,9 @@ from fleetroll.tools import (
     describe,
     open_tool_session,
 )
+
+if TYPE_CHECKING:
+    from mcp import Client
 
 __all__ = ["WORKDIR_PREFIX", "McpHandle", "McpProvider", "public_url"]
 
@@ -433,6 +435,8 @@ class McpProvider:
             )
 
     def _stdio_client(self, handle: McpHandle) -> Client:
+        from mcp import Client  # on first use: ``mcp`` loads starlette and uvicorn
+
         if handle.process is None or handle.process.returncode is not None:
             raise ToolsError(f"the server of {handle.label} is not running", operation="connect")
         return Client(

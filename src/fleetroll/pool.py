@@ -49,7 +49,7 @@ from typing import Self
 import anyio
 from anyio.abc import TaskGroup
 
-from fleetroll._serving import exit_transparently
+from fleetroll._exit_stack import exit_transparently
 from fleetroll.admission import Admission, AdmissionController
 from fleetroll.batch import (
     Batch,

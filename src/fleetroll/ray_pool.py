@@ -41,7 +41,7 @@ from typing import Any, Self
 import anyio
 from anyio.abc import TaskGroup
 
-from fleetroll._serving import exit_transparently
+from fleetroll._exit_stack import exit_transparently
 from fleetroll.errors import ConfigError, OperationTimeout
 from fleetroll.policies import Policy
 from fleetroll.pool import (

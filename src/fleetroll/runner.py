@@ -27,7 +27,7 @@ from anyio.abc import TaskGroup
 from rich.console import Console
 from rich.table import Table
 
-from fleetroll._serving import exit_transparently
+from fleetroll._exit_stack import exit_transparently
 from fleetroll.batch_pool import FleetTarget, RunningBatch, open_batch_pool
 from fleetroll.errors import ConfigError
 from fleetroll.journal import BatchIdentity, Journal, claim_journal

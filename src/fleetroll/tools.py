@@ -33,11 +33,15 @@ import httpx2
 from jsonschema import SchemaError
 from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
-from mcp import Client
-from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE, streamable_http_client
-from mcp.shared.exceptions import MCPError
-from mcp.types import REQUEST_TIMEOUT, CallToolResult, ImageContent, TextContent, Tool
-from mcp_types import ErrorData, JSONRPCError
+from mcp_types import (
+    REQUEST_TIMEOUT,
+    CallToolResult,
+    ErrorData,
+    ImageContent,
+    JSONRPCError,
+    TextContent,
+    Tool,
+)
 from referencing import Registry
 
 import fleetroll.retrying as retrying
@@ -46,6 +50,8 @@ from fleetroll.policies import ToolSpec
 from fleetroll.retrying import Decision
 
 if TYPE_CHECKING:
+    from mcp import Client
+
     from fleetroll.settings import Settings
 
 __all__ = [
@@ -120,6 +126,13 @@ def describe(exc: BaseException) -> str:
     return "; ".join(f"{type(e).__name__}: {e}" for e in leaves)
 
 
+def _mcp_error(leaf: BaseException) -> ErrorData | None:
+    """What an error the MCP client raised says; None for any other error."""
+    from mcp.shared.exceptions import MCPError  # loaded already once a client has run
+
+    return leaf.error if isinstance(leaf, MCPError) else None
+
+
 def _connect_transient(exc: BaseException) -> bool:
     """Worth another connect attempt: the service may still be starting."""
     for leaf in _leaves(exc):
@@ -128,7 +141,7 @@ def _connect_transient(exc: BaseException) -> bool:
         # The transport reports 5xx (and 404 from a router that has not seen
         # the instance yet) as MCP errors; whether the instance is really gone
         # is decided from the control plane, not from here.
-        if isinstance(leaf, MCPError):
+        if _mcp_error(leaf) is not None:
             continue
         return False
     return True
@@ -233,8 +246,9 @@ class ToolSession:
 def _too_large(exc: BaseException) -> str | None:
     """What an answer over its cap (:data:`ANSWER_TOO_LARGE`) was told as, if it was one."""
     for leaf in _leaves(exc):
-        if isinstance(leaf, MCPError) and leaf.error.code == ANSWER_TOO_LARGE:
-            return leaf.error.message
+        error = _mcp_error(leaf)
+        if error is not None and error.code == ANSWER_TOO_LARGE:
+            return error.message
     return None
 
 
@@ -392,7 +406,8 @@ def _timed_out(exc: BaseException) -> bool:
     for leaf in _leaves(exc):
         if isinstance(leaf, TimeoutError | httpx2.TimeoutException):
             return True
-        if isinstance(leaf, MCPError) and leaf.error.code == REQUEST_TIMEOUT:
+        error = _mcp_error(leaf)
+        if error is not None and error.code == REQUEST_TIMEOUT:
             return True
     return "timed out" in describe(exc).lower()
 
@@ -466,6 +481,11 @@ async def open_tool_session(
         ToolsError: a failure that retrying cannot fix, or (``transient``)
             the budget's attempts ran out first.
     """
+    # The SDK's client, imported when first used: ``mcp`` loads starlette and
+    # uvicorn (its server side), which importing the pool does not.
+    from mcp import Client
+    from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE, streamable_http_client
+
     deadline = anyio.current_time() + connect_timeout_s
     event_bytes = None if limits is None else max(limits.answer_bytes, limits.listing_bytes)
     if event_bytes is None:

@@ -14,11 +14,11 @@ from click.testing import CliRunner
 from pydantic import SecretStr
 from service_helpers import LEDGER, Running, running_service, task_record
 
+from fleetroll._guard import check_bind
 from fleetroll.cli import main
 from fleetroll.client import FleetrollClient, ServiceError
 from fleetroll.emulator import Emulator
 from fleetroll.errors import ConfigError
-from fleetroll.service.security import check_bind
 from fleetroll.telemetry.store import connect
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.

@@ -21,13 +21,13 @@ from PIL import Image, ImageStat
 from pydantic import SecretStr
 from telemetry_helpers import PYTHON, child_env, local_settings, lost_batch_writer
 
+from fleetroll._guard import Guard
 from fleetroll._serving import serve_asgi
 from fleetroll.cli import main
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.policies import AssistantTurn, ScriptedPolicy
 from fleetroll.pool import RolloutPool
 from fleetroll.results import RolloutResult
-from fleetroll.service.security import Guard
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import Telemetry, open_telemetry

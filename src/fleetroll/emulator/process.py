@@ -122,11 +122,16 @@ def _emulator(request: dict[str, Any], output: int) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    from fleetroll.cli import main
+    from fleetroll.emulator.cli import emulator
+    from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
+    from fleetroll.telemetry.console import configure_console_logging
 
+    # As the ``fleetroll`` group does before it runs the command.
+    skip_unused_pydantic_plugins(os.environ)
+    configure_console_logging("info")
     code = 0
     try:
-        main(["emulator", *request["args"]], prog_name="fleetroll")
+        emulator.main(request["args"], prog_name="fleetroll emulator")
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:  # never unwind into the zygote's loop: print, exit 1 (as Python would)

@@ -14,7 +14,8 @@ from typing import Self
 
 from starlette.requests import ClientDisconnect
 
-from fleetroll._serving import exit_transparently, serve_asgi
+from fleetroll._exit_stack import exit_transparently
+from fleetroll._serving import serve_asgi
 from fleetroll.emulator.app import EmulatorApp
 from fleetroll.emulator.envs import default_envs
 from fleetroll.emulator.envs.base import SampleEnv

@@ -4,7 +4,7 @@ See :mod:`fleetroll.service.app` for the routes and :mod:`fleetroll.client`
 for the Python client.
 
 Names are imported on first use: code that only needs a submodule (the
-emulator and the dashboard use :mod:`fleetroll.service.security`) does not
+service's command uses :mod:`fleetroll.service.security`) does not
 load the service, its MCP tools and the pool behind them.
 """
 
@@ -13,14 +13,15 @@ import typing as _typing
 from fleetroll._lazy import lazy_attributes as _lazy_attributes
 
 if _typing.TYPE_CHECKING:
-    from fleetroll.service.app import Service, create_app
+    from fleetroll.service.app import Service
+    from fleetroll.service.asgi import create_app
     from fleetroll.service.server import serve_app
 
 __all__ = ["Service", "create_app", "serve_app"]
 
 _WHERE: dict[str, str] = {
     "Service": "fleetroll.service.app",
-    "create_app": "fleetroll.service.app",
+    "create_app": "fleetroll.service.asgi",
     "serve_app": "fleetroll.service.server",
 }
 

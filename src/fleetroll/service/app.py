@@ -1,4 +1,4 @@
-"""The HTTP service's ASGI app: routes over one shared :class:`RolloutPool`.
+"""The HTTP service: what its routes call, over one shared :class:`RolloutPool`.
 
 ::
 
@@ -14,7 +14,8 @@ held by one task of this process for its whole life, stay on ``pool``.
 
 The routes are declared once, in :data:`fleetroll.service.routes.ROUTES`
 (method, path, handler, models, error statuses, token or not); the ASGI
-routes, ``/openapi.json`` and the paths open without a token come from it.
+app (:func:`fleetroll.service.asgi.create_app`), ``/openapi.json`` and the
+paths open without a token come from it.
 ``/mcp`` serves the same verbs as MCP tools.
 
 Every await a route makes on a rollout, a session or the pool is bounded.
@@ -25,14 +26,10 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import asdict
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 import anyio
-from starlette.applications import Starlette
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fleetroll.batch_pool import BatchPool
 from fleetroll.errors import OperationTimeout
@@ -45,19 +42,14 @@ from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import PolicyConfig, PolicyState
-from fleetroll.service.openapi import openapi_document
-from fleetroll.service.routes import ROUTES, Api, asgi_routes
-from fleetroll.service.security import Guard
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.service.state import BatchStore
 from fleetroll.service.training import PauseLeases
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Redactor
-from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_panels, dashboard_routes
-from fleetroll.telemetry.dashboard_auth import cookie_authorizer
 
-__all__ = ["Service", "create_app"]
+__all__ = ["Service"]
 
 #: Slack over ``timeouts.release_s`` for cancelling every batch at shutdown, and
 #: over the sum of a rollout's deadlines for waiting on its result. Not
@@ -257,55 +249,3 @@ class Service:
         rid = self._rollout_of.pop(record.batch_id, None)
         if rid is not None:
             self.rollouts.pop(rid, None)
-
-
-def create_app(service: Service) -> ASGIApp:
-    """The service's ASGI app: routes, MCP tools at ``/mcp``, behind the :class:`Guard`."""
-    from fleetroll.service.mcp_tools import build_mcp_server, mcp_app
-
-    mcp = build_mcp_server(service)
-
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        async with service.running(), mcp.session_manager.run():
-            yield
-
-    s = service.settings
-    dashboard = dashboard_routes(
-        s.telemetry.db_path,
-        query_timeout_s=s.service.query_timeout_s,
-        # Its own threads: an open dashboard never takes a /v1/query slot.
-        panels=dashboard_panels(s),
-        gauges=lambda: asdict(service.batch_pool.admission.state()),
-        token=s.service_token,
-    )
-    try:
-        app_version = version("fleetroll")
-    except PackageNotFoundError:  # a source tree without installed metadata
-        app_version = "0"
-    document = openapi_document(version=app_version, token_required=s.service_token is not None)
-    api = Api(service, document)
-    routes = Starlette(routes=[*asgi_routes(api), *dashboard], lifespan=lifespan)
-    return Guard(
-        _Root(routes, mcp_app(mcp)),
-        token=service.settings.service_token,
-        max_body_bytes=service.settings.service.max_body_bytes,
-        # The dashboard's page holds no data; it sends the token.
-        open_paths={*(e.path for e in ROUTES if not e.auth), *PAGE_PATHS},
-        also_authorized=cookie_authorizer(s.service_token),  # the dashboard's login cookie
-    )
-
-
-class _Root:
-    """``/mcp`` (and ``/mcp/``) to the MCP app, every other path to ``routes``."""
-
-    def __init__(self, routes: Starlette, mcp: ASGIApp) -> None:
-        self.routes = routes
-        self.mcp = mcp
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"] in ("/mcp", "/mcp/"):
-            scope = dict(scope, path="/mcp", raw_path=b"/mcp")
-            await self.mcp(scope, receive, send)
-        else:
-            await self.routes(scope, receive, send)

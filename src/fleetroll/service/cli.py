@@ -13,9 +13,10 @@ from pathlib import Path
 import anyio
 import click
 
+from fleetroll._guard import check_bind
 from fleetroll.batch_pool import ray_options
 from fleetroll.errors import FleetrollError
-from fleetroll.service.security import check_bind, token_from_file
+from fleetroll.service.security import token_from_file
 from fleetroll.settings import Settings, load_settings
 
 __all__ = ["serve"]
@@ -99,7 +100,8 @@ async def _serve(
 ) -> None:
     from fleetroll.batch_pool import open_service_pools
     from fleetroll.runner import open_fleet
-    from fleetroll.service.app import Service, create_app
+    from fleetroll.service.app import Service
+    from fleetroll.service.asgi import create_app
     from fleetroll.service.server import serve_app
     from fleetroll.service.state import open_store
     from fleetroll.telemetry import open_telemetry

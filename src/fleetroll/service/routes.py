@@ -5,7 +5,7 @@ the request and answer models (or the answer's media type), the error
 statuses it can answer with their meaning, whether it needs the token, and
 its summary. :func:`asgi_routes` makes the Starlette routes of it,
 :func:`fleetroll.service.openapi.openapi_document` the OpenAPI document, and
-:func:`fleetroll.service.app.create_app` the paths the token guard lets
+:func:`fleetroll.service.asgi.create_app` the paths the token guard lets
 through; a test checks that the app's routes and ``/openapi.json`` agree.
 
 Every await a handler makes on a rollout, a session or the pool is bounded.

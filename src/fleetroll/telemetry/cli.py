@@ -1,6 +1,6 @@
 """``fleetroll query``, ``fleetroll stats`` and ``fleetroll dashboard``: the telemetry, read.
 
-Registered on the ``fleetroll`` group at the end of :mod:`fleetroll.cli`.
+Registered lazily on the ``fleetroll`` group by :mod:`fleetroll.cli`.
 Exit codes: 0 done; 1 ``stats --check`` found rollouts that broke the
 invariant; 2 bad input (no store, SQL error, a write refused, no read token).
 """
@@ -14,15 +14,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import click
 
+from fleetroll.cli_options import CONFIG_OPTION, Failed, load_command_settings, until_signalled
 from fleetroll.errors import FleetrollError
 from fleetroll.telemetry.store import StoreError
-
-if TYPE_CHECKING:
-    from fleetroll.settings import Settings
 
 __all__ = ["dashboard", "query", "stats"]
 
@@ -33,36 +31,12 @@ _DB_OPTION = click.option(
     default=None,
     help="The telemetry store (default: telemetry.db_path from the config).",
 )
-_CONFIG_OPTION = click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="A TOML file merged over the shipped defaults.",
-)
-
-
-def _failed(message: str) -> click.ClickException:
-    from fleetroll.cli import Failed  # here: fleetroll.cli imports this module
-
-    return Failed(message)
-
-
-def _settings(config_file: Path | None) -> Settings:
-    from fleetroll.settings import load_settings
-    from fleetroll.telemetry.console import configure_console_logging
-
-    try:
-        settings = load_settings(config_file)
-    except FleetrollError as exc:
-        raise _failed(str(exc)) from None
-    configure_console_logging(settings.telemetry.console_level)
-    return settings
 
 
 def _db(db_path: Path | None, config_file: Path | None) -> Path:
     if db_path is not None:
         return db_path
-    return _settings(config_file).telemetry.db_path
+    return load_command_settings(config_file).telemetry.db_path
 
 
 def _cell(value: Any) -> str:
@@ -248,7 +222,7 @@ def _format_option(func: Any) -> Any:
     help="Stop after this many rows (default: service.query_max_rows from the config).",
 )
 @_DB_OPTION
-@_CONFIG_OPTION
+@CONFIG_OPTION
 def query(
     sql: str | None,
     fmt: str,
@@ -280,7 +254,7 @@ def query(
         _print_schema(fmt)
         return
     if not sql:
-        raise _failed(
+        raise Failed(
             'give the SQL to run, e.g. "SELECT COUNT(*) FROM records" (--schema lists the columns)'
         )
     if on_logfire:
@@ -288,13 +262,13 @@ def query(
     else:
         from fleetroll.telemetry.queries import query as run_query
 
-        settings = _settings(config_file)
+        settings = load_command_settings(config_file)
         limit = max_rows if max_rows is not None else settings.service.query_max_rows
         db = db_path if db_path is not None else settings.telemetry.db_path
         try:
             result = run_query(db, sql, max_rows=limit, max_bytes=settings.service.query_max_bytes)
         except StoreError as exc:
-            raise _failed(str(exc)) from None
+            raise Failed(str(exc)) from None
         columns, rows = result.columns, result.rows
         if result.truncated:
             click.echo(
@@ -311,11 +285,11 @@ def _since(text: str) -> timedelta:
     try:
         amount, unit = float(text[:-1]), units[text[-1]]
     except (ValueError, KeyError, IndexError):
-        raise _failed(f"--since {text!r}: use a number and a unit: 30m, 6h, 7d") from None
+        raise Failed(f"--since {text!r}: use a number and a unit: 30m, 6h, 7d") from None
     try:
         return timedelta(**{unit: amount})
     except OverflowError:  # 1e20d
-        raise _failed(f"--since {text!r} reaches back before year 1: give less") from None
+        raise Failed(f"--since {text!r} reaches back before year 1: give less") from None
 
 
 def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...]]]:
@@ -326,11 +300,11 @@ def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...
 
     token = os.environ.get("LOGFIRE_READ_TOKEN")
     if not token:
-        raise _failed("--logfire needs a read token in LOGFIRE_READ_TOKEN (Logfire → Settings)")
+        raise Failed("--logfire needs a read token in LOGFIRE_READ_TOKEN (Logfire → Settings)")
     try:
         min_timestamp = datetime.now(UTC) - _since(since)
     except OverflowError:  # before year 1
-        raise _failed(f"--since {since!r} reaches back before year 1: give less") from None
+        raise Failed(f"--since {since!r} reaches back before year 1: give less") from None
 
     async def run() -> Any:
         async with AsyncLogfireQueryClient(read_token=token) as client:
@@ -340,7 +314,7 @@ def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...
         answer = anyio.run(run)
     except Exception as exc:  # HTTP and API errors of the query client: one clear line
         message = Redactor([token])(f"{type(exc).__name__}: {exc}")
-        raise _failed(f"the Logfire query failed: {message}") from None
+        raise Failed(f"the Logfire query failed: {message}") from None
     records: list[dict[str, Any]] = list(answer.get("rows") or [])
     columns = [c["name"] for c in answer.get("columns") or []]
     if not columns and records:
@@ -358,7 +332,7 @@ def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...
 )
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
 @_DB_OPTION
-@_CONFIG_OPTION
+@CONFIG_OPTION
 def stats(
     batch_id: str | None,
     run_check: bool,
@@ -384,7 +358,7 @@ def stats(
             rows = queries.stats(db, batch_id)
             batches = [] if as_json or batch_id else queries.batch_costs(db)
     except StoreError as exc:
-        raise _failed(str(exc)) from None
+        raise Failed(str(exc)) from None
     if run_check:
         if as_json:
             click.echo(
@@ -498,7 +472,7 @@ def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
 @click.option(
     "--port", type=int, default=8377, show_default=True, help="Port to listen on (0: a free one)."
 )
-@_CONFIG_OPTION
+@CONFIG_OPTION
 def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | None) -> None:
     """Serve the live dashboard of the telemetry store until Ctrl-C.
 
@@ -515,19 +489,18 @@ def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | No
     """
     import anyio
 
-    from fleetroll.service.security import check_bind
+    from fleetroll._guard import check_bind
 
-    settings = _settings(config_file)
+    settings = load_command_settings(config_file)
     try:
         check_bind(host, settings.service_token)
     except FleetrollError as exc:
-        raise _failed(str(exc)) from None
+        raise Failed(str(exc)) from None
     db = db_path if db_path is not None else settings.telemetry.db_path
 
     async def serve() -> None:
+        from fleetroll._guard import Guard
         from fleetroll._serving import serve_asgi
-        from fleetroll.cli import _until_signalled
-        from fleetroll.service.security import Guard
         from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_app, dashboard_panels
         from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, cookie_authorizer
 
@@ -549,10 +522,10 @@ def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | No
             if token is not None:  # its shape: the token itself is never printed
                 page = f"{url}{LOGIN_PATH}?token=<FLEETROLL_SERVICE_TOKEN>"
             click.echo(f"fleetroll dashboard: {page}  (store {db}; Ctrl-C to stop)")
-            await _until_signalled()
+            await until_signalled()
         click.echo("fleetroll dashboard: stopped", err=True)
 
     try:
         anyio.run(serve)
     except OSError as exc:
-        raise _failed(f"cannot serve the dashboard on {host}:{port}: {exc}") from None
+        raise Failed(f"cannot serve the dashboard on {host}:{port}: {exc}") from None

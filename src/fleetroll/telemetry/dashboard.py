@@ -7,12 +7,12 @@ Two routes, mountable in any Starlette app (the HTTP service adds
 - ``GET /dashboard``: the page (``dashboard.html``, shipped in this package:
   inline CSS and vanilla JS drawing SVG charts, no network beyond this server);
 - ``GET /dashboard/data?since=&batch=``: a JSON snapshot the page polls every
-  two seconds (see :func:`snapshot` for its shape).
+  two seconds (its shape: :class:`~fleetroll.telemetry.dashboard_models.Snapshot`).
 
 - ``GET /dashboard/login?token=``: behind a service token, sets the cookie
   the data requests carry (:mod:`fleetroll.telemetry.dashboard_auth`).
 
-Behind a bearer token (the service's :class:`~fleetroll.service.security.Guard`)
+Behind a bearer token (the service's :class:`~fleetroll._guard.Guard`)
 the page itself holds no data and stays open (:data:`PAGE_PATHS`); the data
 needs the token: the login URL's cookie, or a bearer header the page sends
 when opened as ``/dashboard#token=...``. The training-run panels (progress
@@ -30,8 +30,8 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from functools import cache, partial
 from importlib.resources import files
@@ -46,8 +46,27 @@ from starlette.routing import Route
 
 from fleetroll.telemetry import dashboard_panels as panel
 from fleetroll.telemetry.dashboard_auth import LOGIN_PATH, login_route
-from fleetroll.telemetry.dashboard_panels import Panels
-from fleetroll.telemetry.queries import COST_FIELDS, QueryError, QueryResult, query
+from fleetroll.telemetry.dashboard_models import (
+    Admission,
+    BatchSeen,
+    Bucket,
+    Cost,
+    CostPanel,
+    EnvCost,
+    EnvFailures,
+    EnvRewards,
+    Failures,
+    Groups,
+    Provisioning,
+    Rewards,
+    SlowRollout,
+    Snapshot,
+    Timeline,
+    Totals,
+    Unfinished,
+)
+from fleetroll.telemetry.dashboard_panels import Panels, Run
+from fleetroll.telemetry.queries import COST_FIELDS, QueryError, query
 from fleetroll.telemetry.store import ROLLOUT_EVENTS_FROM_RECORDS, StoreError
 
 if TYPE_CHECKING:
@@ -62,7 +81,9 @@ __all__ = [
     "dashboard_app",
     "dashboard_panels",
     "dashboard_routes",
+    "empty_snapshot",
     "parse_since",
+    "read_snapshot",
     "snapshot",
 ]
 
@@ -132,17 +153,50 @@ def parse_since(text: str, *, now: datetime | None = None) -> str:
 # -- the snapshot ----------------------------------------------------------------------
 
 
-def _where(since: str | None, batch: str | None) -> str:
+@dataclass(frozen=True, slots=True)
+class _Scope:
+    """What one snapshot reads: the rollouts' events table, and which of its rows."""
+
+    run: Run
+    #: ``rollout_events``, or the same columns read from ``records`` (an older store).
+    events: str
+    #: The SQL condition picking the rows in view (service, ``since``, ``batch``).
+    where: str
+    params: Mapping[str, Any]
+    since: str | None
+
+    @property
+    def completions(self) -> str:
+        """The rows of the completions in view (``FROM`` ...)."""
+        return f"{self.events} WHERE message = '{_COMPLETED}' AND {self.where}"
+
+
+def _scope(run: Run, since: str | None, batch: str | None, service_name: str) -> _Scope:
+    """The rows of ``service_name`` since ``since`` in ``batch`` (None: any)."""
     clauses = ["service_name = :service"]
     if since is not None:
         clauses.append("start_timestamp >= :since")
     if batch is not None:
         clauses.append("batch_id = :batch")
-    return " AND ".join(clauses)
+    # The rollouts' events as small rows (no JSON to parse), unless the store
+    # predates that table: then the same columns, read from records.
+    events = (
+        "rollout_events"
+        if run(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'rollout_events'", {}
+        ).rows
+        else ROLLOUT_EVENTS_FROM_RECORDS
+    )
+    params = {"service": service_name, "since": since, "batch": batch}
+    return _Scope(run, events, " AND ".join(clauses), params, since)
 
 
 def _iso(epoch_s: float) -> str:
     return datetime.fromtimestamp(epoch_s, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def _epoch(timestamp: str) -> float:
@@ -161,23 +215,94 @@ def _nice_step(span: float, bins: int) -> float:
     return float(10 * power)  # pragma: no cover - the loop always returns
 
 
-def _histogram(values: Sequence[float], lo: float, hi: float, bins: int) -> list[list[float]]:
-    """``[[lo, hi], ...]`` edges and counts: ``bins`` equal bins, the last one closed."""
-    width = (hi - lo) / bins if hi > lo else 1.0
-    counts = [0] * bins
-    for value in values:
-        index = min(bins - 1, max(0, int((value - lo) / width)))
-        counts[index] += 1
-    return [[lo + i * width, lo + (i + 1) * width, counts[i]] for i in range(bins)]
+def read_snapshot(
+    db: str | os.PathLike[str],
+    *,
+    since: str | None = None,
+    batch: str | None = None,
+    service_name: str = "fleetroll",
+    timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S,
+    panels: Panels = DEFAULT_PANELS,
+    gauges: Mapping[str, Any] | None = None,
+    now: float | None = None,
+) -> Snapshot:
+    """Everything the page draws, from the store at ``db`` (blocking: run it in a thread).
+
+    ``since`` is a store timestamp (see :func:`parse_since`); ``batch`` a batch
+    id; ``gauges`` the live admission gauges (the service's). ``now`` (epoch
+    seconds) is for tests. What each panel holds: :class:`Snapshot`.
+
+    Raises:
+        StoreError: there is no store at ``db``, or it cannot be read.
+        QueryError: a query failed or ran over ``timeout_s``.
+    """
+    run = partial(query, db, timeout_s=timeout_s, dialect="sqlite")  # its own SQL, as written
+    scope = _scope(run, since, batch, service_name)
+    at = datetime.now(UTC).timestamp() if now is None else now
+    unfinished, lost = panel.unfinished_panel(
+        run, scope.events, batch, service_name, now=at, stuck_after_s=panels.stuck_after_s
+    )
+    timeline = _forget_lost_starts(_timeline(scope), lost.starts)
+    by_env = _completions(scope)
+    return Snapshot(
+        generated_at=_now(),
+        since=since,
+        batch=batch,
+        batches=_batches(scope),
+        totals=_totals(timeline, by_env, unfinished),
+        timeline=timeline,
+        failures=Failures(
+            reasons=sorted({reason for env in by_env.values() for reason in env.reasons}),
+            envs=[env.failures() for env in by_env.values()],
+        ),
+        provisioning=_provisioning(scope),
+        rewards=_rewards(scope, by_env),
+        slowest=_slowest(scope),
+        cost=_cost([by_env[env].cost() for env in sorted(by_env)]),
+        progress=panel.progress(
+            run,
+            scope.events,
+            batch,
+            scope.params,
+            now=at,
+            window_s=panels.eta_window_s,
+            lost_by_batch=lost.by_batch,
+        ),
+        throughput=panel.throughput(timeline.buckets, timeline.bucket_s),
+        batch_rewards=panel.batch_rewards(run, scope.events, scope.params, since),
+        groups=panel.uniform_groups(run, scope.events, scope.where, scope.params),
+        unfinished=unfinished,
+        errors=panel.latest_errors(run, scope.events, scope.where, scope.params, panels.errors),
+        admission=panel.admission(run, scope.params, gauges),
+    )
 
 
-def _timeline(
-    run: Callable[[str, Mapping[str, Any]], QueryResult],
-    events: str,
-    where: str,
-    params: Mapping[str, Any],
-    since: str | None,
-) -> tuple[int, list[dict[str, Any]]]:
+def snapshot(db: str | os.PathLike[str], **options: Any) -> dict[str, Any]:
+    """``read_snapshot(db, **options)`` as JSON: what ``GET /dashboard/data`` answers.
+
+    Raises:
+        StoreError: there is no store at ``db``, or it cannot be read.
+        QueryError: a query failed or ran over ``timeout_s``.
+    """
+    return read_snapshot(db, **options).as_json()
+
+
+def _batches(scope: _Scope) -> list[BatchSeen]:
+    """The batches of the service (all of them, whatever the filters), newest 50 first."""
+    return [
+        BatchSeen(batch_id=b, started=int(n), first_seen=first)
+        for b, n, first in scope.run(
+            f"SELECT batch_id, COUNT(*), MIN(start_timestamp) FROM {scope.events} "
+            f"WHERE message = '{_STARTED}' AND service_name = :service "
+            "AND batch_id IS NOT NULL GROUP BY 1 ORDER BY 3 DESC LIMIT 50",
+            scope.params,
+        ).rows
+    ]
+
+
+def _timeline(scope: _Scope) -> Timeline:
+    """Starts, completions and rollouts in flight over time, in at most 60 buckets."""
+    run, events, where, params = scope.run, scope.events, scope.where, scope.params
     # One MIN or MAX per event name: each a step down rollout_events' key, where
     # the two names at once would read every row.
     ends = " UNION ALL ".join(
@@ -187,7 +312,7 @@ def _timeline(
     )
     (first, last), *_ = run(f"SELECT MIN(t), MAX(t) FROM ({ends})", params).rows
     if first is None:
-        return 1, []
+        return Timeline(bucket_s=1, buckets=[])
     start, end = _epoch(first), _epoch(last)
     width = next(
         (w for w in _BUCKET_WIDTHS if (end - start) / w < _MAX_BUCKETS), _BUCKET_WIDTHS[-1]
@@ -204,7 +329,7 @@ def _timeline(
     ).rows
     # Rollouts started before the window and still running are in flight in it too.
     in_flight = 0
-    if since is not None:
+    if scope.since is not None:
         before = where.replace("start_timestamp >= :since", "start_timestamp < :since")
         ((in_flight,),) = run(
             f"SELECT COUNT(*) FILTER (WHERE message = '{_STARTED}') "
@@ -218,252 +343,174 @@ def _timeline(
         s, c = counts.get(bucket, (0, 0))
         started, completed, in_flight = started + s, completed + c, in_flight + s - c
         buckets.append(
-            {
-                "t": _iso(bucket * width),
-                "started": s,
-                "completed": c,
-                "started_total": started,
-                "completed_total": completed,
-                "in_flight": max(0, in_flight),
-            }
+            Bucket(
+                t=_iso(bucket * width),
+                started=s,
+                completed=c,
+                started_total=started,
+                completed_total=completed,
+                in_flight=max(0, in_flight),
+            )
         )
-    return width, buckets
+    return Timeline(bucket_s=width, buckets=buckets)
 
 
-def snapshot(
-    db: str | os.PathLike[str],
-    *,
-    since: str | None = None,
-    batch: str | None = None,
-    service_name: str = "fleetroll",
-    timeout_s: float | None = DEFAULT_QUERY_TIMEOUT_S,
-    panels: Panels = DEFAULT_PANELS,
-    gauges: Mapping[str, Any] | None = None,
-    now: float | None = None,
-) -> dict[str, Any]:
-    """Everything the page draws, from the store at ``db`` (blocking: run it in a thread).
+def _forget_lost_starts(timeline: Timeline, lost_starts: Sequence[tuple[str, int]]) -> Timeline:
+    """Take lost starts out of the timeline's in-flight counts, from when each was last seen.
 
-    ``since`` is a store timestamp (see :func:`parse_since`); ``batch`` a batch
-    id. The answer::
-
-        {"generated_at": iso, "since": iso|null, "batch": str|null,
-         "batches": [{"batch_id", "started", "first_seen"}],      # newest first
-         "totals": {"started", "completed", "in_flight", "lost", "rerun", "failed",
-                    "failed_pct", "reward_mean", "rewarded"},
-         "timeline": {"bucket_s", "buckets": [{"t", "started", "completed",
-                      "started_total", "completed_total", "in_flight"}]},
-         "failures": {"reasons": [str], "envs": [{"env", "completed", "failed",
-                      "reasons": {reason: n}}]},
-         "provisioning": {"count", "p50_s", "p95_s", "max_s", "bins": [[lo, hi, n]]},
-         "rewards": {"envs": [{"env", "count", "mean", "bins": [[lo, hi, n]]}]},
-         "slowest": [{"rollout_id", "task_key", "env", "duration_s",
-                      "failure_reason", "reward", "time"}],
-         "cost": {"envs": [{"env", "completed", "instance_s", "prompt_tokens",
-                            "completion_tokens", "policy_calls", "tool_calls"}],
-                  "total": {the same but "env"}},   # the results' cost, summed
-         "progress": {"batch_id", "total", "done", "failed", "lost", "remaining",
-                      "state": "running"|"finished"|"lost", "first_started", "started",
-                      "rate_per_min", "eta_s", "eta_window_s"} | null,
-         "throughput": [{"t", "per_min"}],                 # the timeline's buckets
-         "batch_rewards": [{"batch_id", "t", "reward_mean", "rewarded", "completed"}],
-         "groups": {"groups", "uniform", "rows": [{"batch_id", "task_key", "samples",
-                    "reward"}]},                          # uniform-reward groups
-         "unfinished": {"stuck_after_s", "lost", "rerun", "stuck", "in_flight",
-                        "rows": [{"rollout_id", "batch_id", "env", "task_key", "phase",
-                                  "last_event", "age_s", "instance_id", "pid",
-                                  "state": "lost"|"stuck"}]},
-         "errors": [{"time", "rollout_id", "batch_id", "env", "failure_reason", "message"}],
-         "admission": {"envs": [{"env", "state", "since", "failure_share", "window"}],
-                       "gauges": {"limit", "in_use", ...} | null}}
-
-    A batch's cost totals are ``cost.total`` with ``batch`` given. The
-    progress is of ``batch``, or else of the newest batch; ``totals.lost``
-    counts rollouts whose process is gone (:mod:`fleetroll.telemetry.writers`),
-    which ``totals.in_flight`` leaves out; ``totals.rerun`` those whose lost
-    start ran again to completion (``--resume`` after a kill -9), neither
-    lost nor in flight, as ``fleetroll stats --check`` counts them. ``now``
-    (epoch seconds) is for tests.
-
-    Raises:
-        StoreError: there is no store at ``db``, or it cannot be read.
-        QueryError: a query failed or ran over ``timeout_s``.
+    A start whose process is gone never gets its completion: without this,
+    every rollout of a killed run stays in flight on the chart for good.
     """
-    run = partial(query, db, timeout_s=timeout_s, dialect="sqlite")  # its own SQL, as written
-    where = _where(since, batch)
-    params: dict[str, Any] = {"service": service_name, "since": since, "batch": batch}
-    # The rollouts' events as small rows (no JSON to parse), unless the store
-    # predates that table: then the same columns, read from records.
-    events = (
-        "rollout_events"
-        if run(
-            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'rollout_events'", {}
-        ).rows
-        else ROLLOUT_EVENTS_FROM_RECORDS
-    )
+    buckets, bucket_s = timeline.buckets, timeline.bucket_s
+    if not buckets:
+        return timeline
+    first = int(_epoch(buckets[0].t) // bucket_s)
+    drop = [0] * len(buckets)
+    for started_at, n in lost_starts:
+        index = max(0, int(_epoch(started_at) // bucket_s) - first)
+        if index < len(buckets):
+            drop[index] += n
+    kept, gone = [], 0
+    for bucket, n in zip(buckets, drop, strict=True):
+        gone += n
+        kept.append(replace(bucket, in_flight=max(0, bucket.in_flight - gone)))
+    return Timeline(bucket_s=bucket_s, buckets=kept)
 
-    batches = [
-        {"batch_id": b, "started": int(n), "first_seen": first}
-        for b, n, first in run(
-            f"SELECT batch_id, COUNT(*), MIN(start_timestamp) FROM {events} "
-            f"WHERE message = '{_STARTED}' AND service_name = :service "
-            "AND batch_id IS NOT NULL GROUP BY 1 ORDER BY 3 DESC LIMIT 50",
-            params,
-        ).rows
-    ]
-    bucket_s, buckets = _timeline(run, events, where, params, since)
 
-    # Failures, rewards (binned as if in [0, 1]) and costs per env in one sweep
-    # over the completions.
-    reasons: set[str] = set()
-    envs: dict[str, dict[str, Any]] = {}
-    costs: dict[str, dict[str, Any]] = {}
-    rewarded: dict[str, list[float]] = {}  # env → [count, sum, min, max]
-    unit_bins: dict[str, list[int]] = defaultdict(lambda: [0] * _REWARD_BINS)
-    for row in run(
+@dataclass(slots=True)
+class _EnvCompletions:
+    """One environment's completions, as the sweep of :func:`_completions` adds them up."""
+
+    env: str
+    completed: int = 0
+    failed: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    costs: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(COST_FIELDS, 0))
+    #: Scored rollouts per tenth of [0, 1] (rewards beyond it: the first or last).
+    unit_bins: list[int] = field(default_factory=lambda: [0] * _REWARD_BINS)
+    #: Its numeric rewards: how many, their sum, the lowest and the highest.
+    scored: int = 0
+    reward_sum: float = 0.0
+    reward_lo: float = math.inf
+    reward_hi: float = -math.inf
+
+    def add(self, row: Mapping[str, Any]) -> None:
+        """Count one row of the sweep (one failure reason and reward bin)."""
+        n, reason = row["n"], row["failure_reason"]
+        self.completed += n
+        if reason is not None:
+            self.failed += n
+            self.reasons[reason] = self.reasons.get(reason, 0) + n
+        if row["bin"] is not None:
+            self.unit_bins[row["bin"]] += row["r_n"]
+        for name in COST_FIELDS:
+            self.costs[name] += row[name]
+        if row["r_n"]:
+            self.scored += row["r_n"]
+            self.reward_sum += row["r_sum"]
+            self.reward_lo = min(self.reward_lo, row["r_lo"])
+            self.reward_hi = max(self.reward_hi, row["r_hi"])
+
+    def failures(self) -> EnvFailures:
+        return EnvFailures(
+            env=self.env, completed=self.completed, failed=self.failed, reasons=self.reasons
+        )
+
+    def cost(self) -> EnvCost:
+        return EnvCost(env=self.env, completed=self.completed, **self.costs)
+
+
+def _completions(scope: _Scope) -> dict[str, _EnvCompletions]:
+    """Failures, rewards (binned as if in [0, 1]) and costs per env, in one sweep over
+    the completions; the envs in order."""
+    by_env: dict[str, _EnvCompletions] = {}
+    for row in scope.run(
         f"SELECT COALESCE(env_key, '?') AS env, failure_reason, {_BIN} AS bin, COUNT(*) AS n, "
         f"COUNT({_REWARD}) AS r_n, SUM({_REWARD}) AS r_sum, MIN({_REWARD}) AS r_lo, "
-        f"MAX({_REWARD}) AS r_hi, {_COST_SUMS} FROM {events} "
-        f"WHERE message = '{_COMPLETED}' AND {where} GROUP BY 1, 2, 3 ORDER BY 1",
-        {**params, "bins": _REWARD_BINS, "lo": 0.0, "width": 1.0 / _REWARD_BINS},
+        f"MAX({_REWARD}) AS r_hi, {_COST_SUMS} FROM {scope.completions} "
+        "GROUP BY 1, 2, 3 ORDER BY 1",
+        {**scope.params, "bins": _REWARD_BINS, "lo": 0.0, "width": 1.0 / _REWARD_BINS},
     ).dicts():
-        env, reason, n = row["env"], row["failure_reason"], row["n"]
-        entry = envs.setdefault(env, {"env": env, "completed": 0, "failed": 0, "reasons": {}})
-        entry["completed"] += n
-        if reason is not None:
-            entry["failed"] += n
-            entry["reasons"][reason] = entry["reasons"].get(reason, 0) + n
-            reasons.add(reason)
-        if row["bin"] is not None:
-            unit_bins[env][row["bin"]] += row["r_n"]
-        cost = costs.setdefault(env, {"env": env, "completed": 0, **dict.fromkeys(COST_FIELDS, 0)})
-        cost["completed"] += n
-        for name in COST_FIELDS:
-            cost[name] += row[name]
-        if row["r_n"]:
-            seen = rewarded.setdefault(env, [0, 0.0, row["r_lo"], row["r_hi"]])
-            seen[0] += row["r_n"]
-            seen[1] += row["r_sum"]
-            seen[2], seen[3] = min(seen[2], row["r_lo"]), max(seen[3], row["r_hi"])
+        by_env.setdefault(row["env"], _EnvCompletions(row["env"])).add(row)
+    return by_env
 
-    provisioning = _provisioning(run, events, where, params)
+
+def _totals(
+    timeline: Timeline, by_env: Mapping[str, _EnvCompletions], unfinished: Unfinished
+) -> Totals:
+    completed = sum(env.completed for env in by_env.values())
+    failed = sum(env.failed for env in by_env.values())
+    scored = sum(env.scored for env in by_env.values())
+    return Totals(
+        started=sum(b.started for b in timeline.buckets),
+        completed=completed,
+        in_flight=unfinished.in_flight,
+        lost=unfinished.lost,
+        rerun=unfinished.rerun,
+        failed=failed,
+        failed_pct=100.0 * failed / completed if completed else None,
+        reward_mean=sum(env.reward_sum for env in by_env.values()) / scored if scored else None,
+        rewarded=scored,
+    )
+
+
+def _rewards(scope: _Scope, by_env: Mapping[str, _EnvCompletions]) -> Rewards:
+    """Each env's scored rollouts, binned over [0, 1] or, beyond it, over all their range."""
+    scored = {name: env for name, env in sorted(by_env.items()) if env.scored}
     # Rewards are usually in [0, 1]: keep that range so envs and polls compare.
-    r_lo = float(min([0.0, *(seen[2] for seen in rewarded.values())]))
-    r_hi = float(max([1.0, *(seen[3] for seen in rewarded.values())]))
-    r_width = (r_hi - r_lo) / _REWARD_BINS
-    reward_bins = {env: unit_bins[env] for env in rewarded}
-    if (r_lo, r_hi) != (0.0, 1.0):  # rewards beyond [0, 1]: bin them again over their range
-        reward_bins = {env: [0] * _REWARD_BINS for env in rewarded}
-        for env, index, n in run(
-            f"SELECT COALESCE(env_key, '?'), {_BIN}, COUNT(*) FROM {events} "
-            f"WHERE message = '{_COMPLETED}' AND {where} AND {_REWARD} IS NOT NULL GROUP BY 1, 2",
-            {**params, "bins": _REWARD_BINS, "lo": r_lo, "width": r_width},
+    lo = float(min([0.0, *(env.reward_lo for env in scored.values())]))
+    hi = float(max([1.0, *(env.reward_hi for env in scored.values())]))
+    width = (hi - lo) / _REWARD_BINS
+    bins = {name: env.unit_bins for name, env in scored.items()}
+    if (lo, hi) != (0.0, 1.0):  # rewards beyond [0, 1]: bin them again over their range
+        bins = {name: [0] * _REWARD_BINS for name in scored}
+        for name, index, n in scope.run(
+            f"SELECT COALESCE(env_key, '?'), {_BIN}, COUNT(*) FROM {scope.completions} "
+            f"AND {_REWARD} IS NOT NULL GROUP BY 1, 2",
+            {**scope.params, "bins": _REWARD_BINS, "lo": lo, "width": width},
         ).rows:
-            reward_bins[env][index] = n
-    rewarded_n = sum(int(seen[0]) for seen in rewarded.values())
+            bins[name][index] = n
+    return Rewards(
+        envs=[
+            EnvRewards(
+                env=name,
+                count=env.scored,
+                mean=env.reward_sum / env.scored,
+                bins=[(lo + i * width, lo + (i + 1) * width, n) for i, n in enumerate(bins[name])],
+            )
+            for name, env in scored.items()
+        ]
+    )
 
-    slowest = [
-        {
-            "rollout_id": rid,
-            "task_key": task,
-            "env": env,
-            "duration_s": duration,
-            "failure_reason": reason,
-            "reward": reward,
-            "time": time,
-        }
-        for rid, task, env, duration, reason, reward, time in run(
+
+def _slowest(scope: _Scope) -> list[SlowRollout]:
+    return [
+        SlowRollout(*row)
+        for row in scope.run(
             "SELECT rollout_id, task_key, env_key, duration_s AS d, failure_reason, reward, "
-            f"start_timestamp FROM {events} "
-            f"WHERE message = '{_COMPLETED}' AND {where} AND d IS NOT NULL "
+            f"start_timestamp FROM {scope.completions} AND d IS NOT NULL "
             "ORDER BY d DESC LIMIT :limit",
-            {**params, "limit": _SLOWEST},
+            {**scope.params, "limit": _SLOWEST},
         ).rows
     ]
 
-    cost_envs = [costs[env] for env in sorted(costs)]
 
-    started = sum(b["started"] for b in buckets)
-    completed = sum(e["completed"] for e in envs.values())
-    failed = sum(e["failed"] for e in envs.values())
-    at = datetime.now(UTC).timestamp() if now is None else now
-    gaps = panel.unfinished_panel(
-        run, events, batch, service_name, now=at, stuck_after_s=panels.stuck_after_s
-    )
-    lost_by_batch = gaps.pop("lost_by_batch")
-    _forget_lost_starts(buckets, bucket_s, gaps.pop("lost_starts"))
-    live = {
-        "progress": panel.progress(
-            run,
-            events,
-            batch,
-            params,
-            now=at,
-            window_s=panels.eta_window_s,
-            lost_by_batch=lost_by_batch,
-        ),
-        "throughput": panel.throughput(buckets, bucket_s),
-        "batch_rewards": panel.batch_rewards(run, events, params, since),
-        "groups": panel.uniform_groups(run, events, where, params),
-        "unfinished": gaps,
-        "errors": panel.latest_errors(run, events, where, params, panels.errors),
-        "admission": panel.admission(run, params, gauges),
-    }
-    return {
-        "generated_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        "since": since,
-        "batch": batch,
-        "batches": batches,
-        "totals": {
-            "started": started,
-            "completed": completed,
-            "in_flight": gaps["in_flight"],
-            "lost": gaps["lost"],
-            "rerun": gaps["rerun"],
-            "failed": failed,
-            "failed_pct": 100.0 * failed / completed if completed else None,
-            "reward_mean": sum(seen[1] for seen in rewarded.values()) / rewarded_n
-            if rewarded_n
-            else None,
-            "rewarded": rewarded_n,
-        },
-        "timeline": {"bucket_s": bucket_s, "buckets": buckets},
-        "failures": {"reasons": sorted(reasons), "envs": list(envs.values())},
-        "provisioning": provisioning,
-        "rewards": {
-            "envs": [
-                {
-                    "env": env,
-                    "count": int(count),
-                    "mean": total / count,
-                    "bins": [
-                        [r_lo + i * r_width, r_lo + (i + 1) * r_width, n]
-                        for i, n in enumerate(reward_bins[env])
-                    ],
-                }
-                for env, (count, total, _, _) in sorted(rewarded.items())
-            ]
-        },
-        "slowest": slowest,
-        "cost": {"envs": cost_envs, "total": _cost_total(cost_envs)},
-        **live,
-    }
+def _cost(envs: list[EnvCost]) -> CostPanel:
+    total = {name: sum(getattr(env, name) for env in envs) for name in ("completed", *COST_FIELDS)}
+    return CostPanel(envs=envs, total=Cost(**total))
 
 
-def _provisioning(
-    run: Callable[[str, Mapping[str, Any]], QueryResult],
-    events: str,
-    where: str,
-    params: Mapping[str, Any],
-) -> dict[str, Any]:
+def _provisioning(scope: _Scope) -> Provisioning:
     """How long instances took to be ready: count, p50, p95, max and a histogram.
 
     Counted, ranked and binned in SQL: a long run has a provisioning time per
     rollout, too many to carry into Python at every poll.
     """
-    of = f"FROM {events} WHERE message = 'fleet_provisioning_completed' AND {where}"
+    run, params = scope.run, scope.params
+    of = f"FROM {scope.events} WHERE message = 'fleet_provisioning_completed' AND {scope.where}"
     ((count, high),) = run(f"SELECT COUNT({_PROVISIONED}), MAX({_PROVISIONED}) {of}", params).rows
     if not count:
-        return {"count": 0, "p50_s": None, "p95_s": None, "max_s": None, "bins": []}
+        return Provisioning(count=0, p50_s=None, p95_s=None, max_s=None, bins=[])
     # As percentile(): linear interpolation between the two closest ranks.
     ranks = {}
     for q in (0.50, 0.95):
@@ -484,7 +531,7 @@ def _provisioning(
     }
     step = _nice_step(high, _PROVISIONING_BINS)
     bins = math.ceil(high / step) if high > 0 else 1
-    width = bins * step / bins  # as _histogram() divides its range
+    width = bins * step / bins  # the bins' range split in equal parts, as drawn
     counts = [0] * bins
     for index, n in run(
         f"SELECT MIN(:bins - 1, MAX(0, CAST({_PROVISIONED} / :width AS INTEGER))), COUNT(*) "
@@ -492,67 +539,46 @@ def _provisioning(
         {**params, "bins": bins, "width": width},
     ).rows:
         counts[index] = n
-    return {
-        "count": count,
-        "p50_s": float(quantiles[0.50]),
-        "p95_s": float(quantiles[0.95]),
-        "max_s": float(high),
-        "bins": [[i * width, (i + 1) * width, n] for i, n in enumerate(counts)],
-    }
+    return Provisioning(
+        count=count,
+        p50_s=float(quantiles[0.50]),
+        p95_s=float(quantiles[0.95]),
+        max_s=float(high),
+        bins=[(i * width, (i + 1) * width, n) for i, n in enumerate(counts)],
+    )
 
 
-def _forget_lost_starts(
-    buckets: list[dict[str, Any]], bucket_s: int, lost_starts: Sequence[tuple[str, int]]
-) -> None:
-    """Take lost starts out of the timeline's in-flight counts, from when each was last seen.
-
-    A start whose process is gone never gets its completion: without this,
-    every rollout of a killed run stays in flight on the chart for good.
-    """
-    if not buckets:
-        return
-    first = int(_epoch(buckets[0]["t"]) // bucket_s)
-    drop = [0] * len(buckets)
-    for started_at, n in lost_starts:
-        index = max(0, int(_epoch(started_at) // bucket_s) - first)
-        if index < len(buckets):
-            drop[index] += n
-    gone = 0
-    for bucket, n in zip(buckets, drop, strict=True):
-        gone += n
-        bucket["in_flight"] = max(0, bucket["in_flight"] - gone)
-
-
-def _cost_total(envs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    return {name: sum(e[name] for e in envs) for name in ("completed", *COST_FIELDS)}
-
-
-def _empty(since: str | None, batch: str | None, note: str, panels: Panels) -> dict[str, Any]:
-    return {
-        "generated_at": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
-        "since": since,
-        "batch": batch,
-        "note": note,
-        "batches": [],
-        "totals": {
-            "started": 0,
-            "completed": 0,
-            "in_flight": 0,
-            "lost": 0,
-            "rerun": 0,
-            "failed": 0,
-            "failed_pct": None,
-            "reward_mean": None,
-            "rewarded": 0,
-        },
-        "timeline": {"bucket_s": 1, "buckets": []},
-        "failures": {"reasons": [], "envs": []},
-        "provisioning": {"count": 0, "p50_s": None, "p95_s": None, "max_s": None, "bins": []},
-        "rewards": {"envs": []},
-        "slowest": [],
-        "cost": {"envs": [], "total": _cost_total([])},
-        **panel.empty(panels),
-    }
+def empty_snapshot(
+    since: str | None,
+    batch: str | None,
+    note: str,
+    panels: Panels,
+    gauges: Mapping[str, Any] | None = None,
+) -> Snapshot:
+    """The snapshot of a store with nothing in it (or none at all), saying why in ``note``."""
+    return Snapshot(
+        generated_at=_now(),
+        since=since,
+        batch=batch,
+        note=note,
+        batches=[],
+        totals=Totals(),
+        timeline=Timeline(bucket_s=1, buckets=[]),
+        failures=Failures(reasons=[], envs=[]),
+        provisioning=Provisioning(count=0, p50_s=None, p95_s=None, max_s=None, bins=[]),
+        rewards=Rewards(envs=[]),
+        slowest=[],
+        cost=CostPanel(envs=[], total=Cost()),
+        progress=None,
+        throughput=[],
+        batch_rewards=[],
+        groups=Groups(groups=0, uniform=0, rows=[]),
+        unfinished=Unfinished(
+            stuck_after_s=panels.stuck_after_s, lost=0, rerun=0, stuck=0, in_flight=0, rows=[]
+        ),
+        errors=[],
+        admission=Admission(envs=[], gauges=dict(gauges) if gauges is not None else None),
+    )
 
 
 # -- routes ----------------------------------------------------------------------------
@@ -642,8 +668,7 @@ def dashboard_routes(
             return JSONResponse({"detail": str(exc)}, 503)
         except StoreError as exc:
             # No store yet (nothing has run): an empty dashboard, with the reason.
-            answer = _empty(since, batch, str(exc), panels)
-            answer["admission"]["gauges"] = live
+            answer = empty_snapshot(since, batch, str(exc), panels, live).as_json()
         return JSONResponse(answer, headers={"Cache-Control": "no-store"})
 
     return [

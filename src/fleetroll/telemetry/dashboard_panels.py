@@ -3,7 +3,8 @@
 Each function reads the store through ``run`` (the snapshot's read-only SQL),
 the rollouts' events from ``events`` (the ``rollout_events`` table, or its
 columns read from ``records`` on an older store), and answers one panel of
-:func:`fleetroll.telemetry.dashboard.snapshot`:
+:func:`fleetroll.telemetry.dashboard.read_snapshot` (its types:
+:mod:`fleetroll.telemetry.dashboard_models`):
 
 - :func:`progress`: the current batch against its total, with a rate and an
   ETA over a recent window (:func:`eta`), and its state (running, finished,
@@ -24,12 +25,26 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Final
+from typing import Any, Final, Literal
 
+from fleetroll.telemetry.dashboard_models import (
+    Admission,
+    BatchReward,
+    Breaker,
+    Bucket,
+    FailedRollout,
+    Groups,
+    Progress,
+    ThroughputPoint,
+    Unfinished,
+    UnfinishedRollout,
+    UniformGroup,
+)
 from fleetroll.telemetry.queries import QueryResult
 from fleetroll.telemetry.writers import process_gone, unfinished
 
 __all__ = [
+    "LostRollouts",
     "Panels",
     "admission",
     "batch_rewards",
@@ -55,6 +70,17 @@ class Panels:
     stuck_after_s: float = 600.0
     eta_window_s: float = 300.0
     errors: int = 20
+
+
+@dataclass(frozen=True, slots=True)
+class LostRollouts:
+    """What the other panels need to know of the lost rollouts (not shown as such)."""
+
+    #: Lost rollouts per batch id: the progress counts them out of what remains.
+    by_batch: Mapping[str | None, int]
+    #: When each lost start is last known to have run, and how many there are:
+    #: the timeline stops counting them in flight from there.
+    starts: Sequence[tuple[str, int]]
 
 
 def _epoch(timestamp: str) -> float:
@@ -95,7 +121,7 @@ def progress(
     now: float,
     window_s: float,
     lost_by_batch: Mapping[str | None, int],
-) -> dict[str, Any] | None:
+) -> Progress | None:
     """The current batch (``batch``, or the newest one) against its total.
 
     The total is the batch's ``fleet_batch_started`` ``total`` (the whole
@@ -154,36 +180,37 @@ def progress(
     rate, left = eta(
         recent, now=now, started=_epoch(last_start), remaining=remaining, window_s=window_s
     )
+    state: Literal["running", "finished", "lost"]
     if finished:
         state = "finished"
     elif process_gone(pid if isinstance(pid, int) else None, host, _epoch(last_start)):
         state = "lost"
     else:
         state = "running"
-    return {
-        "batch_id": batch_id,
-        "total": total,
-        "done": int(done),
-        "failed": int(failed),
-        "lost": lost,
-        "remaining": remaining,
-        "state": state,
-        "first_started": first_start,
-        "started": last_start,
-        "rate_per_min": rate * 60 if rate is not None else None,
-        "eta_s": None if state != "running" else left,
-        "eta_window_s": window_s,
-    }
+    return Progress(
+        batch_id=batch_id,
+        total=total,
+        done=int(done),
+        failed=int(failed),
+        lost=lost,
+        remaining=remaining,
+        state=state,
+        first_started=first_start,
+        started=last_start,
+        rate_per_min=rate * 60 if rate is not None else None,
+        eta_s=None if state != "running" else left,
+        eta_window_s=window_s,
+    )
 
 
-def throughput(buckets: Sequence[Mapping[str, Any]], bucket_s: int) -> list[dict[str, Any]]:
+def throughput(buckets: Sequence[Bucket], bucket_s: int) -> list[ThroughputPoint]:
     """Completions per minute in each timeline bucket."""
-    return [{"t": b["t"], "per_min": b["completed"] * 60.0 / bucket_s} for b in buckets]
+    return [ThroughputPoint(b.t, b.completed * 60.0 / bucket_s) for b in buckets]
 
 
 def batch_rewards(
     run: Run, events: str, params: Mapping[str, Any], since: str | None
-) -> list[dict[str, Any]]:
+) -> list[BatchReward]:
     """Each batch's mean reward over its scored rollouts, oldest batch first (at most 50)."""
     after = "AND start_timestamp >= :since" if since is not None else ""
     rows = run(
@@ -194,12 +221,12 @@ def batch_rewards(
         params,
     ).rows
     return [
-        {"batch_id": b, "t": first, "reward_mean": mean, "rewarded": int(n), "completed": int(c)}
+        BatchReward(batch_id=b, t=first, reward_mean=mean, rewarded=int(n), completed=int(c))
         for b, first, mean, n, c in reversed(rows)
     ]
 
 
-def uniform_groups(run: Run, events: str, where: str, params: Mapping[str, Any]) -> dict[str, Any]:
+def uniform_groups(run: Run, events: str, where: str, params: Mapping[str, Any]) -> Groups:
     """Groups with two or more scored samples, and those whose rewards are all equal.
 
     A group is the samples of one task in one batch (its ``group_id`` is
@@ -218,10 +245,10 @@ def uniform_groups(run: Run, events: str, where: str, params: Mapping[str, Any])
     groups = int(rows[0][4]) if rows else 0
     uniform = int(rows[0][5]) if rows else 0
     shown = [
-        {"batch_id": b, "task_key": t, "samples": int(n), "reward": lo}
+        UniformGroup(batch_id=b, task_key=t, samples=int(n), reward=lo)
         for b, t, n, lo, *_ in rows[:uniform]
     ]
-    return {"groups": groups, "uniform": uniform, "rows": shown}
+    return Groups(groups=groups, uniform=uniform, rows=shown)
 
 
 def unfinished_panel(
@@ -232,7 +259,7 @@ def unfinished_panel(
     *,
     now: float,
     stuck_after_s: float,
-) -> dict[str, Any]:
+) -> tuple[Unfinished, LostRollouts]:
     """Lost rollouts (process gone) and stuck ones (running over ``stuck_after_s``).
 
     As ``fleetroll stats --check`` tells them apart: a rollout whose lost
@@ -245,19 +272,19 @@ def unfinished_panel(
     )
     rerun = [g for g in gaps if g.lost and g.completed]
     lost = [g for g in gaps if g.lost and not g.completed]
-    rows: list[dict[str, Any]] = [
-        {
-            "rollout_id": g.rollout_id,
-            "batch_id": g.batch_id,
-            "env": g.env_key,
-            "task_key": g.task_key,
-            "phase": g.phase,
-            "last_event": g.last_event,
-            "age_s": max(0.0, now - _epoch(g.started_at)),
-            "instance_id": g.instance_id,
-            "pid": g.writer.pid,
-            "state": "lost" if g.lost else "stuck",
-        }
+    rows = [
+        UnfinishedRollout(
+            rollout_id=g.rollout_id,
+            batch_id=g.batch_id,
+            env=g.env_key,
+            task_key=g.task_key,
+            phase=g.phase,
+            last_event=g.last_event,
+            age_s=max(0.0, now - _epoch(g.started_at)),
+            instance_id=g.instance_id,
+            pid=g.writer.pid,
+            state="lost" if g.lost else "stuck",
+        )
         for g in gaps
         if (g.lost and not g.completed)
         or (not g.lost and now - _epoch(g.started_at) >= stuck_after_s)
@@ -265,18 +292,16 @@ def unfinished_panel(
     by_batch: dict[str | None, int] = {}
     for g in lost:
         by_batch[g.batch_id] = by_batch.get(g.batch_id, 0) + 1
-    return {
-        "stuck_after_s": stuck_after_s,
-        "lost": len(lost),
-        "lost_by_batch": by_batch,
-        # When each lost start is last known to have run, and how many there
-        # are: the timeline stops counting them in flight from there.
-        "lost_starts": [(g.started_at, g.started - g.completed) for g in (*lost, *rerun)],
-        "rerun": _reruns(run, events, batch, service_name),
-        "stuck": sum(1 for r in rows if r["state"] == "stuck"),
-        "in_flight": sum(1 for g in gaps if not g.lost),
-        "rows": sorted(rows, key=lambda r: (r["state"] != "lost", -float(r["age_s"])))[:_ROWS],
-    }
+    shown = Unfinished(
+        stuck_after_s=stuck_after_s,
+        lost=len(lost),
+        rerun=_reruns(run, events, batch, service_name),
+        stuck=sum(1 for r in rows if r.state == "stuck"),
+        in_flight=sum(1 for g in gaps if not g.lost),
+        rows=sorted(rows, key=lambda r: (r.state != "lost", -r.age_s))[:_ROWS],
+    )
+    starts = [(g.started_at, g.started - g.completed) for g in (*lost, *rerun)]
+    return shown, LostRollouts(by_batch=by_batch, starts=starts)
 
 
 def _reruns(run: Run, events: str, batch: str | None, service_name: str) -> int:
@@ -293,21 +318,20 @@ def _reruns(run: Run, events: str, batch: str | None, service_name: str) -> int:
 
 def latest_errors(
     run: Run, events: str, where: str, params: Mapping[str, Any], n: int
-) -> list[dict[str, Any]]:
+) -> list[FailedRollout]:
     """The ``n`` most recent failed rollouts (newest first)."""
-    return run(
+    rows = run(
         "SELECT start_timestamp AS time, rollout_id, batch_id, env_key AS env, "
         f"failure_reason, error_message AS message FROM {events} "
         f"WHERE message = '{_COMPLETED}' AND {where} "
         "AND failure_reason IS NOT NULL "
         "ORDER BY start_timestamp DESC LIMIT :errors",
         {**params, "errors": n},
-    ).dicts()
+    ).rows
+    return [FailedRollout(*row) for row in rows]
 
 
-def admission(
-    run: Run, params: Mapping[str, Any], gauges: Mapping[str, Any] | None
-) -> dict[str, Any]:
+def admission(run: Run, params: Mapping[str, Any], gauges: Mapping[str, Any] | None) -> Admission:
     """Each environment version's breaker (its latest event), and the live gauges if any."""
     # SQLite: the bare columns of a MAX() aggregate come from the row holding the max.
     rows = run(
@@ -318,34 +342,13 @@ def admission(
         params,
     ).rows
     envs = [
-        {
-            "env": f"{key}:{version}" if version else key,
-            "state": "quarantined" if message == "fleet_env_quarantined" else "recovered",
-            "since": at,
-            "failure_share": share,
-            "window": window,
-        }
+        Breaker(
+            env=f"{key}:{version}" if version else key,
+            state="quarantined" if message == "fleet_env_quarantined" else "recovered",
+            since=at,
+            failure_share=share,
+            window=window,
+        )
         for key, version, at, message, share, window in rows
     ]
-    return {"envs": envs, "gauges": dict(gauges) if gauges is not None else None}
-
-
-def empty(panels: Panels) -> dict[str, Any]:
-    """The panels of a store with nothing in it."""
-    return {
-        "progress": None,
-        "throughput": [],
-        "batch_rewards": [],
-        "groups": {"groups": 0, "uniform": 0, "rows": []},
-        "unfinished": {
-            "stuck_after_s": panels.stuck_after_s,
-            "lost": 0,
-            "lost_by_batch": {},
-            "rerun": 0,
-            "stuck": 0,
-            "in_flight": 0,
-            "rows": [],
-        },
-        "errors": [],
-        "admission": {"envs": [], "gauges": None},
-    }
+    return Admission(envs=envs, gauges=dict(gauges) if gauges is not None else None)

@@ -93,6 +93,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "tasks",
                 "telemetry.console",
                 "telemetry.events",
+                "trajectory",
                 "turns",
             }
         ),

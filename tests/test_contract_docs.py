@@ -22,6 +22,7 @@ from fleetroll.results import (
     FailureReason,
     RolloutResult,
     Timings,
+    Trajectory,
     Turn,
     VerifierOutcome,
 )
@@ -95,6 +96,7 @@ def test_every_field_of_a_result_is_documented_and_nothing_else() -> None:
         | {f"verifier.{name}" for name in VerifierOutcome.model_fields}
         | {f"turns.{name}" for name in Turn.model_fields}
         | {f"cost.{name}" for name in Cost.model_fields}
+        | {f"trajectory.{name}" for name in Trajectory.model_fields}
     )
     assert names("results.md", "Fields") == expected
 

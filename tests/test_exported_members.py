@@ -48,6 +48,7 @@ def test_the_public_api_is_what_the_readme_promises() -> None:
         "load_settings",
         "load_tasks",
         "parse_tasks",
+        "training_rows",
     }
 
 

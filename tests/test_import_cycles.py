@@ -93,6 +93,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "tasks",
                 "telemetry.console",
                 "telemetry.events",
+                "trajectory",
                 "turns",
             }
         ),
@@ -148,6 +149,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "",  # the package: its public API
                 "batch",
                 "batch_pool",
+                "executor",
                 "client",
                 "pool",
                 "preflight",
@@ -155,6 +157,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ray_admission",
                 "ray_pool",
                 "remote",
+                "testing.fake_executor",  # the pool's executor double
             }
         ),
     ),

@@ -34,7 +34,7 @@ from fleetroll.service import serve_app
 from fleetroll.settings import Settings, config_dir, load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events
-from fleetroll.testing.fake_openai import FakeChatServer
+from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
 from fleetroll.testing.fake_provider import FakeProvider
 
 LEDGER = config_dir() / "tasks" / "ledger.jsonl"
@@ -117,6 +117,28 @@ async def test_a_policy_base_url_missing_its_v1_is_a_problem_with_the_url() -> N
         f"the policy endpoint answered 404 to GET {base}/models"
         " (is --base-url / policy.base_url right? it usually ends in /v1)"
     ]
+
+
+async def test_token_in_against_a_server_without_its_routes_is_a_problem_before_the_batch() -> None:
+    async with FakeChatServer(vllm=VllmShape()) as server:
+        policy = {"kind": "openai", "token_in": True, "base_url": server.base_url}
+        settings = load_settings(policy=policy)
+        problems = await check_policy(settings)
+        root = server.base_url.removesuffix("/v1")
+
+    assert [p.split(",")[0] for p in problems] == [
+        f"policy.token_in needs POST {root}/tokenize",
+        f"policy.token_in needs POST {server.base_url}/chat/completions/tokens",
+    ]
+    assert all("set policy.token_in = false" in p for p in problems)
+
+
+async def test_token_in_against_a_server_with_its_routes_passes_without_generating() -> None:
+    async with FakeChatServer(vllm=VllmShape(token_in=True)) as server:
+        policy = {"kind": "openai", "token_in": True, "base_url": server.base_url}
+        settings = load_settings(policy=policy)
+        assert await check_policy(settings) == []
+        assert server.requests == [] and server.replies == []
 
 
 async def test_a_policy_url_s_password_never_appears_in_the_problem() -> None:

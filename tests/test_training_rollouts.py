@@ -166,6 +166,37 @@ async def test_turns_hold_exactly_what_the_server_sent_and_cost_sums_it(
     assert cost.instance_s == pytest.approx(lifetime_s(emulator, result.instance_id), abs=1.0)
 
 
+@pytest.mark.parametrize(
+    ("drift", "token_in", "drift_turn"),
+    [(False, False, None), (True, False, 1), (True, True, None)],
+    ids=["consistent", "drifting_template", "drifting_template_token_in"],
+)
+async def test_a_rollout_s_trajectory_is_its_turns_stitched_and_drift_where_the_template_broke(
+    emulator: Emulator, drift: bool, token_in: bool, drift_turn: int | None
+) -> None:
+    shape = VllmShape(drift=drift, token_in=token_in)
+    policy = {"trajectory": True, "token_in": token_in, "logprobs": True}
+    async with FakeChatServer(solving([TOOL_USE]), vllm=shape) as server:
+        (result,) = await run(emulator, server, TOOL_USE, policy=policy)
+
+    assert result.reward == 1.0 and result.trajectory is not None
+    trajectory, last = result.trajectory, result.turns[-1]
+    assert trajectory.drift is (drift_turn is not None) and trajectory.drift_turn == drift_turn
+    generated = [
+        [i for i, m in zip(s.input_ids, s.loss_mask, strict=True) if m]
+        for s in trajectory.segments or [trajectory]
+    ]
+    completions = [t.completion_token_ids or [] for t in result.turns]
+    if drift_turn is None:
+        assert trajectory.input_ids == [*(last.prompt_token_ids or []), *completions[-1]]
+        assert generated == [[i for ids in completions for i in ids]]
+    else:
+        assert generated == completions  # the thinking the template drops: a segment per turn
+    # The mask counts exactly the completion tokens.
+    assert sum(len(g) for g in generated) == sum(len(c) for c in completions)
+    assert {v for v in trajectory.policy_versions if v is not None} == {7}
+
+
 async def test_without_the_settings_nothing_is_asked_and_turns_still_record_the_basics(
     emulator: Emulator,
 ) -> None:
@@ -183,6 +214,7 @@ async def test_without_the_settings_nothing_is_asked_and_turns_still_record_the_
         for t in result.turns
     )
     assert all(t.latency_s >= 0 for t in result.turns)
+    assert result.trajectory is None
 
 
 async def test_a_server_without_token_data_gives_nulls_and_one_warning_for_the_batch(

@@ -46,6 +46,7 @@ if _typing.TYPE_CHECKING:
     from fleetroll.settings import Settings, load_settings
     from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
     from fleetroll.tools import ToolResult
+    from fleetroll.trajectory import training_rows
 
 #: Each public name and the module that defines it.
 _WHERE: dict[str, str] = {
@@ -82,6 +83,7 @@ _WHERE: dict[str, str] = {
     "load_settings": "fleetroll.settings",
     "load_tasks": "fleetroll.tasks",
     "parse_tasks": "fleetroll.tasks",
+    "training_rows": "fleetroll.trajectory",
 }
 
 __all__ = [
@@ -118,6 +120,7 @@ __all__ = [
     "load_settings",
     "load_tasks",
     "parse_tasks",
+    "training_rows",
 ]
 
 

@@ -16,7 +16,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType, TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import anyio
 import httpx
@@ -34,7 +34,16 @@ from fleetroll.policy_servers import (
 from fleetroll.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.turns import AssistantTurn, EncodedMessages, Message, ToolCall, ToolSpec, TurnData
+from fleetroll.turns import (
+    AssistantTurn,
+    EncodedMessages,
+    Message,
+    TokenHistory,
+    TokenTurn,
+    ToolCall,
+    ToolSpec,
+    TurnData,
+)
 
 __all__ = ["OpenAIChatPolicy"]
 
@@ -45,6 +54,8 @@ _EXCERPT_CHARS = 300
 #: Statuses worth trying again: rate limits, timeouts and server-side failures.
 #: OpenAI-compatible servers answer 409 for a lock that timed out: worth another try.
 _ALSO_TRANSIENT = frozenset({409})
+#: What a server without token-in's routes answers them.
+_NO_ROUTE = frozenset({404, 405})
 #: What servers say when a prompt is longer than the model's context: vLLM ("This
 #: model's maximum context length is N tokens"), SGLang ("... exceeds the maximum
 #: allowed length", "longer than the model's context length"), OpenAI
@@ -96,6 +107,13 @@ class OpenAIChatPolicy:
         max_answer_bytes: bytes of one answer (or error body) read, counted
             as they arrive (``policy.max_answer_bytes``); past it reading stops,
             the connection is closed and :meth:`act` raises a PolicyError.
+        token_in: from the second call of a rollout on, send the conversation
+            as token ids (``policy.token_in``): the last call's prompt and
+            completion ids as the server returned them, then the new messages
+            as the server's ``/tokenize`` renders them, to
+            ``/chat/completions/tokens`` (prime-rl's vLLM route). Implies
+            ``return_token_ids``; needs a transcript that keeps token ids
+            (:class:`~fleetroll.turns.TokenHistory`, as a rollout's does).
 
     Raises:
         ValueError: a number is out of range.
@@ -123,6 +141,7 @@ class OpenAIChatPolicy:
         top_logprobs: int | None = None,
         max_answer_bytes: int = 64 * 1024 * 1024,
         servers: PolicyServers | None = None,
+        token_in: bool = False,
     ) -> None:
         if servers is None:
             if base_url is None:
@@ -141,7 +160,9 @@ class OpenAIChatPolicy:
             raise ValueError(f"max_answer_bytes must be >= 1, not {max_answer_bytes}")
         self.max_answer_bytes = max_answer_bytes
         #: The first server's endpoint (each call's own is its server's).
-        self.url = _chat_url(servers.servers[0])
+        self.url = _endpoint(servers.servers[0], "chat")
+        self.token_in = token_in
+        return_token_ids = return_token_ids or token_in
         self.model = model
         self._api_key = SecretStr(api_key) if isinstance(api_key, str) else api_key
         self._sampling = {
@@ -204,10 +225,11 @@ class OpenAIChatPolicy:
             max_retries=policy.max_retries,
             backoff_initial_s=settings.retries.policy_backoff_initial_s,
             backoff_max_s=settings.retries.policy_backoff_max_s,
-            return_token_ids=policy.return_token_ids,
+            return_token_ids=policy.return_token_ids or policy.trajectory,
             logprobs=policy.logprobs,
             top_logprobs=policy.top_logprobs,
             max_answer_bytes=policy.max_answer_bytes,
+            token_in=policy.token_in,
         )
 
     def __repr__(self) -> str:
@@ -245,12 +267,23 @@ class OpenAIChatPolicy:
                 not transient for other statuses), or answered something that
                 is not a chat completion (not transient).
         """
-        content = self._request(messages, tools)
         affinity = current_affinity()  # the rollout's, bound by policy_servers.sticky()
+        history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
+        sent: list[int] | None = None
+        kind: Endpoint
         try:
             with anyio.fail_after(self.timeout_s) as scope:
+                if self.token_in and history is not None and not self._has_images(messages):
+                    body = self._body(messages, tools)
+                    added = len(body["messages"]) - len(messages)
+                    body["tokens"] = sent = await self._token_prompt(
+                        body, history, added=added, deadline=scope.deadline, affinity=affinity
+                    )
+                    kind, content = "tokens", self._encode(body)
+                else:
+                    kind, content = "chat", self._request(messages, tools)
                 payload, server = await self._post(
-                    content, deadline=scope.deadline, affinity=affinity
+                    content, deadline=scope.deadline, affinity=affinity, kind=kind
                 )
         except PolicyError as exc:
             if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
@@ -258,14 +291,17 @@ class OpenAIChatPolicy:
             raise
         except TimeoutError:
             where = affinity.server if affinity is not None else None
-            url = self.url if where is None else _chat_url(where)
+            url = self.url if where is None else _endpoint(where, "chat")
             raise PolicyError(
                 f"no answer from {url} within the policy deadline of {self.timeout_s:g}s"
                 " (retries included); raise timeouts.policy_s if the model is just slow",
                 operation=_OPERATION,
                 transient=True,
             ) from None
-        turn = self._parse(payload, url=_chat_url(server))
+        turn = self._parse(payload, url=_endpoint(server, "chat"))
+        if sent is not None and turn.data is not None and turn.data.prompt_token_ids is None:
+            # The prompt is the ids we sent, whether or not the server echoed them.
+            turn = replace(turn, data=replace(turn.data, prompt_token_ids=tuple(sent)))
         if turn.data is None or len(self.servers.servers) == 1:
             return turn  # one server: nothing to say where the turn went
         return replace(turn, data=replace(turn.data, server=server.name))
@@ -315,6 +351,86 @@ class OpenAIChatPolicy:
         pieces += [b"],", rest[1:]]
         return b"".join(pieces)
 
+    def _has_images(self, messages: Sequence[Message]) -> bool:
+        """Whether the conversation holds images: those go by messages, not ids
+        (vLLM's ``/tokenize`` does not expand image placeholders; verifiers
+        falls back the same way). Said once per policy."""
+        images = any(
+            isinstance(part, Mapping) and part.get("type") == "image_url"
+            for message in messages
+            if isinstance(content := message.get("content"), list)
+            for part in content
+        )
+        self._warn_once(
+            [] if not images or "token_in" in self._warned else ["token_in"],
+            "%s: a conversation with images is sent as messages, not token ids (policy.%s is"
+            " set, but /tokenize does not expand image placeholders); said once",
+        )
+        return images
+
+    async def _token_prompt(
+        self,
+        body: dict[str, Any],
+        history: TokenTurn,
+        *,
+        added: int,
+        deadline: float,
+        affinity: Affinity | None,
+    ) -> list[int]:
+        """The prompt as token ids: the last call's prompt and completion exactly
+        as the server returned them, then what the template renders after them.
+
+        The new messages' ids are the server's rendering of the whole
+        conversation less its rendering up to the last assistant message (the
+        delta, as SkyRL and verifiers take it), so a template that re-renders
+        earlier turns differently changes nothing already sent.
+        """
+        messages = body["messages"]
+        # ``added``: the system prompt we inserted shifts the transcript's indexes.
+        end = history.index + added + 1
+        prefix = await self._tokenize(
+            body, messages[:end], False, deadline=deadline, affinity=affinity
+        )
+        full = await self._tokenize(body, messages, True, deadline=deadline, affinity=affinity)
+        completion = list(history.completion_token_ids)
+        tail: list[int] = []
+        if completion and history.finish_reason != "length" and completion[-1] in prefix:
+            # What the template adds after the model's end-of-message token
+            # (Qwen's newline after <|im_end|>): the model never generated it.
+            last = len(prefix) - 1 - prefix[::-1].index(completion[-1])
+            tail = prefix[last + 1 :]
+        return [*history.prompt_token_ids, *completion, *tail, *full[len(prefix) :]]
+
+    async def _tokenize(
+        self,
+        body: Mapping[str, Any],
+        messages: list[Message],
+        generation: bool,
+        *,
+        deadline: float,
+        affinity: Affinity | None,
+    ) -> list[int]:
+        """vLLM's ``/tokenize`` of a chat: the ids the server's template renders."""
+        request: dict[str, Any] = {"model": self.model, "messages": messages}
+        if "tools" in body:
+            request["tools"] = body["tools"]
+        request["add_generation_prompt"] = generation
+        answer, server = await self._post(
+            self._encode(request), deadline=deadline, affinity=affinity, kind="tokenize"
+        )
+        tokens = _ints(answer.get("tokens")) if isinstance(answer, dict) else None
+        if tokens is None:
+            raise PolicyError(
+                self._redact(
+                    f"{_endpoint(server, 'tokenize')} answered no 'tokens' list"
+                    " (policy.token_in needs vLLM's /tokenize):"
+                    f" {_shorten(json.dumps(answer, default=str))}"
+                ),
+                operation=_OPERATION,
+                transient=False,
+            )
+        return list(tokens)
+
     def _encode(self, body: Mapping[str, Any]) -> bytes:
         def mapping_to_dict(value: object) -> object:
             if isinstance(value, Mapping):
@@ -337,9 +453,15 @@ class OpenAIChatPolicy:
         return headers
 
     async def _post(
-        self, content: bytes, *, deadline: float, affinity: Affinity | None
+        self,
+        content: bytes,
+        *,
+        deadline: float,
+        affinity: Affinity | None,
+        kind: Endpoint = "chat",
     ) -> tuple[Any, Server]:
-        """POST until an answer, a permanent failure, or no retries or time left.
+        """POST to the ``kind`` endpoint until an answer, a permanent failure, or
+        no retries or time left.
 
         Each attempt goes to the server :attr:`servers` chooses for ``affinity``
         (the rollout's own, unless it was ejected) and tells it how it went.
@@ -363,7 +485,7 @@ class OpenAIChatPolicy:
                 with attempt:
                     tries, last = attempt.num, None
                     async with self.servers.call(affinity) as server:
-                        url, shown = _chat_url(server, shown=False), _chat_url(server)
+                        url, shown = _endpoint(server, kind, shown=False), _endpoint(server, kind)
                         try:
                             async with self._client.stream(
                                 "POST", url, content=content, headers=self._headers()
@@ -384,6 +506,13 @@ class OpenAIChatPolicy:
                             last = response
                             status = response.status_code
                             problem = f"{shown} answered HTTP {status}: {_excerpt(body)}"
+                            if kind != "chat" and status in _NO_ROUTE:
+                                problem += (
+                                    "; policy.token_in needs a server with POST"
+                                    f" {_endpoint(server, 'tokens')} and"
+                                    f" {_endpoint(server, 'tokenize')} (prime-rl's vLLM"
+                                    " server): serve one or set policy.token_in = false"
+                                )
                             raise PolicyError(
                                 self._redact(problem),
                                 operation=_OPERATION,
@@ -565,9 +694,18 @@ class OpenAIChatPolicy:
 _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
 
 
-def _chat_url(server: Server, *, shown: bool = True) -> str:
-    """``server``'s chat endpoint: as shown (no credentials), or as called."""
-    return (server.name if shown else server.url) + "/chat/completions"
+#: The routes of a policy server: its chat completions, and token-in's
+#: completion with a token prompt and vLLM's ``/tokenize`` (at the server's
+#: root, not under ``/v1``).
+Endpoint = Literal["chat", "tokens", "tokenize"]
+
+
+def _endpoint(server: Server, kind: Endpoint, *, shown: bool = True) -> str:
+    """``server``'s ``kind`` endpoint: as shown (no credentials), or as called."""
+    base = server.name if shown else server.url
+    if kind == "tokenize":
+        return base.removesuffix("/v1") + "/tokenize"
+    return base + ("/chat/completions/tokens" if kind == "tokens" else "/chat/completions")
 
 
 def _tool_call(call_id: str, name: str, arguments: object) -> ToolCall:

@@ -7,7 +7,8 @@ and before the pool makes its first instance:
   <fleetroll.environments.Provider.preflight>`): for Fleet, the control plane
   answers, the key is accepted, and every distinct ``env_key:version`` of the
   batch is in its environment listing;
-* for ``policy.kind = "openai"``, the policy endpoint answers ``GET /models``.
+* for ``policy.kind = "openai"``, the policy endpoint answers ``GET /models``;
+  with ``policy.token_in``, it also serves token-in's two routes.
 
 Every problem found is one line of one :class:`~fleetroll.errors.PreflightError`;
 no line holds a key. ``fleetroll run --no-preflight`` skips all of this.
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import httpx
@@ -41,6 +42,7 @@ __all__ = [
     "PreflightCache",
     "check_endpoint",
     "check_policy",
+    "check_token_in",
     "missing_environments",
     "preflight",
     "preflight_fleet",
@@ -70,15 +72,61 @@ async def check_policy(settings: Settings) -> list[str]:
     problems: dict[int, list[str]] = {}
 
     async def check(index: int, base_url: str) -> None:
-        problems[index] = await check_endpoint(
+        found = await check_endpoint(
             base_url, settings.openai_api_key, settings.timeouts.preflight_s
         )
+        if not found and settings.policy.token_in:
+            found = await check_token_in(
+                base_url,
+                settings.policy.model,
+                settings.openai_api_key,
+                settings.timeouts.preflight_s,
+            )
+        problems[index] = found
 
     # Each check is bounded by timeouts.preflight_s.
     async with anyio.create_task_group() as tg:
         for index, base_url in enumerate(settings.policy.servers):
             tg.start_soon(check, index, base_url)
     return [line for index in sorted(problems) for line in problems[index]]
+
+
+async def check_token_in(
+    base_url: str, model: str, api_key: SecretStr | None, timeout_s: float
+) -> list[str]:
+    """With ``policy.token_in``: the endpoint serves ``POST {root}/tokenize`` and
+    ``POST {base_url}/chat/completions/tokens`` (docs/configuration.md).
+
+    Nothing is generated: the tokens route is sent an empty body, which a
+    server that has it refuses as invalid (400/422) and one without it answers
+    404 or 405. One problem line per missing route.
+    """
+    base = base_url.rstrip("/")
+    tokenize = base.removesuffix("/v1") + "/tokenize"
+    tokens = f"{base}/chat/completions/tokens"
+    headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+    probes: tuple[tuple[str, dict[str, Any]], ...] = (
+        (tokenize, {"model": model, "messages": [{"role": "user", "content": "ping"}]}),
+        (tokens, {}),
+    )
+    problems = []
+    try:
+        with anyio.fail_after(timeout_s):
+            async with httpx.AsyncClient(timeout=timeout_s) as http:
+                for url, body in probes:
+                    status = (await http.post(url, json=body, headers=headers)).status_code
+                    if status in (404, 405) or (url == tokenize and status >= 400):
+                        problems.append(
+                            f"policy.token_in needs POST {_shown(url)}, which answered {status}:"
+                            " serve the model with a server that has token-in's routes"
+                            " (prime-rl's vLLM server; see docs/configuration.md) or set"
+                            " policy.token_in = false"
+                        )
+    except TimeoutError:
+        return [f"the policy endpoint's token-in routes did not answer within {timeout_s:g} s"]
+    except (httpx.HTTPError, ValueError) as exc:
+        return [f"the policy endpoint's token-in routes failed with {type(exc).__name__}"]
+    return problems
 
 
 async def check_endpoint(

@@ -27,6 +27,7 @@ from fleetroll.results import (
     VerifierOutcome,
 )
 from fleetroll.tasks import TaskSpec
+from fleetroll.trajectory import stitch
 from fleetroll.transcript import CHARS_PER_TOKEN, Transcript
 
 __all__ = ["Progress", "RolloutIds"]
@@ -150,8 +151,12 @@ class Progress:
         *,
         redact: Callable[[str], str],
         keep_images: bool,
+        trajectory: bool = False,
     ) -> RolloutResult:
-        """The result so far; every string from outside goes through ``redact``."""
+        """The result so far; every string from outside goes through ``redact``.
+
+        ``trajectory``: stitch the turns into one token sequence (``policy.trajectory``).
+        """
         if self.reason is None and self.reward is None:
             # A completed rollout always has a reward; if a path ever skips
             # scoring, say so rather than report "completed" without one.
@@ -194,6 +199,7 @@ class Progress:
                 for turn in self.turns
             ],
             cost=self.cost.model_copy(),
+            trajectory=stitch(self.turns) if trajectory else None,
         )
 
 

@@ -13,7 +13,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["Cost", "FailureReason", "RolloutResult", "Timings", "Turn", "VerifierOutcome"]
+__all__ = [
+    "Cost",
+    "FailureReason",
+    "RolloutResult",
+    "Timings",
+    "Trajectory",
+    "TrajectorySegment",
+    "Turn",
+    "VerifierOutcome",
+]
 
 
 class FailureReason(StrEnum):
@@ -135,6 +144,52 @@ class Turn(BaseModel):
     server: str | None = None
 
 
+class TrajectorySegment(BaseModel):
+    """Consecutive turns whose prompts extend one another, as one token sequence.
+
+    The four lists are aligned, one entry per token.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: The indexes (in ``turns``) of the segment's first and last turn.
+    first_turn: int
+    last_turn: int
+    input_ids: list[int]
+    #: 1 exactly on the tokens the model produced (completions), 0 on the
+    #: prompt and the observations fleetroll added.
+    loss_mask: list[int]
+    #: The sampled token's logprob where the mask is 1 and the server returned
+    #: it; null elsewhere.
+    logprobs: list[float | None]
+    #: The policy version of the call that produced the token; null where masked.
+    policy_versions: list[int | None]
+
+
+class Trajectory(BaseModel):
+    """A rollout's turns stitched into one token sequence (``policy.trajectory``).
+
+    ``input_ids``, ``loss_mask``, ``logprobs`` and ``policy_versions`` are
+    aligned. Without drift they are the whole rollout: the last turn's prompt
+    and completion ids. With drift they are the first segment, and
+    ``segments`` holds every segment (the first included).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float | None]
+    policy_versions: list[int | None]
+    #: False when every turn's prompt ids extend the previous turn's prompt and
+    #: completion ids; true when a chat template re-rendered the history.
+    drift: bool = False
+    #: The first turn (its index in ``turns``) whose prompt did not extend the previous.
+    drift_turn: int | None = None
+    #: With drift: the consistent segments, in order. Empty without drift.
+    segments: list[TrajectorySegment] = Field(default_factory=list)
+
+
 class Cost(BaseModel):
     """What one rollout consumed."""
 
@@ -183,3 +238,7 @@ class RolloutResult(BaseModel):
         description="One entry per policy call; empty for the scripted policy",
     )
     cost: Cost = Field(default_factory=Cost)
+    trajectory: Trajectory | None = Field(
+        default=None,
+        description="The turns as one token sequence, with policy.trajectory; else null",
+    )

@@ -492,6 +492,7 @@ class Rollout:
             self.instance.instance_id if self.instance else None,
             redact=self.engine.redactor,
             keep_images=self.engine.settings.pool.transcript_images,
+            trajectory=self.engine.settings.policy.trajectory,
         )
         self.result = result if self.settle is None else self.settle(result)
         self.live.end(self.result)

@@ -253,6 +253,16 @@ class PolicySettings(_Section):
     return_token_ids: bool = False
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    #: Stitch each rollout's turns into one token sequence (the result's
+    #: ``trajectory``: ids, loss mask, logprobs, policy versions, drift). Asks
+    #: for token ids as ``return_token_ids`` does.
+    trajectory: bool = False
+    #: Token-in: from the second call on, send the conversation as the token ids
+    #: the server returned (plus the new observation, tokenized by the server's
+    #: ``/tokenize``) to ``/chat/completions/tokens``, so a chat template that
+    #: re-renders history cannot drift. Needs a server with both routes
+    #: (docs/configuration.md); asks for token ids as ``return_token_ids`` does.
+    token_in: bool = False
     #: Only the last this many screenshots are sent to the model; older ones are
     #: replaced by a short text placeholder (in the transcript too). None: all.
     max_images: int | None = Field(None, ge=0)

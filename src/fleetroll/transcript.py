@@ -39,6 +39,7 @@ from fleetroll.policies import AssistantTurn, ToolCall
 from fleetroll.routing import COMPUTER_TOOL
 from fleetroll.telemetry.events import Redactor
 from fleetroll.tools import ToolResult
+from fleetroll.turns import TokenTurn
 
 __all__ = ["LARGE_TEXT", "Messages", "Transcript", "assistant_message"]
 
@@ -66,6 +67,16 @@ class Messages(list[Message]):
         super().__init__()
         self._encoded: dict[int, tuple[Message, bytes]] = {}
         self._error_answers: set[int] = set()
+        self._token_turn: TokenTurn | None = None
+
+    def last_token_turn(self) -> TokenTurn | None:
+        """The last assistant message's token ids (:class:`fleetroll.turns.TokenHistory`)."""
+        turn = self._token_turn
+        return turn if turn is not None and turn.index < len(self) else None
+
+    def record_tokens(self, turn: TokenTurn | None) -> None:
+        """Keep (or, with None, forget) the token ids of the assistant message just added."""
+        self._token_turn = turn
 
     def is_error_answer(self, index: int) -> bool:
         """Whether message ``index`` is a tool answer flagged as an error."""
@@ -125,6 +136,14 @@ class Transcript:
 
     def add_turn(self, turn: AssistantTurn) -> None:
         self.messages.append(assistant_message(turn))
+        data = turn.data
+        ids = None if data is None else (data.prompt_token_ids, data.completion_token_ids)
+        if data is None or ids is None or ids[0] is None or ids[1] is None:
+            self.messages.record_tokens(None)
+            return
+        self.messages.record_tokens(
+            TokenTurn(len(self.messages) - 1, ids[0], ids[1], data.finish_reason)
+        )
 
     def add_answer(self, call: ToolCall, result: ToolResult) -> None:
         self.messages.append({"role": "tool", "tool_call_id": call.id, "content": result.text})

@@ -16,6 +16,8 @@ __all__ = [
     "AssistantTurn",
     "EncodedMessages",
     "Message",
+    "TokenHistory",
+    "TokenTurn",
     "ToolCall",
     "ToolErrorFlags",
     "ToolSpec",
@@ -118,4 +120,25 @@ class ToolErrorFlags(Protocol):
 
     def is_error_answer(self, index: int) -> bool:
         """Whether message ``index`` is a tool answer flagged as an error."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TokenTurn:
+    """The token ids of the transcript's last assistant message, as the server
+    returned them (for token-in: ``policy.token_in``)."""
+
+    #: The index of the assistant message in the transcript.
+    index: int
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    finish_reason: str | None = None
+
+
+@runtime_checkable
+class TokenHistory(Protocol):
+    """A transcript that keeps the token ids of its assistant messages."""
+
+    def last_token_turn(self) -> TokenTurn | None:
+        """The last assistant message's ids; None when it has none (or there is none)."""
         ...

@@ -26,6 +26,14 @@ that counts those tokens, ``finish_reason`` and the requested model's name.
 Knobs make it end completions with ``length``, refuse prompts over a context
 length (HTTP 400, vLLM's message) or leave token ids out (an OpenAI-like
 server). :attr:`FakeChatServer.replies` holds every completion it sent.
+
+``VllmShape(drift=True)`` is a chat template that re-renders history: every
+completion starts with a thinking token (:data:`THINK`) that the rendering of
+earlier assistant messages leaves out, as templates that strip reasoning do.
+``VllmShape(token_in=True)`` also serves the token-in routes of prime-rl's
+vLLM server: ``POST /tokenize`` (vLLM's: ``messages``, ``tools``,
+``add_generation_prompt`` → ``tokens``) and ``POST /v1/chat/completions/tokens``
+(a chat completion whose prompt is the body's ``tokens``).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from fleetroll._serving import serve_asgi
 
 __all__ = [
     "HANG",
+    "THINK",
     "FakeChatServer",
     "FakeError",
     "FakeRawResponse",
@@ -118,6 +127,9 @@ class VllmShape:
         max_context: answer HTTP 400 (vLLM's message) when the prompt's tokens
             plus ``max_tokens`` pass this.
         usage: answer a ``usage``; False leaves it out.
+        drift: a chat template that drops each completion's leading
+            :data:`THINK` token when it renders the history.
+        token_in: serve ``/tokenize`` and ``/v1/chat/completions/tokens``.
     """
 
     token_ids: bool = True
@@ -125,11 +137,16 @@ class VllmShape:
     finish_length: bool = False
     max_context: int | None = None
     usage: bool = True
+    drift: bool = False
+    token_in: bool = False
 
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 #: The toy tokenizer's special tokens: message start and end, an image patch.
 _START, _END, _IMAGE = 1, 2, 3
+#: With ``VllmShape(drift=True)``: the token every completion starts with (its
+#: thinking), which the template leaves out of the history.
+THINK = 4
 #: One image token per this many characters of a data URL.
 _IMAGE_CHARS_PER_TOKEN = 1024
 
@@ -144,8 +161,9 @@ def _toy_logprob(token_id: int, rank: int = 0) -> float:
     return -((token_id % 997) / 1000) - rank
 
 
-def _prompt_ids(body: Mapping[str, Any]) -> list[int]:
-    """The toy tokenization of a request: its tools, then each message, then the answer's start."""
+def _prompt_ids(body: Mapping[str, Any], *, generation_prompt: bool = True) -> list[int]:
+    """The toy tokenization of a request: its tools, then each message, then the
+    answer's start (unless ``generation_prompt`` is False)."""
     ids: list[int] = []
     if body.get("tools"):
         ids += toy_tokenize(json.dumps(body["tools"]))
@@ -169,12 +187,18 @@ def _prompt_ids(body: Mapping[str, Any]) -> list[int]:
             function = call.get("function") or {}
             ids += toy_tokenize(f"{function.get('name')} {function.get('arguments')}")
         ids.append(_END)
-    return [*ids, _START, *toy_tokenize("assistant")]
+    return [*ids, _START, *toy_tokenize("assistant")] if generation_prompt else ids
 
 
-def _vllm_answer(shape: VllmShape, body: Mapping[str, Any], reply: Mapping[str, Any]) -> Reply:
-    """``reply`` as vLLM would send it for ``body`` (or its context-length error)."""
-    prompt = _prompt_ids(body)
+def _vllm_answer(
+    shape: VllmShape,
+    body: Mapping[str, Any],
+    reply: Mapping[str, Any],
+    prompt: list[int] | None = None,
+) -> Reply:
+    """``reply`` as vLLM would send it for ``body`` (or its context-length error);
+    ``prompt``: the prompt's ids when the request gave them (token-in)."""
+    prompt = _prompt_ids(body) if prompt is None else prompt
     max_tokens = body.get("max_tokens") or 0
     if shape.max_context is not None and len(prompt) + max_tokens > shape.max_context:
         return FakeError(
@@ -199,6 +223,9 @@ def _vllm_answer(shape: VllmShape, body: Mapping[str, Any], reply: Mapping[str, 
         words.append(f"{call['function']['name']} {call['function']['arguments']}")
     texts = _TOKEN.findall(" ".join(words))
     completion_ids = toy_tokenize(" ".join(words))
+    if shape.drift:
+        completion_ids.insert(0, THINK)
+        texts.insert(0, "<think></think>")
     if choice["finish_reason"] != "length":
         completion_ids.append(_END)
         texts.append("<|im_end|>")
@@ -336,6 +363,8 @@ class FakeChatServer:
         self.requests: list[dict[str, Any]] = []
         #: Every chat completion sent (status 200), in the order sent.
         self.replies: list[dict[str, Any]] = []
+        #: The body of every ``/tokenize`` request (``VllmShape(token_in=True)``).
+        self.tokenize_requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.script_errors: list[Exception] = []
         self.base_url = ""
@@ -351,6 +380,7 @@ class FakeChatServer:
         self.script = script
         self.requests.clear()
         self.replies.clear()
+        self.tokenize_requests.clear()
         self.headers.clear()
         self.script_errors.clear()
         if self._release_hung is not None:
@@ -377,6 +407,8 @@ class FakeChatServer:
             routes=[
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/chat/completions/tokens", self._chat_tokens, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
             ]
         )
         self._release_hung = anyio.Event()
@@ -401,6 +433,24 @@ class FakeChatServer:
         model = {"id": "served", "object": "model", "created": 0, "owned_by": "fleetroll"}
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def _tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize`` of a chat: the prompt's ids as the template renders them."""
+        if self.vllm is None or not self.vllm.token_in:
+            return _error(404, "Not Found")
+        body = json.loads(await request.body())
+        self.tokenize_requests.append(body)
+        ids = _prompt_ids(body, generation_prompt=body.get("add_generation_prompt", True))
+        return JSONResponse({"count": len(ids), "max_model_len": 32_768, "tokens": ids})
+
+    async def _chat_tokens(self, request: Request) -> Response:
+        """prime-rl's token-in chat completion: the prompt is the body's ``tokens``."""
+        if self.vllm is None or not self.vllm.token_in:
+            return _error(404, "Not Found")
+        body = json.loads(await request.body() or b"null")
+        if not isinstance(body, dict) or not isinstance(body.get("tokens"), list):
+            return _error(400, "fake OpenAI server: 'tokens' (a list of token ids) is required")
+        return await self._chat(request)
+
     async def _chat(self, request: Request) -> Response:
         number = len(self.requests)
         self.headers.append(dict(request.headers))
@@ -420,7 +470,8 @@ class FakeChatServer:
             logging.getLogger(__name__).exception("the fake OpenAI server's script failed")
             return _error(500, f"fake OpenAI server: the script raised {exc!r}")
         if self.vllm is not None and isinstance(reply, Mapping):
-            reply = _vllm_answer(self.vllm, body, reply)
+            tokens = body.get("tokens") if request.url.path.endswith("/tokens") else None
+            reply = _vllm_answer(self.vllm, body, reply, tokens)
         if isinstance(reply, Mapping):
             self.replies.append(dict(reply))
         return await self._respond(reply)

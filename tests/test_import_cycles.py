@@ -109,6 +109,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
             {
                 "admission",
                 "environments",
+                "gateway",
                 "openai_policy",
                 "policies",
                 "policy_servers",
@@ -124,6 +125,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "the rollout and the environment providers",
         frozenset(
             {
+                "agent_command",
                 "dispatch",
                 "engine",
                 "env_session",

@@ -140,6 +140,14 @@ def main() -> None:
     is_flag=True,
     help="Skip the checks before the batch (env versions exist, key accepted, policy answers).",
 )
+@click.option(
+    "--agent-command",
+    default=None,
+    metavar="CMD",
+    help="Run CMD as each rollout's agent instead of fleetroll's loop (needs --policy openai):"
+    " it gets OPENAI_BASE_URL/OPENAI_API_KEY (a gateway to the policy servers),"
+    " FLEETROLL_MCP_URL, FLEETROLL_TASK_FILE and FLEETROLL_ANSWER_FILE.",
+)
 @ray_options
 @CONFIG_OPTION
 def run(
@@ -153,6 +161,7 @@ def run(
     profile: str | None,
     resume: bool,
     no_preflight: bool,
+    agent_command: str | None,
     ray_address: str | None,
     ray_actors: int | None,
     config_file: Path | None,
@@ -185,6 +194,8 @@ def run(
             update={"policy": settings.policy.model_copy(update=policy_overrides)}
         )
     try:
+        if agent_command is not None:
+            _check_agent_command(agent_command, settings, ray_address)
         tasks = load_task_paths(tasks_paths, settings.modalities)
         # A user's mistakes are said before the slow imports and before anything starts.
         if settings.uses_emulator:
@@ -213,7 +224,15 @@ def run(
         # shutdown is then one more notice, never a KeyboardInterrupt half-way.
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_telemetry(settings) as events:
-                policy = policy_from_settings(settings)
+                policy: Any
+                if agent_command is not None:
+                    from fleetroll.agent_command import CommandAgent
+
+                    # Its gateway serves while the batch runs; closing it closes its policy.
+                    policy = CommandAgent.from_settings(agent_command, settings)
+                    await policy.__aenter__()
+                else:
+                    policy = policy_from_settings(settings)
                 try:
                     return await run_job(
                         settings,
@@ -231,7 +250,10 @@ def run(
                         preflight=not no_preflight,
                     )
                 finally:
-                    await policy.aclose()
+                    if agent_command is not None:
+                        await policy.__aexit__(None, None, None)
+                    else:
+                        await policy.aclose()
 
     try:
         report = anyio.run(job)
@@ -246,3 +268,22 @@ def run(
         raise SystemExit(130)
     if report.stopped is not None:
         raise SystemExit(1)
+
+
+def _check_agent_command(command: str, settings: Any, ray_address: str | None) -> None:
+    """What --agent-command needs, said before anything starts."""
+    import shlex
+
+    try:
+        argv = shlex.split(command)
+    except ValueError as exc:
+        raise Failed(f"--agent-command {command!r} cannot be split into words: {exc}") from None
+    if not argv:
+        raise Failed("--agent-command is empty: give the command that runs your agent")
+    if settings.policy.kind != "openai":
+        raise Failed(
+            "--agent-command needs --policy openai (its gateway forwards the agent's calls"
+            " to the policy servers): add --policy openai --base-url URL --model NAME"
+        )
+    if ray_address is not None:
+        raise Failed("--agent-command runs rollouts in this process: drop --ray")

@@ -306,6 +306,45 @@ class OpenAIChatPolicy:
             return turn  # one server: nothing to say where the turn went
         return replace(turn, data=replace(turn.data, server=server.name))
 
+    async def forward(
+        self, body: Mapping[str, Any], *, affinity: Affinity | None = None
+    ) -> tuple[dict[str, Any], AssistantTurn]:
+        """One chat completion for a request someone else wrote (an agent's,
+        through :mod:`fleetroll.gateway`): its messages, tools and sampling as
+        sent, but this policy's ``model``, and its training fields
+        (``return_token_ids``, ``logprobs``...) asked for as :meth:`act` asks.
+        Streaming is the caller's business: the server is asked for one answer.
+
+        Returns the server's answer (as it sent it) and the turn parsed from it,
+        with the same retries, servers and deadline as :meth:`act`.
+
+        Raises:
+            PolicyError: as :meth:`act`; ContextOverflowError included.
+        """
+        sent = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        sent["model"] = self.model
+        sent.update(self._training)
+        try:
+            with anyio.fail_after(self.timeout_s) as scope:
+                payload, server = await self._post(
+                    self._encode(sent), deadline=scope.deadline, affinity=affinity
+                )
+        except PolicyError as exc:
+            if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
+                raise ContextOverflowError(str(exc), operation=_OPERATION, transient=False) from exc
+            raise
+        except TimeoutError:
+            raise PolicyError(
+                f"no answer from {self.url} within the policy deadline of {self.timeout_s:g}s"
+                " (retries included); raise timeouts.policy_s if the model is just slow",
+                operation=_OPERATION,
+                transient=True,
+            ) from None
+        turn = self._parse(payload, url=_endpoint(server, "chat"))
+        if turn.data is not None and len(self.servers.servers) > 1:
+            turn = replace(turn, data=replace(turn.data, server=server.name))
+        return payload, turn
+
     # ------------------------------------------------------------- request
 
     def _body(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:

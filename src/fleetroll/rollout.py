@@ -40,7 +40,7 @@ from contextlib import (
     asynccontextmanager,
     nullcontext,
 )
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
 
@@ -64,7 +64,18 @@ from fleetroll.tools import ToolResult, ToolSession, describe
 
 T = TypeVar("T")
 
-__all__ = ["Phase", "Rollout", "RolloutIds", "RolloutView"]
+
+@runtime_checkable
+class Agent(Protocol):
+    """Acts for a rollout by itself (:class:`fleetroll.agent_command.CommandAgent`):
+    given to :meth:`Rollout.run` in place of a policy, it runs the acting phase."""
+
+    async def drive(self, rollout: Rollout) -> None:
+        """Act until done; record each policy call with :meth:`Rollout.record_call`."""
+        ...
+
+
+__all__ = ["Agent", "Phase", "Rollout", "RolloutIds", "RolloutView"]
 
 
 class Rollout:
@@ -357,7 +368,10 @@ class Rollout:
     async def _act(self, policy: Policy) -> None:
         # The rollout's calls go to one policy server (fleetroll.policy_servers).
         with sticky():
-            await self._act_turns(policy)
+            if isinstance(policy, Agent):  # an agent of its own acts (--agent-command)
+                await policy.drive(self)
+            else:
+                await self._act_turns(policy)
 
     async def _act_turns(self, policy: Policy) -> None:
         settings = self.engine.settings
@@ -377,14 +391,7 @@ class Rollout:
                     f" policy.max_context_tokens = {max_context}",
                 )
                 return
-            # A trainer's pause (pool.policy_paused) is charged to no deadline
-            # of the rollout's: neither its own nor policy_s (counted from here on).
-            with stages.deadline_lifted(self._deadline_scope, lambda: self.deadline):
-                version, waited_s = await self.engine.policy_gate.admit()
-                self.deadline += waited_s
-                self.progress.timings.paused_s += waited_s
-            if self.progress.first_policy_version is None:
-                self.progress.first_policy_version = version
+            version = await self.admit_policy_call()
             asked = await stages.ask_policy(
                 policy,
                 self.task,
@@ -398,6 +405,29 @@ class Rollout:
             turn, latency = asked
             self.live.turn(turn, latency_s=latency, policy_version=version)
             await self.apply(turn)
+
+    async def admit_policy_call(self) -> int:
+        """Wait while the policy is paused; the policy version to record on the call.
+
+        A trainer's pause (pool.policy_paused) is charged to no deadline of the
+        rollout's: neither its own nor policy_s (counted from the return on).
+        """
+        with stages.deadline_lifted(self._deadline_scope, lambda: self.deadline):
+            version, waited_s = await self.engine.policy_gate.admit()
+            self.deadline += waited_s
+            self.progress.timings.paused_s += waited_s
+        if self.progress.first_policy_version is None:
+            self.progress.first_policy_version = version
+        return version
+
+    def record_call(self, turn: AssistantTurn, *, policy_version: int, latency_s: float) -> None:
+        """Record a policy call an agent of its own made (its tools it runs itself)."""
+        self.progress.record_turn(turn, policy_version=policy_version, latency_s=latency_s)
+        self.live.turn(turn, latency_s=latency_s, policy_version=policy_version)
+        self.progress.transcript.add_turn(turn)
+        if turn.tool_calls:
+            self.progress.steps += 1
+        self.notify()
 
     async def apply(self, turn: AssistantTurn) -> None:
         """Record an assistant turn and run its tool calls."""

@@ -302,10 +302,16 @@ async def test_a_completion_cut_by_length_is_recorded_and_the_rollout_goes_on(
 # -- the command line ---------------------------------------------------------------------
 
 
-async def test_fleetroll_run_with_the_environment_variables_writes_turns_with_token_data(
-    tmp_path: Path,
-) -> None:
-    tasks = [TOOL_USE, COMPUTER_USE]
+AGENT = Path(__file__).resolve().parents[1] / "examples" / "agent_openai_mcp.py"
+
+
+async def fleetroll_run(
+    tmp_path: Path, tasks: Sequence[TaskSpec], agent: tuple[str, ...] | None = None
+) -> tuple[list[RolloutResult], list[dict[str, Any]], list[dict[str, Any]]]:
+    """``fleetroll run`` of ``tasks`` against a vLLM-shaped server that solves them,
+    asking for token ids and logprobs; with ``agent``, the example agent (with those
+    arguments) acts (``--agent-command``). The results, the server's replies and
+    the requests it got."""
     task_file = tmp_path / "tasks.jsonl"
     lines = {
         json.loads(line)["key"]: line
@@ -314,7 +320,7 @@ async def test_fleetroll_run_with_the_environment_variables_writes_turns_with_to
         if line.strip()
     }
     task_file.write_text("".join(lines[t.key] + "\n" for t in tasks))
-    out = tmp_path / "results.jsonl"
+    out = tmp_path / ("built_in.jsonl" if agent is None else "agent.jsonl")
     env = {
         k: v
         for k, v in os.environ.items()
@@ -328,14 +334,19 @@ async def test_fleetroll_run_with_the_environment_variables_writes_turns_with_to
         }
         args = [sys.executable, "-m", "fleetroll", "run", str(task_file), "--out", str(out)]
         args += ["--policy", "openai", "--base-url", server.base_url, "--model", "served"]
+        if agent is not None:
+            args += ["--agent-command", " ".join([sys.executable, str(AGENT), *agent])]
         with anyio.fail_after(180):
             done = await anyio.run_process(args, cwd=tmp_path, env=env, check=False)
-        replies = list(server.replies)
-
+        replies, requests = list(server.replies), list(server.requests)
     assert done.returncode == 0, done.stderr.decode()
-    results = read_journal(out)
-    assert sorted(r.modality for r in results) == ["computer_use", "tool_use"]
-    assert all(r.reward == 1.0 for r in results)
+    return read_journal(out), replies, requests
+
+
+def sent_and_recorded(
+    replies: Sequence[dict[str, Any]], results: Sequence[RolloutResult]
+) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """The token ids and logprobs the server sent, and those the results' turns hold."""
     sent = {
         (tuple(r["prompt_token_ids"]), tuple(r["choices"][0]["token_ids"])): [
             e["logprob"] for e in r["choices"][0]["logprobs"]["content"]
@@ -347,5 +358,41 @@ async def test_fleetroll_run_with_the_environment_variables_writes_turns_with_to
         for r in results
         for t in r.turns
     }
+    return sent, recorded
+
+
+async def test_fleetroll_run_with_the_environment_variables_writes_turns_with_token_data(
+    tmp_path: Path,
+) -> None:
+    results, replies, _ = await fleetroll_run(tmp_path, [TOOL_USE, COMPUTER_USE])
+
+    assert sorted(r.modality for r in results) == ["computer_use", "tool_use"]
+    assert all(r.reward == 1.0 for r in results)
+    sent, recorded = sent_and_recorded(replies, results)
     assert recorded == sent and len(recorded) == len(replies)
     assert {t.model for r in results for t in r.turns} == {"served"}
+
+
+# -- bring your own agent -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["not_streaming", "streaming"])
+async def test_the_example_agent_scores_every_task_as_the_built_in_loop_with_the_server_s_ids(
+    tmp_path: Path, streaming: bool
+) -> None:
+    tasks = [TOOL_USE, COMPUTER_USE]
+    built_in, _, _ = await fleetroll_run(tmp_path, tasks)
+    flags = ("--stream",) if streaming else ()
+    results, replies, requests = await fleetroll_run(tmp_path, tasks, flags)
+
+    rewards = {r.task_key: (r.status, r.reward) for r in results}
+    assert rewards == {r.task_key: (r.status, r.reward) for r in built_in}
+    assert set(rewards.values()) == {("completed", 1.0)}
+    # Every call the agent made is one turn holding exactly what the server sent.
+    sent, recorded = sent_and_recorded(replies, results)
+    assert recorded == sent
+    assert sum(len(r.turns) for r in results) == len(replies) == len(requests)
+    assert {t.model for r in results for t in r.turns} == {"served"}
+    # The gateway asked for the training data the settings ask for, for the agent.
+    assert all(q["return_token_ids"] and q["logprobs"] for q in requests)
+    assert all("stream" not in q for q in requests)

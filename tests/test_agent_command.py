@@ -1,0 +1,179 @@
+"""An agent command's process and gateway, on in-process instances (the fake
+provider) and a vLLM-shaped fake server: its environment, its deadline, its key."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from fleetroll.agent_command import CommandAgent
+from fleetroll.engine import RolloutEngine
+from fleetroll.openai_policy import OpenAIChatPolicy
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout import RolloutIds
+from fleetroll.settings import load_settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry import Events, MemorySink
+from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion
+from fleetroll.testing.fake_provider import FakeProvider
+
+#: Real processes and servers on loopback: outside `-m "not slow"`.
+pytestmark = pytest.mark.slow
+
+TASK = TaskSpec(key="t1", prompt="note done", env_key="fake", metadata={"level": 3})
+#: The variables an agent is given (LC_CTYPE: Python's own locale coercion may add it).
+GIVEN = {"PATH", "HOME", "LANG", "LC_CTYPE", "OPENAI_BASE_URL", "OPENAI_API_KEY"} | {
+    "FLEETROLL_MCP_URL",
+    "FLEETROLL_TASK_FILE",
+    "FLEETROLL_ANSWER_FILE",
+}
+#: One chat completion through the gateway with the standard library, then the
+#: environment and the task file written as the final answer.
+ONE_CALL = """
+import json, os, sys, urllib.request
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+body = json.dumps({"model": "any", "messages": [{"role": "user", "content": "hi"}]}).encode()
+request = urllib.request.Request(base + "/chat/completions", body, {
+    "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+answer = json.load(urllib.request.urlopen(request))
+with open(os.environ["FLEETROLL_TASK_FILE"]) as f:
+    task = json.load(f)
+with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
+    json.dump({"env": dict(os.environ), "task": task, "answer": answer}, f)
+"""
+
+
+@asynccontextmanager
+async def agent_rollout(
+    command: list[str], **overrides: Any
+) -> AsyncIterator[tuple[RolloutEngine, CommandAgent, FakeChatServer]]:
+    settings = load_settings(**overrides)
+    events = Events([MemorySink()])
+    async with (
+        FakeChatServer([completion("hello")] * 4, vllm=VllmShape()) as server,
+        RolloutEngine.open(settings, events, FakeProvider(settings)) as eng,
+        CommandAgent(
+            command,
+            OpenAIChatPolicy(
+                base_url=server.base_url, model="served", api_key="real-key", logprobs=True
+            ),
+            kill_grace_s=0.5,
+            owns_policy=True,
+        ) as agent,
+    ):
+        yield eng, agent, server
+
+
+async def run(eng: RolloutEngine, agent: CommandAgent) -> RolloutResult:
+    with anyio.fail_after(60):
+        return await eng.rollout(TASK, RolloutIds(batch_id="b", rollout_id="r0")).run(agent)
+
+
+async def test_an_agent_gets_only_its_own_variables_and_none_of_fleetroll_s_secrets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLEET_API_KEY", "fleet-secret")
+    monkeypatch.setenv("OPENAI_API_KEY", "real-key")
+    monkeypatch.setenv("FLEETROLL_TELEMETRY__DB_PATH", os.devnull)
+    async with agent_rollout([sys.executable, "-c", ONE_CALL]) as (eng, agent, server):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    seen = json.loads(result.final_answer)
+    assert set(seen["env"]) <= GIVEN
+    assert "real-key" not in json.dumps(seen["env"]) and "fleet-secret" not in result.final_answer
+    assert seen["task"] == {
+        "key": "t1",
+        "prompt": "note done",
+        "modality": "tool_use",
+        "metadata": {"level": 3},
+    }
+    # The call went to the server with its key, for the policy's model, asking for logprobs.
+    assert server.headers[0]["authorization"] == "Bearer real-key"
+    assert server.requests[0]["model"] == "served" and server.requests[0]["logprobs"]
+    [turn] = result.turns
+    reply = server.replies[0]
+    assert turn.completion_token_ids == reply["choices"][0]["token_ids"]
+    assert seen["answer"]["choices"][0]["token_ids"] == turn.completion_token_ids
+
+
+async def test_the_gateway_refuses_a_rollout_s_key_once_it_has_ended(tmp_path: Path) -> None:
+    keep = tmp_path / "where.json"
+    script = ONE_CALL + (f"\njson.dump([base, key], open({str(keep)!r}, 'w'))\n")
+    async with agent_rollout([sys.executable, "-c", script]) as (eng, agent, server):
+        result = await run(eng, agent)
+        base, key = json.loads(keep.read_text())
+        async with httpx.AsyncClient() as http:
+            with anyio.fail_after(10):
+                late = await http.post(
+                    f"{base}/chat/completions",
+                    json={"messages": [{"role": "user", "content": "again"}]},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                wrong = await http.get(f"{base}/models", headers={"Authorization": "Bearer x"})
+
+    assert len(result.turns) == 1 and len(server.requests) == 1
+    assert late.status_code == 401 and wrong.status_code == 401
+    assert "real-key" not in late.text
+
+
+async def test_an_agent_past_the_rollout_s_deadline_is_killed_with_its_group(
+    tmp_path: Path,
+) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '600'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "time.sleep(600)\n"
+    )
+    overrides = {"timeouts": {"rollout_s": 1.0}}
+    async with agent_rollout([sys.executable, "-c", script], **overrides) as (eng, agent, _):
+        result = await run(eng, agent)
+
+    assert result.failure_reason is FailureReason.TIMEOUT
+    assert result.reward == 0.0  # scored, as the built-in loop's timeout is
+    assert not alive(int(pid_file.read_text()))
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:\tZ") for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("more", "said"),
+    [
+        ((), "--agent-command needs --policy openai"),
+        (("--policy", "openai", "--ray", "local"), "--agent-command runs rollouts in this process"),
+        (("--policy", "openai", "--agent-command", "'unclosed"), "cannot be split into words"),
+    ],
+    ids=["scripted_policy", "ray", "unsplittable"],
+)
+def test_an_agent_command_fleetroll_cannot_run_is_one_line_and_exit_code_2(
+    tmp_path: Path, more: tuple[str, ...], said: str
+) -> None:
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps(TASK.model_dump(mode="json", exclude_defaults=True)) + "\n")
+    args = [sys.executable, "-m", "fleetroll", "run", str(tasks), "--agent-command", "true"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET", "OPENAI_"))}
+    done = subprocess.run(
+        [*args, *more], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env
+    )
+
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1

@@ -65,7 +65,12 @@ async def agent_rollout(
         CommandAgent(
             command,
             OpenAIChatPolicy(
-                base_url=server.base_url, model="served", api_key="real-key", logprobs=True
+                base_url=server.base_url,
+                model="served",
+                api_key="real-key",
+                logprobs=True,
+                temperature=0.3,
+                extra_body={"top_k": 5},
             ),
             kill_grace_s=0.5,
             owns_policy=True,
@@ -98,9 +103,16 @@ async def test_an_agent_gets_only_its_own_variables_and_none_of_fleetroll_s_secr
         "modality": "tool_use",
         "metadata": {"level": 3},
     }
-    # The call went to the server with its key, for the policy's model, asking for logprobs.
+    # The call went to the server with its key, for the policy's model, asking for
+    # logprobs, with the policy's sampling where the agent set none, and its extra_body.
     assert server.headers[0]["authorization"] == "Bearer real-key"
-    assert server.requests[0]["model"] == "served" and server.requests[0]["logprobs"]
+    assert server.requests[0] == {
+        "model": "served",
+        "messages": [{"role": "user", "content": "hi"}],
+        "temperature": 0.3,
+        "logprobs": True,
+        "top_k": 5,
+    }
     [turn] = result.turns
     reply = server.replies[0]
     assert turn.completion_token_ids == reply["choices"][0]["token_ids"]

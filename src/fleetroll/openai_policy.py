@@ -311,9 +311,11 @@ class OpenAIChatPolicy:
     ) -> tuple[dict[str, Any], AssistantTurn]:
         """One chat completion for a request someone else wrote (an agent's,
         through :mod:`fleetroll.gateway`): its messages, tools and sampling as
-        sent, but this policy's ``model``, and its training fields
-        (``return_token_ids``, ``logprobs``...) asked for as :meth:`act` asks.
-        Streaming is the caller's business: the server is asked for one answer.
+        sent (this policy's ``temperature``, ``top_p``, ``max_tokens`` where it
+        sets none), but this policy's ``model``, its training fields
+        (``return_token_ids``, ``logprobs``...) asked for as :meth:`act` asks,
+        and its ``extra_body`` on top. Streaming is the caller's business: the
+        server is asked for one answer.
 
         Returns the server's answer (as it sent it) and the turn parsed from it,
         with the same retries, servers and deadline as :meth:`act`.
@@ -321,9 +323,11 @@ class OpenAIChatPolicy:
         Raises:
             PolicyError: as :meth:`act`; ContextOverflowError included.
         """
-        sent = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        sent: dict[str, Any] = dict(self._sampling)
+        sent.update((k, v) for k, v in body.items() if k not in ("stream", "stream_options"))
         sent["model"] = self.model
         sent.update(self._training)
+        sent.update(self._extra_body)
         try:
             with anyio.fail_after(self.timeout_s) as scope:
                 payload, server = await self._post(

@@ -55,7 +55,7 @@ with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
 
 @asynccontextmanager
 async def agent_rollout(
-    command: list[str], **overrides: Any
+    command: list[str], answer_bytes: int = 1024 * 1024, **overrides: Any
 ) -> AsyncIterator[tuple[RolloutEngine, CommandAgent, FakeChatServer]]:
     settings = load_settings(**overrides)
     events = Events([MemorySink()])
@@ -73,6 +73,7 @@ async def agent_rollout(
                 extra_body={"top_k": 5},
             ),
             kill_grace_s=0.5,
+            max_answer_file_bytes=answer_bytes,
             owns_policy=True,
         ) as agent,
     ):
@@ -156,6 +157,23 @@ async def test_an_agent_past_the_rollout_s_deadline_is_killed_with_its_group(
     assert result.failure_reason is FailureReason.TIMEOUT
     assert result.reward == 0.0  # scored, as the built-in loop's timeout is
     assert not alive(int(pid_file.read_text()))
+
+
+async def test_an_agent_that_fails_is_scored_with_its_answer_cut_and_its_output_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    script = (
+        "import os, sys\n"
+        "open(os.environ['FLEETROLL_ANSWER_FILE'], 'w').write('0123456789')\n"
+        "print('the agent gave up here')\n"
+        "sys.exit(3)\n"
+    )
+    async with agent_rollout([sys.executable, "-c", script], answer_bytes=4) as (eng, agent, _):
+        result = await run(eng, agent)
+
+    assert (result.status, result.reward, result.final_answer) == ("completed", 0.0, "0123")
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "fleetroll.agent_command"]
+    assert "exited with 3" in warning and "the agent gave up here" in warning
 
 
 def alive(pid: int) -> bool:

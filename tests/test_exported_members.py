@@ -18,6 +18,7 @@ def test_the_public_api_is_what_the_readme_promises() -> None:
         "AssistantTurn",
         "Batch",
         "BatchCounts",
+        "CommandAgent",
         "ConfigError",
         "EnvSession",
         "FailureReason",

@@ -19,6 +19,7 @@ import typing as _typing
 from fleetroll._lazy import lazy_attributes as _lazy_attributes
 
 if _typing.TYPE_CHECKING:
+    from fleetroll.agent_command import CommandAgent
     from fleetroll.client import FleetrollClient, ServiceError
     from fleetroll.env_session import EnvSession, StepResult
     from fleetroll.errors import (
@@ -53,6 +54,7 @@ _WHERE: dict[str, str] = {
     "AssistantTurn": "fleetroll.policies",
     "Batch": "fleetroll.pool",
     "BatchCounts": "fleetroll.pool",
+    "CommandAgent": "fleetroll.agent_command",
     "ConfigError": "fleetroll.errors",
     "EnvSession": "fleetroll.env_session",
     "FailureReason": "fleetroll.results",
@@ -90,6 +92,7 @@ __all__ = [
     "AssistantTurn",
     "Batch",
     "BatchCounts",
+    "CommandAgent",
     "ConfigError",
     "EnvSession",
     "FailureReason",

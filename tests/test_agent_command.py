@@ -19,6 +19,7 @@ import pytest
 from fleetroll.agent_command import CommandAgent
 from fleetroll.engine import RolloutEngine
 from fleetroll.openai_policy import OpenAIChatPolicy
+from fleetroll.policy_gate import PolicyGate
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import RolloutIds
 from fleetroll.settings import load_settings
@@ -53,15 +54,31 @@ with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
 """
 
 
+class WatchedGate(PolicyGate):
+    """The trainer's gate, saying when a call waits at it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = anyio.Event()
+
+    async def admit(self) -> tuple[int, float]:
+        if self.paused:
+            self.waiting.set()
+        return await super().admit()
+
+
 @asynccontextmanager
 async def agent_rollout(
-    command: list[str], answer_bytes: int = 1024 * 1024, **overrides: Any
+    command: list[str],
+    answer_bytes: int = 1024 * 1024,
+    gate: PolicyGate | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[tuple[RolloutEngine, CommandAgent, FakeChatServer]]:
     settings = load_settings(**overrides)
     events = Events([MemorySink()])
     async with (
         FakeChatServer([completion("hello")] * 4, vllm=VllmShape()) as server,
-        RolloutEngine.open(settings, events, FakeProvider(settings)) as eng,
+        RolloutEngine.open(settings, events, FakeProvider(settings), policy_gate=gate) as eng,
         CommandAgent(
             command,
             OpenAIChatPolicy(
@@ -118,6 +135,29 @@ async def test_an_agent_gets_only_its_own_variables_and_none_of_fleetroll_s_secr
     reply = server.replies[0]
     assert turn.completion_token_ids == reply["choices"][0]["token_ids"]
     assert seen["answer"]["choices"][0]["token_ids"] == turn.completion_token_ids
+
+
+async def test_an_agent_s_call_waits_while_the_policy_is_paused_and_carries_the_new_version() -> (
+    None
+):
+    gate = WatchedGate()
+    result: list[RolloutResult] = []
+    async with agent_rollout([sys.executable, "-c", ONE_CALL], gate=gate) as (eng, agent, server):
+
+        async def rollout() -> None:
+            result.append(await run(eng, agent))
+
+        async with anyio.create_task_group() as tg, gate.paused_calls():
+            tg.start_soon(rollout)
+            with anyio.fail_after(30):
+                await gate.waiting.wait()
+            held = len(server.requests)
+            gate.version = 8  # the trainer swapped the weights during the pause
+
+    assert held == 0  # nothing reached the server during the pause
+    [turn] = result[0].turns
+    assert turn.policy_version == 8 and result[0].timings.paused_s > 0
+    assert result[0].final_answer is not None
 
 
 async def test_the_gateway_refuses_a_rollout_s_key_once_it_has_ended(tmp_path: Path) -> None:

@@ -177,7 +177,8 @@ class CommandAgent:
                 "FLEETROLL_TASK_FILE": str(task_file),
                 "FLEETROLL_ANSWER_FILE": str(answer_file),
             }
-            with open(log_file, "wb") as log:  # noqa: ASYNC230 (an open, no read or write)
+            log = await anyio.to_thread.run_sync(log_file.open, "wb")
+            with log:  # the process has its own copy of the descriptor
                 process = await anyio.open_process(
                     self.argv,
                     cwd=workdir,

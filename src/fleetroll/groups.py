@@ -18,12 +18,13 @@ rollout has a rank, its ``sample_index``; the group keeps its
 ``samples_per_task`` ranks are the group's samples; the extras
 (``oversample``, ranks ``samples_per_task`` and up) stand in, in rank order,
 for samples that ended **unscored** (infrastructure failures), never for slow
-ones. So a group is complete once its kept set is decided: when its first
-``samples_per_task`` ranks are all scored, or when every one of its rollouts
-that could still be kept has ended. The extras still running then are stopped
-and end as ``superseded``. With no failures, a group with oversampling keeps
-exactly the samples it would keep without, so its mean reward (the GRPO
-baseline) is the same whether long episodes score higher or lower.
+ones. So a group is complete once its kept set is decided: when it holds
+``samples_per_task`` kept samples (its own, or extras in place of failed
+ones), or when none of its rollouts is still running. The extras still
+running then are stopped and end as ``superseded``. With no failures, a
+group with oversampling keeps exactly the samples it would keep without, so
+its mean reward (the GRPO baseline) is the same whether long episodes score
+higher or lower.
 
 Whether a result counts is decided once, as the rollout's result is built and
 before anyone sees it (:meth:`GroupTracker.settle`): every consumer (the
@@ -77,7 +78,7 @@ def not_needed_error(task_key: str, expected: int) -> str:
     """Why a scored extra that could not stand in for a failed sample ends ``superseded``."""
     return (
         f"an extra of its group (task {task_key!r}) counts only in place of a failed sample,"
-        f" and the {expected} lower-ranked samples it could replace were scored or still running"
+        f" and at least {expected} lower-ranked samples were scored or still running"
     )
 
 

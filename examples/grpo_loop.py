@@ -7,8 +7,10 @@ fake chat server (the inference server: token ids, logprobs, usage).
 Each step:
 
 1. runs a batch with ``samples_per_task`` samples per task (plus ``oversample``
-   extras; the first scored ones make the group, the rest end ``superseded``);
-2. consumes ``batch.groups()`` as each group completes, skipping ``uniform``
+   extras, which stand in for samples that fail for infrastructure reasons;
+   the rest end ``superseded``);
+2. consumes ``batch.groups(complete_only=True)`` as each group completes
+   (dropping groups failures left short), skipping ``uniform``
    groups (every sample the same reward: zero advantage) and computing
    group-normalised advantages ``(r - mean) / (std + eps)``;
 3. gathers, per turn, the token ids and logprobs the server sent (what a
@@ -19,13 +21,17 @@ Each step:
 
 The fake model solves a share ``skill`` of its attempts at each task (it gives
 up at once on the others), and each weight swap makes it solve more. Its
-attempts at a task past ``samples_per_task`` in a step stall, as stragglers
-do: each group completes without them and they end ``superseded``, which is
-what oversampling is for. So every number printed is fixed by the tasks and
-the arguments, whichever rollouts happen to finish first, and the same on
-every run.
+attempts at a task past ``samples_per_task`` in a step are refused by the
+server (an infrastructure failure: no reward), so an extra rollout has
+something to stand in for. Groups keep their lowest-ranked scored samples
+(``fleetroll.groups``), never the fastest, so without oversampling every
+number printed is fixed by the tasks and the arguments and the same on every
+run. With oversampling, which attempt a rollout makes depends on which calls
+the server first, so an extra may be the refused one (the group is its own
+samples) or may have ended before the sample it would replace was refused
+(the group is then short and dropped).
 
-    python examples/grpo_loop.py --steps 3 --tasks 4 --samples 4 --oversample 1
+    python examples/grpo_loop.py --steps 3 --tasks 4 --samples 4
 """
 
 from __future__ import annotations
@@ -43,7 +49,13 @@ import anyio
 from fleetroll import OpenAIChatPolicy, RolloutPool, TaskSpec, load_settings, load_tasks
 from fleetroll.emulator import Emulator
 from fleetroll.settings import config_dir
-from fleetroll.testing.fake_openai import HANG, FakeChatServer, VllmShape, completion, tool_call
+from fleetroll.testing.fake_openai import (
+    FakeChatServer,
+    FakeError,
+    VllmShape,
+    completion,
+    tool_call,
+)
 
 EPS = 1e-6
 
@@ -52,7 +64,7 @@ EPS = 1e-6
 class Model:
     """The fake weights: the share of its attempts at a task the model solves.
 
-    ``answering`` attempts at a task answer per set of weights; later ones stall.
+    ``answering`` attempts at a task answer per set of weights; later ones are refused.
     """
 
     skill: float
@@ -88,7 +100,7 @@ class Model:
             if turn == 0:
                 k = self.attempt(prompt)
                 if k >= self.answering:
-                    return HANG  # a straggler: its group completes without it
+                    return FakeError(400, "no capacity for this attempt")  # no reward
                 if not self.solves(k):
                     return completion("I give up.")
             if turn >= len(steps):
@@ -164,7 +176,8 @@ async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> lis
                     chosen, policy, samples_per_task=samples, oversample=oversample
                 )
                 s = Step(step, pool.policy_version)
-                async for group in batch.groups():  # in the order groups complete
+                # In the order groups complete; a group failures left short is dropped.
+                async for group in batch.groups(complete_only=True):
                     s.groups += 1
                     s.superseded += group.superseded
                     s.rewards += group.rewards
@@ -198,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> list[Step]:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tasks", type=int, default=4, help="tasks per batch")
     parser.add_argument("--samples", type=int, default=4, help="samples per task (group size)")
-    parser.add_argument("--oversample", type=int, default=1, help="extra rollouts per group")
+    parser.add_argument("--oversample", type=int, default=0, help="extra rollouts per group")
     args = parser.parse_args(argv)
     summaries = anyio.run(
         lambda: train(

@@ -253,6 +253,43 @@ def test_a_result_after_its_group_was_delivered_changes_nothing() -> None:
     assert tracker.add(result("r1", 1.0)) is None  # not one of its running rollouts any more
 
 
+def ranked(rid: str, rank: int, reward: float | None, reason: FailureReason | None = None):
+    """:func:`result` of rollout ``rid`` with its rank (``sample_index``)."""
+    return result(rid, reward, reason).model_copy(update={"sample_index": rank})
+
+
+def test_a_scored_extra_counts_only_once_enough_lower_ranks_ended_unscored() -> None:
+    rids = [f"r{n}" for n in range(5)]
+    tracker = GroupTracker("b", 2, {"g": ("t", rids)}, ranks={r: n for n, r in enumerate(rids)})
+    lost = FailureReason.INSTANCE_LOST
+    # r4 ends first, scored: r0..r3 may still fill the group, so it is not needed.
+    early, done = tracker.settle(ranked("r4", 4, 1.0))
+    assert (early.failure_reason, early.reward, done) == (FailureReason.SUPERSEDED, None, None)
+    assert early.error is not None and "counts only in place of a failed sample" in early.error
+    assert tracker.settle(ranked("r0", 0, None, lost))[1] is None
+    # r0 failed: r3 could stand in only if r1 or r2 fails too, and both still run.
+    late, _ = tracker.settle(ranked("r3", 3, 0.5))
+    assert late.failure_reason is FailureReason.SUPERSEDED
+    kept, _ = tracker.settle(ranked("r1", 1, 0.0))
+    assert kept.reward == 0.0
+    _, done = tracker.settle(ranked("r2", 2, 1.0))  # r2 stands in for r0
+    assert done is not None
+    group, stop = done
+    assert (group.rewards, group.failed, group.superseded, stop) == ([0.0, 1.0], 1, 2, [])
+    assert group.complete
+
+
+def test_a_group_whose_rollouts_all_ended_short_of_its_samples_is_incomplete() -> None:
+    rids = ["r0", "r1", "r2"]
+    tracker = GroupTracker("b", 2, {"g": ("t", rids)}, ranks={r: n for n, r in enumerate(rids)})
+    tracker.settle(ranked("r0", 0, None, FailureReason.INSTANCE_LOST))
+    tracker.settle(ranked("r1", 1, 1.0))
+    _, done = tracker.settle(ranked("r2", 2, None, FailureReason.POLICY_ERROR))
+    assert done is not None
+    group, _ = done
+    assert (group.rewards, group.failed, group.complete) == ([1.0], 2, False)
+
+
 def test_a_result_settled_after_its_group_completed_is_superseded_whatever_it_was() -> None:
     tracker = GroupTracker("b", 1, {"g": ("t", ["r0", "r1", "r2", "r3"])})
     first, done = tracker.settle(result("r0", 0.5))
@@ -383,9 +420,11 @@ async def test_an_extra_scored_while_its_group_completes_ends_superseded_everywh
     assert_pairs(sink)
 
 
-async def test_an_extra_that_ends_before_its_group_completes_counts_in_it() -> None:
-    # Three rollouts for two samples, all solving one after another: whichever two
-    # end first count (an extra included), the third ends superseded.
+async def test_samples_solving_one_after_another_fill_their_group_and_the_extra_is_superseded() -> (
+    None
+):
+    # Three rollouts for two samples, all solving one after another: the group's
+    # own two count, the extra ends superseded (it stands in only for a failure).
     sink = MemorySink()
     settings = load_settings(pool={"concurrency": 1}, provisioning={"max_concurrent_creates": 2})
     provider = HeldReleases(settings, expect=0)

@@ -14,7 +14,8 @@ import pytest
 from fleetroll.groups import Group
 from fleetroll.phases import Phase
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool import Batch, RolloutPool, group_id, rollout_id
+from fleetroll.progress import RolloutIds
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
@@ -37,7 +38,9 @@ def pool_over(executor: FakeExecutor) -> RolloutPool:
     return RolloutPool(load_settings(), executor=executor)
 
 
-async def test_a_group_completes_at_its_first_scored_samples_and_the_extra_is_superseded() -> None:
+async def test_a_group_keeps_its_own_samples_and_an_extra_that_ended_first_is_superseded() -> None:
+    # The extra ends first, scored: samples 0 and 1 may still both score, so it
+    # is not needed and ends superseded at once; the group waits for its own two.
     executor = FakeExecutor(hold=True)
     rids = [rollout_id("b", TASK.key, i) for i in range(3)]
     async with pool_over(executor) as pool:
@@ -47,17 +50,122 @@ async def test_a_group_completes_at_its_first_scored_samples_and_the_extra_is_su
         with anyio.fail_after(5):
             for rid in rids:
                 await executor.started(rid)
-            executor.finish(rids[2], reward=0.0)
-            executor.finish(rids[0], reward=1.0)
+            order = [(rids[2], 0.0), (rids[0], 1.0), (rids[1], 1.0)]
+            results = await finish_in_order(executor, batch, order)
             groups: list[Group] = [g async for g in batch.groups()]
-            results = {r.rollout_id: r async for r in batch}
-    assert executor.stopped == [rids[1]]
-    assert results[rids[1]].failure_reason is FailureReason.SUPERSEDED
+            results += await batch.results()
+    assert executor.stopped == []
+    (extra,) = [r for r in results if r.rollout_id == rids[2]]
+    assert (extra.failure_reason, extra.reward) == (FailureReason.SUPERSEDED, None)
+    assert extra.error is not None and extra.error.endswith("it had ended completed with reward 0")
     (group,) = groups
     assert group.group_id == group_id("b", TASK.key)
-    assert [r.rollout_id for r in group.results] == [rids[2], rids[0]]
-    assert (group.rewards, group.superseded) == ([0.0, 1.0], 1)
+    assert [r.rollout_id for r in group.results] == [rids[0], rids[1]]
+    assert (group.rewards, group.superseded, group.complete) == ([1.0, 1.0], 1, True)
     assert executor.swept == ["b"]
+
+
+async def finish_in_order(
+    executor: FakeExecutor,
+    batch: Batch,
+    order: list[tuple[str, float | None]],
+    reason: FailureReason = FailureReason.INSTANCE_LOST,
+) -> list[RolloutResult]:
+    """End held rollouts one at a time, in ``order`` (a null reward: failed as
+    ``reason``), each only once the one before has its result; skip the ones
+    the pool stopped meanwhile. The results read meanwhile, in order."""
+    seen: list[RolloutResult] = []
+    for rid, reward in order:
+        if rid in {r.rollout_id for r in seen}:
+            continue  # stopped (superseded) before its turn
+        executor.finish(rid, reward=reward, reason=None if reward is not None else reason)
+        async for result in batch:
+            seen.append(result)
+            if result.rollout_id == rid:
+                break
+    return seen
+
+
+def slow_ones_score(ids: RolloutIds) -> float:
+    """Even samples take long and solve their task (1.0); odd ones end fast with 0.0."""
+    return 1.0 if ids.sample_index % 2 == 0 else 0.0
+
+
+async def group_mean(samples: int, oversample: int) -> tuple[float | None, list[int]]:
+    """The group mean and kept ranks of one task when the episodes that score end last."""
+    executor = FakeExecutor(hold=True)
+    total = samples + oversample
+    rids = [rollout_id("b", TASK.key, i) for i in range(total)]
+    async with pool_over(executor) as pool:
+        batch = pool.run_batch(
+            [TASK], ScriptedPolicy(), samples_per_task=samples, oversample=oversample, batch_id="b"
+        )
+        with anyio.fail_after(5):
+            for rid in rids:
+                await executor.started(rid)
+            fast_first = sorted(range(total), key=lambda i: (i % 2 == 0, i))
+            order = [(rids[i], slow_ones_score(executor.rollouts[rids[i]].ids)) for i in fast_first]
+            await finish_in_order(executor, batch, order)
+            (group,) = [g async for g in batch.groups()]
+            await batch.results()
+    return group.reward_mean, sorted(r.sample_index for r in group.results)
+
+
+async def test_oversampling_keeps_the_group_mean_when_long_episodes_score_higher() -> None:
+    # Tolerance: none. The double is deterministic and, with no failures, an
+    # oversampled group keeps exactly the samples 0..n-1 it would keep without.
+    plain = await group_mean(4, 0)
+    oversampled = await group_mean(4, 4)
+    assert plain == (0.5, [0, 1, 2, 3])
+    assert oversampled == plain  # before: 0.0, the four fast odd samples 1, 3, 5, 7
+
+
+async def test_an_extra_stands_in_for_a_sample_that_failed_and_the_next_extra_is_stopped() -> None:
+    executor = FakeExecutor(hold=True)
+    rids = [rollout_id("b", TASK.key, i) for i in range(4)]
+    async with pool_over(executor) as pool:
+        batch = pool.run_batch(
+            [TASK], ScriptedPolicy(), samples_per_task=2, oversample=2, batch_id="b"
+        )
+        with anyio.fail_after(5):
+            for rid in rids:
+                await executor.started(rid)
+            order = [(rids[0], None), (rids[1], 0.0), (rids[2], 1.0)]
+            seen = await finish_in_order(executor, batch, order)
+            (group,) = [g async for g in batch.groups()]
+            results = {r.rollout_id: r for r in seen + await batch.results()}
+    assert [r.sample_index for r in group.results] == [1, 2]
+    assert (group.rewards, group.failed, group.superseded) == ([0.0, 1.0], 1, 1)
+    assert group.complete and executor.stopped == [rids[3]]
+    assert results[rids[3]].failure_reason is FailureReason.SUPERSEDED
+
+
+async def test_a_group_short_of_its_scored_samples_is_marked_incomplete_and_can_be_dropped() -> (
+    None
+):
+    executor = FakeExecutor(hold=True)
+    mine = [rollout_id("b", TASK.key, i) for i in range(3)]
+    other = [rollout_id("b", OTHER.key, i) for i in range(3)]
+    async with pool_over(executor) as pool:
+        batch = pool.run_batch(
+            [TASK, OTHER], ScriptedPolicy(), samples_per_task=2, oversample=1, batch_id="b"
+        )
+        with anyio.fail_after(5):
+            for rid in mine + other:
+                await executor.started(rid)
+            order = [(mine[0], None), (mine[1], 1.0), (mine[2], None)]
+            await finish_in_order(executor, batch, [*order, (other[0], 1.0), (other[1], 0.0)])
+            every = [g async for g in batch.groups()]
+            kept = [g async for g in batch.groups(complete_only=True)]
+    short, full = every
+    assert (short.task_key, short.complete, short.rewards, short.failed) == (
+        TASK.key,
+        False,
+        [1.0],
+        2,
+    )
+    assert full.task_key == OTHER.key and full.complete
+    assert kept == [full]
 
 
 async def test_a_resumed_batch_runs_only_what_is_missing_and_counts_what_came_before() -> None:

@@ -234,12 +234,16 @@ class _Groups:
         self._changed.set()
         self._changed = anyio.Event()
 
-    async def read(self, on_end: Callable[[], None]) -> AsyncIterator[Group]:
+    async def read(
+        self, on_end: Callable[[], None], *, complete_only: bool = False
+    ) -> AsyncIterator[Group]:
         seen = 0
         while True:
             while seen < len(self.complete):
                 seen += 1
-                yield self.complete[seen - 1]
+                group = self.complete[seen - 1]
+                if group.complete or not complete_only:
+                    yield group
             if self.closed:
                 on_end()
                 return
@@ -285,15 +289,17 @@ class Batch(ResultStream):
         """The groups complete so far, in completion order."""
         return self._groups.complete
 
-    def groups(self) -> AsyncIterator[Group]:
+    def groups(self, *, complete_only: bool = False) -> AsyncIterator[Group]:
         """Each group of the batch as soon as it is complete (see :mod:`fleetroll.groups`).
 
         Every group is yielded once (a cancelled batch's groups too, with what
         they had), in completion order; each call reads them from the first.
+        ``complete_only``: skip the groups that ended short of
+        ``samples_per_task`` scored samples (:attr:`Group.complete` false).
         Reading the groups to their end counts as reading the batch: the pool
         may then forget it (``pool.keep_finished_batches``).
         """
-        return self._groups.read(self._mark_drained)
+        return self._groups.read(self._mark_drained, complete_only=complete_only)
 
     def deliver(self, result: RolloutResult) -> None:
         if result.rollout_id in self.delivered:

@@ -3,33 +3,57 @@
 ::
 
     batch = pool.run_batch(tasks, policy, samples_per_task=8, oversample=2)
-    async for group in batch.groups():      # in the order the groups complete
+    async for group in batch.groups(complete_only=True):  # in the order groups complete
         if not group.uniform:  # same reward everywhere: zero advantage, no signal
             mean, std = group.reward_mean, group.reward_std
             advantages = [(r - mean) / (std + 1e-6) for r in group.rewards]
 
 A group counts its **scored** samples: those with a reward (``reward`` not
 null, so ``completed`` and the verifier-scored failures such as
-``max_steps``, ``timeout`` or ``stale``). It is complete at its first
-``samples_per_task`` scored samples, or when every one of its rollouts has
-ended, whichever comes first. With oversampling (``samples_per_task + m``
-rollouts per group), the rollouts still running when it completes are
-stopped and end as ``superseded``.
+``max_steps``, ``timeout`` or ``stale``).
+
+Which samples a group keeps does not depend on how long they took. Each
+rollout has a rank, its ``sample_index``; the group keeps its
+``samples_per_task`` lowest-ranked scored samples. The first
+``samples_per_task`` ranks are the group's samples; the extras
+(``oversample``, ranks ``samples_per_task`` and up) stand in, in rank order,
+for samples that ended **unscored** (infrastructure failures), never for slow
+ones. So a group is complete once its kept set is decided: when it holds
+``samples_per_task`` kept samples (its own, or extras in place of failed
+ones), or when none of its rollouts is still running. The extras still
+running then are stopped and end as ``superseded``. With no failures, a
+group with oversampling keeps exactly the samples it would keep without, so
+its mean reward (the GRPO baseline) is the same whether long episodes score
+higher or lower.
 
 Whether a result counts is decided once, as the rollout's result is built and
 before anyone sees it (:meth:`GroupTracker.settle`): every consumer (the
-results, the journal, telemetry, the groups) sees the same outcome. A rollout
-that ends after its group was complete is ``superseded`` however far it got:
-one that had been scored in the meantime keeps its transcript and
-``verifier`` outcome, its reward becomes null, and its ``error`` says what it
-had ended as (``it had ended completed with reward 1``). So a group's
-``results`` are exactly the batch's results with a reward in that group.
+results, the journal, telemetry, the groups) sees the same outcome. Since
+that decision cannot wait, an extra that ends scored while the lower ranks
+that could fill the group are still running is decided at once as
+``superseded``: it counts only when enough lower ranks have already ended
+unscored. So if a lower rank fails *after* such an extra ended, the extra is
+not taken back: the slot goes to the next extra still running, or the group
+stays short. This keeps the no-failure case exact and bounds what timing can
+do to the failure case (a fast extra can lose a slot to a slower one, only
+when a sample failed). A rollout that ends after its group was complete is
+``superseded`` however far it got: one that had been scored in the meantime
+keeps its transcript and ``verifier`` outcome, its reward becomes null, and
+its ``error`` says what it had ended as (``it had ended completed with reward
+1``). So a group's ``results`` are exactly the batch's results with a reward
+in that group.
 
 Rollouts that end with no reward (infrastructure failures: ``init_error``,
 ``instance_lost``, ``policy_error``...) are not counted, only tallied in
-:attr:`Group.failed`; the statistics are over the scored samples, so a group
-hit by failures may have fewer than ``samples_per_task`` of them (or none:
-then ``reward_mean`` and ``reward_std`` are null).
+:attr:`Group.failed`; the statistics are over the scored samples. A group that
+cannot reach ``samples_per_task`` scored samples is still delivered, with
+:attr:`Group.complete` false (and with no scored sample at all,
+``reward_mean`` and ``reward_std`` null); ``batch.groups(complete_only=True)``
+drops such groups.
+
+Straggler cut-off by whole groups (start more groups than needed and train on
+the first complete ones) is not built yet. Its bias, when it is: it favours
+tasks whose episodes are short, not samples within a group.
 """
 
 from __future__ import annotations
@@ -42,12 +66,27 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetroll.results import FailureReason, RolloutResult
 
-__all__ = ["Group", "GroupTracker", "superseded_error"]
+__all__ = ["Group", "GroupTracker", "not_needed_error", "superseded_error"]
 
 
 def superseded_error(task_key: str, expected: int) -> str:
     """Why a rollout of a complete group ends ``superseded``."""
     return f"its group (task {task_key!r}) had its {expected} scored samples"
+
+
+def not_needed_error(task_key: str, expected: int) -> str:
+    """Why a scored extra that could not stand in for a failed sample ends ``superseded``."""
+    return (
+        f"an extra of its group (task {task_key!r}) counts only in place of a failed sample,"
+        f" and at least {expected} lower-ranked samples were scored or still running"
+    )
+
+
+def _ended(result: RolloutResult) -> str:
+    """What a rollout had ended as, for the error of a result made ``superseded``."""
+    if result.reward is not None:
+        return f"{result.failure_reason or 'completed'} with reward {result.reward:g}"
+    return f"{result.failure_reason}: {result.error}"
 
 
 class Group(BaseModel):
@@ -60,7 +99,8 @@ class Group(BaseModel):
     task_key: str
     #: ``samples_per_task``: the scored samples a full group has.
     expected: int
-    #: The scored samples that count (at most ``expected``), in the order they ended.
+    #: The scored samples that count (at most ``expected``): the lowest-ranked
+    #: (``sample_index``) scored ones, in the order they ended.
     results: list[RolloutResult] = Field(default_factory=list)
     rewards: list[float] = Field(default_factory=list)
     #: Mean and population standard deviation of ``rewards`` (null when there are none).
@@ -70,8 +110,12 @@ class Group(BaseModel):
     uniform: bool = False
     #: Rollouts of the group that ended without a reward (infrastructure failures).
     failed: int = 0
-    #: Oversampled rollouts stopped (or never started) because the group was complete.
+    #: Oversampled rollouts stopped (or never started) because the group was
+    #: complete, or that ended scored while not needed in place of a failed sample.
     superseded: int = 0
+    #: It has ``expected`` scored samples; false when failures left it short
+    #: (``batch.groups(complete_only=True)`` drops such groups).
+    complete: bool = True
 
     @classmethod
     def of(
@@ -98,6 +142,7 @@ class Group(BaseModel):
             uniform=bool(rewards) and len(set(rewards)) == 1,
             failed=failed,
             superseded=superseded,
+            complete=len(rewards) >= expected,
         )
 
 
@@ -105,6 +150,8 @@ class Group(BaseModel):
 class _Pending:
     task_key: str
     running: set[str]
+    #: Rank (``sample_index``) of each of its rollouts in this run.
+    ranks: dict[str, int] = field(default_factory=dict)
     counted: list[RolloutResult] = field(default_factory=list)
     failed: int = 0
     superseded: int = 0
@@ -124,6 +171,10 @@ class GroupTracker:
         members: per group id, its task key and the ids of its rollouts in this run.
         previous: results of the batch's rollouts that ended in an earlier run
             (a resume): they count in their groups as if delivered first.
+        ranks: the ``sample_index`` of each rollout id of ``members``:
+            :meth:`settle` keeps a scored extra only in place of a failed
+            lower-ranked sample. A rollout without one is not ranked (as a
+            tracker that only :meth:`add` s results already settled needs).
     """
 
     def __init__(
@@ -132,10 +183,16 @@ class GroupTracker:
         expected: int,
         members: Mapping[str, tuple[str, Iterable[str]]],
         previous: Iterable[RolloutResult] = (),
+        *,
+        ranks: Mapping[str, int] | None = None,
     ) -> None:
         self.batch_id = batch_id
         self.expected = expected
-        self._groups = {gid: _Pending(key, set(ids)) for gid, (key, ids) in members.items()}
+        ranks = ranks or {}
+        self._groups = {
+            gid: _Pending(key, set(ids), {rid: ranks[rid] for rid in ids if rid in ranks})
+            for gid, (key, ids) in members.items()
+        }
         for result in previous:
             group = self._groups.get(result.group_id or "")
             if group is not None:
@@ -158,30 +215,37 @@ class GroupTracker:
         """Decide, once, what an ended rollout's result is in its group.
 
         Returns the result as every consumer must see it (``superseded``, with
-        no reward, when its group was already complete) and the group it
-        completes, if it does. Call it once per result, before passing the
-        result on.
+        no reward, when its group was already complete, or when it is a scored
+        extra not needed in place of a failed lower-ranked sample) and the
+        group it completes, if it does. Call it once per result, before
+        passing the result on.
         """
         group = self._groups.get(result.group_id or "")
-        if group is None or result.rollout_id not in group.running or not group.complete:
+        if group is None or result.rollout_id not in group.running:
+            return result, self.add(result)
+        if not group.complete:
+            if result.reward is not None and self._not_needed(group, result):
+                error = not_needed_error(group.task_key, self.expected)
+                result = _superseded(result, error)
             return result, self.add(result)
         group.running.discard(result.rollout_id)
         if result.failure_reason is FailureReason.SUPERSEDED:
             return result, None
         # It ended after its group was complete: the group counted it as superseded.
-        if result.reward is not None:
-            ended = f"{result.failure_reason or 'completed'} with reward {result.reward:g}"
-        else:
-            ended = f"{result.failure_reason}: {result.error}"
-        error = f"{superseded_error(group.task_key, self.expected)}; it had ended {ended}"
-        return result.model_copy(
-            update={
-                "status": "failed",
-                "failure_reason": FailureReason.SUPERSEDED,
-                "reward": None,
-                "error": error,
-            }
-        ), None
+        return _superseded(result, superseded_error(group.task_key, self.expected)), None
+
+    def _not_needed(self, group: _Pending, result: RolloutResult) -> bool:
+        """Whether a scored result would take a place lower ranks may still fill.
+
+        It counts only if, even were every lower-ranked rollout still running
+        to end scored, the lower ranks would not fill the group.
+        """
+        rank = group.ranks.get(result.rollout_id)
+        if rank is None or rank < self.expected:
+            return False  # one of the group's own samples (or unranked): always kept
+        lower = sum(1 for r in group.counted if r.sample_index < rank)
+        lower += sum(1 for rid in group.running if group.ranks.get(rid, rank) < rank)
+        return lower >= self.expected
 
     def add(self, result: RolloutResult) -> Completion | None:
         """Count one ended rollout, as it was delivered; the group it completes, if it does."""
@@ -220,3 +284,15 @@ class GroupTracker:
             ),
             stop,
         )
+
+
+def _superseded(result: RolloutResult, why: str) -> RolloutResult:
+    """``result`` as ``superseded``: no reward, and its error says what it had ended as."""
+    return result.model_copy(
+        update={
+            "status": "failed",
+            "failure_reason": FailureReason.SUPERSEDED,
+            "reward": None,
+            "error": f"{why}; it had ended {_ended(result)}",
+        }
+    )

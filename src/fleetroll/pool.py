@@ -268,9 +268,11 @@ class RolloutPool:
             run_id: Fleet's ``run_id`` for the instances (default: the batch id);
                 instances left behind are swept by it when the batch ends.
             oversample: extra rollouts per group (default ``pool.oversample``),
-                sample indices ``samples_per_task`` and up; a group is complete
-                at its first ``samples_per_task`` scored samples and the extras
-                still running end as ``superseded``.
+                sample indices ``samples_per_task`` and up: they stand in, in
+                that order, for samples that end unscored (infrastructure
+                failures), not for slow ones; once a group's kept samples are
+                decided, the extras still running end as ``superseded``
+                (:mod:`fleetroll.groups`).
             previous: results of this batch's rollouts from an earlier run (a
                 resume): they are not run again and count in their groups.
 
@@ -296,6 +298,7 @@ class RolloutPool:
         skip = set(skip) | {r.rollout_id for r in previous}
         rollouts = []
         members: dict[str, tuple[str, list[str]]] = {}
+        ranks: dict[str, int] = {}
         for task in tasks:
             members[group_id(batch_id, task.key)] = (task.key, [])
             for sample in range(samples_per_task + extra):
@@ -309,6 +312,7 @@ class RolloutPool:
                     group_id=group_id(batch_id, task.key),
                 )
                 members[ids.group_id or ""][1].append(rid)
+                ranks[rid] = sample
                 rollouts.append(self._executor.rollout(task, ids, run_id=run_id or batch_id))
         # A group of this batch is one with a rollout here or a result from before
         # (a shard, ``only``, holds some groups only).
@@ -320,7 +324,7 @@ class RolloutPool:
             rollouts,
             skipped=len(tasks) * (samples_per_task + extra) - len(rollouts),
             run_id=run_id or batch_id,
-            tracker=GroupTracker(batch_id, samples_per_task, members, previous),
+            tracker=GroupTracker(batch_id, samples_per_task, members, previous, ranks=ranks),
         )
         if deadline_s is not None:
             batch.scope.deadline = anyio.current_time() + deadline_s

@@ -28,6 +28,7 @@ from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink
 from fleetroll.testing.fake_openai import FakeChatServer, Reply, VllmShape, completion, tool_call
 from fleetroll.testing.planned_policy import PlannedPolicy
+from gate_watch import paused_arrival
 
 pytestmark = pytest.mark.slow
 
@@ -73,13 +74,16 @@ async def test_a_version_bump_mid_batch_marks_the_rollouts_that_began_before_it_
     assert_pairs(sink)
 
 
-async def test_a_pause_holds_only_policy_calls_and_a_tool_call_under_way_finishes() -> None:
+async def test_a_pause_holds_only_policy_calls_and_a_tool_call_under_way_finishes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     sink = MemorySink()
     task = next(t for t in LEDGER if t.solution and len(t.solution) >= 2)
     profile = FaultProfile(tool_latency=Latency(min_s=0.2, max_s=0.2))
     async with Emulator(profile) as emu:
         policy = PlannedPolicy()
         async with pool_for(emu, sink) as pool:
+            held = paused_arrival(pool.policy_gate, monkeypatch)
             batch = pool.run_batch([task], policy)
             (rollout,) = batch.rollouts
             with anyio.fail_after(60):
@@ -90,7 +94,7 @@ async def test_a_pause_holds_only_policy_calls_and_a_tool_call_under_way_finishe
                 async with pool.policy_paused():
                     # ...and its answer comes in during the pause,
                     await rollout.wait_until(lambda r: r.messages[-1]["role"] == "tool")
-                    await anyio.wait_all_tasks_blocked()
+                    await held.wait()  # its next policy call is at the gate
                     # but the next policy call waits for the pause to end.
                     assert policy.calls[task.key] == 1
                 (result,) = await batch.results()

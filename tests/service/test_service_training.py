@@ -20,6 +20,7 @@ from fleetroll.service import Service
 from fleetroll.service.errors import ApiError
 from fleetroll.settings import load_settings
 from fleetroll.testing.planned_policy import PlannedPolicy
+from gate_watch import paused_arrival
 
 pytestmark = pytest.mark.slow
 
@@ -103,11 +104,12 @@ async def test_a_pause_over_http_holds_policy_calls_until_the_trainer_lets_go(
     ):
         with anyio.fail_after(60):
             await client.set_policy_version(3)
+            held = paused_arrival(served.service.pool.policy_gate, monkeypatch)
             async with client.policy_paused(ttl_s=30):
                 batch = await client.run_batch([task]).submit()
                 (rollout,) = served.service.pool.batches[batch.batch_id].rollouts
                 await rollout.wait_until(lambda r: r.phase is Phase.ACTING)
-                await anyio.wait_all_tasks_blocked()
+                await held.wait()  # its first policy call is at the gate
                 assert policy.calls[task.key] == 0
                 async with served.http() as http:
                     state = (await http.get("/v1/policy")).json()

@@ -1,0 +1,86 @@
+"""One RolloutPool, any executor: the pool's features the same in this process and on Ray.
+
+DRAFT (branch i28-seam-ray): the same test on the local executor and on two
+Ray actors running the local executor (:mod:`fleetroll.ray_executor`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from fleetroll.emulator import FaultProfile, Latency
+from fleetroll.emulator.process import EmulatorProcess
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool import RolloutPool
+from fleetroll.results import FailureReason
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import load_tasks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+SETTINGS = load_settings(provisioning={"backoff_initial_s": 0.05, "backoff_max_s": 0.5})
+LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
+
+
+@pytest.fixture(scope="module")
+async def fleet() -> AsyncIterator[EmulatorProcess]:
+    async with EmulatorProcess(FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))) as emu:
+        yield emu
+
+
+@pytest.fixture(params=["local", "ray"])
+async def pool(
+    request: pytest.FixtureRequest, fleet: EmulatorProcess
+) -> AsyncIterator[RolloutPool]:
+    if request.param == "local":
+        async with RolloutPool(SETTINGS, api_key=fleet.api_key, base_url=fleet.base_url) as local:
+            yield local
+        return
+    pytest.importorskip("ray")
+    request.getfixturevalue("local_ray")
+    from fleetroll.ray_executor import ray_pool
+
+    async with ray_pool(
+        SETTINGS, api_key=fleet.api_key, base_url=fleet.base_url, num_actors=2
+    ) as on_ray:
+        yield on_ray
+
+
+async def test_oversampled_groups_on_a_paused_swapped_policy_then_a_resume_run_nothing_twice(
+    pool: RolloutPool,
+) -> None:
+    tasks = LEDGER[:3]
+    with anyio.fail_after(300):
+        pool.policy_version = 1
+        async with pool.policy_paused():
+            batch = pool.run_batch(
+                tasks, ScriptedPolicy(), samples_per_task=2, oversample=1, batch_id="b"
+            )
+            pool.policy_version = 2  # the weights were swapped during the pause
+        results = await batch.results()
+        again = pool.run_batch(
+            tasks,
+            ScriptedPolicy(),
+            samples_per_task=2,
+            oversample=1,
+            batch_id="b",
+            previous=results,
+        )
+        rerun = await again.results()
+        versions = set()
+        for r in results:
+            if r.reward is not None:
+                page = await batch.events(r.rollout_id, after=0, wait_s=0)
+                versions |= {e.data["policy_version"] for e in page.events if e.kind == "turn"}
+    assert len(results) == 9 and len({r.rollout_id for r in results}) == 9
+    scored = [r for r in results if r.reward is not None]
+    assert Counter(r.task_key for r in scored) == {t.key: 2 for t in tasks}
+    assert all(r.failure_reason is FailureReason.SUPERSEDED for r in results if r not in scored)
+    # Every policy call was made on the weights swapped in during the pause.
+    assert versions == {2}
+    assert [len(g.results) for g in batch.complete_groups] == [2, 2, 2]
+    assert rerun == [] and [len(g.results) for g in again.complete_groups] == [2, 2, 2]

@@ -19,8 +19,11 @@ from fleetroll.pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
+from fleetroll.telemetry.events import Events, MemorySink
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+ray = pytest.importorskip("ray")
 
 SETTINGS = load_settings(provisioning={"backoff_initial_s": 0.05, "backoff_max_s": 0.5})
 LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
@@ -84,3 +87,36 @@ async def test_oversampled_groups_on_a_paused_swapped_policy_then_a_resume_run_n
     assert versions == {2}
     assert [len(g.results) for g in batch.complete_groups] == [2, 2, 2]
     assert rerun == [] and [len(g.results) for g in again.complete_groups] == [2, 2, 2]
+
+
+async def test_a_killed_actor_s_rollouts_run_again_once_on_the_other(
+    local_ray: None, fleet: EmulatorProcess
+) -> None:
+    from fleetroll.ray_executor import RayExecutor, ray_pool
+
+    sink = MemorySink()
+    async with ray_pool(
+        SETTINGS,
+        api_key=fleet.api_key,
+        base_url=fleet.base_url,
+        num_actors=2,
+        events=Events([sink]),
+    ) as pool:
+        executor = pool.executor
+        assert isinstance(executor, RayExecutor)
+        batch = pool.run_batch(LEDGER[:10], ScriptedPolicy(think_time_s=0.05), samples_per_task=2)
+        results = []
+        with anyio.fail_after(300):
+            async for result in batch:
+                results.append(result)
+                if len(results) == 5:
+                    ray.kill(executor.workers[1])
+        alive = list(executor.alive)
+    ledger = await fleet.ledger()
+    assert len(results) == 20 and len({r.rollout_id for r in results}) == 20
+    assert [(r.rollout_id, r.failure_reason) for r in results if r.reward != 1.0] == []
+    assert alive == [True, False] and sink.named("fleet_worker_lost")
+    started = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_started"))
+    completed = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed"))
+    assert started == completed and set(completed.values()) == {1}
+    assert ledger["running"] == 0

@@ -160,6 +160,11 @@ class RolloutPool:
         self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
 
     @property
+    def executor(self) -> Executor:
+        """What runs the pool's rollouts."""
+        return self._executor
+
+    @property
     def engine(self) -> RolloutEngine:
         """The local executor's engine (its provider, its redactor).
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
 from typing import Any
 
 import anyio
@@ -44,6 +44,8 @@ __all__ = ["ExecutorWorker", "RayExecutor", "ray_pool"]
 
 #: How long a driver's take of an actor's telemetry waits for an event.
 _TAKE_WAIT_S = 0.5
+#: Events passed on once per rollout, even when it ran again after its actor died.
+_ONCE = ("fleet_rollout_started", "fleet_rollout_completed")
 
 
 class ExecutorWorker:
@@ -84,12 +86,15 @@ class ExecutorWorker:
 
     async def run(
         self, task: TaskSpec, ids: RolloutIds, run_id: str, policy: Policy
-    ) -> RolloutResult:
+    ) -> tuple[RolloutResult, list[Event]]:
+        """Run one rollout; its result, and the telemetry not taken yet (its
+        completed event among it: the actor may die before the next take)."""
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
         await rollout.execute(policy)
         assert rollout.result is not None
-        return rollout.result
+        events, self._buffer.events = self._buffer.events, []
+        return rollout.result, events
 
     async def stop(self, rollout_id: str, reason: FailureReason, error: str) -> None:
         if (rollout := self._rollouts.get(rollout_id)) is not None:
@@ -130,16 +135,20 @@ class ExecutorWorker:
 
 
 class RayRollout:
-    """A rollout running on an actor, as the driver's pool sees it."""
+    """A rollout running on an actor, as the driver's pool sees it.
 
-    def __init__(
-        self, worker: Any, task: TaskSpec, ids: RolloutIds, run_id: str, call_s: float
-    ) -> None:
-        self._worker = worker
+    If its actor dies, it runs again once on another (from scratch); with no
+    actor left, or once stopped, it ends without running.
+    """
+
+    def __init__(self, executor: RayExecutor, task: TaskSpec, ids: RolloutIds, run_id: str) -> None:
+        self._executor = executor
+        self._index = executor.pick()
+        self._worker = executor.workers[self._index]
         self._task = task
         self.ids = ids
         self._run_id = run_id
-        self._call_s = call_s
+        self._call_s = executor.settings.timeouts.ray_call_s
         self.phase = Phase.PENDING
         self.result: RolloutResult | None = None
         self.settle: Callable[[RolloutResult], RolloutResult] | None = None
@@ -150,16 +159,35 @@ class RayRollout:
             self.never_started(*self._stop)
             return
         self.phase = Phase.PROVISIONING
-        ref = self._worker.run.remote(self._task, self.ids, self._run_id, policy)
-        try:
-            result = await ref
-        except anyio.get_cancelled_exc_class():
-            with anyio.CancelScope(shield=True), anyio.move_on_after(self._call_s):
-                why = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
-                await self._worker.stop.remote(self.ids.rollout_id, *why)
-                self._end(await ref)
-            raise
-        self._end(result)
+        ray = load_ray()
+        for attempt in range(2):
+            ref = self._worker.run.remote(self._task, self.ids, self._run_id, policy)
+            try:
+                result, events = await ref
+            except anyio.get_cancelled_exc_class():
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(self._call_s),
+                    suppress(ray.exceptions.RayActorError),  # then: cancelled before it ended
+                ):
+                    why = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
+                    await self._worker.stop.remote(self.ids.rollout_id, *why)
+                    result, events = await ref
+                    self._executor.pass_on(events)
+                    self._end(result)
+                raise
+            except ray.exceptions.RayActorError:
+                live = await self._executor.lost(self._index, self.ids)
+                if live is None or attempt or self._stop is not None:
+                    died = "its worker died" if live is not None else "no worker is left"
+                    reason, error = self._stop or (FailureReason.INIT_ERROR, died)
+                    self.never_started(reason, error)
+                    return
+                self._index, self._worker = live, self._executor.workers[live]
+                continue
+            self._executor.pass_on(events)
+            self._end(result)
+            return
 
     def _end(self, result: RolloutResult) -> None:
         self.phase = Phase.DONE
@@ -238,19 +266,64 @@ class RayExecutor:
         self._api_key = api_key
         self._local = LocalExecutor(settings, api_key=api_key, base_url=base_url)
         self._next = itertools.cycle(range(len(workers)))
+        #: Which actors still answer.
+        self.alive = [True] * len(workers)
+        #: Rollouts run again after their actor died: their started and completed
+        #: events are passed on once (the dead actor may have shipped either).
+        self._rerun: dict[str, set[str]] = {}
+        #: Rollouts whose started event was passed on and completed one not yet.
+        self._started: set[str] = set()
+        self._events: Events | None = None
+        self._closing = False
+        self._limiter: Any = None
+
+    def pick(self) -> int:
+        """The next live actor, round robin (0 if none is: its call fails as lost)."""
+        for _ in self.workers:
+            n = next(self._next)
+            if self.alive[n]:
+                return n
+        return 0
+
+    async def lost(self, index: int, ids: RolloutIds) -> int | None:
+        """Actor ``index`` died under rollout ``ids``: the actor to run it again on, if any."""
+        if self.alive[index]:
+            self.alive[index] = False
+            if self._events is not None:
+                self._events.emit(
+                    "fleet_worker_lost", level="error", batch_id=ids.batch_id, worker=index
+                )
+        rid = ids.rollout_id
+        self._rerun.setdefault(rid, {_ONCE[0]} if rid in self._started else set())
+        live = [n for n, ok in enumerate(self.alive) if ok]
+        return live[0] if live else None
 
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
+        self._events, self._closing = context.events, False
         async with self._local.open(context), anyio.create_task_group() as tg:
             for worker in self.workers:
-                tg.start_soon(self._pass_events, worker, context.events)
-            tg.start_soon(self._mirror, context.policy_gate)
+                tg.start_soon(self._pass_events, worker, context.events, _TAKE_WAIT_S)
+            mirror = anyio.CancelScope()
+            tg.start_soon(self._mirror, context.policy_gate, mirror)
             try:
                 yield
             finally:
-                tg.cancel_scope.cancel()
+                # A take cut short would lose what it took: each ends after the one
+                # under way (bounded by ray_call_s).
+                self._closing = True
+                mirror.cancel()
+        # Once more: the events of the last rollouts (shielded and bounded).
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.settings.timeouts.ray_call_s):
+            for n, worker in enumerate(self.workers):
+                if self.alive[n]:
+                    await self._pass_events(worker, context.events, 0.0, once=True)
 
-    async def _mirror(self, gate: PolicyGate) -> None:
+    async def _mirror(self, gate: PolicyGate, scope: anyio.CancelScope) -> None:
+        with scope:
+            await self._mirror_forever(gate)
+
+    async def _mirror_forever(self, gate: PolicyGate) -> None:
         while True:
             seen = gate.generation
             with anyio.fail_after(self.settings.timeouts.ray_call_s):
@@ -259,20 +332,56 @@ class RayExecutor:
             if gate.generation == seen:
                 await gate.changed()
 
-    async def _pass_events(self, worker: Any, events: Events) -> None:
+    async def _pass_events(
+        self, worker: Any, events: Events, wait_s: float, *, once: bool = False
+    ) -> None:
+        ray = load_ray()
         while True:
-            for event in await worker.take_events.remote(_TAKE_WAIT_S):
-                events.emit(event.name, level=event.level, **dict(event.attributes))
+            try:
+                with anyio.fail_after(self.settings.timeouts.ray_call_s + wait_s):
+                    taken = await worker.take_events.remote(wait_s)
+            except (ray.exceptions.RayActorError, TimeoutError):
+                return  # a dead actor's rollouts find out, and say so
+            self.pass_on(taken)
+            if once or self._closing:
+                return
+
+    def pass_on(self, taken: list[Event]) -> None:
+        """Emit what an actor emitted (started and completed once per rollout)."""
+        events = self._events
+        assert events is not None
+        for event in taken:
+            rid = str(event.attributes.get("rollout_id"))
+            seen = self._rerun.get(rid)
+            if seen is not None and event.name in _ONCE:
+                if event.name in seen:
+                    continue
+                seen.add(event.name)
+            if event.name == _ONCE[0]:
+                self._started.add(rid)
+            elif event.name == _ONCE[1]:
+                self._started.discard(rid)
+                if seen is not None and len(seen) == len(_ONCE):
+                    del self._rerun[rid]
+            events.emit(event.name, level=event.level, **dict(event.attributes))
 
     def check_tasks(self, tasks: Sequence[TaskSpec]) -> None:
         require_fleet_key(tasks, self._api_key)
 
     def rollout(self, task: TaskSpec, ids: RolloutIds, *, run_id: str) -> RolloutHandle:
-        worker = self.workers[next(self._next)]
-        return RayRollout(worker, task, ids, run_id, self.settings.timeouts.ray_call_s)
+        return RayRollout(self, task, ids, run_id)
 
     async def sweep(self, run_id: str) -> None:
+        # On the actors: their providers made the instances (this process's made
+        # none but its sessions'); any live one sweeps the run for all.
         await self._local.sweep(run_id)
+        ray = load_ray()
+        with anyio.fail_after(self.settings.timeouts.ray_call_s):
+            for n, worker in enumerate(self.workers):
+                if self.alive[n]:
+                    with suppress(ray.exceptions.RayActorError):
+                        await worker.sweep.remote(run_id)
+                        return
 
     def session(
         self, task: TaskSpec, ids: RolloutIds, *, run_id: str

@@ -143,7 +143,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         ),
     ),
     (
-        "the pool, its Ray shards, and the client of a remote pool",
+        "the pool, its executors (local, Ray), and the client of a remote pool",
         frozenset(
             {
                 "",  # the package: its public API
@@ -155,6 +155,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "preflight",
                 "ray_actors",
                 "ray_admission",
+                "ray_executor",  # RayExecutor: the pool's rollouts on Ray actors
                 "ray_pool",
                 "remote",
                 "testing.fake_executor",  # the pool's executor double

@@ -1,7 +1,7 @@
 """One RolloutPool, any executor: the pool's features the same in this process and on Ray.
 
-DRAFT (branch i28-seam-ray): the same test on the local executor and on two
-Ray actors running the local executor (:mod:`fleetroll.ray_executor`).
+The same test on the local executor and on two Ray actors running the local
+executor (:mod:`fleetroll.ray_executor`, what ``--ray`` opens).
 """
 
 from __future__ import annotations

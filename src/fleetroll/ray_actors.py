@@ -14,6 +14,7 @@ The classes are plain here; the pool makes them Ray actors when it opens.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import anyio
@@ -29,7 +30,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events
 
-__all__ = ["RolloutWorker", "holder", "load_ray"]
+__all__ = ["RolloutWorker", "default_num_actors", "holder", "load_ray"]
 
 
 def load_ray() -> Any:
@@ -204,3 +205,16 @@ class RolloutWorker:
 def holder(index: int) -> str:
     """The name the limiter knows an actor by."""
     return f"worker-{index}"
+
+
+def default_num_actors() -> int:
+    """One actor per CPU this process may use: the default on one machine.
+
+    Each actor is a process with its own event loop: more actors than cores
+    only add start-up and contention (benchmarks/RESULTS.md, "Ray against one
+    process").
+    """
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)

@@ -1,12 +1,15 @@
 """A pool's rollouts on Ray actors: :class:`RayExecutor`, each actor a LocalExecutor.
 
-DRAFT (branch i28-seam-ray): the pool is the driver's one
-:class:`~fleetroll.pool.RolloutPool` (ids, groups, oversampling, resume, the
-policy gate, the read model); each actor (:class:`ExecutorWorker`) runs single
-rollouts on a :class:`~fleetroll.executor.LocalExecutor` and answers their
-views and live events. The driver mirrors its policy gate (version and pauses)
-onto every actor and passes the actors' telemetry on. Not yet: a dead actor's
-rollouts, traces, sessions on actors.
+What ``--ray`` opens (:func:`fleetroll.batch_pool.open_batch_pool`). The pool
+is the driver's one :class:`~fleetroll.pool.RolloutPool` (ids, groups,
+oversampling, resume, the policy gate, the read model); each actor
+(:class:`ExecutorWorker`) runs single rollouts on a
+:class:`~fleetroll.executor.LocalExecutor` and answers their views and live
+events. The driver mirrors its policy gate (version and pauses) onto every
+actor and passes the actors' telemetry on. A dead actor's admission places go
+back, and its rollouts run again once on another actor. Sessions run on the
+driver (each is one task of this process for its whole life). Not yet: the
+transcripts of rollouts on actors (``--traces``).
 
 ::
 
@@ -24,7 +27,9 @@ from typing import Any
 
 import anyio
 
+from fleetroll.engine import RolloutEngine
 from fleetroll.env_session import EnvSession
+from fleetroll.errors import OperationTimeout
 from fleetroll.executor import ExecutorContext, LocalExecutor, RolloutHandle
 from fleetroll.mixed_provider import require_fleet_key
 from fleetroll.phases import Phase, RolloutView
@@ -32,7 +37,8 @@ from fleetroll.policies import Policy
 from fleetroll.policy_gate import PolicyGate
 from fleetroll.pool import RolloutPool
 from fleetroll.progress import RolloutIds
-from fleetroll.ray_actors import _Buffer, holder, load_ray
+from fleetroll.provisioning import FleetProvider
+from fleetroll.ray_actors import _Buffer, default_num_actors, holder, load_ray
 from fleetroll.ray_admission import AdmissionHost, RemoteAdmission
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout_events import EventPage, ended_page
@@ -134,6 +140,12 @@ class ExecutorWorker:
         return events
 
 
+def actor_run_id(run_id: str, index: int) -> str:
+    """The Fleet ``run_id`` of the instances actor ``index`` makes for ``run_id``:
+    a dead actor's are released at once, and only its."""
+    return f"{run_id}-w{index}"
+
+
 class RayRollout:
     """A rollout running on an actor, as the driver's pool sees it.
 
@@ -161,7 +173,8 @@ class RayRollout:
         self.phase = Phase.PROVISIONING
         ray = load_ray()
         for attempt in range(2):
-            ref = self._worker.run.remote(self._task, self.ids, self._run_id, policy)
+            tag = actor_run_id(self._run_id, self._index)
+            ref = self._worker.run.remote(self._task, self.ids, tag, policy)
             try:
                 result, events = await ref
             except anyio.get_cancelled_exc_class():
@@ -177,7 +190,7 @@ class RayRollout:
                     self._end(result)
                 raise
             except ray.exceptions.RayActorError:
-                live = await self._executor.lost(self._index, self.ids)
+                live = await self._executor.lost(self._index, self.ids, self._run_id)
                 if live is None or attempt or self._stop is not None:
                     died = "its worker died" if live is not None else "no worker is left"
                     reason, error = self._stop or (FailureReason.INIT_ERROR, died)
@@ -222,9 +235,36 @@ class RayRollout:
         assert self.result is not None
         return self.result
 
+    async def _ask(self, operation: str, ref: Any, timeout_s: float) -> Any:
+        """What the actor answers (None if it died: the rollout runs again or ends).
+
+        Raises:
+            OperationTimeout: it did not answer within ``timeout_s``.
+        """
+        ray = load_ray()
+        try:
+            with anyio.fail_after(timeout_s):
+                return await ref
+        except TimeoutError:
+            rid = self.ids.rollout_id
+            raise OperationTimeout(
+                f"the Ray actor running rollout {rid} did not answer within"
+                f" {self._call_s:g} s (timeouts.ray_call_s); ask again",
+                operation=operation,
+                timeout_s=self._call_s,
+                rollout_id=rid,
+            ) from None
+        except ray.exceptions.RayActorError:
+            return None
+
     async def read_view(self, *, messages: bool = True) -> RolloutView:
-        with anyio.fail_after(self._call_s):
-            view: RolloutView | None = await self._worker.view.remote(self.ids.rollout_id, messages)
+        """Its view on the actor running it (the driver's once it ended there).
+
+        Raises:
+            OperationTimeout: the actor did not answer within ``timeouts.ray_call_s``.
+        """
+        ref = self._worker.view.remote(self.ids.rollout_id, messages)
+        view: RolloutView | None = await self._ask("view", ref, self._call_s)
         if view is None:
             return RolloutView(self.ids, self._task.key, self.phase, 0, (), self.result)
         if self.result is not None:  # the driver's (settled) result is the one that counts
@@ -234,10 +274,9 @@ class RayRollout:
         return view
 
     async def events(self, after: int, wait_s: float) -> EventPage:
-        with anyio.fail_after(self._call_s + wait_s):
-            page: EventPage | None = await self._worker.events.remote(
-                self.ids.rollout_id, after, wait_s
-            )
+        """Its live events on the actor running it (see :meth:`read_view`)."""
+        ref = self._worker.events.remote(self.ids.rollout_id, after, wait_s)
+        page: EventPage | None = await self._ask("events", ref, self._call_s + wait_s)
         if page is None and self.result is not None:
             return ended_page(after, self.result)
         return page or EventPage((), 0, False)
@@ -259,11 +298,23 @@ class RayExecutor:
     """
 
     def __init__(
-        self, settings: Settings, workers: list[Any], api_key: str | None, base_url: str | None
+        self,
+        settings: Settings,
+        workers: list[Any],
+        api_key: str | None,
+        base_url: str | None,
+        limiter: Any = None,
     ) -> None:
         self.settings = settings
         self.workers = workers
+        #: The cluster's admission actor (:class:`~fleetroll.ray_admission.AdmissionHost`).
+        self.limiter = limiter
         self._api_key = api_key
+        self._base_url = base_url
+        #: Sweeps the actors' Fleet instances from this process (a dead actor's too).
+        self._fleet: FleetProvider | None = None
+        #: The Fleet tags of dead actors' runs already swept.
+        self._swept: set[str] = set()
         self._local = LocalExecutor(settings, api_key=api_key, base_url=base_url)
         self._next = itertools.cycle(range(len(workers)))
         #: Which actors still answer.
@@ -275,7 +326,6 @@ class RayExecutor:
         self._started: set[str] = set()
         self._events: Events | None = None
         self._closing = False
-        self._limiter: Any = None
 
     def pick(self) -> int:
         """The next live actor, round robin (0 if none is: its call fails as lost)."""
@@ -285,14 +335,28 @@ class RayExecutor:
                 return n
         return 0
 
-    async def lost(self, index: int, ids: RolloutIds) -> int | None:
-        """Actor ``index`` died under rollout ``ids``: the actor to run it again on, if any."""
+    async def lost(self, index: int, ids: RolloutIds, run_id: str) -> int | None:
+        """Actor ``index`` died under rollout ``ids``: the actor to run it again on, if any.
+
+        Its places in the cluster's admission go back, and its instances of
+        ``run_id`` (tagged :func:`actor_run_id`) are released, before the rerun.
+        """
+        tag = actor_run_id(run_id, index)
+        if tag not in self._swept:
+            self._swept.add(tag)
+            if self._fleet is not None:
+                await self._fleet.sweep(tag)  # shielded and bounded; never raises
         if self.alive[index]:
             self.alive[index] = False
             if self._events is not None:
                 self._events.emit(
                     "fleet_worker_lost", level="error", batch_id=ids.batch_id, worker=index
                 )
+            if self.limiter is not None:
+                # Its places in the cluster's admission (creates, instances) go back.
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(self.settings.timeouts.ray_call_s):
+                        await self.limiter.release_all.remote(holder(index))
         rid = ids.rollout_id
         self._rerun.setdefault(rid, {_ONCE[0]} if rid in self._started else set())
         live = [n for n, ok in enumerate(self.alive) if ok]
@@ -301,6 +365,18 @@ class RayExecutor:
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
         self._events, self._closing = context.events, False
+        if self._api_key is not None:
+            self._fleet = FleetProvider(
+                self.settings, context.events, api_key=self._api_key, base_url=self._base_url
+            )
+        async with AsyncExitStack() as stack:
+            if self._fleet is not None:
+                stack.push_async_callback(self._fleet.aclose)
+            await stack.enter_async_context(self._open(context))
+            yield
+
+    @asynccontextmanager
+    async def _open(self, context: ExecutorContext) -> AsyncIterator[None]:
         async with self._local.open(context), anyio.create_task_group() as tg:
             for worker in self.workers:
                 tg.start_soon(self._pass_events, worker, context.events, _TAKE_WAIT_S)
@@ -365,6 +441,15 @@ class RayExecutor:
                     del self._rerun[rid]
             events.emit(event.name, level=event.level, **dict(event.attributes))
 
+    @property
+    def engine(self) -> RolloutEngine:
+        """The engine of this process (sessions run on it; checks use its provider).
+
+        Raises:
+            RuntimeError: the executor is not open.
+        """
+        return self._local.engine
+
     def check_tasks(self, tasks: Sequence[TaskSpec]) -> None:
         require_fleet_key(tasks, self._api_key)
 
@@ -372,16 +457,20 @@ class RayExecutor:
         return RayRollout(self, task, ids, run_id)
 
     async def sweep(self, run_id: str) -> None:
-        # On the actors: their providers made the instances (this process's made
-        # none but its sessions'); any live one sweeps the run for all.
+        # The actors' providers made the instances (this process's made none but
+        # its sessions'): Fleet lists the run's for this process to release, those
+        # of a dead actor included; a live actor sweeps its other providers' (MCP).
         await self._local.sweep(run_id)
+        tags = [actor_run_id(run_id, n) for n in range(len(self.workers))]
+        if self._fleet is not None:
+            for tag in tags:
+                await self._fleet.sweep(tag)
         ray = load_ray()
         with anyio.fail_after(self.settings.timeouts.ray_call_s):
             for n, worker in enumerate(self.workers):
                 if self.alive[n]:
                     with suppress(ray.exceptions.RayActorError):
-                        await worker.sweep.remote(run_id)
-                        return
+                        await worker.sweep.remote(tags[n])
 
     def session(
         self, task: TaskSpec, ids: RolloutIds, *, run_id: str
@@ -397,15 +486,39 @@ async def ray_pool(
     api_key: str | None,
     base_url: str | None = None,
     events: Events | None = None,
-    num_actors: int = 2,
+    num_actors: int | None = None,
     address: str | None = None,
 ) -> AsyncIterator[RolloutPool]:
-    """One RolloutPool whose rollouts run on ``num_actors`` Ray actors."""
+    """One RolloutPool whose rollouts run on ``num_actors`` Ray actors.
+
+    Args:
+        num_actors: actors to start, each a LocalExecutor running up to
+            ``pool.concurrency`` rollouts. None: one per CPU
+            (:func:`~fleetroll.ray_actors.default_num_actors` on a Ray started
+            here, the cluster's CPUs when joining one).
+        address: a Ray cluster to join (default: the one this process is in,
+            or a local one started here).
+
+    Raises:
+        ConfigError: Ray is not installed.
+        ValueError: ``num_actors`` is below 1.
+    """
+    if num_actors is not None and num_actors < 1:
+        raise ValueError("num_actors must be at least 1")
     ray = load_ray()
     async with AsyncExitStack() as stack:
-        if not ray.is_initialized():
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        joined = ray.is_initialized()
+        if not joined:
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                ignore_reinit_error=True,
+            )
             stack.callback(ray.shutdown)
+        if num_actors is None:
+            cpus = int(ray.cluster_resources().get("CPU", 0)) if joined else 0
+            num_actors = cpus or default_num_actors()
         limiter = ray.remote(num_cpus=0, max_concurrency=100_000)(AdmissionHost).remote(settings)
         worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(ExecutorWorker)
         workers = [
@@ -424,6 +537,6 @@ async def ray_pool(
             base_url=base_url,
             events=events,
             admission=admission,
-            executor=RayExecutor(settings, workers, api_key, base_url),
+            executor=RayExecutor(settings, workers, api_key, base_url, limiter),
         )
         yield await stack.enter_async_context(pool)

@@ -30,7 +30,6 @@ Ray is optional: ``pip install 'fleetroll[ray]'``.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from contextlib import AsyncExitStack, suppress
@@ -55,7 +54,7 @@ from fleetroll.pool import (
 )
 from fleetroll.progress import RolloutIds
 from fleetroll.provisioning import FleetProvider
-from fleetroll.ray_actors import RolloutWorker, holder, load_ray
+from fleetroll.ray_actors import RolloutWorker, default_num_actors, holder, load_ray
 from fleetroll.ray_admission import AdmissionHost, RemoteAdmission
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase, RolloutView
@@ -249,19 +248,6 @@ class RayBatch(ResultStream):
         self.cancel()
         for cancel in list(self._on_cancel):
             await cancel()
-
-
-def default_num_actors() -> int:
-    """One actor per CPU this process may use: the default on one machine.
-
-    Each actor is a process with its own event loop: more actors than cores
-    only add start-up and contention (benchmarks/RESULTS.md, "Ray against one
-    process").
-    """
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 class RayRolloutPool:

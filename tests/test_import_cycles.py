@@ -156,7 +156,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "ray_actors",
                 "ray_admission",
                 "ray_executor",  # RayExecutor: the pool's rollouts on Ray actors
-                "ray_pool",
                 "remote",
                 "testing.fake_executor",  # the pool's executor double
             }

@@ -1,5 +1,5 @@
 """RayRollout's view of a rollout on an actor, without a cluster: the actor is a fake at
-the edge (what RayBatch's tests in test_ray_batch.py check, for the Ray executor)."""
+the edge (what the earlier RayBatch's tests checked, for the Ray executor)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ pytest.importorskip("ray")  # RayRollout names Ray's exception types
 from fleetroll.errors import OperationTimeout
 from fleetroll.pool import rollout_id
 from fleetroll.ray_executor import RayExecutor, RayRollout
+from fleetroll.results import FailureReason
 from fleetroll.rollout import Phase, RolloutIds, RolloutView
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
@@ -61,6 +62,18 @@ async def test_a_rollout_its_actor_does_not_know_is_seen_as_the_driver_sees_it()
 
     view = await on(FakeWorker(unknown)).read_view()
     assert view.phase is Phase.PENDING and view.result is None and view.task_key == TASK.key
+
+
+async def test_a_rollout_that_ended_is_seen_with_the_driver_s_result() -> None:
+    async def gone(rid: str, messages: bool) -> RolloutView | None:
+        return None  # the actor let it go
+
+    rollout = on(FakeWorker(gone))
+    before = await rollout.read_view()
+    ended = rollout.never_started(FailureReason.CANCELLED, "cancelled")
+    after = await rollout.read_view()
+    assert before.phase is Phase.PENDING and before.result is None
+    assert after.phase is Phase.DONE and after.result is ended
 
 
 async def test_an_actor_that_does_not_answer_in_time_is_an_operation_timeout() -> None:

@@ -49,7 +49,7 @@ class FleetTarget:
 
 
 class RunningBatch(Protocol):
-    """A batch as it runs: a RolloutPool's ``Batch`` (or a RayRolloutPool's ``RayBatch``)."""
+    """A batch as it runs: a RolloutPool's ``Batch``, whatever its executor."""
 
     @property
     def batch_id(self) -> str: ...

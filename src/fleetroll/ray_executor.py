@@ -46,7 +46,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events, Redactor
 
-__all__ = ["ExecutorWorker", "RayExecutor", "ray_pool"]
+__all__ = ["ExecutorWorker", "RayExecutor", "planned_actors", "ray_pool"]
 
 #: How long a driver's take of an actor's telemetry waits for an event.
 _TAKE_WAIT_S = 0.5
@@ -174,6 +174,7 @@ class RayRollout:
         ray = load_ray()
         for attempt in range(2):
             tag = actor_run_id(self._run_id, self._index)
+            self._executor.ran(self._index, self._run_id)
             ref = self._worker.run.remote(self._task, self.ids, tag, policy)
             try:
                 result, events = await ref
@@ -315,6 +316,8 @@ class RayExecutor:
         self._fleet: FleetProvider | None = None
         #: The Fleet tags of dead actors' runs already swept.
         self._swept: set[str] = set()
+        #: Per actor, the run ids it ran rollouts of (a dead one's are swept at the end).
+        self._ran: list[set[str]] = [set() for _ in workers]
         self._local = LocalExecutor(settings, api_key=api_key, base_url=base_url)
         self._next = itertools.cycle(range(len(workers)))
         #: Which actors still answer.
@@ -334,6 +337,10 @@ class RayExecutor:
             if self.alive[n]:
                 return n
         return 0
+
+    def ran(self, index: int, run_id: str) -> None:
+        """Actor ``index`` runs a rollout of ``run_id``."""
+        self._ran[index].add(run_id)
 
     async def lost(self, index: int, ids: RolloutIds, run_id: str) -> int | None:
         """Actor ``index`` died under rollout ``ids``: the actor to run it again on, if any.
@@ -390,10 +397,19 @@ class RayExecutor:
                 self._closing = True
                 mirror.cancel()
         # Once more: the events of the last rollouts (shielded and bounded).
+        dead = [n for n, ok in enumerate(self.alive) if not ok]
         with anyio.CancelScope(shield=True), anyio.move_on_after(self.settings.timeouts.ray_call_s):
             for n, worker in enumerate(self.workers):
-                if self.alive[n]:
-                    await self._pass_events(worker, context.events, 0.0, once=True)
+                if self.alive[n] and not await self._pass_events(
+                    worker, context.events, 0.0, once=True
+                ):
+                    dead.append(n)
+        # A dying actor may have made an instance after its batch's sweep: now
+        # that it is dead for sure, the tags of every run it ran are swept again.
+        if self._fleet is not None:
+            for n in dead:
+                for run_id in sorted(self._ran[n]):
+                    await self._fleet.sweep(actor_run_id(run_id, n))
 
     async def _mirror(self, gate: PolicyGate, scope: anyio.CancelScope) -> None:
         with scope:
@@ -410,17 +426,20 @@ class RayExecutor:
 
     async def _pass_events(
         self, worker: Any, events: Events, wait_s: float, *, once: bool = False
-    ) -> None:
+    ) -> bool:
+        """Pass on what ``worker`` emits (once, or until closing); False if it is dead."""
         ray = load_ray()
         while True:
             try:
                 with anyio.fail_after(self.settings.timeouts.ray_call_s + wait_s):
                     taken = await worker.take_events.remote(wait_s)
-            except (ray.exceptions.RayActorError, TimeoutError):
-                return  # a dead actor's rollouts find out, and say so
+            except ray.exceptions.RayActorError:
+                return False  # a dead actor's rollouts find out, and say so
+            except TimeoutError:
+                return True
             self.pass_on(taken)
             if once or self._closing:
-                return
+                return True
 
     def pass_on(self, taken: list[Event]) -> None:
         """Emit what an actor emitted (started and completed once per rollout)."""
@@ -479,6 +498,12 @@ class RayExecutor:
         return self._local.session(task, ids, run_id=run_id)
 
 
+def planned_actors(num_actors: int | None, cluster_cpus: int = 0) -> int:
+    """The actors to start: ``num_actors``, or one per CPU (a joined cluster's
+    ``cluster_cpus``, or :func:`~fleetroll.ray_actors.default_num_actors`)."""
+    return num_actors or cluster_cpus or default_num_actors()
+
+
 @asynccontextmanager
 async def ray_pool(
     settings: Settings,
@@ -516,9 +541,8 @@ async def ray_pool(
                 ignore_reinit_error=True,
             )
             stack.callback(ray.shutdown)
-        if num_actors is None:
-            cpus = int(ray.cluster_resources().get("CPU", 0)) if joined else 0
-            num_actors = cpus or default_num_actors()
+        cpus = int(ray.cluster_resources().get("CPU", 0)) if joined else 0
+        num_actors = planned_actors(num_actors, cpus)
         limiter = ray.remote(num_cpus=0, max_concurrency=100_000)(AdmissionHost).remote(settings)
         worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(ExecutorWorker)
         workers = [

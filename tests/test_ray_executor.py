@@ -15,7 +15,7 @@ import pytest
 from fleetroll.emulator import FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool import Batch, RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
@@ -120,3 +120,45 @@ async def test_a_killed_actor_s_rollouts_run_again_once_on_the_other(
     completed = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed"))
     assert started == completed and set(completed.values()) == {1}
     assert ledger["running"] == 0
+
+
+async def turn_versions(batch: Batch, rollout_id: str) -> list[int]:
+    page = await batch.events(rollout_id, after=0, wait_s=0)
+    return [e.data["policy_version"] for e in page.events if e.kind == "turn"]
+
+
+async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_nothing_twice(
+    pool: RolloutPool,
+) -> None:
+    tasks = LEDGER[3:7]
+    policy = ScriptedPolicy(think_time_s=0.05)
+    with anyio.fail_after(300):
+        pool.policy_version = 1
+        batch = pool.run_batch(tasks, policy, samples_per_task=2, oversample=1, batch_id="c")
+        results = []
+        async for result in batch:
+            results.append(result)
+            if len(results) == 2:
+                async with pool.policy_paused():  # mid-batch: a weight swap
+                    pool.policy_version = 2
+            if len(results) == 5:
+                batch.cancel()  # Ctrl-C: the rest deliver their (cancelled) results
+        versions = {r.rollout_id: await turn_versions(batch, r.rollout_id) for r in results}
+        kept = [r for r in results if r.failure_reason is not FailureReason.CANCELLED]
+        again = pool.run_batch(
+            tasks, policy, samples_per_task=2, oversample=1, batch_id="c", previous=kept
+        )
+        rerun = await again.results()
+        rerun_versions = [v for r in rerun for v in await turn_versions(again, r.rollout_id)]
+    assert len(results) == 12 and any(r.failure_reason is FailureReason.CANCELLED for r in results)
+    # No rollout run twice: the resume runs only what has no kept result.
+    assert not {r.rollout_id for r in kept} & {r.rollout_id for r in rerun}
+    final = kept + rerun
+    assert len({r.rollout_id for r in final}) == len(final)
+    scored = Counter(r.task_key for r in final if r.reward is not None)
+    assert scored == {t.key: 2 for t in tasks}
+    assert [len(g.results) for g in again.complete_groups] == [2] * len(tasks)
+    # Every turn carries the version of its call: 1 before the swap, 2 after it.
+    for seen in versions.values():
+        assert seen == sorted(seen) and set(seen) <= {1, 2}
+    assert rerun_versions and set(rerun_versions) == {2}

@@ -1,11 +1,11 @@
-"""Single process against Ray: the same batch through RolloutPool and RayRolloutPool.
+"""Single process against Ray: the same batch through RolloutPool, here and on Ray actors.
 
     python benchmarks/ray_vs_single.py [--rollouts 1000] [--concurrency 250] [--actors 1 2]
 
 One batch of the benchmark's ledger tasks (``fleetroll.bench.scenarios.bench_tasks``:
 ``--steps`` read-only tool calls each, scripted) runs once on a
 :class:`~fleetroll.pool.RolloutPool` in this process, then once on a
-:class:`~fleetroll.ray_pool.RayRolloutPool` for each ``--actors`` count, on a
+:func:`~fleetroll.ray_executor.ray_pool` for each ``--actors`` count, on a
 local Ray with one CPU per core. Every run gets a fresh emulator in its own
 process with fixed latencies (``--create-s``, ``--tool-s``) and no faults.
 
@@ -32,6 +32,7 @@ import os
 import platform
 import sys
 import time
+from contextlib import AbstractAsyncContextManager
 from dataclasses import asdict, dataclass
 from importlib.metadata import PackageNotFoundError, version
 
@@ -42,7 +43,8 @@ from fleetroll.emulator import FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool import RolloutPool
-from fleetroll.ray_pool import RayRolloutPool, default_num_actors
+from fleetroll.ray_actors import default_num_actors
+from fleetroll.ray_executor import ray_pool
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
 
@@ -89,14 +91,14 @@ async def one_run(
     policy = ScriptedPolicy(think_time_s=args.think_s)
     async with EmulatorProcess(profile) as emu:
         began = time.monotonic()
-        pool: RolloutPool | RayRolloutPool
+        opened: AbstractAsyncContextManager[RolloutPool]
         if actors == 0:
-            pool = RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url)
+            opened = RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url)
         else:
-            pool = RayRolloutPool(
+            opened = ray_pool(
                 settings, api_key=emu.api_key, base_url=emu.base_url, num_actors=actors
             )
-        async with pool:
+        async with opened as pool:
             started = time.monotonic()
             batch = pool.run_batch(tasks, policy, samples_per_task=samples)
             results = []

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import gc
 from collections import Counter
-from contextlib import AsyncExitStack
 from typing import Any
 
 import anyio
 import pytest
 
-from fleetroll.batch_pool import FleetTarget, open_batch_pool
-from fleetroll.errors import ConfigError
 from fleetroll.groups import Group, GroupTracker
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
@@ -310,15 +307,6 @@ def test_a_result_settled_after_its_group_completed_is_superseded_whatever_it_wa
     )
     assert lost.error is not None and lost.error.endswith("it had ended instance_lost: boom")
     assert done[0].superseded == 3  # the group counted all three as the results now say
-
-
-async def test_oversampling_on_ray_is_refused_in_one_line_before_anything_starts() -> None:
-    settings = load_settings(pool={"oversample": 2})
-    fleet = FleetTarget(api_key="unused", base_url=None, description="nowhere")
-    async with AsyncExitStack() as stack:
-        with pytest.raises(ConfigError, match=r"pool.oversample = 2 needs the local pool") as err:
-            await open_batch_pool(stack, settings, fleet, Events([]), ray_address="local")
-    assert "\n" not in str(err.value)
 
 
 async def test_a_shard_yields_only_the_groups_it_runs() -> None:

@@ -145,7 +145,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         ),
     ),
     (
-        "the pool, its Ray shards, and the client of a remote pool",
+        "the pool, its executors (local, Ray), and the client of a remote pool",
         frozenset(
             {
                 "",  # the package: its public API
@@ -157,7 +157,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "preflight",
                 "ray_actors",
                 "ray_admission",
-                "ray_pool",
+                "ray_executor",  # RayExecutor: the pool's rollouts on Ray actors
                 "remote",
                 "testing.fake_executor",  # the pool's executor double
             }

@@ -218,3 +218,26 @@ async def test_without_max_staleness_nothing_is_ever_stale() -> None:
         with anyio.fail_after(10):
             result = await eng.rollout(TASK, RolloutIds("b", "r")).run(CountingPolicy(sync))
     assert (result.failure_reason, result.reward) == (None, 1.0)
+
+
+async def test_a_mirror_of_the_gate_wakes_at_each_change_of_version_or_pause() -> None:
+    gate = PolicyGate()
+    woke: list[tuple[int, bool]] = []
+
+    async def mirror() -> None:
+        while True:
+            await gate.changed()
+            woke.append((gate.version, gate.paused))
+
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(mirror)
+            await anyio.wait_all_tasks_blocked()
+            async with gate.paused_calls():
+                await anyio.wait_all_tasks_blocked()
+                gate.version = 3
+                await anyio.wait_all_tasks_blocked()
+            await anyio.wait_all_tasks_blocked()
+            tg.cancel_scope.cancel()
+    assert woke == [(0, True), (3, True), (3, False)]
+    assert gate.generation == 3

@@ -8,8 +8,8 @@ import click
 from click.testing import CliRunner
 
 from fleetroll.cli_options import ray_options
-from fleetroll.ray_pool import RayRolloutPool, default_num_actors
-from fleetroll.settings import load_settings
+from fleetroll.ray_actors import default_num_actors
+from fleetroll.ray_executor import planned_actors
 
 
 def test_the_default_actor_count_is_the_number_of_cpus_this_process_may_use() -> None:
@@ -17,13 +17,15 @@ def test_the_default_actor_count_is_the_number_of_cpus_this_process_may_use() ->
 
 
 def test_a_ray_pool_given_no_actor_count_plans_one_per_cpu() -> None:
-    pool = RayRolloutPool(load_settings(), api_key="not-used")
-    assert pool.num_actors == default_num_actors()
+    assert planned_actors(None) == default_num_actors()
+
+
+def test_a_ray_pool_joining_a_cluster_plans_one_per_cpu_of_the_cluster() -> None:
+    assert planned_actors(None, cluster_cpus=16) == 16
 
 
 def test_an_explicit_actor_count_overrides_the_default() -> None:
-    pool = RayRolloutPool(load_settings(), api_key="not-used", num_actors=3)
-    assert pool.num_actors == 3
+    assert planned_actors(3) == 3 and planned_actors(3, cluster_cpus=16) == 3
 
 
 def test_the_ray_actors_option_is_unset_unless_given_so_the_pool_decides() -> None:

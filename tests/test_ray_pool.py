@@ -1,4 +1,5 @@
-"""RayRolloutPool on a local Ray instance: the pool's guarantees across processes,
+"""One RolloutPool on Ray actors (``RolloutPool(executor=RayExecutor)``, as ``--ray``
+opens it) on a local Ray instance: the pool's guarantees across processes,
 and the cluster's one admission controller (the instance cap and the circuit
 breakers hold across actors).
 
@@ -6,7 +7,7 @@ One file, so one worker process of the run starts Ray (and stops it after).
 Every actor is a process that imports fleetroll, mcp and Ray (seconds of CPU),
 and so is every emulator: the tests share what they can. Two emulators (Fleet
 with no limit, and Fleet with an account limit and a broken environment), one
-service on Ray opened as ``fleetroll serve --ray`` opens it, and one pool with
+service on Ray opened as ``fleetroll serve --ray`` opens it (one pool), and one pool with
 a cluster-wide instance cap and breaker; tests that kill an actor, or need a
 pool's own limits, open their own pool. On what is shared, a test reads the
 ledger before and after (a peak is over the emulator's life: every pool on it
@@ -39,7 +40,8 @@ from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
 from fleetroll.errors import PoolFullError  # noqa: E402
 from fleetroll.policies import ScriptedPolicy  # noqa: E402
 from fleetroll.pool import RolloutPool  # noqa: E402
-from fleetroll.ray_pool import RayRolloutPool  # noqa: E402
+from fleetroll.ray_admission import RemoteAdmission  # noqa: E402
+from fleetroll.ray_executor import RayExecutor, ray_pool  # noqa: E402
 from fleetroll.results import FailureReason  # noqa: E402
 from fleetroll.service import Service, create_app, serve_app  # noqa: E402
 from fleetroll.service.metrics import Metrics  # noqa: E402
@@ -104,19 +106,29 @@ class OnRay:
     """A pool on Ray the module's tests share, the emulator it runs on, and its events."""
 
     emu: EmulatorProcess
-    pool: RayRolloutPool
+    pool: RolloutPool
     tap: Tap
+
+    @property
+    def executor(self) -> RayExecutor:
+        return on_ray(self.pool)
 
 
 @dataclass
 class ServiceOnRay(OnRay):
-    """A service on Ray: its own pool (sessions) and its URL besides."""
+    """A service on Ray (its one pool, sessions included) and its URL besides."""
 
-    local: RolloutPool
     url: str
 
 
-async def settled(pool: RayRolloutPool, *batch_ids: str) -> None:
+def on_ray(pool: RolloutPool) -> RayExecutor:
+    """The pool's Ray executor (its actors, their liveness, the cluster's limiter)."""
+    executor = pool.executor
+    assert isinstance(executor, RayExecutor)
+    return executor
+
+
+async def settled(pool: RolloutPool, *batch_ids: str) -> None:
     """Until each batch has ended on every actor (their pools closed, instances
     released), as closing a pool of its own would."""
     for batch_id in batch_ids:
@@ -132,11 +144,11 @@ async def fleet() -> AsyncIterator[EmulatorProcess]:
 
 @pytest.fixture(scope="module")
 async def service_on_ray(local_ray: None, fleet: EmulatorProcess) -> AsyncIterator[ServiceOnRay]:
-    """The pools as `fleetroll serve --ray --ray-actors 2` opens them, and the service on them."""
+    """The pool as `fleetroll serve --ray --ray-actors 2` opens it, and the service on it."""
     s = settings(service={"tasks_root": str(config_dir())})
     tap = Tap()
     async with AsyncExitStack() as stack:
-        local, on_ray, _ = await open_service_pools(
+        pool, _ = await open_service_pools(
             stack,
             s,
             FleetTarget(fleet.api_key, fleet.base_url, "emulator"),
@@ -144,12 +156,12 @@ async def service_on_ray(local_ray: None, fleet: EmulatorProcess) -> AsyncIterat
             ray_address="local",
             ray_actors=2,
         )
-        assert isinstance(on_ray, RayRolloutPool)
-        service = Service(local, s, batch_pool=on_ray)
+        on_ray(pool)  # its rollouts run on the actors
+        service = Service(pool, s)
         url = await stack.enter_async_context(
             serve_app(create_app(service), "127.0.0.1", 0, before_stop=service.stop)
         )
-        yield ServiceOnRay(fleet, on_ray, tap, local, url)
+        yield ServiceOnRay(fleet, pool, tap, url)
 
 
 async def test_two_actors_run_a_hundred_rollouts_with_one_result_each_and_no_leak(
@@ -162,7 +174,7 @@ async def test_two_actors_run_a_hundred_rollouts_with_one_result_each_and_no_lea
         results = await pool.run_batch(
             LEDGER[:25], ScriptedPolicy(), samples_per_task=SAMPLES
         ).results()
-        limiter = await pool.limiter.stats.remote()
+        limiter = await service_on_ray.executor.limiter.stats.remote()
     ledger = await emu.ledger()
     ids = Counter(r.rollout_id for r in results)
     assert len(ids) == 25 * SAMPLES and set(ids.values()) == {1}
@@ -180,15 +192,16 @@ async def test_a_killed_actor_s_rollouts_run_again_once_or_end_cancelled_if_thei
     """Killed mid-batch, an actor's rollouts run again on the other one: every result
     once. Then the last actor, killed in a cancelled batch: its unfinished rollouts
     end cancelled. Each actor start costs seconds: one pool of two for both."""
-    rerun = MemorySink()
+    rerun = Watch("fleet_batch_completed")  # emitted once the batch's instances are swept
     tap = Tap()
-    async with RayRolloutPool(
+    async with ray_pool(
         settings(),
         api_key=fleet.api_key,
         base_url=fleet.base_url,
         num_actors=2,
         events=Events([tap]),
     ) as pool:
+        executor = on_ray(pool)
         batch = pool.run_batch(
             LEDGER[:10], ScriptedPolicy(think_time_s=0.05), samples_per_task=SAMPLES
         )
@@ -199,8 +212,11 @@ async def test_a_killed_actor_s_rollouts_run_again_once_or_end_cancelled_if_thei
                 # Each actor holds 20 rollouts: killed at the 10th result in all,
                 # it still has at least 10 to lose, and so to run again.
                 if len(results) == 10:
-                    ray.kill(pool.workers[1])
-        alive = list(pool.alive)
+                    ray.kill(executor.workers[1])
+            # A create in flight when the actor died ends after its rollout was
+            # rerun: the batch's sweep, at its end, releases that instance.
+            await rerun.seen.wait()
+        alive = list(executor.alive)
         ledger = await fleet.ledger()
 
         # The one actor left runs a batch, which is cancelled; then the actor dies.
@@ -211,7 +227,7 @@ async def test_a_killed_actor_s_rollouts_run_again_once_or_end_cancelled_if_thei
                 dead_results.append(result)
                 if len(dead_results) == 3:
                     batch.cancel()
-                    ray.kill(pool.workers[0])  # its unfinished rollouts die with it
+                    ray.kill(executor.workers[0])  # its unfinished rollouts die with it
     dead_ledger = await fleet.ledger()
 
     ids = Counter(r.rollout_id for r in results)
@@ -233,8 +249,7 @@ async def test_a_killed_actor_s_rollouts_run_again_once_or_end_cancelled_if_thei
 async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_still_serves_sessions(
     service_on_ray: ServiceOnRay,
 ) -> None:
-    local, on_ray = service_on_ray.local, service_on_ray.pool
-    url = service_on_ray.url
+    pool, url = service_on_ray.pool, service_on_ray.url
     async with (
         httpx.AsyncClient(base_url=url, timeout=30) as http,
         FleetrollClient(url) as client,
@@ -263,11 +278,11 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
                 for step in LEDGER[0].solution or ():
                     await env.step({"name": step.name, "arguments": step.arguments})
                 # The session's instance counts in the cluster's one admission.
-                await on_ray.admission.refresh(Events())
-                during = on_ray.admission.state()
+                await pool.admission.refresh(Events())
+                during = pool.admission.state()
             session = await env.close()
-            await settled(on_ray, "on-ray", *{r.batch_id for r in cancelled})
-    assert "on-ray" in on_ray.batches and "on-ray" not in local.batches
+            await settled(pool, "on-ray", *{r.batch_id for r in cancelled})
+    assert "on-ray" in pool.batches
     ledger = await service_on_ray.emu.ledger()
     assert created.status_code == 201 and created.json()["rollouts"] == len(LEDGER)
     results = [line["result"] for line in lines if line["type"] == "result"]
@@ -281,14 +296,45 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
     assert len({r.rollout_id for r in cancelled}) == 8
     assert {r.failure_reason for r in cancelled} == {FailureReason.CANCELLED}
     assert session is not None and session.reward == 1.0
-    assert during.in_use == 1 and local.admission is on_ray.admission
+    assert during.in_use == 1 and isinstance(pool.admission, RemoteAdmission)
     assert ledger["running"] == 0
+
+
+async def test_a_service_on_ray_answers_the_policy_routes_and_runs_an_oversampled_batch(
+    service_on_ray: ServiceOnRay,
+) -> None:
+    pool, url = service_on_ray.pool, service_on_ray.url
+    tasks = LEDGER[5:8]
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http, FleetrollClient(url) as client:
+        with anyio.fail_after(300):
+            batch = client.run_batch(tasks, samples_per_task=2, oversample=1)
+            async with client.policy_paused(ttl_s=60):
+                await batch.submit()  # its rollouts start; their policy calls wait
+                set_to = await http.put("/v1/policy/version", json={"version": 7})
+                paused = (await http.get("/v1/policy")).json()
+            results = [r async for r in batch]
+            await settled(pool, *{r.batch_id for r in results})
+            turns = []
+            for r in results:
+                if r.reward is not None:
+                    async for event in client.follow(r.rollout_id):
+                        turns += [event] if event.kind == "turn" else []
+            await client.set_policy_version(0)
+    assert set_to.status_code == 200 and set_to.json()["version"] == 7
+    assert paused["paused"] is True and paused["version"] == 7
+    assert len({r.rollout_id for r in results}) == len(results) == 9
+    scored = Counter(r.task_key for r in results if r.reward is not None)
+    assert scored == {t.key: 2 for t in tasks}
+    superseded = [r for r in results if r.reward is None]
+    assert {r.failure_reason for r in superseded} == {FailureReason.SUPERSEDED}
+    # Every policy call ran on the actors under the version set on the driver.
+    assert turns and {e.data["policy_version"] for e in turns} == {7}
 
 
 async def test_a_ray_pool_refuses_shared_keys_and_forgets_what_it_delivered(
     local_ray: None, fleet: EmulatorProcess
 ) -> None:
-    async with RayRolloutPool(
+    async with ray_pool(
         load_settings(pool={"keep_finished_batches": 1, "max_queued_rollouts": 4}),
         api_key=fleet.api_key,
         base_url=fleet.base_url,
@@ -344,10 +390,9 @@ async def call(mcp: Client, tool: str, **arguments: Any) -> dict[str, Any]:
 async def test_the_mcp_tools_of_a_service_on_ray_run_and_read_rollouts_on_an_actor(
     service_on_ray: ServiceOnRay,
 ) -> None:
-    local, on_ray = service_on_ray.local, service_on_ray.pool
+    pool, executor = service_on_ray.pool, service_on_ray.executor
     sink = Watch("fleet_provisioning_completed")
     held_policy = {"kind": "scripted", "think_time_s": 3600}
-    ran_here_before = set(local.batches)
     with service_on_ray.tap.into(sink):
         async with Client(f"{service_on_ray.url}/mcp") as mcp:
             with anyio.fail_after(120):
@@ -361,17 +406,16 @@ async def test_the_mcp_tools_of_a_service_on_ray_run_and_read_rollouts_on_an_act
                 ran = await call(mcp, "run_rollout", task=mcp_task(LEDGER[4]))
                 after = await call(mcp, "get_state", rollout_id=ran["rollout_id"])
                 transcript = await call(mcp, "get_messages", rollout_id=ran["rollout_id"])
-                actor_pid = await on_ray.workers[0].pid.remote()
-                await settled(on_ray, held["batch_id"], ran["batch_id"])
-        ran_here = set(local.batches) - ran_here_before
-        ran_on_ray = set(on_ray.batches)
+                pids = {await w.start.remote() for w in executor.workers}
+                await settled(pool, held["batch_id"], ran["batch_id"])
+        ran_in = set(pool.batches)
     ledger = await service_on_ray.emu.ledger()
-    # The service's own pool ran nothing: both rollouts ran on the actor, in another process.
-    assert not ran_here and {held["batch_id"], ran["batch_id"]} <= ran_on_ray
-    assert actor_pid != os.getpid()
+    # Both rollouts ran on an actor each, in another process.
+    assert {held["batch_id"], ran["batch_id"]} <= ran_in
+    assert os.getpid() not in pids
     for rid in (held["rollout_id"], ran["rollout_id"]):
         events = [e for e in sink.events if e.attributes.get("rollout_id") == rid]
-        assert events and {e.attributes["worker"] for e in events} == {0}
+        assert events and len({e.attributes["worker"] for e in events}) == 1
     assert_pairs(sink)
     # The live view came from the actor (the driver alone knows only pending or done).
     assert live["phase"] not in ("pending", "done") and not live["done"]
@@ -393,14 +437,13 @@ def in_order(phases: list[str]) -> bool:
 async def test_a_rollout_on_a_ray_actor_is_followed_live_and_reports_mcp_progress(
     service_on_ray: ServiceOnRay,
 ) -> None:
-    local, on_ray, url = service_on_ray.local, service_on_ray.pool, service_on_ray.url
+    pool, url = service_on_ray.pool, service_on_ray.url
     held = {"kind": "scripted", "think_time_s": 3600}
     progress: list[str] = []
 
     async def on_progress(value: float, total: float | None, message: str | None) -> None:
         progress.append(message or "")
 
-    ran_here_before = set(local.batches)
     async with Client(f"{url}/mcp") as mcp, FleetrollClient(url) as client:
         with anyio.fail_after(120):
             started = await mcp.call_tool(
@@ -419,8 +462,9 @@ async def test_a_rollout_on_a_ray_actor_is_followed_live_and_reports_mcp_progres
             )
             assert isinstance(ran.structured_content, dict)
             batch_ids = (started.structured_content["batch_id"], ran.structured_content["batch_id"])
-            await settled(on_ray, *batch_ids)
-    assert not (set(local.batches) - ran_here_before)  # everything ran on the actor
+            await settled(pool, *batch_ids)
+    # The phases below were seen live on the actor: the driver's handle of a
+    # rollout on Ray knows only pending, provisioning and done.
     ledger = await service_on_ray.emu.ledger()
 
     phases = [e.data["phase"] for e in followed if e.kind == "phase"]
@@ -477,7 +521,7 @@ async def admitted(local_ray: None, admission_emu: EmulatorProcess) -> AsyncIter
     )
     tap = Tap()
     fleet = {"api_key": admission_emu.api_key, "base_url": admission_emu.base_url}
-    async with RayRolloutPool(s, **fleet, num_actors=2, events=Events([tap])) as pool:
+    async with ray_pool(s, **fleet, num_actors=2, events=Events([tap])) as pool:
         yield OnRay(admission_emu, pool, tap)
 
 
@@ -490,7 +534,7 @@ async def test_two_actors_hold_one_cap_of_5_instances_through_a_batch_of_30(
         results = await pool.run_batch(LEDGER[:15], ScriptedPolicy(), samples_per_task=2).results()
         await pool.admission.refresh(pool.events)
         state = pool.admission.state()
-        limiter = await pool.limiter.stats.remote()
+        limiter = await admitted.executor.limiter.stats.remote()
     ledger = await emu.ledger()
     assert len(results) == 30
     reasons = Counter(r.failure_reason for r in results)

@@ -2,8 +2,8 @@
 forgets finished batches.
 
 :class:`Batch` is what :meth:`fleetroll.pool.RolloutPool.run_batch` returns;
-:class:`ResultStream`, :class:`BatchMap` and the checks are shared with
-:class:`fleetroll.ray_pool.RayRolloutPool`. A batch yields exactly one result
+:class:`ResultStream`, :class:`BatchMap` and the checks are its parts (on Ray
+too: one pool, :mod:`fleetroll.ray_executor`). A batch yields exactly one result
 per rollout id, whatever happens to the rollout.
 """
 

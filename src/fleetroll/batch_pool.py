@@ -1,10 +1,10 @@
-"""The pool batches run on: this process (RolloutPool) or Ray actors (RayRolloutPool).
+"""The pool batches run on: one RolloutPool, its rollouts in this process or on Ray actors.
 
 ``fleetroll run`` and ``fleetroll serve`` take the same ``--ray [ADDRESS]``
 and ``--ray-actors N`` options (:func:`ray_options`) and open the pool they
 ask for with :func:`open_batch_pool` (``serve``: :func:`open_service_pools`).
-What a caller needs of either pool is a :class:`BatchPool`, and of either's
-batches a :class:`RunningBatch`.
+What a caller needs of a pool is a :class:`BatchPool`, and of its batches a
+:class:`RunningBatch`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import anyio
 
 from fleetroll.admission import Admission
 from fleetroll.cli_options import ray_options
-from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
 from fleetroll.pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
@@ -50,7 +49,7 @@ class FleetTarget:
 
 
 class RunningBatch(Protocol):
-    """A batch as it runs: a RolloutPool's ``Batch`` or a RayRolloutPool's ``RayBatch``."""
+    """A batch as it runs: a RolloutPool's ``Batch``, whatever its executor."""
 
     @property
     def batch_id(self) -> str: ...
@@ -123,31 +122,26 @@ async def open_batch_pool(
     *,
     ray_address: str | None = None,
     ray_actors: int | None = None,
-) -> tuple[BatchPool, str]:
+) -> tuple[RolloutPool, str]:
     """The pool to run batches on, entered on ``stack``, and where it runs (for humans).
 
-    Without ``ray_address``, a :class:`RolloutPool` in this process; with it, a
-    :class:`~fleetroll.ray_pool.RayRolloutPool` of ``ray_actors`` actors (None:
-    one per CPU) on a local Ray (``"local"``) or on the cluster at ``ray_address``.
+    One :class:`RolloutPool` either way: without ``ray_address`` its rollouts run
+    in this process; with it, on ``ray_actors`` Ray actors (None: one per CPU)
+    of a local Ray (``"local"``) or of the cluster at ``ray_address``
+    (:func:`fleetroll.ray_executor.ray_pool`). Every pool feature is the same.
 
     Raises:
-        ConfigError: Ray is asked for but not installed, or with pool.oversample.
+        ConfigError: Ray is asked for but not installed.
     """
-    pool: BatchPool
     if ray_address is None:
         pool = await stack.enter_async_context(
             RolloutPool(settings, api_key=fleet.api_key, base_url=fleet.base_url, events=events)
         )
         return pool, fleet.description
-    if settings.pool.oversample:
-        raise ConfigError(
-            f"pool.oversample = {settings.pool.oversample} needs the local pool:"
-            " oversampling is not supported with --ray (set it to 0, or drop --ray)"
-        )
-    from fleetroll.ray_pool import RayRolloutPool
+    from fleetroll.ray_executor import RayExecutor, ray_pool
 
     on_ray = await stack.enter_async_context(
-        RayRolloutPool(
+        ray_pool(
             settings,
             api_key=fleet.api_key,
             base_url=fleet.base_url,
@@ -156,7 +150,9 @@ async def open_batch_pool(
             address=None if ray_address == "local" else ray_address,
         )
     )
-    return on_ray, f"{fleet.description} over {on_ray.num_actors} Ray actors"
+    executor = on_ray.executor
+    assert isinstance(executor, RayExecutor)  # its construction, just above
+    return on_ray, f"{fleet.description} over {len(executor.workers)} Ray actors"
 
 
 async def open_service_pools(
@@ -167,27 +163,14 @@ async def open_service_pools(
     *,
     ray_address: str | None = None,
     ray_actors: int | None = None,
-) -> tuple[RolloutPool, BatchPool, str]:
-    """The pools of ``fleetroll serve``, entered on ``stack``: the pool env sessions
-    run on (always this process), the pool batches and MCP rollouts run on (the
-    same one, or Ray actors with ``ray_address``), and where they run.
+) -> tuple[RolloutPool, str]:
+    """The one pool of ``fleetroll serve``, entered on ``stack``, and where it runs.
 
-    Both share one admission (on Ray, the cluster's): sessions count against the
-    same instance caps and circuit breakers as the batches.
+    Its batches and MCP rollouts run where :func:`open_batch_pool` puts them
+    (this process, or Ray actors with ``ray_address``); env sessions, each
+    driven by one task of this process, run in this process under the same
+    pool's admission (on Ray, the cluster's), policy gate and limits.
     """
-    batch_pool: BatchPool | None = None
-    backend = fleet.description
-    if ray_address is not None:
-        batch_pool, backend = await open_batch_pool(
-            stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
-        )
-    pool = await stack.enter_async_context(
-        RolloutPool(
-            settings,
-            api_key=fleet.api_key,
-            base_url=fleet.base_url,
-            events=events,
-            admission=batch_pool.admission if batch_pool is not None else None,
-        )
+    return await open_batch_pool(
+        stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
     )
-    return pool, batch_pool or pool, backend

@@ -41,6 +41,9 @@ class PolicyGate:
         self._pauses = 0
         self._open = anyio.Event()
         self._open.set()
+        self._changed = anyio.Event()
+        #: Bumped at every change :meth:`changed` wakes on.
+        self.generation = 0
 
     def __repr__(self) -> str:
         return f"PolicyGate(version={self._version}, paused={self.paused})"
@@ -55,6 +58,7 @@ class PolicyGate:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"a policy version is an int, not {type(value).__name__}")
         self._version = value
+        self._tell()
 
     @property
     def paused(self) -> bool:
@@ -72,12 +76,23 @@ class PolicyGate:
         self._pauses += 1
         if self._pauses == 1:
             self._open = anyio.Event()
+            self._tell()
         try:
             yield
         finally:
             self._pauses -= 1
             if self._pauses == 0:
                 self._open.set()
+                self._tell()
+
+    async def changed(self) -> None:
+        """Wait until the version changes or a pause begins or ends (a mirror's cue)."""
+        await self._changed.wait()
+
+    def _tell(self) -> None:
+        self.generation += 1
+        self._changed.set()
+        self._changed = anyio.Event()
 
     async def admit(self) -> tuple[int, float]:
         """Wait until policy calls may start.

@@ -160,15 +160,25 @@ class RolloutPool:
         self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
 
     @property
+    def executor(self) -> Executor:
+        """What runs the pool's rollouts."""
+        return self._executor
+
+    @property
     def engine(self) -> RolloutEngine:
-        """The local executor's engine (its provider, its redactor).
+        """The engine of this process (its provider, its redactor): the local
+        executor's, or the one an executor running rollouts elsewhere keeps here
+        for sessions and checks (``RayExecutor.engine``).
 
         Raises:
-            RuntimeError: the pool is not open, or runs on another executor.
+            RuntimeError: the pool is not open, or nothing of it runs in this process.
         """
-        if self._local is None:
+        if self._local is not None:
+            return self._local.engine
+        here: RolloutEngine | None = getattr(self._executor, "engine", None)
+        if here is None:
             raise RuntimeError("the pool's rollouts do not run in this process")
-        return self._local.engine
+        return here
 
     @property
     def policy_version(self) -> int:

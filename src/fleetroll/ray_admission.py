@@ -1,6 +1,6 @@
 """Admission on Ray: one :class:`~fleetroll.admission.AdmissionController` for the cluster.
 
-* :class:`AdmissionHost`: the Ray pool's limiter actor (``RayRolloutPool.limiter``).
+* :class:`AdmissionHost`: the Ray pool's limiter actor (``RayExecutor.limiter``).
   It holds the cluster's one controller: create concurrency and rate, the
   instance caps (starting instances counted), Fleet's account limit and the
   per-environment circuit breakers. Fleet's limits are per account, and a

@@ -32,7 +32,7 @@ from fleetroll.batch_pool import FleetTarget, RunningBatch, open_batch_pool
 from fleetroll.errors import ConfigError
 from fleetroll.journal import BatchIdentity, Journal, claim_journal
 from fleetroll.policies import Policy
-from fleetroll.pool import Batch, RolloutPool
+from fleetroll.pool import Batch
 from fleetroll.preflight import preflight_fleet
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout import Phase
@@ -144,21 +144,11 @@ async def run_job(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
         started = time.monotonic()
-        batch: RunningBatch
-        if isinstance(pool, RolloutPool):
-            # The local pool also counts them in their groups: an oversampled
-            # group runs only what it still lacks.
-            batch = pool.run_batch(
-                tasks, policy, samples_per_task=samples, batch_id=batch_id, previous=previous
-            )
-        else:
-            batch = pool.run_batch(
-                tasks,
-                policy,
-                samples_per_task=samples,
-                batch_id=batch_id,
-                skip={r.rollout_id for r in previous},
-            )
+        # The pool counts them in their groups: an oversampled group runs only
+        # what it still lacks (on Ray as here).
+        batch = pool.run_batch(
+            tasks, policy, samples_per_task=samples, batch_id=batch_id, previous=previous
+        )
         console.print(
             f"fleetroll: batch {batch.batch_id}: {batch.total} rollouts "
             f"({len(tasks)} tasks × {samples}) on {backend}"

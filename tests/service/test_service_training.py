@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import anyio
 import pytest
@@ -12,13 +11,8 @@ from service_helpers import LEDGER, Running, running_service
 import fleetroll.service.batches as service_batches
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
-from fleetroll.errors import ServiceError
-from fleetroll.pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.rollout import Phase
-from fleetroll.service import Service
-from fleetroll.service.errors import ApiError
-from fleetroll.settings import load_settings
 from fleetroll.testing.planned_policy import PlannedPolicy
 from gate_watch import paused_arrival
 
@@ -157,21 +151,3 @@ async def test_a_renewed_and_released_pause_lets_policy_calls_go(served: Running
     assert renewed.status_code == 200 and renewed.json()["ttl_s"] == 5
     assert ended.status_code == 200 and ended.json()["paused"] is False
     assert inside["paused"] is True and outside["paused"] is False
-
-
-def test_policy_verbs_on_a_ray_service_are_one_clear_conflict() -> None:
-    settings = load_settings()
-    pool = RolloutPool(settings, api_key="unused")
-    elsewhere: Any = object()  # batches run elsewhere (Ray actors)
-    service = Service(pool, settings, batch_pool=elsewhere)
-    with pytest.raises(ApiError) as refused:
-        service.policy_state()
-    assert refused.value.status == 409 and "Ray actors" in refused.value.detail
-
-
-async def test_oversample_is_refused_when_batches_run_elsewhere(emulator: Emulator) -> None:
-    async with running_service(emulator) as served, FleetrollClient(served.url) as client:
-        served.service.batches._pool = object()  # type: ignore[assignment]  # as on --ray
-        with anyio.fail_after(30), pytest.raises(ServiceError) as refused:
-            await client.run_batch(LEDGER[:1], oversample=1).submit()
-    assert refused.value.status_code == 422 and "local pool" in str(refused.value)

@@ -7,10 +7,11 @@
         async with serve_app(create_app(service), "127.0.0.1", 8750) as url:
             ...
 
-With ``Service(pool, settings, batch_pool=ray_pool)``, batches and the MCP
-tools' rollouts run on another :class:`~fleetroll.batch_pool.BatchPool` (a
-RayRolloutPool, whose batches' views are read on the actors); sessions, each
-held by one task of this process for its whole life, stay on ``pool``.
+The service holds one pool, whatever runs its rollouts: with ``serve --ray``
+(:func:`fleetroll.batch_pool.open_service_pools`) batches and the MCP tools'
+rollouts run on Ray actors, while sessions, each held by one task of this
+process for its whole life, run in this process; both under the pool's one
+admission, policy gate and limits.
 
 The routes are declared once, in :data:`fleetroll.service.routes.ROUTES`
 (method, path, handler, models, error statuses, token or not); the ASGI
@@ -31,7 +32,6 @@ from typing import Any
 
 import anyio
 
-from fleetroll.batch_pool import BatchPool
 from fleetroll.errors import OperationTimeout
 from fleetroll.pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
@@ -59,15 +59,14 @@ _WAIT_SLACK_S = 30.0
 
 
 class Service:
-    """What the routes (and the MCP tools) share: the pools, batches, sessions.
+    """What the routes (and the MCP tools) share: the pool, batches, sessions.
 
     Run it with :meth:`running` (the app's lifespan does): its task group
     holds one consumer task per batch and one actor task per session.
 
     Args:
-        pool: runs sessions, in this process.
-        batch_pool: runs the batches of ``POST /v1/batches`` and the MCP tools'
-            rollouts (default: ``pool``).
+        pool: runs the batches of ``POST /v1/batches``, the MCP tools' rollouts
+            and the sessions (these in this process, whatever its executor).
         store: where batches and their results are kept across restarts
             (:func:`fleetroll.service.state.open_store`; default: memory only).
     """
@@ -77,17 +76,13 @@ class Service:
         pool: RolloutPool,
         settings: Settings,
         *,
-        batch_pool: BatchPool | None = None,
         store: BatchStore | None = None,
     ) -> None:
         self.pool = pool
-        self.batch_pool = batch_pool or pool
         self.settings = settings
         self.metrics = Metrics()
         self.redact = Redactor(settings.secrets())
-        self.batches = BatchRegistry(
-            self.batch_pool, settings, self.metrics, preflight_pool=pool, store=store
-        )
+        self.batches = BatchRegistry(pool, settings, self.metrics, preflight_pool=pool, store=store)
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
         #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}
@@ -119,19 +114,9 @@ class Service:
         self.batches.stop()
 
     def policy_state(self) -> PolicyState:
-        """The policy version and pauses.
-
-        Raises:
-            ApiError: 409, batches run on Ray actors, which this process
-                cannot pause nor tell a version.
-        """
-        if self.batch_pool is not self.pool:
-            raise ApiError(
-                409,
-                "policy versions and pauses need the local pool: this service runs batches"
-                " on Ray actors (serve without --ray)",
-            )
-        gate = self.pool.engine.policy_gate
+        """The policy version and pauses (on Ray too: the pool's gate is mirrored
+        onto its actors)."""
+        gate = self.pool.policy_gate
         return PolicyState(version=gate.version, paused=gate.paused, pauses=len(self.pauses))
 
     # -- one-rollout batches, for the MCP tools --------------------------------
@@ -139,7 +124,7 @@ class Service:
     async def start_rollout(
         self, task: Mapping[str, Any], policy: PolicyConfig | None = None
     ) -> RolloutIds:
-        """Start one rollout as a batch of its own (on ``batch_pool``); its ids.
+        """Start one rollout as a batch of its own (on the pool); its ids.
 
         Raises:
             ApiError: 422 (the task is invalid), 503 (the pool is full).

@@ -44,7 +44,7 @@ def create_app(service: Service) -> ASGIApp:
         query_timeout_s=s.service.query_timeout_s,
         # Its own threads: an open dashboard never takes a /v1/query slot.
         panels=dashboard_panels(s),
-        gauges=lambda: asdict(service.batch_pool.admission.state()),
+        gauges=lambda: asdict(service.pool.admission.state()),
         token=s.service_token,
     )
     try:

@@ -520,12 +520,6 @@ class BatchRegistry:
             await existing.saved.wait()
             # Its own policy: the same but for the api_key, which is never stored.
             return existing, False, await self._rerun_cancelled(existing, policy_config)
-        if oversample and not isinstance(self._pool, RolloutPool):
-            raise ApiError(
-                422,
-                "oversample needs the local pool: this service runs batches on Ray actors",
-                loc=["body", "oversample"],
-            )
         plan = _Plan(tasks, policy_config, samples_per_task, deadline_s, oversample)
         batch, policy = self._run(plan, batch_id)
         record = BatchRecord(batch, fingerprint, plan)
@@ -589,7 +583,6 @@ class BatchRegistry:
             raise RuntimeError("the service is not running")
         policy = build_policy(plan.policy, self._settings)
         try:
-            # Only the local pool oversamples (start refuses it elsewhere).
             extra = {"oversample": plan.oversample, "previous": previous} if plan.oversample else {}
             batch = self._pool.run_batch(
                 plan.tasks,

@@ -111,11 +111,11 @@ async def _serve(
         store = await stack.enter_async_context(open_store(settings.service.state_dir))
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
-        # Sessions here; batches and MCP rollouts here or on Ray, under one admission.
-        pool, batch_pool, backend = await open_service_pools(
+        # One pool: sessions here; batches and MCP rollouts here or on Ray actors.
+        pool, backend = await open_service_pools(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
-        service = Service(pool, settings, batch_pool=batch_pool, store=store)
+        service = Service(pool, settings, store=store)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)
         )

@@ -229,7 +229,7 @@ async def metrics(api: Api, request: Request) -> Response:
         in_flight=service.batches.in_flight(),
         sessions_open=service.sessions.open_count,
         batches=batches,
-        admission=service.batch_pool.admission.state(),
+        admission=service.pool.admission.state(),
     )
     return Response(text, media_type=CONTENT_TYPE)
 
@@ -393,7 +393,6 @@ async def stats(api: Api, request: Request) -> Response:
 _NO_BATCH = "No such batch (unknown, or finished long ago and forgotten)"
 _NO_SESSION = "No such session"
 _NO_PAUSE = "No such pause (released, or its lease expired)"
-_ON_RAY = "Batches run on Ray actors: no policy version or pause from this process"
 _ENDED = "The session has ended: DELETE it for its result"
 _SLOW_SESSION = "The session did not answer in time"
 
@@ -548,7 +547,6 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         "The policy version recorded on turns, and the pauses held",
         answers={200: "The policy"},
         answer=PolicyState,
-        errors={409: _ON_RAY},
     ),
     Endpoint(
         "PUT",
@@ -559,7 +557,6 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         answers={200: "The policy"},
         answer=PolicyState,
         body=PolicyVersionRequest,
-        errors={409: _ON_RAY},
     ),
     Endpoint(
         "POST",
@@ -575,7 +572,6 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         answers={201: "The pause is held"},
         answer=PauseLease,
         body=PauseRequest,
-        errors={409: _ON_RAY},
     ),
     Endpoint(
         "PUT",

@@ -1,0 +1,164 @@
+"""One RolloutPool, any executor: the pool's features the same in this process and on Ray.
+
+The same test on the local executor and on two Ray actors running the local
+executor (:mod:`fleetroll.ray_executor`, what ``--ray`` opens).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from fleetroll.emulator import FaultProfile, Latency
+from fleetroll.emulator.process import EmulatorProcess
+from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool import Batch, RolloutPool
+from fleetroll.results import FailureReason
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import load_tasks
+from fleetroll.telemetry.events import Events, MemorySink
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+ray = pytest.importorskip("ray")
+
+SETTINGS = load_settings(provisioning={"backoff_initial_s": 0.05, "backoff_max_s": 0.5})
+LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
+
+
+@pytest.fixture(scope="module")
+async def fleet() -> AsyncIterator[EmulatorProcess]:
+    async with EmulatorProcess(FaultProfile(create_latency=Latency(min_s=0.01, max_s=0.05))) as emu:
+        yield emu
+
+
+@pytest.fixture(params=["local", "ray"])
+async def pool(
+    request: pytest.FixtureRequest, fleet: EmulatorProcess
+) -> AsyncIterator[RolloutPool]:
+    if request.param == "local":
+        async with RolloutPool(SETTINGS, api_key=fleet.api_key, base_url=fleet.base_url) as local:
+            yield local
+        return
+    pytest.importorskip("ray")
+    request.getfixturevalue("local_ray")
+    from fleetroll.ray_executor import ray_pool
+
+    async with ray_pool(
+        SETTINGS, api_key=fleet.api_key, base_url=fleet.base_url, num_actors=2
+    ) as on_ray:
+        yield on_ray
+
+
+async def test_oversampled_groups_on_a_paused_swapped_policy_then_a_resume_run_nothing_twice(
+    pool: RolloutPool,
+) -> None:
+    tasks = LEDGER[:3]
+    with anyio.fail_after(300):
+        pool.policy_version = 1
+        async with pool.policy_paused():
+            batch = pool.run_batch(
+                tasks, ScriptedPolicy(), samples_per_task=2, oversample=1, batch_id="b"
+            )
+            pool.policy_version = 2  # the weights were swapped during the pause
+        results = await batch.results()
+        again = pool.run_batch(
+            tasks,
+            ScriptedPolicy(),
+            samples_per_task=2,
+            oversample=1,
+            batch_id="b",
+            previous=results,
+        )
+        rerun = await again.results()
+        versions = set()
+        for r in results:
+            if r.reward is not None:
+                page = await batch.events(r.rollout_id, after=0, wait_s=0)
+                versions |= {e.data["policy_version"] for e in page.events if e.kind == "turn"}
+    assert len(results) == 9 and len({r.rollout_id for r in results}) == 9
+    scored = [r for r in results if r.reward is not None]
+    assert Counter(r.task_key for r in scored) == {t.key: 2 for t in tasks}
+    assert all(r.failure_reason is FailureReason.SUPERSEDED for r in results if r not in scored)
+    # Every policy call was made on the weights swapped in during the pause.
+    assert versions == {2}
+    assert [len(g.results) for g in batch.complete_groups] == [2, 2, 2]
+    assert rerun == [] and [len(g.results) for g in again.complete_groups] == [2, 2, 2]
+
+
+async def test_a_killed_actor_s_rollouts_run_again_once_on_the_other(
+    local_ray: None, fleet: EmulatorProcess
+) -> None:
+    from fleetroll.ray_executor import RayExecutor, ray_pool
+
+    sink = MemorySink()
+    async with ray_pool(
+        SETTINGS,
+        api_key=fleet.api_key,
+        base_url=fleet.base_url,
+        num_actors=2,
+        events=Events([sink]),
+    ) as pool:
+        executor = pool.executor
+        assert isinstance(executor, RayExecutor)
+        batch = pool.run_batch(LEDGER[:10], ScriptedPolicy(think_time_s=0.05), samples_per_task=2)
+        results = []
+        with anyio.fail_after(300):
+            async for result in batch:
+                results.append(result)
+                if len(results) == 5:
+                    ray.kill(executor.workers[1])
+        alive = list(executor.alive)
+    ledger = await fleet.ledger()
+    assert len(results) == 20 and len({r.rollout_id for r in results}) == 20
+    assert [(r.rollout_id, r.failure_reason) for r in results if r.reward != 1.0] == []
+    assert alive == [True, False] and sink.named("fleet_worker_lost")
+    started = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_started"))
+    completed = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed"))
+    assert started == completed and set(completed.values()) == {1}
+    assert ledger["running"] == 0
+
+
+async def turn_versions(batch: Batch, rollout_id: str) -> list[int]:
+    page = await batch.events(rollout_id, after=0, wait_s=0)
+    return [e.data["policy_version"] for e in page.events if e.kind == "turn"]
+
+
+async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_nothing_twice(
+    pool: RolloutPool,
+) -> None:
+    tasks = LEDGER[3:7]
+    policy = ScriptedPolicy(think_time_s=0.05)
+    with anyio.fail_after(300):
+        pool.policy_version = 1
+        batch = pool.run_batch(tasks, policy, samples_per_task=2, oversample=1, batch_id="c")
+        results = []
+        async for result in batch:
+            results.append(result)
+            if len(results) == 2:
+                async with pool.policy_paused():  # mid-batch: a weight swap
+                    pool.policy_version = 2
+            if len(results) == 5:
+                batch.cancel()  # Ctrl-C: the rest deliver their (cancelled) results
+        versions = {r.rollout_id: await turn_versions(batch, r.rollout_id) for r in results}
+        kept = [r for r in results if r.failure_reason is not FailureReason.CANCELLED]
+        again = pool.run_batch(
+            tasks, policy, samples_per_task=2, oversample=1, batch_id="c", previous=kept
+        )
+        rerun = await again.results()
+        rerun_versions = [v for r in rerun for v in await turn_versions(again, r.rollout_id)]
+    assert len(results) == 12 and any(r.failure_reason is FailureReason.CANCELLED for r in results)
+    # No rollout run twice: the resume runs only what has no kept result.
+    assert not {r.rollout_id for r in kept} & {r.rollout_id for r in rerun}
+    final = kept + rerun
+    assert len({r.rollout_id for r in final}) == len(final)
+    scored = Counter(r.task_key for r in final if r.reward is not None)
+    assert scored == {t.key: 2 for t in tasks}
+    assert [len(g.results) for g in again.complete_groups] == [2] * len(tasks)
+    # Every turn carries the version of its call: 1 before the swap, 2 after it.
+    for seen in versions.values():
+        assert seen == sorted(seen) and set(seen) <= {1, 2}
+    assert rerun_versions and set(rerun_versions) == {2}

@@ -119,8 +119,12 @@ class ServiceConnection:
             ) from exc
         return response.json()
 
-    async def open_stream(self, path: str, *, after: int) -> httpx.Response:
+    async def open_stream(
+        self, path: str, *, after: int, params: Mapping[str, str] | None = None
+    ) -> httpx.Response:
         """An NDJSON stream (``GET path?after=``), read timeout the stream's silence limit.
+
+        ``params`` are further query parameters.
 
         Raises:
             ServiceError: the service answered an error status.
@@ -128,7 +132,7 @@ class ServiceConnection:
         request = self.http.build_request(
             "GET",
             self.url(path),
-            params={"after": after},
+            params={**(params or {}), "after": after},
             headers={**self.headers, "Accept": "application/x-ndjson"},
             timeout=httpx.Timeout(self.timeout_s, read=self.stream_read_timeout_s),
         )
@@ -183,6 +187,8 @@ class RemoteBatch:
         self._response: httpx.Response | None = None
         self._lines: AsyncIterator[str] | None = None
         self._ended = False
+        #: The stream's query parameters besides ``after``.
+        self._params: Mapping[str, str] = {}
 
     #: The NDJSON stream this object reads.
     _stream = "results"
@@ -222,13 +228,15 @@ class RemoteBatch:
         """Every (remaining) result, once all rollouts have ended."""
         return [r async for r in self]
 
-    def groups(self, *, after: int = 0) -> RemoteGroups:
+    def groups(self, *, after: int = 0, complete_only: bool = False) -> RemoteGroups:
         """Each group of the batch as soon as it is complete, from cursor ``after`` on.
 
         A stream of its own (as ``Batch.groups`` in-process), reopened like the
         results stream when it breaks; iterating it submits the batch first.
+        ``complete_only`` drops the groups short of their scored samples
+        (``Group.complete`` false), on the service's side.
         """
-        return RemoteGroups(self, after=after)
+        return RemoteGroups(self, after=after, complete_only=complete_only)
 
     async def __aenter__(self) -> Self:
         return await self.submit()
@@ -355,7 +363,7 @@ class RemoteBatch:
 
     async def _connect(self) -> None:
         response = await self._client.open_stream(
-            f"/v1/batches/{self.batch_id}/{self._stream}", after=self.cursor
+            f"/v1/batches/{self.batch_id}/{self._stream}", after=self.cursor, params=self._params
         )
         self._response = response
         self._lines = response.aiter_lines()
@@ -380,9 +388,10 @@ class RemoteGroups(RemoteBatch):
 
     _stream = "groups"
 
-    def __init__(self, batch: RemoteBatch, *, after: int = 0) -> None:
+    def __init__(self, batch: RemoteBatch, *, after: int = 0, complete_only: bool = False) -> None:
         super().__init__(batch._client, batch.batch_id, after=after)
         self._batch = batch
+        self._params = {"complete_only": "true"} if complete_only else {}
 
     async def submit(self) -> Self:
         await self._batch.submit()

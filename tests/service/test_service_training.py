@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from itertools import chain
 
 import anyio
 import pytest
@@ -11,9 +13,12 @@ from service_helpers import LEDGER, Running, running_service
 import fleetroll.service.batches as service_batches
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
+from fleetroll.errors import PolicyError
 from fleetroll.results import FailureReason
 from fleetroll.rollout import Phase
+from fleetroll.tasks import TaskSpec
 from fleetroll.testing.planned_policy import PlannedPolicy
+from fleetroll.turns import AssistantTurn, Message, ToolSpec
 from gate_watch import paused_arrival
 
 pytestmark = pytest.mark.slow
@@ -57,6 +62,56 @@ async def test_groups_stream_in_completion_order_and_oversampled_extras_are_supe
     assert [(line["type"], line["cursor"]) for line in lines] == [("group", 2), ("end", 2)]
     assert lines[0]["group"]["task_key"] == second.key
     assert ahead.status_code == 422 and ahead.json()["detail"][0]["loc"] == ["query", "after"]
+
+
+class FailingPlannedPolicy(PlannedPolicy):
+    """A planned policy whose ``"fail"`` choice fails the rollout (no reward)."""
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        if not any(m.get("role") == "assistant" for m in messages):
+            plan = self._plans.get(task.key)
+            choice = next(plan, "solve") if plan is not None else "solve"
+            if choice == "fail":
+                raise PolicyError("the planned failure")
+            self._plans[task.key] = chain([choice], plan or iter(()))
+        return await super().act(task, messages, tools)
+
+
+async def test_complete_only_groups_over_http_skip_short_groups_and_keep_their_cursors(
+    served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    short, full = LEDGER[:2]
+    policy = FailingPlannedPolicy({short.key: ["fail", "solve", "fail"]})
+    plan(monkeypatch, policy)
+    async with FleetrollClient(served.url) as client:
+        batch = client.run_batch([short, full], samples_per_task=2, oversample=1)
+        with anyio.fail_after(60):
+            results = await batch.results()
+            every = [g async for g in batch.groups()]
+            kept = batch.groups(complete_only=True)
+            complete = [g async for g in kept]
+    assert len(results) == 6
+    assert sorted((g.task_key, g.complete) for g in every) == sorted(
+        [(short.key, False), (full.key, True)]
+    )
+    assert [g.task_key for g in complete] == [full.key]
+    assert kept.cursor == [g.task_key for g in every].index(full.key) + 1
+    async with served.http() as http:
+        with anyio.fail_after(30):
+            rest = await http.get(
+                f"/v1/batches/{batch.batch_id}/groups", params={"complete_only": "true"}
+            )
+            wrong = await http.get(
+                f"/v1/batches/{batch.batch_id}/groups", params={"complete_only": "yes"}
+            )
+    lines = [json.loads(line) for line in rest.text.splitlines()]
+    # The short group is not sent, but the end line's cursor counts it.
+    assert [line["type"] for line in lines] == ["group", "end"]
+    assert lines[-1]["cursor"] == 2 and lines[0]["group"]["task_key"] == full.key
+    assert wrong.status_code == 422
+    assert wrong.json()["detail"][0]["loc"] == ["query", "complete_only"]
 
 
 async def test_an_oversampled_group_run_again_after_a_cancel_counts_the_samples_it_kept(

@@ -198,6 +198,18 @@ def _cursor(request: Request, available: int, what: str, whose: str = "this batc
     return after
 
 
+def _flag(request: Request, name: str) -> bool:
+    """A boolean query parameter (``true`` or ``false``, absent is false).
+
+    Raises:
+        ApiError: 422, neither ``true`` nor ``false``.
+    """
+    raw = request.query_params.get(name, "false").lower()
+    if raw not in ("true", "false"):
+        raise ApiError(422, "must be true or false", loc=["query", name])
+    return raw == "true"
+
+
 def _endpoint(handler: Handler, api: Api) -> Callable[[Request], Awaitable[Response]]:
     async def endpoint(request: Request) -> Response:
         try:
@@ -271,11 +283,13 @@ async def groups(api: Api, request: Request) -> Response:
     service = api.service
     record = service.batches.get(request.path_params["batch_id"])
     after = _cursor(request, len(record.groups.groups), "groups")
+    complete_only = _flag(request, "complete_only")
     lines = record.groups.lines(
         record,
         after,
         heartbeat_s=service.settings.service.stream_heartbeat_s,
         stopping=lambda: service.batches.stopping,
+        complete_only=complete_only,
     )
     return StreamingResponse(lines, media_type=NDJSON, headers=_STREAM_HEADERS)
 
@@ -509,12 +523,21 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
             " complete group (all samples of one task: rewards, mean, std, uniform)"
             " with `cursor` n, in completion order; `heartbeat`, `end` and"
             " `interrupted` lines as on the results stream. Reconnect with"
-            " `?after=<last cursor>`."
+            " `?after=<last cursor>`. With `?complete_only=true`, groups short of"
+            " samples_per_task scored samples (`complete: false`) are not sent;"
+            " they still take their cursor, so cursors are the same either way."
         ),
         answers={200: "NDJSON: one GroupStreamLine per line"},
         answer=GroupStreamLine,
         media=NDJSON,
-        query=(_after("lines"),),
+        query=(
+            _after("lines"),
+            Query(
+                "complete_only",
+                "Send only complete groups (each with samples_per_task scored samples)",
+                {"type": "boolean", "default": False},
+            ),
+        ),
         errors={404: _NO_BATCH, 422: _INVALID},
     ),
     Endpoint(

@@ -89,11 +89,14 @@ class GroupLog:
         *,
         heartbeat_s: float,
         stopping: Callable[[], bool],
+        complete_only: bool = False,
     ) -> AsyncIterator[bytes]:
         """NDJSON chunks: the groups after cursor ``after``, then an end line.
 
         As ``BatchRecord.lines``: heartbeats while idle, no end line when the
-        server stops (the client reconnects).
+        server stops (the client reconnects). ``complete_only`` skips groups
+        short of their scored samples; they still advance the cursor (the
+        heartbeat and end lines carry it), so cursors mean the same either way.
         """
         cursor = after
         while True:
@@ -103,7 +106,7 @@ class GroupLog:
                 chunk = [
                     f'{{"type":"group","cursor":{i + 1},"group":{group}}}\n'
                     for i in range(cursor, upto)
-                    if i not in self._superseded
+                    if i not in self._superseded and (self.groups[i].complete or not complete_only)
                     for group in (self.groups[i].model_dump_json(),)
                 ]
                 cursor = upto

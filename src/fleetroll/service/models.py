@@ -8,9 +8,17 @@ and are strict: ``"samples_per_task": "4"`` is a 422 naming the field, not a 4.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from fleetroll.groups import Group
 from fleetroll.results import RolloutResult
@@ -106,19 +114,30 @@ class TaskObject(BaseModel):
         return self.model_dump(exclude_unset=True)
 
 
+_BaseUrl = Annotated[str, StringConstraints(pattern=r"^https?://[^\s]+$", max_length=2048)]
+
+
 class PolicyConfig(_Request):
     """The policy driving a batch's rollouts. Unset fields come from the server's
     ``[policy]`` settings.
 
     ``api_key`` is write-only: it is never echoed, logged or stored in results.
     The server's own ``OPENAI_API_KEY`` is sent only to the server's configured
-    ``base_url``, never to one named in a request.
+    servers (``policy.base_urls``, or else ``policy.base_url``), never to others
+    named in a request.
     """
 
     kind: Literal["scripted", "openai"] | None = None
     model: str | None = Field(None, min_length=1, max_length=256)
     base_url: str | None = Field(
         None, pattern=r"^https?://[^\s]+$", max_length=2048, description="…/v1 of the endpoint"
+    )
+    base_urls: list[_BaseUrl] | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Many policy servers (…/v1 each), each rollout sticking to one;"
+        " wins over base_url",
     )
     api_key: SecretStr | None = Field(None, max_length=4096, json_schema_extra={"writeOnly": True})
     temperature: float | None = Field(None, ge=0, le=10)
@@ -131,6 +150,13 @@ class PolicyConfig(_Request):
     return_token_ids: bool | None = Field(None, description="token ids in results' turns")
     logprobs: bool | None = Field(None, description="logprobs in results' turns")
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("base_urls")
+    @classmethod
+    def _distinct(cls, urls: list[str] | None) -> list[str] | None:
+        if urls is not None and len({u.rstrip("/") for u in urls}) < len(urls):
+            raise ValueError("a policy server is listed twice")
+        return urls
 
 
 class BatchRequest(_Request):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import anyio
+
 from fleetroll.errors import PreflightError
 from fleetroll.pool import RolloutPool
 from fleetroll.preflight import check_endpoint, preflight
@@ -63,8 +65,19 @@ class BatchPreflight:
         async def policy_problems() -> list[str]:
             if endpoint is None:  # scripted: nothing to ask
                 return []
-            base_url, api_key = endpoint
-            return await check_endpoint(base_url, api_key, timeout, cache=self._policies)
+            servers, api_key = endpoint
+            problems: dict[int, list[str]] = {}
+
+            async def check_one(index: int, base_url: str) -> None:
+                problems[index] = await check_endpoint(
+                    base_url, api_key, timeout, cache=self._policies
+                )
+
+            # Each check is bounded by timeouts.preflight_s.
+            async with anyio.create_task_group() as tg:
+                for index, base_url in enumerate(servers):
+                    tg.start_soon(check_one, index, base_url)
+            return [line for index in sorted(problems) for line in problems[index]]
 
         try:
             await preflight(self._pool.engine.provider, tasks, policy_problems, skip=_SKIP)

@@ -19,6 +19,7 @@ from pydantic import SecretStr
 
 from fleetroll.errors import TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
+from fleetroll.policy_servers import PolicyServers, ServerLimits
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import Settings
@@ -124,7 +125,7 @@ def batch_fingerprint(
     identity: dict[str, Any] = {
         "tasks": [t.model_dump(mode="json") for t in tasks],
         "samples_per_task": samples_per_task,
-        "policy": policy.model_dump(mode="json", exclude={"api_key"}) if policy else None,
+        "policy": _identity(policy) if policy else None,
         "deadline_s": deadline_s,
     }
     if oversample:  # absent when 0: fingerprints of earlier batches stay the same
@@ -133,30 +134,39 @@ def batch_fingerprint(
     return hashlib.sha256(blob).hexdigest()
 
 
+def _identity(policy: PolicyConfig) -> dict[str, Any]:
+    # base_urls absent when unset: fingerprints of earlier batches stay the same
+    unset = {"base_urls"} if policy.base_urls is None else set()
+    return policy.model_dump(mode="json", exclude={"api_key", *unset})
+
+
 def policy_endpoint(
     config: PolicyConfig | None, settings: Settings
-) -> tuple[str, SecretStr | None] | None:
-    """The base URL and key of the endpoint a request's policy calls (None: scripted).
+) -> tuple[list[str], SecretStr | None] | None:
+    """The servers (API roots) and key a request's policy calls (None: scripted).
 
+    The request's ``base_urls``, else its ``base_url``, else the server's
+    ``policy.servers`` (``policy.base_urls``, or else ``policy.base_url``).
     The server's own ``OPENAI_API_KEY`` goes only to the server's configured
-    endpoint: a request naming another ``base_url`` must bring its own key.
+    servers: a request naming any other must bring its own key.
     """
     base = settings.policy
     cfg = config or PolicyConfig()
     if (cfg.kind or base.kind) == "scripted":
         return None
-    base_url = cfg.base_url or base.base_url
+    servers = list(cfg.base_urls or ([cfg.base_url] if cfg.base_url else base.servers))
     api_key = cfg.api_key
-    if api_key is None and base_url.rstrip("/") == base.base_url.rstrip("/"):
+    own = {url.rstrip("/") for url in base.servers}
+    if api_key is None and all(url.rstrip("/") in own for url in servers):
         api_key = settings.openai_api_key
-    return base_url, api_key
+    return servers, api_key
 
 
 def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
     """The policy a request asks for; unset fields come from ``settings.policy``.
 
-    The server's own ``OPENAI_API_KEY`` goes only to the server's configured
-    endpoint: a request naming another ``base_url`` must bring its own key.
+    Its servers are :func:`policy_endpoint`'s, routed with the server's
+    ``policy.max_calls_per_server``, ``eject_after_failures`` and ``eject_s``.
     """
     base = settings.policy
     cfg = config or PolicyConfig()
@@ -164,9 +174,14 @@ def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
     if endpoint is None:
         think = base.think_time_s if cfg.think_time_s is None else cfg.think_time_s
         return ScriptedPolicy(think_time_s=think)
-    base_url, api_key = endpoint
+    servers, api_key = endpoint
+    limits = ServerLimits(
+        max_calls=base.max_calls_per_server,
+        eject_after_failures=base.eject_after_failures,
+        eject_s=base.eject_s,
+    )
     return OpenAIChatPolicy(
-        base_url=base_url,
+        servers=PolicyServers(servers, limits),
         model=cfg.model or base.model,
         api_key=api_key,
         temperature=base.temperature if cfg.temperature is None else cfg.temperature,

@@ -130,7 +130,14 @@ async def turn_versions(batch: Batch, rollout_id: str) -> list[int]:
 async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_nothing_twice(
     pool: RolloutPool,
 ) -> None:
-    tasks = LEDGER[3:7]
+    # One task takes many more steps (read-only listings first), so its rollouts
+    # are surely still acting when the others' results come and the batch is
+    # cancelled: rollouts of one length end together, and a cancel raced them.
+    slow = LEDGER[6]
+    assert slow.solution is not None
+    listing = slow.solution[0]  # list_invoices: changes nothing the verifier reads
+    slow = slow.model_copy(update={"solution": (listing,) * 15 + slow.solution})
+    tasks = [*LEDGER[3:6], slow]
     policy = ScriptedPolicy(think_time_s=0.05)
     with anyio.fail_after(300):
         pool.policy_version = 1

@@ -33,7 +33,7 @@ ray = pytest.importorskip("ray")
 
 from mcp import Client  # noqa: E402
 
-from fleetroll.batch_pool import FleetTarget, open_service_pools  # noqa: E402
+from fleetroll.batch_pool import FleetTarget, open_batch_pool  # noqa: E402
 from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import FaultProfile, Latency  # noqa: E402
 from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
@@ -148,7 +148,7 @@ async def service_on_ray(local_ray: None, fleet: EmulatorProcess) -> AsyncIterat
     s = settings(service={"tasks_root": str(config_dir())})
     tap = Tap()
     async with AsyncExitStack() as stack:
-        pool, _ = await open_service_pools(
+        pool, _ = await open_batch_pool(
             stack,
             s,
             FleetTarget(fleet.api_key, fleet.base_url, "emulator"),

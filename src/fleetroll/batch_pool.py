@@ -2,7 +2,8 @@
 
 ``fleetroll run`` and ``fleetroll serve`` take the same ``--ray [ADDRESS]``
 and ``--ray-actors N`` options (:func:`ray_options`) and open the pool they
-ask for with :func:`open_batch_pool` (``serve``: :func:`open_service_pools`).
+ask for with :func:`open_batch_pool` (``serve`` too: one pool, its env sessions
+in this process under the pool's admission, gate and limits).
 What a caller needs of a pool is a :class:`BatchPool`, and of its batches a
 :class:`RunningBatch`.
 """
@@ -32,7 +33,6 @@ __all__ = [
     "FleetTarget",
     "RunningBatch",
     "open_batch_pool",
-    "open_service_pools",
     "ray_options",
 ]
 
@@ -153,24 +153,3 @@ async def open_batch_pool(
     executor = on_ray.executor
     assert isinstance(executor, RayExecutor)  # its construction, just above
     return on_ray, f"{fleet.description} over {len(executor.workers)} Ray actors"
-
-
-async def open_service_pools(
-    stack: AsyncExitStack,
-    settings: Settings,
-    fleet: FleetTarget,
-    events: Events,
-    *,
-    ray_address: str | None = None,
-    ray_actors: int | None = None,
-) -> tuple[RolloutPool, str]:
-    """The one pool of ``fleetroll serve``, entered on ``stack``, and where it runs.
-
-    Its batches and MCP rollouts run where :func:`open_batch_pool` puts them
-    (this process, or Ray actors with ``ray_address``); env sessions, each
-    driven by one task of this process, run in this process under the same
-    pool's admission (on Ray, the cluster's), policy gate and limits.
-    """
-    return await open_batch_pool(
-        stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
-    )

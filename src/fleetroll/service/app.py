@@ -8,7 +8,7 @@
             ...
 
 The service holds one pool, whatever runs its rollouts: with ``serve --ray``
-(:func:`fleetroll.batch_pool.open_service_pools`) batches and the MCP tools'
+(:func:`fleetroll.batch_pool.open_batch_pool`) batches and the MCP tools'
 rollouts run on Ray actors, while sessions, each held by one task of this
 process for its whole life, run in this process; both under the pool's one
 admission, policy gate and limits.

@@ -98,7 +98,7 @@ async def _serve(
     token_file: Path | None,
     made: str,
 ) -> None:
-    from fleetroll.batch_pool import open_service_pools
+    from fleetroll.batch_pool import open_batch_pool
     from fleetroll.runner import open_fleet
     from fleetroll.service.app import Service
     from fleetroll.service.asgi import create_app
@@ -112,7 +112,7 @@ async def _serve(
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
         # One pool: sessions here; batches and MCP rollouts here or on Ray actors.
-        pool, backend = await open_service_pools(
+        pool, backend = await open_batch_pool(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
         service = Service(pool, settings, store=store)

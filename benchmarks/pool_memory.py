@@ -20,7 +20,7 @@ import anyio
 
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 

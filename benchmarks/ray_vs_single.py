@@ -4,8 +4,8 @@
 
 One batch of the benchmark's ledger tasks (``fleetroll.bench.scenarios.bench_tasks``:
 ``--steps`` read-only tool calls each, scripted) runs once on a
-:class:`~fleetroll.pool.RolloutPool` in this process, then once on a
-:func:`~fleetroll.ray_executor.ray_pool` for each ``--actors`` count, on a
+:class:`~fleetroll.pool.rollout_pool.RolloutPool` in this process, then once on a
+:func:`~fleetroll.pool.ray.executor.ray_pool` for each ``--actors`` count, on a
 local Ray with one CPU per core. Every run gets a fresh emulator in its own
 process with fixed latencies (``--create-s``, ``--tool-s``) and no faults.
 
@@ -42,9 +42,9 @@ from fleetroll.bench.scenarios import bench_tasks
 from fleetroll.emulator import FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
-from fleetroll.ray_actors import default_num_actors
-from fleetroll.ray_executor import ray_pool
+from fleetroll.pool.ray.actors import default_num_actors
+from fleetroll.pool.ray.executor import ray_pool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
 

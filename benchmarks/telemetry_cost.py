@@ -42,7 +42,7 @@ from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import Settings, config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink, Redactor, Telemetry

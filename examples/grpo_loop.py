@@ -24,7 +24,7 @@ up at once on the others), and each weight swap makes it solve more. Its
 attempts at a task past ``samples_per_task`` in a step are refused by the
 server (an infrastructure failure: no reward), so an extra rollout has
 something to stand in for. Groups keep their lowest-ranked scored samples
-(``fleetroll.groups``), never the fastest, so without oversampling every
+(``fleetroll.training.groups``), never the fastest, so without oversampling every
 number printed is fixed by the tasks and the arguments and the same on every
 run. With oversampling, which attempt a rollout makes depends on which calls
 the server first, so an extra may be the refused one (the group is its own

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
+from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
 
 # As the fleetroll command does for itself, before any model is built, for every
 # process of the run: the workers, what they start (snippets, examples, Ray's

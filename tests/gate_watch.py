@@ -13,7 +13,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from fleetroll.policy_gate import PolicyGate
+from fleetroll.policies.gate import PolicyGate
 
 
 def paused_arrival(gate: PolicyGate, monkeypatch: pytest.MonkeyPatch) -> anyio.Event:

@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.admission import AdmissionController, Ticket
+from fleetroll.environments.fleet.admission import AdmissionController, Ticket
 from fleetroll.errors import EnvUnavailableError
 from fleetroll.results import FailureReason
 from fleetroll.service.metrics import Metrics

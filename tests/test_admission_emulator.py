@@ -12,12 +12,12 @@ from fleet._async.client import AsyncFleet
 from fleet._async.exceptions import FleetInstanceLimitError
 
 from fleetroll.emulator import Emulator
-from fleetroll.fault_profiles import FaultProfile, Latency
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.service.metrics import Metrics
 from fleetroll.settings import config_dir, load_settings
+from fleetroll.settings.fault_profiles import FaultProfile, Latency
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink
 

@@ -16,12 +16,12 @@ import anyio
 import httpx
 import pytest
 
-from fleetroll.agent_command import CommandAgent
-from fleetroll.engine import RolloutEngine
-from fleetroll.openai_policy import OpenAIChatPolicy
-from fleetroll.policy_gate import PolicyGate
+from fleetroll.policies.gate import PolicyGate
+from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import RolloutIds
+from fleetroll.rollout.agent_command import CommandAgent
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink
@@ -212,7 +212,9 @@ async def test_an_agent_that_fails_is_scored_with_its_answer_cut_and_its_output_
         result = await run(eng, agent)
 
     assert (result.status, result.reward, result.final_answer) == ("completed", 0.0, "0123")
-    [warning] = [r.getMessage() for r in caplog.records if r.name == "fleetroll.agent_command"]
+    [warning] = [
+        r.getMessage() for r in caplog.records if r.name == "fleetroll.rollout.agent_command"
+    ]
     assert "exited with 3" in warning and "the agent gave up here" in warning
 
 

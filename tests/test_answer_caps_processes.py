@@ -23,7 +23,7 @@ from anyio.streams.text import TextReceiveStream
 
 from fleetroll.errors import PolicyError
 from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec, parse_task

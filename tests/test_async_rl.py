@@ -17,12 +17,12 @@ import anyio
 import pytest
 from rich.console import Console
 
+from fleetroll.cli.run import run_job
 from fleetroll.emulator import Emulator, FaultProfile, Latency
-from fleetroll.journal import BatchIdentity, Journal, claim_journal, read_journal
 from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
-from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal, read_journal
+from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.runner import run_job
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink

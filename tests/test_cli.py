@@ -21,13 +21,13 @@ import pytest
 from anyio.abc import ByteReceiveStream, Process
 from anyio.streams.text import TextReceiveStream
 
+from fleetroll.cli.run import Progress, _describe, _Watch
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
-from fleetroll.journal import read_journal
 from fleetroll.policies import policy_from_settings
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.journal import read_journal
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
-from fleetroll.runner import Progress, _describe, _Watch
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 
@@ -196,7 +196,7 @@ def slow_config(tmp_path: Path) -> Path:
 #: (its debug records), so that a test can wait for them; stderr is what a user sees.
 WATCHED_FLEETROLL = (
     "import logging, runpy, sys\n"
-    "journal = logging.getLogger('fleetroll.journal')\n"
+    "journal = logging.getLogger('fleetroll.pool.journal')\n"
     "journal.setLevel(logging.DEBUG)\n"
     "journal.addHandler(logging.StreamHandler(sys.stdout))\n"
     "runpy.run_module('fleetroll', run_name='__main__', alter_sys=True)\n"

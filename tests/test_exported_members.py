@@ -62,7 +62,7 @@ def test_no_public_name_but_submodules_lies_outside_all() -> None:
 def test_the_lazy_command_list_says_what_each_command_says_of_itself() -> None:
     import importlib
 
-    from fleetroll.cli import _LazyGroup
+    from fleetroll.cli.main import _LazyGroup
 
     for name, (target, short_help) in _LazyGroup.lazy.items():
         module, _, attribute = target.partition(":")

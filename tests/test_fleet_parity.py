@@ -21,12 +21,12 @@ from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.emulator.computer import Screen
 from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
-from fleetroll.engine import RolloutEngine
+from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.errors import TaskFileError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
-from fleetroll.provisioning import FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import RolloutIds
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec, load_tasks, parse_task
 from fleetroll.telemetry import Events, MemorySink

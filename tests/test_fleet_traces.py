@@ -12,9 +12,9 @@ import anyio
 import pytest
 
 from fleetroll.emulator import Emulator, FaultProfile
-from fleetroll.fleet_traces import trace_messages
+from fleetroll.environments.fleet.traces import trace_messages
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings, config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks

@@ -15,14 +15,14 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.groups import Group, GroupTracker
-from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider
 from fleetroll.testing.planned_policy import PlannedPolicy
+from fleetroll.training.groups import Group, GroupTracker
 
 pytestmark = pytest.mark.anyio
 

@@ -15,9 +15,9 @@ import httpx2
 import pytest
 from anyio.abc import SocketStream
 
-import fleetroll.retrying as retrying
-from fleetroll.http_transport import AiohttpTransport, SdkAiohttpTransport
-from fleetroll.tools import RetryRefusedConnections
+import fleetroll._internal.retrying as retrying
+from fleetroll._internal.http_transport import AiohttpTransport, SdkAiohttpTransport
+from fleetroll.rollout.tools import RetryRefusedConnections
 
 BIG = 1_000_000
 

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from fleetroll.errors import ConfigError
-from fleetroll.journal import (
+from fleetroll.pool.journal import (
     BatchIdentity,
     Journal,
     check_journal,

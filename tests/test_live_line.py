@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from fleetroll.runner import Progress, _describe, _eta_s
+from fleetroll.cli.run import Progress, _describe, _eta_s
 
 BUSY = Progress(
     total=1000,

@@ -13,7 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.journal import read_journal
+from fleetroll.pool.journal import read_journal
 from fleetroll.testing.fake_openai import FakeChatServer, Reply
 from test_training_rollouts import TASK_FILES, TASKS, solving
 

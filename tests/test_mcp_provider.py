@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks, parse_task

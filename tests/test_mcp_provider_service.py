@@ -10,7 +10,7 @@ import httpx
 import pytest
 from mcp import Client
 
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.service import Service, create_app, serve_app
 from fleetroll.settings import load_settings
 

@@ -20,7 +20,7 @@ import pytest
 
 from fleetroll.examples_mcp.notes_server import build
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service import serve_app
 from fleetroll.settings import load_settings

@@ -9,15 +9,15 @@ from pathlib import Path
 import anyio
 import pytest
 
+from fleetroll.environments.mcp.process import reward_number
+from fleetroll.environments.mcp.provider import WORKDIR_PREFIX, McpProvider
+from fleetroll.environments.mixed import MixedProvider
 from fleetroll.errors import ConfigError
-from fleetroll.mcp_process import reward_number
-from fleetroll.mcp_provider import WORKDIR_PREFIX, McpProvider
-from fleetroll.mcp_tasks import McpEnvironment
-from fleetroll.mixed_provider import MixedProvider
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.tasks.mcp import McpEnvironment
 from fleetroll.telemetry import Events
 
 FLEET_TASK = TaskSpec(key="ledger-001", prompt="Pay the rent.", env_key="ledger")

@@ -16,7 +16,7 @@ import pytest
 
 from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks

@@ -7,11 +7,11 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.engine import RolloutEngine
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
-from fleetroll.policy_gate import PolicyGate
+from fleetroll.policies.gate import PolicyGate
 from fleetroll.results import FailureReason
-from fleetroll.rollout import Phase, RolloutIds
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import Phase, RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink

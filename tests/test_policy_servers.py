@@ -14,10 +14,10 @@ import httpx
 import pytest
 from click.testing import CliRunner
 
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 from fleetroll.errors import PolicyError
 from fleetroll.policies import OpenAIChatPolicy
-from fleetroll.policy_servers import (
+from fleetroll.policies.servers import (
     Affinity,
     PolicyServers,
     Server,
@@ -25,7 +25,7 @@ from fleetroll.policy_servers import (
     shown_url,
     sticky,
 )
-from fleetroll.preflight import check_policy
+from fleetroll.pool.preflight import check_policy
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.fake_openai import completion

@@ -19,9 +19,9 @@ from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.errors import PoolFullError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
-from fleetroll.pool import RolloutPool, rollout_id
+from fleetroll.pool.rollout_pool import RolloutPool, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Phase, Rollout
+from fleetroll.rollout.machine import Phase, Rollout
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import Events, MemorySink

@@ -11,16 +11,16 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from fleetroll.groups import Group
-from fleetroll.phases import Phase
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import Batch, RolloutPool, group_id, rollout_id
-from fleetroll.progress import RolloutIds
+from fleetroll.pool.rollout_pool import Batch, RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.phases import Phase
+from fleetroll.rollout.progress import RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.fake_executor import FakeExecutor
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.training.groups import Group
 
 pytestmark = pytest.mark.anyio
 

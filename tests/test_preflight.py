@@ -19,20 +19,20 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetroll.cli.run import SameFailures
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
+from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.environments.mcp.provider import McpProvider
+from fleetroll.environments.mixed import MixedProvider
 from fleetroll.errors import PreflightError
-from fleetroll.journal import read_journal
-from fleetroll.mcp_provider import McpProvider
-from fleetroll.mcp_tasks import McpEnvironment
-from fleetroll.mixed_provider import MixedProvider
-from fleetroll.preflight import check_policy, missing_environments, preflight
-from fleetroll.provisioning import FleetProvider
+from fleetroll.pool.journal import read_journal
+from fleetroll.pool.preflight import check_policy, missing_environments, preflight
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.runner import SameFailures
 from fleetroll.service import serve_app
 from fleetroll.settings import Settings, config_dir, load_settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.tasks.mcp import McpEnvironment
 from fleetroll.telemetry import Events
 from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
 from fleetroll.testing.fake_provider import FakeProvider

@@ -8,8 +8,8 @@ import pytest
 from fleet._async import exceptions as fe
 
 from fleetroll.emulator import Emulator, FaultProfile, Latency
+from fleetroll.environments.fleet.provider import FleetProvider, TokenBucket, classify
 from fleetroll.errors import ProvisionError
-from fleetroll.provisioning import FleetProvider, TokenBucket, classify
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink

@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from fleetroll.ray_executor import ExecutorWorker
+from fleetroll.pool.ray.executor import ExecutorWorker
 from fleetroll.settings import load_settings
 from fleetroll.telemetry.events import Event
 

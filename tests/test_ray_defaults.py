@@ -7,9 +7,9 @@ import os
 import click
 from click.testing import CliRunner
 
-from fleetroll.cli_options import ray_options
-from fleetroll.ray_actors import default_num_actors
-from fleetroll.ray_executor import planned_actors
+from fleetroll.cli.options import ray_options
+from fleetroll.pool.ray.actors import default_num_actors
+from fleetroll.pool.ray.executor import planned_actors
 
 
 def test_the_default_actor_count_is_the_number_of_cpus_this_process_may_use() -> None:

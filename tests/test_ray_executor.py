@@ -1,7 +1,7 @@
 """One RolloutPool, any executor: the pool's features the same in this process and on Ray.
 
 The same test on the local executor and on two Ray actors running the local
-executor (:mod:`fleetroll.ray_executor`, what ``--ray`` opens).
+executor (:mod:`fleetroll.pool.ray.executor`, what ``--ray`` opens).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from fleetroll.emulator import FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import Batch, RolloutPool
+from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
@@ -45,7 +45,7 @@ async def pool(
         return
     pytest.importorskip("ray")
     request.getfixturevalue("local_ray")
-    from fleetroll.ray_executor import ray_pool
+    from fleetroll.pool.ray.executor import ray_pool
 
     async with ray_pool(
         SETTINGS, api_key=fleet.api_key, base_url=fleet.base_url, num_actors=2
@@ -92,7 +92,7 @@ async def test_oversampled_groups_on_a_paused_swapped_policy_then_a_resume_run_n
 async def test_a_killed_actor_s_rollouts_run_again_once_on_the_other(
     local_ray: None, fleet: EmulatorProcess
 ) -> None:
-    from fleetroll.ray_executor import RayExecutor, ray_pool
+    from fleetroll.pool.ray.executor import RayExecutor, ray_pool
 
     sink = MemorySink()
     async with ray_pool(

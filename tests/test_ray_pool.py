@@ -33,15 +33,15 @@ ray = pytest.importorskip("ray")
 
 from mcp import Client  # noqa: E402
 
-from fleetroll.batch_pool import FleetTarget, open_batch_pool  # noqa: E402
 from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import FaultProfile, Latency  # noqa: E402
 from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
 from fleetroll.errors import PoolFullError  # noqa: E402
 from fleetroll.policies import ScriptedPolicy  # noqa: E402
-from fleetroll.pool import RolloutPool  # noqa: E402
-from fleetroll.ray_admission import RemoteAdmission  # noqa: E402
-from fleetroll.ray_executor import RayExecutor, ray_pool  # noqa: E402
+from fleetroll.pool.batch_pool import FleetTarget, open_batch_pool  # noqa: E402
+from fleetroll.pool.ray.admission import RemoteAdmission  # noqa: E402
+from fleetroll.pool.ray.executor import RayExecutor, ray_pool  # noqa: E402
+from fleetroll.pool.rollout_pool import RolloutPool  # noqa: E402
 from fleetroll.results import FailureReason  # noqa: E402
 from fleetroll.service import Service, create_app, serve_app  # noqa: E402
 from fleetroll.service.metrics import Metrics  # noqa: E402

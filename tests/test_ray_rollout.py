@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("ray")  # RayRollout names Ray's exception types
 
 from fleetroll.errors import OperationTimeout
-from fleetroll.pool import rollout_id
-from fleetroll.ray_executor import RayExecutor, RayRollout
+from fleetroll.pool.ray.executor import RayExecutor, RayRollout
+from fleetroll.pool.rollout_pool import rollout_id
 from fleetroll.results import FailureReason
-from fleetroll.rollout import Phase, RolloutIds, RolloutView
+from fleetroll.rollout.machine import Phase, RolloutIds, RolloutView
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 

@@ -11,9 +11,9 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from fleetroll.admission import Ticket
+from fleetroll.environments.fleet.admission import Ticket
 from fleetroll.errors import EnvUnavailableError, ProvisionError
-from fleetroll.ray_admission import AdmissionHost, RemoteAdmission
+from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.results import FailureReason
 from fleetroll.settings import load_settings
 from fleetroll.telemetry import Events, MemorySink
@@ -209,7 +209,7 @@ async def test_a_limiter_that_cannot_be_read_is_logged_once_per_streak(
         flaky = _Unreadable(host, failures=20)
         async with anyio.create_task_group() as tg:
             driver = proxy(InProcess(flaky, tg), "d")
-            with anyio.fail_after(10), caplog.at_level("WARNING", "fleetroll.ray_admission"):
+            with anyio.fail_after(10), caplog.at_level("WARNING", "fleetroll.pool.ray.admission"):
                 async with driver.followed(Events()):
                     await flaky.answered.wait()
             tg.cancel_scope.cancel()

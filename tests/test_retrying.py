@@ -18,11 +18,7 @@ import pytest
 import stamina.instrumentation
 from fleet._async import exceptions as fe
 
-from fleetroll import verification
-from fleetroll.client import FleetrollClient
-from fleetroll.errors import PolicyError, ProvisionError, ServiceError, ToolsError
-from fleetroll.policies import OpenAIChatPolicy
-from fleetroll.retrying import (
+from fleetroll._internal.retrying import (
     Budget,
     Operation,
     Retry,
@@ -34,11 +30,15 @@ from fleetroll.retrying import (
     retry_after_s,
     transient_status,
 )
+from fleetroll.client import FleetrollClient
+from fleetroll.environments.fleet import verification
+from fleetroll.errors import PolicyError, ProvisionError, ServiceError, ToolsError
+from fleetroll.policies import OpenAIChatPolicy
+from fleetroll.rollout.tools import open_tool_session
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink, Redactor, Telemetry
 from fleetroll.telemetry.retries import retry_emitter
-from fleetroll.tools import open_tool_session
 
 NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
 

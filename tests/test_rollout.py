@@ -18,12 +18,12 @@ from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.emulator.computer import Screen
 from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
-from fleetroll.engine import RolloutEngine
+from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.errors import PolicyError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolCall, ToolSpec
-from fleetroll.provisioning import FleetProvider
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Phase, Rollout, RolloutIds
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import Phase, Rollout, RolloutIds
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import Events, MemorySink

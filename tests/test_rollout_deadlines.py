@@ -20,11 +20,11 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.engine import RolloutEngine
 from fleetroll.policies import ScriptedPolicy, ToolCall
-from fleetroll.progress import Progress
 from fleetroll.results import FailureReason, RolloutResult, Timings
-from fleetroll.rollout import Phase, RolloutIds
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import Phase, RolloutIds
+from fleetroll.rollout.progress import Progress
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink

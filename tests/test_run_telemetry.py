@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from fleetroll.journal import read_journal
+from fleetroll.pool.journal import read_journal
 from fleetroll.results import FailureReason
 from fleetroll.telemetry import queries
 from fleetroll.telemetry.dashboard import snapshot

@@ -9,8 +9,8 @@ from typing import get_args
 import pytest
 from pydantic import SecretStr
 
-from fleetroll.engine import RolloutEngine
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
+from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.service.app import Service
 from fleetroll.settings import Settings, load_settings
 from fleetroll.telemetry import Events, MemorySink, Redactor, Telemetry

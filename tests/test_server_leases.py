@@ -2,7 +2,7 @@
 scored, and a url server serves its rollouts one at a time (or as many as the task
 says) from before their reset until they are released. In-process: the provider
 double, the mcp provider's url instances (making one opens no socket) and
-:class:`~fleetroll.server_leases.ServerLeases` itself."""
+:class:`~fleetroll.environments.mcp.leases.ServerLeases` itself."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.engine import RolloutEngine
-from fleetroll.environments import Instance
+from fleetroll.environments.mcp.leases import ServerLeases
+from fleetroll.environments.mcp.provider import McpHandle, McpProvider
+from fleetroll.environments.provider import Instance
 from fleetroll.errors import ToolsError
-from fleetroll.mcp_provider import McpHandle, McpProvider
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import RolloutIds
-from fleetroll.server_leases import ServerLeases
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec, parse_task
 from fleetroll.telemetry.events import Events, MemorySink

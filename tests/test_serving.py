@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetroll._serving import serve_asgi
+from fleetroll._internal.serving import serve_asgi
 
 
 @pytest.fixture
@@ -35,10 +35,10 @@ async def test_serving_on_a_busy_port_raises_an_os_error_saying_so(busy_port: in
 async def test_a_port_taken_after_the_check_is_an_os_error_not_uvicorns_exit(
     busy_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fleetroll._serving
+    import fleetroll._internal.serving
 
     # As if another process took the port between our check and uvicorn's bind.
-    monkeypatch.setattr(fleetroll._serving, "_check_free", lambda host, port: None)
+    monkeypatch.setattr(fleetroll._internal.serving, "_check_free", lambda host, port: None)
     with pytest.raises(OSError, match="could not start"):
         async with serve_asgi(nothing, host="127.0.0.1", port=busy_port):
             pass

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 import fleetroll.settings
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 from fleetroll.errors import ConfigError
 from fleetroll.settings import load_settings
 

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
+from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
 
 PROBE = """
 import json, os, sys
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 try:
     main([*sys.argv[1:]], standalone_mode=False)
 except Exception as exc:

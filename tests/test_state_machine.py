@@ -1,9 +1,9 @@
 """The rollout state machine on the provider double: every path, in milliseconds.
 
-These run the real :class:`fleetroll.rollout.Rollout` (deadlines, failure
+These run the real :class:`fleetroll.rollout.machine.Rollout` (deadlines, failure
 reasons, release on every path, exactly one started and one completed event)
 against :class:`fleetroll.testing.fake_provider.FakeProvider`, an in-memory MCP server behind the
-:class:`fleetroll.environments.Provider` protocol.
+:class:`fleetroll.environments.provider.Provider` protocol.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.engine import RolloutEngine
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import Phase, RolloutIds
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import Phase, RolloutIds
+from fleetroll.rollout.transcript import Transcript
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider
-from fleetroll.transcript import Transcript
 
 TASK = TaskSpec(
     key="note-done",

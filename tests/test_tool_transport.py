@@ -6,9 +6,9 @@ import anyio
 import httpx2
 import pytest
 
-from fleetroll import retrying
-from fleetroll.retrying import Retry
-from fleetroll.tools import RetryRefusedConnections
+from fleetroll._internal import retrying
+from fleetroll._internal.retrying import Retry
+from fleetroll.rollout.tools import RetryRefusedConnections
 
 BUDGET = retrying.Budget(3, 0.0, 0.0)
 

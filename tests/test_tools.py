@@ -12,9 +12,9 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import CallToolResult
 from pydantic import BaseModel
 
+from fleetroll._internal.retrying import Budget
 from fleetroll.emulator import Emulator
-from fleetroll.retrying import Budget
-from fleetroll.tools import ToolSession, open_tool_session
+from fleetroll.rollout.tools import ToolSession, open_tool_session
 
 DEADLINES = {
     "connect_timeout_s": 10.0,

@@ -17,7 +17,9 @@ import pytest
 
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies import AssistantTurn, OpenAIChatPolicy, ToolCall, ToolSpec, TurnData
-from fleetroll.progress import Progress
+from fleetroll.rollout.progress import Progress
+from fleetroll.rollout.tools import ToolResult
+from fleetroll.rollout.transcript import Transcript
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.fake_openai import (
@@ -27,8 +29,6 @@ from fleetroll.testing.fake_openai import (
     tool_call,
     toy_tokenize,
 )
-from fleetroll.tools import ToolResult
-from fleetroll.transcript import Transcript
 
 TEST_DEADLINE_S = 10.0
 TASK = TaskSpec(key="t", prompt="Pay the rent.", env_key="ledger")
@@ -159,11 +159,11 @@ async def test_an_openai_like_server_gives_nulls_and_one_warning_per_missing_fie
     policy, _ = mock_policy(
         lambda body: httpx.Response(200, json=answer), return_token_ids=True, logprobs=True
     )
-    with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
+    with caplog.at_level(logging.WARNING, logger="fleetroll.policies.openai"):
         turns = [await act(policy) for _ in range(5)]
 
     assert {t.data for t in turns} == {TurnData(model="fake-model", finish_reason="stop")}
-    warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.openai_policy"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.policies.openai"]
     assert len(warnings) == 1
     assert "prompt_token_ids, completion_token_ids, logprobs" in warnings[0]
 
@@ -172,10 +172,10 @@ async def test_token_data_not_asked_for_is_not_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     policy, _ = mock_policy(lambda body: httpx.Response(200, json=completion("done")))
-    with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
+    with caplog.at_level(logging.WARNING, logger="fleetroll.policies.openai"):
         turn = await act(policy)
     assert turn.data == TurnData(model="fake-model", finish_reason="stop")
-    assert not [r for r in caplog.records if r.name == "fleetroll.openai_policy"]
+    assert not [r for r in caplog.records if r.name == "fleetroll.policies.openai"]
 
 
 async def test_a_length_finish_with_cut_arguments_is_an_arguments_error_not_a_crash() -> None:
@@ -244,7 +244,7 @@ async def test_a_request_from_encoded_messages_is_the_same_json_as_encoding_it_w
 async def test_each_message_is_encoded_once_however_many_requests_carry_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import fleetroll.transcript as transcript_module
+    import fleetroll.rollout.transcript as transcript_module
 
     encoded: list[object] = []
     real_dumps = json.dumps
@@ -425,12 +425,12 @@ async def test_a_turn_with_unusable_training_data_is_flagged_with_one_warning_sa
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     policy, _ = mock_policy(lambda body: raw(answer), return_token_ids=True, logprobs=True)
-    with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
+    with caplog.at_level(logging.WARNING, logger="fleetroll.policies.openai"):
         turns = [await act(policy) for _ in range(3)]
 
     assert all(t.data is not None and t.data.training_data_error == why for t in turns)
     assert all(t.data is not None and t.data.logprobs == logprobs for t in turns)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.openai_policy"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.policies.openai"]
     assert len(warnings) == 1 and why in warnings[0]
     progress = Progress()
     progress.record_turn(turns[0], policy_version=0, latency_s=0.1)

@@ -21,12 +21,12 @@ import anyio
 import pytest
 
 from fleetroll.emulator import Emulator
-from fleetroll.engine import RolloutEngine
-from fleetroll.journal import read_journal
+from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import OpenAIChatPolicy
-from fleetroll.provisioning import FleetProvider
+from fleetroll.pool.journal import read_journal
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout import RolloutIds
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import Events, MemorySink
@@ -222,7 +222,7 @@ async def test_a_server_without_token_data_gives_nulls_and_one_warning_for_the_b
 ) -> None:
     shape = VllmShape(token_ids=False, logprobs=False)
     async with FakeChatServer(solving([TOOL_USE]), vllm=shape) as server:
-        with caplog.at_level(logging.WARNING, logger="fleetroll.openai_policy"):
+        with caplog.at_level(logging.WARNING, logger="fleetroll.policies.openai"):
             results = await run(emulator, server, TOOL_USE, n=3, policy=TRAINING)
 
     assert [r.reward for r in results] == [1.0] * 3
@@ -230,7 +230,7 @@ async def test_a_server_without_token_data_gives_nulls_and_one_warning_for_the_b
     assert len(turns) == 3 * 5
     assert all(t.prompt_token_ids is None and t.logprobs is None for t in turns)
     assert all(t.usage is not None and t.model is not None for t in turns)
-    warnings = [r for r in caplog.records if r.name == "fleetroll.openai_policy"]
+    warnings = [r for r in caplog.records if r.name == "fleetroll.policies.openai"]
     assert len(warnings) == 1
 
 

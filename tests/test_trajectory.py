@@ -11,10 +11,10 @@ import pytest
 
 import fleetroll
 from fleetroll.errors import PolicyError
-from fleetroll.groups import Group
 from fleetroll.policies import OpenAIChatPolicy, ToolSpec
-from fleetroll.progress import Progress
 from fleetroll.results import RolloutResult, Trajectory, TrajectorySegment, Turn
+from fleetroll.rollout.progress import Progress
+from fleetroll.rollout.tools import ToolResult
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.fake_openai import (
@@ -24,8 +24,8 @@ from fleetroll.testing.fake_openai import (
     tool_calling_script,
     toy_tokenize,
 )
-from fleetroll.tools import ToolResult
-from fleetroll.trajectory import stitch, training_rows
+from fleetroll.training.groups import Group
+from fleetroll.training.trajectory import stitch, training_rows
 
 
 def turn(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fleetroll.policies import AssistantTurn, ToolCall
-from fleetroll.tools import ToolResult
-from fleetroll.transcript import Transcript
+from fleetroll.rollout.tools import ToolResult
+from fleetroll.rollout.transcript import Transcript
 
 IMAGE = "data:image/png;base64," + "A" * 64
 

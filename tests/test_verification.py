@@ -14,14 +14,14 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll import verification
 from fleetroll.emulator import Emulator
+from fleetroll.environments.fleet import verification
+from fleetroll.environments.fleet.verification import verifier_signature
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
-from fleetroll.verification import verifier_signature
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

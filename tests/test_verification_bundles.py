@@ -1,7 +1,7 @@
 """The verifier bundle check: asked once per content, with the SDK's upload as fallback.
 
 A fake of the SDK's ``AsyncEnv`` (the edge where requests leave) counts what
-the real :class:`fleetroll.verification.Verifier` and the SDK's verifier code
+the real :class:`fleetroll.environments.fleet.verification.Verifier` and the SDK's verifier code
 ask of the control plane.
 """
 
@@ -13,10 +13,10 @@ import anyio
 import anyio.lowlevel
 from fleet.models import VerifiersCheckResponse, VerifiersExecuteResponse
 
-import fleetroll.retrying as retrying
+import fleetroll._internal.retrying as retrying
+from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
-from fleetroll.verification import Verifier
 
 SETTINGS = load_settings()
 TASK = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)[0]

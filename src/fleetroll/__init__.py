@@ -19,9 +19,7 @@ import typing as _typing
 from fleetroll._lazy import lazy_attributes as _lazy_attributes
 
 if _typing.TYPE_CHECKING:
-    from fleetroll.agent_command import CommandAgent
     from fleetroll.client import FleetrollClient, ServiceError
-    from fleetroll.env_session import EnvSession, StepResult
     from fleetroll.errors import (
         ConfigError,
         FleetrollError,
@@ -33,7 +31,6 @@ if _typing.TYPE_CHECKING:
         TaskFileError,
         ToolsError,
     )
-    from fleetroll.groups import Group
     from fleetroll.policies import (
         AssistantTurn,
         OpenAIChatPolicy,
@@ -42,25 +39,28 @@ if _typing.TYPE_CHECKING:
         ToolCall,
         ToolSpec,
     )
-    from fleetroll.pool import Batch, BatchCounts, RolloutPool
+    from fleetroll.pool.rollout_pool import Batch, BatchCounts, RolloutPool
     from fleetroll.results import FailureReason, RolloutResult, Timings, VerifierOutcome
+    from fleetroll.rollout.agent_command import CommandAgent
+    from fleetroll.rollout.env_session import EnvSession, StepResult
+    from fleetroll.rollout.tools import ToolResult
     from fleetroll.settings import Settings, load_settings
     from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
-    from fleetroll.tools import ToolResult
-    from fleetroll.trajectory import training_rows
+    from fleetroll.training.groups import Group
+    from fleetroll.training.trajectory import training_rows
 
 #: Each public name and the module that defines it.
 _WHERE: dict[str, str] = {
     "AssistantTurn": "fleetroll.policies",
-    "Batch": "fleetroll.pool",
-    "BatchCounts": "fleetroll.pool",
-    "CommandAgent": "fleetroll.agent_command",
+    "Batch": "fleetroll.pool.rollout_pool",
+    "BatchCounts": "fleetroll.pool.rollout_pool",
+    "CommandAgent": "fleetroll.rollout.agent_command",
     "ConfigError": "fleetroll.errors",
-    "EnvSession": "fleetroll.env_session",
+    "EnvSession": "fleetroll.rollout.env_session",
     "FailureReason": "fleetroll.results",
     "FleetrollClient": "fleetroll.client",
     "FleetrollError": "fleetroll.errors",
-    "Group": "fleetroll.groups",
+    "Group": "fleetroll.training.groups",
     "InstanceLostError": "fleetroll.errors",
     "OpenAIChatPolicy": "fleetroll.policies",
     "OperationTimeout": "fleetroll.errors",
@@ -68,24 +68,24 @@ _WHERE: dict[str, str] = {
     "PolicyError": "fleetroll.errors",
     "ProvisionError": "fleetroll.errors",
     "RolloutError": "fleetroll.errors",
-    "RolloutPool": "fleetroll.pool",
+    "RolloutPool": "fleetroll.pool.rollout_pool",
     "RolloutResult": "fleetroll.results",
     "ScriptedPolicy": "fleetroll.policies",
     "ServiceError": "fleetroll.client",
     "Settings": "fleetroll.settings",
-    "StepResult": "fleetroll.env_session",
+    "StepResult": "fleetroll.rollout.env_session",
     "TaskFileError": "fleetroll.errors",
     "TaskSpec": "fleetroll.tasks",
     "Timings": "fleetroll.results",
     "ToolCall": "fleetroll.policies",
-    "ToolResult": "fleetroll.tools",
+    "ToolResult": "fleetroll.rollout.tools",
     "ToolSpec": "fleetroll.policies",
     "ToolsError": "fleetroll.errors",
     "VerifierOutcome": "fleetroll.results",
     "load_settings": "fleetroll.settings",
     "load_tasks": "fleetroll.tasks",
     "parse_tasks": "fleetroll.tasks",
-    "training_rows": "fleetroll.trajectory",
+    "training_rows": "fleetroll.training.trajectory",
 }
 
 __all__ = [

@@ -9,7 +9,7 @@ import pytest
 
 from fleetroll.bench.ideal import IdealModel, ideal_makespan
 from fleetroll.bench.scenarios import bench_tasks
-from fleetroll.fault_profiles import FaultProfile, Latency
+from fleetroll.settings.fault_profiles import FaultProfile, Latency
 
 BASE = IdealModel(
     rollouts=10,

@@ -110,7 +110,7 @@ def test_the_emulators_mcp_servers_run_without_the_sdks_tracing_middleware(tmp_p
     from fleetroll.emulator.instances import InstanceStore
     from fleetroll.emulator.ledger import Ledger
     from fleetroll.emulator.mcp_routing import McpRouter
-    from fleetroll.fault_profiles import FaultProfile
+    from fleetroll.settings.fault_profiles import FaultProfile
 
     ledger = Ledger()
     store = InstanceStore(tmp_path, ledger)

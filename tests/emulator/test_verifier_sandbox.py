@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from fleetroll.emulator.verifiers import VerifierRunner
-from fleetroll.settings_sections import VerifierLimits
+from fleetroll.settings.sections import VerifierLimits
 
 SECRETS = {
     "FLEETROLL_SERVICE_TOKEN": "svc-token-0123456789abcdef",

@@ -8,7 +8,7 @@ import pytest
 from fleet._async.tasks import Task
 
 from fleetroll.emulator import Emulator
-from fleetroll.settings_sections import VerifierLimits
+from fleetroll.settings.sections import VerifierLimits
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

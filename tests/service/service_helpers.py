@@ -12,7 +12,7 @@ import httpx
 
 from fleetroll.emulator import Emulator
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.service import Service, create_app, serve_app
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from click.testing import CliRunner
 
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 
 
 def test_a_serve_port_out_of_range_is_a_usage_error_without_a_traceback() -> None:

@@ -23,8 +23,8 @@ import pytest
 from anyio.abc import Process
 
 from fleetroll.client import FleetrollClient
-from fleetroll.journal import read_journal
-from fleetroll.pool import rollout_id
+from fleetroll.pool.journal import read_journal
+from fleetroll.pool.rollout_pool import rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import config_dir, load_settings

@@ -14,7 +14,7 @@ from test_service_batches import DroppingProxy, proxy  # noqa: F401  (a fixture)
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import rollout_id
+from fleetroll.pool.rollout_pool import rollout_id
 from fleetroll.service import batches as service_batches
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.

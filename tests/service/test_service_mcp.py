@@ -13,7 +13,7 @@ from service_helpers import LEDGER, Running, task_record
 
 from fleetroll import tasks
 from fleetroll.emulator import Emulator
-from fleetroll.transcript import Transcript
+from fleetroll.rollout.transcript import Transcript
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

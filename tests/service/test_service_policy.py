@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr, ValidationError
 
-from fleetroll.openai_policy import OpenAIChatPolicy
+from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.service.models import BatchRequest, PolicyConfig
 from fleetroll.service.requests import batch_fingerprint, build_policy, policy_endpoint
 from fleetroll.settings import load_settings

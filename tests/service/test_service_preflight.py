@@ -20,9 +20,9 @@ from starlette.routing import Route
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.errors import PreflightError, ServiceError
-from fleetroll.pool import RolloutPool
-from fleetroll.preflight import check_endpoint
-from fleetroll.preflight_cache import PreflightCache
+from fleetroll.pool.preflight import check_endpoint
+from fleetroll.pool.preflight_cache import PreflightCache
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.service import Service, create_app, serve_app
 from fleetroll.settings import load_settings
 

@@ -19,7 +19,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.service import Service, create_app
 from fleetroll.service.routes import ROUTES
 from fleetroll.settings import load_settings

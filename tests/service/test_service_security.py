@@ -14,8 +14,8 @@ from click.testing import CliRunner
 from pydantic import SecretStr
 from service_helpers import LEDGER, Running, running_service, task_record
 
-from fleetroll._guard import check_bind
-from fleetroll.cli import main
+from fleetroll._internal.guard import check_bind
+from fleetroll.cli.main import main
 from fleetroll.client import FleetrollClient, ServiceError
 from fleetroll.emulator import Emulator
 from fleetroll.errors import ConfigError

@@ -13,8 +13,8 @@ from service_helpers import task_record
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.errors import ConfigError, ServiceError
-from fleetroll.journal import meta_path
-from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool.journal import meta_path
+from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service import Service, create_app, serve_app
 from fleetroll.service.batches import BatchRecord

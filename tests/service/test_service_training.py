@@ -14,11 +14,11 @@ import fleetroll.service.batches as service_batches
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.errors import PolicyError
+from fleetroll.policies.turns import AssistantTurn, Message, ToolSpec
 from fleetroll.results import FailureReason
-from fleetroll.rollout import Phase
+from fleetroll.rollout.machine import Phase
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.planned_policy import PlannedPolicy
-from fleetroll.turns import AssistantTurn, Message, ToolSpec
 from gate_watch import paused_arrival
 
 pytestmark = pytest.mark.slow

@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from rich.console import Console
 from telemetry_helpers import local_settings
 
-from fleetroll.cli import main
+from fleetroll.cli.main import main
+from fleetroll.cli.run import cost_table
 from fleetroll.emulator import Emulator
 from fleetroll.policies import OpenAIChatPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
-from fleetroll.runner import cost_table
 from fleetroll.service.query import run_stats
 from fleetroll.settings import config_dir
 from fleetroll.tasks import TaskSpec, load_tasks

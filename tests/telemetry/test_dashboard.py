@@ -21,12 +21,13 @@ from PIL import Image, ImageStat
 from pydantic import SecretStr
 from telemetry_helpers import PYTHON, child_env, local_settings, lost_batch_writer
 
-from fleetroll._guard import Guard
-from fleetroll._serving import serve_asgi
-from fleetroll.cli import main
+from fleetroll._internal.guard import Guard
+from fleetroll._internal.serving import serve_asgi
+from fleetroll.cli.main import main
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.policies import AssistantTurn, ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.policies.turns import Message, ToolSpec
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
@@ -40,7 +41,6 @@ from fleetroll.telemetry.dashboard import (
 )
 from fleetroll.telemetry.dashboard_auth import cookie_authorizer
 from fleetroll.telemetry.dashboard_panels import Panels
-from fleetroll.turns import Message, ToolSpec
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

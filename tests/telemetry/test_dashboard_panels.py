@@ -15,7 +15,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 from telemetry_helpers import insert_event
 
-from fleetroll._guard import Guard
+from fleetroll._internal.guard import Guard
 from fleetroll.telemetry.dashboard import PAGE_PATHS, dashboard_routes, snapshot
 from fleetroll.telemetry.dashboard_auth import COOKIE, cookie_authorizer
 from fleetroll.telemetry.dashboard_panels import Panels, eta

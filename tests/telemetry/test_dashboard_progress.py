@@ -8,10 +8,10 @@ import anyio
 import pytest
 from telemetry_helpers import local_settings
 
-from fleetroll.batch import rollout_id
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.batch import rollout_id
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Telemetry

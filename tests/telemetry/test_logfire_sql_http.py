@@ -12,7 +12,7 @@ import pytest
 from telemetry_helpers import insert_event
 
 from fleetroll.emulator import Emulator
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.service import Service, create_app
 from fleetroll.settings import load_settings
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from telemetry_helpers import lost_batch_writer as writer
 
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 from fleetroll.telemetry.dashboard import snapshot
 from fleetroll.telemetry.writers import process_gone
 

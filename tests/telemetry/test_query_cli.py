@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from telemetry_helpers import insert_event
 
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 from fleetroll.telemetry.store import COLUMNS
 
 Store = tuple[Path, sqlite3.Connection]

@@ -16,7 +16,7 @@ import pytest
 from click.testing import CliRunner
 from telemetry_helpers import insert_event
 
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 from fleetroll.telemetry.dashboard import SinceError, parse_since
 from fleetroll.telemetry.dialect import translate
 from fleetroll.telemetry.queries import QueryError, query

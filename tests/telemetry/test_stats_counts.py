@@ -9,7 +9,7 @@ from pathlib import Path
 from click.testing import CliRunner
 from telemetry_helpers import insert_event
 
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 from fleetroll.telemetry.queries import batch_costs, stats
 
 Store = tuple[Path, sqlite3.Connection]

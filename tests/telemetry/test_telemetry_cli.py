@@ -18,10 +18,10 @@ from click.testing import CliRunner
 from telemetry_helpers import PYTHON, child_env, insert_event, local_settings
 
 import fleetroll
-from fleetroll.cli import main
+from fleetroll.cli.main import main
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import config_dir
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import open_telemetry

@@ -12,7 +12,7 @@ from telemetry_helpers import insert_event, local_settings
 
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks

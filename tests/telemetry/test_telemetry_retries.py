@@ -11,7 +11,7 @@ import stamina.instrumentation
 
 from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks

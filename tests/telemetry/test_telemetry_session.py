@@ -14,7 +14,7 @@ from telemetry_helpers import local_settings
 from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.errors import PolicyError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks

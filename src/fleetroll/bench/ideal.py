@@ -20,7 +20,7 @@ instances, ``K`` creates in flight)::
 :func:`ideal_makespan` computes the exact value for the pool's FIFO schedule
 by a small event simulation, which also covers provisioning that does not keep
 up: ``K`` creates in flight, ``R`` creates a second (a token bucket with a
-burst of ``K``, as :class:`fleetroll.provisioning.TokenBucket`) and the
+burst of ``K``, as :class:`fleetroll.environments.fleet.provider.TokenBucket`) and the
 emulator's own create queue (one create starts every ``create_queue_interval_s``).
 """
 
@@ -30,7 +30,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
-from fleetroll.fault_profiles import FaultProfile, Latency
+from fleetroll.settings.fault_profiles import FaultProfile, Latency
 
 __all__ = ["IdealModel", "ideal_makespan", "midpoint"]
 

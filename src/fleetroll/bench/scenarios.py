@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Literal
 
-from fleetroll.fault_profiles import FaultProfile, Latency
 from fleetroll.settings import Settings, load_settings
+from fleetroll.settings.fault_profiles import FaultProfile, Latency
 from fleetroll.tasks import SolutionStep, TaskSpec
 
 __all__ = [

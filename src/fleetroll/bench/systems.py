@@ -32,7 +32,7 @@ from fleetroll.bench.records import PHASES, Percentiles, RunRecord, Sample, load
 from fleetroll.bench.scenarios import Scenario
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec

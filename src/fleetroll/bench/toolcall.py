@@ -23,9 +23,9 @@ from fleetroll.bench.measure import CpuClock, machine_cpu_s, percentile, process
 from fleetroll.bench.records import ToolCallRecord, ToolCallStats, load_average
 from fleetroll.bench.scenarios import Scenario, bench_tasks
 from fleetroll.emulator.process import EmulatorProcess
-from fleetroll.fault_profiles import FaultProfile
-from fleetroll.provisioning import FleetProvider
+from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.settings import Settings
+from fleetroll.settings.fault_profiles import FaultProfile
 from fleetroll.telemetry.events import Events
 
 __all__ = ["tool_call_bench"]

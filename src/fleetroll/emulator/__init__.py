@@ -4,7 +4,7 @@ The real ``fleet-python`` SDK talks to it unchanged, so anything that works on
 the emulator works on Fleet. See :class:`Emulator`.
 
 Names are imported on first use: code that only needs a :class:`FaultProfile`
-(defined below the emulator, in :mod:`fleetroll.fault_profiles`) does not load
+(defined below the emulator, in :mod:`fleetroll.settings.fault_profiles`) does not load
 the servers (starlette, uvicorn, mcp).
 """
 
@@ -15,14 +15,14 @@ from fleetroll._lazy import lazy_attributes as _lazy_attributes
 if _typing.TYPE_CHECKING:
     from fleetroll.emulator.ledger import Ledger
     from fleetroll.emulator.server import Emulator
-    from fleetroll.fault_profiles import FaultProfile, Latency
+    from fleetroll.settings.fault_profiles import FaultProfile, Latency
 
 __all__ = ["Emulator", "FaultProfile", "Latency", "Ledger"]
 
 _WHERE: dict[str, str] = {
     "Emulator": "fleetroll.emulator.server",
-    "FaultProfile": "fleetroll.fault_profiles",
-    "Latency": "fleetroll.fault_profiles",
+    "FaultProfile": "fleetroll.settings.fault_profiles",
+    "Latency": "fleetroll.settings.fault_profiles",
     "Ledger": "fleetroll.emulator.ledger",
 }
 

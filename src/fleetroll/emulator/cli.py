@@ -1,6 +1,6 @@
 """``fleetroll emulator``: the Fleet-compatible emulator until interrupted.
 
-Registered lazily on the ``fleetroll`` group by :mod:`fleetroll.cli`; an
+Registered lazily on the ``fleetroll`` group by :mod:`fleetroll.cli.main`; an
 :class:`~fleetroll.emulator.process.EmulatorProcess` runs this command in a
 child forked from its zygote.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import click
 
-from fleetroll.cli_options import CONFIG_OPTION, Failed, load_command_settings, until_signalled
+from fleetroll.cli.options import CONFIG_OPTION, Failed, load_command_settings, until_signalled
 from fleetroll.errors import FleetrollError
 
 __all__ = ["emulator"]
@@ -55,7 +55,7 @@ def emulator(
     (or `fleetroll run`) at it. The key is FLEETROLL_EMULATOR_API_KEY when
     set, else generated. Verifiers of the tasks run on this host, sandboxed.
     """
-    from fleetroll._guard import is_loopback
+    from fleetroll._internal.guard import is_loopback
     from fleetroll.emulator import Emulator, FaultProfile
 
     settings = load_command_settings(config_file)

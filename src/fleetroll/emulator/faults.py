@@ -1,6 +1,6 @@
 """Fault injection for the emulator: drawing what goes wrong, and when.
 
-A :class:`~fleetroll.fault_profiles.FaultProfile` is plain data (from
+A :class:`~fleetroll.settings.fault_profiles.FaultProfile` is plain data (from
 ``[emulator.profiles.NAME]`` in a TOML file, or built in a test); a
 :class:`FaultInjector` turns it into decisions with one seeded RNG, so a run
 with the same seed and the same order of requests injects the same faults.
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
-from fleetroll.fault_profiles import FaultProfile
+from fleetroll.settings.fault_profiles import FaultProfile
 
 if TYPE_CHECKING:
     from starlette.requests import Request

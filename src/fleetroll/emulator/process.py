@@ -29,7 +29,7 @@ import anyio
 import httpx
 
 from fleetroll.errors import EmulatorError
-from fleetroll.fault_profiles import FaultProfile
+from fleetroll.settings.fault_profiles import FaultProfile
 
 __all__ = ["EmulatorProcess"]
 
@@ -90,7 +90,7 @@ def _read_line(sock: socket.socket, fds: list[int]) -> bytes:
 def _zygote(fd: int) -> None:
     """The zygote's loop: one forked emulator per request on the socket ``fd``."""
     # What the ``emulator`` command imports, once for every child, as it imports it.
-    from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
+    from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
 
     skip_unused_pydantic_plugins(os.environ)
 
@@ -122,8 +122,8 @@ def _emulator(request: dict[str, Any], output: int) -> int:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
     from fleetroll.emulator.cli import emulator
-    from fleetroll.pydantic_plugins import skip_unused_pydantic_plugins
     from fleetroll.telemetry.console import configure_console_logging
 
     # As the ``fleetroll`` group does before it runs the command.

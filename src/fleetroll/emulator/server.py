@@ -14,8 +14,8 @@ from typing import Self
 
 from starlette.requests import ClientDisconnect
 
-from fleetroll._exit_stack import exit_transparently
-from fleetroll._serving import serve_asgi
+from fleetroll._internal.exit_stack import exit_transparently
+from fleetroll._internal.serving import serve_asgi
 from fleetroll.emulator.app import EmulatorApp
 from fleetroll.emulator.envs import default_envs
 from fleetroll.emulator.envs.base import SampleEnv
@@ -25,8 +25,8 @@ from fleetroll.emulator.ledger import Ledger
 from fleetroll.emulator.traces import TraceStore
 from fleetroll.emulator.verifiers import VerifierRunner
 from fleetroll.errors import EmulatorError
-from fleetroll.fault_profiles import FaultProfile
-from fleetroll.settings_sections import VerifierLimits
+from fleetroll.settings.fault_profiles import FaultProfile
+from fleetroll.settings.sections import VerifierLimits
 
 __all__ = ["Emulator"]
 

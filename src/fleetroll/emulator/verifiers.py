@@ -17,7 +17,7 @@ machine allows cheaply:
   emptied after every run and removed with the worker;
 * no network when ``unshare -rn`` works for this user (checked once);
 * caps on address space, CPU time per run, what it prints and the size of
-  its answer (:class:`~fleetroll.settings_sections.VerifierLimits`);
+  its answer (:class:`~fleetroll.settings.sections.VerifierLimits`);
 * its own session, so a kill takes whatever it started with it.
 
 A worker that passes a run's timeout, dies, or answers too much is killed
@@ -47,7 +47,7 @@ import anyio
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from fleetroll.settings_sections import VerifierLimits
+from fleetroll.settings.sections import VerifierLimits
 
 __all__ = ["BundleError", "VerifierRunner"]
 

@@ -8,7 +8,7 @@
             ...
 
 The service holds one pool, whatever runs its rollouts: with ``serve --ray``
-(:func:`fleetroll.batch_pool.open_batch_pool`) batches and the MCP tools'
+(:func:`fleetroll.pool.batch_pool.open_batch_pool`) batches and the MCP tools'
 rollouts run on Ray actors, while sessions, each held by one task of this
 process for its whole life, run in this process; both under the pool's one
 admission, policy gate and limits.
@@ -33,10 +33,10 @@ from typing import Any
 import anyio
 
 from fleetroll.errors import OperationTimeout
-from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import RolloutIds, RolloutView
-from fleetroll.rollout_events import EventPage
+from fleetroll.rollout.events import EventPage
+from fleetroll.rollout.machine import RolloutIds, RolloutView
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands

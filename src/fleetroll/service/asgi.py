@@ -1,6 +1,6 @@
 """The service's ASGI app: the routes of :data:`~fleetroll.service.routes.ROUTES`
 over a :class:`~fleetroll.service.app.Service`, MCP tools at ``/mcp`` and the
-dashboard, behind the token :class:`~fleetroll._guard.Guard`.
+dashboard, behind the token :class:`~fleetroll._internal.guard.Guard`.
 
 Apart from :mod:`fleetroll.service.app` so that the routes (which call the
 service) and the service (which knows nothing of HTTP routes) import no
@@ -17,7 +17,7 @@ from importlib.metadata import PackageNotFoundError, version
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from fleetroll._guard import Guard
+from fleetroll._internal.guard import Guard
 from fleetroll.service.app import Service
 from fleetroll.service.openapi import openapi_document
 from fleetroll.service.routes import ROUTES, Api, asgi_routes

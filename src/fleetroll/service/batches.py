@@ -37,16 +37,16 @@ from dataclasses import dataclass, replace
 import anyio
 from anyio.abc import TaskGroup
 
-from fleetroll.batch import BatchCounts as PoolCounts
-from fleetroll.batch_pool import BatchPool, RunningBatch
 from fleetroll.errors import ConfigError, PoolFullError, TaskFileError
-from fleetroll.journal import Journal
-from fleetroll.phases import Phase, RolloutView
 from fleetroll.policies import Policy
-from fleetroll.pool import RolloutPool, group_id, rollout_id
-from fleetroll.progress import RolloutIds
+from fleetroll.pool.batch import BatchCounts as PoolCounts
+from fleetroll.pool.batch_pool import BatchPool, RunningBatch
+from fleetroll.pool.journal import Journal
+from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout_events import EventPage, ended_page
+from fleetroll.rollout.events import EventPage, ended_page
+from fleetroll.rollout.phases import Phase, RolloutView
+from fleetroll.rollout.progress import RolloutIds
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import Metrics

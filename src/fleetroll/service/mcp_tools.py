@@ -14,7 +14,7 @@ service runs batches on (in this process, or Ray actors with ``serve
 --ray``): it shares the pool's limits with every other batch, gets the
 pool's exactly-once result delivery, cancellation and orphan sweep for free,
 and shows up in ``GET /v1/batches/{id}`` too. The tools read the rollout
-only through its batch's :class:`~fleetroll.rollout.RolloutView` (phase,
+only through its batch's :class:`~fleetroll.rollout.machine.RolloutView` (phase,
 steps, transcript; on Ray, asked of the actor running it) and its result
 once it is over. Results are kept as long as the batch is
 (``service.keep_finished_batches``).
@@ -33,8 +33,8 @@ from pydantic import BaseModel, Field
 from starlette.types import ASGIApp
 
 from fleetroll.results import RolloutResult
-from fleetroll.rollout import RolloutIds, RolloutView
-from fleetroll.rollout_events import EventPage, RolloutEvent
+from fleetroll.rollout.events import EventPage, RolloutEvent
+from fleetroll.rollout.machine import RolloutIds, RolloutView
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
 

@@ -20,8 +20,8 @@ from pydantic import (
     model_validator,
 )
 
-from fleetroll.groups import Group
 from fleetroll.results import RolloutResult
+from fleetroll.training.groups import Group
 
 __all__ = [
     "BatchCounts",

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import anyio
 
 from fleetroll.errors import PreflightError
-from fleetroll.pool import RolloutPool
-from fleetroll.preflight import check_endpoint, preflight
-from fleetroll.preflight_cache import PreflightCache
+from fleetroll.pool.preflight import check_endpoint, preflight
+from fleetroll.pool.preflight_cache import PreflightCache
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
 from fleetroll.service.requests import policy_endpoint

@@ -19,7 +19,7 @@ from pydantic import SecretStr
 
 from fleetroll.errors import TaskFileError
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
-from fleetroll.policy_servers import PolicyServers, ServerLimits
+from fleetroll.policies.servers import PolicyServers, ServerLimits
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import Settings

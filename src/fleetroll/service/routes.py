@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleetroll.results import RolloutResult
-from fleetroll.rollout_events import EventPage, ndjson_lines
+from fleetroll.rollout.events import EventPage, ndjson_lines
 from fleetroll.service.errors import ApiError
 from fleetroll.service.metrics import CONTENT_TYPE
 from fleetroll.service.models import (

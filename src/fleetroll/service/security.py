@@ -3,7 +3,7 @@ takes it from a file only its user can read, made on first use: no caller that
 has not authenticated ever gets a task's code (a verifier, a command) run.
 
 The front door every server of ours shares (bind check, bearer token, Host
-check, body limit) is :mod:`fleetroll._guard`.
+check, body limit) is :mod:`fleetroll._internal.guard`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pydantic import SecretStr
 
-from fleetroll._guard import MIN_TOKEN_CHARS
+from fleetroll._internal.guard import MIN_TOKEN_CHARS
 from fleetroll.errors import ConfigError
 
 __all__ = ["token_from_file"]

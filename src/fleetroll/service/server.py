@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.types import ASGIApp
 
-from fleetroll._serving import serve_asgi
+from fleetroll._internal.serving import serve_asgi
 from fleetroll.errors import ConfigError
 
 __all__ = ["serve_app"]

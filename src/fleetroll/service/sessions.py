@@ -9,7 +9,7 @@ stream), one at a time, until it is closed or nobody has spoken to it for
 ``service.session_idle_s``. Then it leaves the session, which scores the
 rollout (the verifier runs if it has not) and releases the instance, and
 keeps the result for a late ``DELETE``. A ``done`` request says the episode
-is over (:meth:`~fleetroll.env_session.EnvSession.done`), so the result is
+is over (:meth:`~fleetroll.rollout.env_session.EnvSession.done`), so the result is
 ``completed``; a session closed without one is ``abandoned``.
 """
 
@@ -26,16 +26,16 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from fleetroll.env_session import EnvSession, StepResult
 from fleetroll.errors import InstanceLostError, ProvisionError
-from fleetroll.pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
+from fleetroll.rollout.env_session import EnvSession, StepResult
+from fleetroll.rollout.tools import describe
 from fleetroll.service.errors import ApiError
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import Observation, SessionOpened, ToolInfo
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.tools import describe
 
 __all__ = ["SessionRegistry"]
 

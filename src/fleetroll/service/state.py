@@ -1,7 +1,7 @@
 """What ``fleetroll serve`` keeps on disk, so that a restart forgets no batch.
 
 ``service.state_dir`` holds, under an exclusive lock for the service's
-lifetime, one :mod:`fleetroll.journal` per batch and the batch's request::
+lifetime, one :mod:`fleetroll.pool.journal` per batch and the batch's request::
 
     <state_dir>/lock
     <state_dir>/batches/<batch_id>.jsonl            every result, in the order stored
@@ -31,7 +31,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fleetroll.errors import ConfigError
-from fleetroll.journal import _write_atomically, meta_path, read_journal
+from fleetroll.pool.journal import _write_atomically, meta_path, read_journal
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service.models import PolicyConfig
 from fleetroll.tasks import TaskSpec

@@ -1,6 +1,6 @@
 """What a remote trainer needs beyond results: groups with cursors, the policy version, pauses.
 
-* :class:`GroupLog`: a batch's complete groups (:mod:`fleetroll.groups`) in
+* :class:`GroupLog`: a batch's complete groups (:mod:`fleetroll.training.groups`) in
   completion order, computed from its results as they arrive (so batches on
   any pool have them), streamed as NDJSON like the results: a group's cursor
   is its 1-based index, ``?after=n`` resumes.
@@ -19,11 +19,11 @@ from typing import Protocol
 import anyio
 from anyio.abc import TaskGroup
 
-from fleetroll.groups import Group, GroupTracker
-from fleetroll.pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.service.errors import ApiError
 from fleetroll.tasks import TaskSpec
+from fleetroll.training.groups import Group, GroupTracker
 
 __all__ = ["GroupLog", "PauseLeases"]
 

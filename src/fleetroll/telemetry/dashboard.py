@@ -12,7 +12,7 @@ Two routes, mountable in any Starlette app (the HTTP service adds
 - ``GET /dashboard/login?token=``: behind a service token, sets the cookie
   the data requests carry (:mod:`fleetroll.telemetry.dashboard_auth`).
 
-Behind a bearer token (the service's :class:`~fleetroll._guard.Guard`)
+Behind a bearer token (the service's :class:`~fleetroll._internal.guard.Guard`)
 the page itself holds no data and stays open (:data:`PAGE_PATHS`); the data
 needs the token: the login URL's cookie, or a bearer header the page sends
 when opened as ``/dashboard#token=...``. The training-run panels (progress

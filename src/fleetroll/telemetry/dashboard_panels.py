@@ -230,8 +230,8 @@ def uniform_groups(run: Run, events: str, where: str, params: Mapping[str, Any])
     """Groups with two or more scored samples, and those whose rewards are all equal.
 
     A group is the samples of one task in one batch (its ``group_id`` is
-    derived from both: :func:`fleetroll.batch.group_id`), as in
-    :mod:`fleetroll.groups`: only scored samples (a reward) count.
+    derived from both: :func:`fleetroll.pool.batch.group_id`), as in
+    :mod:`fleetroll.training.groups`: only scored samples (a reward) count.
     """
     # Counted in SQL: a long run has tens of thousands of groups, few of them uniform.
     rows = run(

@@ -1,6 +1,6 @@
 """Retries in telemetry.
 
-:func:`retry_emitter` turns :class:`fleetroll.retrying.Retry` reports into
+:func:`retry_emitter` turns :class:`fleetroll._internal.retrying.Retry` reports into
 ``fleet_retry`` events: one per retry of every operation.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Final
 
 if TYPE_CHECKING:
-    from fleetroll.retrying import Report, Retry
+    from fleetroll._internal.retrying import Report, Retry
     from fleetroll.telemetry.events import Events
 
 __all__ = ["retry_emitter"]
@@ -19,7 +19,7 @@ _MESSAGE_CHARS: Final = 500
 
 
 def retry_emitter(events: Events) -> Report:
-    """A :data:`fleetroll.retrying.Report` that emits ``fleet_retry`` on ``events``.
+    """A :data:`fleetroll._internal.retrying.Report` that emits ``fleet_retry`` on ``events``.
 
     The event carries the base attributes bound where the retry happens (a
     rollout's ids) and is redacted like every event.

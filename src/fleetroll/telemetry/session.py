@@ -16,7 +16,7 @@ running.
 Frames of this package are marked as Logfire "non-user code", so a record's
 ``code.filepath``/``code.lineno`` point at the line that emitted the event
 (``rollout.py``...), not at the sink. Retries are reported per call
-(:mod:`fleetroll.retrying`), as ``fleet_retry`` events and debug records on
+(:mod:`fleetroll._internal.retrying`), as ``fleet_retry`` events and debug records on
 the ``fleetroll.retries`` logger; no dependency's process-wide hooks are set.
 """
 

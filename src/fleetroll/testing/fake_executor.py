@@ -1,6 +1,6 @@
-"""A test double of :class:`fleetroll.executor.Executor`: rollouts that run nothing.
+"""A test double of :class:`fleetroll.pool.executor.Executor`: rollouts that run nothing.
 
-It drives a :class:`~fleetroll.pool.RolloutPool` in unit tests of what the
+It drives a :class:`~fleetroll.pool.rollout_pool.RolloutPool` in unit tests of what the
 pool owns (ids, groups and oversampling, resume, the policy gate,
 cancellation) without instances, MCP servers or a policy::
 
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from fleetroll.env_session import EnvSession
-from fleetroll.executor import Executor, ExecutorContext, RolloutHandle
-from fleetroll.phases import Phase, RolloutView
 from fleetroll.policies import Policy
-from fleetroll.progress import RolloutIds
+from fleetroll.pool.executor import Executor, ExecutorContext, RolloutHandle
 from fleetroll.results import FailureReason, RolloutResult, Turn
-from fleetroll.rollout_events import EventPage, RolloutEventLog
+from fleetroll.rollout.env_session import EnvSession
+from fleetroll.rollout.events import EventPage, RolloutEventLog
+from fleetroll.rollout.phases import Phase, RolloutView
+from fleetroll.rollout.progress import RolloutIds
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Redactor
 
@@ -38,7 +38,7 @@ __all__ = ["FakeExecutor", "FakeRollout"]
 
 
 class FakeRollout:
-    """One rollout of a :class:`FakeExecutor`: a :class:`~fleetroll.executor.RolloutHandle`."""
+    """One rollout of a :class:`FakeExecutor`: a :class:`~fleetroll.pool.executor.RolloutHandle`."""
 
     def __init__(
         self, executor: FakeExecutor, task: TaskSpec, ids: RolloutIds, run_id: str

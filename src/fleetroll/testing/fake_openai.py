@@ -55,8 +55,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from fleetroll._exit_stack import exit_transparently
-from fleetroll._serving import serve_asgi
+from fleetroll._internal.exit_stack import exit_transparently
+from fleetroll._internal.serving import serve_asgi
 
 __all__ = [
     "HANG",

@@ -1,6 +1,6 @@
 """A provider double for unit tests: no sockets, no subprocesses.
 
-:class:`FakeProvider` implements :class:`fleetroll.environments.Provider`
+:class:`FakeProvider` implements :class:`fleetroll.environments.provider.Provider`
 (mypy checks it against the protocol) over an in-memory MCP server, so the
 rollout state machine runs for real in milliseconds: provisioning, reset,
 tool calls over a real MCP session, verification and release.
@@ -19,14 +19,14 @@ import anyio
 from mcp import Client
 from mcp.server.mcpserver import MCPServer
 
-from fleetroll.environments import Instance, Provider, Verdict
+from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ToolSpec
 from fleetroll.results import VerifierOutcome
-from fleetroll.routing import Route, route, wants_final_answer
+from fleetroll.rollout.routing import Route, route, wants_final_answer
+from fleetroll.rollout.tools import ToolSession
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
-from fleetroll.tools import ToolSession
 
 __all__ = ["FakeProvider", "FakeState", "Operation"]
 

@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 import anyio
 
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
+from fleetroll.policies.turns import Message
 from fleetroll.tasks import TaskSpec
-from fleetroll.turns import Message
 
 __all__ = ["PlannedPolicy"]
 

@@ -1,0 +1,1 @@
+"""Private plumbing: nothing here is part of fleetroll's API."""

@@ -1,0 +1,1 @@
+"""The ``fleetroll`` command line: every command."""

@@ -1,0 +1,609 @@
+"""The main job: a batch of rollouts from a task file, with a journal and progress.
+
+``fleetroll run`` builds the settings, then calls :func:`run_job`; the job
+picks its Fleet (the embedded emulator unless ``FLEET_API_KEY`` or
+``FLEET_BASE_URL`` is set), streams results into the journal as they come,
+shows progress, and returns every result of the batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import statistics
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+from anyio.abc import TaskGroup
+from rich.console import Console
+from rich.table import Table
+
+from fleetroll._internal.exit_stack import exit_transparently
+from fleetroll.errors import ConfigError
+from fleetroll.policies import Policy
+from fleetroll.pool.batch_pool import FleetTarget, RunningBatch, open_batch_pool
+from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal
+from fleetroll.pool.preflight import preflight_fleet
+from fleetroll.pool.rollout_pool import Batch
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.machine import Phase
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+
+__all__ = [
+    "FleetTarget",
+    "JobReport",
+    "SameFailures",
+    "cost_table",
+    "open_fleet",
+    "run_job",
+    "summary_table",
+]
+
+_PLAIN_PROGRESS_EVERY_S = 10.0
+_LIVE_EVERY_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class JobReport:
+    batch_id: str
+    results: list[RolloutResult]  # every result of the batch, resumed ones included
+    resumed: int
+    elapsed_s: float
+    interrupted: bool
+    backend: str
+    journal: Path | None = None
+    #: Why the batch was stopped early (pool.stop_after_same_failures), if it was.
+    stopped: str | None = None
+
+
+async def run_job(
+    settings: Settings,
+    tasks: Sequence[TaskSpec],
+    policy: Policy,
+    *,
+    samples: int = 1,
+    out: Path | None = None,
+    resume: bool = False,
+    events: Events | None = None,
+    emulator_profile: str | None = None,
+    console: Console | None = None,
+    batch_id: str | None = None,
+    ray_address: str | None = None,
+    ray_actors: int | None = None,
+    signals: AsyncIterator[int] | None = None,
+    preflight: bool = True,
+) -> JobReport:
+    """Run one batch to its end (or to an interrupt), journaling every result.
+
+    Unless ``preflight`` is False, :func:`fleetroll.pool.preflight.preflight`
+    runs first, before the journal is claimed and before any create.
+
+    When each of the first ``pool.stop_after_same_failures`` rollouts to
+    finish failed the same way, the batch is cancelled there (the report's
+    ``stopped`` says why); every rollout still gets a result.
+
+    On resume, every rollout whose last journaled result is ``cancelled`` runs
+    again, with those never journaled; the others are kept.
+
+    The first SIGINT or SIGTERM cancels the batch: every rollout still gets
+    its result, every instance is released. Later ones change nothing but say
+    so: they never interrupt the shutdown. ``signals`` are those signals as
+    ``anyio.open_signal_receiver`` delivers them; a caller with work of its own
+    after this job (a telemetry flush) opens the receiver around both, so
+    that a Ctrl-C then is not a ``KeyboardInterrupt`` either. Without it, the
+    job opens its own.
+
+    Raises:
+        PreflightError: a pre-flight check failed; nothing was provisioned.
+        ConfigError: the journal cannot be used: not a regular file, in use
+            by another run, it exists and ``resume`` was not asked, or it
+            belongs to another batch (other tasks or samples).
+    """
+    console = console or Console(stderr=True)
+    events = events or Events()
+    if resume and out is None:
+        raise ConfigError("--resume needs --out (the journal to resume)")
+    if not settings.uses_emulator:
+        settings.require_fleet_api_key()  # a missing key fails here, before the journal
+    batch_id = batch_id or uuid.uuid4().hex[:12]
+    previous: list[RolloutResult] = []
+    async with AsyncExitStack() as stack:
+        if signals is None:
+            signals = stack.enter_context(anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
+        fleet = await open_fleet(stack, settings, emulator_profile)
+        if preflight:
+            # Before the journal is claimed and before any create: a typo
+            # leaves nothing behind to clean up or --resume.
+            await preflight_fleet(settings, fleet, tasks)
+        if out is not None:
+            identity = await anyio.to_thread.run_sync(
+                BatchIdentity.of, batch_id, tasks, samples, settings.pool.oversample
+            )
+            claim = await anyio.to_thread.run_sync(
+                functools.partial(claim_journal, out, identity, resume=resume)
+            )
+            stack.callback(claim.close)  # the lock is held until the journal is closed
+            batch_id, previous = claim.batch_id, claim.done
+        # The journal's writer and the signal watcher outlive the pool: results
+        # delivered while it shuts down are journaled, and a Ctrl-C meanwhile
+        # is handled, never a KeyboardInterrupt.
+        background = await stack.enter_async_context(_Background())
+        journal = await stack.enter_async_context(Journal(out, background)) if out else None
+        pool, backend = await open_batch_pool(
+            stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
+        )
+        started = time.monotonic()
+        # The pool counts them in their groups: an oversampled group runs only
+        # what it still lacks (on Ray as here).
+        batch = pool.run_batch(
+            tasks, policy, samples_per_task=samples, batch_id=batch_id, previous=previous
+        )
+        console.print(
+            f"fleetroll: batch {batch.batch_id}: {batch.total} rollouts "
+            f"({len(tasks)} tasks × {samples}) on {backend}"
+            + (f", {len(previous)} already done" if previous else "")
+        )
+        interrupted = anyio.Event()
+        background.start_soon(_watch_signals, signals, batch, interrupted, console, settings)
+        results = list(previous)
+        same = SameFailures(settings.pool.stop_after_same_failures)
+        stopped: str | None = None
+        async with _Background() as foreground:
+            foreground.start_soon(_show_progress, batch, console, started, settings)
+            async for result in batch:
+                if journal:
+                    journal.append(result)
+                results.append(result)
+                if stopped is None and (stopped := same.add(result)) is not None:
+                    console.print(f"fleetroll: stopping the batch early: {stopped}")
+                    batch.cancel()  # the rest still deliver their (cancelled) results
+    return JobReport(
+        batch_id=batch.batch_id,
+        results=results,
+        resumed=len(previous),
+        elapsed_s=time.monotonic() - started,
+        interrupted=interrupted.is_set(),
+        backend=backend,
+        journal=out,
+        stopped=stopped,
+    )
+
+
+#: Digits and hex ids vary between rollouts that failed the same way.
+_VARYING = re.compile(r"\b[0-9a-f]{8,}\b|\d+(?:\.\d+)?")
+
+
+class SameFailures:
+    """Whether the first ``n`` rollouts to finish all failed the same way.
+
+    The same way: unscored (``reward`` null), with the same ``failure_reason``
+    and the same error text once numbers and hex ids are set aside. Cancelled
+    rollouts never count (a cancel is not the batch's failure). ``n = 0``
+    never says so.
+    """
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._seen = 0
+        self._first: RolloutResult | None = None
+        self._kind: tuple[str | None, str] | None = None
+        self._same = True
+
+    @staticmethod
+    def _kind_of(result: RolloutResult) -> tuple[str | None, str]:
+        reason = result.failure_reason.value if result.failure_reason else None
+        return reason, _VARYING.sub("#", result.error or "")[:300]
+
+    def add(self, result: RolloutResult) -> str | None:
+        """Count one finished rollout; the reason to stop once the n-th makes it so."""
+        if not self._n or self._seen >= self._n or result.failure_reason is FailureReason.CANCELLED:
+            return None
+        self._seen += 1
+        kind = self._kind_of(result)
+        if result.status != "failed" or result.reward is not None:
+            self._same = False  # a scored rollout (max_steps, stale) is data, not a breakage
+        elif self._first is None:
+            self._first, self._kind = result, kind
+        elif kind != self._kind:
+            self._same = False
+        if self._seen < self._n or not self._same or self._first is None:
+            return None
+        first = self._first
+        reason = first.failure_reason.value if first.failure_reason else "failed"
+        return (
+            f"the first {self._n} rollouts to finish all failed with {reason}: {first.error}; "
+            "the rest were cancelled (--resume runs them; "
+            "pool.stop_after_same_failures = 0 runs a batch to its end regardless)"
+        )
+
+
+class _Background:
+    """A task group whose tasks live as long as its block, cancelled when it ends.
+
+    An exception of the block itself leaves as it was raised, not in a group.
+    """
+
+    async def __aenter__(self) -> TaskGroup:
+        self._stack = AsyncExitStack()
+        tg = await self._stack.enter_async_context(anyio.create_task_group())
+        self._stack.callback(tg.cancel_scope.cancel)
+        return tg
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await exit_transparently(self._stack, exc_type, exc, tb)
+
+
+async def open_fleet(
+    stack: AsyncExitStack, settings: Settings, emulator_profile: str | None = None
+) -> FleetTarget:
+    """The Fleet to use; starts the embedded emulator (on ``stack``) when none is set.
+
+    Raises:
+        ConfigError: an unknown emulator profile.
+        EmulatorError: the emulator could not start.
+    """
+    if settings.uses_emulator:
+        from fleetroll.emulator import Emulator
+
+        emu = await stack.enter_async_context(
+            Emulator(
+                settings.emulator.fault_profile(emulator_profile),
+                verifier_limits=settings.emulator.verifier_limits(),
+                verifier_max_parallel=settings.emulator.verifier_max_parallel,
+                keep_ended_instances=settings.emulator.keep_ended_instances,
+                keep_ended_s=settings.emulator.keep_ended_s,
+            )
+        )
+        return FleetTarget(emu.api_key, emu.base_url, f"emulator {emu.base_url}")
+    return FleetTarget(
+        settings.require_fleet_api_key(),
+        settings.fleet_base_url,
+        settings.fleet_base_url or "Fleet",
+    )
+
+
+async def _watch_signals(
+    signals: AsyncIterator[int],
+    batch: RunningBatch,
+    interrupted: anyio.Event,
+    console: Console,
+    settings: Settings,
+) -> None:
+    """First SIGINT/SIGTERM: cancel the batch. Later ones: say what is left to do.
+
+    Never a ``KeyboardInterrupt``: that would stop a rollout's release or the
+    journal's last write half-way.
+    """
+    async for _ in signals:
+        if not interrupted.is_set():
+            interrupted.set()
+            console.print(
+                "fleetroll: interrupted: cancelling unfinished rollouts and releasing "
+                "their instances (their results are journaled as cancelled)"
+            )
+            await batch.aclose()
+        else:
+            console.print(
+                "fleetroll: already stopping: instances still held are being released "
+                f"(each within {settings.timeouts.release_s:g} s) and every result "
+                "delivered is being journaled"
+            )
+
+
+#: An unfinished rollout older than this many times the mean duration of the
+#: finished ones is overdue: it may take any time yet (a hung create, a stuck
+#: tool), so the ETA becomes a lower bound, or unknown when they dominate.
+_OVERDUE_FACTOR = 2.0
+#: Until this many rollout durations have passed, the batch is still filling its
+#: slots and the completions so far say little about its pace (see :func:`_eta_s`).
+_RAMP_DURATIONS = 3.0
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One look at a running batch, for the live line.
+
+    ``acting`` counts rollouts holding an active slot (resetting, connecting,
+    acting), at most ``pool.concurrency``; None when the pool cannot tell
+    (Ray: the phases live in the actors), and then ``in_flight`` is all there is.
+    """
+
+    total: int
+    done: int
+    failed: int
+    in_flight: int = 0  # started and not finished: every phase below
+    queued: int = 0  # not started
+    provisioning: int = 0  # creating an instance
+    waiting: int = 0  # instance ready, waiting for an active slot
+    acting: int | None = None
+    finishing: int = 0  # verifying or releasing, slot given back
+    concurrency: int = 0
+    mean_s: float | None = None  # mean duration of the finished rollouts
+    overdue: int = 0  # in flight for over _OVERDUE_FACTOR x mean_s
+    age_s: float | None = None  # mean age of the rollouts in flight
+    first_done_s: float | None = None  # seconds from the start to the first one finished
+
+    @property
+    def finished(self) -> int:
+        return self.done + self.failed
+
+
+class _Watch:
+    """Looks at a batch now and then; remembers when each rollout started."""
+
+    def __init__(self, batch: RunningBatch, concurrency: int, started: float = 0.0) -> None:
+        self._batch = batch
+        self._concurrency = concurrency
+        self._started: dict[str, float] = {}
+        self._since = started
+        self._first_done: float | None = None
+
+    def look(self, now: float) -> Progress:
+        batch = self._batch
+        if not isinstance(batch, Batch):
+            c = batch.counts()
+            return Progress(
+                total=c.total,
+                done=c.done,
+                failed=c.failed,
+                in_flight=c.running,
+                queued=c.queued,
+                first_done_s=self._first_seen(now, c.done + c.failed),
+            )
+        phases: Counter[Phase] = Counter()
+        durations: list[float] = []
+        ages: list[float] = []
+        failed = 0
+        for rollout in batch.rollouts:
+            result = rollout.result
+            if result is not None:
+                durations.append(result.timings.total_s)
+                failed += result.status == "failed"
+                continue
+            phases[rollout.phase] += 1
+            if rollout.phase is not Phase.PENDING:
+                ages.append(now - self._started.setdefault(rollout.ids.rollout_id, now))
+        mean = statistics.fmean(durations) if durations else None
+        return Progress(
+            age_s=statistics.fmean(ages) if ages else None,
+            first_done_s=self._first_seen(now, len(durations)),
+            total=batch.total,
+            done=len(durations) - failed,
+            failed=failed,
+            in_flight=len(ages),
+            queued=phases[Phase.PENDING],
+            provisioning=phases[Phase.PROVISIONING],
+            waiting=phases[Phase.WAITING],
+            acting=phases[Phase.RESETTING] + phases[Phase.CONNECTING] + phases[Phase.ACTING],
+            finishing=phases[Phase.VERIFYING] + phases[Phase.RELEASING],
+            concurrency=self._concurrency,
+            mean_s=mean,
+            overdue=0 if mean is None else sum(a > _OVERDUE_FACTOR * mean for a in ages),
+        )
+
+    def _first_seen(self, now: float, finished: int) -> float | None:
+        if self._first_done is None and finished:
+            self._first_done = now - self._since
+        return self._first_done
+
+
+def _duration(seconds: float) -> str:
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _eta_s(p: Progress, elapsed: float) -> float | None:
+    """Seconds until the batch is done, by the pace it keeps; None: no pace yet.
+
+    While the batch fills its slots (before ``_RAMP_DURATIONS`` rollout
+    durations have passed) the completions so far are the fastest few and
+    the time before any could finish weighs on any rate taken from them, so
+    the pace comes from Little's law instead: ``in_flight`` rollouts, each in
+    flight for about ``w`` seconds, finish ``in_flight / w`` a second. ``w``
+    is the mean duration of those finished, or the mean age of those in
+    flight when that is longer (they have not finished yet). After that, the
+    pace is the completions' rate since the first one.
+    """
+    left = p.total - p.finished
+    if left <= 0:
+        return 0.0
+    if p.finished == 0 or elapsed <= 0:
+        return None
+    w = max(p.mean_s or 0.0, p.age_s or 0.0)
+    if p.mean_s is not None and p.in_flight and elapsed < _RAMP_DURATIONS * w:
+        return left * w / p.in_flight
+    since = elapsed - (p.first_done_s or 0.0)
+    rate = p.finished / since if since >= w and since > 0 else p.finished / elapsed
+    return left / rate
+
+
+def _eta(p: Progress, elapsed: float) -> str:
+    seconds = _eta_s(p, elapsed)
+    if seconds == 0.0:
+        return "ETA 0s"
+    if seconds is None:
+        return "ETA ?"  # no rate to go by yet
+    left = p.total - p.finished
+    estimate = _duration(seconds)
+    if p.overdue and 2 * p.overdue >= left:
+        return f"ETA ? ({p.overdue} overdue)"
+    if p.overdue:
+        return f"ETA >{estimate} ({p.overdue} overdue)"
+    return f"ETA {estimate}"
+
+
+#: The live line's parts, most important first: on a narrow terminal the
+#: last ones go first (see :func:`_describe`).
+_KEEP_FIRST = ("done", "eta", "failed", "rate", "acting", "in_flight", "queued",
+               "provisioning", "waiting", "finishing")  # fmt: skip
+
+
+def _describe(p: Progress, elapsed: float, width: int | None = None) -> str:
+    """The live line; with ``width``, the least important parts left out until it fits."""
+    rate = p.finished / elapsed if elapsed > 0 else 0.0
+    parts = {"done": f"{p.finished}/{p.total} done"}
+    if p.acting is None:
+        parts["in_flight"] = f"{p.in_flight} in flight"
+    else:
+        parts |= {
+            "acting": f"{p.acting} acting (max {p.concurrency})",
+            "finishing": f"{p.finishing} finishing",
+            "provisioning": f"{p.provisioning} provisioning",
+            "waiting": f"{p.waiting} waiting for a slot",
+            "queued": f"{p.queued} queued",
+        }
+    parts |= {"failed": f"{p.failed} failed", "rate": f"{rate:.1f}/s", "eta": _eta(p, elapsed)}
+    shown = list(parts)
+    line = " · ".join(parts.values())
+    for name in reversed(_KEEP_FIRST):
+        if width is None or len(line) <= width or len(shown) == 1:
+            break
+        if name in shown:
+            shown.remove(name)
+            line = " · ".join(parts[n] for n in shown)
+    return line
+
+
+async def _show_progress(
+    batch: RunningBatch, console: Console, started: float, settings: Settings
+) -> None:
+    watch = _Watch(batch, settings.pool.concurrency, started)
+
+    def line(width: int | None = None) -> str:
+        now = time.monotonic()
+        return _describe(watch.look(now), now - started, width)
+
+    if console.is_terminal:
+        with console.status("starting…") as status:
+            while not batch.finished.is_set():
+                # One line beside the spinner: cut by importance, never mid-word at the end.
+                status.update(line(console.width - 2))
+                await anyio.sleep(_LIVE_EVERY_S)
+        return
+    printed = time.monotonic()
+    while not batch.finished.is_set():
+        with anyio.move_on_after(_LIVE_EVERY_S):
+            await batch.finished.wait()
+        text = line()  # looked at often, so that the ages of rollouts are right
+        if batch.finished.is_set() or time.monotonic() - printed >= _PLAIN_PROGRESS_EVERY_S:
+            console.print(f"fleetroll: {text}")
+            printed = time.monotonic()
+
+
+def summary_table(results: Sequence[RolloutResult]) -> Table:
+    """Rollouts by env and outcome, with the mean reward of those scored."""
+    by_env: dict[str, list[RolloutResult]] = defaultdict(list)
+    for r in results:
+        by_env[f"{r.env_key}:{r.env_version}" if r.env_version else r.env_key].append(r)
+    reasons = sorted({r.failure_reason.value for r in results if r.failure_reason})
+    table = Table(title="rollouts by environment and outcome")
+    table.add_column("env")
+    table.add_column("rollouts", justify="right")
+    table.add_column("completed", justify="right")
+    for reason in reasons:
+        table.add_column(reason, justify="right")
+    table.add_column("reward mean", justify="right")
+    for env, rows in sorted(by_env.items()):
+        outcome = Counter(r.failure_reason.value if r.failure_reason else "completed" for r in rows)
+        rewards = [r.reward for r in rows if r.reward is not None]
+        table.add_row(
+            env,
+            str(len(rows)),
+            str(outcome["completed"]),
+            *(str(outcome[reason]) for reason in reasons),
+            f"{statistics.fmean(rewards):.3f}" if rewards else "—",
+        )
+    return table
+
+
+def cost_table(results: Sequence[RolloutResult]) -> Table:
+    """The results' ``cost`` summed per env, with a ``total`` row (the batch) under them."""
+    by_env: dict[str, list[RolloutResult]] = defaultdict(list)
+    for r in results:
+        by_env[f"{r.env_key}:{r.env_version}" if r.env_version else r.env_key].append(r)
+    table = Table(title="cost by environment")
+    table.add_column("env", no_wrap=True)
+    for heading in ("instance s", "prompt tokens", "completion tokens", "policy calls"):
+        table.add_column(heading, justify="right")
+    table.add_column("tool calls", justify="right")
+    groups = [*sorted(by_env.items()), ("total", list(results))]
+    for i, (env, rows) in enumerate(groups):
+        table.add_row(
+            env,
+            f"{sum(r.cost.instance_s for r in rows):.1f}",
+            str(sum(r.cost.prompt_tokens for r in rows)),
+            str(sum(r.cost.completion_tokens for r in rows)),
+            str(sum(r.cost.policy_calls for r in rows)),
+            str(sum(r.cost.tool_calls for r in rows)),
+            end_section=i == len(groups) - 2,  # a rule above the total
+        )
+    return table
+
+
+def print_report(report: JobReport, console: Console, settings: Settings | None = None) -> None:
+    """The closing table, the batch's totals, and where results and telemetry went."""
+    console.print(summary_table(report.results))
+    console.print(cost_table(report.results))
+    # A cancelled rollout (Ctrl-C, an early stop) did not fail: it was not let finish.
+    ran = [r for r in report.results if r.failure_reason is not FailureReason.CANCELLED]
+    cancelled = len(report.results) - len(ran)
+    failed = [r for r in ran if r.status == "failed"]
+    common = Counter(r.error for r in failed).most_common(1)
+    if failed and len(failed) == len(ran) and common:
+        # Every rollout failed, most often in one way: say it plainly (a wrong
+        # API key or an unknown environment looks like this).
+        error, count = common[0]
+        every = "every rollout that ran to its end" if cancelled else "every rollout"
+        console.print(f"fleetroll: {every} failed; {count} of them with: {error}")
+    if report.stopped is not None:
+        console.print(f"fleetroll: stopped early: {report.stopped}")
+    new = len(report.results) - report.resumed
+    rate = new / report.elapsed_s if report.elapsed_s > 0 else 0.0
+    console.print(
+        f"fleetroll: batch {report.batch_id}: {len(report.results)} results "
+        f"({new} this run, {rate:.1f}/s over {report.elapsed_s:.1f}s)"
+        + (f", {cancelled} cancelled" if cancelled else "")
+        + (
+            " — interrupted: unfinished rollouts were cancelled; --resume runs them"
+            if report.interrupted
+            else (" (--resume runs them)" if cancelled else "")
+        )
+    )
+    if report.journal is not None:
+        console.print(f"fleetroll: results: {report.journal} (one JSON line per rollout)")
+    else:
+        console.print("fleetroll: results: not kept (pass --out FILE to journal them)")
+    if settings is not None:
+        console.print(f"fleetroll: telemetry: {_telemetry_where(settings, report.batch_id)}")
+
+
+def _telemetry_where(settings: Settings, batch_id: str) -> str:
+    db = settings.telemetry.db_path
+    where = (
+        "local store off (telemetry.db_path is the null device)"
+        if str(db) == os.devnull
+        else f"{db} (fleetroll stats --db {db} --batch {batch_id})"
+    )
+    if settings.logfire_token is not None and settings.telemetry.send_to_logfire:
+        where += ", and Logfire"
+    return where

@@ -1,0 +1,136 @@
+"""``fleetroll serve``: the HTTP service (and MCP tools) until interrupted.
+
+Kept apart from :mod:`fleetroll.cli.main`, which registers :func:`serve` with one
+import at its end (so this module must not import that one at load time).
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import anyio
+import click
+
+from fleetroll._internal.guard import check_bind
+from fleetroll.errors import FleetrollError
+from fleetroll.pool.batch_pool import ray_options
+from fleetroll.service.security import token_from_file
+from fleetroll.settings import Settings, load_settings
+
+__all__ = ["serve"]
+
+
+class _Refused(click.ClickException):
+    """Bad input or configuration: a clear message and exit code 2."""
+
+    exit_code = 2
+
+
+@click.command()
+@click.option("--host", default=None, help="Address to listen on (default from config: loopback).")
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port (default from config; 0 = a free one).",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A TOML file merged over the shipped defaults.",
+)
+@click.option(
+    "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
+)
+@ray_options
+def serve(
+    host: str | None,
+    port: int | None,
+    config_file: Path | None,
+    profile: str | None,
+    ray_address: str | None,
+    ray_actors: int | None,
+) -> None:
+    """Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.
+
+    One rollout pool serves every request: on the embedded emulator unless
+    FLEET_API_KEY or FLEET_BASE_URL is set. With --ray, batches and MCP
+    rollouts are sharded over Ray actors; sessions stay in this process. Every
+    route but /healthz wants `Authorization: Bearer <token>`: the token is
+    FLEETROLL_SERVICE_TOKEN, else the one in service.token_file (made on first
+    use, readable by you only; binding anything but loopback needs
+    FLEETROLL_SERVICE_TOKEN). Exit code 2 for bad configuration.
+    """
+    try:
+        settings = load_settings(config_file)
+        host = host or settings.service.host
+        port = settings.service.port if port is None else port
+        check_bind(host, settings.service_token)
+        if settings.uses_emulator:
+            settings.emulator.fault_profile(profile)  # fail early on a bad name
+        token_file: Path | None = None
+        made = ""
+        if settings.service_token is None:
+            # Never serve unauthenticated: a caller's task may carry code (a
+            # verifier, a command) that would run as this user.
+            token, new = token_from_file(settings.service.token_file)
+            settings = settings.model_copy(update={"service_token": token})
+            token_file = settings.service.token_file.expanduser()
+            made = "made now" if new else "kept from an earlier start"
+    except FleetrollError as exc:
+        raise _Refused(str(exc)) from None
+    try:
+        anyio.run(_serve, settings, host, port, profile, ray_address, ray_actors, token_file, made)
+    except FleetrollError as exc:
+        raise _Refused(str(exc)) from None
+
+
+async def _serve(
+    settings: Settings,
+    host: str,
+    port: int,
+    profile: str | None,
+    ray_address: str | None,
+    ray_actors: int | None,
+    token_file: Path | None,
+    made: str,
+) -> None:
+    from fleetroll.cli.run import open_fleet
+    from fleetroll.pool.batch_pool import open_batch_pool
+    from fleetroll.service.app import Service
+    from fleetroll.service.asgi import create_app
+    from fleetroll.service.server import serve_app
+    from fleetroll.service.state import open_store
+    from fleetroll.telemetry import open_telemetry
+
+    async with AsyncExitStack() as stack:
+        # First: a folder another service holds is refused before anything starts.
+        store = await stack.enter_async_context(open_store(settings.service.state_dir))
+        events = await stack.enter_async_context(open_telemetry(settings))
+        fleet = await open_fleet(stack, settings, profile)
+        # One pool: sessions here; batches and MCP rollouts here or on Ray actors.
+        pool, backend = await open_batch_pool(
+            stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
+        )
+        service = Service(pool, settings, store=store)
+        url = await stack.enter_async_context(
+            serve_app(create_app(service), host, port, before_stop=service.stop)
+        )
+        click.echo(f"fleetroll serve: {url} on {backend}; bearer token required", err=True)
+        # Where the token is, never the token itself (this output may be logged).
+        if token_file is None:
+            click.echo("  token: FLEETROLL_SERVICE_TOKEN", err=True)
+        else:
+            click.echo(f"  token: in {token_file} ({made}; readable by you only)", err=True)
+        click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
+        restored = service.batches.restored
+        click.echo(f"  batches kept in {store.root} ({restored} read back)", err=True)
+        token = "FLEETROLL_SERVICE_TOKEN" if token_file is None else f"the token in {token_file}"
+        click.echo(f"  dashboard: {url}/dashboard/login?token=<{token}>", err=True)
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+    click.echo("fleetroll serve: stopped", err=True)

@@ -1,0 +1,1 @@
+"""Where a rollout's environment lives: the provider protocol and its providers."""

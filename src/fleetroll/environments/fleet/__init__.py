@@ -1,0 +1,1 @@
+"""Fleet as an environment provider: everything about Fleet's platform and SDK."""

@@ -1,0 +1,584 @@
+"""Fleet as an environment provider: instances through the real SDK.
+
+:class:`FleetProvider` implements :class:`fleetroll.environments.provider.Provider`
+for Fleet (and the embedded emulator): with the modules it owns
+(:mod:`fleetroll.environments.fleet.control`: failure classification, the SDK's clients,
+browser leases, the pre-flight listing; :mod:`fleetroll.environments.fleet.verification`;
+:mod:`fleetroll.environments.fleet.traces`) it is the only code of the core that talks to
+the ``fleet`` SDK.
+
+* ``AsyncFleet(max_retries=0)``: the SDK's own transport retries (which would
+  re-POST creates) are off, so every retry decision is made here, once.
+* :func:`classify` decides transient vs permanent from the SDK's typed
+  exceptions (``fleet._async.exceptions``, not ``fleet.FleetAPIError``), then
+  status codes, then structured bodies (``"retryable"``), text last.
+* Creates retry through :func:`fleetroll._internal.retrying.attempts` (full-jitter
+  backoff, or the server's Retry-After when longer) inside a total budget;
+  each attempt has its own hard deadline.
+* Creates have their own concurrency limit and rate (a token bucket), apart
+  from running rollouts, so a slow Fleet queue never starves them; with an
+  :class:`~fleetroll.environments.fleet.admission.AdmissionController`, each instance also holds
+  a place from before its create to its release (instance caps, Fleet's
+  account limit, a 403 ``instance_limit_exceeded`` waits for a release,
+  per-environment breakers).
+* :meth:`FleetProvider.release` runs shielded and bounded: cancellation
+  cannot leak an instance, and a hung delete cannot hang the caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from typing import Protocol
+
+import anyio
+import httpx2
+from fleet._async import exceptions as fleet_errors
+from fleet._async.client import AsyncEnv
+from fleet.runner_auth import RunnerTokenProvider
+
+import fleetroll._internal.retrying as retrying
+from fleetroll._internal.http_transport import AiohttpTransport
+from fleetroll._internal.retrying import Decision, Retry
+from fleetroll.environments.fleet.admission import Admission, CreateSlots, Ticket, TokenBucket
+from fleetroll.environments.fleet.control import (
+    Classification,
+    Known,
+    Lease,
+    classify,
+    create_lease,
+    delete_lease,
+    forget_retry_after,
+    listing_problems,
+    provisioning_failed,
+    sdk_lanes,
+)
+from fleetroll.environments.fleet.verification import Verifier
+from fleetroll.environments.provider import Instance, Verdict
+from fleetroll.errors import EnvUnavailableError, ProvisionError
+from fleetroll.pool.preflight_cache import PreflightCache
+from fleetroll.rollout.routing import Route, route, wants_final_answer
+from fleetroll.rollout.tools import (
+    AnswerLimits,
+    BoundedAnswers,
+    RetryRefusedConnections,
+    ToolSession,
+    open_tool_session,
+)
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+from fleetroll.telemetry.retries import retry_emitter
+
+__all__ = [
+    "Classification",
+    "CreateGate",
+    "FleetProvider",
+    "TokenBucket",
+    "classify",
+]
+
+_log = logging.getLogger(__name__)
+
+
+class CreateGate(Protocol):
+    """Admission for instance creates: a concurrency slot, then the rate.
+
+    The pool's admission holds it (on Ray, the cluster's one, across every
+    process: Fleet's limits are per account); without one, this process's own.
+    """
+
+    def slot(self) -> AbstractAsyncContextManager[None]:
+        """Held for the duration of one create request."""
+        ...
+
+
+class FleetProvider:
+    """Makes and releases instances through ``AsyncFleet``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        events: Events,
+        *,
+        api_key: str,
+        base_url: str | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        self._settings = settings
+        self._events = events
+        self._where = base_url or "Fleet"
+        self._admission = admission
+        #: Each admitted instance's place, given back at its release.
+        self._tickets: dict[str, Ticket] = {}
+        self._account_read = False
+        self._account_lock = anyio.Lock()
+        p = settings.provisioning
+        t = settings.timeouts
+        self._clients, self._lanes = sdk_lanes(settings, api_key=api_key, base_url=base_url)
+        self._lane = itertools.cycle(self._lanes)
+        #: For calls that belong to no instance (listing, sweeping).
+        self.fleet = self._lanes[0]
+        #: The environment listing, reused by pre-flights within its time to live
+        #: (a service checks every batch on this one provider).
+        self._listings = PreflightCache[Known](settings.service.preflight_cache_s)
+        # The SDK resolves the instance-router token once per *instance*, each
+        # time building a new HTTP client (~20 ms of blocking TLS set-up on
+        # the loop). One provider, resolved once, is shared by every instance.
+        self._runner_tokens = RunnerTokenProvider(self.fleet.client)
+        self._runner_lock = anyio.Lock()
+        self._gate: CreateGate = admission or CreateSlots(
+            p.max_concurrent_creates, p.creates_per_second
+        )
+        self._verifier = Verifier(
+            timeout_s=t.verifier_s,
+            max_source_bytes=settings.pool.max_verifier_bytes,
+            budget=retrying.budget(settings, "verify"),
+            report=retry_emitter(events),
+        )
+        # Built once: building TLS settings costs ~20 ms of blocking work.
+        self._mcp_tls = httpx2.create_ssl_context()
+        #: Browser leases by instance id (modalities with ``browser_lease``).
+        self._leases: dict[str, Lease] = {}
+
+    async def aclose(self) -> None:
+        for client in self._clients:
+            await client.aclose()
+
+    @staticmethod
+    def _env(instance: Instance) -> AsyncEnv:
+        env = instance.handle
+        assert isinstance(env, AsyncEnv), "an instance of another provider"
+        return env
+
+    async def reset(self, instance: Instance) -> None:
+        """Reset the instance to its seed state (``timeouts.reset_s``)."""
+        with anyio.fail_after(self._settings.timeouts.reset_s):
+            await self._env(instance).reset()
+
+    def route(self, instance: Instance, task: TaskSpec) -> Route:
+        """The MCP endpoint of ``task``'s modality on the instance (``[modalities]``)."""
+        urls = self._env(instance).urls
+        assert urls is not None  # provision() hands out running instances only
+        chosen = route(
+            task.modality,
+            self._settings.modalities,
+            urls.root,
+            final_answer=wants_final_answer(
+                requires=task.requires_final_answer,
+                verifier=task.verifier_func,
+                prompt=task.prompt,
+            ),
+        )
+        lease = self._leases.get(instance.instance_id)
+        # The lease flow: the tools are the leased browser's, not the instance's.
+        return chosen if lease is None else dataclasses.replace(chosen, url=lease.mcp_url)
+
+    @asynccontextmanager
+    async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
+        """An MCP session on the route's endpoint over its own HTTP client.
+
+        One client per rollout: each Fleet instance is its own host anyway, and
+        one shared pool of thousands of connections costs a scan of all of them
+        on every request.
+        """
+        t = self._settings.timeouts
+        async with AsyncExitStack() as stack:
+            http = await stack.enter_async_context(self.mcp_client())
+            yield await stack.enter_async_context(
+                open_tool_session(
+                    route.url,
+                    http,
+                    connect_timeout_s=t.mcp_connect_s,
+                    call_timeout_s=t.call_tool_s,
+                    list_timeout_s=t.list_tools_s,
+                    budget=retrying.budget(self._settings, "mcp_connect"),
+                    list_budget=retrying.budget(self._settings, "list_tools"),
+                    report=retry_emitter(self._events),
+                    limits=AnswerLimits.from_settings(self._settings),
+                )
+            )
+
+    def mcp_client(self) -> httpx2.AsyncClient:
+        """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""
+        t = self._settings.timeouts
+        transport = AiohttpTransport(
+            verify=self._mcp_tls, keepalive_s=t.http_keepalive_s, max_connections=8
+        )
+        return httpx2.AsyncClient(
+            timeout=httpx2.Timeout(
+                max(t.call_tool_s, t.list_tools_s) + 5.0, connect=t.mcp_connect_s
+            ),
+            # A request whose connection was refused never left: sent again.
+            # Answers are read up to pool.max_tool_*_bytes, counted while read.
+            transport=BoundedAnswers(
+                RetryRefusedConnections(
+                    transport,
+                    retrying.budget(self._settings, "mcp_request"),
+                    retry_emitter(self._events),
+                ),
+                AnswerLimits.from_settings(self._settings),
+            ),
+        )
+
+    async def verify(self, instance: Instance, task: TaskSpec, final_answer: str | None) -> Verdict:
+        """The task's verifier, run remotely by Fleet against the instance."""
+        return await self._verifier.verify(task, self._env(instance), final_answer)
+
+    async def preflight(self, tasks: Sequence[TaskSpec]) -> list[str]:
+        """The control plane answers, the key is accepted, every env version exists
+        (:func:`fleetroll.environments.fleet.control.listing_problems`)."""
+        report = retry_emitter(self._events)
+        return await listing_problems(
+            self.fleet,
+            tasks,
+            self._settings,
+            where=self._where,
+            report=report,
+            cache=self._listings,
+        )
+
+    async def provision(self, task: TaskSpec, *, run_id: str | None = None) -> Instance:
+        """Create a running instance for ``task``, retrying transient failures.
+
+        Raises:
+            ProvisionError: permanent failure, or the attempts or the total
+                budget ran out; ``transient`` says which.
+        """
+        p = self._settings.provisioning
+        budget = self._settings.timeouts.provision_total_s
+        started = time.monotonic()
+        attempt = 0
+        last: BaseException | None = None
+        emit_retry = retry_emitter(self._events)
+
+        def decision(exc: BaseException) -> Decision:
+            verdict = classify(exc, retry_instance_limit=p.retry_instance_limit)
+            return Decision(verdict.transient, verdict.status_code, verdict.retry_after_s)
+
+        def report(retry: Retry) -> None:
+            # The create-only event stays (a documented contract); fleet_retry too.
+            self._events.emit(
+                "fleet_make_retry",
+                level="warn",
+                attempt=retry.attempt,
+                error_type=type(retry.error).__name__,
+                error_message=str(retry.error)[:500],
+                status_code=retry.decision.status_code,
+                retry_delay_s=round(retry.delay_s, 3),
+            )
+            emit_retry(retry)
+
+        ticket: Ticket | None = None
+        try:
+            with anyio.fail_after(budget) as scope:
+                ticket = await self._admit(task)
+                async for retry in retrying.attempts(
+                    "make",
+                    retrying.budget(self._settings, "make"),
+                    deadline=scope.deadline,
+                    classify=decision,
+                    report=report,
+                ):
+                    with retry:
+                        attempt = retry.num
+                        forget_retry_after()
+                        try:
+                            env = await self._create_admitted(task, run_id, ticket)
+                        except Exception as exc:
+                            last = exc
+                            raise
+        except EnvUnavailableError:
+            raise
+        except Exception as exc:
+            if ticket is not None and self._admission is not None:
+                self._admission.release(ticket)
+            waited = ticket is None and self._admission is not None
+            raise provisioning_failed(
+                self._settings, self._events, task, exc, last, attempt, waited_for_admission=waited
+            ) from exc
+        if ticket is not None and self._admission is not None:
+            self._admission.started(ticket)
+            self._tickets[env.instance_id] = ticket
+        if self._settings.modalities[task.modality].browser_lease:
+            await self._lease_browser(env, task, attempt)
+        elapsed = time.monotonic() - started
+        self._events.emit(
+            "fleet_provisioning_completed",
+            provisioning_time_s=round(elapsed, 4),
+            attempts=attempt,
+            instance_id=env.instance_id,
+        )
+        # The reference's name for the same moment (existing dashboards query it).
+        self._events.emit(
+            "fleet_env_created",
+            provisioning_time_s=round(elapsed, 4),
+            instance_id=env.instance_id,
+            env_key=task.env_key,
+        )
+        return Instance(
+            instance_id=env.instance_id,
+            attempts=attempt,
+            provision_s=elapsed,
+            created_mono=time.monotonic(),
+            handle=env,
+        )
+
+    async def _admit(self, task: TaskSpec) -> Ticket | None:
+        """A place for the instance (waits for room); None without admission control.
+
+        Raises:
+            EnvUnavailableError: the environment version is quarantined (fail-fast mode).
+        """
+        admission = self._admission
+        if admission is None:
+            return None
+        if not self._account_read and self._settings.admission.account_limit:
+            async with self._account_lock:  # every create waits for the limit, read once
+                if not self._account_read:
+                    await self._read_account()
+                    self._account_read = True
+        return await admission.acquire(task.env_spec)
+
+    async def _read_account(self) -> None:
+        """Fleet's account instance limit, into admission; unknown if it cannot be read."""
+        assert self._admission is not None
+        with anyio.move_on_after(self._settings.timeouts.provision_create_s):
+            try:
+                account = await self.fleet.account()
+            except Exception as exc:  # no limit known: a 403 will teach it
+                _log.warning("could not read Fleet's account limit: %s", type(exc).__name__)
+                return
+            self._admission.learn_account(account.instance_limit, account.instance_count)
+
+    async def _create_admitted(
+        self, task: TaskSpec, run_id: str | None, ticket: Ticket | None
+    ) -> AsyncEnv:
+        """One create; a 403 ``instance_limit_exceeded`` queues again for a place
+        (admission learns the limit) instead of failing the attempt."""
+        while True:
+            try:
+                return await self._create_once(task, run_id)
+            except fleet_errors.FleetInstanceLimitError as exc:
+                if ticket is None or self._admission is None:
+                    raise
+                self._events.emit(
+                    "fleet_make_retry",
+                    level="warn",
+                    attempt=0,
+                    error_type=type(exc).__name__,
+                    error_message=str(exc)[:500],
+                    status_code=403,
+                    retry_delay_s=0.0,
+                )
+                await self._admission.limit_reached(
+                    ticket, exc.instance_limit, exc.running_instances
+                )
+
+    async def _lease_browser(self, env: AsyncEnv, task: TaskSpec, attempts: int) -> None:
+        """Lease a browser for ``env`` (``timeouts.browser_lease_s`` in all). On
+        failure the lease and the instance are given back.
+
+        Raises:
+            ProvisionError: the lease could not be set up.
+        """
+        t = self._settings.timeouts
+        ttl_s = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
+        try:
+            with anyio.fail_after(t.browser_lease_s):
+                lease = await create_lease(self.fleet, env, ttl_s=ttl_s, release_s=t.release_s)
+        except Exception as exc:
+            why = (
+                f"no answer within {t.browser_lease_s:g} s"
+                if isinstance(exc, TimeoutError)
+                else exc
+            )
+            await self._close(env)
+            ticket = self._tickets.pop(env.instance_id, None)
+            if ticket is not None and self._admission is not None:
+                self._admission.release(ticket)
+            self._events.emit(
+                "fleet_make_failed",
+                level="error",
+                attempt=attempts,
+                error_type=type(exc).__name__,
+                error_message=f"browser lease: {why}"[:500],
+                status_code=getattr(exc, "status_code", None),
+            )
+            raise ProvisionError(
+                f"the browser lease for {task.env_spec} could not be set up: {why}",
+                transient=classify(exc).transient,
+                status_code=getattr(exc, "status_code", None),
+                attempts=attempts,
+            ) from exc
+        self._leases[env.instance_id] = lease
+
+    async def _delete_lease(self, lease_id: str, instance_id: str) -> bool:
+        """Give a browser lease back; shielded and bounded, never raises."""
+        timeout = self._settings.timeouts.release_s
+        error = await delete_lease(self.fleet, lease_id, timeout_s=timeout)
+        if error is not None:
+            self._events.emit(
+                "fleet_instance_release_failed",
+                level="error",
+                instance_id=instance_id,
+                error_message=f"browser lease {lease_id}: {error}"[:500],
+            )
+        return error is None
+
+    async def _create_once(self, task: TaskSpec, run_id: str | None) -> AsyncEnv:
+        modality = self._settings.modalities[task.modality]
+        create_timeout = self._settings.timeouts.provision_create_s
+        async with self._gate.slot():
+            with anyio.fail_after(create_timeout):
+                env = await next(self._lane).make(
+                    task.env_spec,
+                    data_key=task.data_spec,
+                    region=self._settings.provisioning.region,
+                    env_variables=task.env_variables or None,
+                    image_type=modality.image_type,
+                    ttl_seconds=task.ttl_seconds or modality.ttl_s,
+                    run_id=run_id,
+                    timeout=create_timeout,
+                )
+        await self._share_runner_token(env)
+        if env.status != "running" or env.urls is None:
+            # Not usable: give it back before trying again.
+            await self._close(env)
+            raise fleet_errors.FleetEnvironmentError(
+                f"instance {env.instance_id} came up {env.status!r}, not running"
+            )
+        return env
+
+    async def _share_runner_token(self, env: AsyncEnv) -> None:
+        async with self._runner_lock:
+            with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
+                await self._runner_tokens.token_async()
+        env._runner_token_provider = self._runner_tokens
+
+    async def is_alive(self, instance: Instance) -> bool:
+        """Whether Fleet still reports the instance running.
+
+        Used to tell "the instance died" from "a call failed". When the control
+        plane cannot be asked in time, the instance is presumed alive.
+        """
+        with anyio.move_on_after(min(10.0, self._settings.timeouts.release_s)):
+            try:
+                current = await self.fleet.instance(instance.instance_id)
+            except fleet_errors.FleetAPIError as exc:
+                return bool(exc.status_code != 404)  # 404: gone; anything else: presume alive
+            except Exception:
+                return True
+            return bool(current.status == "running")
+        return True
+
+    async def release(self, instance: Instance) -> bool:
+        """Delete the instance; shielded from cancellation and bounded in time.
+
+        Returns whether Fleet confirmed the release (a 404 counts: it is gone).
+        Never raises. Its admission place is given back either way.
+        """
+        try:
+            return await self._release(instance)
+        finally:
+            ticket = self._tickets.pop(instance.instance_id, None)
+            if ticket is not None and self._admission is not None:
+                self._admission.release(ticket)
+
+    async def _release(self, instance: Instance) -> bool:
+        lease = self._leases.pop(instance.instance_id, None)
+        if lease is not None:  # the browser first: it shows the instance
+            await self._delete_lease(lease.lease_id, instance.instance_id)
+        timeout = self._settings.timeouts.release_s
+        error: str | None = None
+        error_type = "TimeoutError"
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
+            try:
+                await self._env(instance).close()
+            except fleet_errors.FleetAPIError as exc:
+                if exc.status_code != 404:  # 404: it is gone already, as asked
+                    error, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
+            except Exception as exc:  # a failed release is reported, never raised
+                error, error_type = f"{type(exc).__name__}: {exc}", type(exc).__name__
+        if scope.cancelled_caught:
+            error, error_type = f"release timed out after {timeout:g} s", "TimeoutError"
+        lifetime = round(time.monotonic() - instance.created_mono, 3)
+        if error is None:
+            self._events.emit(
+                "fleet_instance_released", instance_id=instance.instance_id, lifetime_s=lifetime
+            )
+            return True
+        self._events.emit(
+            "fleet_instance_release_failed",
+            level="error",
+            instance_id=instance.instance_id,
+            lifetime_s=lifetime,
+            error_message=error[:500],
+        )
+        # The reference's event, only when the instance is really still there.
+        with anyio.CancelScope(shield=True):
+            still_there = await self.is_alive(instance)
+        if still_there:
+            self._events.emit(
+                "fleet_env_close_failed",
+                level="error",
+                instance_id=instance.instance_id,
+                error_type=error_type,
+                error_message=error[:500],
+            )
+        return False
+
+    async def sweep(self, run_id: str) -> int:
+        """Release every running instance tagged with ``run_id``; never raises.
+
+        Instances nobody knows about end up there: a create whose answer never
+        came back (our deadline fired first), or those of a worker that died.
+        Returns how many were released.
+        """
+        released = 0
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(self._settings.timeouts.release_s * 2),
+        ):
+            try:
+                orphans = await self.fleet.instances(status="running", run_id=run_id)
+            except Exception as exc:  # best effort: report it
+                self._events.emit(
+                    "fleet_instance_release_failed",
+                    level="warn",
+                    error_message=f"sweep of {run_id} failed: {exc}"[:500],
+                )
+                return 0
+            for env in orphans:
+                try:
+                    await env.close()
+                except Exception as exc:  # best effort, per instance
+                    self._events.emit(
+                        "fleet_instance_release_failed",
+                        level="warn",
+                        instance_id=env.instance_id,
+                        error_message=str(exc)[:500],
+                    )
+                    continue
+                released += 1
+                self._events.emit(
+                    "fleet_instance_released", instance_id=env.instance_id, orphan=True
+                )
+        return released
+
+    async def _close(self, env: AsyncEnv) -> None:
+        timeout = self._settings.timeouts.release_s
+        with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
+            try:
+                await env.close()
+            except Exception as exc:  # best effort; the instance was unusable anyway
+                self._events.emit(
+                    "fleet_instance_release_failed",
+                    level="error",
+                    instance_id=env.instance_id,
+                    error_message=str(exc)[:500],
+                )

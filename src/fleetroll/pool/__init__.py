@@ -1,0 +1,1 @@
+"""The pool: batches, their executors (local and Ray), the journal and pre-flight."""

@@ -1,0 +1,1 @@
+"""The pool's rollouts on Ray actors."""

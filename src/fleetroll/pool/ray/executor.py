@@ -1,0 +1,566 @@
+"""A pool's rollouts on Ray actors: :class:`RayExecutor`, each actor a LocalExecutor.
+
+What ``--ray`` opens (:func:`fleetroll.pool.batch_pool.open_batch_pool`). The pool
+is the driver's one :class:`~fleetroll.pool.rollout_pool.RolloutPool` (ids, groups,
+oversampling, resume, the policy gate, the read model); each actor
+(:class:`ExecutorWorker`) runs single rollouts on a
+:class:`~fleetroll.pool.executor.LocalExecutor` and answers their views and live
+events. The driver mirrors its policy gate (version and pauses) onto every
+actor and passes the actors' telemetry on. A dead actor's admission places go
+back, and its rollouts run again once on another actor. Sessions run on the
+driver (each is one task of this process for its whole life). Not yet: the
+transcripts of rollouts on actors (``--traces``).
+
+::
+
+    async with ray_pool(settings, api_key=..., num_actors=2) as pool:
+        batch = pool.run_batch(tasks, policy, samples_per_task=8, oversample=2)
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
+from typing import Any
+
+import anyio
+
+from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.environments.mixed import require_fleet_key
+from fleetroll.errors import OperationTimeout
+from fleetroll.policies import Policy
+from fleetroll.policies.gate import PolicyGate
+from fleetroll.pool.executor import ExecutorContext, LocalExecutor, RolloutHandle
+from fleetroll.pool.ray.actors import _Buffer, default_num_actors, holder, load_ray
+from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
+from fleetroll.pool.rollout_pool import RolloutPool
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.env_session import EnvSession
+from fleetroll.rollout.events import EventPage, ended_page
+from fleetroll.rollout.phases import Phase, RolloutView
+from fleetroll.rollout.progress import RolloutIds
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Event, Events, Redactor
+
+__all__ = ["ExecutorWorker", "RayExecutor", "planned_actors", "ray_pool"]
+
+#: How long a driver's take of an actor's telemetry waits for an event.
+_TAKE_WAIT_S = 0.5
+#: Events passed on once per rollout, even when it ran again after its actor died.
+_ONCE = ("fleet_rollout_started", "fleet_rollout_completed")
+
+
+class ExecutorWorker:
+    """A Ray actor's side: single rollouts on a LocalExecutor, views, events, the gate."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        api_key: str | None,
+        base_url: str | None,
+        limiter: Any,
+        index: int,
+    ) -> None:
+        self._settings = settings
+        self._buffer = _Buffer(index)
+        admission = RemoteAdmission(limiter, holder(index), settings.timeouts.ray_call_s)
+        self._gate = PolicyGate()
+        self._pause: AsyncExitStack | None = None
+        concurrency = settings.pool.concurrency
+        self._context = ExecutorContext(
+            Events([self._buffer]),
+            admission,
+            self._gate,
+            anyio.CapacityLimiter(concurrency),
+            anyio.CapacityLimiter(concurrency + settings.provisioning.max_concurrent_creates),
+        )
+        self._executor = LocalExecutor(settings, api_key=api_key, base_url=base_url)
+        self._stack: AsyncExitStack | None = None
+        self._rollouts: dict[str, RolloutHandle] = {}
+
+    async def start(self) -> int:
+        """Open the executor (once); this actor's pid."""
+        if self._stack is None:
+            stack = AsyncExitStack()
+            await stack.enter_async_context(self._executor.open(self._context))
+            self._stack = stack
+        return os.getpid()
+
+    async def run(
+        self, task: TaskSpec, ids: RolloutIds, run_id: str, policy: Policy
+    ) -> tuple[RolloutResult, list[Event]]:
+        """Run one rollout; its result, and the telemetry not taken yet (its
+        completed event among it: the actor may die before the next take)."""
+        rollout = self._executor.rollout(task, ids, run_id=run_id)
+        self._rollouts[ids.rollout_id] = rollout
+        await rollout.execute(policy)
+        assert rollout.result is not None
+        events, self._buffer.events = self._buffer.events, []
+        return rollout.result, events
+
+    async def stop(self, rollout_id: str, reason: FailureReason, error: str) -> None:
+        if (rollout := self._rollouts.get(rollout_id)) is not None:
+            rollout.stop(reason, error)
+
+    async def view(self, rollout_id: str, messages: bool) -> RolloutView | None:
+        rollout = self._rollouts.get(rollout_id)
+        return None if rollout is None else await rollout.read_view(messages=messages)
+
+    async def events(self, rollout_id: str, after: int, wait_s: float) -> EventPage | None:
+        rollout = self._rollouts.get(rollout_id)
+        return None if rollout is None else await rollout.events(after, wait_s)
+
+    async def forget(self, rollout_id: str) -> None:
+        self._rollouts.pop(rollout_id, None)
+
+    async def mirror(self, version: int, paused: bool) -> None:
+        """The driver's policy gate, as it is now."""
+        self._gate.version = version
+        if paused and self._pause is None:
+            self._pause = AsyncExitStack()
+            await self._pause.enter_async_context(self._gate.paused_calls())
+        elif not paused and self._pause is not None:
+            pause, self._pause = self._pause, None
+            await pause.aclose()
+
+    async def sweep(self, run_id: str) -> None:
+        await self._executor.sweep(run_id)
+
+    async def take_events(self, wait_s: float) -> list[Event]:
+        buffer = self._buffer
+        if not buffer.events:
+            with anyio.move_on_after(wait_s):
+                await buffer.changed.wait()
+        buffer.changed = anyio.Event()
+        events, buffer.events = buffer.events, []
+        return events
+
+
+def actor_run_id(run_id: str, index: int) -> str:
+    """The Fleet ``run_id`` of the instances actor ``index`` makes for ``run_id``:
+    a dead actor's are released at once, and only its."""
+    return f"{run_id}-w{index}"
+
+
+class RayRollout:
+    """A rollout running on an actor, as the driver's pool sees it.
+
+    If its actor dies, it runs again once on another (from scratch); with no
+    actor left, or once stopped, it ends without running.
+    """
+
+    def __init__(self, executor: RayExecutor, task: TaskSpec, ids: RolloutIds, run_id: str) -> None:
+        self._executor = executor
+        self._index = executor.pick()
+        self._worker = executor.workers[self._index]
+        self._task = task
+        self.ids = ids
+        self._run_id = run_id
+        self._call_s = executor.settings.timeouts.ray_call_s
+        self.phase = Phase.PENDING
+        self.result: RolloutResult | None = None
+        self.settle: Callable[[RolloutResult], RolloutResult] | None = None
+        self._stop: tuple[FailureReason, str] | None = None
+
+    async def execute(self, policy: Policy) -> None:
+        if self._stop is not None:
+            self.never_started(*self._stop)
+            return
+        self.phase = Phase.PROVISIONING
+        ray = load_ray()
+        for attempt in range(2):
+            tag = actor_run_id(self._run_id, self._index)
+            self._executor.ran(self._index, self._run_id)
+            ref = self._worker.run.remote(self._task, self.ids, tag, policy)
+            try:
+                result, events = await ref
+            except anyio.get_cancelled_exc_class():
+                with (
+                    anyio.CancelScope(shield=True),
+                    anyio.move_on_after(self._call_s),
+                    suppress(ray.exceptions.RayActorError),  # then: cancelled before it ended
+                ):
+                    why = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
+                    await self._worker.stop.remote(self.ids.rollout_id, *why)
+                    result, events = await ref
+                    self._executor.pass_on(events)
+                    self._end(result)
+                raise
+            except ray.exceptions.RayActorError:
+                live = await self._executor.lost(self._index, self.ids, self._run_id)
+                if live is None or attempt or self._stop is not None:
+                    died = "its worker died" if live is not None else "no worker is left"
+                    reason, error = self._stop or (FailureReason.INIT_ERROR, died)
+                    self.never_started(reason, error)
+                    return
+                self._index, self._worker = live, self._executor.workers[live]
+                continue
+            self._executor.pass_on(events)
+            self._end(result)
+            return
+
+    def _end(self, result: RolloutResult) -> None:
+        self.phase = Phase.DONE
+        self.result = result if self.settle is None else self.settle(result)
+
+    def stop(self, reason: FailureReason, error: str) -> None:
+        if self._stop is None:
+            self._stop = (reason, error)
+        self._worker.stop.remote(self.ids.rollout_id, reason, error)
+
+    @property
+    def stop_reason(self) -> tuple[FailureReason, str] | None:
+        return self._stop
+
+    def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
+        task = self._task
+        self._end(
+            RolloutResult(
+                rollout_id=self.ids.rollout_id,
+                batch_id=self.ids.batch_id,
+                task_key=task.key,
+                sample_index=self.ids.sample_index,
+                group_id=self.ids.group_id,
+                env_key=task.env_key,
+                env_version=task.env_version,
+                modality=task.modality,
+                status="failed",
+                failure_reason=reason,
+                error=error,
+            )
+        )
+        assert self.result is not None
+        return self.result
+
+    async def _ask(self, operation: str, ref: Any, timeout_s: float) -> Any:
+        """What the actor answers (None if it died: the rollout runs again or ends).
+
+        Raises:
+            OperationTimeout: it did not answer within ``timeout_s``.
+        """
+        ray = load_ray()
+        try:
+            with anyio.fail_after(timeout_s):
+                return await ref
+        except TimeoutError:
+            rid = self.ids.rollout_id
+            raise OperationTimeout(
+                f"the Ray actor running rollout {rid} did not answer within"
+                f" {self._call_s:g} s (timeouts.ray_call_s); ask again",
+                operation=operation,
+                timeout_s=self._call_s,
+                rollout_id=rid,
+            ) from None
+        except ray.exceptions.RayActorError:
+            return None
+
+    async def read_view(self, *, messages: bool = True) -> RolloutView:
+        """Its view on the actor running it (the driver's once it ended there).
+
+        Raises:
+            OperationTimeout: the actor did not answer within ``timeouts.ray_call_s``.
+        """
+        ref = self._worker.view.remote(self.ids.rollout_id, messages)
+        view: RolloutView | None = await self._ask("view", ref, self._call_s)
+        if view is None:
+            return RolloutView(self.ids, self._task.key, self.phase, 0, (), self.result)
+        if self.result is not None:  # the driver's (settled) result is the one that counts
+            view = RolloutView(
+                view.ids, view.task_key, view.phase, view.steps, view.messages, self.result
+            )
+        return view
+
+    async def events(self, after: int, wait_s: float) -> EventPage:
+        """Its live events on the actor running it (see :meth:`read_view`)."""
+        ref = self._worker.events.remote(self.ids.rollout_id, after, wait_s)
+        page: EventPage | None = await self._ask("events", ref, self._call_s + wait_s)
+        if page is None and self.result is not None:
+            return ended_page(after, self.result)
+        return page or EventPage((), 0, False)
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return []  # traces of rollouts on actors: not yet
+
+    @property
+    def redactor(self) -> Redactor:
+        return Redactor()
+
+
+class RayExecutor:
+    """Runs a pool's rollouts on Ray actors (see the module docstring).
+
+    Made by :func:`ray_pool`, which starts the actors and the cluster's
+    admission first (the pool's admission is the cluster's).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        workers: list[Any],
+        api_key: str | None,
+        base_url: str | None,
+        limiter: Any = None,
+    ) -> None:
+        self.settings = settings
+        self.workers = workers
+        #: The cluster's admission actor (:class:`~fleetroll.pool.ray.admission.AdmissionHost`).
+        self.limiter = limiter
+        self._api_key = api_key
+        self._base_url = base_url
+        #: Sweeps the actors' Fleet instances from this process (a dead actor's too).
+        self._fleet: FleetProvider | None = None
+        #: The Fleet tags of dead actors' runs already swept.
+        self._swept: set[str] = set()
+        #: Per actor, the run ids it ran rollouts of (a dead one's are swept at the end).
+        self._ran: list[set[str]] = [set() for _ in workers]
+        self._local = LocalExecutor(settings, api_key=api_key, base_url=base_url)
+        self._next = itertools.cycle(range(len(workers)))
+        #: Which actors still answer.
+        self.alive = [True] * len(workers)
+        #: Rollouts run again after their actor died: their started and completed
+        #: events are passed on once (the dead actor may have shipped either).
+        self._rerun: dict[str, set[str]] = {}
+        #: Rollouts whose started event was passed on and completed one not yet.
+        self._started: set[str] = set()
+        self._events: Events | None = None
+        self._closing = False
+
+    def pick(self) -> int:
+        """The next live actor, round robin (0 if none is: its call fails as lost)."""
+        for _ in self.workers:
+            n = next(self._next)
+            if self.alive[n]:
+                return n
+        return 0
+
+    def ran(self, index: int, run_id: str) -> None:
+        """Actor ``index`` runs a rollout of ``run_id``."""
+        self._ran[index].add(run_id)
+
+    async def lost(self, index: int, ids: RolloutIds, run_id: str) -> int | None:
+        """Actor ``index`` died under rollout ``ids``: the actor to run it again on, if any.
+
+        Its places in the cluster's admission go back, and its instances of
+        ``run_id`` (tagged :func:`actor_run_id`) are released, before the rerun.
+        """
+        tag = actor_run_id(run_id, index)
+        if tag not in self._swept:
+            self._swept.add(tag)
+            if self._fleet is not None:
+                await self._fleet.sweep(tag)  # shielded and bounded; never raises
+        if self.alive[index]:
+            self.alive[index] = False
+            if self._events is not None:
+                self._events.emit(
+                    "fleet_worker_lost", level="error", batch_id=ids.batch_id, worker=index
+                )
+            if self.limiter is not None:
+                # Its places in the cluster's admission (creates, instances) go back.
+                with anyio.CancelScope(shield=True):
+                    with anyio.move_on_after(self.settings.timeouts.ray_call_s):
+                        await self.limiter.release_all.remote(holder(index))
+        rid = ids.rollout_id
+        self._rerun.setdefault(rid, {_ONCE[0]} if rid in self._started else set())
+        live = [n for n, ok in enumerate(self.alive) if ok]
+        return live[0] if live else None
+
+    @asynccontextmanager
+    async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
+        self._events, self._closing = context.events, False
+        if self._api_key is not None:
+            self._fleet = FleetProvider(
+                self.settings, context.events, api_key=self._api_key, base_url=self._base_url
+            )
+        async with AsyncExitStack() as stack:
+            if self._fleet is not None:
+                stack.push_async_callback(self._fleet.aclose)
+            await stack.enter_async_context(self._open(context))
+            yield
+
+    @asynccontextmanager
+    async def _open(self, context: ExecutorContext) -> AsyncIterator[None]:
+        async with self._local.open(context), anyio.create_task_group() as tg:
+            for worker in self.workers:
+                tg.start_soon(self._pass_events, worker, context.events, _TAKE_WAIT_S)
+            mirror = anyio.CancelScope()
+            tg.start_soon(self._mirror, context.policy_gate, mirror)
+            try:
+                yield
+            finally:
+                # A take cut short would lose what it took: each ends after the one
+                # under way (bounded by ray_call_s).
+                self._closing = True
+                mirror.cancel()
+        # Once more: the events of the last rollouts (shielded and bounded).
+        dead = [n for n, ok in enumerate(self.alive) if not ok]
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self.settings.timeouts.ray_call_s):
+            for n, worker in enumerate(self.workers):
+                if self.alive[n] and not await self._pass_events(
+                    worker, context.events, 0.0, once=True
+                ):
+                    dead.append(n)
+        # A dying actor may have made an instance after its batch's sweep: now
+        # that it is dead for sure, the tags of every run it ran are swept again.
+        if self._fleet is not None:
+            for n in dead:
+                for run_id in sorted(self._ran[n]):
+                    await self._fleet.sweep(actor_run_id(run_id, n))
+
+    async def _mirror(self, gate: PolicyGate, scope: anyio.CancelScope) -> None:
+        with scope:
+            await self._mirror_forever(gate)
+
+    async def _mirror_forever(self, gate: PolicyGate) -> None:
+        while True:
+            seen = gate.generation
+            with anyio.fail_after(self.settings.timeouts.ray_call_s):
+                for worker in self.workers:
+                    await worker.mirror.remote(gate.version, gate.paused)
+            if gate.generation == seen:
+                await gate.changed()
+
+    async def _pass_events(
+        self, worker: Any, events: Events, wait_s: float, *, once: bool = False
+    ) -> bool:
+        """Pass on what ``worker`` emits (once, or until closing); False if it is dead."""
+        ray = load_ray()
+        while True:
+            try:
+                with anyio.fail_after(self.settings.timeouts.ray_call_s + wait_s):
+                    taken = await worker.take_events.remote(wait_s)
+            except ray.exceptions.RayActorError:
+                return False  # a dead actor's rollouts find out, and say so
+            except TimeoutError:
+                return True
+            self.pass_on(taken)
+            if once or self._closing:
+                return True
+
+    def pass_on(self, taken: list[Event]) -> None:
+        """Emit what an actor emitted (started and completed once per rollout)."""
+        events = self._events
+        assert events is not None
+        for event in taken:
+            rid = str(event.attributes.get("rollout_id"))
+            seen = self._rerun.get(rid)
+            if seen is not None and event.name in _ONCE:
+                if event.name in seen:
+                    continue
+                seen.add(event.name)
+            if event.name == _ONCE[0]:
+                self._started.add(rid)
+            elif event.name == _ONCE[1]:
+                self._started.discard(rid)
+                if seen is not None and len(seen) == len(_ONCE):
+                    del self._rerun[rid]
+            events.emit(event.name, level=event.level, **dict(event.attributes))
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The engine of this process (sessions run on it; checks use its provider).
+
+        Raises:
+            RuntimeError: the executor is not open.
+        """
+        return self._local.engine
+
+    def check_tasks(self, tasks: Sequence[TaskSpec]) -> None:
+        require_fleet_key(tasks, self._api_key)
+
+    def rollout(self, task: TaskSpec, ids: RolloutIds, *, run_id: str) -> RolloutHandle:
+        return RayRollout(self, task, ids, run_id)
+
+    async def sweep(self, run_id: str) -> None:
+        # The actors' providers made the instances (this process's made none but
+        # its sessions'): Fleet lists the run's for this process to release, those
+        # of a dead actor included; a live actor sweeps its other providers' (MCP).
+        await self._local.sweep(run_id)
+        tags = [actor_run_id(run_id, n) for n in range(len(self.workers))]
+        if self._fleet is not None:
+            for tag in tags:
+                await self._fleet.sweep(tag)
+        ray = load_ray()
+        with anyio.fail_after(self.settings.timeouts.ray_call_s):
+            for n, worker in enumerate(self.workers):
+                if self.alive[n]:
+                    with suppress(ray.exceptions.RayActorError):
+                        await worker.sweep.remote(tags[n])
+
+    def session(
+        self, task: TaskSpec, ids: RolloutIds, *, run_id: str
+    ) -> AbstractAsyncContextManager[EnvSession]:
+        # Sessions are driven from this process: they run here, under the pool's limits.
+        return self._local.session(task, ids, run_id=run_id)
+
+
+def planned_actors(num_actors: int | None, cluster_cpus: int = 0) -> int:
+    """The actors to start: ``num_actors``, or one per CPU (a joined cluster's
+    ``cluster_cpus``, or :func:`~fleetroll.pool.ray.actors.default_num_actors`)."""
+    return num_actors or cluster_cpus or default_num_actors()
+
+
+@asynccontextmanager
+async def ray_pool(
+    settings: Settings,
+    *,
+    api_key: str | None,
+    base_url: str | None = None,
+    events: Events | None = None,
+    num_actors: int | None = None,
+    address: str | None = None,
+) -> AsyncIterator[RolloutPool]:
+    """One RolloutPool whose rollouts run on ``num_actors`` Ray actors.
+
+    Args:
+        num_actors: actors to start, each a LocalExecutor running up to
+            ``pool.concurrency`` rollouts. None: one per CPU
+            (:func:`~fleetroll.pool.ray.actors.default_num_actors` on a Ray started
+            here, the cluster's CPUs when joining one).
+        address: a Ray cluster to join (default: the one this process is in,
+            or a local one started here).
+
+    Raises:
+        ConfigError: Ray is not installed.
+        ValueError: ``num_actors`` is below 1.
+    """
+    if num_actors is not None and num_actors < 1:
+        raise ValueError("num_actors must be at least 1")
+    ray = load_ray()
+    async with AsyncExitStack() as stack:
+        joined = ray.is_initialized()
+        if not joined:
+            ray.init(
+                address=address,
+                include_dashboard=False,
+                log_to_driver=False,
+                ignore_reinit_error=True,
+            )
+            stack.callback(ray.shutdown)
+        cpus = int(ray.cluster_resources().get("CPU", 0)) if joined else 0
+        num_actors = planned_actors(num_actors, cpus)
+        limiter = ray.remote(num_cpus=0, max_concurrency=100_000)(AdmissionHost).remote(settings)
+        worker_cls = ray.remote(num_cpus=0, max_concurrency=100_000)(ExecutorWorker)
+        workers = [
+            worker_cls.remote(settings, api_key, base_url, limiter, n) for n in range(num_actors)
+        ]
+        stack.callback(lambda: [ray.kill(a) for a in [*workers, limiter]])
+        with anyio.fail_after(settings.timeouts.ray_call_s * 10):
+            for worker in workers:
+                await worker.start.remote()
+        admission = RemoteAdmission(limiter, "driver", settings.timeouts.ray_call_s)
+        events = events or Events()
+        await stack.enter_async_context(admission.followed(events))
+        pool = RolloutPool(
+            settings,
+            api_key=api_key,
+            base_url=base_url,
+            events=events,
+            admission=admission,
+            executor=RayExecutor(settings, workers, api_key, base_url, limiter),
+        )
+        yield await stack.enter_async_context(pool)

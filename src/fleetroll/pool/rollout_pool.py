@@ -1,0 +1,410 @@
+"""RolloutPool: batches of rollouts for a training controller.
+
+::
+
+    async with RolloutPool(settings, api_key=..., base_url=...) as pool:
+        batch = pool.run_batch(tasks, policy, samples_per_task=8)
+        async for result in batch:      # each result as soon as its rollout ends
+            ...
+
+A batch always yields exactly ``len(tasks) * (samples_per_task + oversample)``
+results, one per rollout id: a crash, a timeout or cancellation each still
+yields one. :meth:`Batch.groups` yields each task's group of samples as soon
+as it is complete (:mod:`fleetroll.training.groups`).
+
+An asynchronous RL trainer sets :attr:`RolloutPool.policy_version` after each
+weight sync (recorded on turns; ``pool.max_staleness`` flags or restarts
+rollouts too far behind) and holds new policy calls with
+:meth:`RolloutPool.policy_paused` while it swaps weights.
+
+Limits, each a ``CapacityLimiter`` named for what it protects:
+
+* ``instances``: instances held at once (provisioning, waiting or active):
+  ``concurrency + max_concurrent_creates``, so instances for waiting rollouts
+  are created while others run (provisioning is pipelined);
+* ``active``: rollouts acting at once (``pool.concurrency``); a rollout's
+  agent clock starts when it gets its slot;
+* creates (concurrency and rate), instance caps, Fleet's account limit and
+  per-environment circuit breakers: :attr:`RolloutPool.admission`
+  (:mod:`fleetroll.environments.fleet.admission`), shared by every batch of the pool;
+* ``pool.max_queued_rollouts``: rollouts not yet finished across batches; a
+  batch that would pass it is refused with :class:`~fleetroll.errors.PoolFullError`.
+
+A pool runs for as long as its controller (days, for a training run), so it
+does not keep what it has delivered: ``pool.batches`` holds the running
+batches and at most ``pool.keep_finished_batches`` finished ones whose results
+were all read, the oldest forgotten first (:meth:`RolloutPool.forget` lets one
+go at once).
+
+The pool runs its rollouts only through its executor
+(:class:`~fleetroll.pool.executor.Executor`, by default a
+:class:`~fleetroll.pool.executor.LocalExecutor` in this process): everything
+above is the pool's, whatever the executor.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Collection, Sequence
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from types import TracebackType
+from typing import Self
+
+import anyio
+from anyio.abc import TaskGroup
+
+from fleetroll._internal.exit_stack import exit_transparently
+from fleetroll.environments.fleet.admission import Admission, AdmissionController
+from fleetroll.environments.fleet.traces import TraceUploader, open_trace_uploader
+from fleetroll.environments.provider import Provider
+from fleetroll.errors import ConfigError
+from fleetroll.policies import Policy
+from fleetroll.policies.gate import PolicyGate
+from fleetroll.pool.batch import (
+    Batch,
+    BatchCounts,
+    BatchMap,
+    ResultStream,
+    check_capacity,
+    check_unique_keys,
+    group_id,
+    rollout_id,
+)
+from fleetroll.pool.executor import Executor, ExecutorContext, LocalExecutor, RolloutHandle
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.env_session import EnvSession
+from fleetroll.rollout.machine import RolloutIds
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+from fleetroll.training.groups import Group, GroupTracker
+
+__all__ = [
+    "Batch",
+    "BatchCounts",
+    "BatchMap",
+    "Group",
+    "ResultStream",
+    "RolloutPool",
+    "check_capacity",
+    "check_unique_keys",
+    "group_id",
+    "rollout_id",
+]
+
+
+class RolloutPool:
+    """Runs batches of rollouts under shared limits. An async context manager.
+
+    ``provider`` replaces Fleet (the emulator's or the real one) with another
+    :class:`~fleetroll.environments.provider.Provider` (tests use the in-memory
+    :class:`~fleetroll.testing.fake_provider.FakeProvider`); the pool closes it.
+    ``admission`` replaces the pool's own admission controller (a Ray actor's
+    pools share the cluster's: :mod:`fleetroll.pool.ray.admission`).
+    ``executor`` runs the rollouts (default: a
+    :class:`~fleetroll.pool.executor.LocalExecutor` over ``provider``, or Fleet);
+    the pool opens and closes it.
+
+    ``api_key`` is Fleet's: a pool that runs only ``mcp`` tasks (each with an
+    ``environment``) needs none, and without one a batch with a Fleet task is
+    refused when it is started.
+
+    Raises:
+        ConfigError: (on entering) ``traces.upload`` is on and there is no
+            ``api_key`` (traces go to Fleet).
+        ValueError: both ``executor`` and ``provider`` are given (the
+            provider is the local executor's).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        api_key: str | None = None,
+        base_url: str | None = None,
+        events: Events | None = None,
+        provider: Provider | None = None,
+        admission: Admission | None = None,
+        executor: Executor | None = None,
+    ) -> None:
+        if executor is not None and provider is not None:
+            raise ValueError("pass provider= to the executor, not to a pool given executor=")
+        self.settings = settings
+        self._local: LocalExecutor | None = None
+        if executor is None:
+            self._local = executor = LocalExecutor(
+                settings, api_key=api_key, base_url=base_url, provider=provider
+            )
+        self._executor: Executor = executor
+        self.events = events or Events()
+        self._api_key = api_key
+        self._base_url = base_url
+        self._open = False
+        self._traces: TraceUploader | None = None
+        self._tg: TaskGroup | None = None
+        self._stack: AsyncExitStack | None = None
+        concurrency = settings.pool.concurrency
+        self.active = anyio.CapacityLimiter(concurrency)
+        self.instances = anyio.CapacityLimiter(
+            concurrency + settings.provisioning.max_concurrent_creates
+        )
+        #: Create limits, instance caps, Fleet's account limit, per-environment
+        #: breakers: this pool's own, or ``admission`` (a Ray cluster's,
+        #: :mod:`fleetroll.pool.ray.admission`).
+        self.admission: Admission = admission or AdmissionController(settings, self.events)
+        #: The policy version recorded on turns, and the trainer's pause on policy calls.
+        self.policy_gate = PolicyGate()
+        #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
+        self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
+
+    @property
+    def executor(self) -> Executor:
+        """What runs the pool's rollouts."""
+        return self._executor
+
+    @property
+    def engine(self) -> RolloutEngine:
+        """The engine of this process (its provider, its redactor): the local
+        executor's, or the one an executor running rollouts elsewhere keeps here
+        for sessions and checks (``RayExecutor.engine``).
+
+        Raises:
+            RuntimeError: the pool is not open, or nothing of it runs in this process.
+        """
+        if self._local is not None:
+            return self._local.engine
+        here: RolloutEngine | None = getattr(self._executor, "engine", None)
+        if here is None:
+            raise RuntimeError("the pool's rollouts do not run in this process")
+        return here
+
+    @property
+    def policy_version(self) -> int:
+        """The policy version recorded on turns from now on (the trainer sets it).
+
+        Raises:
+            TypeError: (setting) the value is not an int.
+        """
+        return self.policy_gate.version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self.policy_gate.version = value
+
+    def policy_paused(self) -> AbstractAsyncContextManager[None]:
+        """Hold new policy calls for the block (a weight swap); pauses nest.
+
+        Calls already running finish; tool calls, provisioning and verification
+        go on. The wait is charged to no rollout deadline, only to the batch's
+        ``deadline_s``.
+        """
+        return self.policy_gate.paused_calls()
+
+    async def __aenter__(self) -> Self:
+        if self._api_key is None and self.settings.traces.upload:
+            raise ConfigError(
+                "traces.upload is on but the pool has no Fleet api_key to upload with:"
+                " pass api_key= (FLEET_API_KEY) or set traces.upload = false"
+            )
+        stack = AsyncExitStack()
+        async with stack:
+            context = ExecutorContext(
+                self.events, self.admission, self.policy_gate, self.active, self.instances
+            )
+            await stack.enter_async_context(self._executor.open(context))
+            # Entered before the batches' task group: its bounded flush runs after them.
+            self._traces = await stack.enter_async_context(
+                open_trace_uploader(
+                    self.settings, self.events, api_key=self._api_key or "", base_url=self._base_url
+                )
+            )
+            self._tg = await stack.enter_async_context(anyio.create_task_group())
+            stack.push_async_callback(self._cancel_all)
+            self._stack = stack.pop_all()
+        self._open = True
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        assert self._stack is not None
+        try:
+            await exit_transparently(self._stack, exc_type, exc, tb)
+        finally:
+            self._open = False
+            self._tg = None
+
+    async def _cancel_all(self) -> None:
+        for batch in self.batches.values():
+            batch.cancel()
+
+    def forget(self, batch_id: str) -> None:
+        """Let a finished batch go: ``pool.batches`` no longer holds it (nor its transcripts).
+
+        Unknown ids are ignored (the pool may have forgotten it already).
+
+        Raises:
+            ValueError: the batch is still running.
+        """
+        self.batches.forget(batch_id)
+
+    def run_batch(
+        self,
+        tasks: Sequence[TaskSpec],
+        policy: Policy,
+        *,
+        samples_per_task: int = 1,
+        batch_id: str | None = None,
+        deadline_s: float | None = None,
+        skip: Collection[str] = (),
+        only: Collection[str] | None = None,
+        run_id: str | None = None,
+        oversample: int | None = None,
+        previous: Sequence[RolloutResult] = (),
+    ) -> Batch:
+        """Start a batch; iterate the returned :class:`Batch` for its results.
+
+        Args:
+            samples_per_task: rollouts per task (a group, for GRPO-style training).
+            batch_id: reuse an id to resume a batch (rollout ids are derived from it).
+            deadline_s: cancel whatever is still running after this many seconds.
+            skip: rollout ids already finished (a resumed batch runs only the rest).
+            only: run just these rollout ids (a shard of a larger batch).
+            run_id: Fleet's ``run_id`` for the instances (default: the batch id);
+                instances left behind are swept by it when the batch ends.
+            oversample: extra rollouts per group (default ``pool.oversample``),
+                sample indices ``samples_per_task`` and up: they stand in, in
+                that order, for samples that end unscored (infrastructure
+                failures), not for slow ones; once a group's kept samples are
+                decided, the extras still running end as ``superseded``
+                (:mod:`fleetroll.training.groups`).
+            previous: results of this batch's rollouts from an earlier run (a
+                resume): they are not run again and count in their groups.
+
+        Raises:
+            ValueError: ``samples_per_task`` is below 1, ``oversample`` below 0,
+                two tasks share a key, or a batch with this id is still running.
+            PoolFullError: the batch would take the pool's unfinished
+                rollouts past ``pool.max_queued_rollouts``.
+            ConfigError: a task runs on Fleet and the pool has no Fleet ``api_key``.
+        """
+        if self._tg is None:
+            raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
+        self._executor.check_tasks(tasks)
+        if samples_per_task < 1:
+            raise ValueError("samples_per_task must be at least 1")
+        extra = self.settings.pool.oversample if oversample is None else oversample
+        if extra < 0:
+            raise ValueError("oversample must be at least 0")
+        check_unique_keys(tasks)
+        batch_id = batch_id or uuid.uuid4().hex[:12]
+        if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
+            raise ValueError(f"batch {batch_id} is already running")
+        skip = set(skip) | {r.rollout_id for r in previous}
+        rollouts = []
+        members: dict[str, tuple[str, list[str]]] = {}
+        ranks: dict[str, int] = {}
+        for task in tasks:
+            members[group_id(batch_id, task.key)] = (task.key, [])
+            for sample in range(samples_per_task + extra):
+                rid = rollout_id(batch_id, task.key, sample)
+                if rid in skip or (only is not None and rid not in only):
+                    continue
+                ids = RolloutIds(
+                    batch_id=batch_id,
+                    rollout_id=rid,
+                    sample_index=sample,
+                    group_id=group_id(batch_id, task.key),
+                )
+                members[ids.group_id or ""][1].append(rid)
+                ranks[rid] = sample
+                rollouts.append(self._executor.rollout(task, ids, run_id=run_id or batch_id))
+        # A group of this batch is one with a rollout here or a result from before
+        # (a shard, ``only``, holds some groups only).
+        before = {r.group_id for r in previous}
+        members = {gid: m for gid, m in members.items() if m[1] or gid in before}
+        check_capacity(self.batches, len(rollouts), self.settings.pool.max_queued_rollouts)
+        batch = Batch(
+            batch_id,
+            rollouts,
+            skipped=len(tasks) * (samples_per_task + extra) - len(rollouts),
+            run_id=run_id or batch_id,
+            tracker=GroupTracker(batch_id, samples_per_task, members, previous, ranks=ranks),
+        )
+        if deadline_s is not None:
+            batch.scope.deadline = anyio.current_time() + deadline_s
+        batch.traces = self._traces
+        self.batches.add(batch)
+        self._tg.start_soon(self._run_batch, batch, policy)
+        return batch
+
+    async def _run_batch(self, batch: Batch, policy: Policy) -> None:
+        self.events.emit(
+            "fleet_batch_started",
+            batch_id=batch.batch_id,
+            rollouts=batch.total,
+            # The whole batch, with rollouts an earlier run (resume) or another
+            # shard has: what the dashboard measures progress against.
+            total=batch.total + batch.skipped,
+            concurrency=self.settings.pool.concurrency,
+        )
+        try:
+            with batch.scope:
+                async with anyio.create_task_group() as tg:
+                    for rollout in batch.rollouts:
+                        tg.start_soon(self._one, batch, rollout, policy)
+        finally:
+            # Rollouts cancelled before they started still get their result.
+            for rollout in batch.rollouts:
+                if rollout.result is None:
+                    reason, error = rollout.stop_reason or (
+                        FailureReason.CANCELLED,
+                        "the batch was cancelled before this rollout started",
+                    )
+                    batch.deliver(rollout.never_started(reason, error))
+            batch.close_stream()
+            # Instances of this batch no rollout knows about carry its run_id.
+            await self._executor.sweep(batch.run_id)
+            statuses = Counter(
+                (r.result.failure_reason.value if r.result.failure_reason else "completed")
+                for r in batch.rollouts
+                if r.result is not None
+            )
+            self.events.emit(
+                "fleet_batch_completed",
+                batch_id=batch.batch_id,
+                rollouts=batch.total,
+                counts=dict(statuses),
+            )
+
+    async def _one(self, batch: Batch, rollout: RolloutHandle, policy: Policy) -> None:
+        try:
+            await rollout.execute(policy)
+        except anyio.get_cancelled_exc_class():
+            if rollout.result is not None:
+                batch.deliver(rollout.result)
+            raise
+        assert rollout.result is not None
+        batch.deliver(rollout.result)
+
+    @asynccontextmanager
+    async def session(
+        self, task: TaskSpec, *, batch_id: str | None = None, sample_index: int = 0
+    ) -> AsyncIterator[EnvSession]:
+        """An env-style session (``reset``/``step``/``close``) under the pool's limits."""
+        batch_id = batch_id or "sessions"
+        ids = RolloutIds(
+            batch_id=batch_id,
+            sample_index=sample_index,
+            rollout_id=uuid.uuid4().hex,
+            group_id=group_id(batch_id, task.key),
+        )
+        if not self._open:
+            raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
+        async with self._executor.session(task, ids, run_id=batch_id) as env:
+            yield env

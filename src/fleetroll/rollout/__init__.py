@@ -1,0 +1,1 @@
+"""One rollout: its state machine, stages, tools, transcript and sessions."""

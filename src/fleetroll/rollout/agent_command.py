@@ -1,0 +1,280 @@
+"""Bring your own agent: a command that acts for each rollout (``--agent-command``).
+
+Per rollout, once its instance is ready, :class:`CommandAgent` starts the
+command in its own process group and its own working directory, with an
+environment that holds only ``PATH``, ``HOME``, ``LANG`` and:
+
+- ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``: the rollout's root on the
+  :mod:`fleetroll.policies.gateway` and its key (never the real server's): every call
+  goes to the policy servers, held while the policy is paused, recorded as
+  one of the rollout's ``turns`` (token ids and logprobs asked for as
+  ``policy.*`` says), refused once the rollout has ended;
+- ``FLEETROLL_MCP_URL``: the instance's MCP endpoint for the task's modality;
+- ``FLEETROLL_TASK_FILE``: a JSON file with the task's key, prompt, modality
+  and metadata;
+- ``FLEETROLL_ANSWER_FILE``: where the agent may write its final answer,
+  read (``policy.agent_max_answer_file_bytes``) for the verifier once it exits.
+
+The process's exit ends the acting phase; the rollout's deadline kills its
+group (SIGTERM, then SIGKILL ``policy.agent_kill_grace_s`` later), and so does
+the rollout's end for any other reason (its step budget spent).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from subprocess import DEVNULL, STDOUT
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+
+from fleetroll.environments.mcp.process import stop_process
+from fleetroll.errors import ContextOverflowError, PolicyError
+from fleetroll.policies.gateway import Gateway, GatewayRefusal
+from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.policies.servers import Affinity, current_affinity
+from fleetroll.policies.turns import AssistantTurn, Message, ToolSpec
+from fleetroll.results import FailureReason
+from fleetroll.rollout.machine import Rollout
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+
+__all__ = ["CommandAgent"]
+
+_log = logging.getLogger(__name__)
+#: The variables of fleetroll's own environment an agent gets (nothing secret).
+_PASSED = ("PATH", "HOME", "LANG")
+#: How much of the end of an agent's output a warning about its exit quotes.
+_TAIL_CHARS = 600
+
+
+class CommandAgent:
+    """Runs ``command`` as the agent of each rollout (see the module's docstring).
+
+    Give it to a pool's ``run_batch`` (or :meth:`Rollout.run`) in place of a
+    policy, inside ``async with`` (which serves its gateway)::
+
+        async with CommandAgent("python my_agent.py", OpenAIChatPolicy(...)) as agent:
+            batch = pool.run_batch(tasks, agent)
+
+    Args:
+        command: a shell-like string (split as a shell would, not run by one)
+            or an argv.
+        policy: where the agent's calls go, and how token data is asked for.
+        kill_grace_s, max_request_bytes, max_answer_file_bytes: ``policy.agent_*``.
+        owns_policy: close ``policy`` when the agent is closed.
+    """
+
+    def __init__(
+        self,
+        command: str | Sequence[str],
+        policy: OpenAIChatPolicy,
+        *,
+        kill_grace_s: float = 2.0,
+        max_request_bytes: int = 64 * 1024 * 1024,
+        max_answer_file_bytes: int = 1024 * 1024,
+        owns_policy: bool = False,
+    ) -> None:
+        self.argv = shlex.split(command) if isinstance(command, str) else list(command)
+        if not self.argv:
+            raise ValueError("the agent command is empty")
+        self.policy = policy
+        self.kill_grace_s = kill_grace_s
+        self.max_answer_file_bytes = max_answer_file_bytes
+        self._owns_policy = owns_policy
+        self._gateway = Gateway(max_request_bytes=max_request_bytes)
+
+    @classmethod
+    def from_settings(cls, command: str | Sequence[str], settings: Settings) -> Self:
+        """An agent whose calls go to ``settings.policy``'s servers (it owns that policy)."""
+        p = settings.policy
+        return cls(
+            command,
+            OpenAIChatPolicy.from_settings(settings),
+            kill_grace_s=p.agent_kill_grace_s,
+            max_request_bytes=p.agent_max_request_bytes,
+            max_answer_file_bytes=p.agent_max_answer_file_bytes,
+            owns_policy=True,
+        )
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({shlex.join(self.argv)!r}, {self.policy!r})"
+
+    async def __aenter__(self) -> Self:
+        await self._gateway.__aenter__()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            await self._gateway.__aexit__(exc_type, exc, tb)
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the policy, if the agent owns it."""
+        if self._owns_policy:
+            await self.policy.aclose()
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        """Not a turn-by-turn policy: it acts for whole rollouts (:meth:`drive`)."""
+        raise PolicyError(
+            "an agent command acts for whole rollouts; it cannot answer one turn"
+            " (use it with run_batch or fleetroll run, not an env session)",
+            operation="policy",
+            transient=False,
+        )
+
+    async def drive(self, rollout: Rollout) -> None:
+        """Run the command for ``rollout`` until it exits (or the rollout ends)."""
+        if rollout.route is None:
+            raise RuntimeError("the rollout has no MCP route: drive it once it is ready")
+        root = Path(await anyio.to_thread.run_sync(tempfile.mkdtemp, None, "fleetroll-agent-"))
+        try:
+            await self._drive_in(rollout, root, rollout.route.url)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(shutil.rmtree, root, True)
+
+    async def _drive_in(self, rollout: Rollout, root: Path, mcp_url: str) -> None:
+        task = rollout.task
+        workdir, task_file, answer_file, log_file = (
+            root / "work",
+            root / "task.json",
+            root / "answer.txt",
+            root / "agent.log",
+        )
+        await anyio.Path(workdir).mkdir()
+        about = {
+            "key": task.key,
+            "prompt": task.prompt,
+            "modality": task.modality,
+            "metadata": task.metadata,
+        }
+        await anyio.Path(task_file).write_text(json.dumps(about, ensure_ascii=False))
+        link = _Link(rollout, self.policy, current_affinity())
+        with self._gateway.open(link) as (base_url, key):
+            env = {name: os.environ[name] for name in _PASSED if name in os.environ}
+            env |= {
+                "OPENAI_BASE_URL": base_url,
+                "OPENAI_API_KEY": key,
+                "FLEETROLL_MCP_URL": mcp_url,
+                "FLEETROLL_TASK_FILE": str(task_file),
+                "FLEETROLL_ANSWER_FILE": str(answer_file),
+            }
+            log = await anyio.to_thread.run_sync(log_file.open, "wb")
+            with log:  # the process has its own copy of the descriptor
+                process = await anyio.open_process(
+                    self.argv,
+                    cwd=workdir,
+                    env=env,
+                    stdin=DEVNULL,
+                    stdout=log,
+                    stderr=STDOUT,
+                    start_new_session=True,
+                )
+            try:
+                async with anyio.create_task_group() as tg:
+
+                    async def ended() -> None:
+                        await link.ended.wait()  # the rollout ended: stop its agent
+                        tg.cancel_scope.cancel()
+
+                    tg.start_soon(ended)
+                    await process.wait()
+                    tg.cancel_scope.cancel()
+            finally:
+                link.ended.set()
+                await stop_process(process, grace_s=self.kill_grace_s, wait_s=self.kill_grace_s)
+        progress = rollout.progress
+        if progress.reason is None:
+            answer = await _read_capped(answer_file, self.max_answer_file_bytes)
+            if answer is not None:
+                progress.final_answer = answer
+            progress.finished = True
+        if process.returncode:
+            tail = await _read_tail(log_file)
+            _log.warning(
+                "the agent command of rollout %s exited with %s; its output ends: %s",
+                rollout.ids.rollout_id,
+                process.returncode,
+                rollout.engine.redactor(tail),
+            )
+
+
+class _Link:
+    """One rollout, as its gateway sees it (:class:`fleetroll.policies.gateway.Link`)."""
+
+    def __init__(
+        self, rollout: Rollout, policy: OpenAIChatPolicy, affinity: Affinity | None
+    ) -> None:
+        self.rollout = rollout
+        self.policy = policy
+        self.model = policy.model
+        self.affinity = affinity
+        #: Set once the rollout's acting phase is over: calls are refused.
+        self.ended = anyio.Event()
+
+    def _refuse_if_ended(self) -> None:
+        if self.ended.is_set() or self.rollout.finished:
+            raise GatewayRefusal(409, "this rollout has ended: no more policy calls")
+
+    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        rollout = self.rollout
+        self._refuse_if_ended()
+        if rollout.progress.steps >= rollout.max_steps:
+            rollout.fail(FailureReason.MAX_STEPS, f"the step budget of {rollout.max_steps} ran out")
+            self.ended.set()
+            raise GatewayRefusal(409, f"the step budget of {rollout.max_steps} ran out")
+        version = await rollout.admit_policy_call()
+        self._refuse_if_ended()
+        began = time.monotonic()
+        try:
+            answer, turn = await self.policy.forward(body, affinity=self.affinity)
+        except ContextOverflowError as exc:
+            raise GatewayRefusal(400, str(exc)) from None
+        except PolicyError as exc:
+            raise GatewayRefusal(502, str(exc), kind="api_error") from None
+        finally:
+            latency = time.monotonic() - began
+            rollout.progress.timings.policy_s += latency
+        self._refuse_if_ended()  # it ended while the server answered: not its turn
+        rollout.record_call(turn, policy_version=version, latency_s=latency)
+        return answer
+
+
+async def _read_capped(path: Path, limit: int) -> str | None:
+    """The first ``limit`` bytes of ``path`` as text, or None when there is no such file."""
+
+    def read() -> str | None:
+        try:
+            with open(path, "rb") as f:
+                return f.read(limit).decode("utf-8", "replace")
+        except FileNotFoundError:
+            return None
+
+    return await anyio.to_thread.run_sync(read)
+
+
+async def _read_tail(path: Path) -> str:
+    def read() -> str:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - _TAIL_CHARS))
+            return f.read().decode("utf-8", "replace").strip()
+
+    return await anyio.to_thread.run_sync(read)

@@ -1,0 +1,158 @@
+"""One tool call of a rollout, and what it means for the rollout.
+
+* ``submit_final_answer`` (offered by the route) records the answer and ends
+  the episode;
+* a call with bad arguments or an unknown tool is answered with an error
+  the agent sees (``tool_errors``);
+* otherwise the call goes to the environment: an error it *answers* is
+  feedback (``tool_errors``, ``fleet_mcp_tool_error``); a call that gets no
+  answer (deadline, transport, instance gone) is a ``tool_failure``
+  (``fleet_tool_call_failed``), which ends the rollout unless
+  ``pool.on_tool_failure = "continue"`` (``instance_lost`` when the instance
+  died).
+
+A call driven from outside (the env-style API) answers a :class:`StepResult`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from fleetroll.environments.provider import Instance, Provider
+from fleetroll.policies import ToolCall, ToolSpec
+from fleetroll.results import FailureReason
+from fleetroll.rollout.events import RolloutEventLog
+from fleetroll.rollout.progress import Progress
+from fleetroll.rollout.routing import SUBMIT_FINAL_ANSWER, Route
+from fleetroll.rollout.stages import RolloutContext
+from fleetroll.rollout.tools import ToolCallFailed, ToolResult, ToolSession
+from fleetroll.telemetry.events import Events
+
+__all__ = ["StepResult", "dispatch"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What :meth:`EnvSession.step` answers: one tool call's answer, driven from outside."""
+
+    observation: ToolResult
+    done: bool
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+async def dispatch(
+    call: ToolCall,
+    *,
+    progress: Progress,
+    provider: Provider,
+    events: Events,
+    stop_on_failure: bool,
+    route: Route | None,
+    tools: list[ToolSpec],
+    session: ToolSession | None,
+    instance: Instance | None,
+) -> ToolResult:
+    """Run one tool call and record its answer in ``progress`` (a failure may end it).
+
+    ``stop_on_failure`` is ``pool.on_tool_failure == "fail"``.
+    """
+    if call.name == SUBMIT_FINAL_ANSWER.name and route and route.offers_final_answer:
+        answer = call.arguments.get("answer")
+        progress.final_answer = answer if isinstance(answer, str) else json.dumps(answer)
+        progress.finished = True
+        result = ToolResult(text="Final answer recorded.")
+        progress.transcript.add_answer(call, result)
+        return result
+    allowed = {t.name for t in tools}
+    if call.arguments_error:
+        result = ToolResult(text=f"Error: {call.arguments_error}", is_error=True)
+    elif call.name not in allowed:
+        result = ToolResult(
+            text=f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(allowed))}",
+            is_error=True,
+        )
+    else:
+        assert session is not None and instance is not None
+        began = time.monotonic()
+        try:
+            result = await session.call(call.name, call.arguments)
+        except ToolCallFailed as exc:
+            # Not an answer from the environment: an infrastructure failure.
+            progress.tool_failures += 1
+            events.emit(
+                "fleet_tool_call_failed",
+                level="warn",
+                tool_name=call.name,
+                step_count=progress.steps,
+                error_type=type(exc.__cause__ or exc).__name__,
+                error_message=str(exc)[:500],
+            )
+            if not await provider.is_alive(instance):
+                progress.fail(
+                    FailureReason.INSTANCE_LOST,
+                    f"instance {instance.instance_id} is gone ({exc})",
+                )
+            elif stop_on_failure:
+                progress.fail(
+                    FailureReason.TOOL_FAILURE,
+                    f"the tool call {call.name} failed: {exc} "
+                    '(pool.on_tool_failure = "continue" would go on)',
+                )
+            result = ToolResult(text=f"Error: the tool call failed: {exc}", is_error=True)
+            progress.transcript.add_answer(call, result)
+            return result
+        finally:
+            progress.timings.tools_s += time.monotonic() - began
+        if result.is_error:
+            events.emit(
+                "fleet_mcp_tool_error",
+                level="warn",
+                tool_name=call.name,
+                step_count=progress.steps,
+                error_message=result.text[:500],
+            )
+    if result.is_error:
+        progress.tool_errors += 1
+    progress.transcript.add_answer(call, result)
+    return result
+
+
+class ToolCaller(Protocol):
+    """What :func:`call_tool` needs of a rollout (a :class:`~.machine.Rollout` has it)."""
+
+    engine: RolloutContext
+    progress: Progress
+    live: RolloutEventLog
+    route: Route | None
+    tools: list[ToolSpec]
+    session: ToolSession | None
+    instance: Instance | None
+
+
+async def call_tool(rollout: ToolCaller, call: ToolCall) -> ToolResult:
+    """Run one tool call of ``rollout`` and record its answer (a failure may end the rollout).
+
+    Counts it in the rollout's cost and shows it in its live event log.
+    """
+    e = rollout.engine
+    rollout.progress.cost.tool_calls += 1
+    began = time.monotonic()
+    result = await dispatch(
+        call,
+        progress=rollout.progress,
+        provider=e.provider,
+        events=e.events,
+        stop_on_failure=e.settings.pool.on_tool_failure == "fail",
+        route=rollout.route,
+        tools=rollout.tools,
+        session=rollout.session,
+        instance=rollout.instance,
+    )
+    duration_s = time.monotonic() - began
+    # A large answer is redacted now, off the loop, for the result to reuse.
+    await rollout.progress.transcript.redact_ahead(e.redactor)
+    rollout.live.tool_call(call, result, duration_s=duration_s)
+    return result

@@ -1,0 +1,105 @@
+"""What rollouts share: settings, the environment provider, telemetry.
+
+:class:`RolloutEngine` makes rollouts (:mod:`fleetroll.rollout.machine`) and
+env-style sessions (:mod:`fleetroll.rollout.env_session`) over one
+:class:`fleetroll.environments.provider.Provider`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import anyio
+
+from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.provider import Provider
+from fleetroll.policies.gate import PolicyGate
+from fleetroll.rollout.env_session import EnvSession
+from fleetroll.rollout.machine import Rollout, RolloutIds
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events, Redactor
+
+__all__ = ["RolloutEngine"]
+
+
+class RolloutEngine:
+    """What rollouts share: settings, the instance provider, telemetry, HTTP."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        provider: Provider,
+        events: Events,
+        admission: Admission | None = None,
+        *,
+        policy_gate: PolicyGate | None = None,
+    ) -> None:
+        self.settings = settings
+        self.provider = provider
+        self.events = events
+        #: Told how each rollout ended (its environment's circuit breaker).
+        self.admission = admission
+        #: The policy version recorded on turns, and the trainer's pause on policy
+        #: calls (a pool's, :mod:`fleetroll.pool.executor`).
+        self.policy_gate = policy_gate or PolicyGate()
+        #: Telemetry's redactor, knowing every secret of ``settings`` too; results
+        #: go through it (an ``Events`` built without settings knows none).
+        self.redactor: Redactor = events.redactor.extended(settings.secrets())
+
+    @classmethod
+    @asynccontextmanager
+    async def open(
+        cls,
+        settings: Settings,
+        events: Events,
+        provider: Provider,
+        admission: Admission | None = None,
+        *,
+        policy_gate: PolicyGate | None = None,
+    ) -> AsyncIterator[RolloutEngine]:
+        """An engine over ``provider``, which it closes on exit."""
+        try:
+            yield cls(settings, provider, events, admission, policy_gate=policy_gate)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await provider.aclose()
+
+    def rollout(
+        self,
+        task: TaskSpec,
+        ids: RolloutIds,
+        *,
+        run_id: str | None = None,
+        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+        hold: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+    ) -> Rollout:
+        """A rollout, not started. ``gate`` is entered once its instance is ready
+        and held until it ends (the pool's limit on active rollouts); ``hold``
+        around the whole of :meth:`Rollout.execute` (the limit on instances held)."""
+        return Rollout(self, task, ids, run_id=run_id, gate=gate, hold=hold)
+
+    @asynccontextmanager
+    async def session(
+        self,
+        task: TaskSpec,
+        ids: RolloutIds,
+        *,
+        run_id: str | None = None,
+        gate: Callable[[], AbstractAsyncContextManager[Any]] | None = None,
+    ) -> AsyncIterator[EnvSession]:
+        """An env-style session for a controller that drives the model itself.
+
+        Raises:
+            ToolsError, ProvisionError: the environment could not be set up;
+                the result is still recorded on the returned rollout.
+        """
+        rollout = self.rollout(task, ids, run_id=run_id, gate=gate)
+        async with rollout.lifecycle() as ready:
+            if not ready:
+                raise rollout.setup_error()
+            env = EnvSession(rollout)
+            yield env
+            await env.close()

@@ -1,0 +1,207 @@
+"""One rollout's mutable state, and the result built from it.
+
+Only the rollout's own task touches a :class:`Progress`. The first failure
+recorded wins (cancellation overrides); :meth:`Progress.result` turns the
+state into the :class:`~fleetroll.results.RolloutResult`, redacting every
+string that came from outside.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import anyio
+
+from fleetroll.policies import AssistantTurn
+from fleetroll.results import (
+    SCORED_REASONS,
+    Cost,
+    FailureReason,
+    RolloutResult,
+    Timings,
+    Turn,
+    VerifierOutcome,
+)
+from fleetroll.rollout.transcript import CHARS_PER_TOKEN, Transcript
+from fleetroll.tasks import TaskSpec
+from fleetroll.training.trajectory import stitch
+
+__all__ = ["Progress", "RolloutIds"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutIds:
+    batch_id: str
+    rollout_id: str
+    sample_index: int = 0
+    group_id: str | None = None
+
+
+@dataclass
+class Progress:
+    """The mutable state of one rollout (only its own task touches it)."""
+
+    reason: FailureReason | None = None
+    error: str | None = None
+    steps: int = 0
+    tool_errors: int = 0
+    tool_failures: int = 0
+    final_answer: str | None = None
+    finished: bool = False  # the episode ended on its own (no more tool calls / answer)
+    scored: bool = False
+    reward: float | None = None
+    verifier: VerifierOutcome | None = None
+    timings: Timings = field(default_factory=Timings)
+    transcript: Transcript = field(default_factory=Transcript)
+    #: One per policy call answered by a model server (see :meth:`record_turn`).
+    turns: list[Turn] = field(default_factory=list)
+    cost: Cost = field(default_factory=Cost)
+    #: The policy version of the first policy call (staleness is measured from
+    #: it), for every policy: the scripted one records no ``turns``.
+    first_policy_version: int | None = None
+    #: The prompt+completion tokens of the last turn, as the server counted them,
+    #: and the transcript's length once that turn was added (context estimate).
+    _context_tokens: int = 0
+    _context_at: int = 0
+    #: When the rollout's clock (``timeouts.rollout_s``) runs out, in
+    #: ``anyio.current_time()`` terms; set once the instance is ready.
+    deadline: float = math.inf
+    #: The wait on the platform during which :attr:`deadline` passed, and how
+    #: far into it (s): see :meth:`platform_wait`.
+    overrun: tuple[str, float] | None = None
+
+    @contextmanager
+    def platform_wait(self, what: str) -> Iterator[None]:
+        """Mark the block as a wait on the platform (``what``: a reset, a connect, a tool call).
+
+        If :attr:`deadline` passes during it, it is the platform's wait that
+        ran over, not the policy's time (:attr:`overrun`): the rollout ends
+        as ``platform_timeout``, not ``timeout``. Judged by the clock, not by
+        where the deadline's cancellation lands, which may be a later await.
+        """
+        began = anyio.current_time()
+        try:
+            yield
+        finally:
+            if self.overrun is None and began < self.deadline <= anyio.current_time():
+                self.overrun = (what, self.deadline - began)
+
+    def record_turn(self, turn: AssistantTurn, *, policy_version: int, latency_s: float) -> None:
+        """Count a policy call and keep its training data; call before adding the turn."""
+        self.cost.policy_calls += 1
+        usage = dict(turn.usage) if turn.usage is not None else None
+        if usage is not None:
+            self.cost.prompt_tokens += usage.get("prompt_tokens", 0)
+            self.cost.completion_tokens += usage.get("completion_tokens", 0)
+            if "prompt_tokens" in usage:
+                self._context_tokens = usage["prompt_tokens"] + usage.get("completion_tokens", 0)
+                self._context_at = len(self.transcript) + 1  # the turn's own message is counted
+        data = turn.data
+        if data is None:  # not a model server's answer (the scripted policy)
+            return
+        self.turns.append(
+            Turn(
+                index=len(self.turns),
+                model=data.model,
+                policy_version=policy_version,
+                finish_reason=data.finish_reason,
+                prompt_token_ids=_list(data.prompt_token_ids),
+                completion_token_ids=_list(data.completion_token_ids),
+                logprobs=_list(data.logprobs),
+                top_logprobs=None
+                if data.top_logprobs is None
+                else [list(alternatives) for alternatives in data.top_logprobs],
+                usage=usage,
+                latency_s=latency_s,
+                training_data_error=data.training_data_error,
+                server=data.server,
+            )
+        )
+
+    def context_estimate(self) -> int:
+        """About how many tokens the next prompt holds: the server's count of the last
+        prompt and completion, plus the text added since (images not counted)."""
+        added = self.transcript.text_chars(self._context_at)
+        return self._context_tokens + -(-added // CHARS_PER_TOKEN)
+
+    @property
+    def to_score(self) -> bool:
+        """The outcome calls for a reward, and the verifier has not run yet."""
+        return not self.scored and (self.reason is None or self.reason in SCORED_REASONS)
+
+    def fail(self, reason: FailureReason, error: str, *, force: bool = False) -> None:
+        """Record the first failure (``force``: cancellation overrides)."""
+        if self.reason is None or force:
+            self.reason = reason
+            self.error = error
+            if reason not in SCORED_REASONS:
+                self.reward = None
+
+    def result(
+        self,
+        ids: RolloutIds,
+        task: TaskSpec,
+        instance_id: str | None,
+        *,
+        redact: Callable[[str], str],
+        keep_images: bool,
+        trajectory: bool = False,
+    ) -> RolloutResult:
+        """The result so far; every string from outside goes through ``redact``.
+
+        ``trajectory``: stitch the turns into one token sequence (``policy.trajectory``).
+        """
+        if self.reason is None and self.reward is None:
+            # A completed rollout always has a reward; if a path ever skips
+            # scoring, say so rather than report "completed" without one.
+            self.reason = FailureReason.VERIFIER_ERROR if self.scored else FailureReason.TOOLS_ERROR
+            self.error = self.error or "the rollout ended without being scored (a fleetroll bug)"
+        reward = self.reward if (self.reason is None or self.reason in SCORED_REASONS) else None
+        verifier = self.verifier
+        if verifier is not None:
+            verifier = verifier.model_copy(
+                update={
+                    "stdout": redact(verifier.stdout),
+                    "error": None if verifier.error is None else redact(verifier.error),
+                }
+            )
+        return RolloutResult(
+            rollout_id=ids.rollout_id,
+            batch_id=ids.batch_id,
+            task_key=task.key,
+            sample_index=ids.sample_index,
+            group_id=ids.group_id,
+            env_key=task.env_key,
+            env_version=task.env_version,
+            modality=task.modality,
+            instance_id=instance_id,
+            status="completed" if self.reason is None else "failed",
+            failure_reason=self.reason,
+            error=None if self.error is None else redact(self.error),
+            reward=reward,
+            steps=self.steps,
+            tool_errors=self.tool_errors,
+            tool_failures=self.tool_failures,
+            final_answer=None if self.final_answer is None else redact(self.final_answer),
+            timings=self.timings.model_copy(),
+            verifier=verifier,
+            transcript=self.transcript.export(redact, keep_images=keep_images),
+            turns=[
+                turn
+                if turn.model is None
+                else turn.model_copy(update={"model": redact(turn.model)})
+                for turn in self.turns
+            ],
+            cost=self.cost.model_copy(),
+            trajectory=stitch(self.turns) if trajectory else None,
+        )
+
+
+def _list(values: tuple[T, ...] | None) -> list[T] | None:
+    return None if values is None else list(values)

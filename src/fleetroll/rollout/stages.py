@@ -1,0 +1,326 @@
+"""What a rollout's phases do against its provider.
+
+The state machine (:mod:`fleetroll.rollout.machine`) enters a phase, then calls the
+work here: provision an instance, reset it, connect to its tools, score the
+episode, report its end (and the attributes all its events carry). Each
+records its timing and what went wrong in the rollout's
+:class:`~fleetroll.rollout.progress.Progress`; set-up answers a :class:`SetupFailure`
+instead of raising, and the rollout decides what comes next.
+:class:`RolloutContext` is what all of it needs of the engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import anyio
+
+from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.provider import Instance, Provider
+from fleetroll.errors import (
+    ContextOverflowError,
+    EnvUnavailableError,
+    OperationTimeout,
+    PolicyError,
+    ProvisionError,
+    ToolsError,
+)
+from fleetroll.policies import AssistantTurn, Policy, ToolSpec
+from fleetroll.policies.gate import PolicyGate
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.progress import Progress, RolloutIds
+from fleetroll.rollout.routing import COMPUTER_TOOL, ComputerToolMissing, Route
+from fleetroll.rollout.tools import ToolCallFailed, ToolSession, describe
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events, Redactor
+
+__all__ = [
+    "RolloutContext",
+    "SetupFailure",
+    "ask_policy",
+    "connect",
+    "event_attributes",
+    "first_screenshot",
+    "provision",
+    "report_completed",
+    "reset",
+    "score",
+    "session_failed",
+    "setup_error",
+]
+
+
+class RolloutContext(Protocol):
+    """What a rollout needs of its engine (a :class:`~.engine.RolloutEngine` is one)."""
+
+    settings: Settings
+    provider: Provider
+    events: Events
+    redactor: Redactor
+    policy_gate: PolicyGate
+    admission: Admission | None
+
+
+@dataclass(frozen=True, slots=True)
+class SetupFailure:
+    """Why set-up stopped: the result's reason and error, and the exception behind them."""
+
+    reason: FailureReason
+    error: str
+    exc: Exception
+
+
+def event_attributes(ids: RolloutIds, task: TaskSpec) -> dict[str, Any]:
+    """What every event of the rollout carries (bound for its whole lifecycle)."""
+    return {
+        "batch_id": ids.batch_id,
+        "rollout_id": ids.rollout_id,
+        "task_key": task.key,
+        "sample_index": ids.sample_index,
+        "env_key": task.env_key,
+        "env_version": task.env_version,
+        "modality": task.modality,
+    }
+
+
+async def provision(
+    ctx: RolloutContext, task: TaskSpec, progress: Progress, *, run_id: str | None
+) -> Instance | SetupFailure:
+    """An instance for ``task`` (the provider retries and bounds it), or why there is none."""
+    began = time.monotonic()
+    try:
+        return await ctx.provider.provision(task, run_id=run_id)
+    except EnvUnavailableError as exc:
+        return SetupFailure(FailureReason.ENV_UNAVAILABLE, str(exc), exc)
+    except ProvisionError as exc:
+        return SetupFailure(FailureReason.INIT_ERROR, str(exc), exc)
+    finally:
+        progress.timings.provision_s = time.monotonic() - began
+
+
+async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> SetupFailure | None:
+    """Reset the instance. A failure is only logged where the instance is fresh anyway
+    (a Fleet instance); where the reset is what makes it fresh
+    (:attr:`~fleetroll.environments.provider.Instance.reset_required`, a shared server),
+    it is why set-up stopped (``reset_failed``): never scored on a state left by
+    another rollout."""
+    timeout = ctx.settings.timeouts.reset_s
+    began = time.monotonic()
+    try:
+        await ctx.provider.reset(instance)
+    except Exception as exc:  # the provider's error, whatever it is, is the news
+        ctx.events.emit(
+            "fleet_env_reset_failed",
+            level="error" if instance.reset_required else "warn",
+            timeout_s=timeout,
+            error_type=type(exc).__name__,
+            error_message=str(exc)[:500],
+        )
+        if instance.reset_required:
+            error = f"{str(exc) or describe(exc)}; not scored: the state is not the task's start"
+            return SetupFailure(FailureReason.RESET_FAILED, error, exc)
+    finally:
+        progress.timings.reset_s = time.monotonic() - began
+    return None
+
+
+async def connect(
+    ctx: RolloutContext,
+    instance: Instance,
+    route: Route,
+    stack: AsyncExitStack,
+    progress: Progress,
+) -> tuple[ToolSession, list[ToolSpec]] | SetupFailure:
+    """Open the instance's MCP session (closed by ``stack``) and choose the route's tools.
+
+    Both waits are the platform's (:meth:`Progress.platform_wait`).
+    """
+    session: ToolSession | None = None
+    try:
+        with progress.platform_wait(f"connecting to the MCP endpoint {route.url}"):
+            session = await stack.enter_async_context(ctx.provider.open_tools(instance, route))
+        with progress.platform_wait(f"listing the tools of {route.url}"):
+            available = await session.list_tools()
+        return session, route.select(available)
+    except ComputerToolMissing as exc:
+        return SetupFailure(FailureReason.COMPUTER_TOOL_MISSING, str(exc), exc)
+    except (ToolsError, OperationTimeout, TimeoutError) as exc:
+        # OperationTimeout: the connect or the listing passed its deadline.
+        lost = not await ctx.provider.is_alive(instance)
+        doing = "connecting to" if session is None else "listing the tools of"
+        detail = str(exc) or f"{doing} the MCP endpoint {route.url} timed out"
+        error = f"instance {instance.instance_id} is gone: {detail}" if lost else detail
+        return SetupFailure(_tools_reason(lost, opened=session is not None), error, exc)
+
+
+async def first_screenshot(
+    ctx: RolloutContext, session: ToolSession, route: Route
+) -> tuple[str, ...]:
+    """The screen before the first action, for a computer modality's first observation
+    (as the reference does); none for API tools. Best effort: a failed screenshot
+    leaves the prompt alone (the agent can ask for one)."""
+    if route.tools != "computer":
+        return ()
+    try:
+        shot = await session.call(COMPUTER_TOOL, {"action": "screenshot"})
+    except ToolCallFailed as exc:
+        ctx.events.emit(
+            "fleet_tool_call_failed",
+            level="warn",
+            tool_name=COMPUTER_TOOL,
+            step_count=0,
+            error_type=type(exc.__cause__ or exc).__name__,
+            error_message=f"the initial screenshot: {exc}"[:500],
+        )
+        return ()
+    return () if shot.is_error else shot.images
+
+
+def setup_error(failure: SetupFailure | None, error: str | None) -> Exception:
+    """What a session's caller gets when set-up failed: the provider's or the tools' own
+    error, else a :class:`~fleetroll.errors.ToolsError` saying why (``error``)."""
+    if failure is not None and isinstance(failure.exc, ProvisionError | ToolsError):
+        return failure.exc
+    return ToolsError(error or "the environment could not be set up", operation="setup")
+
+
+async def session_failed(
+    ctx: RolloutContext,
+    instance: Instance | None,
+    progress: Progress,
+    exc: Exception,
+    *,
+    opened: bool,
+) -> None:
+    """The MCP session failed under the rollout (``opened``: it had opened): record why."""
+    if progress.reason is not None or progress.finished or instance is None:
+        # The episode had ended already: only closing failed, which costs nothing.
+        ctx.events.emit(
+            "fleet_tool_call_failed",
+            level="warn",
+            tool_name=None,
+            step_count=progress.steps,
+            error_type=type(exc).__name__,
+            error_message=f"closing the MCP session: {describe(exc)}"[:500],
+        )
+        return
+    lost = not await ctx.provider.is_alive(instance)
+    progress.fail(_tools_reason(lost, opened=opened), f"the MCP session failed: {describe(exc)}")
+
+
+def _tools_reason(lost: bool, *, opened: bool) -> FailureReason:
+    """Why the tools failed: the instance is gone, or never set up, or its session broke."""
+    if lost:
+        return FailureReason.INSTANCE_LOST
+    # A session that never opened means the environment was not set up.
+    return FailureReason.TOOLS_ERROR if opened else FailureReason.INIT_ERROR
+
+
+async def score(
+    ctx: RolloutContext, instance: Instance, task: TaskSpec, progress: Progress
+) -> None:
+    """Run the verifier; record its reward, or why there is none."""
+    began = time.monotonic()
+    # The verifier has its own deadline, outside the rollout's: a rollout
+    # that timed out is still scored (docs/results.md).
+    verdict = await ctx.provider.verify(instance, task, progress.final_answer)
+    progress.timings.verify_s = time.monotonic() - began
+    progress.verifier = verdict.outcome
+    if verdict.ok:
+        progress.reward = verdict.reward
+        return
+    ctx.events.emit(
+        "fleet_verifier_failed",
+        level="error",
+        error_type=verdict.error_type,
+        error_message=(verdict.outcome.error or "")[:500],
+    )
+    if progress.reason is None:
+        lost = not await ctx.provider.is_alive(instance)
+        progress.fail(
+            FailureReason.INSTANCE_LOST if lost else FailureReason.VERIFIER_ERROR,
+            f"the verifier could not run: {verdict.outcome.error}",
+        )
+
+
+def report_completed(events: Events, result: RolloutResult) -> None:
+    """Emit ``fleet_rollout_completed`` for ``result`` (once per rollout)."""
+    events.emit(
+        "fleet_rollout_completed",
+        level="info" if result.status == "completed" else "warn",
+        instance_id=result.instance_id,
+        status=result.status,
+        failure_reason=result.failure_reason.value if result.failure_reason else None,
+        reward=result.reward,
+        step_count=result.steps,
+        duration_s=round(result.timings.total_s, 4),
+        tool_errors=result.tool_errors,
+        tool_failures=result.tool_failures,
+        error_message=(result.error or "")[:500] or None,
+        # The cost, as counts (``fleetroll stats`` sums them); never token data.
+        instance_s=round(result.cost.instance_s, 4),
+        prompt_tokens=result.cost.prompt_tokens,
+        completion_tokens=result.cost.completion_tokens,
+        policy_calls=result.cost.policy_calls,
+        tool_calls=result.cost.tool_calls,
+    )
+
+
+async def ask_policy(
+    policy: Policy,
+    task: TaskSpec,
+    progress: Progress,
+    tools: Sequence[ToolSpec],
+    *,
+    timeout_s: float,
+    policy_version: int,
+) -> tuple[AssistantTurn, float] | None:
+    """One policy call of the acting phase, timed and recorded on ``progress``.
+
+    Returns the turn and the call's latency (s), or None when the call failed:
+    the failure is recorded (``context_overflow``, or ``policy_error`` for an
+    error, a timeout or a bug of the policy's: the policy is an adapter, its
+    bugs are its failures).
+    """
+    began = time.monotonic()
+    try:
+        with anyio.fail_after(timeout_s):
+            turn = await policy.act(task, progress.transcript.messages, tools)
+    except ContextOverflowError as exc:
+        progress.fail(FailureReason.CONTEXT_OVERFLOW, str(exc))
+        return None
+    except TimeoutError:
+        progress.fail(FailureReason.POLICY_ERROR, f"the policy took over {timeout_s:g} s")
+        return None
+    except PolicyError as exc:
+        progress.fail(FailureReason.POLICY_ERROR, str(exc))
+        return None
+    except Exception as exc:  # the policy is an adapter: its bugs are its failures
+        progress.fail(FailureReason.POLICY_ERROR, f"the policy raised {describe(exc)}")
+        return None
+    finally:
+        latency = time.monotonic() - began
+        progress.timings.policy_s += latency
+    progress.record_turn(turn, policy_version=policy_version, latency_s=latency)
+    return turn, latency
+
+
+@contextmanager
+def deadline_lifted(scope: anyio.CancelScope | None, after: Callable[[], float]) -> Iterator[None]:
+    """The rollout's deadline (``scope``'s) cannot pass during the block; after
+    it, it is ``after()`` again (the rollout's deadline, which the block may
+    have moved). No scope (a deadline not enforced): nothing to lift."""
+    if scope is None:
+        yield
+        return
+    scope.deadline = math.inf
+    try:
+        yield
+    finally:
+        scope.deadline = after()

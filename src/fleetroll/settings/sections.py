@@ -1,0 +1,476 @@
+"""The section models of :class:`fleetroll.settings.Settings`, one per ``[table]``.
+
+Moved out of ``settings.py`` to keep modules short; import them from
+``fleetroll.settings`` as before (it re-exports every one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from fleetroll.errors import ConfigError
+from fleetroll.settings.fault_profiles import FaultProfile
+
+__all__ = [
+    "AdmissionSettings",
+    "BreakerSettings",
+    "EmulatorSettings",
+    "EnvAdmissionSettings",
+    "McpSettings",
+    "ModalitySettings",
+    "PolicySettings",
+    "PoolSettings",
+    "ProvisioningSettings",
+    "RetrySettings",
+    "ServiceSettings",
+    "TelemetrySettings",
+    "TimeoutSettings",
+    "TraceSettings",
+    "VerifierLimits",
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TimeoutSettings(_Section):
+    """Hard deadlines, in seconds, one per operation that leaves the process."""
+
+    provision_create_s: float = Field(900.0, gt=0)
+    provision_total_s: float = Field(1800.0, gt=0)
+    reset_s: float = Field(10.0, gt=0)
+    mcp_connect_s: float = Field(30.0, gt=0)
+    list_tools_s: float = Field(60.0, gt=0)
+    call_tool_s: float = Field(60.0, gt=0)
+    policy_s: float = Field(300.0, gt=0)
+    #: Opening a connection to the policy endpoint (inside ``policy_s``): one
+    #: that cannot open in this long will not by waiting longer, and failing it
+    #: early leaves the rest of ``policy_s`` to retries.
+    policy_connect_s: float = Field(10.0, gt=0)
+    verifier_s: float = Field(120.0, gt=0)
+    release_s: float = Field(30.0, gt=0)
+    #: Setting up a browser lease (create, navigate, health check) in all.
+    browser_lease_s: float = Field(60.0, gt=0)
+    telemetry_s: float = Field(5.0, gt=0)
+    rollout_s: float = Field(1800.0, gt=0)
+    #: An idle HTTP connection (control plane, MCP) is not reused after this
+    #: long. Keep it below the idle timeout of Fleet's servers and load
+    #: balancers: one that closes an idle connection just as a request goes
+    #: out fails that request (and an MCP session with it).
+    http_keepalive_s: float = Field(15.0, gt=0)
+    #: With ``--ray``: a call to an actor that answers at once (a rollout's
+    #: view, for the service's ``get_state`` and ``get_messages``; giving a
+    #: create slot back to the limiter actor).
+    ray_call_s: float = Field(30.0, gt=0)
+    #: Each pre-flight check of ``fleetroll run`` (the environment listing,
+    #: the policy endpoint's ``/models``).
+    preflight_s: float = Field(30.0, gt=0)
+
+
+class ProvisioningSettings(_Section):
+    """How instances are created: limits and the one retry policy."""
+
+    max_concurrent_creates: int = Field(32, ge=1)
+    creates_per_second: float = Field(8.0, gt=0)
+    max_attempts: int = Field(5, ge=1)
+    backoff_initial_s: float = Field(2.0, ge=0)
+    backoff_max_s: float = Field(60.0, ge=0)
+    retry_instance_limit: bool = False
+    region: str | None = None
+
+
+class EnvAdmissionSettings(_Section):
+    """Admission of one environment version (``[admission.env."ledger:v1"]``)."""
+
+    #: Its instances provisioned and not released yet (starting ones count).
+    max_instances: int | None = Field(None, ge=1)
+
+
+class BreakerSettings(_Section):
+    """The per-environment-version circuit breaker (docs/configuration.md)."""
+
+    enabled: bool = True
+    #: The last this many rollouts of an environment version are the window.
+    window: int = Field(20, ge=1)
+    #: No verdict on fewer rollouts than this in the window.
+    min_rollouts: int = Field(10, ge=1)
+    #: Share of infrastructure failures (init_error, tools_error,
+    #: instance_lost, verifier_error, reset_failed) in the window that opens the breaker.
+    failure_share: float = Field(0.5, gt=0, le=1)
+    #: While open: "wait" holds new rollouts of it (within the provisioning
+    #: budget); "fail" ends them at once as ``env_unavailable``.
+    on_open: Literal["wait", "fail"] = "wait"
+    #: An open breaker lets one probe rollout through this long after it
+    #: opened (or after the last probe failed); its success closes it.
+    probe_interval_s: float = Field(30.0, gt=0)
+
+
+class AdmissionSettings(_Section):
+    """Which instances may be created now (fleetroll.environments.fleet.admission)."""
+
+    #: Instances provisioned and not released yet, starting ones counted. None: no cap
+    #: but Fleet's account limit.
+    max_instances: int | None = Field(None, ge=1)
+    #: Read Fleet's account instance limit (``account()``) at start and after a 403.
+    account_limit: bool = True
+    #: Other clients' instances on the account (seen in a 403) are presumed
+    #: gone this long after: a create is tried again.
+    limit_recheck_s: float = Field(10.0, gt=0)
+    breaker: BreakerSettings = BreakerSettings()
+    #: Per environment version (``"key:version"``) or key (``"key"``).
+    env: dict[str, EnvAdmissionSettings] = Field(default_factory=dict)
+
+
+class RetrySettings(_Section):
+    """Retries of outgoing calls other than creates (those are ``[provisioning]``).
+
+    Which failures are retried is one table (:mod:`fleetroll._internal.retrying`); the
+    waits are full-jitter exponential backoff, a server's Retry-After first.
+    """
+
+    verifier_attempts: int = Field(3, ge=1)
+    verifier_backoff_initial_s: float = Field(0.2, ge=0)
+    verifier_backoff_max_s: float = Field(2.0, ge=0)
+    mcp_connect_backoff_initial_s: float = Field(0.05, ge=0)
+    mcp_connect_backoff_max_s: float = Field(2.0, ge=0)
+    #: Tries in all to open an MCP session; none: until timeouts.mcp_connect_s.
+    mcp_connect_attempts: int | None = Field(None, ge=1)
+    #: Tries in all of an MCP session's tools/list (idempotent), inside
+    #: timeouts.list_tools_s, with the mcp_connect backoffs.
+    list_tools_attempts: int = Field(3, ge=1)
+    #: Tries in all of one MCP HTTP request (a tools/call too) whose connection
+    #: could not be opened: the request never left, so sending it again is safe.
+    mcp_request_attempts: int = Field(3, ge=1)
+    #: The policy's waits; how many retries is policy.max_retries.
+    policy_backoff_initial_s: float = Field(0.5, ge=0)
+    policy_backoff_max_s: float = Field(30.0, ge=0)
+    #: Defaults of fleetroll.client.FleetrollClient (a trainer's process).
+    client_max_retries: int = Field(5, ge=0)
+    client_backoff_initial_s: float = Field(0.1, ge=0)
+    client_backoff_max_s: float = Field(5.0, ge=0)
+
+
+class ModalitySettings(_Section):
+    """One row of the modality routing table (docs/configuration.md)."""
+
+    endpoint: str = Field(description="MCP URL template; {root} is the instance's urls.root")
+    image_type: str | None = None
+    ttl_s: int = Field(900, ge=1)
+    tools: Literal["api", "computer"] = "api"
+    #: browser_use's lease flow: a browser leased apart from the instance,
+    #: navigated to its UI; the route goes to the lease's MCP URL.
+    browser_lease: bool = False
+
+
+class PoolSettings(_Section):
+    concurrency: int = Field(128, ge=1)
+    max_steps: int = Field(30, ge=1)
+    #: Keep screenshots (data URLs) in result transcripts; off, they are
+    #: replaced by a short placeholder (a screenshot is ~65 KB of base64).
+    transcript_images: bool = False
+    #: A tool call that fails for infrastructure reasons (timeout, transport
+    #: error, instance gone): "fail" ends the rollout as ``tool_failure`` with
+    #: no reward; "continue" feeds the error to the agent and goes on. Either
+    #: way it is counted in the result's ``tool_failures``.
+    on_tool_failure: Literal["fail", "continue"] = "fail"
+    #: Largest verifier source (``verifier_func``, UTF-8 bytes) a rollout
+    #: accepts; a bigger one is a ``verifier_error``, never parsed.
+    max_verifier_bytes: int = Field(1024 * 1024, ge=1)
+    #: Bytes of one MCP answer to a tool call (the HTTP body, an SSE stream, or
+    #: a stdio line) read before giving up: past it the call is a tool failure
+    #: (``tool_failure``), the connection closed, the rest never read.
+    max_tool_answer_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    #: Bytes of one MCP tool listing (``tools/list``) read before giving up:
+    #: past it connecting is a ``tools_error``.
+    max_tool_listing_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    #: Finished batches a pool still holds (``pool.batches``) once their results
+    #: were all read; the oldest is forgotten first. A long-lived pool (a
+    #: training controller's) would otherwise keep every transcript it made.
+    keep_finished_batches: int = Field(16, ge=0)
+    #: Rollouts not yet finished across all of a pool's batches; a batch that
+    #: would go over is refused (``PoolFullError``; HTTP 503 with Retry-After).
+    max_queued_rollouts: int = Field(100_000, ge=1)
+    #: Extra rollouts started per group (GRPO): a group is complete at its first
+    #: ``samples_per_task`` scored samples, and the extras still running are
+    #: stopped and end as ``superseded`` (no reward). ``run_batch(oversample=)``
+    #: overrides it per batch.
+    oversample: int = Field(0, ge=0)
+    #: Asynchronous RL: a rollout whose first policy call used a version more
+    #: than this many versions behind ``pool.policy_version`` when it ends is
+    #: ``stale`` (scored by the verifier). None: no limit.
+    max_staleness: int | None = Field(None, ge=0)
+    #: What a stale rollout does: "flag" reports it ``stale``; "restart" runs it
+    #: again from scratch on a fresh instance (still one result per rollout),
+    #: at most ``max_stale_restarts`` times, then reports it ``stale``.
+    staleness_action: Literal["flag", "restart"] = "flag"
+    max_stale_restarts: int = Field(2, ge=0)
+    #: Live events a rollout keeps (``GET /v1/rollouts/{id}/events``): phases,
+    #: turns, tool calls, the end; the oldest go first beyond this.
+    events_max: int = Field(512, ge=8)
+    #: Characters of text (redacted) an event's preview keeps of a turn, a
+    #: tool call's arguments or its answer.
+    events_preview_chars: int = Field(200, ge=0)
+    #: ``fleetroll run``: when each of the first this many rollouts to finish
+    #: failed the same way (same failure_reason and error), the batch stops
+    #: there; the rest end ``cancelled`` (``--resume`` runs them). 0: never.
+    stop_after_same_failures: int = Field(20, ge=0)
+
+
+class PolicySettings(_Section):
+    """The default policy, and the OpenAI-compatible endpoint's parameters."""
+
+    kind: Literal["scripted", "openai"] = "scripted"
+    #: Scripted policy: seconds of "think time" before each turn (benchmarks).
+    think_time_s: float = Field(0.0, ge=0)
+    model: str = "gpt-4o-mini"
+    base_url: str = "http://127.0.0.1:8000/v1"
+    #: Many policy servers (``--base-url`` repeated): each rollout's calls go to
+    #: one of them (docs/configuration.md, "Many policy servers"). When not
+    #: empty it wins over ``base_url``, which is then ignored.
+    base_urls: list[str] = Field(default_factory=list)
+    #: Calls in flight per policy server; the rest wait for one to end. None: no cap.
+    max_calls_per_server: int | None = Field(None, ge=1)
+    #: A policy server that fails this many calls in a row (unreachable, 5xx)
+    #: is left out for ``eject_s``; its rollouts go on with another server.
+    eject_after_failures: int = Field(2, ge=1)
+    eject_s: float = Field(30.0, gt=0)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    #: Extra body fields sent with every chat completion (e.g. vLLM's top_k).
+    extra_body: dict[str, Any] = Field(default_factory=dict)
+    system_prompt: str | None = None
+    #: Retries on 429/5xx/connection errors, inside the policy_s deadline.
+    max_retries: int = Field(2, ge=0)
+    #: Training data (docs/results.md, ``turns``): ask the server for the token ids
+    #: of each prompt and completion (vLLM's ``return_token_ids``) and for per-token
+    #: logprobs (``logprobs``; ``top_logprobs`` alternatives per token when set).
+    return_token_ids: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    #: Stitch each rollout's turns into one token sequence (the result's
+    #: ``trajectory``: ids, loss mask, logprobs, policy versions, drift). Asks
+    #: for token ids as ``return_token_ids`` does.
+    trajectory: bool = False
+    #: Token-in: from the second call on, send the conversation as the token ids
+    #: the server returned (plus the new observation, tokenized by the server's
+    #: ``/tokenize``) to ``/chat/completions/tokens``, so a chat template that
+    #: re-renders history cannot drift. Needs a server with both routes
+    #: (docs/configuration.md); asks for token ids as ``return_token_ids`` does.
+    token_in: bool = False
+    #: Only the last this many screenshots are sent to the model; older ones are
+    #: replaced by a short text placeholder (in the transcript too). None: all.
+    max_images: int | None = Field(None, ge=0)
+    #: A rollout whose next prompt would pass this many tokens ends with
+    #: ``context_overflow`` (scored). None: only the server's own limit applies.
+    max_context_tokens: int | None = Field(None, ge=1)
+    #: Bytes of one chat completion (the HTTP body) read before giving up: past
+    #: it the turn is a ``policy_error``, the connection closed.
+    max_answer_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    #: An agent command's (``--agent-command``) process group: SIGTERM once
+    #: its rollout's deadline passes, SIGKILL this much later.
+    agent_kill_grace_s: float = Field(2.0, ge=0)
+    #: The largest request an agent command may send to its gateway (HTTP 413 past it).
+    agent_max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    #: Bytes of an agent command's answer file read as the final answer (the rest is cut).
+    agent_max_answer_file_bytes: int = Field(1024 * 1024, ge=1)
+
+    @field_validator("base_urls")
+    @classmethod
+    def _distinct_servers(cls, urls: list[str]) -> list[str]:
+        roots = [url.rstrip("/") for url in urls]
+        if len(set(roots)) < len(roots):
+            raise ValueError("a policy server is listed twice in policy.base_urls")
+        return urls
+
+    @property
+    def servers(self) -> list[str]:
+        """The policy servers' API roots: ``base_urls``, or else ``[base_url]``."""
+        return list(self.base_urls) or [self.base_url]
+
+
+class TelemetrySettings(_Section):
+    """Telemetry (docs/telemetry.md): the local store, Logfire cloud, the console."""
+
+    #: The local SQLite store; ``/dev/null`` (``os.devnull``) turns it off.
+    db_path: Path = Path(".fleetroll/telemetry.db")
+    #: ``deployment_environment`` of every record (Logfire's ``environment``);
+    #: the reference's name, which existing dashboards filter on.
+    environment: str = "training_rollouts"
+    #: Console lines at or above this level (see fleetroll.telemetry.sinks).
+    console_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: On a terminal, failed rollouts are summed up per failure reason: one
+    #: line with a count at most this often per reason.
+    console_repeat_s: float = Field(10.0, gt=0)
+    #: Send records to Logfire cloud when LOGFIRE_TOKEN is set; false keeps them local.
+    send_to_logfire: bool = True
+    #: The store commits a batch every this many seconds or records, whichever comes first.
+    flush_interval_s: float = Field(0.2, gt=0)
+    flush_records: int = Field(512, ge=1)
+    #: Records waiting for the store; past this, new ones are dropped (and counted).
+    max_queued: int = Field(100_000, ge=1)
+    #: Each of the final flushes (store, Logfire cloud) gives up after this long.
+    shutdown_timeout_s: float = Field(10.0, gt=0)
+    #: The dashboard lists a rollout started this long ago and not completed
+    #: (its process alive) as stuck.
+    dashboard_stuck_after_s: float = Field(600.0, gt=0)
+    #: The dashboard's ETA: the completion rate over this last stretch of the
+    #: batch (not since its start, so a slow start does not skew it).
+    dashboard_eta_window_s: float = Field(300.0, gt=0)
+    #: The dashboard shows this many of the latest failed rollouts.
+    dashboard_errors: int = Field(20, ge=1, le=500)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierLimits:
+    """What one verifier may take and say (the emulator's verifier workers'
+    section, built by :meth:`EmulatorSettings.verifier_limits`)."""
+
+    memory_mb: int = 512
+    cpu_s: int = 60
+    max_output_bytes: int = 1024 * 1024
+    max_answer_bytes: int = 16 * 1024 * 1024
+    #: Run workers with no network (``unshare -rn``) when this machine allows it.
+    isolate_network: bool = True
+
+
+class EmulatorSettings(_Section):
+    """The embedded emulator. Its API key is not here: it comes only from
+    ``FLEETROLL_EMULATOR_API_KEY`` (:attr:`Settings.emulator_api_key`), or is
+    generated at start."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    profile: str = "clean"
+    #: Verifier workers (code from tasks, run on this host): address space,
+    #: CPU time per run, printed output kept, answer size, and no network
+    #: where ``unshare -rn`` works.
+    verifier_memory_mb: int = Field(512, ge=64)
+    verifier_cpu_s: int = Field(60, ge=1)
+    verifier_max_output_bytes: int = Field(1024 * 1024, ge=1024)
+    verifier_max_answer_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    verifier_isolate_network: bool = True
+    verifier_max_parallel: int = Field(4, ge=1)
+    #: Ended instances (and their SQLite files) kept for late reads; past
+    #: either bound the oldest are forgotten.
+    keep_ended_instances: int = Field(1024, ge=0)
+    keep_ended_s: float = Field(600.0, ge=0)
+    profiles: dict[str, FaultProfile] = Field(default_factory=dict)
+
+    def verifier_limits(self) -> VerifierLimits:
+        """What one verifier run may take and say."""
+        return VerifierLimits(
+            memory_mb=self.verifier_memory_mb,
+            cpu_s=self.verifier_cpu_s,
+            max_output_bytes=self.verifier_max_output_bytes,
+            max_answer_bytes=self.verifier_max_answer_bytes,
+            isolate_network=self.verifier_isolate_network,
+        )
+
+    def fault_profile(self, name: str | None = None) -> FaultProfile:
+        """The named profile (default: ``profile``).
+
+        Raises:
+            ConfigError: no profile has that name.
+        """
+        name = name or self.profile
+        try:
+            return self.profiles[name]
+        except KeyError:
+            known = ", ".join(sorted(self.profiles)) or "none"
+            raise ConfigError(
+                f"unknown emulator profile {name!r} (known profiles: {known})"
+            ) from None
+
+
+class McpSettings(_Section):
+    """The ``mcp`` provider: tasks whose environment is any MCP server (docs/tasks.md)."""
+
+    #: Where per-rollout working directories are made (None: the system's temp folder).
+    workdir_root: Path | None = None
+    #: Keep each rollout's working directory after release (for debugging).
+    keep_workdirs: bool = False
+    #: Deadline of a task's ``environment.setup`` command.
+    setup_s: float = Field(120.0, gt=0)
+    #: Seconds between SIGTERM and SIGKILL to a server's (or verifier's) process group.
+    kill_grace_s: float = Field(2.0, ge=0)
+    #: Last lines of a server's stderr put in the error when it cannot start.
+    stderr_lines: int = Field(20, ge=0)
+
+
+class TraceSettings(_Section):
+    """Fleet trace upload: each finished rollout posted to Fleet's trace API (off by default)."""
+
+    #: Post every finished rollout (transcript, verifier execution id) as a Fleet session.
+    upload: bool = False
+    #: Rollouts waiting to be posted; past it a rollout's trace is dropped and counted.
+    max_queued: int = Field(10_000, ge=1)
+    #: Posts in flight at once.
+    max_parallel: int = Field(4, ge=1)
+    #: Deadline of each post (the batch's trace job, one session).
+    upload_s: float = Field(30.0, gt=0)
+    #: When the pool closes, how long queued traces may still take to be posted.
+    flush_s: float = Field(30.0, gt=0)
+
+
+class ServiceSettings(_Section):
+    """``fleetroll serve``: the HTTP service for remote training controllers.
+
+    The bearer token is not here: it comes from ``FLEETROLL_SERVICE_TOKEN``
+    (:attr:`Settings.service_token`), else from ``token_file``.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = Field(8750, ge=0, le=65535)
+    #: Largest request body accepted (413 beyond).
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    #: A session nobody steps for this long closes itself and releases its instance.
+    session_idle_s: float = Field(600.0, gt=0)
+    #: Rollouts one batch may hold (tasks × samples_per_task); 422 beyond.
+    max_batch_rollouts: int = Field(10_000, ge=1)
+    #: Finished batches whose results stay readable (oldest forgotten first,
+    #: with their files in ``state_dir``).
+    keep_finished_batches: int = Field(64, ge=0)
+    #: ``fleetroll serve`` keeps each batch's request and results here (one
+    #: journal per batch), locked while it runs, and reads them back at start-up.
+    state_dir: Path = Path(".fleetroll/service")
+    #: Ended sessions whose result a late ``DELETE`` can still fetch.
+    keep_ended_sessions: int = Field(256, ge=0)
+    #: An idle results stream sends a heartbeat line this often.
+    stream_heartbeat_s: float = Field(15.0, gt=0)
+    #: ``tasks_file`` in a request must lie under this folder (relative: to the cwd).
+    tasks_root: Path = Path(".")
+    #: Largest ``tasks_file`` (a folder: its task files together) a request may
+    #: name; checked before reading (422 beyond).
+    max_tasks_file_bytes: int = Field(64 * 1024 * 1024, ge=1)
+    #: ``POST /v1/query`` (and ``fleetroll query``): rows and bytes of values
+    #: returned at most (fetching stops there), and each query's time budget.
+    query_max_rows: int = Field(10_000, ge=1)
+    query_max_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    query_timeout_s: float = Field(10.0, gt=0)
+    #: Telemetry reads run at once (``/v1/query``, stats, the dashboard): each
+    #: holds a worker thread and a SQLite reader; more wait their turn.
+    max_concurrent_queries: int = Field(2, ge=1)
+    #: Accept ``mcp`` tasks that run commands on this host (``environment.command``,
+    #: ``verifier.command``). Off: anyone holding the service token could run
+    #: anything as the service's user; such tasks are refused with a 422.
+    allow_command_tasks: bool = False
+    #: Longest lease of one pause of policy calls (``POST /v1/policy/pauses``):
+    #: a trainer renews it to hold longer; one that crashed lets go within it.
+    max_pause_ttl_s: float = Field(600.0, gt=0)
+    #: Check every batch (``POST /v1/batches``, the MCP tools' rollouts) as
+    #: ``fleetroll run`` does before it provisions anything: its environment
+    #: versions exist, Fleet accepts the key, the policy answers. 422 otherwise.
+    preflight: bool = True
+    #: Pre-flight reuses Fleet's environment listing and a policy endpoint that
+    #: answered for this long, in this process (0: asks on every batch).
+    preflight_cache_s: float = Field(30.0, ge=0)
+    #: Without ``FLEETROLL_SERVICE_TOKEN``, ``serve`` takes its bearer token from
+    #: this file (made on first use, readable by this user only): every route
+    #: but ``/healthz`` always needs a token.
+    token_file: Path = Path("~/.local/state/fleetroll/service-token")

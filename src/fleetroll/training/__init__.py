@@ -1,0 +1,1 @@
+"""Training data from rollouts: trajectories, groups, and the rows a trainer reads."""

@@ -1,0 +1,171 @@
+"""One token sequence per rollout, stitched from its turns, and the rows a trainer reads.
+
+A rollout's turns are its policy calls, each with the prompt's and the
+completion's token ids as the server returned them. Stitching them into one
+sequence is only right when every turn's prompt ids *extend* the previous
+turn's prompt and completion ids (the "exact prefix" or "extension" property
+of prime-rl and verifiers): the next prompt then holds everything the model
+saw and said, plus the new observation. A chat template that renders earlier
+turns differently (thinking stripped, spaces merged) breaks it; then the
+trajectory is split into segments that each hold it, never spliced wrongly
+(prime-rl's best-effort interleaving does the same).
+
+Pure functions over plain data: no tokenizer, no deep-learning dependency.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fleetroll.results import RolloutResult, Trajectory, TrajectorySegment, Turn
+from fleetroll.training.groups import Group
+
+__all__ = ["stitch", "training_rows"]
+
+#: Added to a group's reward standard deviation, so a uniform group's
+#: advantages are 0 rather than a division by zero.
+ADVANTAGE_EPS = 1e-6
+
+
+@dataclass(slots=True)
+class _Building:
+    """A segment being stitched (mutable, unlike the result's)."""
+
+    first_turn: int
+    input_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float | None] = field(default_factory=list)
+    policy_versions: list[int | None] = field(default_factory=list)
+    last_turn: int = 0
+
+    def extend(self, ids: Sequence[int]) -> None:
+        """Tokens the model did not produce (prompt, observation): masked out."""
+        self.input_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [None] * len(ids)
+        self.policy_versions += [None] * len(ids)
+
+    def generated(self, turn: Turn, ids: Sequence[int]) -> None:
+        """The model's tokens of ``turn``: in the loss, with their logprobs and version."""
+        logprobs: Sequence[float | None] = turn.logprobs or ()
+        if len(logprobs) != len(ids):  # not returned (or unusable): null, not misaligned
+            logprobs = [None] * len(ids)
+        self.input_ids += ids
+        self.loss_mask += [1] * len(ids)
+        self.logprobs += logprobs
+        self.policy_versions += [turn.policy_version] * len(ids)
+        self.last_turn = turn.index
+
+    def done(self) -> TrajectorySegment:
+        return TrajectorySegment(
+            first_turn=self.first_turn,
+            last_turn=self.last_turn,
+            input_ids=self.input_ids,
+            loss_mask=self.loss_mask,
+            logprobs=self.logprobs,
+            policy_versions=self.policy_versions,
+        )
+
+
+def stitch(turns: Sequence[Turn]) -> Trajectory | None:
+    """The rollout's token sequence, from its ``turns``.
+
+    Each turn whose prompt ids start with everything stitched so far (the
+    previous prompt and completion) adds what is new in its prompt (the
+    observation, masked out) and its completion (in the loss). A turn whose
+    prompt does not starts a new segment: ``drift`` is true and
+    ``drift_turn`` is the first such turn's index.
+
+    Returns None when there are no turns or a turn lacks its token ids (the
+    server did not return them, or ``policy.return_token_ids`` is off).
+    """
+    if not turns or any(
+        turn.prompt_token_ids is None or turn.completion_token_ids is None for turn in turns
+    ):
+        return None
+    segments: list[TrajectorySegment] = []
+    current: _Building | None = None
+    drift_turn: int | None = None
+    for turn in turns:
+        prompt = turn.prompt_token_ids or []
+        completion = turn.completion_token_ids or []
+        if current is not None and prompt[: len(current.input_ids)] != current.input_ids:
+            if drift_turn is None:
+                drift_turn = turn.index
+            segments.append(current.done())
+            current = None
+        if current is None:
+            current = _Building(first_turn=turn.index)
+            current.extend(prompt)
+        else:
+            current.extend(prompt[len(current.input_ids) :])
+        current.generated(turn, completion)
+    assert current is not None, "there is at least one turn"
+    segments.append(current.done())
+    first = segments[0]
+    return Trajectory(
+        input_ids=first.input_ids,
+        loss_mask=first.loss_mask,
+        logprobs=first.logprobs,
+        policy_versions=first.policy_versions,
+        drift=drift_turn is not None,
+        drift_turn=drift_turn,
+        segments=segments if drift_turn is not None else [],
+    )
+
+
+def training_rows(
+    groups: Iterable[Group | Sequence[RolloutResult]], *, eps: float = ADVANTAGE_EPS
+) -> list[dict[str, Any]]:
+    """The rows a trainer consumes: one per scored rollout (one per segment when
+    its chat template drifted), with its group-normalised advantage.
+
+    ``advantage = (reward - mean) / (std + eps)`` over the group's rewards
+    (population standard deviation, as :class:`~fleetroll.Group` reports it).
+    Rollouts without a reward (infrastructure failures) or without token ids
+    are left out; the others' trajectory is the result's ``trajectory``, or
+    stitched from its ``turns`` when the setting was off.
+
+    Each row is a plain dict: ``rollout_id``, ``group_id``, ``task_key``,
+    ``segment`` (0 unless the template drifted), ``input_ids``, ``loss_mask``,
+    ``logprobs`` (null where masked or not returned), ``policy_versions``,
+    ``reward`` and ``advantage``.
+
+    Args:
+        groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or lists of results.
+        eps: added to the standard deviation.
+    """
+    rows: list[dict[str, Any]] = []
+    for group in groups:
+        results = group.results if isinstance(group, Group) else list(group)
+        scored = [r for r in results if r.reward is not None and math.isfinite(r.reward)]
+        if not scored:
+            continue
+        rewards = [float(r.reward) for r in scored if r.reward is not None]
+        mean = statistics.fmean(rewards)
+        std = statistics.pstdev(rewards)
+        for result, reward in zip(scored, rewards, strict=True):
+            trajectory = result.trajectory or stitch(result.turns)
+            if trajectory is None:
+                continue
+            parts: Sequence[TrajectorySegment | Trajectory] = trajectory.segments or [trajectory]
+            for number, segment in enumerate(parts):
+                rows.append(
+                    {
+                        "rollout_id": result.rollout_id,
+                        "group_id": result.group_id,
+                        "task_key": result.task_key,
+                        "segment": number,
+                        "input_ids": list(segment.input_ids),
+                        "loss_mask": list(segment.loss_mask),
+                        "logprobs": list(segment.logprobs),
+                        "policy_versions": list(segment.policy_versions),
+                        "reward": reward,
+                        "advantage": (reward - mean) / (std + eps),
+                    }
+                )
+    return rows

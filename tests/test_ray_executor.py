@@ -127,6 +127,22 @@ async def turn_versions(batch: Batch, rollout_id: str) -> list[int]:
     return [e.data["policy_version"] for e in page.events if e.kind == "turn"]
 
 
+async def gates(pool: RolloutPool) -> list[tuple[int, bool, int]]:
+    """Each gate policy calls start at: its version, whether paused, the calls it let start."""
+    from fleetroll.pool.ray.executor import RayExecutor
+
+    executor = pool.executor
+    if isinstance(executor, RayExecutor):
+        return [await worker.gate_state.remote() for worker in executor.workers]
+    gate = pool.policy_gate
+    return [(gate.version, gate.paused, gate.admitted)]
+
+
+async def admitted(pool: RolloutPool) -> int:
+    """Policy calls let start so far, counted at the gates they start at."""
+    return sum(n for _, _, n in await gates(pool))
+
+
 async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_nothing_twice(
     pool: RolloutPool,
 ) -> None:
@@ -147,7 +163,10 @@ async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_not
             results.append(result)
             if len(results) == 2:
                 async with pool.policy_paused():  # mid-batch: a weight swap
+                    in_pause = await gates(pool)
+                    before_pause = sum(n for _, _, n in in_pause)
                     pool.policy_version = 2
+                    during_pause = await admitted(pool) - before_pause
             if len(results) == 5:
                 batch.cancel()  # Ctrl-C: the rest deliver their (cancelled) results
         versions = {r.rollout_id: await turn_versions(batch, r.rollout_id) for r in results}
@@ -168,4 +187,33 @@ async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_not
     # Every turn carries the version of its call: 1 before the swap, 2 after it.
     for seen in versions.values():
         assert seen == sorted(seen) and set(seen) <= {1, 2}
+    # Once the pause is entered no actor admits a policy call, so every turn
+    # with the old version started before it, and every later one has the new.
+    assert all(paused for _, paused, _ in in_pause) and during_pause == 0
+    assert sum(seen.count(1) for seen in versions.values()) <= before_pause
     assert rerun_versions and set(rerun_versions) == {2}
+
+
+async def test_no_policy_call_starts_in_a_pause_and_every_later_turn_has_the_version_set_in_it(
+    pool: RolloutPool,
+) -> None:
+    with anyio.fail_after(300):
+        pool.policy_version = 1
+        batch = pool.run_batch(LEDGER[:6], ScriptedPolicy(think_time_s=0.15), samples_per_task=2)
+        quick = pool.run_batch(LEDGER[6:7], ScriptedPolicy(), samples_per_task=1)
+        await quick.results()  # by now the slow batch's policy calls are under way
+        async with pool.policy_paused():
+            in_pause = await gates(pool)
+            before_pause = sum(n for _, _, n in in_pause)
+            pool.policy_version = 2
+            await anyio.sleep(0.2)  # the weight sync, while rollouts wait for the policy
+            during_pause = await admitted(pool) - before_pause
+        results = await batch.results()
+        versions = [await turn_versions(batch, r.rollout_id) for r in results]
+    assert len(results) == 12 and all(r.reward == 1.0 for r in results)
+    # Once the pause is entered every gate holds new calls, and none started in it.
+    assert all(paused for _, paused, _ in in_pause) and during_pause == 0
+    # A turn has the old version only if it started before the pause was entered.
+    assert sum(seen.count(1) for seen in versions) <= before_pause
+    assert all(seen == sorted(seen) and set(seen) <= {1, 2} for seen in versions)
+    assert any(2 in seen for seen in versions)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Self
 
@@ -193,14 +193,28 @@ class RolloutPool:
     def policy_version(self, value: int) -> None:
         self.policy_gate.version = value
 
-    def policy_paused(self) -> AbstractAsyncContextManager[None]:
+    @asynccontextmanager
+    async def policy_paused(self) -> AsyncIterator[None]:
         """Hold new policy calls for the block (a weight swap); pauses nest.
 
         Calls already running finish; tool calls, provisioning and verification
         go on. The wait is charged to no rollout deadline, only to the batch's
-        ``deadline_s``.
+        ``deadline_s``. Once the block is entered no new call starts anywhere
+        (every Ray actor confirmed the pause), and a version set in the block is
+        on every call that starts after it (every actor confirmed it before the
+        pause ends).
+
+        Raises:
+            OperationTimeout: a live Ray actor did not confirm within
+                ``timeouts.ray_call_s``.
         """
-        return self.policy_gate.paused_calls()
+        async with self.policy_gate.paused_calls():
+            await self._executor.gate_synced()
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._executor.gate_synced()
 
     async def __aenter__(self) -> Self:
         if self._api_key is None and self.settings.traces.upload:

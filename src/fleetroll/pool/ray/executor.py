@@ -70,6 +70,8 @@ class ExecutorWorker:
         admission = RemoteAdmission(limiter, holder(index), settings.timeouts.ray_call_s)
         self._gate = PolicyGate()
         self._pause: AsyncExitStack | None = None
+        #: The driver's gate generation last mirrored (older states are dropped).
+        self._generation = -1
         concurrency = settings.pool.concurrency
         self._context = ExecutorContext(
             Events([self._buffer]),
@@ -117,8 +119,12 @@ class ExecutorWorker:
     async def forget(self, rollout_id: str) -> None:
         self._rollouts.pop(rollout_id, None)
 
-    async def mirror(self, version: int, paused: bool) -> None:
-        """The driver's policy gate, as it is now."""
+    async def mirror(self, version: int, paused: bool, generation: int) -> int:
+        """The driver's policy gate at ``generation`` (unless a later one came
+        first); the generation this actor's gate is at now."""
+        if generation < self._generation:
+            return self._generation
+        self._generation = generation
         self._gate.version = version
         if paused and self._pause is None:
             self._pause = AsyncExitStack()
@@ -126,6 +132,11 @@ class ExecutorWorker:
         elif not paused and self._pause is not None:
             pause, self._pause = self._pause, None
             await pause.aclose()
+        return generation
+
+    async def gate_state(self) -> tuple[int, bool, int]:
+        """This actor's gate: its version, whether paused, the calls it let start so far."""
+        return self._gate.version, self._gate.paused, self._gate.admitted
 
     async def sweep(self, run_id: str) -> None:
         await self._executor.sweep(run_id)
@@ -328,6 +339,7 @@ class RayExecutor:
         #: Rollouts whose started event was passed on and completed one not yet.
         self._started: set[str] = set()
         self._events: Events | None = None
+        self._gate: PolicyGate | None = None
         self._closing = False
 
     def pick(self) -> int:
@@ -372,6 +384,7 @@ class RayExecutor:
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
         self._events, self._closing = context.events, False
+        self._gate = context.policy_gate
         if self._api_key is not None:
             self._fleet = FleetProvider(
                 self.settings, context.events, api_key=self._api_key, base_url=self._base_url
@@ -420,9 +433,36 @@ class RayExecutor:
             seen = gate.generation
             with anyio.fail_after(self.settings.timeouts.ray_call_s):
                 for worker in self.workers:
-                    await worker.mirror.remote(gate.version, gate.paused)
+                    await worker.mirror.remote(gate.version, gate.paused, gate.generation)
             if gate.generation == seen:
                 await gate.changed()
+
+    async def gate_synced(self) -> None:
+        """Return once every live actor confirmed the driver's gate as it is now
+        (a dead actor is skipped: its rollouts run again elsewhere).
+
+        Raises:
+            OperationTimeout: a live actor did not confirm within ``timeouts.ray_call_s``.
+        """
+        gate = self._gate
+        if gate is None:
+            return  # not open: no actor runs a rollout
+        ray = load_ray()
+        timeout_s = self.settings.timeouts.ray_call_s
+        state = (gate.version, gate.paused, gate.generation)
+        try:
+            with anyio.fail_after(timeout_s):
+                for n, worker in enumerate(self.workers):
+                    if self.alive[n]:
+                        with suppress(ray.exceptions.RayActorError):
+                            await worker.mirror.remote(*state)
+        except TimeoutError:
+            raise OperationTimeout(
+                f"a Ray actor did not confirm the policy {'pause' if state[1] else 'version'}"
+                f" within {timeout_s:g} s (timeouts.ray_call_s); is the cluster overloaded?",
+                operation="policy_gate",
+                timeout_s=timeout_s,
+            ) from None
 
     async def _pass_events(
         self, worker: Any, events: Events, wait_s: float, *, once: bool = False

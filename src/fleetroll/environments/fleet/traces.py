@@ -50,14 +50,15 @@ class _Trace:
     redact: Redact
 
 
-def _clean(value: Any, redact: Redact) -> Any:
+def redacted(value: Any, redact: Redact) -> Any:
+    """``value`` with ``redact`` applied to each string in it (images kept whole)."""
     if isinstance(value, str):
         # Images (data URLs) are kept whole: a secret cannot hide in base64 of a screenshot.
         return value if value.startswith("data:") else redact(value)
     if isinstance(value, Mapping):
-        return {str(k): _clean(v, redact) for k, v in value.items()}
+        return {str(k): redacted(v, redact) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean(v, redact) for v in value]
+        return [redacted(v, redact) for v in value]
     return value
 
 
@@ -65,7 +66,7 @@ def trace_messages(messages: Sequence[Mapping[str, Any]], redact: Redact) -> lis
     """Chat messages as the ingest API takes them: redacted, images inline."""
     out = []
     for message in messages:
-        cleaned = _clean(message, redact)
+        cleaned = redacted(message, redact)
         item = {k: cleaned[k] for k in _MESSAGE_FIELDS if cleaned.get(k) is not None}
         item.setdefault("role", "user")
         extra = {k: v for k, v in cleaned.items() if k not in _MESSAGE_FIELDS}

@@ -8,8 +8,9 @@ oversampling, resume, the policy gate, the read model); each actor
 events. The driver mirrors its policy gate (version and pauses) onto every
 actor and passes the actors' telemetry on. A dead actor's admission places go
 back, and its rollouts run again once on another actor. Sessions run on the
-driver (each is one task of this process for its whole life). Not yet: the
-transcripts of rollouts on actors (``--traces``).
+driver (each is one task of this process for its whole life). With
+``traces.upload``, a rollout's transcript comes back with its result, redacted
+on its actor, and its trace is posted from the driver.
 
 ::
 
@@ -28,6 +29,7 @@ from typing import Any
 import anyio
 
 from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.environments.fleet.traces import redacted
 from fleetroll.environments.mixed import require_fleet_key
 from fleetroll.errors import OperationTimeout
 from fleetroll.policies import Policy
@@ -81,6 +83,8 @@ class ExecutorWorker:
             anyio.CapacityLimiter(concurrency + settings.provisioning.max_concurrent_creates),
         )
         self._executor = LocalExecutor(settings, api_key=api_key, base_url=base_url)
+        #: Whether results go with their transcripts (for their traces).
+        self._traces = settings.traces.upload
         self._stack: AsyncExitStack | None = None
         self._rollouts: dict[str, RolloutHandle] = {}
 
@@ -94,15 +98,18 @@ class ExecutorWorker:
 
     async def run(
         self, task: TaskSpec, ids: RolloutIds, run_id: str, policy: Policy
-    ) -> tuple[RolloutResult, list[Event]]:
-        """Run one rollout; its result, and the telemetry not taken yet (its
-        completed event among it: the actor may die before the next take)."""
+    ) -> tuple[RolloutResult, list[Event], list[dict[str, Any]]]:
+        """Run one rollout; its result, the telemetry not taken yet (its
+        completed event among it: the actor may die before the next take), and,
+        when traces are uploaded, its transcript redacted here (where its
+        secrets are known)."""
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
         await rollout.execute(policy)
         assert rollout.result is not None
         events, self._buffer.events = self._buffer.events, []
-        return rollout.result, events
+        messages = redacted(rollout.messages, rollout.redactor) if self._traces else []
+        return rollout.result, events, messages
 
     async def stop(self, rollout_id: str, reason: FailureReason, error: str) -> None:
         if (rollout := self._rollouts.get(rollout_id)) is not None:
@@ -176,6 +183,8 @@ class RayRollout:
         self.result: RolloutResult | None = None
         self.settle: Callable[[RolloutResult], RolloutResult] | None = None
         self._stop: tuple[FailureReason, str] | None = None
+        #: Its transcript, redacted on its actor (when ``traces.upload`` is on).
+        self._messages: list[dict[str, Any]] = []
 
     async def execute(self, policy: Policy) -> None:
         if self._stop is not None:
@@ -188,7 +197,7 @@ class RayRollout:
             self._executor.ran(self._index, self._run_id)
             ref = self._worker.run.remote(self._task, self.ids, tag, policy)
             try:
-                result, events = await ref
+                result, events, self._messages = await ref
             except anyio.get_cancelled_exc_class():
                 with (
                     anyio.CancelScope(shield=True),
@@ -197,7 +206,7 @@ class RayRollout:
                 ):
                     why = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
                     await self._worker.stop.remote(self.ids.rollout_id, *why)
-                    result, events = await ref
+                    result, events, self._messages = await ref
                     self._executor.pass_on(events)
                     self._end(result)
                 raise
@@ -295,11 +304,11 @@ class RayRollout:
 
     @property
     def messages(self) -> list[dict[str, Any]]:
-        return []  # traces of rollouts on actors: not yet
+        return self._messages
 
     @property
     def redactor(self) -> Redactor:
-        return Redactor()
+        return Redactor()  # its messages were redacted on its actor
 
 
 class RayExecutor:

@@ -217,3 +217,38 @@ async def test_no_policy_call_starts_in_a_pause_and_every_later_turn_has_the_ver
     assert sum(seen.count(1) for seen in versions) <= before_pause
     assert all(seen == sorted(seen) and set(seen) <= {1, 2} for seen in versions)
     assert any(2 in seen for seen in versions)
+
+
+async def test_on_ray_every_rollout_s_trace_is_posted_with_its_transcript_redacted(
+    local_ray: None,
+) -> None:
+    """``--traces`` on actors: the transcript comes back with the result,
+    redacted where the rollout ran, and the driver posts it."""
+    from fleetroll.emulator import Emulator
+    from fleetroll.pool.ray.executor import ray_pool
+    from fleetroll.telemetry.events import Redactor
+
+    secret = "sk-ray-trace-secret-0123456789abcdef"
+    settings = load_settings(
+        provisioning={"backoff_initial_s": 0.05, "backoff_max_s": 0.5},
+        traces={"upload": True},
+        openai_api_key=secret,
+    )
+    tasks = [LEDGER[0].model_copy(update={"prompt": f"{LEDGER[0].prompt} (key {secret})"})]
+    tasks += LEDGER[1:3]
+    async with Emulator() as emu:
+        async with ray_pool(
+            settings, api_key=emu.api_key, base_url=emu.base_url, num_actors=2
+        ) as pool:
+            with anyio.fail_after(300):
+                results = await pool.run_batch(tasks, ScriptedPolicy()).results()
+        sessions = list(emu.traces.sessions)
+    assert [r.reward for r in results] == [1.0, 1.0, 1.0]
+    by_rollout = {s.metadata["rollout_id"]: s for s in sessions if s.metadata}
+    assert set(by_rollout) == {r.rollout_id for r in results}
+    for result in results:
+        messages = by_rollout[result.rollout_id].messages
+        assert [m["role"] for m in messages] == [m["role"] for m in result.transcript]
+    assert secret not in str([s.messages for s in sessions])
+    (with_secret,) = [r for r in results if r.task_key == LEDGER[0].key]
+    assert Redactor.MASK in str(by_rollout[with_secret.rollout_id].messages)

@@ -302,7 +302,7 @@ async def test_a_completion_cut_by_length_is_recorded_and_the_rollout_goes_on(
 # -- the command line ---------------------------------------------------------------------
 
 
-AGENT = Path(__file__).resolve().parents[1] / "examples" / "agent_openai_mcp.py"
+AGENT = Path(__file__).resolve().parents[2] / "examples" / "agent_openai_mcp.py"
 
 
 async def fleetroll_run(

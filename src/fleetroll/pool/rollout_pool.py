@@ -231,7 +231,11 @@ class RolloutPool:
             # Entered before the batches' task group: its bounded flush runs after them.
             self._traces = await stack.enter_async_context(
                 open_trace_uploader(
-                    self.settings, self.events, api_key=self._api_key or "", base_url=self._base_url
+                    self.settings.traces,
+                    self.events,
+                    connect_s=self.settings.timeouts.mcp_connect_s,
+                    api_key=self._api_key or "",
+                    base_url=self._base_url,
                 )
             )
             self._tg = await stack.enter_async_context(anyio.create_task_group())

@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleet._async.client import AsyncFleet
 
 from fleetroll.results import RolloutResult
-from fleetroll.settings import Settings, TraceSettings
+from fleetroll.settings import TraceSettings
 from fleetroll.telemetry.events import Events
 
 __all__ = ["TraceUploader", "open_trace_uploader", "trace_messages"]
@@ -218,7 +218,7 @@ class TraceUploader:
 
 @asynccontextmanager
 async def open_trace_uploader(
-    settings: Settings, events: Events, *, api_key: str, base_url: str | None
+    t: TraceSettings, events: Events, *, connect_s: float, api_key: str, base_url: str | None
 ) -> AsyncIterator[TraceUploader | None]:
     """A running :class:`TraceUploader`, or None when ``traces.upload`` is off.
 
@@ -226,11 +226,10 @@ async def open_trace_uploader(
     being cancelled); what is left, and what was dropped, is reported in one
     ``fleet_trace_dropped`` event.
     """
-    t = settings.traces
     if not t.upload:
         yield None
         return
-    timeout = httpx.Timeout(t.upload_s, connect=settings.timeouts.mcp_connect_s)
+    timeout = httpx.Timeout(t.upload_s, connect=connect_s)
     async with httpx.AsyncClient(timeout=timeout) as client:
         fleet = AsyncFleet(api_key=api_key, base_url=base_url, max_retries=0, httpx_client=client)
         uploader = TraceUploader(t, events, fleet)

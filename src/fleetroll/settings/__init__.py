@@ -45,6 +45,7 @@ from fleetroll.settings.sections import (
     BreakerSettings,
     EmulatorSettings,
     EnvAdmissionSettings,
+    JudgeSettings,
     McpSettings,
     ModalitySettings,
     PolicySettings,
@@ -62,6 +63,7 @@ __all__ = [
     "BreakerSettings",
     "EmulatorSettings",
     "EnvAdmissionSettings",
+    "JudgeSettings",
     "McpSettings",
     "ModalitySettings",
     "PolicySettings",
@@ -248,6 +250,11 @@ class Settings(BaseSettings):
     emulator_api_key: SecretStr | None = Field(
         None, validation_alias=AliasChoices("FLEETROLL_EMULATOR_API_KEY", "emulator_api_key")
     )
+    #: API key of the judge endpoint (``judge.base_url``) of tasks' ``rewards``;
+    #: never the policy's ``OPENAI_API_KEY``.
+    judge_api_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("FLEETROLL_JUDGE_API_KEY", "judge_api_key")
+    )
 
     timeouts: TimeoutSettings = TimeoutSettings()
     provisioning: ProvisioningSettings = ProvisioningSettings()
@@ -261,6 +268,7 @@ class Settings(BaseSettings):
     service: ServiceSettings = ServiceSettings()
     mcp: McpSettings = McpSettings()
     traces: TraceSettings = TraceSettings()
+    judge: JudgeSettings = JudgeSettings()
 
     @property
     def uses_emulator(self) -> bool:

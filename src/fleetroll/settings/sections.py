@@ -20,6 +20,7 @@ __all__ = [
     "BreakerSettings",
     "EmulatorSettings",
     "EnvAdmissionSettings",
+    "JudgeSettings",
     "McpSettings",
     "ModalitySettings",
     "PolicySettings",
@@ -149,6 +150,11 @@ class RetrySettings(_Section):
     #: The policy's waits; how many retries is policy.max_retries.
     policy_backoff_initial_s: float = Field(0.5, ge=0)
     policy_backoff_max_s: float = Field(30.0, ge=0)
+    #: Tries in all of one judge call (a task's ``rewards``) that failed
+    #: transiently (connection error, 408/425/429/5xx), inside judge.timeout_s.
+    judge_attempts: int = Field(3, ge=1)
+    judge_backoff_initial_s: float = Field(0.5, ge=0)
+    judge_backoff_max_s: float = Field(10.0, ge=0)
     #: Defaults of fleetroll.client.FleetrollClient (a trainer's process).
     client_max_retries: int = Field(5, ge=0)
     client_backoff_initial_s: float = Field(0.1, ge=0)
@@ -292,6 +298,38 @@ class PolicySettings(_Section):
     def servers(self) -> list[str]:
         """The policy servers' API roots: ``base_urls``, or else ``[base_url]``."""
         return list(self.base_urls) or [self.base_url]
+
+
+class JudgeSettings(_Section):
+    """The model that scores the rubrics of tasks' ``rewards`` (kind ``judge``).
+
+    Any OpenAI-compatible ``/chat/completions`` endpoint. Its key is not here: it
+    comes only from ``FLEETROLL_JUDGE_API_KEY`` (:attr:`Settings.judge_api_key`),
+    never the policy's.
+    """
+
+    #: The API root, e.g. ``https://api.openai.com/v1``. None: no judge, and a
+    #: judge component cannot be computed (``reward_error``).
+    base_url: str | None = None
+    model: str = "gpt-4o-mini"
+    #: Deadline of one judgement, retries included (retries: ``[retries]`` judge_*).
+    timeout_s: float = Field(60.0, gt=0)
+    #: Opening a connection to the judge (inside ``timeout_s``).
+    connect_timeout_s: float = Field(10.0, gt=0)
+    #: ``max_tokens`` of each judge call.
+    max_tokens: int = Field(256, ge=1)
+    #: ``temperature`` of each judge call (None: the server's default).
+    temperature: float | None = Field(0.0, ge=0)
+    #: Judge calls in flight at once, across all rollouts of the process.
+    max_concurrent: int = Field(16, ge=1)
+    #: Judgements kept in memory by content (model, rubric, text): the same
+    #: question asked again is answered from here. 0: no cache.
+    cache_entries: int = Field(10_000, ge=0)
+    #: Characters of the judged text (transcript or answer) sent at most; a
+    #: longer one keeps its start and end with a marker between them.
+    max_input_chars: int = Field(100_000, ge=1000)
+    #: Bytes of one judge answer read before giving up (the call fails).
+    max_answer_bytes: int = Field(1024 * 1024, ge=1024)
 
 
 class TelemetrySettings(_Section):

@@ -49,6 +49,10 @@ class _LazyGroup(click.Group):
             "fleetroll.cli.telemetry:query",
             "Run SQL on the telemetry records, the same SQL as on Logfire.",
         ),
+        "rescore": (
+            "fleetroll.cli.rescore:rescore",
+            "Compute again the judges and checks of stored results, into a new file.",
+        ),
         "serve": (
             "fleetroll.cli.serve:serve",
             "Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.",
@@ -197,6 +201,12 @@ def run(
         if agent_command is not None:
             _check_agent_command(agent_command, settings, ray_address)
         tasks = load_task_paths(tasks_paths, settings.modalities)
+        judged = next((t for t in tasks if t.judged), None)
+        if judged is not None and not settings.judge.base_url:
+            raise Failed(
+                f"task {judged.key!r} has a judge reward component but judge.base_url is not"
+                " set (see docs/configuration.md, [judge])"
+            )
         # A user's mistakes are said before the slow imports and before anything starts.
         if settings.uses_emulator:
             settings.emulator.fault_profile(profile)  # an unknown name

@@ -47,6 +47,7 @@ __all__ = [
     "claim_journal",
     "meta_path",
     "read_journal",
+    "write_results",
 ]
 
 _MAX_LINES_PER_WRITE = 512
@@ -89,6 +90,16 @@ def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
         last.pop(r.rollout_id, None)
         last[r.rollout_id] = r
     return list(last.values())
+
+
+def write_results(path: Path, results: Iterable[RolloutResult]) -> None:
+    """Write ``results`` as a results file (JSON Lines) at ``path``, atomically:
+    a reader sees the old file or the whole new one (``fleetroll rescore``).
+
+    Raises:
+        OSError: the file (or its temporary sibling) could not be written.
+    """
+    _write_atomically(path, _encode(results))
 
 
 def meta_path(path: Path) -> Path:

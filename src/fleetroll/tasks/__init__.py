@@ -105,6 +105,11 @@ class TaskSpec(BaseModel):
     rewards: tuple[RewardSpec, ...] | None = None
 
     @property
+    def judged(self) -> bool:
+        """Whether a component of ``rewards`` is a judge (needs ``judge.base_url``)."""
+        return self.rewards is not None and any(r.kind == "judge" for r in self.rewards)
+
+    @property
     def runs_verifier(self) -> bool:
         """Whether scoring runs the verifier: always, unless ``rewards`` names none."""
         return self.rewards is None or any(r.kind == "verifier" for r in self.rewards)

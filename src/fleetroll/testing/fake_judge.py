@@ -13,7 +13,8 @@ By default the score of a rubric and a text is :func:`toy_score` (a fixed
 function of both, in [0, 1]); pass ``score=`` for another. Set :attr:`mode`
 at any time: ``"score"`` (the default), ``"fail"`` (HTTP 503 to every call),
 ``"hang"`` (never answer until the server stops), ``"garbage"`` (a chat
-completion whose text holds no score).
+completion whose text holds no score), ``"unauthorized"`` (HTTP 401 whose
+message echoes the ``Authorization`` header it got, as careless proxies do).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from fleetroll.testing.fake_openai import HANG, FakeChatServer, FakeError, Reply
 
 __all__ = ["FakeJudge", "JudgeMode", "judged", "toy_score"]
 
-JudgeMode = Literal["score", "fail", "hang", "garbage"]
+JudgeMode = Literal["score", "fail", "hang", "garbage", "unauthorized"]
 _RUBRIC = "# Rubric\n\n"
 
 
@@ -75,6 +76,9 @@ class FakeJudge:
             return FakeError(503, "fake judge: down")
         if self.mode == "hang":
             return HANG
+        if self.mode == "unauthorized":
+            sent = self.server.headers[-1].get("authorization", "")
+            return FakeError(401, f"fake judge: {sent!r} is not a valid key")
         if self.mode == "garbage":
             return completion("The answer looks fine to me.")
         rubric, text = judged(body)

@@ -35,10 +35,10 @@ __all__ = ["rescore"]
 def rescore(
     results_path: Path, tasks_paths: tuple[Path, ...], out: Path, config_file: Path | None
 ) -> None:
-    """Compute again the judges and checks of the results in RESULTS, with the current
-    settings, and write them to --out; RESULTS is left untouched.
+    """Compute again the judges and checks of stored results, into a new file.
 
-    Each result's task (by its task_key, from --tasks) says its reward components:
+    The results in RESULTS are re-scored with the current settings and written
+    to --out; RESULTS is left untouched. Each result's task (by its task_key, from --tasks) says its reward components:
     judges and checks are computed again from the stored transcript, final answer
     and steps; a verifier component keeps its stored value; the reward is summed
     again. Results of tasks without 'rewards', or never scored, are copied as they

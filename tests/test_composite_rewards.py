@@ -310,3 +310,16 @@ def test_rescore_needs_a_judge_for_judge_components(tmp_path: Path) -> None:
     (line,) = rescore_command(tmp_path, RECORDS[0])
 
     assert "has a judge reward component but judge.base_url is not set" in line
+
+
+def test_run_refuses_a_judged_task_without_a_judge_in_one_line(tmp_path: Path) -> None:
+    tasks_file = tmp_path / "tasks.jsonl"
+    tasks_file.write_text(json.dumps(RECORDS[0]) + "\n")
+
+    done = CliRunner().invoke(main, ["run", str(tasks_file)])
+
+    assert done.exit_code == 2
+    assert done.output.strip().splitlines() == [
+        "Error: task 't-1' has a judge reward component but judge.base_url is not set"
+        " (see docs/configuration.md, [judge])"
+    ]

@@ -38,11 +38,12 @@ def rescore(
     """Compute again the judges and checks of stored results, into a new file.
 
     The results in RESULTS are re-scored with the current settings and written
-    to --out; RESULTS is left untouched. Each result's task (by its task_key, from --tasks) says its reward components:
-    judges and checks are computed again from the stored transcript, final answer
-    and steps; a verifier component keeps its stored value; the reward is summed
-    again. Results of tasks without 'rewards', or never scored, are copied as they
-    are. One result per rollout (a resumed journal's last line).
+    to --out; RESULTS is left untouched. Each result's task (by its task_key,
+    from --tasks) says its reward components: judges and checks are computed
+    again from the stored transcript, final answer and steps; a verifier
+    component keeps its stored value; the reward is summed again. Results of
+    tasks without 'rewards', or never scored, are copied as they are. One
+    result per rollout (a resumed journal's last line).
     """
     from fleetroll.errors import FleetrollError
     from fleetroll.pool.journal import read_journal, write_results

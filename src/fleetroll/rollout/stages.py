@@ -330,6 +330,10 @@ def report_completed(events: Events, result: RolloutResult) -> None:
         completion_tokens=result.cost.completion_tokens,
         policy_calls=result.cost.policy_calls,
         tool_calls=result.cost.tool_calls,
+        # The judge's share, for tasks with composite rewards (not summed by stats).
+        judge_calls=result.cost.judge_calls,
+        judge_prompt_tokens=result.cost.judge_prompt_tokens,
+        judge_completion_tokens=result.cost.judge_completion_tokens,
     )
 
 

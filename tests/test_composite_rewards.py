@@ -243,6 +243,23 @@ async def test_rescore_scores_results_whose_judge_was_down_once_it_is_back() -> 
 
 
 @pytest.mark.slow  # a second Python process
+async def test_rescore_of_a_rollout_that_ran_out_of_steps_keeps_its_reason_and_error() -> None:
+    steps = [{"name": "note", "arguments": {"word": w}} for w in ("a", "done")]
+    long = task(max_steps=1, solution=steps)
+    async with FakeJudge(mode="fail") as judge:
+        async with engine(judge_settings(judge.base_url)) as eng:
+            (failed,) = await run(eng, [long])
+        judge.mode = "score"
+        (fixed,) = await rescored([failed], judge_settings(judge.base_url), [long])
+
+    assert failed.error is not None and fixed.error is not None
+    own = failed.error.split("; not scored: ")[0]
+    assert (fixed.failure_reason, fixed.error) == (FailureReason.MAX_STEPS, own)
+    assert fixed.rewards is not None and fixed.rewards["clear"] is not None
+    assert fixed.reward is not None and fixed.status == "failed"
+
+
+@pytest.mark.slow  # a second Python process
 async def test_the_rescore_command_writes_a_new_file_and_leaves_the_old_one(
     tmp_path: Path,
 ) -> None:

@@ -33,7 +33,8 @@ class Scored:
     reward: float | None
     #: Why the reward is None (naming the first component that failed), else None.
     error: str | None = None
-    #: What the judges cost (calls answered, their tokens; cache hits are free).
+    #: What the judges cost (judgements answered with a score, their tokens;
+    #: cache hits are free).
     judge_calls: int = 0
     judge_prompt_tokens: int = 0
     judge_completion_tokens: int = 0
@@ -119,7 +120,8 @@ class Scorer:
         first = next((errors[s.name] for s in specs if s.name in errors), None)
         if reward is None and first is None:
             missing = next(s for s in specs if values[s.name] is None)
-            first = component_error(missing, "it has no value")
+            why = "the verifier gave no reward" if missing.kind == "verifier" else "no value"
+            first = component_error(missing, why)
         return Scored(
             values=values,
             reward=reward,

@@ -172,7 +172,8 @@ class Judge:
     Use it as an async context manager, or call :meth:`aclose` when done.
 
     Attributes:
-        calls: judge calls answered (a score or not), cache hits not counted.
+        calls: chat completions the judge answered (with a score or not); error
+            statuses, timeouts and cache hits are not counted.
     """
 
     def __init__(self, config: JudgeConfig, *, http_client: httpx.AsyncClient | None = None):

@@ -1,9 +1,11 @@
 """Composite rewards end to end: the emulator's real verifier, a fake judge over
-loopback and a check, summed by weight; then ``rescore`` gives the same rewards."""
+loopback and a check, summed by weight; then ``rescore`` gives the same rewards.
+And an ``mcp`` task scored by checks alone, without a verifier."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -11,6 +13,7 @@ import pytest
 
 from fleetroll.emulator import Emulator
 from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.environments.mcp.provider import McpProvider
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
@@ -85,3 +88,21 @@ async def test_composite_rewards_on_the_emulator_equal_the_weighted_sum_and_resc
     assert [r.rewards for r in again] == [r.rewards for r in results]
     assert [r.reward for r in again] == [r.reward for r in results]
     assert judge.calls == 4
+
+
+async def test_an_mcp_task_scored_by_checks_alone_runs_no_verifier(tmp_path: Path) -> None:
+    line = (config_dir() / "tasks" / "mcp" / "notes.jsonl").read_text().splitlines()[0]
+    record = {k: v for k, v in json.loads(line).items() if k != "verifier"}
+    record["rewards"] = [
+        {"name": "wrote", "kind": "contains", "text": "write_file", "on": "transcript"},
+        {"name": "short", "kind": "max_turns", "max": 1},
+    ]
+    task = parse_task(record, source="t", modalities=("tool_use",))
+    settings = load_settings(mcp={"workdir_root": str(tmp_path)})
+    events = Events([MemorySink()])
+    async with RolloutEngine.open(settings, events, McpProvider(settings, events)) as eng:
+        with anyio.fail_after(60):
+            result = await eng.rollout(task, RolloutIds("b", "r")).run(ScriptedPolicy())
+
+    assert (result.status, result.reward, result.verifier) == ("completed", 2.0, None)
+    assert result.rewards == {"wrote": 1.0, "short": 1.0}

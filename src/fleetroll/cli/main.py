@@ -201,12 +201,11 @@ def run(
         if agent_command is not None:
             _check_agent_command(agent_command, settings, ray_address)
         tasks = load_task_paths(tasks_paths, settings.modalities)
-        judged = next((t for t in tasks if t.judged), None)
-        if judged is not None and not settings.judge.base_url:
-            raise Failed(
-                f"task {judged.key!r} has a judge reward component but judge.base_url is not"
-                " set (see docs/configuration.md, [judge])"
-            )
+        from fleetroll.scoring.judge import missing_judge
+
+        problem = missing_judge(tasks, settings)
+        if problem is not None:
+            raise Failed(problem)
         # A user's mistakes are said before the slow imports and before anything starts.
         if settings.uses_emulator:
             settings.emulator.fault_profile(profile)  # an unknown name

@@ -65,16 +65,14 @@ def rescore(
             f"{results_path}: the task {unknown.task_key!r} of rollout {unknown.rollout_id}"
             " is in none of the --tasks given"
         )
-    judged = next((t for t in tasks.values() if t.judged), None)
-    if judged is not None and not settings.judge.base_url:
-        raise Failed(
-            f"task {judged.key!r} has a judge reward component but judge.base_url is not set"
-            " (see docs/configuration.md, [judge])"
-        )
-
     import anyio
 
     from fleetroll.scoring import Judge, JudgeConfig, Scorer
+    from fleetroll.scoring.judge import missing_judge
+
+    problem = missing_judge(tasks.values(), settings)
+    if problem is not None:
+        raise Failed(problem)
     from fleetroll.scoring.rescore import rescorable, rescore_all
     from fleetroll.telemetry.events import Redactor
 

@@ -30,7 +30,7 @@ import json
 import math
 import re
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Self
 
@@ -43,6 +43,7 @@ from fleetroll._internal.excerpts import error_excerpt, shorten
 from fleetroll._internal.retrying import retry_after_s, transient_status
 from fleetroll.errors import JudgeError
 from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.rewards import Target
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "JudgeConfig",
     "Judgement",
     "judge_messages",
+    "missing_judge",
     "parse_score",
 ]
 
@@ -114,6 +116,20 @@ class Judgement:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached: bool = False
+
+
+def missing_judge(tasks: Iterable[TaskSpec], settings: Settings) -> str | None:
+    """Why ``tasks`` cannot be scored here: one has a judge component and
+    ``judge.base_url`` is not set (a line for people); None when they can."""
+    if settings.judge.base_url:
+        return None
+    judged = next((task for task in tasks if task.judged), None)
+    if judged is None:
+        return None
+    return (
+        f"task {judged.key!r} has a judge reward component but judge.base_url is not set"
+        " (see docs/configuration.md, [judge])"
+    )
 
 
 def judge_messages(

@@ -266,3 +266,15 @@ async def test_a_judge_on_an_answer_never_given_scores_0_without_a_call() -> Non
         scored = await Scorer(judge).score((component,), no_answer)
 
     assert (scored.values, scored.reward, fake.calls) == ({"q": 0.0}, 0.0, 0)
+
+
+async def test_a_judge_url_s_user_and_password_never_reach_an_error() -> None:
+    async with FakeJudge(mode="fail") as fake:
+        with_password = fake.base_url.replace("http://", "http://judge:pw-s3cret@")
+        async with Judge(config(with_password)) as judge:
+            with pytest.raises(JudgeError) as caught:
+                await judge.judge("Good?", "p", "text", "final_answer")
+
+    assert f"{fake.base_url}/chat/completions answered HTTP 503" in str(caught.value)
+    assert "pw-s3cret" not in str(caught.value)
+    assert fake.server.headers[0]["authorization"].startswith("Basic ")  # it was sent

@@ -215,8 +215,18 @@ class Judge:
 
     @property
     def url(self) -> str:
+        """The chat completions endpoint, as called."""
         base = (self.config.base_url or "").rstrip("/")
         return f"{base}/chat/completions"
+
+    @property
+    def shown_url(self) -> str:
+        """:attr:`url` as errors show it: without a user or password in it."""
+        try:
+            parsed = httpx.URL(self.url)
+        except (httpx.InvalidURL, TypeError):
+            return "(the judge's URL, which is not valid)"
+        return str(parsed.copy_with(userinfo=b"")) if parsed.userinfo else self.url
 
     async def judge(self, rubric: str, prompt: str, text: str, on: Target) -> Judgement:
         """Score ``text`` against ``rubric`` (for the task whose prompt is ``prompt``).
@@ -289,14 +299,14 @@ class Judge:
     async def _ask(self, content: bytes) -> Any:
         """POST until an answer, a permanent failure, or no attempts or time left."""
         c = self.config
-        url = self.url
+        url = self.shown_url
         tries = 0
         try:
             with anyio.fail_after(c.timeout_s) as scope:
                 async for attempt in retrying.attempts("judge", c.budget, deadline=scope.deadline):
                     with attempt:
                         tries = attempt.num
-                        body, status, headers = await self._post(url, content)
+                        body, status, headers = await self._post(content)
                         if not 200 <= status < 300:
                             raise JudgeError(
                                 self._redact(
@@ -326,11 +336,11 @@ class Judge:
                 transient=False,
             ) from None
 
-    async def _post(self, url: str, content: bytes) -> tuple[bytes, int, httpx.Headers]:
-        limit = self.config.max_answer_bytes
+    async def _post(self, content: bytes) -> tuple[bytes, int, httpx.Headers]:
+        limit, url = self.config.max_answer_bytes, self.shown_url
         try:
             async with self._http().stream(
-                "POST", url, content=content, headers=self._headers()
+                "POST", self.url, content=content, headers=self._headers()
             ) as response:
                 chunks: list[bytes] = []
                 size = 0
@@ -356,7 +366,7 @@ class Judge:
                 raise TypeError
         except (KeyError, IndexError, TypeError):
             raise JudgeError(
-                f"{self.url} answered something that is not a chat completion:"
+                f"{self.shown_url} answered something that is not a chat completion:"
                 f" {shorten(json.dumps(payload, default=str))}",
                 transient=False,
             ) from None

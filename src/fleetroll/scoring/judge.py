@@ -358,6 +358,8 @@ class Judge:
                 self._redact(f"could not reach {url}: {type(exc).__name__}: {exc}"),
                 transient=True,
             ) from exc
+        except httpx.InvalidURL as exc:
+            raise JudgeError(f"judge.base_url is not a valid URL: {exc}", transient=False) from exc
 
     def _judgement(self, payload: Any) -> Judgement:
         try:

@@ -310,7 +310,7 @@ class JudgeSettings(_Section):
 
     #: The API root, e.g. ``https://api.openai.com/v1``. None: no judge, and a
     #: judge component cannot be computed (``reward_error``).
-    base_url: str | None = None
+    base_url: str | None = Field(None, pattern=r"^https?://[^\s]+$")
     model: str = "gpt-4o-mini"
     #: Deadline of one judgement, retries included (retries: ``[retries]`` judge_*).
     timeout_s: float = Field(60.0, gt=0)

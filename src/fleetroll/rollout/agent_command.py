@@ -72,6 +72,8 @@ class CommandAgent:
         policy: where the agent's calls go, and how token data is asked for.
         kill_grace_s, max_request_bytes, max_answer_file_bytes: ``policy.agent_*``.
         owns_policy: close ``policy`` when the agent is closed.
+        gateway: a gateway someone else serves (one for many agents, as the
+            HTTP service's); by default the agent serves its own.
     """
 
     def __init__(
@@ -83,6 +85,7 @@ class CommandAgent:
         max_request_bytes: int = 64 * 1024 * 1024,
         max_answer_file_bytes: int = 1024 * 1024,
         owns_policy: bool = False,
+        gateway: Gateway | None = None,
     ) -> None:
         self.argv = shlex.split(command) if isinstance(command, str) else list(command)
         if not self.argv:
@@ -91,10 +94,13 @@ class CommandAgent:
         self.kill_grace_s = kill_grace_s
         self.max_answer_file_bytes = max_answer_file_bytes
         self._owns_policy = owns_policy
-        self._gateway = Gateway(max_request_bytes=max_request_bytes)
+        self._owns_gateway = gateway is None
+        self._gateway = gateway or Gateway(max_request_bytes=max_request_bytes)
 
     @classmethod
-    def from_settings(cls, command: str | Sequence[str], settings: Settings) -> Self:
+    def from_settings(
+        cls, command: str | Sequence[str], settings: Settings, *, gateway: Gateway | None = None
+    ) -> Self:
         """An agent whose calls go to ``settings.policy``'s servers (it owns that policy)."""
         p = settings.policy
         return cls(
@@ -104,13 +110,15 @@ class CommandAgent:
             max_request_bytes=p.agent_max_request_bytes,
             max_answer_file_bytes=p.agent_max_answer_file_bytes,
             owns_policy=True,
+            gateway=gateway,
         )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({shlex.join(self.argv)!r}, {self.policy!r})"
 
     async def __aenter__(self) -> Self:
-        await self._gateway.__aenter__()
+        if self._owns_gateway:
+            await self._gateway.__aenter__()
         return self
 
     async def __aexit__(
@@ -120,7 +128,8 @@ class CommandAgent:
         tb: TracebackType | None,
     ) -> None:
         try:
-            await self._gateway.__aexit__(exc_type, exc, tb)
+            if self._owns_gateway:
+                await self._gateway.__aexit__(exc_type, exc, tb)
         finally:
             await self.aclose()
 

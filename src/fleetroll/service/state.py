@@ -57,6 +57,8 @@ class StoredRequest(BaseModel):
     samples_per_task: int
     deadline_s: float | None = None
     oversample: int = 0
+    #: The agent command each rollout runs (``agent_command``), or None.
+    agent_command: list[str] | None = None
 
 
 @dataclass(frozen=True, slots=True)

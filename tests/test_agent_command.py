@@ -231,10 +231,9 @@ def alive(pid: int) -> bool:
     ("more", "said"),
     [
         ((), "--agent-command needs --policy openai"),
-        (("--policy", "openai", "--ray", "local"), "--agent-command runs rollouts in this process"),
         (("--policy", "openai", "--agent-command", "'unclosed"), "cannot be split into words"),
     ],
-    ids=["scripted_policy", "ray", "unsplittable"],
+    ids=["scripted_policy", "unsplittable"],
 )
 def test_an_agent_command_fleetroll_cannot_run_is_one_line_and_exit_code_2(
     tmp_path: Path, more: tuple[str, ...], said: str

@@ -195,7 +195,7 @@ def run(
         )
     try:
         if agent_command is not None:
-            _check_agent_command(agent_command, settings, ray_address)
+            _check_agent_command(agent_command, settings)
         tasks = load_task_paths(tasks_paths, settings.modalities)
         # A user's mistakes are said before the slow imports and before anything starts.
         if settings.uses_emulator:
@@ -270,7 +270,7 @@ def run(
         raise SystemExit(1)
 
 
-def _check_agent_command(command: str, settings: Any, ray_address: str | None) -> None:
+def _check_agent_command(command: str, settings: Any) -> None:
     """What --agent-command needs, said before anything starts."""
     import shlex
 
@@ -285,5 +285,3 @@ def _check_agent_command(command: str, settings: Any, ray_address: str | None) -
             "--agent-command needs --policy openai (its gateway forwards the agent's calls"
             " to the policy servers): add --policy openai --base-url URL --model NAME"
         )
-    if ray_address is not None:
-        raise Failed("--agent-command runs rollouts in this process: drop --ray")

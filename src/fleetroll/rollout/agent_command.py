@@ -29,11 +29,13 @@ import shlex
 import shutil
 import tempfile
 import time
+import uuid
 from collections.abc import Sequence
+from contextlib import AsyncExitStack
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import anyio
 
@@ -48,7 +50,7 @@ from fleetroll.rollout.machine import Rollout
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
-__all__ = ["CommandAgent"]
+__all__ = ["AgentHost", "AgentRecipe", "CommandAgent"]
 
 _log = logging.getLogger(__name__)
 #: The variables of fleetroll's own environment an agent gets (nothing secret).
@@ -96,6 +98,9 @@ class CommandAgent:
         self._owns_policy = owns_policy
         self._owns_gateway = gateway is None
         self._gateway = gateway or Gateway(max_request_bytes=max_request_bytes)
+        #: What makes this agent in another process (:class:`AgentRecipe`): set by
+        #: :meth:`from_settings`, and one key per agent, so a process makes it once.
+        self._recipe: AgentRecipe | None = None
 
     @classmethod
     def from_settings(
@@ -103,7 +108,7 @@ class CommandAgent:
     ) -> Self:
         """An agent whose calls go to ``settings.policy``'s servers (it owns that policy)."""
         p = settings.policy
-        return cls(
+        agent = cls(
             command,
             OpenAIChatPolicy.from_settings(settings),
             kill_grace_s=p.agent_kill_grace_s,
@@ -112,6 +117,21 @@ class CommandAgent:
             owns_policy=True,
             gateway=gateway,
         )
+        agent._recipe = AgentRecipe(uuid.uuid4().hex, tuple(agent.argv), settings)
+        return agent
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to a Ray actor), an agent travels as its :class:`AgentRecipe`.
+
+        Raises:
+            TypeError: the agent was not made with :meth:`from_settings`.
+        """
+        if self._recipe is None:
+            raise TypeError(
+                "a CommandAgent runs in another process (Ray) only when made with"
+                " CommandAgent.from_settings: its policy is rebuilt there from the settings"
+            )
+        return (AgentRecipe, tuple(self._recipe))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({shlex.join(self.argv)!r}, {self.policy!r})"
@@ -224,6 +244,46 @@ class CommandAgent:
                 process.returncode,
                 rollout.engine.redactor(tail),
             )
+
+
+class AgentRecipe(NamedTuple):
+    """What makes a :class:`CommandAgent` in another process (a Ray actor): pickled
+    in its place. ``key`` is the agent's own, so a process makes each agent once
+    (:class:`AgentHost`), with its own gateway on that process's loopback."""
+
+    key: str
+    argv: tuple[str, ...]
+    settings: Settings
+
+
+class AgentHost:
+    """The agents of one process made from recipes, and the one gateway they share.
+
+    Kept for the process's life: a Ray actor holds one and is killed, never closed,
+    so its gateway and the agents' HTTP clients go with the process.
+    """
+
+    def __init__(self) -> None:
+        self._agents: dict[str, CommandAgent] = {}
+        self._gateway: Gateway | None = None
+        self._stack = AsyncExitStack()
+        self._making = anyio.Lock()
+
+    async def agent(self, recipe: AgentRecipe) -> CommandAgent:
+        """The agent ``recipe`` makes (the same one for the same key), serving."""
+        async with self._making:
+            agent = self._agents.get(recipe.key)
+            if agent is None:
+                if self._gateway is None:
+                    limit = recipe.settings.policy.agent_max_request_bytes
+                    self._gateway = await self._stack.enter_async_context(
+                        Gateway(max_request_bytes=limit)
+                    )
+                agent = CommandAgent.from_settings(
+                    recipe.argv, recipe.settings, gateway=self._gateway
+                )
+                self._agents[recipe.key] = agent
+            return agent
 
 
 class _Link:

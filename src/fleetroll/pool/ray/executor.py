@@ -37,6 +37,7 @@ from fleetroll.pool.ray.actors import _Buffer, default_num_actors, holder, load_
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.agent_command import AgentHost, AgentRecipe
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.events import EventPage, ended_page
@@ -81,6 +82,9 @@ class ExecutorWorker:
         self._executor = LocalExecutor(settings, api_key=api_key, base_url=base_url)
         self._stack: AsyncExitStack | None = None
         self._rollouts: dict[str, RolloutHandle] = {}
+        #: The agent commands of this actor's rollouts (``--agent-command``), made
+        #: here from their recipes, each with this actor's gateway.
+        self._agents = AgentHost()
 
     async def start(self) -> int:
         """Open the executor (once); this actor's pid."""
@@ -95,6 +99,8 @@ class ExecutorWorker:
     ) -> tuple[RolloutResult, list[Event]]:
         """Run one rollout; its result, and the telemetry not taken yet (its
         completed event among it: the actor may die before the next take)."""
+        if isinstance(policy, AgentRecipe):  # an agent command travels as its recipe
+            policy = await self._agents.agent(policy)
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
         await rollout.execute(policy)

@@ -396,3 +396,16 @@ async def test_the_example_agent_scores_every_task_as_the_built_in_loop_with_the
     # The gateway asked for the training data the settings ask for, for the agent.
     assert all(q["return_token_ids"] and q["logprobs"] for q in requests)
     assert all("stream" not in q for q in requests)
+    # The tool answers the agent got over MCP are in its transcript, as it sent them
+    # back in its next request (the gateway's view), one per tool call.
+    for result in results:
+        task = next(t for t in tasks if t.key == result.task_key)
+        last = max(
+            (q["messages"] for q in requests if q["messages"][0]["content"] == task.prompt),
+            key=len,
+        )
+        sent_back = [(m["tool_call_id"], m["content"]) for m in last if m["role"] == "tool"]
+        kept = [(m["tool_call_id"], m["content"]) for m in result.transcript if m["role"] == "tool"]
+        assert kept == sent_back and len(kept) == result.steps == len(task.solution or ())
+        roles = [m["role"] for m in result.transcript]
+        assert roles[-1] == "assistant" and roles.count("assistant") == len(result.turns)

@@ -323,8 +323,19 @@ class _Link:
             latency = time.monotonic() - began
             rollout.progress.timings.policy_s += latency
         self._refuse_if_ended()  # it ended while the server answered: not its turn
-        rollout.record_call(turn, policy_version=version, latency_s=latency)
+        observed = _after_last_assistant(body["messages"])
+        rollout.record_call(turn, policy_version=version, latency_s=latency, observations=observed)
         return answer
+
+
+def _after_last_assistant(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """The messages of a request after its last assistant message: what the agent
+    observed since its previous call (its tool answers). None without one."""
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            return [m for m in messages[index + 1 :] if isinstance(m, dict)]
+    return []
 
 
 async def _read_capped(path: Path, limit: int) -> str | None:

@@ -30,8 +30,8 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT
 from types import TracebackType
@@ -57,6 +57,9 @@ _log = logging.getLogger(__name__)
 _PASSED = ("PATH", "HOME", "LANG")
 #: How much of the end of an agent's output a warning about its exit quotes.
 _TAIL_CHARS = 600
+#: Closing an agent's policy (an HTTP client): bounded, shielded. Not a setting:
+#: closing a client does no I/O worth waiting for longer.
+_CLOSE_S = 5.0
 
 
 class CommandAgent:
@@ -259,20 +262,27 @@ class AgentRecipe(NamedTuple):
 class AgentHost:
     """The agents of one process made from recipes, and the one gateway they share.
 
-    Kept for the process's life: a Ray actor holds one and is killed, never closed,
-    so its gateway and the agents' HTTP clients go with the process.
+    An agent lives while rollouts use it (:meth:`agent`): the last to end closes
+    it (its HTTP client), and the next rollout of its batch makes it again. The
+    gateway is kept for the process's life: a Ray actor holds one and is killed,
+    never closed, so the gateway goes with the process.
     """
 
     def __init__(self) -> None:
-        self._agents: dict[str, CommandAgent] = {}
+        self._agents: dict[str, tuple[CommandAgent, int]] = {}
         self._gateway: Gateway | None = None
         self._stack = AsyncExitStack()
         self._making = anyio.Lock()
 
-    async def agent(self, recipe: AgentRecipe) -> CommandAgent:
-        """The agent ``recipe`` makes (the same one for the same key), serving."""
+    async def aclose(self) -> None:
+        """Stop the gateway, from the task (and cancel scope) that made the first agent."""
+        await self._stack.aclose()
+
+    @asynccontextmanager
+    async def agent(self, recipe: AgentRecipe) -> AsyncIterator[CommandAgent]:
+        """The agent ``recipe`` makes (the same one for the same key while in use)."""
         async with self._making:
-            agent = self._agents.get(recipe.key)
+            agent, users = self._agents.get(recipe.key, (None, 0))
             if agent is None:
                 if self._gateway is None:
                     limit = recipe.settings.policy.agent_max_request_bytes
@@ -282,8 +292,17 @@ class AgentHost:
                 agent = CommandAgent.from_settings(
                     recipe.argv, recipe.settings, gateway=self._gateway
                 )
-                self._agents[recipe.key] = agent
-            return agent
+            self._agents[recipe.key] = (agent, users + 1)
+        try:
+            yield agent
+        finally:
+            agent, users = self._agents[recipe.key]
+            if users > 1:
+                self._agents[recipe.key] = (agent, users - 1)
+            else:
+                del self._agents[recipe.key]
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
+                    await agent.aclose()
 
 
 class _Link:

@@ -99,11 +99,13 @@ class ExecutorWorker:
     ) -> tuple[RolloutResult, list[Event]]:
         """Run one rollout; its result, and the telemetry not taken yet (its
         completed event among it: the actor may die before the next take)."""
-        if isinstance(policy, AgentRecipe):  # an agent command travels as its recipe
-            policy = await self._agents.agent(policy)
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
-        await rollout.execute(policy)
+        if isinstance(policy, AgentRecipe):  # an agent command travels as its recipe
+            async with self._agents.agent(policy) as agent:
+                await rollout.execute(agent)
+        else:
+            await rollout.execute(policy)
         assert rollout.result is not None
         events, self._buffer.events = self._buffer.events, []
         return rollout.result, events

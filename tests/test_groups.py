@@ -17,6 +17,7 @@ import pytest
 
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.service.training import GroupLog
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
@@ -490,3 +491,25 @@ def test_a_cut_group_s_rollout_that_ends_scored_after_the_cut_is_not_kept() -> N
     assert done is not None
     group, _ = done
     assert (group.cut, group.complete, group.rewards, group.superseded) == (True, False, [], 2)
+
+
+def test_the_service_s_group_log_marks_the_groups_the_pool_cut_also_on_a_rerun() -> None:
+    tasks = [TASK, OTHER]
+    log = GroupLog("b", tasks, 1, 0, groups_target=1)
+
+    def of(task: TaskSpec, reward: float | None, reason: FailureReason | None = None):
+        return result(rollout_id("b", task.key, 0), reward, reason).model_copy(
+            update={"task_key": task.key, "group_id": group_id("b", task.key)}
+        )
+
+    log.add(of(TASK, 1.0))
+    log.add(of(OTHER, None, FailureReason.CANCELLED))  # cancelled before the cut reached it
+    assert [(g.task_key, g.complete, g.cut) for g in log.groups] == [
+        (TASK.key, True, False),
+        (OTHER.key, False, True),
+    ]
+    # Resubmitted, its cancelled rollout runs again: the pool cuts it at once (one group is
+    # complete already), so it ends superseded, and its group comes again, cut.
+    log.rerun([rollout_id("b", OTHER.key, 0)], [of(TASK, 1.0)])
+    log.add(of(OTHER, None, FailureReason.SUPERSEDED))
+    assert [(g.task_key, g.complete, g.cut) for g in log.groups[2:]] == [(OTHER.key, False, True)]

@@ -185,6 +185,7 @@ class FleetrollClient:
         oversample: int | None = None,
         after: int = 0,
         agent_command: str | Sequence[str] | None = None,
+        groups_target: int | None = None,
     ) -> RemoteBatch:
         """A batch on the service; it is submitted when first iterated (or entered).
 
@@ -198,6 +199,7 @@ class FleetrollClient:
         that command as each rollout's agent on the service's host, as
         ``fleetroll run --agent-command`` does (an openai ``policy``; the
         service refuses it with a 422 unless ``service.allow_command_tasks``).
+        ``groups_target``: straggler cut-off by whole groups, as in-process.
         Different content under the id is a 409. A batch the service's pre-flight refuses raises, on
         submission, :class:`~fleetroll.errors.ServicePreflightError` (a
         ``PreflightError``, as in-process, and a ``ServiceError``, 422).
@@ -222,6 +224,8 @@ class FleetrollClient:
             payload["deadline_s"] = deadline_s
         if oversample is not None:
             payload["oversample"] = oversample
+        if groups_target is not None:
+            payload["groups_target"] = groups_target
         if agent_command is not None:
             payload["agent_command"] = (
                 agent_command if isinstance(agent_command, str) else list(agent_command)

@@ -97,6 +97,8 @@ class _Plan:
     oversample: int = 0
     #: The command each rollout runs as its agent (``agent_command``), or None.
     agent_command: tuple[str, ...] | None = None
+    #: Once this many groups are complete, the others are cut (``groups_target``).
+    groups_target: int | None = None
 
     def rollout_ids(self, batch_id: str) -> set[str]:
         return {
@@ -117,6 +119,7 @@ class _Plan:
             deadline_s=self.deadline_s,
             oversample=self.oversample,
             agent_command=None if self.agent_command is None else list(self.agent_command),
+            groups_target=self.groups_target,
         )
 
     @classmethod
@@ -128,6 +131,7 @@ class _Plan:
             request.deadline_s,
             request.oversample,
             None if request.agent_command is None else tuple(request.agent_command),
+            request.groups_target,
         )
 
 
@@ -215,7 +219,13 @@ class BatchRecord:
         self._pending: set[str] = set()  # re-run rollouts whose new result is not in yet
         self._changed = anyio.Event()
         #: Its complete groups, streamed by ``GET /v1/batches/{id}/groups``.
-        self.groups = GroupLog(batch.batch_id, plan.tasks, plan.samples_per_task, plan.oversample)
+        self.groups = GroupLog(
+            batch.batch_id,
+            plan.tasks,
+            plan.samples_per_task,
+            plan.oversample,
+            groups_target=plan.groups_target,
+        )
 
     def changed(self) -> anyio.Event:
         """Set at the next change (a result, the end, a re-run)."""
@@ -466,6 +476,13 @@ class BatchRegistry:
             loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
             indexed=request.tasks is not None,
         )
+        if request.groups_target is not None and request.groups_target > len(tasks):
+            raise ApiError(
+                422,
+                f"{request.groups_target} groups wanted of a batch of {len(tasks)} tasks (groups):"
+                " give at most as many as the tasks",
+                loc=["body", "groups_target"],
+            )
         limit = self._settings.service.max_batch_rollouts
         oversample = (
             self._settings.pool.oversample if request.oversample is None else request.oversample
@@ -489,6 +506,7 @@ class BatchRegistry:
             oversample=oversample,
             loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
             agent_command=request.agent_command,
+            groups_target=request.groups_target,
         )
 
     def _check_agent_command(self, policy: PolicyConfig | None) -> None:
@@ -525,6 +543,7 @@ class BatchRegistry:
         oversample: int = 0,
         loc: Sequence[str] = ("task",),
         agent_command: Sequence[str] | None = None,
+        groups_target: int | None = None,
     ) -> tuple[BatchRecord, bool, int]:
         """Start a batch of validated tasks (or find the identical one).
 
@@ -539,7 +558,13 @@ class BatchRegistry:
                 cancel of the identical batch is still settling).
         """
         fingerprint = batch_fingerprint(
-            tasks, policy_config, samples_per_task, deadline_s, oversample, agent_command
+            tasks,
+            policy_config,
+            samples_per_task,
+            deadline_s,
+            oversample,
+            agent_command,
+            groups_target,
         )
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
@@ -557,7 +582,9 @@ class BatchRegistry:
             # Its own policy: the same but for the api_key, which is never stored.
             return existing, False, await self._rerun_cancelled(existing, policy_config)
         command = None if agent_command is None else tuple(agent_command)
-        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s, oversample, command)
+        plan = _Plan(
+            tasks, policy_config, samples_per_task, deadline_s, oversample, command, groups_target
+        )
         batch, policy = self._run(plan, batch_id)
         record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
@@ -611,7 +638,8 @@ class BatchRegistry:
         """Start ``plan`` on the pool (all of it, or all but ``skip``); its policy.
 
         ``previous``: the results kept from an earlier run; an oversampled
-        group counts them, so it stops at ``samples_per_task`` scored in all.
+        group counts them, so it stops at ``samples_per_task`` scored in all,
+        and so does ``groups_target`` (the groups already complete).
 
         Raises:
             ApiError: 409 (the pool runs a batch of this id), 503 (the pool is full).
@@ -620,7 +648,11 @@ class BatchRegistry:
             raise RuntimeError("the service is not running")
         policy = self._policy(plan)
         try:
-            extra = {"oversample": plan.oversample, "previous": previous} if plan.oversample else {}
+            extra: dict[str, object] = {}
+            if plan.oversample or plan.groups_target is not None:
+                extra |= {"oversample": plan.oversample, "previous": previous}
+            if plan.groups_target is not None:
+                extra["groups_target"] = plan.groups_target
             batch = self._pool.run_batch(
                 plan.tasks,
                 policy,

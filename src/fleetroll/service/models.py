@@ -199,6 +199,16 @@ class BatchRequest(_Request):
         ),
     )
 
+    groups_target: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description=(
+            "Straggler cut-off by whole groups: once this many groups are complete, every"
+            " rollout of the other groups ends superseded and their groups come with cut:"
+            " true. At most the number of tasks"
+        ),
+    )
     agent_command: list[_Word] | None = Field(
         None,
         min_length=1,

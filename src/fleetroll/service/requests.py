@@ -121,6 +121,7 @@ def batch_fingerprint(
     deadline_s: float | None,
     oversample: int = 0,
     agent_command: Sequence[str] | None = None,
+    groups_target: int | None = None,
 ) -> str:
     """What makes two submissions "the same batch" (a policy's api_key does not)."""
     identity: dict[str, Any] = {
@@ -133,6 +134,8 @@ def batch_fingerprint(
         identity["oversample"] = oversample
     if agent_command is not None:  # absent when unset, likewise
         identity["agent_command"] = list(agent_command)
+    if groups_target is not None:
+        identity["groups_target"] = groups_target
     blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 

@@ -59,6 +59,8 @@ class StoredRequest(BaseModel):
     oversample: int = 0
     #: The agent command each rollout runs (``agent_command``), or None.
     agent_command: list[str] | None = None
+    #: Its ``groups_target`` (straggler cut-off by whole groups), or None.
+    groups_target: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,6 +202,8 @@ class GroupTracker:
             tracker that only :meth:`add` s results already settled needs).
         target: ``groups_target``: once this many groups are complete, every
             other group is cut (:meth:`cut`). None: no cut.
+        full: groups of the batch complete elsewhere (not in ``members``),
+            counted toward ``target``.
     """
 
     def __init__(
@@ -213,11 +215,12 @@ class GroupTracker:
         *,
         ranks: Mapping[str, int] | None = None,
         target: int | None = None,
+        full: int = 0,
     ) -> None:
         self.batch_id = batch_id
         self.expected = expected
         self.target = target
-        self._full = 0  # groups complete with `expected` scored samples
+        self._full = full  # groups complete with `expected` scored samples
         self._cut = False
         ranks = ranks or {}
         self._groups = {

@@ -148,6 +148,16 @@ def main() -> None:
     " it gets OPENAI_BASE_URL/OPENAI_API_KEY (a gateway to the policy servers),"
     " FLEETROLL_MCP_URL, FLEETROLL_TASK_FILE and FLEETROLL_ANSWER_FILE.",
 )
+@click.option(
+    "--groups",
+    "groups_target",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Straggler cut-off by whole groups: once N groups (tasks) are complete, stop every"
+    " rollout of the others (superseded; those groups come with cut: true). Start more"
+    " tasks than N. Bias: groups whose episodes run faster are kept.",
+)
 @ray_options
 @CONFIG_OPTION
 def run(
@@ -162,6 +172,7 @@ def run(
     resume: bool,
     no_preflight: bool,
     agent_command: str | None,
+    groups_target: int | None,
     ray_address: str | None,
     ray_actors: int | None,
     config_file: Path | None,
@@ -195,8 +206,13 @@ def run(
         )
     try:
         if agent_command is not None:
-            _check_agent_command(agent_command, settings, ray_address)
+            _check_agent_command(agent_command, settings)
         tasks = load_task_paths(tasks_paths, settings.modalities)
+        if groups_target is not None and groups_target > len(tasks):
+            raise Failed(
+                f"--groups {groups_target} is more than the {len(tasks)} tasks (groups) given:"
+                " start more tasks than the groups you need"
+            )
         # A user's mistakes are said before the slow imports and before anything starts.
         if settings.uses_emulator:
             settings.emulator.fault_profile(profile)  # an unknown name
@@ -248,6 +264,7 @@ def run(
                         ray_actors=ray_actors,
                         signals=signals,
                         preflight=not no_preflight,
+                        groups_target=groups_target,
                     )
                 finally:
                     if agent_command is not None:
@@ -270,7 +287,7 @@ def run(
         raise SystemExit(1)
 
 
-def _check_agent_command(command: str, settings: Any, ray_address: str | None) -> None:
+def _check_agent_command(command: str, settings: Any) -> None:
     """What --agent-command needs, said before anything starts."""
     import shlex
 
@@ -285,5 +302,3 @@ def _check_agent_command(command: str, settings: Any, ray_address: str | None) -
             "--agent-command needs --policy openai (its gateway forwards the agent's calls"
             " to the policy servers): add --policy openai --base-url URL --model NAME"
         )
-    if ray_address is not None:
-        raise Failed("--agent-command runs rollouts in this process: drop --ray")

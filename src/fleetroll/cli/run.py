@@ -83,8 +83,12 @@ async def run_job(
     ray_actors: int | None = None,
     signals: AsyncIterator[int] | None = None,
     preflight: bool = True,
+    groups_target: int | None = None,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
+
+    ``groups_target``: stop the rollouts of every other group once this many
+    groups are complete (``RolloutPool.run_batch``).
 
     Unless ``preflight`` is False, :func:`fleetroll.pool.preflight.preflight`
     runs first, before the journal is claimed and before any create.
@@ -147,7 +151,12 @@ async def run_job(
         # The pool counts them in their groups: an oversampled group runs only
         # what it still lacks (on Ray as here).
         batch = pool.run_batch(
-            tasks, policy, samples_per_task=samples, batch_id=batch_id, previous=previous
+            tasks,
+            policy,
+            samples_per_task=samples,
+            batch_id=batch_id,
+            previous=previous,
+            groups_target=groups_target,
         )
         console.print(
             f"fleetroll: batch {batch.batch_id}: {batch.total} rollouts "

@@ -457,8 +457,9 @@ class ServiceSettings(_Section):
     #: holds a worker thread and a SQLite reader; more wait their turn.
     max_concurrent_queries: int = Field(2, ge=1)
     #: Accept ``mcp`` tasks that run commands on this host (``environment.command``,
-    #: ``verifier.command``). Off: anyone holding the service token could run
-    #: anything as the service's user; such tasks are refused with a 422.
+    #: ``verifier.command``) and batches with an ``agent_command``. Off: anyone
+    #: holding the service token could run anything as the service's user; such
+    #: tasks and batches are refused with a 422.
     allow_command_tasks: bool = False
     #: Longest lease of one pause of policy calls (``POST /v1/policy/pauses``):
     #: a trainer renews it to hold longer; one that crashed lets go within it.

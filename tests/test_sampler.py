@@ -210,6 +210,23 @@ def test_the_filter_rests_a_task_after_uniform_groups_and_brings_it_back() -> No
     assert all(not rested_at < s < rested_at + 1 + 3 for s in drawn_at)
 
 
+def test_every_task_rests_its_full_rest_while_enough_others_are_out_of_rest() -> None:
+    sampler = TaskSampler(
+        make_tasks(a=7),
+        SamplerConfig(batch_tasks=2, seed=4, rest_uniform=True, uniform_groups=1, rest_steps=2),
+    )
+    steps = []
+    for _ in range(60):
+        draw = sampler.draw()
+        steps.append(set(draw.keys))
+        for key in draw.keys:  # every group uniform: each task drawn rests 2 steps
+            sampler.observe(group(key, [0.0, 0.0]))
+    for s in range(2, 60):
+        assert not steps[s] & (steps[s - 1] | steps[s - 2]), s
+    # 7 tasks, 2 a step, each resting the 2 steps after its own: all of them come back.
+    assert set().union(*steps[-10:]) == {f"a-{i:03d}" for i in range(7)}
+
+
 def test_a_mixed_group_clears_the_count_and_short_groups_count_neither_way() -> None:
     sampler = TaskSampler(
         make_tasks(a=4),

@@ -355,6 +355,8 @@ class TaskSampler:
         """Bring back early the tasks due back first, when too few are out of rest."""
 
         def wake(streams: Iterable[str], count: int) -> None:
+            if count <= 0:
+                return
             members = {k for s in streams for k in self._members[s]}
             due = sorted((back, k) for k, back in self._resting.items() if k in members)
             for _, k in due[:count]:

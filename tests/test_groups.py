@@ -22,7 +22,7 @@ from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider
 from fleetroll.testing.planned_policy import PlannedPolicy
-from fleetroll.training.groups import Group, GroupTracker
+from fleetroll.training.groups import Group, GroupTracker, groups_of
 
 pytestmark = pytest.mark.anyio
 
@@ -426,3 +426,24 @@ async def test_samples_solving_one_after_another_fill_their_group_and_the_extra_
     assert results[2].failure_reason is FailureReason.SUPERSEDED
     assert_results_agree_with_groups(results, groups)
     assert_pairs(sink)
+
+
+async def test_the_groups_of_a_batch_s_results_are_the_groups_it_delivered() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy({TASK.key: ["solve", "zero", "solve"], OTHER.key: ["solve"] * 3})
+    pool, _ = fake_pool(sink)
+    async with pool:
+        batch = pool.run_batch([TASK, OTHER], policy, samples_per_task=2, oversample=1)
+        with anyio.fail_after(10):
+            delivered = [g async for g in batch.groups()]
+            results = await batch.results()
+    rebuilt = groups_of(batch.batch_id, 2, results)  # what a journal's reader gets
+
+    def summary(groups: list[Group]) -> list[tuple[str, list[float], bool, int, int]]:
+        return sorted(
+            (g.task_key, sorted(g.rewards), g.uniform, g.failed, g.superseded) for g in groups
+        )
+
+    assert summary(rebuilt) == summary(delivered)
+    assert {g.task_key: g.uniform for g in rebuilt} == {TASK.key: False, OTHER.key: True}
+    assert sum(g.superseded for g in rebuilt) == 2  # each group's extra

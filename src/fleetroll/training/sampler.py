@@ -61,6 +61,7 @@ ones due back first come back early.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import random
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
@@ -321,10 +322,10 @@ class TaskSampler:
         step, epoch = self._step, self.epoch
         self._resting = {k: back for k, back in self._resting.items() if back > step}
         self._wake_if_short()
-        taken: list[str] = []
+        taken: dict[str, None] = {}  # in draw order
         for s, n in sorted(self._allocate().items()):
             for _ in range(n):
-                taken.append(self._next(s, taken))
+                taken[self._next(s, taken)] = None
         self._step += 1
         return Draw(step, epoch, tuple(self._tasks[k] for k in taken))
 
@@ -348,8 +349,10 @@ class TaskSampler:
             del self._streaks[key]
             self._resting[key] = self._step + self.config.rest_steps
 
-    def _available(self, s: str) -> int:
-        return sum(1 for k in self._members[s] if k not in self._resting)
+    def _out_of_rest(self) -> dict[str, int]:
+        """Per stream drawn from, its tasks not resting."""
+        resting = Counter(self._stream_of[k] for k in self._resting)
+        return {s: len(self._members[s]) - resting[s] for s in self._drawn}
 
     def _wake_if_short(self) -> None:
         """Bring back early the tasks due back first, when too few are out of rest."""
@@ -357,30 +360,38 @@ class TaskSampler:
         def wake(streams: Iterable[str], count: int) -> None:
             if count <= 0:
                 return
-            members = {k for s in streams for k in self._members[s]}
-            due = sorted((back, k) for k, back in self._resting.items() if k in members)
+            among = set(streams)
+            due = sorted((b, k) for k, b in self._resting.items() if self._stream_of[k] in among)
             for _, k in due[:count]:
                 del self._resting[k]
 
-        for s in self._drawn:
-            wake([s], self._minimums[s] - self._available(s))
-        wake(self._drawn, self.config.batch_tasks - sum(self._available(s) for s in self._drawn))
+        for s, out in self._out_of_rest().items():
+            wake([s], self._minimums[s] - out)
+        wake(self._drawn, self.config.batch_tasks - sum(self._out_of_rest().values()))
 
     def _allocate(self) -> dict[str, int]:
         """How many tasks each stream gives this step: minimums, then the largest credit."""
         m = self.config.batch_tasks
-        available = {s: self._available(s) for s in self._drawn}
+        available = self._out_of_rest()
         eligible = [s for s in self._drawn if available[s]]
         allocation = {s: min(self._minimums[s], available[s]) for s in eligible}
         total = sum(self._weights[s] for s in eligible)
         for s in eligible:
             self._credits[s] += (m * self._weights[s] / total if total else 0.0) - allocation[s]
+        # One place at a time to the largest credit (streams with a weight first, then
+        # the first by name): a heap of the streams with room left.
+        heap = [
+            (not self._weights[s], -self._credits[s], i, s)
+            for i, s in enumerate(eligible)
+            if allocation[s] < available[s]
+        ]
+        heapq.heapify(heap)
         for _ in range(m - sum(allocation.values())):
-            room = [s for s in eligible if allocation[s] < available[s]]
-            weighted = [s for s in room if self._weights[s]] or room
-            best = max(weighted, key=lambda s: (self._credits[s], -eligible.index(s)))
-            allocation[best] += 1
-            self._credits[best] -= 1.0
+            unweighted, _, i, s = heapq.heappop(heap)
+            allocation[s] += 1
+            self._credits[s] -= 1.0
+            if allocation[s] < available[s]:
+                heapq.heappush(heap, (unweighted, -self._credits[s], i, s))
         for s in eligible:  # a share a stream could not take is not made up later
             self._credits[s] = min(1.0, max(-1.0, self._credits[s]))
         return allocation
@@ -397,7 +408,7 @@ class TaskSampler:
             self._orders[(s, st.passes)] = order
         return order
 
-    def _next(self, s: str, taken: list[str]) -> str:
+    def _next(self, s: str, taken: Mapping[str, None]) -> str:
         """The next task of stream ``s`` not resting; a new pass when this one is used up."""
         st = self._streams[s]
         while True:

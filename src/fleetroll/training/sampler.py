@@ -44,7 +44,8 @@ larger than the shares), after every step ``|drawn - share| < 1`` for each
 environment. An environment that cannot take its share in a step (too few
 tasks out of rest, a minimum above its share) does not make the difference
 up later beyond one task: the shortfall and the surplus are capped at one.
-An environment with weight 0 is drawn only for its minimum.
+An environment with weight 0 is drawn only for its minimum. Minimums with
+no weights weigh each environment by its number of tasks.
 
 **The difficulty filter** (``rest_uniform``). A group (the samples of one
 task in one step) that is ``uniform`` (every sample the same reward: all

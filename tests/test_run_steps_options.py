@@ -1,12 +1,20 @@
-"""`fleetroll run --steps`: a user's mistakes are one line and exit code 2, before anything runs."""
+"""`fleetroll run --steps`: a user's mistakes are one line and exit code 2, before anything
+runs; a resume finds the sampler it saved, or says why not."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from fleetroll.cli.main import main
-from fleetroll.settings import config_dir
+from fleetroll.cli.run import open_sampler
+from fleetroll.errors import ConfigError
+from fleetroll.pool.journal import write_sampler_state
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import load_tasks
+from fleetroll.training.sampler import SamplerConfig, TaskSampler
 
 LEDGER = str(config_dir() / "tasks" / "ledger.jsonl")
 
@@ -36,3 +44,18 @@ def test_a_run_of_steps_it_cannot_draw_is_refused_in_one_line(
     assert done.exit_code == 2, done.output
     assert message in done.output
     assert "Traceback" not in done.output
+
+
+def test_a_resume_restores_the_saved_sampler_or_says_why_it_cannot(tmp_path: Path) -> None:
+    tasks = load_tasks(LEDGER, modalities=load_settings().modalities)
+    out = tmp_path / "steps.jsonl"
+    config = SamplerConfig(batch_tasks=3, seed=1)
+    with pytest.raises(ConfigError, match=r"steps.jsonl.sampler.json is missing"):
+        open_sampler(tasks, config, out)
+    sampler = TaskSampler(tasks, config)
+    sampler.draw()
+    write_sampler_state(out, sampler.state())
+    restored = open_sampler(tasks, config, out)
+    assert restored.step == 1 and restored.draw() == sampler.draw()
+    with pytest.raises(ConfigError, match=r"cannot resume .*steps.jsonl: .*\(changed: seed\)"):
+        open_sampler(tasks, SamplerConfig(batch_tasks=3, seed=2), out)

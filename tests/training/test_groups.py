@@ -23,7 +23,7 @@ from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider
 from fleetroll.testing.planned_policy import PlannedPolicy
-from fleetroll.training.groups import Group, GroupTracker, cut_error
+from fleetroll.training.groups import Group, GroupTracker, cut_error, groups_of
 
 pytestmark = pytest.mark.anyio
 
@@ -513,3 +513,24 @@ def test_the_service_s_group_log_marks_the_groups_the_pool_cut_also_on_a_rerun()
     log.rerun([rollout_id("b", OTHER.key, 0)], [of(TASK, 1.0)])
     log.add(of(OTHER, None, FailureReason.SUPERSEDED))
     assert [(g.task_key, g.complete, g.cut) for g in log.groups[2:]] == [(OTHER.key, False, True)]
+
+
+async def test_the_groups_of_a_batch_s_results_are_the_groups_it_delivered() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy({TASK.key: ["solve", "zero", "solve"], OTHER.key: ["solve"] * 3})
+    pool, _ = fake_pool(sink)
+    async with pool:
+        batch = pool.run_batch([TASK, OTHER], policy, samples_per_task=2, oversample=1)
+        with anyio.fail_after(10):
+            delivered = [g async for g in batch.groups()]
+            results = await batch.results()
+    rebuilt = groups_of(batch.batch_id, 2, results)  # what a journal's reader gets
+
+    def summary(groups: list[Group]) -> list[tuple[str, list[float], bool, int, int]]:
+        return sorted(
+            (g.task_key, sorted(g.rewards), g.uniform, g.failed, g.superseded) for g in groups
+        )
+
+    assert summary(rebuilt) == summary(delivered)
+    assert {g.task_key: g.uniform for g in rebuilt} == {TASK.key: False, OTHER.key: True}
+    assert sum(g.superseded for g in rebuilt) == 2  # each group's extra

@@ -76,7 +76,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetroll.results import FailureReason, RolloutResult
 
-__all__ = ["Group", "GroupTracker", "cut_error", "not_needed_error", "superseded_error"]
+__all__ = [
+    "Group",
+    "GroupTracker",
+    "cut_error",
+    "groups_of",
+    "not_needed_error",
+    "superseded_error",
+]
 
 
 def superseded_error(task_key: str, expected: int) -> str:
@@ -343,6 +350,21 @@ class GroupTracker:
             ),
             stop,
         )
+
+
+def groups_of(batch_id: str, expected: int, results: Iterable[RolloutResult]) -> list[Group]:
+    """The groups of a batch that has ended, from its results (a journal's, say).
+
+    The same groups the batch delivered: its results were settled as they
+    ended, so a group's scored results are exactly those it kept. In the
+    order of each group's first result; ``expected`` is ``samples_per_task``.
+    """
+    results = list(results)
+    members: dict[str, tuple[str, list[str]]] = {}
+    for result in results:
+        if result.group_id is not None:
+            members.setdefault(result.group_id, (result.task_key, []))[1].append(result.rollout_id)
+    return [group for group, _ in GroupTracker(batch_id, expected, members, results).start()]
 
 
 def _superseded(result: RolloutResult, why: str) -> RolloutResult:

@@ -6,6 +6,7 @@ executor (:mod:`fleetroll.pool.ray.executor`, what ``--ray`` opens).
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -17,9 +18,12 @@ from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason
+from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry.events import Events, MemorySink
+from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
+from training_helpers import AGENT, sent_and_recorded, solving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -252,3 +256,40 @@ async def test_on_ray_every_rollout_s_trace_is_posted_with_its_transcript_redact
     assert secret not in str([s.messages for s in sessions])
     (with_secret,) = [r for r in results if r.task_key == LEDGER[0].key]
     assert Redactor.MASK in str(by_rollout[with_secret.rollout_id].messages)
+
+
+async def test_an_agent_command_runs_on_the_actors_and_its_turns_hold_the_server_s_ids(
+    local_ray: None, fleet: EmulatorProcess
+) -> None:
+    from fleetroll.pool.ray.executor import ray_pool
+
+    tasks = LEDGER[:2]
+    sink = MemorySink()
+    async with FakeChatServer(solving(tasks), vllm=VllmShape()) as server:
+        policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
+        policy |= {"return_token_ids": True, "logprobs": True}
+        settings = SETTINGS.model_copy(update={"policy": SETTINGS.policy.model_copy(update=policy)})
+        async with (
+            ray_pool(
+                settings,
+                api_key=fleet.api_key,
+                base_url=fleet.base_url,
+                num_actors=2,
+                events=Events([sink]),
+            ) as pool,
+            CommandAgent.from_settings([sys.executable, str(AGENT)], settings) as agent,
+        ):
+            with anyio.fail_after(300):
+                results = await pool.run_batch(tasks, agent, samples_per_task=2).results()
+        replies = list(server.replies)
+    ledger = await fleet.ledger()
+
+    assert sorted((r.task_key, r.reward) for r in results) == sorted(
+        (t.key, 1.0) for t in tasks for _ in range(2)
+    )
+    sent, recorded = sent_and_recorded(replies, results)
+    assert recorded == sent and sum(len(r.turns) for r in results) == len(replies)
+    # The rollouts (so their agents and gateways) ran on the actors, not here.
+    completed = sink.named("fleet_rollout_completed")
+    assert len(completed) == 4 and all("worker" in e.attributes for e in completed)
+    assert ledger["running"] == 0

@@ -12,10 +12,10 @@ from typing import Any
 
 import anyio
 import pytest
-from test_training_rollouts import TASK_FILES, TASKS, solving
 
 from fleetroll.pool.journal import read_journal
 from fleetroll.testing.fake_openai import FakeChatServer, Reply
+from training_helpers import TASK_FILES, TASKS, solving
 
 #: Integration tests (the emulator over loopback, a real process): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

@@ -39,6 +39,7 @@ from fleetroll.pool.ray.actors import _Buffer, default_num_actors, holder, load_
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.agent_command import AgentHost, AgentRecipe
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.events import EventPage, ended_page
@@ -87,6 +88,9 @@ class ExecutorWorker:
         self._traces = settings.traces.upload
         self._stack: AsyncExitStack | None = None
         self._rollouts: dict[str, RolloutHandle] = {}
+        #: The agent commands of this actor's rollouts (``--agent-command``), made
+        #: here from their recipes, each with this actor's gateway.
+        self._agents = AgentHost()
 
     async def start(self) -> int:
         """Open the executor (once); this actor's pid."""
@@ -105,7 +109,11 @@ class ExecutorWorker:
         secrets are known)."""
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
-        await rollout.execute(policy)
+        if isinstance(policy, AgentRecipe):  # an agent command travels as its recipe
+            async with self._agents.agent(policy) as agent:
+                await rollout.execute(agent)
+        else:
+            await rollout.execute(policy)
         assert rollout.result is not None
         events, self._buffer.events = self._buffer.events, []
         messages = redacted(rollout.messages, rollout.redactor) if self._traces else []

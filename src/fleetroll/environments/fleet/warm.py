@@ -19,7 +19,9 @@ instances from one rollout to the next:
   not part of the seed a reset restores;
 * a rollout that finds no idle instance creates one when none of its kind is in
   use or being created; otherwise it waits for one to come back, and creates its
-  own once none came back or became ready for ``provisioning.reuse_wait_s``;
+  own once none came back or became ready for ``provisioning.reuse_wait_s``, or
+  as soon as its place in the queue, at the rate instances of its kind come
+  back, means a longer wait than that;
 * at most ``provisioning.warm_instances`` idle instances of each kind are kept,
   each for ``provisioning.warm_idle_s``; closing the pool releases them all.
 
@@ -123,6 +125,20 @@ class _Kind:
     out: int = 0
     #: When one last came back or became ready (monotonic).
     moved: float = 0.0
+    #: Seconds between instances coming back while rollouts waited (a moving
+    #: average): a waiter at place ``n`` expects to wait ``(n + 1) * interval``.
+    interval: float | None = None
+
+    def came_back(self) -> None:
+        now = time.monotonic()
+        if self.waiters and self.moved:
+            gap = now - self.moved
+            self.interval = gap if self.interval is None else 0.7 * self.interval + 0.3 * gap
+        self.moved = now
+
+    def expected_wait(self, place: int) -> float | None:
+        """Seconds until the waiter at ``place`` (0: the oldest) gets one, if known."""
+        return None if self.interval is None else (place + 1) * self.interval
 
 
 class WarmPool:
@@ -194,8 +210,11 @@ class WarmPool:
                 return held.instance
             now = time.monotonic()
             deadline = max(arrived, kind.moved) + self._limits.wait_s
+            expected = kind.expected_wait(len(kind.waiters))
             if kind.out == 0 or now >= deadline or self._closing:
                 break
+            if expected is not None and expected > self._limits.wait_s:
+                break  # too many wait already: a new one comes sooner
             held = await self._wait(kind, deadline - now)
             if held is not None:
                 return held.instance
@@ -239,7 +258,7 @@ class WarmPool:
             kind.out -= 1
             self._wake_if_none_out(kind)
             raise
-        kind.moved = time.monotonic()
+        kind.came_back()
         ttl = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
         self._held[instance.instance_id] = _Held(
             instance, key, run_id, reuse_until=instance.created_mono + ttl / 2
@@ -253,6 +272,15 @@ class WarmPool:
             uses=held.instance.uses,
             outcome="reused",
         )
+
+    def _shed(self, kind: _Kind) -> None:
+        """Waiters who would now wait longer than ``reuse_wait_s`` (the newest) create
+        their own instead."""
+        while kind.waiters:
+            expected = kind.expected_wait(len(kind.waiters) - 1)
+            if expected is None or expected <= self._limits.wait_s:
+                return
+            kind.waiters.pop().ready.set()
 
     @staticmethod
     def _wake_if_none_out(kind: _Kind) -> None:
@@ -325,12 +353,13 @@ class WarmPool:
     async def _hand_on(self, held: _Held) -> None:
         """To the oldest rollout waiting for its kind, else idle (or released)."""
         kind = self._kinds[held.key]
-        kind.moved = time.monotonic()
+        kind.came_back()
         while kind.waiters:
             waiter = kind.waiters.popleft()
             if not waiter.ready.is_set():
                 waiter.held = held
                 waiter.ready.set()
+                self._shed(kind)
                 return
         if self._closing:
             await self._release(held, "closing")

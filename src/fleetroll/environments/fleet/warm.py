@@ -21,7 +21,8 @@ instances from one rollout to the next:
   use or being created; otherwise it waits for one to come back, and creates its
   own once none came back or became ready for ``provisioning.reuse_wait_s``, or
   as soon as its place in the queue, at the rate instances of its kind come
-  back, means a longer wait than that;
+  back, means a longer wait than that (such creates are paced: at most a
+  quarter of the kind's instances at a time, at least one);
 * at most ``provisioning.warm_instances`` idle instances of each kind are kept,
   each for ``provisioning.warm_idle_s``; closing the pool releases them all.
 
@@ -128,6 +129,13 @@ class _Kind:
     #: Seconds between instances coming back while rollouts waited (a moving
     #: average): a waiter at place ``n`` expects to wait ``(n + 1) * interval``.
     interval: float | None = None
+    #: Creates under way by rollouts that would have waited too long.
+    growing: int = 0
+
+    def room_to_grow(self) -> int:
+        """More such creates allowed now: a quarter of the kind's instances out (at
+        least one), so that what a create costs now is learnt before many queue."""
+        return max(1, self.out // 4) - self.growing
 
     def came_back(self) -> None:
         now = time.monotonic()
@@ -213,8 +221,9 @@ class WarmPool:
             expected = kind.expected_wait(len(kind.waiters))
             if kind.out == 0 or now >= deadline or self._closing:
                 break
-            if expected is not None and expected > self._limits.wait_s:
-                break  # too many wait already: a new one comes sooner
+            too_long = expected is not None and expected > self._limits.wait_s
+            if too_long and kind.room_to_grow() > 0:  # a new one comes sooner
+                return await self._create(task, key, kind, run_id, growing=True)
             held = await self._wait(kind, deadline - now)
             if held is not None:
                 return held.instance
@@ -249,16 +258,26 @@ class WarmPool:
         return waiter.held
 
     async def _create(
-        self, task: TaskSpec, key: Hashable, kind: _Kind, run_id: str | None
+        self,
+        task: TaskSpec,
+        key: Hashable,
+        kind: _Kind,
+        run_id: str | None,
+        *,
+        growing: bool = False,
     ) -> Instance:
         kind.out += 1
+        kind.growing += growing
         try:
             instance = await self._inner.provision(task, run_id=run_id)
         except BaseException:  # re-raised: only the count is put right
             kind.out -= 1
             self._wake_if_none_out(kind)
             raise
+        finally:
+            kind.growing -= growing
         kind.came_back()
+        self._shed(kind)
         ttl = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
         self._held[instance.instance_id] = _Held(
             instance, key, run_id, reuse_until=instance.created_mono + ttl / 2
@@ -275,12 +294,14 @@ class WarmPool:
 
     def _shed(self, kind: _Kind) -> None:
         """Waiters who would now wait longer than ``reuse_wait_s`` (the newest) create
-        their own instead."""
-        while kind.waiters:
+        their own instead, as many as :meth:`_Kind.room_to_grow` allows."""
+        room = kind.room_to_grow()
+        while kind.waiters and room > 0:
             expected = kind.expected_wait(len(kind.waiters) - 1)
             if expected is None or expected <= self._limits.wait_s:
                 return
             kind.waiters.pop().ready.set()
+            room -= 1
 
     @staticmethod
     def _wake_if_none_out(kind: _Kind) -> None:

@@ -11,7 +11,9 @@ from fleetroll.environments.fleet.warm import open_warm_pool, reuse_key
 from fleetroll.environments.provider import Instance
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool.rollout_pool import RolloutPool
-from fleetroll.results import RolloutResult
+from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.progress import Progress
+from fleetroll.rollout.stages import instance_reusable
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events
@@ -212,3 +214,29 @@ def test_only_api_tool_fleet_tasks_are_reused_and_kinds_follow_what_a_create_ask
         TASK.model_copy(update={"data_key": "other"}), settings
     )
     assert reuse_key(TASK.model_copy(update={"modality": "computer_use"}), settings) is None
+
+
+@pytest.mark.parametrize(
+    ("reason", "tool_failures", "reusable"),
+    [
+        (None, 0, True),
+        (FailureReason.TIMEOUT, 0, True),
+        (FailureReason.MAX_STEPS, 0, True),
+        (FailureReason.POLICY_ERROR, 0, True),
+        (None, 1, False),  # a call without an answer could still land after the reset
+        (FailureReason.TOOLS_ERROR, 0, False),
+        (FailureReason.INSTANCE_LOST, 0, False),
+        (FailureReason.VERIFIER_ERROR, 0, False),
+        (FailureReason.PLATFORM_TIMEOUT, 0, False),
+        (FailureReason.CANCELLED, 0, False),
+        (FailureReason.SUPERSEDED, 0, False),
+    ],
+)
+def test_an_instance_is_reusable_only_after_a_rollout_without_infrastructure_failure(
+    reason: FailureReason | None, tool_failures: int, reusable: bool
+) -> None:
+    progress = Progress()
+    progress.tool_failures = tool_failures
+    if reason is not None:
+        progress.fail(reason, "why")
+    assert instance_reusable(progress) is reusable

@@ -9,6 +9,7 @@ import pytest
 
 from fleetroll.environments.fleet.warm import open_warm_pool, reuse_key
 from fleetroll.environments.provider import Instance
+from fleetroll.errors import ProvisionError
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
@@ -240,3 +241,14 @@ def test_an_instance_is_reusable_only_after_a_rollout_without_infrastructure_fai
     if reason is not None:
         progress.fail(reason, "why")
     assert instance_reusable(progress) is reusable
+
+
+async def test_failed_creates_end_their_rollouts_and_leave_no_one_waiting() -> None:
+    settings = load_settings(provisioning={"reuse": True}, pool={"concurrency": 4})
+    failing = ProvisionError("no capacity", transient=False)
+    provider = FakeProvider(settings, provision_error=failing)
+    async with RolloutPool(settings, api_key="unused", provider=provider) as pool:
+        with anyio.fail_after(10):
+            results = await pool.run_batch([TASK], ScriptedPolicy(), samples_per_task=4).results()
+    assert [r.failure_reason and r.failure_reason.value for r in results] == ["init_error"] * 4
+    assert all(r.instance_uses is None for r in results)

@@ -268,14 +268,15 @@ class WarmPool:
     ) -> Instance:
         kind.out += 1
         kind.growing += growing
+        made = False
         try:
             instance = await self._inner.provision(task, run_id=run_id)
-        except BaseException:  # re-raised: only the count is put right
-            kind.out -= 1
-            self._wake_if_none_out(kind)
-            raise
-        finally:
+            made = True
+        finally:  # failed or cancelled: only the counts are put right
             kind.growing -= growing
+            if not made:
+                kind.out -= 1
+                self._wake_if_none_out(kind)
         kind.came_back()
         self._shed(kind)
         ttl = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s

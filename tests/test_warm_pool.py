@@ -202,6 +202,8 @@ async def test_a_reused_instance_is_not_reset_twice() -> None:
         again = await warm.provision(TASK)
         await warm.reset(again)  # reset when it was given back: nothing to do
         assert again.uses == 2 and provider.resets == 2
+        await warm.reset(again)  # asked again: it may have been touched since
+        assert provider.resets == 3
         await warm.release(again)
 
 

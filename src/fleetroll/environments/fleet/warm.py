@@ -164,6 +164,8 @@ class WarmPool:
         self._limits = ReuseLimits.from_settings(settings)
         self._kinds: defaultdict[Hashable, _Kind] = defaultdict(_Kind)
         self._held: dict[str, _Held] = {}
+        #: Reset when given back, untouched since: the next rollout's reset is done.
+        self._just_reset: set[str] = set()
         #: Orphan sweeps put off while an instance of their run_id is held.
         self._deferred: set[str] = set()
         self._tg: TaskGroup | None = None
@@ -193,9 +195,10 @@ class WarmPool:
         return await self._inner.is_alive(instance)
 
     async def reset(self, instance: Instance) -> None:
-        """Reset it, unless it is reused: then it was reset when it was given back,
-        and nothing has touched it since."""
-        if instance.uses > 1 and instance.instance_id in self._held:
+        """Reset it, unless it was reset when it was given back and nothing has
+        touched it since (the first reset of a reused instance's rollout)."""
+        if instance.instance_id in self._just_reset:
+            self._just_reset.discard(instance.instance_id)
             return
         await self._inner.reset(instance)
 
@@ -363,6 +366,7 @@ class WarmPool:
             await self._release(held, "reset_failed")
             return
         held.instance = dataclasses.replace(held.instance, uses=held.instance.uses + 1)
+        self._just_reset.add(held.instance.instance_id)
         self._events.emit(
             "fleet_instance_recycled",
             instance_id=held.instance.instance_id,
@@ -400,6 +404,7 @@ class WarmPool:
         kind.out -= 1
         self._wake_if_none_out(kind)
         self._held.pop(held.instance.instance_id, None)
+        self._just_reset.discard(held.instance.instance_id)
         self._events.emit(
             "fleet_instance_recycled",
             instance_id=held.instance.instance_id,

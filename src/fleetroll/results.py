@@ -213,6 +213,10 @@ class RolloutResult(BaseModel):
     task_key: str
     sample_index: int = 0
     group_id: str | None = None
+    step: int | None = Field(
+        default=None,
+        description="The sampling step that drew its task (fleetroll run --steps), from 0",
+    )
     env_key: str
     env_version: str | None = None
     modality: str

@@ -51,6 +51,7 @@ from fleetroll.settings.sections import (
     PoolSettings,
     ProvisioningSettings,
     RetrySettings,
+    SamplingSettings,
     ServiceSettings,
     TelemetrySettings,
     TimeoutSettings,
@@ -68,6 +69,7 @@ __all__ = [
     "PoolSettings",
     "ProvisioningSettings",
     "RetrySettings",
+    "SamplingSettings",
     "ServiceSettings",
     "Settings",
     "TelemetrySettings",
@@ -256,6 +258,7 @@ class Settings(BaseSettings):
     modalities: dict[str, ModalitySettings] = Field(default_factory=dict)
     pool: PoolSettings = PoolSettings()
     policy: PolicySettings = PolicySettings()
+    sampling: SamplingSettings = SamplingSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     emulator: EmulatorSettings = EmulatorSettings()
     service: ServiceSettings = ServiceSettings()

@@ -26,6 +26,7 @@ __all__ = [
     "PoolSettings",
     "ProvisioningSettings",
     "RetrySettings",
+    "SamplingSettings",
     "ServiceSettings",
     "TelemetrySettings",
     "TimeoutSettings",
@@ -239,6 +240,40 @@ class PoolSettings(_Section):
     #: failed the same way (same failure_reason and error), the batch stops
     #: there; the rest end ``cancelled`` (``--resume`` runs them). 0: never.
     stop_after_same_failures: int = Field(20, ge=0)
+
+
+class SamplingSettings(_Section):
+    """The task sampler of ``fleetroll run --steps`` (``fleetroll.training.sampler``)."""
+
+    #: Seeds every shuffle: the same seed, tasks and settings draw the same sequence.
+    seed: int = 0
+    #: Per environment (a task's ``env_key``): its share of the draws. Empty:
+    #: every task alike, in one shuffled pass over all of them per epoch.
+    #: Otherwise every environment of the tasks needs a weight (0 leaves it out).
+    weights: dict[str, float] = Field(default_factory=dict)
+    #: Per environment: at least this many of its tasks in every batch.
+    minimums: dict[str, int] = Field(default_factory=dict)
+    #: The difficulty filter: rest a task after ``uniform_groups`` uniform
+    #: groups in a row (every sample the same reward), for ``rest_steps`` steps.
+    rest_uniform: bool = False
+    uniform_groups: int = Field(2, ge=1)
+    rest_steps: int = Field(8, ge=1)
+
+    @field_validator("weights")
+    @classmethod
+    def _non_negative_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        negative = sorted(env for env, w in weights.items() if not w >= 0)
+        if negative:
+            raise ValueError(f"a weight must be 0 or more (sampling.weights.{negative[0]})")
+        return weights
+
+    @field_validator("minimums")
+    @classmethod
+    def _non_negative_minimums(cls, minimums: dict[str, int]) -> dict[str, int]:
+        negative = sorted(env for env, n in minimums.items() if n < 0)
+        if negative:
+            raise ValueError(f"a minimum must be 0 or more (sampling.minimums.{negative[0]})")
+        return minimums
 
 
 class PolicySettings(_Section):
@@ -477,8 +512,9 @@ class ServiceSettings(_Section):
     #: holds a worker thread and a SQLite reader; more wait their turn.
     max_concurrent_queries: int = Field(2, ge=1)
     #: Accept ``mcp`` tasks that run commands on this host (``environment.command``,
-    #: ``verifier.command``). Off: anyone holding the service token could run
-    #: anything as the service's user; such tasks are refused with a 422.
+    #: ``verifier.command``) and batches with an ``agent_command``. Off: anyone
+    #: holding the service token could run anything as the service's user; such
+    #: tasks and batches are refused with a 422.
     allow_command_tasks: bool = False
     #: Longest lease of one pause of policy calls (``POST /v1/policy/pauses``):
     #: a trainer renews it to hold longer; one that crashed lets go within it.

@@ -228,6 +228,10 @@ class RolloutResult(BaseModel):
     env_version: str | None = None
     modality: str
     instance_id: str | None = None
+    instance_uses: int | None = Field(
+        default=None,
+        description="Rollouts its instance served, this one counted (1: made for it)",
+    )
     status: Literal["completed", "failed"]
     failure_reason: FailureReason | None = None
     error: str | None = Field(default=None, description="What went wrong, for people")

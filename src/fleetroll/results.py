@@ -213,6 +213,10 @@ class RolloutResult(BaseModel):
     task_key: str
     sample_index: int = 0
     group_id: str | None = None
+    policy_version: int | None = Field(
+        default=None,
+        description="The policy version its batch was started for (an evaluation's tag); else null",
+    )
     env_key: str
     env_version: str | None = None
     modality: str

@@ -40,7 +40,8 @@ DEFAULT_ALPHA = 0.05
 METHOD = (
     "per task: Fisher's exact test on the success counts, Holm-corrected over the tasks"
     " compared; per environment and overall: a paired sign-flip permutation test over tasks"
-    " of the mean pass@k difference (exact up to 14 tasks), with a 95% bootstrap interval"
+    " of the mean pass@k difference (exact up to 14 tasks that differ), with a 95% bootstrap"
+    " interval"
 )
 
 

@@ -14,7 +14,7 @@
 * :func:`sign_flip_p`: a paired permutation test over tasks (is the mean
   per-task difference between two evaluations beyond what swapping the labels
   A and B per task gives?), exact up to :data:`EXACT_SIGN_FLIPS_MAX_TASKS`
-  tasks, else Monte Carlo.
+  tasks with a difference, else Monte Carlo.
 * :func:`fisher_exact_p`: whether two success counts of one task differ
   (Fisher's exact test, two-sided), and :func:`holm` to flag, among many
   tasks, only those whose difference survives the number of tests made.
@@ -49,7 +49,7 @@ CONFIDENCE = 0.95
 BOOTSTRAP_RESAMPLES = 2000
 #: Random sign flips of a permutation test over more tasks than the exact limit.
 PERMUTATIONS = 10_000
-#: Up to this many tasks, every one of the 2**n sign assignments is tried.
+#: Up to this many non-zero differences, every one of the 2**n sign assignments is tried.
 EXACT_SIGN_FLIPS_MAX_TASKS = 14
 
 
@@ -142,10 +142,13 @@ def sign_flip_p(
     Under the null hypothesis (A and B are the same policy) each task's
     difference is as likely to have either sign. The p-value is the share of
     sign assignments whose mean is at least as far from zero as the one
-    observed: all ``2**n`` of them up to :data:`EXACT_SIGN_FLIPS_MAX_TASKS`
-    tasks, else ``permutations`` random ones (counted with the observed one,
+    observed: all ``2**n`` of them when at most :data:`EXACT_SIGN_FLIPS_MAX_TASKS`
+    differences are not zero (a zero is the same either way), else
+    ``permutations`` random ones (counted with the observed one,
     so it is never 0). 1.0 for no differences.
     """
+    # A zero difference is the same under either sign: only the others are flipped.
+    differences = [d for d in differences if d != 0]
     n = len(differences)
     if n == 0:
         return 1.0

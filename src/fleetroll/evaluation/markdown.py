@@ -77,7 +77,7 @@ def report_markdown(report: EvalReport) -> str:
         task_rows,
         right_from=2,
     )
-    lines += ["", f"### By environment ({INTERVALS})", ""]
+    lines += ["", "### By environment", ""]
     summaries: list[Summary] = [*report.environments.values(), report.overall]
     lines += _table(
         [
@@ -105,7 +105,7 @@ def report_markdown(report: EvalReport) -> str:
         ],
     )
     unscored = report.overall.unscored
-    lines.append("")
+    lines += ["", f"{INTERVALS}."]
     if unscored:
         lines.append(
             f"{unscored} of {report.overall.samples} samples had no reward (not counted as"

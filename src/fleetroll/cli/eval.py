@@ -99,11 +99,12 @@ def eval_command(
     no_preflight: bool,
     config_file: Path | None,
 ) -> None:
-    """Evaluate a policy on TASKS: K samples per task, pass@1 … pass@K.
+    """Evaluate a policy (pass@1 … pass@K per task and overall), or compare two.
 
-    Prints, per task, its successes of its scored samples, pass@1 … pass@K
-    (the unbiased estimator) and its mean reward; per environment and overall,
-    the mean over tasks with 95% intervals. A sample without a reward (an
+    Runs K samples of every task in TASKS (no oversampling) and prints, per
+    task, its successes of its scored samples, pass@1 … pass@K (the unbiased
+    estimator) and its mean reward; per environment and overall, the mean over
+    tasks with 95% intervals. A sample without a reward (an
     infrastructure failure) is counted apart, never as a failure of the policy.
     With --compare A.jsonl B.jsonl, compares two results files instead.
 

@@ -15,6 +15,7 @@ from fleetroll.evaluation.report import (
     EvalReport,
     Summary,
     TaskScore,
+    eval_batch,
     evaluate,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "TaskScore",
     "compare",
     "comparison_markdown",
+    "eval_batch",
     "evaluate",
     "pass_at_k",
     "report_markdown",

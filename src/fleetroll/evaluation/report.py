@@ -23,6 +23,7 @@ batch, a journal, a results stream) into an :class:`EvalReport`:
 from __future__ import annotations
 
 import math
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ __all__ = [
     "Summary",
     "TaskScore",
     "env_name",
+    "eval_batch",
     "evaluate",
 ]
 
@@ -340,3 +342,29 @@ def evaluate(
         batch_ids=tuple(sorted({r.batch_id for r in latest.values()})),
         results=list(latest.values()),
     )
+
+
+def eval_batch(
+    k: int,
+    max_concurrency: int | None = None,
+    policy_version: int | None = None,
+    batch_id: str | None = None,
+    deadline_s: float | None = None,
+) -> dict[str, Any]:
+    """The ``run_batch`` arguments of an evaluation, in-process or remote: ``k``
+    samples per task and none extra (a sample the platform fails is counted
+    apart, not replaced), its share of the pool and its tag.
+
+    Raises:
+        ValueError: ``k`` is below 1.
+    """
+    if k < 1:
+        raise ValueError(f"k must be at least 1, not {k}")
+    return {
+        "samples_per_task": k,
+        "batch_id": batch_id or f"eval-{uuid.uuid4().hex[:12]}",
+        "deadline_s": deadline_s,
+        "oversample": 0,
+        "max_in_flight": max_concurrency,
+        "policy_version": policy_version,
+    }

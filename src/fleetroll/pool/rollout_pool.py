@@ -64,7 +64,7 @@ from fleetroll.environments.fleet.admission import Admission, AdmissionControlle
 from fleetroll.environments.fleet.traces import TraceUploader, open_trace_uploader
 from fleetroll.environments.provider import Provider
 from fleetroll.errors import ConfigError
-from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, EvalReport, evaluate
+from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, EvalReport, eval_batch, evaluate
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.pool.batch import (
@@ -398,18 +398,8 @@ class RolloutPool:
             ValueError: ``k`` or ``max_concurrency`` below 1, or as :meth:`run_batch`.
             PoolFullError, ConfigError: as :meth:`run_batch`.
         """
-        if k < 1:
-            raise ValueError("k must be at least 1")
-        batch = self.run_batch(
-            tasks,
-            policy,
-            samples_per_task=k,
-            batch_id=batch_id or f"eval-{uuid.uuid4().hex[:12]}",
-            deadline_s=deadline_s,
-            oversample=0,
-            max_in_flight=max_concurrency,
-            policy_version=policy_version,
-        )
+        options = eval_batch(k, max_concurrency, policy_version, batch_id, deadline_s)
+        batch = self.run_batch(tasks, policy, **options)
         async with batch:
             results = await batch.results()
         return evaluate(

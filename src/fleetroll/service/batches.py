@@ -92,6 +92,8 @@ class _Plan:
     samples_per_task: int
     deadline_s: float | None
     oversample: int = 0
+    max_in_flight: int | None = None
+    policy_version: int | None = None
 
     def rollout_ids(self, batch_id: str) -> set[str]:
         return {
@@ -111,6 +113,20 @@ class _Plan:
             samples_per_task=self.samples_per_task,
             deadline_s=self.deadline_s,
             oversample=self.oversample,
+            max_in_flight=self.max_in_flight,
+            policy_version=self.policy_version,
+        )
+
+    def fingerprint(self) -> str:
+        """The request's identity (:func:`fleetroll.service.requests.batch_fingerprint`)."""
+        return batch_fingerprint(
+            self.tasks,
+            self.policy,
+            self.samples_per_task,
+            self.deadline_s,
+            self.oversample,
+            max_in_flight=self.max_in_flight,
+            policy_version=self.policy_version,
         )
 
     @classmethod
@@ -121,6 +137,8 @@ class _Plan:
             request.samples_per_task,
             request.deadline_s,
             request.oversample,
+            request.max_in_flight,
+            request.policy_version,
         )
 
 
@@ -476,6 +494,8 @@ class BatchRegistry:
             batch_id=request.batch_id,
             deadline_s=request.deadline_s,
             oversample=oversample,
+            max_in_flight=request.max_in_flight,
+            policy_version=request.policy_version,
             loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
         )
 
@@ -488,6 +508,8 @@ class BatchRegistry:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         oversample: int = 0,
+        max_in_flight: int | None = None,
+        policy_version: int | None = None,
         loc: Sequence[str] = ("task",),
     ) -> tuple[BatchRecord, bool, int]:
         """Start a batch of validated tasks (or find the identical one).
@@ -502,9 +524,16 @@ class BatchRegistry:
                 taken by a different request), 503 (the pool is full, or a
                 cancel of the identical batch is still settling).
         """
-        fingerprint = batch_fingerprint(
-            tasks, policy_config, samples_per_task, deadline_s, oversample
+        plan = _Plan(
+            tasks,
+            policy_config,
+            samples_per_task,
+            deadline_s,
+            oversample,
+            max_in_flight,
+            policy_version,
         )
+        fingerprint = plan.fingerprint()
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
         if existing is None:
@@ -514,13 +543,13 @@ class BatchRegistry:
             if existing.fingerprint != fingerprint:
                 raise ApiError(
                     409,
-                    f"batch {batch_id!r} already exists with different tasks, samples, policy"
-                    " or deadline; resubmit the same request, or use another batch_id",
+                    f"batch {batch_id!r} already exists with different tasks, samples, policy,"
+                    " deadline, share or tag; resubmit the same request, or use another"
+                    " batch_id",
                 )
             await existing.saved.wait()
             # Its own policy: the same but for the api_key, which is never stored.
             return existing, False, await self._rerun_cancelled(existing, policy_config)
-        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s, oversample)
         batch, policy = self._run(plan, batch_id)
         record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
@@ -591,6 +620,8 @@ class BatchRegistry:
                 batch_id=batch_id,
                 deadline_s=plan.deadline_s,
                 skip=skip or (),
+                max_in_flight=plan.max_in_flight,
+                policy_version=plan.policy_version,
                 **extra,
             )
         except PoolFullError as exc:

@@ -120,6 +120,9 @@ def batch_fingerprint(
     samples_per_task: int,
     deadline_s: float | None,
     oversample: int = 0,
+    *,
+    max_in_flight: int | None = None,
+    policy_version: int | None = None,
 ) -> str:
     """What makes two submissions "the same batch" (a policy's api_key does not)."""
     identity: dict[str, Any] = {
@@ -130,6 +133,11 @@ def batch_fingerprint(
     }
     if oversample:  # absent when 0: fingerprints of earlier batches stay the same
         identity["oversample"] = oversample
+    # Absent when unset, likewise.
+    if max_in_flight is not None:
+        identity["max_in_flight"] = max_in_flight
+    if policy_version is not None:
+        identity["policy_version"] = policy_version
     blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 

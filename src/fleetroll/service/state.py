@@ -57,6 +57,8 @@ class StoredRequest(BaseModel):
     samples_per_task: int
     deadline_s: float | None = None
     oversample: int = 0
+    max_in_flight: int | None = None
+    policy_version: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

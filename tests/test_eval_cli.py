@@ -102,7 +102,8 @@ def test_compare_flags_a_large_real_difference_and_not_a_rerun_of_the_same_polic
         (("tasks.jsonl", "--compare", "a.jsonl", "b.jsonl"), "--compare reads two results files"),
         (("--compare", "not-results.jsonl", "not-results.jsonl"), "not a rollout result"),
         (("--compare", "empty.jsonl", "empty.jsonl"), "no results in it"),
-        (("--compare", "one.jsonl", "one.jsonl", "--k", "2"), "no task has pass@2 in both"),
+        (("--compare", "one.jsonl", "one.jsonl", "--k", "2"), "no task in one.jsonl has more"),
+        (("--compare", "two.jsonl", "two.jsonl", "--k", "2"), "no task has pass@2 in both"),
         (("missing-tasks.jsonl", "--k", "2"), "missing-tasks.jsonl"),
         (("tasks.jsonl", "--profile", "no-such-profile"), "no-such-profile"),
     ],
@@ -123,6 +124,10 @@ def test_eval_errors_are_one_line_and_exit_code_2(
         "reward": 1.0,
     }
     (tmp_path / "one.jsonl").write_text(json.dumps(one) + "\n")
+    # Two samples of one task, one of them unscored: no pass@2 to compare.
+    lost = {**one, "rollout_id": "r2", "status": "failed", "reward": None}
+    lost["failure_reason"] = "init_error"
+    (tmp_path / "two.jsonl").write_text(json.dumps(one) + "\n" + json.dumps(lost) + "\n")
 
     done = fleetroll("eval", *args, tmp_path=tmp_path)
 

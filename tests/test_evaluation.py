@@ -13,6 +13,7 @@ from fleetroll.evaluation.estimators import (
     bootstrap_interval,
     fisher_exact_p,
     holm,
+    pass_at_ks,
     sign_flip_p,
     wilson_interval,
 )
@@ -88,6 +89,14 @@ def test_at_k_equal_to_n_one_success_is_enough() -> None:
 def test_pass_at_k_refuses_what_has_no_estimate(n: int, c: int, k: int) -> None:
     with pytest.raises(ValueError):
         pass_at_k(n, c, k)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 16, 40])
+def test_every_pass_at_j_at_once_is_the_same_estimator(n: int) -> None:
+    for c in range(n + 1):
+        assert pass_at_ks(n, c, n) == pytest.approx([pass_at_k(n, c, j) for j in range(1, n + 1)])
+    with pytest.raises(ValueError):
+        pass_at_ks(n, 0, n + 1)
 
 
 def test_the_product_form_matches_the_exact_ratio_where_the_binomials_are_huge() -> None:
@@ -219,6 +228,15 @@ def test_k_defaults_to_the_most_samples_and_a_bad_k_is_refused() -> None:
         evaluate([], k=None)
     with pytest.raises(ValueError):
         evaluate(results_of({"a": [1.0]}), k=0)
+    with pytest.raises(ValueError, match="no task has more than 2"):
+        evaluate(results_of({"a": [1.0, 1.0]}), k=3)
+
+
+def test_sets_of_tasks_have_intervals_for_pass_at_1_and_pass_at_k() -> None:
+    report = evaluate(results_of({"a": [1.0, 0.0, 0.0], "b": [1.0, 1.0, 0.0]}))
+
+    first, middle, last = report.overall.intervals
+    assert first is not None and last is not None and middle is None
 
 
 def test_the_json_has_a_record_per_task_key_with_every_pass_at_j_and_reads_back() -> None:

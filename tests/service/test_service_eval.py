@@ -59,7 +59,7 @@ async def test_the_eval_of_a_running_batch_is_a_409_and_bad_parameters_a_422(
         assert created.status_code == 201, created.text
         running = await http.get("/v1/batches/eval-held/eval")
         assert running.status_code == 409 and "still running" in running.json()["detail"]
-        for query in ({"k": "0"}, {"k": "two"}, {"success_threshold": "nan"}):
+        for query in ({"k": "0"}, {"k": "two"}, {"k": "2"}, {"success_threshold": "nan"}):
             bad = await http.get("/v1/batches/eval-held/eval", params=query)
             assert bad.status_code == 422, query
         assert (await http.get("/v1/batches/no-such-batch/eval")).status_code == 404

@@ -177,7 +177,9 @@ def _compare(
         if not results:
             raise Failed(f"{path}: no results in it")
         most = max(Counter(r.task_key for r in results).values())
-        reports.append(evaluate(results, k=max(k, most), success_threshold=success_threshold))
+        if k > most:
+            raise Failed(f"--k {k}: no task in {path} has more than {most} samples")
+        reports.append(evaluate(results, k=most, success_threshold=success_threshold))
     comparison = compare(reports[0], reports[1], k=k, alpha=alpha)
     if not comparison.tasks:
         raise Failed(

@@ -39,6 +39,7 @@ __all__ = [
     "fisher_exact_p",
     "holm",
     "pass_at_k",
+    "pass_at_ks",
     "sign_flip_p",
     "wilson_interval",
 ]
@@ -77,6 +78,25 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):
         product *= 1.0 - k / i
     return 1.0 - product
+
+
+def pass_at_ks(n: int, c: int, k: int) -> list[float]:
+    """pass@1 … pass@k from ``c`` successes among ``n`` samples, in O(k).
+
+    The same estimator as :func:`pass_at_k`, from ``C(n-c, j) / C(n, j) =
+    prod_{t<j} (n-c-t) / (n-t)``: a product of factors in [0, 1], extended by
+    one factor per j (no cancellation, no overflow).
+
+    Raises:
+        ValueError: as :func:`pass_at_k`.
+    """
+    pass_at_k(n, c, k)  # the same refusals
+    values = []
+    ratio = 1.0  # C(n-c, j) / C(n, j): no draw of j holds a success
+    for j in range(1, k + 1):
+        ratio *= max(0, n - c - (j - 1)) / (n - (j - 1))
+        values.append(1.0 - ratio)
+    return values
 
 
 def _z(confidence: float) -> float:

@@ -17,7 +17,8 @@ batch, a journal, a results stream) into an :class:`EvalReport`:
   success rate (pass@1).
 * Per environment and overall: each task weighs the same; pass@j is the mean
   over the tasks where it exists (``counted`` says how many), with a 95%
-  percentile-bootstrap interval over those tasks (seeded, so reproducible).
+  percentile-bootstrap interval over those tasks (seeded, so reproducible)
+  for pass@1 and pass@K (null for the j between: each costs a bootstrap).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fleetroll.evaluation.estimators import (
     BOOTSTRAP_RESAMPLES,
     CONFIDENCE,
     bootstrap_interval,
-    pass_at_k,
+    pass_at_ks,
     wilson_interval,
 )
 from fleetroll.results import RolloutResult
@@ -55,7 +56,8 @@ DEFAULT_SUCCESS_THRESHOLD = 1.0
 INTERVALS = (
     f"{CONFIDENCE:.0%} intervals: per task, Wilson's score interval for the success rate"
     f" (pass@1) over its scored samples; per environment and overall, a percentile"
-    f" bootstrap over tasks ({BOOTSTRAP_RESAMPLES} resamples, seeded) of the mean pass@j"
+    f" bootstrap over tasks ({BOOTSTRAP_RESAMPLES} resamples, seeded) of the mean pass@1"
+    f" and pass@K"
 )
 
 
@@ -177,7 +179,9 @@ class Summary:
             values = [v for s in scores if (v := s.pass_at_k(j)) is not None]
             counted.append(len(values))
             pass_at.append(math.fsum(values) / len(values) if values else None)
-            intervals.append(bootstrap_interval(values, seed=seed + j))
+            # Intervals of the figures a report shows (a bootstrap costs as much per j).
+            shown = j in (1, k)
+            intervals.append(bootstrap_interval(values, seed=seed + j) if shown else None)
         return cls(
             name=name,
             tasks=len(scores),
@@ -285,7 +289,7 @@ def _score(
         successes=c,
         unscored_reasons=dict(sorted(reasons.items())),
         mean_reward=math.fsum(rewards) / n if n else None,
-        pass_at=tuple(pass_at_k(n, c, j) if j <= n else None for j in range(1, k + 1)),
+        pass_at=(*(pass_at_ks(n, c, min(n, k)) if n else ()), *(None,) * max(0, k - n)),
         interval=wilson_interval(c, n) if n else None,
     )
 
@@ -300,14 +304,16 @@ def evaluate(
     """The evaluation of ``results`` (see the module docstring for what counts how).
 
     Args:
-        k: the largest j of pass@j to report (default: the most results any
-            task has). A task with more scored samples than ``k`` uses them all.
+        k: the largest j of pass@j to report (default and at most: the most
+            results any task has). A task with more scored samples than ``k``
+            uses them all.
         success_threshold: the reward at or above which a sample is a success.
         policy_version: the version to report; default: the one every result
             is tagged with (``RolloutResult.policy_version``), if they agree.
 
     Raises:
-        ValueError: ``k`` is below 1, or there are no results and no ``k``.
+        ValueError: ``k`` is below 1 or above the most results of a task, or
+            there are no results and no ``k``.
     """
     latest: dict[str, RolloutResult] = {}
     for r in results:  # a journal may hold a rollout twice: its last line counts
@@ -322,6 +328,9 @@ def evaluate(
         k = max(len(rs) for rs in by_task.values())
     if k < 1:
         raise ValueError(f"k must be at least 1, not {k}")
+    most = max((len(rs) for rs in by_task.values()), default=k)
+    if k > most:
+        raise ValueError(f"pass@{k} needs {k} samples of a task; no task has more than {most}")
     scores = {
         key: _score(key, env_name(rs[0]), rs, k, success_threshold)
         for key, rs in sorted(by_task.items())

@@ -319,6 +319,9 @@ def _number(request: Request, name: str, default: float, *, whole: bool = False)
 async def batch_eval(api: Api, request: Request) -> Response:
     record = api.service.batches.get(request.path_params["batch_id"])
     k = int(_number(request, "k", record.plan.samples_per_task, whole=True))
+    most = record.plan.samples_per_task + record.plan.oversample
+    if k > most:
+        raise ApiError(422, f"must be at most {most}, the samples of a task", loc=["query", "k"])
     threshold = _number(request, "success_threshold", DEFAULT_SUCCESS_THRESHOLD)
     if not record.done:
         raise ApiError(
@@ -326,12 +329,15 @@ async def batch_eval(api: Api, request: Request) -> Response:
             f"batch {record.batch_id!r} is still running: read its results stream to its end"
             " (or wait for status finished), then ask again",
         )
-    report = evaluate(
-        record.newest(),
-        k=k,
-        success_threshold=threshold,
-        policy_version=record.plan.policy_version,
-    )
+    results, version = record.newest(), record.plan.policy_version
+    try:
+        # Off the loop: a bootstrap over thousands of tasks takes a while.
+        report = await anyio.to_thread.run_sync(
+            lambda: evaluate(results, k=k, success_threshold=threshold, policy_version=version),
+            limiter=api.service.queries,
+        )
+    except ValueError as exc:  # k past the samples a task has
+        raise ApiError(422, str(exc), loc=["query", "k"]) from None
     return JSONResponse(report.to_json())
 
 
@@ -601,7 +607,8 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         query=(
             Query(
                 "k",
-                "The largest j of pass@j (default: the batch's samples_per_task)",
+                "The largest j of pass@j (default: the batch's samples_per_task; at most"
+                " the samples a task has)",
                 {"type": "integer", "minimum": 1},
             ),
             Query(

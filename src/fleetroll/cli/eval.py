@@ -18,14 +18,8 @@ from pathlib import Path
 
 import click
 
-from fleetroll.cli.options import (
-    CONFIG_OPTION,
-    Failed,
-    job_options,
-    job_settings,
-    job_tasks,
-    reported,
-)
+from fleetroll.cli.jobs import job_options, job_settings, job_tasks, reported
+from fleetroll.cli.options import CONFIG_OPTION, Failed
 
 __all__ = ["eval_command"]
 

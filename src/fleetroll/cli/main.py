@@ -15,15 +15,8 @@ from typing import Any, ClassVar
 import click
 
 from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
-from fleetroll.cli.options import (
-    CONFIG_OPTION,
-    Failed,
-    job_options,
-    job_settings,
-    job_tasks,
-    ray_options,
-    reported,
-)
+from fleetroll.cli.jobs import job_options, job_settings, job_tasks, reported
+from fleetroll.cli.options import CONFIG_OPTION, Failed, ray_options
 from fleetroll.telemetry.console import configure_console_logging
 
 __all__ = ["main"]
@@ -57,6 +50,10 @@ class _LazyGroup(click.Group):
         "query": (
             "fleetroll.cli.telemetry:query",
             "Run SQL on the telemetry records, the same SQL as on Logfire.",
+        ),
+        "rescore": (
+            "fleetroll.cli.rescore:rescore",
+            "Compute again the judges and checks of stored results, into a new file.",
         ),
         "serve": (
             "fleetroll.cli.serve:serve",
@@ -120,7 +117,20 @@ def main() -> None:
     help="Rollouts per task (a group, for GRPO-style training).",
 )
 @job_options
-@click.option("--resume", is_flag=True, help="Continue the batch journaled in --out.")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run this many batches one after the other, each of --batch-tasks tasks drawn"
+    " from TASKS by the task sampler ([sampling]); with --resume, the steps in all.",
+)
+@click.option(
+    "--batch-tasks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tasks per step with --steps (each run --samples times).",
+)
+@click.option("--resume", is_flag=True, help="Continue the batch (or steps) journaled in --out.")
 @click.option(
     "--no-preflight",
     is_flag=True,
@@ -134,6 +144,16 @@ def main() -> None:
     " it gets OPENAI_BASE_URL/OPENAI_API_KEY (a gateway to the policy servers),"
     " FLEETROLL_MCP_URL, FLEETROLL_TASK_FILE and FLEETROLL_ANSWER_FILE.",
 )
+@click.option(
+    "--groups",
+    "groups_target",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Straggler cut-off by whole groups: once N groups (tasks) are complete, stop every"
+    " rollout of the others (superseded; those groups come with cut: true). Start more"
+    " tasks than N. Bias: groups whose episodes run faster are kept.",
+)
 @ray_options
 @CONFIG_OPTION
 def run(
@@ -145,9 +165,12 @@ def run(
     base_urls: tuple[str, ...],
     concurrency: int | None,
     profile: str | None,
+    steps: int | None,
+    batch_tasks: int | None,
     resume: bool,
     no_preflight: bool,
     agent_command: str | None,
+    groups_target: int | None,
     ray_address: str | None,
     ray_actors: int | None,
     config_file: Path | None,
@@ -161,7 +184,15 @@ def run(
     rollouts are data); 1 when it stopped early because its first rollouts all
     failed the same way (pool.stop_after_same_failures); 2 for bad input or
     configuration, a failed pre-flight included; 130 when interrupted.
+
+    With --steps N --batch-tasks M, it runs N batches of M tasks each, drawn
+    by the task sampler (settings [sampling]: weights and minimums per
+    environment, a seed, the difficulty filter); results carry their `step`,
+    and the sampler's state is kept beside --out, so --resume goes on with
+    the same sequence of tasks.
     """
+    if (steps is None) != (batch_tasks is None):
+        raise Failed("--steps and --batch-tasks go together: give both (or neither)")
     settings = job_settings(
         config_file,
         policy_kind=policy_kind,
@@ -171,15 +202,35 @@ def run(
     )
     with reported():
         if agent_command is not None:
-            _check_agent_command(agent_command, settings, ray_address)
+            _check_agent_command(agent_command, settings)
         tasks = job_tasks(
-            settings, tasks_paths, profile=profile, out=out, samples=samples, resume=resume
+            settings,
+            tasks_paths,
+            profile=profile,
+            out=out,
+            samples=samples,
+            resume=resume,
+            batch_tasks=batch_tasks,
         )
+        per_batch = batch_tasks if batch_tasks is not None else len(tasks)
+        if groups_target is not None and groups_target > per_batch:
+            given = "--batch-tasks" if batch_tasks is not None else "tasks (groups) given"
+            raise Failed(
+                f"--groups {groups_target} is more than the {per_batch} {given}:"
+                " start more tasks than the groups you need"
+            )
+        sampling = None
+        if batch_tasks is not None:
+            from fleetroll.training.sampler import SamplerConfig, TaskSampler
+
+            sampling = SamplerConfig.from_settings(settings.sampling, batch_tasks)
+            TaskSampler(tasks, sampling)  # a config these tasks cannot meet, said now
     # Imported once the input is known good: a bad task file costs no more.
     from rich.console import Console
 
-    from fleetroll.cli.run import print_report, run_command
+    from fleetroll.cli.run import Steps, print_report, run_command
 
+    plan = Steps(steps, sampling) if steps is not None and sampling is not None else None
     console = Console(stderr=True, soft_wrap=True)
     with reported():
         report = run_command(
@@ -194,12 +245,14 @@ def run(
             agent_command=agent_command,
             ray_address=ray_address,
             ray_actors=ray_actors,
+            groups_target=groups_target,
+            steps=plan,
         )
         print_report(report, console, settings)
     report.exit()
 
 
-def _check_agent_command(command: str, settings: Any, ray_address: str | None) -> None:
+def _check_agent_command(command: str, settings: Any) -> None:
     """What --agent-command needs, said before anything starts."""
     import shlex
 
@@ -214,5 +267,3 @@ def _check_agent_command(command: str, settings: Any, ray_address: str | None) -
             "--agent-command needs --policy openai (its gateway forwards the agent's calls"
             " to the policy servers): add --policy openai --base-url URL --model NAME"
         )
-    if ray_address is not None:
-        raise Failed("--agent-command runs rollouts in this process: drop --ray")

@@ -52,7 +52,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Self
 
@@ -199,14 +199,28 @@ class RolloutPool:
     def policy_version(self, value: int) -> None:
         self.policy_gate.version = value
 
-    def policy_paused(self) -> AbstractAsyncContextManager[None]:
+    @asynccontextmanager
+    async def policy_paused(self) -> AsyncIterator[None]:
         """Hold new policy calls for the block (a weight swap); pauses nest.
 
         Calls already running finish; tool calls, provisioning and verification
         go on. The wait is charged to no rollout deadline, only to the batch's
-        ``deadline_s``.
+        ``deadline_s``. Once the block is entered no new call starts anywhere
+        (every Ray actor confirmed the pause), and a version set in the block is
+        on every call that starts after it (every actor confirmed it before the
+        pause ends).
+
+        Raises:
+            OperationTimeout: a live Ray actor did not confirm within
+                ``timeouts.ray_call_s``.
         """
-        return self.policy_gate.paused_calls()
+        async with self.policy_gate.paused_calls():
+            await self._executor.gate_synced()
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._executor.gate_synced()
 
     async def __aenter__(self) -> Self:
         if self._api_key is None and self.settings.traces.upload:
@@ -223,7 +237,11 @@ class RolloutPool:
             # Entered before the batches' task group: its bounded flush runs after them.
             self._traces = await stack.enter_async_context(
                 open_trace_uploader(
-                    self.settings, self.events, api_key=self._api_key or "", base_url=self._base_url
+                    self.settings.traces,
+                    self.events,
+                    connect_s=self.settings.timeouts.mcp_connect_s,
+                    api_key=self._api_key or "",
+                    base_url=self._base_url,
                 )
             )
             self._tg = await stack.enter_async_context(anyio.create_task_group())
@@ -272,6 +290,7 @@ class RolloutPool:
         run_id: str | None = None,
         oversample: int | None = None,
         previous: Sequence[RolloutResult] = (),
+        groups_target: int | None = None,
         max_in_flight: int | None = None,
         policy_version: int | None = None,
     ) -> Batch:
@@ -293,6 +312,11 @@ class RolloutPool:
                 (:mod:`fleetroll.training.groups`).
             previous: results of this batch's rollouts from an earlier run (a
                 resume): they are not run again and count in their groups.
+            groups_target: straggler cut-off by whole groups: once this many
+                groups are complete, every rollout of the other groups is
+                stopped (``superseded``) and those groups come with ``cut``
+                true (:mod:`fleetroll.training.groups`: its bias). None: every
+                group runs to its end.
             max_in_flight: at most this many of the batch's rollouts run at
                 once (provisioning to release), within the pool's own limits:
                 a batch's share of the pool beside others (an evaluation beside
@@ -304,8 +328,9 @@ class RolloutPool:
 
         Raises:
             ValueError: ``samples_per_task`` is below 1, ``oversample`` below 0,
-                ``max_in_flight`` below 1,
-                two tasks share a key, or a batch with this id is still running.
+                ``groups_target`` not between 1 and the number of tasks,
+                ``max_in_flight`` below 1, two tasks share a key, or a batch
+                with this id is still running.
             PoolFullError: the batch would take the pool's unfinished
                 rollouts past ``pool.max_queued_rollouts``.
             ConfigError: a task runs on Fleet and the pool has no Fleet ``api_key``.
@@ -318,6 +343,11 @@ class RolloutPool:
         extra = self.settings.pool.oversample if oversample is None else oversample
         if extra < 0:
             raise ValueError("oversample must be at least 0")
+        if groups_target is not None and not 1 <= groups_target <= len(tasks):
+            raise ValueError(
+                f"groups_target must be between 1 and the batch's {len(tasks)} tasks (groups),"
+                f" not {groups_target}"
+            )
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError("max_in_flight must be at least 1")
         check_unique_keys(tasks)
@@ -353,7 +383,9 @@ class RolloutPool:
             rollouts,
             skipped=len(tasks) * (samples_per_task + extra) - len(rollouts),
             run_id=run_id or batch_id,
-            tracker=GroupTracker(batch_id, samples_per_task, members, previous, ranks=ranks),
+            tracker=GroupTracker(
+                batch_id, samples_per_task, members, previous, ranks=ranks, target=groups_target
+            ),
             max_in_flight=max_in_flight,
             policy_version=policy_version,
         )

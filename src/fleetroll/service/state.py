@@ -59,6 +59,10 @@ class StoredRequest(BaseModel):
     oversample: int = 0
     max_in_flight: int | None = None
     policy_version: int | None = None
+    #: The agent command each rollout runs (``agent_command``), or None.
+    agent_command: list[str] | None = None
+    #: Its ``groups_target`` (straggler cut-off by whole groups), or None.
+    groups_target: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

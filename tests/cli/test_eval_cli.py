@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cli import LEDGER, fleetroll
 
 from fleetroll.pool.journal import read_journal
-from test_cli import LEDGER, fleetroll
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

@@ -16,12 +16,16 @@ from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink
 from fleetroll.testing.planned_policy import PlannedPolicy
-from test_no_fake_zeros import HANGS, PROVISIONING, TIMEOUTS
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
 
 SETTINGS = load_settings()
+PROVISIONING = {"creates_per_second": 1000, "backoff_initial_s": 0.05, "backoff_max_s": 0.5}
+#: Under faults, a hung tool call fails in a second (a hang lasts 6), and a
+#: hung create is given up after 3 (each is retried within 30).
+TIMEOUTS = {"call_tool_s": 1.0, "provision_create_s": 3.0, "provision_total_s": 30.0}
+HANGS = {"create_hang_s": 6.0, "tool_hang_s": 6.0, "reset_hang_s": 3.0}
 TASKS = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)[:6]
 SOLVED = {t.key for t in TASKS[::2]}
 K = 3

@@ -220,6 +220,10 @@ class RolloutResult(BaseModel):
     task_key: str
     sample_index: int = 0
     group_id: str | None = None
+    policy_version: int | None = Field(
+        default=None,
+        description="The policy version its batch was started for (an evaluation's tag); else null",
+    )
     step: int | None = Field(
         default=None,
         description="The sampling step that drew its task (fleetroll run --steps), from 0",

@@ -244,6 +244,7 @@ async def test_the_openapi_document_lists_every_route_with_its_schemas(served: R
         ("DELETE", "/v1/batches/{batch_id}"),
         ("GET", "/v1/batches/{batch_id}/results"),
         ("GET", "/v1/batches/{batch_id}/groups"),
+        ("GET", "/v1/batches/{batch_id}/eval"),
         ("GET", "/v1/rollouts/{rollout_id}/events"),
         ("GET", "/v1/policy"),
         ("PUT", "/v1/policy/version"),

@@ -75,8 +75,25 @@ class TimeoutSettings(_Section):
 class ProvisioningSettings(_Section):
     """How instances are created: limits and the one retry policy."""
 
+    #: Ceilings of the create gate: creates in flight, and a second.
     max_concurrent_creates: int = Field(32, ge=1)
     creates_per_second: float = Field(8.0, gt=0)
+    #: Learn the create rate and the creates in flight from Fleet's answers
+    #: (up while it answers fast; halved on 429, 503, time-outs, slow answers),
+    #: from the start values below, under the ceilings above. Off: the ceilings
+    #: are the rate, and a 429 is a failed attempt like a 5xx.
+    adaptive_creates: bool = True
+    start_creates_per_second: float = Field(2.0, gt=0)
+    start_concurrent_creates: int = Field(4, ge=1)
+    #: The learnt rate never falls below this.
+    min_creates_per_second: float = Field(0.1, gt=0)
+    #: A create that succeeds but takes longer than this says Fleet is loaded.
+    slow_create_s: float = Field(120.0, gt=0)
+    #: Instances are made with this heartbeat interval (whole seconds; Fleet
+    #: accepts 30-3600) and kept alive by heartbeats while this process holds
+    #: them: a killed process's instances stop about two intervals later, not
+    #: at their TTL. None: no heartbeats (the TTL alone ends them).
+    heartbeat_s: int | None = Field(60, ge=1)
     max_attempts: int = Field(5, ge=1)
     backoff_initial_s: float = Field(2.0, ge=0)
     backoff_max_s: float = Field(60.0, ge=0)

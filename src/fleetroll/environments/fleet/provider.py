@@ -44,7 +44,13 @@ from fleet.runner_auth import RunnerTokenProvider
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.http_transport import AiohttpTransport
 from fleetroll._internal.retrying import Decision, Retry
-from fleetroll.environments.fleet.admission import Admission, CreateSlots, Ticket, TokenBucket
+from fleetroll.environments.fleet.admission import (
+    Admission,
+    CreateLimits,
+    CreateSlots,
+    Ticket,
+    TokenBucket,
+)
 from fleetroll.environments.fleet.control import (
     Classification,
     Known,
@@ -92,8 +98,13 @@ class CreateGate(Protocol):
     process: Fleet's limits are per account); without one, this process's own.
     """
 
+    @property
+    def adaptive(self) -> bool:
+        """A 429 is the gate's to answer (it waits and slows down), not an attempt's."""
+        ...
+
     def slot(self) -> AbstractAsyncContextManager[None]:
-        """Held for the duration of one create request."""
+        """Held for the duration of one create request (it learns from its answer)."""
         ...
 
 
@@ -117,7 +128,6 @@ class FleetProvider:
         self._tickets: dict[str, Ticket] = {}
         self._account_read = False
         self._account_lock = anyio.Lock()
-        p = settings.provisioning
         t = settings.timeouts
         self._clients, self._lanes = sdk_lanes(settings, api_key=api_key, base_url=base_url)
         self._lane = itertools.cycle(self._lanes)
@@ -132,7 +142,7 @@ class FleetProvider:
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
         self._gate: CreateGate = admission or CreateSlots(
-            p.max_concurrent_creates, p.creates_per_second
+            CreateLimits.from_settings(settings), events
         )
         self._verifier = Verifier(
             timeout_s=t.verifier_s,
@@ -359,25 +369,34 @@ class FleetProvider:
         self, task: TaskSpec, run_id: str | None, ticket: Ticket | None
     ) -> AsyncEnv:
         """One create; a 403 ``instance_limit_exceeded`` queues again for a place
-        (admission learns the limit) instead of failing the attempt."""
+        (admission learns the limit) instead of failing the attempt, and so does a
+        429 when the gate learns the rate (it waits out Retry-After, slows down)."""
         while True:
             try:
                 return await self._create_once(task, run_id)
+            except fleet_errors.FleetRateLimitError as exc:
+                if not self._gate.adaptive:
+                    raise
+                self._queued_again(exc, 429, classify(exc).retry_after_s or 0.0)
             except fleet_errors.FleetInstanceLimitError as exc:
                 if ticket is None or self._admission is None:
                     raise
-                self._events.emit(
-                    "fleet_make_retry",
-                    level="warn",
-                    attempt=0,
-                    error_type=type(exc).__name__,
-                    error_message=str(exc)[:500],
-                    status_code=403,
-                    retry_delay_s=0.0,
-                )
+                self._queued_again(exc, 403, 0.0)
                 await self._admission.limit_reached(
                     ticket, exc.instance_limit, exc.running_instances
                 )
+
+    def _queued_again(self, exc: Exception, status: int, delay_s: float) -> None:
+        """A create that queues again (no attempt spent) is still a ``fleet_make_retry``."""
+        self._events.emit(
+            "fleet_make_retry",
+            level="warn",
+            attempt=0,
+            error_type=type(exc).__name__,
+            error_message=str(exc)[:500],
+            status_code=status,
+            retry_delay_s=delay_s,
+        )
 
     async def _lease_browser(self, env: AsyncEnv, task: TaskSpec, attempts: int) -> None:
         """Lease a browser for ``env`` (``timeouts.browser_lease_s`` in all). On

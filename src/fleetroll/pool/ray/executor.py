@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 
+from fleetroll.environments.fleet.admission import CreateLimits
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.mixed import require_fleet_key
 from fleetroll.errors import OperationTimeout
@@ -67,7 +68,12 @@ class ExecutorWorker:
     ) -> None:
         self._settings = settings
         self._buffer = _Buffer(index)
-        admission = RemoteAdmission(limiter, holder(index), settings.timeouts.ray_call_s)
+        admission = RemoteAdmission(
+            limiter,
+            holder(index),
+            settings.timeouts.ray_call_s,
+            limits=CreateLimits.from_settings(settings),
+        )
         self._gate = PolicyGate()
         self._pause: AsyncExitStack | None = None
         concurrency = settings.pool.concurrency
@@ -552,7 +558,12 @@ async def ray_pool(
         with anyio.fail_after(settings.timeouts.ray_call_s * 10):
             for worker in workers:
                 await worker.start.remote()
-        admission = RemoteAdmission(limiter, "driver", settings.timeouts.ray_call_s)
+        admission = RemoteAdmission(
+            limiter,
+            "driver",
+            settings.timeouts.ray_call_s,
+            limits=CreateLimits.from_settings(settings),
+        )
         events = events or Events()
         await stack.enter_async_context(admission.followed(events))
         pool = RolloutPool(

@@ -45,6 +45,10 @@ class _LazyGroup(click.Group):
             "fleetroll.emulator.cli:emulator",
             "Run the Fleet-compatible emulator until interrupted.",
         ),
+        "gc": (
+            "fleetroll.cli.gc:gc",
+            "Release the running instances a run id left behind (a killed run or serve).",
+        ),
         "query": (
             "fleetroll.cli.telemetry:query",
             "Run SQL on the telemetry records, the same SQL as on Logfire.",

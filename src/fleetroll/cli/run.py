@@ -30,7 +30,7 @@ from rich.table import Table
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
-from fleetroll.pool.batch_pool import FleetTarget, RunningBatch, open_batch_pool
+from fleetroll.pool.batch_pool import FleetTarget, RunningBatch, open_batch_pool, release_run
 from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal
 from fleetroll.pool.preflight import preflight_fleet
 from fleetroll.pool.rollout_pool import Batch
@@ -135,6 +135,14 @@ async def run_job(
             )
             stack.callback(claim.close)  # the lock is held until the journal is closed
             batch_id, previous = claim.batch_id, claim.done
+            if resume and not settings.uses_emulator:
+                # The journal's batch id is the run id; its lock says no live run has it.
+                left = await release_run(settings, fleet, batch_id, events)
+                if left:
+                    console.print(
+                        f"fleetroll: released {len(left)} instance(s) of run {batch_id}"
+                        " that the interrupted run left running"
+                    )
         # The journal's writer and the signal watcher outlive the pool: results
         # delivered while it shuts down are journaled, and a Ctrl-C meanwhile
         # is handled, never a KeyboardInterrupt.

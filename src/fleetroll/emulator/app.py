@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from fleetroll.emulator import traces as trace_api
 from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector, hang
-from fleetroll.emulator.instances import Instance, InstanceStore
+from fleetroll.emulator.instances import MISSED_HEARTBEATS, Instance, InstanceStore
 from fleetroll.emulator.leases import BrowserLeases
 from fleetroll.emulator.ledger import Ledger
 from fleetroll.emulator.mcp_routing import McpRouter
@@ -90,6 +90,7 @@ class EmulatorApp:
                 Route("/v1/env/instances", self.list_instances, methods=["GET"]),
                 Route("/v1/env/instances", self.create_instance, methods=["POST"]),
                 Route("/v1/env/instances/batch", self.delete_batch, methods=["DELETE"]),
+                Route("/v1/env/runs", self.list_runs, methods=["GET"]),
                 Route("/v1/env/instances/{instance_id}", self.get_instance, methods=["GET"]),
                 Route("/v1/env/instances/{instance_id}", self.delete_instance, methods=["DELETE"]),
                 Route(
@@ -348,6 +349,37 @@ class EmulatorApp:
         ]
         return JSONResponse(out)
 
+    async def list_runs(self, request: Request) -> Response:
+        """Instances grouped by ``run_id`` (the SDK's ``list_runs``): ``active``
+        (default: runs with a running instance), ``inactive`` or ``all``."""
+        if not self._authorized(request):
+            return self._unauthorized()
+        which = request.query_params.get("active", "active")
+        if which not in ("active", "inactive", "all"):
+            return _error(422, f"active must be 'active', 'inactive' or 'all', not {which!r}")
+        self.store.refresh_all()
+        runs: dict[str, list[Instance]] = {}
+        for inst in self.store:
+            if inst.run_id is not None:
+                runs.setdefault(inst.run_id, []).append(inst)
+        out = []
+        for run_id, members in sorted(runs.items()):
+            running = sum(inst.alive for inst in members)
+            if (which == "active" and not running) or (which == "inactive" and running):
+                continue
+            created = sorted(inst.created_at for inst in members)
+            out.append(
+                {
+                    "run_id": run_id,
+                    "running_count": running,
+                    "total_count": len(members),
+                    "first_created_at": created[0],
+                    "last_created_at": created[-1],
+                    "profile_id": None,
+                }
+            )
+        return JSONResponse(out)
+
     async def get_instance(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._unauthorized()
@@ -393,7 +425,10 @@ class EmulatorApp:
                 "success": True,
                 "instance_id": inst.instance_id,
                 "last_heartbeat": inst.last_heartbeat_at,
-                "deadline_timestamp": time.time() + 2 * interval if interval else None,
+                # When it stops without another beat.
+                "deadline_timestamp": (
+                    time.time() + MISSED_HEARTBEATS * interval if interval else None
+                ),
                 "interval_seconds": interval,
             }
         )

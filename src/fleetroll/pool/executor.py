@@ -171,13 +171,14 @@ class LocalExecutor:
 
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
-        provider = self._provider or MixedProvider(
+        ours = MixedProvider(
             self.settings,
             context.events,
             api_key=self._api_key,
             base_url=self._base_url,
             admission=context.admission,
         )
+        provider = self._provider or ours
         async with AsyncExitStack() as stack:
             self._engine = await stack.enter_async_context(
                 RolloutEngine.open(
@@ -188,6 +189,8 @@ class LocalExecutor:
                     policy_gate=context.policy_gate,
                 )
             )
+            if provider is ours:  # its heartbeats stop before it closes
+                await stack.enter_async_context(ours.running())
             self._context = context
             try:
                 yield

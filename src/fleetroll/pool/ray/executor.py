@@ -519,6 +519,7 @@ async def ray_pool(
     events: Events | None = None,
     num_actors: int | None = None,
     address: str | None = None,
+    run_id: str | None = None,
 ) -> AsyncIterator[RolloutPool]:
     """One RolloutPool whose rollouts run on ``num_actors`` Ray actors.
 
@@ -529,6 +530,7 @@ async def ray_pool(
             here, the cluster's CPUs when joining one).
         address: a Ray cluster to join (default: the one this process is in,
             or a local one started here).
+        run_id: the process's run id (``RolloutPool.run_id``).
 
     Raises:
         ConfigError: Ray is not installed.
@@ -573,5 +575,6 @@ async def ray_pool(
             events=events,
             admission=admission,
             executor=RayExecutor(settings, workers, api_key, base_url, limiter),
+            run_id=run_id,
         )
         yield await stack.enter_async_context(pool)

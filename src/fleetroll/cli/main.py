@@ -47,7 +47,7 @@ class _LazyGroup(click.Group):
         ),
         "gc": (
             "fleetroll.cli.gc:gc",
-            "Release the running instances a run id left behind (a killed run or serve).",
+            "Release the running instances of a run id (and of its batches and Ray actors).",
         ),
         "query": (
             "fleetroll.cli.telemetry:query",

@@ -83,8 +83,10 @@ class ProvisioningSettings(_Section):
     #: from the start values below, under the ceilings above. Off: the ceilings
     #: are the rate, and a 429 is a failed attempt like a 5xx.
     adaptive_creates: bool = True
-    start_creates_per_second: float = Field(2.0, gt=0)
-    start_concurrent_creates: int = Field(4, ge=1)
+    #: Where the learnt rate and in-flight limit start. None: a quarter of their
+    #: ceilings (2 a second and 8 in flight with the defaults).
+    start_creates_per_second: float | None = Field(None, gt=0)
+    start_concurrent_creates: int | None = Field(None, ge=1)
     #: The learnt rate never falls below this.
     min_creates_per_second: float = Field(0.1, gt=0)
     #: A create that succeeds but takes longer than this says Fleet is loaded.

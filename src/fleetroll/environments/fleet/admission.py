@@ -126,6 +126,13 @@ class TokenBucket:
                 await anyio.sleep((1.0 - self._tokens) / self._rate)
 
 
+#: Without a start of their own, the learnt rate and in-flight limit start at
+#: this fraction of their ceilings (``provisioning.start_*``).
+START_SHARE = 4
+
+#: How fast the smoothed share of pressure answers follows each window's (DCTCP's g).
+ALPHA_GAIN = 0.5
+
 #: What one create's answer says of Fleet's load (``None``: a fast answer).
 Pressure = Literal["throttled", "unavailable", "timeout", "slow"]
 
@@ -180,12 +187,20 @@ class CreateLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> CreateLimits:
         p = settings.provisioning
+        start_in_flight = p.start_concurrent_creates
+        start_per_second = p.start_creates_per_second
         return cls(
             max_in_flight=p.max_concurrent_creates,
             max_per_second=p.creates_per_second,
             adaptive=p.adaptive_creates,
-            start_in_flight=p.start_concurrent_creates,
-            start_per_second=p.start_creates_per_second,
+            start_in_flight=(
+                max(1, p.max_concurrent_creates // START_SHARE)
+                if start_in_flight is None
+                else start_in_flight
+            ),
+            start_per_second=(
+                p.creates_per_second / START_SHARE if start_per_second is None else start_per_second
+            ),
             min_per_second=p.min_creates_per_second,
             slow_s=p.slow_create_s,
             backoff_s=p.backoff_initial_s,
@@ -205,15 +220,19 @@ class CreateSlots:
     """Create requests in flight (a limiter) and their rate (a token bucket),
     learnt from Fleet's answers when ``limits.adaptive``.
 
-    The learner (AIMD with a slow start, as TCP's congestion control):
+    The learner (TCP's congestion control: a slow start, then additive
+    increase and a decrease in proportion to the pressure, as DCTCP):
 
-    * every answer that comes back fast counts; once a window's worth of them
-      (the in-flight limit) came back, the rate and the in-flight limit grow:
+    * answers are counted in windows (the in-flight limit's worth); after a
+      window of fast answers only, the rate and the in-flight limit grow:
       doubled until the first pressure (the slow start), then one more create
       per second and one more in flight;
-    * pressure (a 429, a 503, a create that timed out, a success slower than
-      ``provisioning.slow_create_s``) halves both, once per window: answers
-      to creates sent before the last decrease do not decrease it again;
+    * pressure is a 429, a 503, a create that timed out, or a success slower
+      than ``provisioning.slow_create_s``. The first one halves both at once
+      (it ends the slow start); after that, a window with pressure cuts both by
+      ``alpha / 2`` (and adds the step for its fast answers' share), alpha
+      being the share of pressure answers smoothed over windows: a stray 503
+      changes little, a throttled account halves them;
     * a 429's or 503's ``Retry-After`` holds every create until it passed;
     * bounds: ``creates_per_second`` and ``max_concurrent_creates`` above
       (the ceilings), ``min_creates_per_second`` and one in flight below, and
@@ -232,9 +251,12 @@ class CreateSlots:
             self._rate, self._window = limits.max_per_second, limits.max_in_flight
         self._cap: int | None = None
         self._slow_start = True
-        self._fast = 0  # fast answers since the last change
-        self._epoch = 0  # changes so far; an answer from an older one cannot decrease
-        self._sent: dict[object, int] = {}  # borrower: the epoch it was sent in
+        #: The window under way: answers, and those that said Fleet is under pressure.
+        self._answers = 0
+        self._pressured = 0
+        #: The share of pressure answers, smoothed over windows (DCTCP's alpha).
+        self._alpha = 0.0
+        self._last_pressure: CreateAnswer | None = None
         self._paused_until = 0.0  # monotonic: a Retry-After
         self._slots: anyio.CapacityLimiter | None = None
         self._bucket: TokenBucket | None = None
@@ -277,17 +299,15 @@ class CreateSlots:
         except BaseException:  # cancelled while waiting for the rate: give the slot back
             slots.release_on_behalf_of(borrower)
             raise
-        self._sent[borrower] = self._epoch
 
     def release(self, borrower: object, answer: CreateAnswer | None = None) -> None:
         """Give ``borrower``'s slot back; ``answer``: what its create learnt."""
         slots, _ = self._made()
-        sent = self._sent.pop(borrower, None)
         slots.release_on_behalf_of(borrower)
-        if answer is not None and sent is not None:
-            self.learn(answer, sent_epoch=sent)
+        if answer is not None:
+            self.learn(answer)
 
-    def learn(self, answer: CreateAnswer, *, sent_epoch: int | None = None) -> None:
+    def learn(self, answer: CreateAnswer) -> None:
         """One create's answer: pause on ``Retry-After``; with ``adaptive``, retune."""
         limits = self.limits
         if answer.pressure in ("throttled", "unavailable"):
@@ -297,29 +317,48 @@ class CreateSlots:
                 self._bucket.pause(self._paused_until)
         if not limits.adaptive or answer.neutral:
             return
-        if answer.pressure is None:
-            self._fast += 1
-            if self._fast < self._in_flight_limit:
-                return
-            if self._slow_start:
-                rate, window = self._rate * 2, self._window * 2
-            else:
-                rate, window = self._rate + 1.0, self._window + 1
-            self._change(rate, window, "fast_answers", answer)
+        if answer.pressure is not None and self._slow_start:
+            # The first pressure ends the slow start: halved at once, as TCP does.
+            self._slow_start = False
+            self._alpha = 1.0
+            self._change(self._rate / 2, self._window // 2, answer.pressure, answer)
             return
-        if sent_epoch is not None and sent_epoch < self._epoch:
-            return  # sent before the last change: that one already answered this pressure
-        self._slow_start = False
-        self._change(self._rate / 2, self._window // 2, answer.pressure, answer)
+        self._answers += 1
+        self._pressured += answer.pressure is not None
+        if answer.pressure is not None:
+            self._last_pressure = answer
+        if self._answers < self._in_flight_limit:
+            return
+        # A window's worth of answers: DCTCP's rule. The smoothed share of
+        # pressure sets the decrease (half when every answer said so), so a
+        # few stray 503s shave the rate while a throttled account halves it.
+        share = self._pressured / self._answers
+        self._alpha += ALPHA_GAIN * (share - self._alpha)
+        if self._pressured:
+            # Cut, and the window's additive step for its fast answers' share:
+            # steady pressure at a share p settles the limits where the cut
+            # equals the step (near 2 (1 - p) / p), full pressure halves them.
+            cut = 1.0 - self._alpha / 2
+            step = 1.0 - share
+            self._change(
+                self._rate * cut + step,
+                int(self._window * cut + step),
+                (self._last_pressure and self._last_pressure.pressure) or "timeout",
+                self._last_pressure or answer,
+            )
+        elif self._slow_start:
+            self._change(self._rate * 2, self._window * 2, "fast_answers", answer)
+        else:
+            self._change(self._rate + 1.0, self._window + 1, "fast_answers", answer)
 
     def _change(self, rate: float, window: int, reason: str, answer: CreateAnswer) -> None:
         limits = self.limits
         rate = min(limits.max_per_second, max(limits.min_per_second, rate))
         window = min(limits.max_in_flight, max(1, window))
-        self._fast = 0
+        self._answers = self._pressured = 0
+        self._last_pressure = None
         if (rate, window) == (self._rate, self._window):
             return
-        self._epoch += 1
         self._rate, self._window = rate, window
         self._retune()
         if self._events is not None:

@@ -7,7 +7,7 @@ Runs ``--batches`` batches of one ledger task x ``--samples`` on one pool
 reading every result, as a training controller does step after step. Prints
 the process's resident size after the warm-up and at the end, the growth per
 batch, and how many batches the pool still holds. Nothing here asserts: it
-measures (tests/test_pool.py has the bounded soak test that does).
+measures (tests/pool/test_pool.py has the bounded soak test that does).
 """
 
 from __future__ import annotations

@@ -6,11 +6,15 @@ fake chat server (the inference server: token ids, logprobs, usage).
 
 Each step:
 
+0. draws its tasks with the task sampler (``fleetroll.training.sampler``): a
+   seeded pass over the ledger tasks, ``--tasks`` a step, each task once per
+   epoch, with the difficulty filter on (a task whose groups come back uniform
+   twice in a row rests a few steps: it has nothing left to teach for now);
 1. runs a batch with ``samples_per_task`` samples per task (plus ``oversample``
    extras, which stand in for samples that fail for infrastructure reasons;
    the rest end ``superseded``);
 2. consumes ``batch.groups(complete_only=True)`` as each group completes
-   (dropping groups failures left short), skipping ``uniform``
+   (dropping groups failures left short), shows each to the sampler, skipping ``uniform``
    groups (every sample the same reward: zero advantage) and computing
    group-normalised advantages ``(r - mean) / (std + eps)``;
 3. gathers, per turn, the token ids and logprobs the server sent (what a
@@ -56,6 +60,7 @@ from fleetroll.testing.fake_openai import (
     completion,
     tool_call,
 )
+from fleetroll.training.sampler import SamplerConfig, TaskSampler
 
 EPS = 1e-6
 
@@ -128,6 +133,8 @@ class Step:
 
     step: int
     policy_version: int
+    epoch: int = 0
+    tasks: list[str] = field(default_factory=list)
     groups: int = 0
     uniform: int = 0
     samples: int = 0
@@ -154,10 +161,10 @@ class Step:
 
 async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> list[Step]:
     ledger = config_dir() / "tasks" / "ledger.jsonl"
-    chosen = load_tasks(ledger, modalities=load_settings().modalities)[:tasks]
+    everything = load_tasks(ledger, modalities=load_settings().modalities)
     model = Model(skill=0.5, answering=samples)
     summaries: list[Step] = []
-    async with FakeChatServer(model.chat(chosen), vllm=VllmShape()) as server:
+    async with FakeChatServer(model.chat(everything), vllm=VllmShape()) as server:
         settings = load_settings(
             policy={
                 "kind": "openai",
@@ -165,19 +172,24 @@ async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> lis
                 "return_token_ids": True,  # vLLM's return_token_ids
                 "logprobs": True,
             },
+            sampling={"seed": 0, "rest_uniform": True, "uniform_groups": 2, "rest_steps": 4},
         )
+        # A trainer saves sampler.state() with its checkpoint and passes it back here.
+        sampler = TaskSampler(everything, SamplerConfig.from_settings(settings.sampling, tasks))
         async with (
             Emulator() as emu,
             RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
             OpenAIChatPolicy.from_settings(settings) as policy,
         ):
-            for step in range(steps):
+            for _ in range(steps):
+                draw = sampler.draw()
                 batch = pool.run_batch(
-                    chosen, policy, samples_per_task=samples, oversample=oversample
+                    draw.tasks, policy, samples_per_task=samples, oversample=oversample
                 )
-                s = Step(step, pool.policy_version)
+                s = Step(draw.step, pool.policy_version, draw.epoch, sorted(draw.keys))
                 # In the order groups complete; a group failures left short is dropped.
                 async for group in batch.groups(complete_only=True):
+                    sampler.observe(group)  # uniform twice in a row: the task rests
                     s.groups += 1
                     s.superseded += group.superseded
                     s.rewards += group.rewards
@@ -224,7 +236,8 @@ def main(argv: Sequence[str] | None = None) -> list[Step]:
     for s in summaries:
         reward = statistics.fmean(s.rewards) if s.rewards else math.nan
         print(
-            f"step {s.step}  version {s.policy_version}  groups {s.groups}"
+            f"step {s.step}  version {s.policy_version}  epoch {s.epoch}"
+            f"  tasks {','.join(s.tasks)}  groups {s.groups}"
             f" ({s.uniform} uniform, skipped)  reward {reward:.2f}"
             f"  trained on {s.samples} samples, {len(s.data)} turns, {s.completion_tokens} tokens"
             f"  loss {s.loss:+.3f}  superseded {s.superseded}"

@@ -105,6 +105,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "rollout.routing",
                 "rollout.tools",
                 "rollout.transcript",
+                "scoring",  # reward components: checks and the judge (an HTTP adapter)
             }
         ),
     ),

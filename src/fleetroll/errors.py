@@ -24,6 +24,7 @@
         │   └── ToolCallFailed   a tool call got no answer (timeout, transport)
         ├── PolicyError          the policy endpoint failed
         │   └── ContextOverflowError  the prompt is longer than the model's context
+        ├── JudgeError           a reward's judge failed or answered no score
         └── OperationTimeout     an operation passed its own deadline;
                                  carries timeout_s
 
@@ -47,6 +48,7 @@ __all__ = [
     "EnvUnavailableError",
     "FleetrollError",
     "InstanceLostError",
+    "JudgeError",
     "NoSuchBatchError",
     "OperationTimeout",
     "PolicyError",
@@ -210,6 +212,29 @@ class ToolsError(RolloutError):
 
 class PolicyError(RolloutError):
     """The policy (model endpoint) failed or answered something unusable."""
+
+
+class JudgeError(RolloutError):
+    """A judge (the model scoring a rubric of a task's ``rewards``) failed: no
+    answer within ``judge.timeout_s``, an error status after retries, or an
+    answer without a score in [0, 1]. ``operation`` is ``"judge"``.
+
+    Attributes:
+        status_code: the HTTP status the judge answered, when it answered one.
+        retry_after_s: the server's Retry-After, when it sent one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        transient: bool,
+        status_code: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
+        super().__init__(message, operation="judge", transient=transient)
+        self.status_code = status_code
+        self.retry_after_s = retry_after_s
 
 
 class ContextOverflowError(PolicyError):

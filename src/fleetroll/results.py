@@ -61,6 +61,9 @@ class FailureReason(StrEnum):
     #: The environment's reset failed where only the reset makes its state the
     #: task's start (a shared ``environment.url`` server): not scored.
     RESET_FAILED = "reset_failed"
+    #: A component of the task's ``rewards`` other than the verifier (a judge)
+    #: could not be computed: not scored; ``error`` names the component.
+    REWARD_ERROR = "reward_error"
 
 
 #: Reasons after which the verifier still scores the rollout (docs/results.md);
@@ -201,6 +204,10 @@ class Cost(BaseModel):
     completion_tokens: int = 0
     policy_calls: int = 0
     tool_calls: int = 0
+    #: Judge calls answered for the task's ``rewards`` (answers from the cache not counted).
+    judge_calls: int = 0
+    judge_prompt_tokens: int = 0
+    judge_completion_tokens: int = 0
 
 
 class RolloutResult(BaseModel):
@@ -213,6 +220,10 @@ class RolloutResult(BaseModel):
     task_key: str
     sample_index: int = 0
     group_id: str | None = None
+    step: int | None = Field(
+        default=None,
+        description="The sampling step that drew its task (fleetroll run --steps), from 0",
+    )
     env_key: str
     env_version: str | None = None
     modality: str
@@ -221,6 +232,10 @@ class RolloutResult(BaseModel):
     failure_reason: FailureReason | None = None
     error: str | None = Field(default=None, description="What went wrong, for people")
     reward: float | None = None
+    rewards: dict[str, float | None] | None = Field(
+        default=None,
+        description="Each component of the task's rewards by name (null without rewards)",
+    )
     steps: int = 0
     tool_errors: int = Field(
         default=0, description="Errors the environment answered (feedback for the agent)"

@@ -68,3 +68,42 @@ def test_a_request_without_base_urls_keeps_the_fingerprint_it_had() -> None:
     # computed before base_urls existed
     assert plain == "cab47060af0f5b61163e3615be6719d11a662bdc268346fe459320f6a66751ee"
     assert many != plain
+
+
+async def test_a_batch_s_policy_takes_every_other_policy_setting_from_the_server_as_the_cli() -> (
+    None
+):
+    settings = load_settings(
+        policy={"kind": "openai", "base_url": A, "trajectory": True, "token_in": True},
+        retries={"policy_backoff_initial_s": 0.25, "policy_backoff_max_s": 3.0},
+    )
+    policy = build_policy(PolicyConfig(model="mine", logprobs=True), settings)
+    cli = OpenAIChatPolicy.from_settings(
+        settings.model_copy(
+            update={
+                "policy": settings.policy.model_copy(update={"model": "mine", "logprobs": True})
+            }
+        )
+    )
+    try:
+        assert isinstance(policy, OpenAIChatPolicy)
+        assert policy.token_in and policy.model == "mine"
+        assert policy._training == cli._training == {"return_token_ids": True, "logprobs": True}
+        assert (policy._backoff_initial_s, policy._backoff_max_s) == (0.25, 3.0)
+    finally:
+        await policy.aclose()
+        await cli.aclose()
+
+
+def test_an_agent_command_given_as_a_string_is_split_and_is_part_of_the_batch_s_identity() -> None:
+    request = BatchRequest.model_validate(
+        {"tasks_file": "t.jsonl", "agent_command": "python 'my agent.py' --fast"}
+    )
+    assert request.agent_command == ["python", "my agent.py", "--fast"]
+    plain = batch_fingerprint([], None, 1, None)
+    with_agent = batch_fingerprint([], None, 1, None, agent_command=request.agent_command)
+    assert with_agent != plain
+    assert plain == batch_fingerprint([], None, 1, None, agent_command=None)
+    for bad in ("", "python 'unclosed", []):
+        with pytest.raises(ValidationError, match="agent_command"):
+            BatchRequest.model_validate({"tasks_file": "t.jsonl", "agent_command": bad})

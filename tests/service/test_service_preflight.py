@@ -260,3 +260,20 @@ async def test_a_refused_batch_never_reaches_the_pool_that_runs_batches(
     assert answer.status_code == 422, answer.text
     assert answer.json()["detail"][0]["type"] == "preflight_error"
     assert batches == [] and creates(emulator) == before
+
+
+@pytest.mark.slow
+async def test_a_task_with_a_judge_and_no_judge_configured_is_a_422_before_anything_runs(
+    emulator: Emulator,
+) -> None:
+    judged = {**task_record(LEDGER[0]), "rewards": [{"name": "q", "kind": "judge", "rubric": "?"}]}
+    async with running_service(emulator) as served, served.http() as http:
+        before = creates(emulator)
+        with anyio.fail_after(30):
+            answer = await http.post("/v1/batches", json={"tasks": [judged]})
+
+    assert answer.status_code == 422, answer.text
+    [problem] = answer.json()["detail"]
+    assert problem["type"] == "preflight_error" and problem["loc"] == ["body", "tasks"]
+    assert "has a judge reward component but judge.base_url is not set" in problem["msg"]
+    assert creates(emulator) == before

@@ -13,7 +13,7 @@ from service_helpers import LEDGER, Running, running_service
 import fleetroll.service.batches as service_batches
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
-from fleetroll.errors import PolicyError
+from fleetroll.errors import PolicyError, ServiceError
 from fleetroll.policies.turns import AssistantTurn, Message, ToolSpec
 from fleetroll.results import FailureReason
 from fleetroll.rollout.machine import Phase
@@ -62,6 +62,35 @@ async def test_groups_stream_in_completion_order_and_oversampled_extras_are_supe
     assert [(line["type"], line["cursor"]) for line in lines] == [("group", 2), ("end", 2)]
     assert lines[0]["group"]["task_key"] == second.key
     assert ahead.status_code == 422 and ahead.json()["detail"][0]["loc"] == ["query", "after"]
+
+
+async def test_groups_target_streams_the_first_complete_groups_and_the_others_cut(
+    served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fast, slow = LEDGER[:2], LEDGER[2:4]
+    plans = {t.key: ["solve", "zero"] for t in fast} | {t.key: ["hold"] * 2 for t in slow}
+    policy = PlannedPolicy(plans)
+    plan(monkeypatch, policy)
+    async with FleetrollClient(served.url) as client:
+        batch = client.run_batch([*fast, *slow], samples_per_task=2, groups_target=2)
+        with anyio.fail_after(60):
+            results = await batch.results()
+            groups = [g async for g in batch.groups()]
+            kept = [g async for g in client.batch(batch.batch_id).groups(complete_only=True)]
+        too_many = client.run_batch(LEDGER[:2], groups_target=3)
+        with anyio.fail_after(30), pytest.raises(ServiceError) as refused:
+            await too_many.submit()
+    assert sorted(g.task_key for g in kept) == sorted(t.key for t in fast)
+    assert all(g.complete and sorted(g.rewards) == [0.0, 1.0] for g in kept)
+    cut = [g for g in groups if g.cut]
+    assert sorted(g.task_key for g in cut) == sorted(t.key for t in slow)
+    assert not any(g.complete for g in cut) and len(groups) == 4
+    stopped = [r for r in results if r.task_key in {t.key for t in slow}]
+    assert len(stopped) == 4 and len(results) == 8
+    assert all(r.failure_reason is FailureReason.SUPERSEDED for r in stopped)
+    assert all("groups_target" in (r.error or "") for r in stopped)
+    assert refused.value.status_code == 422 and "groups_target" in str(refused.value)
+    assert emulator.ledger.running == 0
 
 
 class FailingPlannedPolicy(PlannedPolicy):

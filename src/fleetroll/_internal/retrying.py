@@ -1,7 +1,7 @@
 """One table for "is this failure worth another attempt", one Retry-After parser, one backoff.
 
 Every caller that retries an outgoing call (provisioning, verification, MCP
-connects, the OpenAI-compatible policy, the HTTP client) decides with
+connects, the OpenAI-compatible policy, a reward's judge, the HTTP client) decides with
 :func:`decide` and :func:`transient_status`, waits :func:`backoff_s`, and reads
 the server's wish with :func:`retry_after_s`. The Fleet SDK's typed
 exceptions are mapped onto this table in :mod:`fleetroll.environments.fleet.provider`, the
@@ -72,6 +72,7 @@ Operation = Literal[
     "mcp_request",
     "verify",
     "policy",
+    "judge",
     "client",
     "client_stream",
 ]
@@ -205,6 +206,8 @@ def budget(settings: Settings, operation: Operation) -> Budget:
     if operation == "policy":
         initial, cap = r.policy_backoff_initial_s, r.policy_backoff_max_s
         return Budget(settings.policy.max_retries + 1, initial, cap)
+    if operation == "judge":
+        return Budget(r.judge_attempts, r.judge_backoff_initial_s, r.judge_backoff_max_s)
     # "client" and "client_stream": the HTTP client of `fleetroll serve`.
     return Budget(r.client_max_retries + 1, r.client_backoff_initial_s, r.client_backoff_max_s)
 

@@ -34,7 +34,7 @@ __all__ = [
 BASELINES = ("fresh-session", "naive-gather", "cpu-floor")
 _DEFAULT_BASELINES = ("fresh-session", "naive-gather")
 
-#: Tight deadlines for the chaos run (as in ``tests/test_pool.py``): a hung
+#: Tight deadlines for the chaos run (as in ``tests/pool/test_pool.py``): a hung
 #: create, reset or tool call costs seconds, not the shipped minutes.
 CHAOS_TIMEOUTS: Mapping[str, float] = MappingProxyType(
     {

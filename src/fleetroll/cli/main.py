@@ -53,6 +53,10 @@ class _LazyGroup(click.Group):
             "fleetroll.cli.telemetry:query",
             "Run SQL on the telemetry records, the same SQL as on Logfire.",
         ),
+        "rescore": (
+            "fleetroll.cli.rescore:rescore",
+            "Compute again the judges and checks of stored results, into a new file.",
+        ),
         "serve": (
             "fleetroll.cli.serve:serve",
             "Serve the HTTP API (and MCP tools at /mcp) for remote training controllers.",
@@ -138,7 +142,20 @@ def main() -> None:
 @click.option(
     "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
 )
-@click.option("--resume", is_flag=True, help="Continue the batch journaled in --out.")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Run this many batches one after the other, each of --batch-tasks tasks drawn"
+    " from TASKS by the task sampler ([sampling]); with --resume, the steps in all.",
+)
+@click.option(
+    "--batch-tasks",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Tasks per step with --steps (each run --samples times).",
+)
+@click.option("--resume", is_flag=True, help="Continue the batch (or steps) journaled in --out.")
 @click.option(
     "--no-preflight",
     is_flag=True,
@@ -152,6 +169,16 @@ def main() -> None:
     " it gets OPENAI_BASE_URL/OPENAI_API_KEY (a gateway to the policy servers),"
     " FLEETROLL_MCP_URL, FLEETROLL_TASK_FILE and FLEETROLL_ANSWER_FILE.",
 )
+@click.option(
+    "--groups",
+    "groups_target",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Straggler cut-off by whole groups: once N groups (tasks) are complete, stop every"
+    " rollout of the others (superseded; those groups come with cut: true). Start more"
+    " tasks than N. Bias: groups whose episodes run faster are kept.",
+)
 @ray_options
 @CONFIG_OPTION
 def run(
@@ -163,9 +190,12 @@ def run(
     base_urls: tuple[str, ...],
     concurrency: int | None,
     profile: str | None,
+    steps: int | None,
+    batch_tasks: int | None,
     resume: bool,
     no_preflight: bool,
     agent_command: str | None,
+    groups_target: int | None,
     ray_address: str | None,
     ray_actors: int | None,
     config_file: Path | None,
@@ -179,9 +209,17 @@ def run(
     rollouts are data); 1 when it stopped early because its first rollouts all
     failed the same way (pool.stop_after_same_failures); 2 for bad input or
     configuration, a failed pre-flight included; 130 when interrupted.
+
+    With --steps N --batch-tasks M, it runs N batches of M tasks each, drawn
+    by the task sampler (settings [sampling]: weights and minimums per
+    environment, a seed, the difficulty filter); results carry their `step`,
+    and the sampler's state is kept beside --out, so --resume goes on with
+    the same sequence of tasks.
     """
     from fleetroll.tasks import load_task_paths
 
+    if (steps is None) != (batch_tasks is None):
+        raise Failed("--steps and --batch-tasks go together: give both (or neither)")
     overrides: dict[str, Any] = {}
     if concurrency is not None:
         overrides["pool"] = {"concurrency": concurrency}
@@ -199,25 +237,46 @@ def run(
         )
     try:
         if agent_command is not None:
-            _check_agent_command(agent_command, settings, ray_address)
+            _check_agent_command(agent_command, settings)
         tasks = load_task_paths(tasks_paths, settings.modalities)
+        per_batch = batch_tasks if batch_tasks is not None else len(tasks)
+        if groups_target is not None and groups_target > per_batch:
+            given = "--batch-tasks" if batch_tasks is not None else "tasks (groups) given"
+            raise Failed(
+                f"--groups {groups_target} is more than the {per_batch} {given}:"
+                " start more tasks than the groups you need"
+            )
+        from fleetroll.scoring.judge import missing_judge
+
+        problem = missing_judge(tasks, settings)
+        if problem is not None:
+            raise Failed(problem)
         # A user's mistakes are said before the slow imports and before anything starts.
         if settings.uses_emulator:
             settings.emulator.fault_profile(profile)  # an unknown name
         else:
             settings.require_fleet_api_key()
+        sampling = None
+        if batch_tasks is not None:
+            from fleetroll.training.sampler import SamplerConfig, TaskSampler
+
+            sampling = SamplerConfig.from_settings(settings.sampling, batch_tasks)
+            TaskSampler(tasks, sampling)  # a config these tasks cannot meet, said now
         if out is not None:
             from fleetroll.pool.journal import BatchIdentity, check_journal
 
-            identity = BatchIdentity.of("", tasks, samples, settings.pool.oversample)
+            oversample = settings.pool.oversample
+            identity = BatchIdentity.of("", tasks, samples, oversample, batch_tasks)
             check_journal(out, identity, resume=resume)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
     # Imported once the input is known good: a bad task file costs no more.
     from rich.console import Console
 
-    from fleetroll.cli.run import print_report, run_job
+    from fleetroll.cli.run import Steps, print_report, run_job
     from fleetroll.policies import policy_from_settings
+
+    plan = Steps(steps, sampling) if steps is not None and sampling is not None else None
 
     console = Console(stderr=True, soft_wrap=True)
 
@@ -252,6 +311,8 @@ def run(
                         ray_actors=ray_actors,
                         signals=signals,
                         preflight=not no_preflight,
+                        groups_target=groups_target,
+                        steps=plan,
                     )
                 finally:
                     if agent_command is not None:
@@ -274,7 +335,7 @@ def run(
         raise SystemExit(1)
 
 
-def _check_agent_command(command: str, settings: Any, ray_address: str | None) -> None:
+def _check_agent_command(command: str, settings: Any) -> None:
     """What --agent-command needs, said before anything starts."""
     import shlex
 
@@ -289,5 +350,3 @@ def _check_agent_command(command: str, settings: Any, ray_address: str | None) -
             "--agent-command needs --policy openai (its gateway forwards the agent's calls"
             " to the policy servers): add --policy openai --base-url URL --model NAME"
         )
-    if ray_address is not None:
-        raise Failed("--agent-command runs rollouts in this process: drop --ray")

@@ -31,7 +31,15 @@ from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
 from fleetroll.pool.batch_pool import FleetTarget, RunningBatch, open_batch_pool, release_run
-from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal
+from fleetroll.pool.journal import (
+    BatchIdentity,
+    Journal,
+    claim_journal,
+    read_sampler_state,
+    sampler_path,
+    step_batch_id,
+    write_sampler_state,
+)
 from fleetroll.pool.preflight import preflight_fleet
 from fleetroll.pool.rollout_pool import Batch
 from fleetroll.results import FailureReason, RolloutResult
@@ -39,11 +47,14 @@ from fleetroll.rollout.machine import Phase
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
+from fleetroll.training.groups import groups_of
+from fleetroll.training.sampler import SamplerConfig, TaskSampler
 
 __all__ = [
     "FleetTarget",
     "JobReport",
     "SameFailures",
+    "Steps",
     "cost_table",
     "open_fleet",
     "run_job",
@@ -65,6 +76,17 @@ class JobReport:
     journal: Path | None = None
     #: Why the batch was stopped early (pool.stop_after_same_failures), if it was.
     stopped: str | None = None
+    #: A run of steps (``batch_id`` is then the run's id): the steps that ran to their end.
+    steps: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Steps:
+    """A run of steps (``--steps``, ``--batch-tasks``): ``count`` batches, each
+    of the tasks the sampler draws next (:mod:`fleetroll.training.sampler`)."""
+
+    count: int
+    sampler: SamplerConfig
 
 
 async def run_job(
@@ -83,11 +105,24 @@ async def run_job(
     ray_actors: int | None = None,
     signals: AsyncIterator[int] | None = None,
     preflight: bool = True,
+    groups_target: int | None = None,
+    steps: Steps | None = None,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
 
+    ``groups_target``: stop the rollouts of every other group once this many
+    groups are complete (``RolloutPool.run_batch``).
+
     Unless ``preflight`` is False, :func:`fleetroll.pool.preflight.preflight`
     runs first, before the journal is claimed and before any create.
+
+    With ``steps``, it runs ``steps.count`` batches one after the other, each
+    of the tasks a :class:`~fleetroll.training.sampler.TaskSampler` draws from
+    ``tasks`` (its batch id :func:`~fleetroll.pool.journal.step_batch_id` of
+    the run's id, its results' ``step`` set), and the sampler observes each
+    step's groups once the step has ended. The sampler's state is saved beside
+    the journal as each step starts; a resume restores it and goes on from the
+    step it was interrupted in (a larger ``count`` runs more steps).
 
     When each of the first ``pool.stop_after_same_failures`` rollouts to
     finish failed the same way, the batch is cancelled there (the report's
@@ -108,7 +143,8 @@ async def run_job(
         PreflightError: a pre-flight check failed; nothing was provisioned.
         ConfigError: the journal cannot be used: not a regular file, in use
             by another run, it exists and ``resume`` was not asked, or it
-            belongs to another batch (other tasks or samples).
+            belongs to another batch (other tasks or samples); or the sampler
+            cannot draw from ``tasks`` or its saved state is not this run's.
     """
     console = console or Console(stderr=True)
     events = events or Events()
@@ -117,7 +153,9 @@ async def run_job(
     if not settings.uses_emulator:
         settings.require_fleet_api_key()  # a missing key fails here, before the journal
     batch_id = batch_id or uuid.uuid4().hex[:12]
+    batch_tasks = steps.sampler.batch_tasks if steps is not None else None
     previous: list[RolloutResult] = []
+    journaled = False  # the journal held results (cancelled ones too) when claimed
     async with AsyncExitStack() as stack:
         if signals is None:
             signals = stack.enter_context(anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
@@ -128,13 +166,13 @@ async def run_job(
             await preflight_fleet(settings, fleet, tasks)
         if out is not None:
             identity = await anyio.to_thread.run_sync(
-                BatchIdentity.of, batch_id, tasks, samples, settings.pool.oversample
+                BatchIdentity.of, batch_id, tasks, samples, settings.pool.oversample, batch_tasks
             )
             claim = await anyio.to_thread.run_sync(
                 functools.partial(claim_journal, out, identity, resume=resume)
             )
             stack.callback(claim.close)  # the lock is held until the journal is closed
-            batch_id, previous = claim.batch_id, claim.done
+            batch_id, previous, journaled = claim.batch_id, claim.done, bool(claim.previous)
             if resume and not settings.uses_emulator:
                 # The journal's batch id is the run id; its lock says no live run has it.
                 left = await release_run(settings, fleet, batch_id, events)
@@ -143,6 +181,11 @@ async def run_job(
                         f"fleetroll: released {len(left)} instance(s) of run {batch_id}"
                         " that the interrupted run left running"
                     )
+        sampler = None
+        if steps is not None:
+            sampler = await anyio.to_thread.run_sync(
+                open_sampler, tasks, steps.sampler, out if journaled else None
+            )
         # The journal's writer and the signal watcher outlive the pool: results
         # delivered while it shuts down are journaled, and a Ctrl-C meanwhile
         # is handled, never a KeyboardInterrupt.
@@ -152,40 +195,142 @@ async def run_job(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
         started = time.monotonic()
-        # The pool counts them in their groups: an oversampled group runs only
-        # what it still lacks (on Ray as here).
-        batch = pool.run_batch(
-            tasks, policy, samples_per_task=samples, batch_id=batch_id, previous=previous
-        )
-        console.print(
-            f"fleetroll: batch {batch.batch_id}: {batch.total} rollouts "
-            f"({len(tasks)} tasks × {samples}) on {backend}"
-            + (f", {len(previous)} already done" if previous else "")
-        )
         interrupted = anyio.Event()
-        background.start_soon(_watch_signals, signals, batch, interrupted, console, settings)
-        results = list(previous)
-        same = SameFailures(settings.pool.stop_after_same_failures)
-        stopped: str | None = None
-        async with _Background() as foreground:
-            foreground.start_soon(_show_progress, batch, console, started, settings)
-            async for result in batch:
-                if journal:
-                    journal.append(result)
-                results.append(result)
-                if stopped is None and (stopped := same.add(result)) is not None:
-                    console.print(f"fleetroll: stopping the batch early: {stopped}")
-                    batch.cancel()  # the rest still deliver their (cancelled) results
+        current = _Current()
+        background.start_soon(_watch_signals, signals, current, interrupted, console, settings)
+        drive = _Drive(journal, list(previous), console, settings)
+        if sampler is None:
+            # The pool counts them in their groups: an oversampled group runs only
+            # what it still lacks (on Ray as here).
+            batch = current.batch = pool.run_batch(
+                tasks,
+                policy,
+                samples_per_task=samples,
+                batch_id=batch_id,
+                previous=previous,
+                groups_target=groups_target,
+            )
+            console.print(
+                f"fleetroll: batch {batch.batch_id}: {batch.total} rollouts "
+                f"({len(tasks)} tasks × {samples}) on {backend}"
+                + (f", {len(previous)} already done" if previous else "")
+            )
+            await drive.batch(batch)
+        count = steps.count if steps is not None else 0
+        finished = sampler.step if sampler is not None else 0
+        while sampler is not None and sampler.step < count:
+            if interrupted.is_set() or drive.stopped is not None:
+                break
+            if out is not None:  # the state this step starts from: a resume draws it again
+                await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
+            draw = sampler.draw()
+            step_id = step_batch_id(batch_id, draw.step)
+            before = [r for r in previous if r.batch_id == step_id]
+            batch = current.batch = pool.run_batch(
+                draw.tasks,
+                policy,
+                samples_per_task=samples,
+                batch_id=step_id,
+                previous=before,
+                groups_target=groups_target,
+            )
+            console.print(
+                f"fleetroll: step {draw.step + 1}/{count} (epoch {draw.epoch}):"
+                f" batch {step_id}: {batch.total} rollouts ({len(draw.tasks)} tasks × {samples})"
+                f" on {backend}" + (f", {len(before)} already done" if before else "")
+            )
+            ended = await drive.batch(batch, step=draw.step, before=before)
+            if interrupted.is_set() or drive.stopped is not None:
+                break
+            for group in groups_of(step_id, samples, ended):
+                sampler.observe(group)
+            finished = sampler.step
+        else:
+            if sampler is not None and out is not None:  # where a longer resume goes on from
+                await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
     return JobReport(
-        batch_id=batch.batch_id,
-        results=results,
+        batch_id=batch_id,
+        results=drive.results,
         resumed=len(previous),
         elapsed_s=time.monotonic() - started,
         interrupted=interrupted.is_set(),
         backend=backend,
         journal=out,
-        stopped=stopped,
+        stopped=drive.stopped,
+        steps=None if sampler is None else finished,
     )
+
+
+def open_sampler(tasks: Sequence[TaskSpec], config: SamplerConfig, out: Path | None) -> TaskSampler:
+    """The run's task sampler: new, or as saved beside the journal ``out`` (a resume).
+
+    Blocking file I/O: call it from a worker thread.
+
+    Raises:
+        ConfigError: ``config`` cannot be met by ``tasks``, or ``out`` has
+            results but no sampler state, or one saved for other tasks or settings.
+    """
+    if out is None:
+        return TaskSampler(tasks, config)
+    state = read_sampler_state(out)
+    if state is None:
+        raise ConfigError(f"cannot resume {out} with --steps: {sampler_path(out)} is missing")
+    try:
+        return TaskSampler(tasks, config, state)
+    except ConfigError as exc:
+        raise ConfigError(f"cannot resume {out}: {exc}") from None
+
+
+class _Current:
+    """The batch running now, for the signal watcher (a run of steps has many)."""
+
+    batch: RunningBatch | None = None
+
+
+class _Drive:
+    """Runs batches of a job one at a time: journals and keeps their results,
+    shows their progress, and stops the job early when its first rollouts all
+    failed the same way."""
+
+    def __init__(
+        self,
+        journal: Journal | None,
+        results: list[RolloutResult],
+        console: Console,
+        settings: Settings,
+    ) -> None:
+        self.journal = journal
+        self.results = results
+        self.console = console
+        self.settings = settings
+        self.same = SameFailures(settings.pool.stop_after_same_failures)
+        self.stopped: str | None = None
+
+    async def batch(
+        self,
+        batch: RunningBatch,
+        *,
+        step: int | None = None,
+        before: Sequence[RolloutResult] = (),
+    ) -> list[RolloutResult]:
+        """Drive ``batch`` to its end; its results, ``before`` (a resume's) first."""
+        ended = list(before)
+        async with _Background() as foreground:
+            foreground.start_soon(
+                _show_progress, batch, self.console, time.monotonic(), self.settings
+            )
+            async for result in batch:
+                if step is not None:
+                    result = result.model_copy(update={"step": step})
+                if self.journal:
+                    self.journal.append(result)
+                self.results.append(result)
+                ended.append(result)
+                if self.stopped is None and (stopped := self.same.add(result)) is not None:
+                    self.stopped = stopped
+                    self.console.print(f"fleetroll: stopping the batch early: {stopped}")
+                    batch.cancel()  # the rest still deliver their (cancelled) results
+        return ended
 
 
 #: Digits and hex ids vary between rollouts that failed the same way.
@@ -288,7 +433,7 @@ async def open_fleet(
 
 async def _watch_signals(
     signals: AsyncIterator[int],
-    batch: RunningBatch,
+    current: _Current,
     interrupted: anyio.Event,
     console: Console,
     settings: Settings,
@@ -305,7 +450,8 @@ async def _watch_signals(
                 "fleetroll: interrupted: cancelling unfinished rollouts and releasing "
                 "their instances (their results are journaled as cancelled)"
             )
-            await batch.aclose()
+            if current.batch is not None:
+                await current.batch.aclose()
         else:
             console.print(
                 "fleetroll: already stopping: instances still held are being released "
@@ -587,8 +733,11 @@ def print_report(report: JobReport, console: Console, settings: Settings | None 
         console.print(f"fleetroll: stopped early: {report.stopped}")
     new = len(report.results) - report.resumed
     rate = new / report.elapsed_s if report.elapsed_s > 0 else 0.0
+    what = f"batch {report.batch_id}"
+    if report.steps is not None:
+        what = f"run {report.batch_id} ({report.steps} steps done)"
     console.print(
-        f"fleetroll: batch {report.batch_id}: {len(report.results)} results "
+        f"fleetroll: {what}: {len(report.results)} results "
         f"({new} this run, {rate:.1f}/s over {report.elapsed_s:.1f}s)"
         + (f", {cancelled} cancelled" if cancelled else "")
         + (
@@ -602,15 +751,17 @@ def print_report(report: JobReport, console: Console, settings: Settings | None 
     else:
         console.print("fleetroll: results: not kept (pass --out FILE to journal them)")
     if settings is not None:
-        console.print(f"fleetroll: telemetry: {_telemetry_where(settings, report.batch_id)}")
+        batch = report.batch_id if report.steps is None else None  # a run of steps has many
+        console.print(f"fleetroll: telemetry: {_telemetry_where(settings, batch)}")
 
 
-def _telemetry_where(settings: Settings, batch_id: str) -> str:
+def _telemetry_where(settings: Settings, batch_id: str | None) -> str:
     db = settings.telemetry.db_path
     where = (
         "local store off (telemetry.db_path is the null device)"
         if str(db) == os.devnull
-        else f"{db} (fleetroll stats --db {db} --batch {batch_id})"
+        else f"{db} (fleetroll stats --db {db}"
+        + (f" --batch {batch_id})" if batch_id is not None else ")")
     )
     if settings.logfire_token is not None and settings.telemetry.send_to_logfire:
         where += ", and Logfire"

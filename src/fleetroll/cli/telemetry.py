@@ -509,7 +509,7 @@ def dashboard(db_path: Path | None, host: str, port: int, config_file: Path | No
             dashboard_app(
                 db,
                 query_timeout_s=settings.service.query_timeout_s,
-                panels=dashboard_panels(settings),
+                panels=dashboard_panels(settings.telemetry),
                 token=token,
             ),
             token=token,

@@ -184,6 +184,8 @@ class FleetrollClient:
         deadline_s: float | None = None,
         oversample: int | None = None,
         after: int = 0,
+        agent_command: str | Sequence[str] | None = None,
+        groups_target: int | None = None,
     ) -> RemoteBatch:
         """A batch on the service; it is submitted when first iterated (or entered).
 
@@ -193,8 +195,12 @@ class FleetrollClient:
         that ended cancelled (after a cancel or a deadline) or have no result
         (the service restarted while they ran): iterated, it then gives one
         result per rollout, the newest, or, with ``after`` (the cursor a
-        controller had), only the results after it. Different content under
-        the id is a 409. A batch the service's pre-flight refuses raises, on
+        controller had), only the results after it. ``agent_command`` runs
+        that command as each rollout's agent on the service's host, as
+        ``fleetroll run --agent-command`` does (an openai ``policy``; the
+        service refuses it with a 422 unless ``service.allow_command_tasks``).
+        ``groups_target``: straggler cut-off by whole groups, as in-process.
+        Different content under the id is a 409. A batch the service's pre-flight refuses raises, on
         submission, :class:`~fleetroll.errors.ServicePreflightError` (a
         ``PreflightError``, as in-process, and a ``ServiceError``, 422).
 
@@ -218,6 +224,12 @@ class FleetrollClient:
             payload["deadline_s"] = deadline_s
         if oversample is not None:
             payload["oversample"] = oversample
+        if groups_target is not None:
+            payload["groups_target"] = groups_target
+        if agent_command is not None:
+            payload["agent_command"] = (
+                agent_command if isinstance(agent_command, str) else list(agent_command)
+            )
         return RemoteBatch(self._service, payload["batch_id"], payload=payload, after=after)
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:

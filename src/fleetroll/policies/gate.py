@@ -44,6 +44,8 @@ class PolicyGate:
         self._changed = anyio.Event()
         #: Bumped at every change :meth:`changed` wakes on.
         self.generation = 0
+        #: Policy calls :meth:`admit` let start so far.
+        self.admitted = 0
 
     def __repr__(self) -> str:
         return f"PolicyGate(version={self._version}, paused={self.paused})"
@@ -102,8 +104,10 @@ class PolicyGate:
             waiting for a pause to end (not charged to the rollout's deadline).
         """
         if not self._pauses:
+            self.admitted += 1
             return self._version, 0.0
         began = anyio.current_time()
         while self._pauses:
             await self._open.wait()
+        self.admitted += 1
         return self._version, anyio.current_time() - began

@@ -23,6 +23,8 @@ import httpx
 from pydantic import SecretStr
 
 import fleetroll._internal.retrying as retrying
+from fleetroll._internal.excerpts import error_excerpt as _excerpt
+from fleetroll._internal.excerpts import shorten as _shorten
 from fleetroll._internal.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies.servers import (
@@ -49,8 +51,6 @@ __all__ = ["OpenAIChatPolicy"]
 
 _OPERATION = "policy"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
-#: How much of an error body goes into a PolicyError's message.
-_EXCERPT_CHARS = 300
 #: Statuses worth trying again: rate limits, timeouts and server-side failures.
 #: OpenAI-compatible servers answer 409 for a lock that timed out: worth another try.
 _ALSO_TRANSIENT = frozenset({409})
@@ -837,18 +837,6 @@ def _logprobs(
     return tuple(logprobs), (tuple(top) if top else None)
 
 
-def _excerpt(body: bytes) -> str:
-    """What an answer's body says, shortened (an OpenAI-style error's message)."""
-    text = body.decode("utf-8", "replace")
-    try:
-        error = json.loads(text)["error"]
-        # OpenAI-style {"error": {"message": ...}}: the message is the useful part.
-        text = error["message"] if isinstance(error, dict) else str(error)
-    except (ValueError, KeyError, TypeError):
-        pass
-    return _shorten(str(text)) or "(empty body)"
-
-
 def _training_problems(
     prompt_ids: tuple[int, ...] | None,
     completion_ids: tuple[int, ...] | None,
@@ -887,8 +875,3 @@ def _int_fields(usage: Mapping[str, Any]) -> dict[str, int]:
         for key, value in usage.items()
         if isinstance(value, int) and not isinstance(value, bool)
     }
-
-
-def _shorten(text: str, limit: int = _EXCERPT_CHARS) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 1] + "…"

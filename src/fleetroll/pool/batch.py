@@ -326,6 +326,9 @@ class Batch(ResultStream):
                 FailureReason.SUPERSEDED, superseded_error(group.task_key, group.expected)
             )
         self._groups.add(group)
+        # With groups_target: once enough groups are complete, the others are cut.
+        for rid, why in self._tracker.cut() if self._tracker else ():
+            self._by_id[rid].stop(FailureReason.SUPERSEDED, why)
 
     def close_stream(self) -> None:
         super().close_stream()

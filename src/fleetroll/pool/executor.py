@@ -129,6 +129,14 @@ class Executor(Protocol):
     async def sweep(self, run_id: str) -> None:
         """Release instances tagged ``run_id`` that no rollout holds (a batch ended)."""
 
+    async def gate_synced(self) -> None:
+        """Return once every place policy calls start in has the pool's policy
+        gate as it is now (the pool awaits it entering and leaving a pause).
+
+        Raises:
+            OperationTimeout: a live place did not confirm in time.
+        """
+
     def session(
         self, task: TaskSpec, ids: RolloutIds, *, run_id: str
     ) -> AbstractAsyncContextManager[EnvSession]:
@@ -209,6 +217,9 @@ class LocalExecutor:
 
     async def sweep(self, run_id: str) -> None:
         await self.engine.provider.sweep(run_id)
+
+    async def gate_synced(self) -> None:
+        pass  # policy calls start in this process, on the pool's gate itself
 
     @asynccontextmanager
     async def session(

@@ -15,6 +15,12 @@ exclusive lock on the file for the run's lifetime, and keeps the batch's
 identity (its id, samples, and a digest of each task's content) in a
 sidecar ``<journal>.meta.json``, so that a resume with other tasks or
 other samples is refused instead of mixing results of two batches.
+
+A run of steps (``fleetroll run --steps N --batch-tasks M``) journals every
+step's batch in one file, each under the batch id :func:`step_batch_id`
+makes of the run's id; its identity records ``batch_tasks``, and the task
+sampler's state is kept in a second sidecar, ``<journal>.sampler.json``
+(:func:`write_sampler_state`), as it was when the last step started.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleetroll.errors import ConfigError
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.tasks import TaskSpec
+from fleetroll.training.sampler import SamplerState
 
 __all__ = [
     "BatchIdentity",
@@ -47,11 +54,17 @@ __all__ = [
     "claim_journal",
     "meta_path",
     "read_journal",
+    "read_sampler_state",
+    "sampler_path",
+    "step_batch_id",
+    "write_results",
+    "write_sampler_state",
 ]
 
 _MAX_LINES_PER_WRITE = 512
 _log = logging.getLogger(__name__)
 _META_FORMAT = 1
+_STEP = "-step"
 
 
 def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
@@ -91,9 +104,53 @@ def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
     return list(last.values())
 
 
+def write_results(path: Path, results: Iterable[RolloutResult]) -> None:
+    """Write ``results`` as a results file (JSON Lines) at ``path``, atomically:
+    a reader sees the old file or the whole new one (``fleetroll rescore``).
+
+    Raises:
+        OSError: the file (or its temporary sibling) could not be written.
+    """
+    _write_atomically(path, _encode(results))
+
+
 def meta_path(path: Path) -> Path:
     """Where the journal at ``path`` keeps its batch's identity."""
     return path.with_name(path.name + ".meta.json")
+
+
+def sampler_path(path: Path) -> Path:
+    """Where the journal at ``path`` of a run of steps keeps its task sampler's state."""
+    return path.with_name(path.name + ".sampler.json")
+
+
+def step_batch_id(run_id: str, step: int) -> str:
+    """The batch id of step ``step`` (from 0) of the run of steps ``run_id``."""
+    return f"{run_id}{_STEP}{step}"
+
+
+def write_sampler_state(path: Path, state: SamplerState) -> None:
+    """Keep ``state`` beside the journal at ``path``, atomically. Blocking file I/O."""
+    _write_atomically(sampler_path(path), state.model_dump_json(indent=1).encode())
+
+
+def read_sampler_state(path: Path) -> SamplerState | None:
+    """The sampler state kept beside the journal at ``path``; None when there is none.
+
+    Raises:
+        ConfigError: the file is there but is not a sampler state.
+    """
+    where = sampler_path(path)
+    try:
+        data = where.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"{where}: {exc.strerror}") from None
+    try:
+        return SamplerState.model_validate_json(data)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: not a sampler state: {exc}") from None
 
 
 def task_digest(task: TaskSpec) -> str:
@@ -114,21 +171,39 @@ class BatchIdentity:
 
     ``oversample`` is None in an identity written before it was recorded: such
     a journal resumes whatever this run's ``pool.oversample`` (as it did).
+    ``batch_tasks`` is set for a run of steps (``--steps``, ``--batch-tasks``):
+    ``batch_id`` is then the run's id and ``tasks`` the set the steps draw from.
     """
 
     batch_id: str
     samples: int
     tasks: Mapping[str, str] = field(repr=False)  # task key -> task_digest
     oversample: int | None = 0
+    batch_tasks: int | None = None
 
     @classmethod
     def of(
-        cls, batch_id: str, tasks: Sequence[TaskSpec], samples: int, oversample: int = 0
+        cls,
+        batch_id: str,
+        tasks: Sequence[TaskSpec],
+        samples: int,
+        oversample: int = 0,
+        batch_tasks: int | None = None,
     ) -> BatchIdentity:
-        return cls(batch_id, samples, {t.key: task_digest(t) for t in tasks}, oversample)
+        digests = {t.key: task_digest(t) for t in tasks}
+        return cls(batch_id, samples, digests, oversample, batch_tasks)
 
     def difference(self, other: BatchIdentity) -> str | None:
         """How ``other`` (this run) differs from this batch, or None (batch ids aside)."""
+        if other.batch_tasks != self.batch_tasks:
+            if self.batch_tasks is None:
+                return "it was started as one batch, without --steps"
+            if other.batch_tasks is None:
+                return "it was started with --steps, this run asks for one batch"
+            return (
+                f"it was started with --batch-tasks {self.batch_tasks},"
+                f" this run asks for {other.batch_tasks}"
+            )
         if other.samples != self.samples:
             return (
                 f"it was started with --samples {self.samples}, this run asks for {other.samples}"
@@ -149,16 +224,16 @@ class BatchIdentity:
         return None
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "format": _META_FORMAT,
-                "batch_id": self.batch_id,
-                "samples": self.samples,
-                "oversample": self.oversample,
-                "tasks": dict(self.tasks),
-            },
-            sort_keys=True,
-        ).encode()
+        raw: dict[str, Any] = {
+            "format": _META_FORMAT,
+            "batch_id": self.batch_id,
+            "samples": self.samples,
+            "oversample": self.oversample,
+            "tasks": dict(self.tasks),
+        }
+        if self.batch_tasks is not None:  # a run of steps
+            raw["batch_tasks"] = self.batch_tasks
+        return json.dumps(raw, sort_keys=True).encode()
 
     @classmethod
     def from_json(cls, data: bytes) -> BatchIdentity:
@@ -171,11 +246,13 @@ class BatchIdentity:
             if not isinstance(tasks, dict):
                 raise ValueError("'tasks' is not an object")
             oversample = raw.get("oversample")  # absent: written before it was recorded
+            batch_tasks = raw.get("batch_tasks")  # absent: one batch
             return cls(
                 str(raw["batch_id"]),
                 int(raw["samples"]),
                 tasks,
                 None if oversample is None else int(oversample),
+                None if batch_tasks is None else int(batch_tasks),
             )
         except (AttributeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a batch identity: {exc}") from None
@@ -301,24 +378,33 @@ def _check(
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     batches = sorted({r.batch_id for r in previous})
-    if len(batches) > 1:
-        raise ConfigError(f"{path} holds results of several batches ({', '.join(batches)})")
     try:
         started: BatchIdentity | None = BatchIdentity.from_json(meta.read_bytes())
     except FileNotFoundError:
         started = None  # a journal from before identities were kept
     except ValueError as exc:
         raise ConfigError(f"{meta}: {exc}") from None
+    if started is not None and started.batch_tasks is not None:
+        stray = [b for b in batches if not b.startswith(f"{started.batch_id}{_STEP}")]
+        if stray:
+            raise ConfigError(
+                f"{path} holds batch {stray[0]}, not a step of the run {started.batch_id}"
+                f" that {meta} says"
+            )
+    elif len(batches) > 1:
+        raise ConfigError(f"{path} holds results of several batches ({', '.join(batches)})")
+    elif started is None and identity.batch_tasks is not None:
+        raise ConfigError(f"cannot resume {path} with --steps: {meta} is missing")
     if started is not None:
-        if batches and batches != [started.batch_id]:
+        if started.batch_tasks is None and batches and batches != [started.batch_id]:
             raise ConfigError(
                 f"{path} holds batch {batches[0]}, but {meta} says {started.batch_id}"
             )
         why = started.difference(identity)
         if why is not None:
             raise ConfigError(
-                f"cannot resume {path}: {why}; resume with the same tasks, --samples and"
-                " pool.oversample, or choose another --out"
+                f"cannot resume {path}: {why}; resume with the same tasks, --samples,"
+                " pool.oversample (and --batch-tasks), or choose another --out"
             )
         return JournalClaim(path, started.batch_id, previous, fd)
     unknown = sorted({r.task_key for r in previous} - set(identity.tasks))

@@ -47,7 +47,7 @@ from __future__ import annotations
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from types import TracebackType
 from typing import Self
 
@@ -198,14 +198,28 @@ class RolloutPool:
     def policy_version(self, value: int) -> None:
         self.policy_gate.version = value
 
-    def policy_paused(self) -> AbstractAsyncContextManager[None]:
+    @asynccontextmanager
+    async def policy_paused(self) -> AsyncIterator[None]:
         """Hold new policy calls for the block (a weight swap); pauses nest.
 
         Calls already running finish; tool calls, provisioning and verification
         go on. The wait is charged to no rollout deadline, only to the batch's
-        ``deadline_s``.
+        ``deadline_s``. Once the block is entered no new call starts anywhere
+        (every Ray actor confirmed the pause), and a version set in the block is
+        on every call that starts after it (every actor confirmed it before the
+        pause ends).
+
+        Raises:
+            OperationTimeout: a live Ray actor did not confirm within
+                ``timeouts.ray_call_s``.
         """
-        return self.policy_gate.paused_calls()
+        async with self.policy_gate.paused_calls():
+            await self._executor.gate_synced()
+            try:
+                yield
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._executor.gate_synced()
 
     async def __aenter__(self) -> Self:
         if self._api_key is None and self.settings.traces.upload:
@@ -222,7 +236,11 @@ class RolloutPool:
             # Entered before the batches' task group: its bounded flush runs after them.
             self._traces = await stack.enter_async_context(
                 open_trace_uploader(
-                    self.settings, self.events, api_key=self._api_key or "", base_url=self._base_url
+                    self.settings.traces,
+                    self.events,
+                    connect_s=self.settings.timeouts.mcp_connect_s,
+                    api_key=self._api_key or "",
+                    base_url=self._base_url,
                 )
             )
             self._tg = await stack.enter_async_context(anyio.create_task_group())
@@ -276,6 +294,7 @@ class RolloutPool:
         run_id: str | None = None,
         oversample: int | None = None,
         previous: Sequence[RolloutResult] = (),
+        groups_target: int | None = None,
     ) -> Batch:
         """Start a batch; iterate the returned :class:`Batch` for its results.
 
@@ -295,10 +314,16 @@ class RolloutPool:
                 (:mod:`fleetroll.training.groups`).
             previous: results of this batch's rollouts from an earlier run (a
                 resume): they are not run again and count in their groups.
+            groups_target: straggler cut-off by whole groups: once this many
+                groups are complete, every rollout of the other groups is
+                stopped (``superseded``) and those groups come with ``cut``
+                true (:mod:`fleetroll.training.groups`: its bias). None: every
+                group runs to its end.
 
         Raises:
             ValueError: ``samples_per_task`` is below 1, ``oversample`` below 0,
-                two tasks share a key, or a batch with this id is still running.
+                ``groups_target`` not between 1 and the number of tasks, two
+                tasks share a key, or a batch with this id is still running.
             PoolFullError: the batch would take the pool's unfinished
                 rollouts past ``pool.max_queued_rollouts``.
             ConfigError: a task runs on Fleet and the pool has no Fleet ``api_key``.
@@ -311,6 +336,11 @@ class RolloutPool:
         extra = self.settings.pool.oversample if oversample is None else oversample
         if extra < 0:
             raise ValueError("oversample must be at least 0")
+        if groups_target is not None and not 1 <= groups_target <= len(tasks):
+            raise ValueError(
+                f"groups_target must be between 1 and the batch's {len(tasks)} tasks (groups),"
+                f" not {groups_target}"
+            )
         check_unique_keys(tasks)
         batch_id = batch_id or uuid.uuid4().hex[:12]
         if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
@@ -345,7 +375,9 @@ class RolloutPool:
             rollouts,
             skipped=len(tasks) * (samples_per_task + extra) - len(rollouts),
             run_id=tag,
-            tracker=GroupTracker(batch_id, samples_per_task, members, previous, ranks=ranks),
+            tracker=GroupTracker(
+                batch_id, samples_per_task, members, previous, ranks=ranks, target=groups_target
+            ),
         )
         if deadline_s is not None:
             batch.scope.deadline = anyio.current_time() + deadline_s

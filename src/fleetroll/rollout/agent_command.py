@@ -29,11 +29,13 @@ import shlex
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from subprocess import DEVNULL, STDOUT
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import anyio
 
@@ -48,13 +50,16 @@ from fleetroll.rollout.machine import Rollout
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
-__all__ = ["CommandAgent"]
+__all__ = ["AgentHost", "AgentRecipe", "CommandAgent"]
 
 _log = logging.getLogger(__name__)
 #: The variables of fleetroll's own environment an agent gets (nothing secret).
 _PASSED = ("PATH", "HOME", "LANG")
 #: How much of the end of an agent's output a warning about its exit quotes.
 _TAIL_CHARS = 600
+#: Closing an agent's policy (an HTTP client): bounded, shielded. Not a setting:
+#: closing a client does no I/O worth waiting for longer.
+_CLOSE_S = 5.0
 
 
 class CommandAgent:
@@ -72,6 +77,8 @@ class CommandAgent:
         policy: where the agent's calls go, and how token data is asked for.
         kill_grace_s, max_request_bytes, max_answer_file_bytes: ``policy.agent_*``.
         owns_policy: close ``policy`` when the agent is closed.
+        gateway: a gateway someone else serves (one for many agents, as the
+            HTTP service's); by default the agent serves its own.
     """
 
     def __init__(
@@ -83,6 +90,7 @@ class CommandAgent:
         max_request_bytes: int = 64 * 1024 * 1024,
         max_answer_file_bytes: int = 1024 * 1024,
         owns_policy: bool = False,
+        gateway: Gateway | None = None,
     ) -> None:
         self.argv = shlex.split(command) if isinstance(command, str) else list(command)
         if not self.argv:
@@ -91,26 +99,49 @@ class CommandAgent:
         self.kill_grace_s = kill_grace_s
         self.max_answer_file_bytes = max_answer_file_bytes
         self._owns_policy = owns_policy
-        self._gateway = Gateway(max_request_bytes=max_request_bytes)
+        self._owns_gateway = gateway is None
+        self._gateway = gateway or Gateway(max_request_bytes=max_request_bytes)
+        #: What makes this agent in another process (:class:`AgentRecipe`): set by
+        #: :meth:`from_settings`, and one key per agent, so a process makes it once.
+        self._recipe: AgentRecipe | None = None
 
     @classmethod
-    def from_settings(cls, command: str | Sequence[str], settings: Settings) -> Self:
+    def from_settings(
+        cls, command: str | Sequence[str], settings: Settings, *, gateway: Gateway | None = None
+    ) -> Self:
         """An agent whose calls go to ``settings.policy``'s servers (it owns that policy)."""
         p = settings.policy
-        return cls(
+        agent = cls(
             command,
             OpenAIChatPolicy.from_settings(settings),
             kill_grace_s=p.agent_kill_grace_s,
             max_request_bytes=p.agent_max_request_bytes,
             max_answer_file_bytes=p.agent_max_answer_file_bytes,
             owns_policy=True,
+            gateway=gateway,
         )
+        agent._recipe = AgentRecipe(uuid.uuid4().hex, tuple(agent.argv), settings)
+        return agent
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to a Ray actor), an agent travels as its :class:`AgentRecipe`.
+
+        Raises:
+            TypeError: the agent was not made with :meth:`from_settings`.
+        """
+        if self._recipe is None:
+            raise TypeError(
+                "a CommandAgent runs in another process (Ray) only when made with"
+                " CommandAgent.from_settings: its policy is rebuilt there from the settings"
+            )
+        return (AgentRecipe, tuple(self._recipe))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({shlex.join(self.argv)!r}, {self.policy!r})"
 
     async def __aenter__(self) -> Self:
-        await self._gateway.__aenter__()
+        if self._owns_gateway:
+            await self._gateway.__aenter__()
         return self
 
     async def __aexit__(
@@ -120,7 +151,8 @@ class CommandAgent:
         tb: TracebackType | None,
     ) -> None:
         try:
-            await self._gateway.__aexit__(exc_type, exc, tb)
+            if self._owns_gateway:
+                await self._gateway.__aexit__(exc_type, exc, tb)
         finally:
             await self.aclose()
 
@@ -217,6 +249,62 @@ class CommandAgent:
             )
 
 
+class AgentRecipe(NamedTuple):
+    """What makes a :class:`CommandAgent` in another process (a Ray actor): pickled
+    in its place. ``key`` is the agent's own, so a process makes each agent once
+    (:class:`AgentHost`), with its own gateway on that process's loopback."""
+
+    key: str
+    argv: tuple[str, ...]
+    settings: Settings
+
+
+class AgentHost:
+    """The agents of one process made from recipes, and the one gateway they share.
+
+    An agent lives while rollouts use it (:meth:`agent`): the last to end closes
+    it (its HTTP client), and the next rollout of its batch makes it again. The
+    gateway is kept for the process's life: a Ray actor holds one and is killed,
+    never closed, so the gateway goes with the process.
+    """
+
+    def __init__(self) -> None:
+        self._agents: dict[str, tuple[CommandAgent, int]] = {}
+        self._gateway: Gateway | None = None
+        self._stack = AsyncExitStack()
+        self._making = anyio.Lock()
+
+    async def aclose(self) -> None:
+        """Stop the gateway, from the task (and cancel scope) that made the first agent."""
+        await self._stack.aclose()
+
+    @asynccontextmanager
+    async def agent(self, recipe: AgentRecipe) -> AsyncIterator[CommandAgent]:
+        """The agent ``recipe`` makes (the same one for the same key while in use)."""
+        async with self._making:
+            agent, users = self._agents.get(recipe.key, (None, 0))
+            if agent is None:
+                if self._gateway is None:
+                    limit = recipe.settings.policy.agent_max_request_bytes
+                    self._gateway = await self._stack.enter_async_context(
+                        Gateway(max_request_bytes=limit)
+                    )
+                agent = CommandAgent.from_settings(
+                    recipe.argv, recipe.settings, gateway=self._gateway
+                )
+            self._agents[recipe.key] = (agent, users + 1)
+        try:
+            yield agent
+        finally:
+            agent, users = self._agents[recipe.key]
+            if users > 1:
+                self._agents[recipe.key] = (agent, users - 1)
+            else:
+                del self._agents[recipe.key]
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
+                    await agent.aclose()
+
+
 class _Link:
     """One rollout, as its gateway sees it (:class:`fleetroll.policies.gateway.Link`)."""
 
@@ -254,8 +342,19 @@ class _Link:
             latency = time.monotonic() - began
             rollout.progress.timings.policy_s += latency
         self._refuse_if_ended()  # it ended while the server answered: not its turn
-        rollout.record_call(turn, policy_version=version, latency_s=latency)
+        observed = _after_last_assistant(body["messages"])
+        rollout.record_call(turn, policy_version=version, latency_s=latency, observations=observed)
         return answer
+
+
+def _after_last_assistant(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """The messages of a request after its last assistant message: what the agent
+    observed since its previous call (its tool answers). None without one."""
+    for index in range(len(messages) - 1, -1, -1):
+        message = messages[index]
+        if isinstance(message, dict) and message.get("role") == "assistant":
+            return [m for m in messages[index + 1 :] if isinstance(m, dict)]
+    return []
 
 
 async def _read_capped(path: Path, limit: int) -> str | None:

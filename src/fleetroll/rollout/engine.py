@@ -18,6 +18,7 @@ from fleetroll.environments.provider import Provider
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.machine import Rollout, RolloutIds
+from fleetroll.scoring import Judge, JudgeConfig, Scorer
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
@@ -48,6 +49,9 @@ class RolloutEngine:
         #: Telemetry's redactor, knowing every secret of ``settings`` too; results
         #: go through it (an ``Events`` built without settings knows none).
         self.redactor: Redactor = events.redactor.extended(settings.secrets())
+        #: The reward components of tasks' ``rewards``: one judge (its HTTP client,
+        #: cache and limit) for every rollout; closed by :meth:`open`'s exit.
+        self.scorer = Scorer(Judge(JudgeConfig.from_settings(settings)))
 
     @classmethod
     @asynccontextmanager
@@ -61,11 +65,16 @@ class RolloutEngine:
         policy_gate: PolicyGate | None = None,
     ) -> AsyncIterator[RolloutEngine]:
         """An engine over ``provider``, which it closes on exit."""
+        engine = cls(settings, provider, events, admission, policy_gate=policy_gate)
         try:
-            yield cls(settings, provider, events, admission, policy_gate=policy_gate)
+            yield engine
         finally:
             with anyio.CancelScope(shield=True):
-                await provider.aclose()
+                try:
+                    await provider.aclose()
+                finally:
+                    with anyio.move_on_after(settings.timeouts.release_s):
+                        await engine.scorer.aclose()
 
     def rollout(
         self,

@@ -33,7 +33,7 @@ what it means is :mod:`fleetroll.rollout.dispatch`; the mutable state and the
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import (
     AbstractAsyncContextManager,
     AsyncExitStack,
@@ -420,10 +420,22 @@ class Rollout:
             self.progress.first_policy_version = version
         return version
 
-    def record_call(self, turn: AssistantTurn, *, policy_version: int, latency_s: float) -> None:
-        """Record a policy call an agent of its own made (its tools it runs itself)."""
+    def record_call(
+        self,
+        turn: AssistantTurn,
+        *,
+        policy_version: int,
+        latency_s: float,
+        observations: Sequence[Mapping[str, Any]] = (),
+    ) -> None:
+        """Record a policy call an agent of its own made (its tools it runs itself).
+
+        ``observations``: what the agent sent after its previous assistant message
+        (the tool answers it got over MCP), added to the transcript before the turn.
+        """
         self.progress.record_turn(turn, policy_version=policy_version, latency_s=latency_s)
         self.live.turn(turn, latency_s=latency_s, policy_version=policy_version)
+        self.progress.transcript.add_observations(observations)
         self.progress.transcript.add_turn(turn)
         if turn.tool_calls:
             self.progress.steps += 1

@@ -30,7 +30,11 @@ from fleetroll.rollout.transcript import CHARS_PER_TOKEN, Transcript
 from fleetroll.tasks import TaskSpec
 from fleetroll.training.trajectory import stitch
 
-__all__ = ["Progress", "RolloutIds"]
+__all__ = ["REWARD_ERROR_SEPARATOR", "Progress", "RolloutIds"]
+
+#: Between a rollout's own error and why its reward could not be computed,
+#: when it had ended otherwise than well (``fleetroll rescore`` splits there).
+REWARD_ERROR_SEPARATOR = "; not scored: "
 
 T = TypeVar("T")
 
@@ -56,6 +60,8 @@ class Progress:
     finished: bool = False  # the episode ended on its own (no more tool calls / answer)
     scored: bool = False
     reward: float | None = None
+    #: The components of the task's ``rewards`` by name (None: the task has none).
+    rewards: dict[str, float | None] | None = None
     verifier: VerifierOutcome | None = None
     timings: Timings = field(default_factory=Timings)
     transcript: Transcript = field(default_factory=Transcript)
@@ -143,6 +149,18 @@ class Progress:
             if reason not in SCORED_REASONS:
                 self.reward = None
 
+    def reward_failed(self, error: str) -> None:
+        """A component of the task's ``rewards`` could not be computed: no reward.
+
+        A rollout that had ended well is ``reward_error``; one that had ended
+        otherwise keeps its reason (``max_steps``...), ``error`` saying both.
+        """
+        self.reward = None
+        if self.reason is None:
+            self.fail(FailureReason.REWARD_ERROR, error)
+        else:
+            self.error = f"{self.error}{REWARD_ERROR_SEPARATOR}{error}" if self.error else error
+
     def result(
         self,
         ids: RolloutIds,
@@ -185,6 +203,7 @@ class Progress:
             failure_reason=self.reason,
             error=None if self.error is None else redact(self.error),
             reward=reward,
+            rewards=None if self.rewards is None else dict(self.rewards),
             steps=self.steps,
             tool_errors=self.tool_errors,
             tool_failures=self.tool_failures,

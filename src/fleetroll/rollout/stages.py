@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import anyio
 
 from fleetroll.environments.fleet.admission import Admission
-from fleetroll.environments.provider import Instance, Provider
+from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import (
     ContextOverflowError,
     EnvUnavailableError,
@@ -36,6 +36,7 @@ from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.progress import Progress, RolloutIds
 from fleetroll.rollout.routing import COMPUTER_TOOL, ComputerToolMissing, Route
 from fleetroll.rollout.tools import ToolCallFailed, ToolSession, describe
+from fleetroll.scoring import ScoreInputs, Scorer
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
@@ -65,6 +66,8 @@ class RolloutContext(Protocol):
     redactor: Redactor
     policy_gate: PolicyGate
     admission: Admission | None
+    #: Computes the components of tasks' ``rewards`` (the process's judge).
+    scorer: Scorer
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,16 +228,40 @@ def _tools_reason(lost: bool, *, opened: bool) -> FailureReason:
 async def score(
     ctx: RolloutContext, instance: Instance, task: TaskSpec, progress: Progress
 ) -> None:
-    """Run the verifier; record its reward, or why there is none."""
+    """Run the verifier and the task's other reward components; record the reward,
+    or why there is none.
+
+    A task without ``rewards`` is scored by its verifier alone. With them, the
+    verifier runs when a component names it, then the others are computed from
+    what the result will hold (:mod:`fleetroll.scoring`) and the reward is their
+    weighted sum; one that cannot be computed leaves no reward (``reward_error``).
+    """
     began = time.monotonic()
-    # The verifier has its own deadline, outside the rollout's: a rollout
-    # that timed out is still scored (docs/results.md).
-    verdict = await ctx.provider.verify(instance, task, progress.final_answer)
-    progress.timings.verify_s = time.monotonic() - began
-    progress.verifier = verdict.outcome
-    if verdict.ok:
-        progress.reward = verdict.reward
+    verified: float | None = None
+    if task.runs_verifier:
+        # The verifier has its own deadline, outside the rollout's: a rollout
+        # that timed out is still scored (docs/results.md).
+        verdict = await ctx.provider.verify(instance, task, progress.final_answer)
+        progress.timings.verify_s = time.monotonic() - began
+        progress.verifier = verdict.outcome
+        if not verdict.ok:
+            if task.rewards is not None:
+                progress.rewards = {spec.name: None for spec in task.rewards}
+            await _verifier_failed(ctx, instance, progress, verdict)
+            return
+        verified = verdict.reward
+    if task.rewards is None:
+        progress.reward = verified
         return
+    try:
+        await _components(ctx, task, progress, verified)
+    finally:  # the judges' time is scoring time too
+        progress.timings.verify_s = time.monotonic() - began
+
+
+async def _verifier_failed(
+    ctx: RolloutContext, instance: Instance, progress: Progress, verdict: Verdict
+) -> None:
     ctx.events.emit(
         "fleet_verifier_failed",
         level="error",
@@ -247,6 +274,40 @@ async def score(
             FailureReason.INSTANCE_LOST if lost else FailureReason.VERIFIER_ERROR,
             f"the verifier could not run: {verdict.outcome.error}",
         )
+
+
+async def _components(
+    ctx: RolloutContext, task: TaskSpec, progress: Progress, verified: float | None
+) -> None:
+    """The components of ``task.rewards`` other than the verifier's, read from what
+    the result holds (redacted, images as kept), so a re-scoring reads the same."""
+    assert task.rewards is not None
+    redact = ctx.redactor
+    answer = progress.final_answer
+    inputs = ScoreInputs(
+        prompt=task.prompt,
+        transcript=progress.transcript.export(
+            redact, keep_images=ctx.settings.pool.transcript_images
+        ),
+        final_answer=None if answer is None else redact(answer),
+        steps=progress.steps,
+    )
+    scored = await ctx.scorer.score(task.rewards, inputs, verifier=verified)
+    progress.rewards = scored.values
+    progress.cost.judge_calls += scored.judge_calls
+    progress.cost.judge_prompt_tokens += scored.judge_prompt_tokens
+    progress.cost.judge_completion_tokens += scored.judge_completion_tokens
+    if scored.reward is not None:
+        progress.reward = scored.reward
+        return
+    error = scored.error or "a reward component could not be computed"
+    ctx.events.emit(
+        "fleet_verifier_failed",
+        level="error",
+        error_type="JudgeError",
+        error_message=error[:500],
+    )
+    progress.reward_failed(error)
 
 
 def report_completed(events: Events, result: RolloutResult) -> None:
@@ -269,6 +330,10 @@ def report_completed(events: Events, result: RolloutResult) -> None:
         completion_tokens=result.cost.completion_tokens,
         policy_calls=result.cost.policy_calls,
         tool_calls=result.cost.tool_calls,
+        # The judge's share, for tasks with composite rewards (not summed by stats).
+        judge_calls=result.cost.judge_calls,
+        judge_prompt_tokens=result.cost.judge_prompt_tokens,
+        judge_completion_tokens=result.cost.judge_completion_tokens,
     )
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -156,6 +156,28 @@ class Transcript:
             self._with_images.append((len(self.messages) - 1, len(result.images)))
             self._images += len(result.images)
             self._elide_old_images()
+
+    def add_observations(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """What an agent of its own sent after its last assistant message (its tool
+        answers, images in user messages), as it sent them: the chat fields only."""
+        for message in messages:
+            role = message.get("role")
+            if role not in ("tool", "user"):
+                continue
+            kept: Message = {"role": role, "content": message.get("content")}
+            if role == "tool" and "tool_call_id" in message:
+                kept["tool_call_id"] = message["tool_call_id"]
+            self.messages.append(kept)
+            content = kept["content"]
+            images = (
+                sum(1 for p in content if isinstance(p, dict) and p.get("type") == "image_url")
+                if isinstance(content, list)
+                else 0
+            )
+            if images:
+                self._with_images.append((len(self.messages) - 1, images))
+                self._images += images
+                self._elide_old_images()
 
     def _elide_old_images(self) -> None:
         """Replace the images before the last ``max_images`` by a placeholder."""

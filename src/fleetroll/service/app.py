@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
 from functools import partial
 from typing import Any
 
 import anyio
 
 from fleetroll.errors import OperationTimeout
+from fleetroll.policies.gateway import Gateway
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.events import EventPage
@@ -95,6 +96,16 @@ class Service:
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            if self.settings.service.allow_command_tasks:
+                # Batches' agent commands talk to it; it outlives their consumers.
+                gateway = Gateway(max_request_bytes=self.settings.policy.agent_max_request_bytes)
+                self.batches.gateway = await stack.enter_async_context(gateway)
+            async with self._running():
+                yield
+
+    @asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             self.batches.tg = tg
             self.sessions.tg = tg

@@ -43,7 +43,7 @@ def create_app(service: Service) -> ASGIApp:
         s.telemetry.db_path,
         query_timeout_s=s.service.query_timeout_s,
         # Its own threads: an open dashboard never takes a /v1/query slot.
-        panels=dashboard_panels(s),
+        panels=dashboard_panels(s.telemetry),
         gauges=lambda: asdict(service.pool.admission.state()),
         token=s.service_token,
     )

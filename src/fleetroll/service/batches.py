@@ -39,11 +39,13 @@ from anyio.abc import TaskGroup
 
 from fleetroll.errors import ConfigError, PoolFullError, TaskFileError
 from fleetroll.policies import Policy
+from fleetroll.policies.gateway import Gateway
 from fleetroll.pool.batch import BatchCounts as PoolCounts
 from fleetroll.pool.batch_pool import BatchPool, RunningBatch
 from fleetroll.pool.journal import Journal
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.rollout.events import EventPage, ended_page
 from fleetroll.rollout.phases import Phase, RolloutView
 from fleetroll.rollout.progress import RolloutIds
@@ -63,6 +65,7 @@ from fleetroll.service.requests import (
     build_policy,
     parse_one,
     parse_records,
+    request_settings,
     task_path,
 )
 from fleetroll.service.state import BatchStore, StoredBatch, StoredRequest, rerun_starts
@@ -92,6 +95,10 @@ class _Plan:
     samples_per_task: int
     deadline_s: float | None
     oversample: int = 0
+    #: The command each rollout runs as its agent (``agent_command``), or None.
+    agent_command: tuple[str, ...] | None = None
+    #: Once this many groups are complete, the others are cut (``groups_target``).
+    groups_target: int | None = None
 
     def rollout_ids(self, batch_id: str) -> set[str]:
         return {
@@ -111,6 +118,8 @@ class _Plan:
             samples_per_task=self.samples_per_task,
             deadline_s=self.deadline_s,
             oversample=self.oversample,
+            agent_command=None if self.agent_command is None else list(self.agent_command),
+            groups_target=self.groups_target,
         )
 
     @classmethod
@@ -121,6 +130,8 @@ class _Plan:
             request.samples_per_task,
             request.deadline_s,
             request.oversample,
+            None if request.agent_command is None else tuple(request.agent_command),
+            request.groups_target,
         )
 
 
@@ -208,7 +219,13 @@ class BatchRecord:
         self._pending: set[str] = set()  # re-run rollouts whose new result is not in yet
         self._changed = anyio.Event()
         #: Its complete groups, streamed by ``GET /v1/batches/{id}/groups``.
-        self.groups = GroupLog(batch.batch_id, plan.tasks, plan.samples_per_task, plan.oversample)
+        self.groups = GroupLog(
+            batch.batch_id,
+            plan.tasks,
+            plan.samples_per_task,
+            plan.oversample,
+            groups_target=plan.groups_target,
+        )
 
     def changed(self) -> anyio.Event:
         """Set at the next change (a result, the end, a re-run)."""
@@ -409,6 +426,8 @@ class BatchRegistry:
         #: a time leaves the other worker threads to queries and verifiers.
         self._parsing = anyio.CapacityLimiter(1)
         self.tg: TaskGroup | None = None
+        #: The gateway of batches' agent commands (with ``service.allow_command_tasks``).
+        self.gateway: Gateway | None = None
         self.stopping = False
         #: Called with each record forgotten to make room (see ``keep_finished_batches``).
         self.on_forget: list[Callable[[BatchRecord], None]] = []
@@ -448,6 +467,8 @@ class BatchRegistry:
             ApiError: 422 (invalid tasks, too many rollouts), 409 (the id is
                 taken by a different request), 503 (the pool is full).
         """
+        if request.agent_command is not None:
+            self._check_agent_command(request.policy)
         tasks = await self._resolve_tasks(request)
         refuse_host_commands(
             tasks,
@@ -455,6 +476,13 @@ class BatchRegistry:
             loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
             indexed=request.tasks is not None,
         )
+        if request.groups_target is not None and request.groups_target > len(tasks):
+            raise ApiError(
+                422,
+                f"{request.groups_target} groups wanted of a batch of {len(tasks)} tasks (groups):"
+                " give at most as many as the tasks",
+                loc=["body", "groups_target"],
+            )
         limit = self._settings.service.max_batch_rollouts
         oversample = (
             self._settings.pool.oversample if request.oversample is None else request.oversample
@@ -477,7 +505,32 @@ class BatchRegistry:
             deadline_s=request.deadline_s,
             oversample=oversample,
             loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
+            agent_command=request.agent_command,
+            groups_target=request.groups_target,
         )
+
+    def _check_agent_command(self, policy: PolicyConfig | None) -> None:
+        """Refuse a batch with an agent command unless this service runs them.
+
+        Raises:
+            ApiError: 422: ``service.allow_command_tasks`` is false, or the
+                batch's policy is not an OpenAI-compatible one.
+        """
+        loc = ["body", "agent_command"]
+        if not self._settings.service.allow_command_tasks:
+            raise ApiError(
+                422,
+                "an agent command runs on the service's host; this service refuses it"
+                " (service.allow_command_tasks = false)",
+                loc=loc,
+            )
+        if request_settings(policy, self._settings).policy.kind != "openai":
+            raise ApiError(
+                422,
+                "an agent command needs an openai policy (its gateway forwards the agent's"
+                ' calls to the policy servers): give policy.kind = "openai"',
+                loc=loc,
+            )
 
     async def start(
         self,
@@ -489,6 +542,8 @@ class BatchRegistry:
         deadline_s: float | None = None,
         oversample: int = 0,
         loc: Sequence[str] = ("task",),
+        agent_command: Sequence[str] | None = None,
+        groups_target: int | None = None,
     ) -> tuple[BatchRecord, bool, int]:
         """Start a batch of validated tasks (or find the identical one).
 
@@ -503,7 +558,13 @@ class BatchRegistry:
                 cancel of the identical batch is still settling).
         """
         fingerprint = batch_fingerprint(
-            tasks, policy_config, samples_per_task, deadline_s, oversample
+            tasks,
+            policy_config,
+            samples_per_task,
+            deadline_s,
+            oversample,
+            agent_command,
+            groups_target,
         )
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
@@ -520,7 +581,10 @@ class BatchRegistry:
             await existing.saved.wait()
             # Its own policy: the same but for the api_key, which is never stored.
             return existing, False, await self._rerun_cancelled(existing, policy_config)
-        plan = _Plan(tasks, policy_config, samples_per_task, deadline_s, oversample)
+        command = None if agent_command is None else tuple(agent_command)
+        plan = _Plan(
+            tasks, policy_config, samples_per_task, deadline_s, oversample, command, groups_target
+        )
         batch, policy = self._run(plan, batch_id)
         record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
@@ -574,16 +638,21 @@ class BatchRegistry:
         """Start ``plan`` on the pool (all of it, or all but ``skip``); its policy.
 
         ``previous``: the results kept from an earlier run; an oversampled
-        group counts them, so it stops at ``samples_per_task`` scored in all.
+        group counts them, so it stops at ``samples_per_task`` scored in all,
+        and so does ``groups_target`` (the groups already complete).
 
         Raises:
             ApiError: 409 (the pool runs a batch of this id), 503 (the pool is full).
         """
         if self.tg is None:
             raise RuntimeError("the service is not running")
-        policy = build_policy(plan.policy, self._settings)
+        policy = self._policy(plan)
         try:
-            extra = {"oversample": plan.oversample, "previous": previous} if plan.oversample else {}
+            extra: dict[str, object] = {}
+            if plan.oversample or plan.groups_target is not None:
+                extra |= {"oversample": plan.oversample, "previous": previous}
+            if plan.groups_target is not None:
+                extra["groups_target"] = plan.groups_target
             batch = self._pool.run_batch(
                 plan.tasks,
                 policy,
@@ -602,6 +671,15 @@ class BatchRegistry:
             self._close_soon(policy)
             raise ApiError(409, str(exc)) from None
         return batch, policy
+
+    def _policy(self, plan: _Plan) -> Policy:
+        """What plays ``plan``'s rollouts: its policy, or its agent command over it."""
+        if plan.agent_command is None:
+            return build_policy(plan.policy, self._settings)
+        if self.gateway is None:
+            raise RuntimeError("agent commands are allowed but the service serves no gateway")
+        settings = request_settings(plan.policy, self._settings)
+        return CommandAgent.from_settings(plan.agent_command, settings, gateway=self.gateway)
 
     def _consume_soon(self, record: BatchRecord, policy: Policy) -> None:
         assert self.tg is not None

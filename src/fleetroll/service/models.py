@@ -8,6 +8,7 @@ and are strict: ``"samples_per_task": "4"`` is a 422 naming the field, not a 4.
 
 from __future__ import annotations
 
+import shlex
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -115,6 +116,7 @@ class TaskObject(BaseModel):
 
 
 _BaseUrl = Annotated[str, StringConstraints(pattern=r"^https?://[^\s]+$", max_length=2048)]
+_Word = Annotated[str, StringConstraints(min_length=1, max_length=65_536)]
 
 
 class PolicyConfig(_Request):
@@ -196,6 +198,37 @@ class BatchRequest(_Request):
             " complete at its first samples_per_task scored samples, the rest end superseded"
         ),
     )
+
+    groups_target: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description=(
+            "Straggler cut-off by whole groups: once this many groups are complete, every"
+            " rollout of the other groups ends superseded and their groups come with cut:"
+            " true. At most the number of tasks"
+        ),
+    )
+    agent_command: list[_Word] | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description=(
+            "Run this command (an argv, or a string split as a shell would) as each"
+            " rollout's agent, as fleetroll run --agent-command does; needs an openai"
+            " policy. Refused (422) unless the service's service.allow_command_tasks"
+        ),
+    )
+
+    @field_validator("agent_command", mode="before")
+    @classmethod
+    def _split(cls, command: Any) -> Any:
+        if isinstance(command, str):
+            try:
+                return shlex.split(command)
+            except ValueError as exc:
+                raise ValueError(f"cannot be split into words: {exc}") from None
+        return command
 
     @model_validator(mode="after")
     def _one_source(self) -> BatchRequest:

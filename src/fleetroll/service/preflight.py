@@ -24,6 +24,7 @@ from fleetroll.errors import PreflightError
 from fleetroll.pool.preflight import check_endpoint, preflight
 from fleetroll.pool.preflight_cache import PreflightCache
 from fleetroll.pool.rollout_pool import RolloutPool
+from fleetroll.scoring.judge import missing_judge
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
 from fleetroll.service.requests import policy_endpoint
@@ -57,6 +58,10 @@ class BatchPreflight:
         Raises:
             ApiError: 422 with the pre-flight's message, at ``loc``.
         """
+        # Not a remote check: a judged task here would never get a reward.
+        problem = missing_judge(tasks, self._settings)
+        if problem is not None:
+            raise ApiError(422, problem, loc=loc, type="preflight_error")
         if not self._settings.service.preflight:
             return
         endpoint = policy_endpoint(policy, self._settings)

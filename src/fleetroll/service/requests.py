@@ -18,8 +18,7 @@ from typing import Any
 from pydantic import SecretStr
 
 from fleetroll.errors import TaskFileError
-from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy
-from fleetroll.policies.servers import PolicyServers, ServerLimits
+from fleetroll.policies import Policy, policy_from_settings
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import Settings
@@ -31,6 +30,7 @@ __all__ = [
     "parse_one",
     "parse_records",
     "policy_endpoint",
+    "request_settings",
     "task_path",
 ]
 
@@ -120,6 +120,8 @@ def batch_fingerprint(
     samples_per_task: int,
     deadline_s: float | None,
     oversample: int = 0,
+    agent_command: Sequence[str] | None = None,
+    groups_target: int | None = None,
 ) -> str:
     """What makes two submissions "the same batch" (a policy's api_key does not)."""
     identity: dict[str, Any] = {
@@ -130,6 +132,10 @@ def batch_fingerprint(
     }
     if oversample:  # absent when 0: fingerprints of earlier batches stay the same
         identity["oversample"] = oversample
+    if agent_command is not None:  # absent when unset, likewise
+        identity["agent_command"] = list(agent_command)
+    if groups_target is not None:
+        identity["groups_target"] = groups_target
     blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 
@@ -162,40 +168,28 @@ def policy_endpoint(
     return servers, api_key
 
 
-def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
-    """The policy a request asks for; unset fields come from ``settings.policy``.
+def request_settings(config: PolicyConfig | None, settings: Settings) -> Settings:
+    """``settings`` with a request's policy in place of the server's ``[policy]``.
 
-    Its servers are :func:`policy_endpoint`'s, routed with the server's
-    ``policy.max_calls_per_server``, ``eject_after_failures`` and ``eject_s``.
+    The request's fields that are set replace the server's of the same name;
+    its servers and key are :func:`policy_endpoint`'s. Everything else
+    (``trajectory``, ``token_in``, the retries' backoff, ``max_calls_per_server``...)
+    is the server's, so a batch's policy is built exactly as ``fleetroll run``
+    builds its own.
     """
-    base = settings.policy
     cfg = config or PolicyConfig()
+    update = cfg.model_dump(exclude_none=True, exclude={"api_key", "base_url", "base_urls"})
+    top: dict[str, Any] = {}
     endpoint = policy_endpoint(config, settings)
-    if endpoint is None:
-        think = base.think_time_s if cfg.think_time_s is None else cfg.think_time_s
-        return ScriptedPolicy(think_time_s=think)
-    servers, api_key = endpoint
-    limits = ServerLimits(
-        max_calls=base.max_calls_per_server,
-        eject_after_failures=base.eject_after_failures,
-        eject_s=base.eject_s,
-    )
-    return OpenAIChatPolicy(
-        servers=PolicyServers(servers, limits),
-        model=cfg.model or base.model,
-        api_key=api_key,
-        temperature=base.temperature if cfg.temperature is None else cfg.temperature,
-        top_p=base.top_p if cfg.top_p is None else cfg.top_p,
-        max_tokens=base.max_tokens if cfg.max_tokens is None else cfg.max_tokens,
-        extra_body=base.extra_body if cfg.extra_body is None else cfg.extra_body,
-        system_prompt=base.system_prompt if cfg.system_prompt is None else cfg.system_prompt,
-        timeout_s=settings.timeouts.policy_s,
-        connect_timeout_s=settings.timeouts.policy_connect_s,
-        max_retries=base.max_retries if cfg.max_retries is None else cfg.max_retries,
-        return_token_ids=(
-            base.return_token_ids if cfg.return_token_ids is None else cfg.return_token_ids
-        ),
-        logprobs=base.logprobs if cfg.logprobs is None else cfg.logprobs,
-        top_logprobs=base.top_logprobs if cfg.top_logprobs is None else cfg.top_logprobs,
-        max_answer_bytes=base.max_answer_bytes,
-    )
+    if endpoint is not None:
+        servers, api_key = endpoint
+        update |= {"base_url": servers[0], "base_urls": servers}
+        top["openai_api_key"] = api_key
+    policy = settings.policy.model_copy(update=update)
+    return settings.model_copy(update={"policy": policy, **top})
+
+
+def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
+    """The policy a request asks for (:func:`request_settings`), built as
+    ``fleetroll run`` builds its own (:func:`~fleetroll.policies.policy_from_settings`)."""
+    return policy_from_settings(request_settings(config, settings))

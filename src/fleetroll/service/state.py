@@ -65,6 +65,10 @@ class StoredRequest(BaseModel):
     samples_per_task: int
     deadline_s: float | None = None
     oversample: int = 0
+    #: The agent command each rollout runs (``agent_command``), or None.
+    agent_command: list[str] | None = None
+    #: Its ``groups_target`` (straggler cut-off by whole groups), or None.
+    groups_target: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,7 +48,13 @@ class GroupLog:
     """
 
     def __init__(
-        self, batch_id: str, tasks: Sequence[TaskSpec], samples_per_task: int, oversample: int
+        self,
+        batch_id: str,
+        tasks: Sequence[TaskSpec],
+        samples_per_task: int,
+        oversample: int,
+        *,
+        groups_target: int | None = None,
     ) -> None:
         self.batch_id = batch_id
         self._members = {
@@ -61,12 +67,17 @@ class GroupLog:
         self._expected = samples_per_task
         self.groups: list[Group] = []
         self._superseded: set[int] = set()
-        self._tracker = GroupTracker(batch_id, samples_per_task, self._members)
+        #: The batch's ``groups_target``: its tracker marks the groups the pool cut.
+        self._target = groups_target
+        self._tracker = GroupTracker(
+            batch_id, samples_per_task, self._members, target=groups_target
+        )
 
     def add(self, result: RolloutResult) -> None:
         completion = self._tracker.add(result)
         if completion is not None:
             self.groups.append(completion[0])
+            self._tracker.cut()  # the pool stopped those groups' rollouts: mark them cut
 
     def rerun(self, rollout_ids: Iterable[str], kept: Iterable[RolloutResult]) -> None:
         """``rollout_ids`` run again; ``kept`` are the newest results of the others."""
@@ -80,7 +91,16 @@ class GroupLog:
             if group.group_id in touched:
                 self._superseded.add(i)
         previous = [r for r in kept if r.group_id in touched and r.rollout_id not in rerun]
-        self._tracker = GroupTracker(self.batch_id, self._expected, touched, previous)
+        # The pool counts the groups complete before toward groups_target, as here.
+        full = sum(
+            1
+            for i, group in enumerate(self.groups)
+            if i not in self._superseded and group.group_id not in touched and group.complete
+        )
+        self._tracker = GroupTracker(
+            self.batch_id, self._expected, touched, previous, target=self._target, full=full
+        )
+        self._tracker.cut()
 
     async def lines(
         self,

@@ -45,12 +45,14 @@ from fleetroll.settings.sections import (
     BreakerSettings,
     EmulatorSettings,
     EnvAdmissionSettings,
+    JudgeSettings,
     McpSettings,
     ModalitySettings,
     PolicySettings,
     PoolSettings,
     ProvisioningSettings,
     RetrySettings,
+    SamplingSettings,
     ServiceSettings,
     TelemetrySettings,
     TimeoutSettings,
@@ -62,12 +64,14 @@ __all__ = [
     "BreakerSettings",
     "EmulatorSettings",
     "EnvAdmissionSettings",
+    "JudgeSettings",
     "McpSettings",
     "ModalitySettings",
     "PolicySettings",
     "PoolSettings",
     "ProvisioningSettings",
     "RetrySettings",
+    "SamplingSettings",
     "ServiceSettings",
     "Settings",
     "TelemetrySettings",
@@ -248,6 +252,11 @@ class Settings(BaseSettings):
     emulator_api_key: SecretStr | None = Field(
         None, validation_alias=AliasChoices("FLEETROLL_EMULATOR_API_KEY", "emulator_api_key")
     )
+    #: API key of the judge endpoint (``judge.base_url``) of tasks' ``rewards``;
+    #: never the policy's ``OPENAI_API_KEY``.
+    judge_api_key: SecretStr | None = Field(
+        None, validation_alias=AliasChoices("FLEETROLL_JUDGE_API_KEY", "judge_api_key")
+    )
 
     timeouts: TimeoutSettings = TimeoutSettings()
     provisioning: ProvisioningSettings = ProvisioningSettings()
@@ -256,11 +265,13 @@ class Settings(BaseSettings):
     modalities: dict[str, ModalitySettings] = Field(default_factory=dict)
     pool: PoolSettings = PoolSettings()
     policy: PolicySettings = PolicySettings()
+    sampling: SamplingSettings = SamplingSettings()
     telemetry: TelemetrySettings = TelemetrySettings()
     emulator: EmulatorSettings = EmulatorSettings()
     service: ServiceSettings = ServiceSettings()
     mcp: McpSettings = McpSettings()
     traces: TraceSettings = TraceSettings()
+    judge: JudgeSettings = JudgeSettings()
 
     @property
     def uses_emulator(self) -> bool:

@@ -20,12 +20,14 @@ __all__ = [
     "BreakerSettings",
     "EmulatorSettings",
     "EnvAdmissionSettings",
+    "JudgeSettings",
     "McpSettings",
     "ModalitySettings",
     "PolicySettings",
     "PoolSettings",
     "ProvisioningSettings",
     "RetrySettings",
+    "SamplingSettings",
     "ServiceSettings",
     "TelemetrySettings",
     "TimeoutSettings",
@@ -168,6 +170,11 @@ class RetrySettings(_Section):
     #: The policy's waits; how many retries is policy.max_retries.
     policy_backoff_initial_s: float = Field(0.5, ge=0)
     policy_backoff_max_s: float = Field(30.0, ge=0)
+    #: Tries in all of one judge call (a task's ``rewards``) that failed
+    #: transiently (connection error, 408/425/429/5xx), inside judge.timeout_s.
+    judge_attempts: int = Field(3, ge=1)
+    judge_backoff_initial_s: float = Field(0.5, ge=0)
+    judge_backoff_max_s: float = Field(10.0, ge=0)
     #: Defaults of fleetroll.client.FleetrollClient (a trainer's process).
     client_max_retries: int = Field(5, ge=0)
     client_backoff_initial_s: float = Field(0.1, ge=0)
@@ -238,6 +245,40 @@ class PoolSettings(_Section):
     #: failed the same way (same failure_reason and error), the batch stops
     #: there; the rest end ``cancelled`` (``--resume`` runs them). 0: never.
     stop_after_same_failures: int = Field(20, ge=0)
+
+
+class SamplingSettings(_Section):
+    """The task sampler of ``fleetroll run --steps`` (``fleetroll.training.sampler``)."""
+
+    #: Seeds every shuffle: the same seed, tasks and settings draw the same sequence.
+    seed: int = 0
+    #: Per environment (a task's ``env_key``): its share of the draws. Empty:
+    #: every task alike, in one shuffled pass over all of them per epoch.
+    #: Otherwise every environment of the tasks needs a weight (0 leaves it out).
+    weights: dict[str, float] = Field(default_factory=dict)
+    #: Per environment: at least this many of its tasks in every batch.
+    minimums: dict[str, int] = Field(default_factory=dict)
+    #: The difficulty filter: rest a task after ``uniform_groups`` uniform
+    #: groups in a row (every sample the same reward), for ``rest_steps`` steps.
+    rest_uniform: bool = False
+    uniform_groups: int = Field(2, ge=1)
+    rest_steps: int = Field(8, ge=1)
+
+    @field_validator("weights")
+    @classmethod
+    def _non_negative_weights(cls, weights: dict[str, float]) -> dict[str, float]:
+        negative = sorted(env for env, w in weights.items() if not w >= 0)
+        if negative:
+            raise ValueError(f"a weight must be 0 or more (sampling.weights.{negative[0]})")
+        return weights
+
+    @field_validator("minimums")
+    @classmethod
+    def _non_negative_minimums(cls, minimums: dict[str, int]) -> dict[str, int]:
+        negative = sorted(env for env, n in minimums.items() if n < 0)
+        if negative:
+            raise ValueError(f"a minimum must be 0 or more (sampling.minimums.{negative[0]})")
+        return minimums
 
 
 class PolicySettings(_Section):
@@ -311,6 +352,38 @@ class PolicySettings(_Section):
     def servers(self) -> list[str]:
         """The policy servers' API roots: ``base_urls``, or else ``[base_url]``."""
         return list(self.base_urls) or [self.base_url]
+
+
+class JudgeSettings(_Section):
+    """The model that scores the rubrics of tasks' ``rewards`` (kind ``judge``).
+
+    Any OpenAI-compatible ``/chat/completions`` endpoint. Its key is not here: it
+    comes only from ``FLEETROLL_JUDGE_API_KEY`` (:attr:`Settings.judge_api_key`),
+    never the policy's.
+    """
+
+    #: The API root, e.g. ``https://api.openai.com/v1``. None: no judge, and a
+    #: judge component cannot be computed (``reward_error``).
+    base_url: str | None = Field(None, pattern=r"^https?://[^\s]+$")
+    model: str = "gpt-4o-mini"
+    #: Deadline of one judgement, retries included (retries: ``[retries]`` judge_*).
+    timeout_s: float = Field(60.0, gt=0)
+    #: Opening a connection to the judge (inside ``timeout_s``).
+    connect_timeout_s: float = Field(10.0, gt=0)
+    #: ``max_tokens`` of each judge call.
+    max_tokens: int = Field(256, ge=1)
+    #: ``temperature`` of each judge call (None: the server's default).
+    temperature: float | None = Field(0.0, ge=0)
+    #: Judge calls in flight at once, across all rollouts of the process.
+    max_concurrent: int = Field(16, ge=1)
+    #: Judgements kept in memory by content (model, rubric, text): the same
+    #: question asked again is answered from here. 0: no cache.
+    cache_entries: int = Field(10_000, ge=0)
+    #: Characters of the judged text (transcript or answer) sent at most; a
+    #: longer one keeps its start and end with a marker between them.
+    max_input_chars: int = Field(100_000, ge=1000)
+    #: Bytes of one judge answer read before giving up (the call fails).
+    max_answer_bytes: int = Field(1024 * 1024, ge=1024)
 
 
 class TelemetrySettings(_Section):
@@ -476,8 +549,9 @@ class ServiceSettings(_Section):
     #: holds a worker thread and a SQLite reader; more wait their turn.
     max_concurrent_queries: int = Field(2, ge=1)
     #: Accept ``mcp`` tasks that run commands on this host (``environment.command``,
-    #: ``verifier.command``). Off: anyone holding the service token could run
-    #: anything as the service's user; such tasks are refused with a 422.
+    #: ``verifier.command``) and batches with an ``agent_command``. Off: anyone
+    #: holding the service token could run anything as the service's user; such
+    #: tasks and batches are refused with a 422.
     allow_command_tasks: bool = False
     #: Longest lease of one pause of policy calls (``POST /v1/policy/pauses``):
     #: a trainer renews it to hold longer; one that crashed lets go within it.

@@ -34,11 +34,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleetroll.errors import TaskFileError
 from fleetroll.tasks.mcp import McpEnvironment, McpVerifier, parse_mcp
 from fleetroll.tasks.records import Where, read_records, too_big, too_many
+from fleetroll.tasks.rewards import RewardSpec, parse_rewards
 
 __all__ = [
     "FLEET_IGNORED_FIELDS",
     "McpEnvironment",
     "McpVerifier",
+    "RewardSpec",
     "SolutionStep",
     "TaskLimits",
     "TaskSpec",
@@ -59,7 +61,7 @@ _KNOWN_FIELDS: Final = frozenset(
         "key", "prompt", "env_id", "version", "env_key", "data_id", "data_version", "data_key",
         "modality", "task_modality", "verifier_func", "max_steps", "env_variables", "solution",
         "requires_final_answer", "metadata", "environment", "verifier",
-        "verifier_code", "ttl_seconds",
+        "verifier_code", "ttl_seconds", "rewards",
     }
 )  # fmt: skip
 _T = TypeVar("_T")
@@ -98,6 +100,19 @@ class TaskSpec(BaseModel):
     verifier: McpVerifier | None = None
     #: The instance's lifetime on Fleet; None: the modality's ``ttl_s``.
     ttl_seconds: int | None = Field(default=None, ge=1)
+    #: Composite rewards: the components whose weighted sum is the reward
+    #: (:mod:`fleetroll.tasks.rewards`); None: the verifier's reward, as it is.
+    rewards: tuple[RewardSpec, ...] | None = None
+
+    @property
+    def judged(self) -> bool:
+        """Whether a component of ``rewards`` is a judge (needs ``judge.base_url``)."""
+        return self.rewards is not None and any(r.kind == "judge" for r in self.rewards)
+
+    @property
+    def runs_verifier(self) -> bool:
+        """Whether scoring runs the verifier: always, unless ``rewards`` names none."""
+        return self.rewards is None or any(r.kind == "verifier" for r in self.rewards)
 
     @property
     def env_spec(self) -> str:
@@ -431,7 +446,10 @@ def _parse(
         raise where.error(f"unknown field {unknown[0]!r}{hint}", unknown[0])
     metadata = _object(record.get("metadata"), "metadata", where) or {}
     env_key, env_version = _spec(record, ("env_id", "env_key"), "version", where)
-    mcp = parse_mcp(record, where, fleet_env=env_key is not None)
+    rewards = parse_rewards(record.get("rewards"), where)
+    # A task whose rewards name no verifier component does not need a verifier.
+    needs_verifier = rewards is None or any(r.kind == "verifier" for r in rewards)
+    mcp = parse_mcp(record, where, fleet_env=env_key is not None, needs_verifier=needs_verifier)
     if mcp is not None:
         env_key = mcp[0].name or "mcp"
     if env_key is None:
@@ -466,7 +484,7 @@ def _parse(
         verifier = verifiers.check(_string(verifier, "verifier_func", where), where)
     key = _string(record.get("key", _MISSING), "key", where)
     prompt = _string(record.get("prompt", _MISSING), "prompt", where)
-    if verifier is None and mcp is None:
+    if verifier is None and mcp is None and needs_verifier:
         # Every rollout of it would end verifier_error: say so once, before anything runs.
         example = 'e.g. "def verify(env, final_answer=None): ..."'
         raise where.error(f"missing required field 'verifier_func' ({example})", "verifier_func")
@@ -488,6 +506,7 @@ def _parse(
         environment=None if mcp is None else mcp[0],
         verifier=None if mcp is None else mcp[1],
         ttl_seconds=ttl,
+        rewards=rewards,
     )
 
 

@@ -146,14 +146,16 @@ class McpVerifier(_Strict):
 
 
 def parse_mcp(
-    record: Mapping[str, Any], where: Where, *, fleet_env: bool
-) -> tuple[McpEnvironment, McpVerifier] | None:
+    record: Mapping[str, Any], where: Where, *, fleet_env: bool, needs_verifier: bool = True
+) -> tuple[McpEnvironment, McpVerifier | None] | None:
     """The record's ``environment`` and ``verifier``, or None for a Fleet task.
 
     Args:
         record: the task object.
         where: where it came from (for errors).
         fleet_env: the record names a Fleet environment (``env_key``/``env_id``).
+        needs_verifier: a missing ``verifier`` is an error (false when the
+            task's ``rewards`` name no verifier component).
 
     Raises:
         TaskFileError: a field is invalid, or the record mixes the two forms.
@@ -172,6 +174,8 @@ def parse_mcp(
         if record.get(name) is not None:
             raise where.error("is for Fleet tasks, not ones with an 'environment'", name)
     if verifier is None:
+        if not needs_verifier:
+            return _model(McpEnvironment, environment, "environment", where), None
         example = '{"command": ["bash", "-c", "..."]}'
         raise where.error(f"missing required field 'verifier' (e.g. {example})", "verifier")
     return _model(McpEnvironment, environment, "environment", where), _model(

@@ -72,7 +72,7 @@ from fleetroll.telemetry.store import ROLLOUT_EVENTS_FROM_RECORDS, StoreError
 if TYPE_CHECKING:
     from pydantic import SecretStr
 
-    from fleetroll.settings import Settings
+    from fleetroll.settings import TelemetrySettings
 
 __all__ = [
     "DEFAULT_QUERY_TIMEOUT_S",
@@ -584,9 +584,8 @@ def empty_snapshot(
 # -- routes ----------------------------------------------------------------------------
 
 
-def dashboard_panels(settings: Settings) -> Panels:
+def dashboard_panels(t: TelemetrySettings) -> Panels:
     """The panels' settings from ``telemetry.dashboard_*``."""
-    t = settings.telemetry
     return Panels(
         stuck_after_s=t.dashboard_stuck_after_s,
         eta_window_s=t.dashboard_eta_window_s,

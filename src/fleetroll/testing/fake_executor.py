@@ -200,6 +200,9 @@ class FakeExecutor:
     async def sweep(self, run_id: str) -> None:
         self.swept.append(run_id)
 
+    async def gate_synced(self) -> None:
+        pass  # its rollouts make no policy calls
+
     @asynccontextmanager
     async def session(
         self, task: TaskSpec, ids: RolloutIds, *, run_id: str

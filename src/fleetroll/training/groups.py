@@ -51,9 +51,19 @@ cannot reach ``samples_per_task`` scored samples is still delivered, with
 ``reward_mean`` and ``reward_std`` null); ``batch.groups(complete_only=True)``
 drops such groups.
 
-Straggler cut-off by whole groups (start more groups than needed and train on
-the first complete ones) is not built yet. Its bias, when it is: it favours
-tasks whose episodes are short, not samples within a group.
+Straggler cut-off is by whole groups (``groups_target``): a batch started
+with more groups (tasks) than it needs delivers the first ``groups_target``
+groups to become complete with ``samples_per_task`` scored samples, and then
+stops every rollout of every other group: each ends ``superseded`` (reward
+null, its error naming the cut), and those groups are delivered with
+``complete`` false and ``cut`` true, so ``groups(complete_only=True)`` yields
+exactly the ``groups_target`` kept groups. Within a kept group nothing is
+cut (its samples are chosen as above). A result of a cut group that ended
+before the cut keeps its reward in the results stream (it was delivered as it
+ended); its group still is not complete. The cut's own bias: groups whose
+episodes run faster are kept, so tasks with short episodes (and whatever
+correlates with that: easy tasks, short answers) are over-represented among
+the kept groups, while each group's mean reward is unbiased.
 """
 
 from __future__ import annotations
@@ -66,12 +76,27 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleetroll.results import FailureReason, RolloutResult
 
-__all__ = ["Group", "GroupTracker", "not_needed_error", "superseded_error"]
+__all__ = [
+    "Group",
+    "GroupTracker",
+    "cut_error",
+    "groups_of",
+    "not_needed_error",
+    "superseded_error",
+]
 
 
 def superseded_error(task_key: str, expected: int) -> str:
     """Why a rollout of a complete group ends ``superseded``."""
     return f"its group (task {task_key!r}) had its {expected} scored samples"
+
+
+def cut_error(task_key: str, target: int) -> str:
+    """Why a rollout of a group cut by ``groups_target`` ends ``superseded``."""
+    return (
+        f"the batch had its {target} complete groups (groups_target) before this one"
+        f" (task {task_key!r}): its group was cut"
+    )
 
 
 def not_needed_error(task_key: str, expected: int) -> str:
@@ -116,6 +141,9 @@ class Group(BaseModel):
     #: It has ``expected`` scored samples; false when failures left it short
     #: (``batch.groups(complete_only=True)`` drops such groups).
     complete: bool = True
+    #: The batch had its ``groups_target`` complete groups first: this group's
+    #: rollouts still running were stopped (``superseded``). Never ``complete``.
+    cut: bool = False
 
     @classmethod
     def of(
@@ -128,6 +156,7 @@ class Group(BaseModel):
         results: list[RolloutResult],
         failed: int,
         superseded: int,
+        cut: bool = False,
     ) -> Group:
         rewards = [r.reward for r in results if r.reward is not None]
         return cls(
@@ -142,7 +171,8 @@ class Group(BaseModel):
             uniform=bool(rewards) and len(set(rewards)) == 1,
             failed=failed,
             superseded=superseded,
-            complete=len(rewards) >= expected,
+            complete=len(rewards) >= expected and not cut,
+            cut=cut,
         )
 
 
@@ -156,6 +186,8 @@ class _Pending:
     failed: int = 0
     superseded: int = 0
     complete: bool = False
+    #: Stopped because the batch had its ``groups_target`` complete groups.
+    cut: bool = False
 
 
 #: A group that just became complete, and the rollouts to stop (still running extras).
@@ -175,6 +207,10 @@ class GroupTracker:
             :meth:`settle` keeps a scored extra only in place of a failed
             lower-ranked sample. A rollout without one is not ranked (as a
             tracker that only :meth:`add` s results already settled needs).
+        target: ``groups_target``: once this many groups are complete, every
+            other group is cut (:meth:`cut`). None: no cut.
+        full: groups of the batch complete elsewhere (not in ``members``),
+            counted toward ``target``.
     """
 
     def __init__(
@@ -185,9 +221,14 @@ class GroupTracker:
         previous: Iterable[RolloutResult] = (),
         *,
         ranks: Mapping[str, int] | None = None,
+        target: int | None = None,
+        full: int = 0,
     ) -> None:
         self.batch_id = batch_id
         self.expected = expected
+        self.target = target
+        self._full = full  # groups complete with `expected` scored samples
+        self._cut = False
         ranks = ranks or {}
         self._groups = {
             gid: _Pending(key, set(ids), {rid: ranks[rid] for rid in ids if rid in ranks})
@@ -222,6 +263,11 @@ class GroupTracker:
         """
         group = self._groups.get(result.group_id or "")
         if group is None or result.rollout_id not in group.running:
+            return result, self.add(result)
+        if group.cut and result.failure_reason is not FailureReason.SUPERSEDED:
+            # It ended after its group was cut (the stop came too late): not kept.
+            assert self.target is not None
+            result = _superseded(result, cut_error(group.task_key, self.target))
             return result, self.add(result)
         if not group.complete:
             if result.reward is not None and self._not_needed(group, result):
@@ -267,10 +313,29 @@ class GroupTracker:
         else:
             group.failed += 1
 
+    def cut(self) -> list[tuple[str, str]]:
+        """Once ``target`` groups are complete: cut every other group, once.
+
+        Returns the rollouts to stop (still running, or not started) with why;
+        each group cut is delivered, once its rollouts ended, with ``cut`` true.
+        """
+        if self._cut or self.target is None or self._full < self.target:
+            return []
+        self._cut = True
+        stop = []
+        for group in self._groups.values():
+            if not group.complete:
+                group.cut = True
+                why = cut_error(group.task_key, self.target)
+                stop += [(rid, why) for rid in sorted(group.running)]
+        return stop
+
     def _complete_if_ready(self, gid: str, group: _Pending) -> Completion | None:
         if group.complete or (len(group.counted) < self.expected and group.running):
             return None
         group.complete = True
+        if len(group.counted) >= self.expected and not group.cut:
+            self._full += 1
         stop = sorted(group.running)
         return (
             Group.of(
@@ -281,9 +346,25 @@ class GroupTracker:
                 results=group.counted,
                 failed=group.failed,
                 superseded=group.superseded + len(stop),
+                cut=group.cut,
             ),
             stop,
         )
+
+
+def groups_of(batch_id: str, expected: int, results: Iterable[RolloutResult]) -> list[Group]:
+    """The groups of a batch that has ended, from its results (a journal's, say).
+
+    The same groups the batch delivered: its results were settled as they
+    ended, so a group's scored results are exactly those it kept. In the
+    order of each group's first result; ``expected`` is ``samples_per_task``.
+    """
+    results = list(results)
+    members: dict[str, tuple[str, list[str]]] = {}
+    for result in results:
+        if result.group_id is not None:
+            members.setdefault(result.group_id, (result.task_key, []))[1].append(result.rollout_id)
+    return [group for group, _ in GroupTracker(batch_id, expected, members, results).start()]
 
 
 def _superseded(result: RolloutResult, why: str) -> RolloutResult:

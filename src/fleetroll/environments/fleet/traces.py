@@ -31,7 +31,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleet._async.client import AsyncFleet
 
 from fleetroll.results import RolloutResult
-from fleetroll.settings import Settings, TraceSettings
+from fleetroll.settings import TraceSettings
 from fleetroll.telemetry.events import Events
 
 __all__ = ["TraceUploader", "open_trace_uploader", "trace_messages"]
@@ -50,14 +50,15 @@ class _Trace:
     redact: Redact
 
 
-def _clean(value: Any, redact: Redact) -> Any:
+def redacted(value: Any, redact: Redact) -> Any:
+    """``value`` with ``redact`` applied to each string in it (images kept whole)."""
     if isinstance(value, str):
         # Images (data URLs) are kept whole: a secret cannot hide in base64 of a screenshot.
         return value if value.startswith("data:") else redact(value)
     if isinstance(value, Mapping):
-        return {str(k): _clean(v, redact) for k, v in value.items()}
+        return {str(k): redacted(v, redact) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean(v, redact) for v in value]
+        return [redacted(v, redact) for v in value]
     return value
 
 
@@ -65,7 +66,7 @@ def trace_messages(messages: Sequence[Mapping[str, Any]], redact: Redact) -> lis
     """Chat messages as the ingest API takes them: redacted, images inline."""
     out = []
     for message in messages:
-        cleaned = _clean(message, redact)
+        cleaned = redacted(message, redact)
         item = {k: cleaned[k] for k in _MESSAGE_FIELDS if cleaned.get(k) is not None}
         item.setdefault("role", "user")
         extra = {k: v for k, v in cleaned.items() if k not in _MESSAGE_FIELDS}
@@ -217,7 +218,7 @@ class TraceUploader:
 
 @asynccontextmanager
 async def open_trace_uploader(
-    settings: Settings, events: Events, *, api_key: str, base_url: str | None
+    t: TraceSettings, events: Events, *, connect_s: float, api_key: str, base_url: str | None
 ) -> AsyncIterator[TraceUploader | None]:
     """A running :class:`TraceUploader`, or None when ``traces.upload`` is off.
 
@@ -225,11 +226,10 @@ async def open_trace_uploader(
     being cancelled); what is left, and what was dropped, is reported in one
     ``fleet_trace_dropped`` event.
     """
-    t = settings.traces
     if not t.upload:
         yield None
         return
-    timeout = httpx.Timeout(t.upload_s, connect=settings.timeouts.mcp_connect_s)
+    timeout = httpx.Timeout(t.upload_s, connect=connect_s)
     async with httpx.AsyncClient(timeout=timeout) as client:
         fleet = AsyncFleet(api_key=api_key, base_url=base_url, max_retries=0, httpx_client=client)
         uploader = TraceUploader(t, events, fleet)

@@ -8,8 +8,9 @@ oversampling, resume, the policy gate, the read model); each actor
 events. The driver mirrors its policy gate (version and pauses) onto every
 actor and passes the actors' telemetry on. A dead actor's admission places go
 back, and its rollouts run again once on another actor. Sessions run on the
-driver (each is one task of this process for its whole life). Not yet: the
-transcripts of rollouts on actors (``--traces``).
+driver (each is one task of this process for its whole life). With
+``traces.upload``, a rollout's transcript comes back with its result, redacted
+on its actor, and its trace is posted from the driver.
 
 ::
 
@@ -29,6 +30,7 @@ import anyio
 
 from fleetroll.environments.fleet.admission import CreateLimits
 from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.environments.fleet.traces import redacted
 from fleetroll.environments.mixed import require_fleet_key
 from fleetroll.errors import OperationTimeout
 from fleetroll.policies import Policy
@@ -38,6 +40,7 @@ from fleetroll.pool.ray.actors import _Buffer, default_num_actors, holder, load_
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.agent_command import AgentHost, AgentRecipe
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.events import EventPage, ended_page
@@ -76,6 +79,8 @@ class ExecutorWorker:
         )
         self._gate = PolicyGate()
         self._pause: AsyncExitStack | None = None
+        #: The driver's gate generation last mirrored (older states are dropped).
+        self._generation = -1
         concurrency = settings.pool.concurrency
         self._context = ExecutorContext(
             Events([self._buffer]),
@@ -85,8 +90,13 @@ class ExecutorWorker:
             anyio.CapacityLimiter(concurrency + settings.provisioning.max_concurrent_creates),
         )
         self._executor = LocalExecutor(settings, api_key=api_key, base_url=base_url)
+        #: Whether results go with their transcripts (for their traces).
+        self._traces = settings.traces.upload
         self._stack: AsyncExitStack | None = None
         self._rollouts: dict[str, RolloutHandle] = {}
+        #: The agent commands of this actor's rollouts (``--agent-command``), made
+        #: here from their recipes, each with this actor's gateway.
+        self._agents = AgentHost()
 
     async def start(self) -> int:
         """Open the executor (once); this actor's pid."""
@@ -98,15 +108,22 @@ class ExecutorWorker:
 
     async def run(
         self, task: TaskSpec, ids: RolloutIds, run_id: str, policy: Policy
-    ) -> tuple[RolloutResult, list[Event]]:
-        """Run one rollout; its result, and the telemetry not taken yet (its
-        completed event among it: the actor may die before the next take)."""
+    ) -> tuple[RolloutResult, list[Event], list[dict[str, Any]]]:
+        """Run one rollout; its result, the telemetry not taken yet (its
+        completed event among it: the actor may die before the next take), and,
+        when traces are uploaded, its transcript redacted here (where its
+        secrets are known)."""
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
-        await rollout.execute(policy)
+        if isinstance(policy, AgentRecipe):  # an agent command travels as its recipe
+            async with self._agents.agent(policy) as agent:
+                await rollout.execute(agent)
+        else:
+            await rollout.execute(policy)
         assert rollout.result is not None
         events, self._buffer.events = self._buffer.events, []
-        return rollout.result, events
+        messages = redacted(rollout.messages, rollout.redactor) if self._traces else []
+        return rollout.result, events, messages
 
     async def stop(self, rollout_id: str, reason: FailureReason, error: str) -> None:
         if (rollout := self._rollouts.get(rollout_id)) is not None:
@@ -123,8 +140,12 @@ class ExecutorWorker:
     async def forget(self, rollout_id: str) -> None:
         self._rollouts.pop(rollout_id, None)
 
-    async def mirror(self, version: int, paused: bool) -> None:
-        """The driver's policy gate, as it is now."""
+    async def mirror(self, version: int, paused: bool, generation: int) -> int:
+        """The driver's policy gate at ``generation`` (unless a later one came
+        first); the generation this actor's gate is at now."""
+        if generation < self._generation:
+            return self._generation
+        self._generation = generation
         self._gate.version = version
         if paused and self._pause is None:
             self._pause = AsyncExitStack()
@@ -132,6 +153,11 @@ class ExecutorWorker:
         elif not paused and self._pause is not None:
             pause, self._pause = self._pause, None
             await pause.aclose()
+        return generation
+
+    async def gate_state(self) -> tuple[int, bool, int]:
+        """This actor's gate: its version, whether paused, the calls it let start so far."""
+        return self._gate.version, self._gate.paused, self._gate.admitted
 
     async def sweep(self, run_id: str) -> None:
         await self._executor.sweep(run_id)
@@ -171,6 +197,8 @@ class RayRollout:
         self.result: RolloutResult | None = None
         self.settle: Callable[[RolloutResult], RolloutResult] | None = None
         self._stop: tuple[FailureReason, str] | None = None
+        #: Its transcript, redacted on its actor (when ``traces.upload`` is on).
+        self._messages: list[dict[str, Any]] = []
 
     async def execute(self, policy: Policy) -> None:
         if self._stop is not None:
@@ -183,7 +211,7 @@ class RayRollout:
             self._executor.ran(self._index, self._run_id)
             ref = self._worker.run.remote(self._task, self.ids, tag, policy)
             try:
-                result, events = await ref
+                result, events, self._messages = await ref
             except anyio.get_cancelled_exc_class():
                 with (
                     anyio.CancelScope(shield=True),
@@ -192,7 +220,7 @@ class RayRollout:
                 ):
                     why = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
                     await self._worker.stop.remote(self.ids.rollout_id, *why)
-                    result, events = await ref
+                    result, events, self._messages = await ref
                     self._executor.pass_on(events)
                     self._end(result)
                 raise
@@ -290,11 +318,11 @@ class RayRollout:
 
     @property
     def messages(self) -> list[dict[str, Any]]:
-        return []  # traces of rollouts on actors: not yet
+        return self._messages
 
     @property
     def redactor(self) -> Redactor:
-        return Redactor()
+        return Redactor()  # its messages were redacted on its actor
 
 
 class RayExecutor:
@@ -334,6 +362,7 @@ class RayExecutor:
         #: Rollouts whose started event was passed on and completed one not yet.
         self._started: set[str] = set()
         self._events: Events | None = None
+        self._gate: PolicyGate | None = None
         self._closing = False
 
     def pick(self) -> int:
@@ -378,6 +407,7 @@ class RayExecutor:
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
         self._events, self._closing = context.events, False
+        self._gate = context.policy_gate
         if self._api_key is not None:
             self._fleet = FleetProvider(
                 self.settings, context.events, api_key=self._api_key, base_url=self._base_url
@@ -426,9 +456,36 @@ class RayExecutor:
             seen = gate.generation
             with anyio.fail_after(self.settings.timeouts.ray_call_s):
                 for worker in self.workers:
-                    await worker.mirror.remote(gate.version, gate.paused)
+                    await worker.mirror.remote(gate.version, gate.paused, gate.generation)
             if gate.generation == seen:
                 await gate.changed()
+
+    async def gate_synced(self) -> None:
+        """Return once every live actor confirmed the driver's gate as it is now
+        (a dead actor is skipped: its rollouts run again elsewhere).
+
+        Raises:
+            OperationTimeout: a live actor did not confirm within ``timeouts.ray_call_s``.
+        """
+        gate = self._gate
+        if gate is None:
+            return  # not open: no actor runs a rollout
+        ray = load_ray()
+        timeout_s = self.settings.timeouts.ray_call_s
+        state = (gate.version, gate.paused, gate.generation)
+        try:
+            with anyio.fail_after(timeout_s):
+                for n, worker in enumerate(self.workers):
+                    if self.alive[n]:
+                        with suppress(ray.exceptions.RayActorError):
+                            await worker.mirror.remote(*state)
+        except TimeoutError:
+            raise OperationTimeout(
+                f"a Ray actor did not confirm the policy {'pause' if state[1] else 'version'}"
+                f" within {timeout_s:g} s (timeouts.ray_call_s); is the cluster overloaded?",
+                operation="policy_gate",
+                timeout_s=timeout_s,
+            ) from None
 
     async def _pass_events(
         self, worker: Any, events: Events, wait_s: float, *, once: bool = False

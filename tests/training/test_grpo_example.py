@@ -13,7 +13,7 @@ import pytest
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "grpo_loop.py"
 #: The README runs the example with these arguments and shows what it prints.
 README_ARGS = ["--steps", "2", "--tasks", "2", "--samples", "3", "--oversample", "1"]

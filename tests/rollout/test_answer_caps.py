@@ -11,12 +11,12 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
+from big_answer_server import answer
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 from mcp_types import JSONRPCError, JSONRPCRequest, JSONRPCResponse
 
-from big_answer_server import answer
 from fleetroll.environments.mcp.process import LineReader
 from fleetroll.errors import ToolCallFailed, ToolsError
 from fleetroll.policies import ScriptedPolicy

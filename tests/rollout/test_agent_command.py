@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ import pytest
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout.agent_command import CommandAgent
+from fleetroll.rollout.agent_command import AgentHost, AgentRecipe, CommandAgent
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import load_settings
@@ -231,10 +232,9 @@ def alive(pid: int) -> bool:
     ("more", "said"),
     [
         ((), "--agent-command needs --policy openai"),
-        (("--policy", "openai", "--ray", "local"), "--agent-command runs rollouts in this process"),
         (("--policy", "openai", "--agent-command", "'unclosed"), "cannot be split into words"),
     ],
-    ids=["scripted_policy", "ray", "unsplittable"],
+    ids=["scripted_policy", "unsplittable"],
 )
 def test_an_agent_command_fleetroll_cannot_run_is_one_line_and_exit_code_2(
     tmp_path: Path, more: tuple[str, ...], said: str
@@ -249,3 +249,31 @@ def test_an_agent_command_fleetroll_cannot_run_is_one_line_and_exit_code_2(
 
     assert done.returncode == 2, done.stderr
     assert said in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+async def test_an_agent_pickles_as_its_recipe_and_a_host_makes_it_once_while_in_use() -> None:
+    settings = load_settings(policy={"kind": "openai", "base_url": "http://127.0.0.1:9/v1"})
+    agent = CommandAgent.from_settings("python agent.py --fast", settings)
+    recipe = pickle.loads(pickle.dumps(agent))
+    assert isinstance(recipe, AgentRecipe)
+    assert recipe.argv == ("python", "agent.py", "--fast") and recipe.settings == settings
+    assert pickle.loads(pickle.dumps(agent)).key == recipe.key  # one key per agent
+    plain = CommandAgent("python agent.py", OpenAIChatPolicy.from_settings(settings))
+    with pytest.raises(TypeError, match=r"only when made with CommandAgent\.from_settings"):
+        pickle.dumps(plain)
+    await plain.aclose()
+    await agent.aclose()
+
+    host = AgentHost()
+    other = pickle.loads(pickle.dumps(CommandAgent.from_settings("python b.py", settings)))
+    with anyio.fail_after(30):
+        async with (
+            host.agent(recipe) as first,
+            host.agent(recipe) as second,
+            host.agent(other) as third,
+        ):
+            assert first is second and third is not first
+            assert third.argv == ["python", "b.py"]
+        async with host.agent(recipe) as again:
+            assert again is not first  # the last user closed it; made anew
+        await host.aclose()

@@ -72,7 +72,7 @@ def test_a_run_refused_for_its_journal_or_its_key_loads_neither_mcp_the_sdk_nor_
     tmp_path: Path,
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FLEET_", "FLEETROLL_"))}
-    tasks = Path(__file__).parent.parent / "config" / "tasks" / "ledger.jsonl"
+    tasks = Path(__file__).parents[2] / "config" / "tasks" / "ledger.jsonl"
     journal = tmp_path / "results.jsonl"
     journal.write_text('{"not": "ours"}\n')
     for args, extra in (

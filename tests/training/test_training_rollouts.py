@@ -27,45 +27,24 @@ from fleetroll.pool.journal import read_journal
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
-from fleetroll.settings import config_dir, load_settings
-from fleetroll.tasks import TaskSpec, load_tasks
+from fleetroll.settings import load_settings
+from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink
 from fleetroll.testing.fake_openai import (
     FakeChatServer,
-    Reply,
     VllmShape,
-    completion,
-    tool_call,
 )
+from training_helpers import AGENT, TASK_FILES, TASKS, sent_and_recorded, solving
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
 
 SETTINGS = load_settings()
-TASK_FILES = sorted((config_dir() / "tasks").glob("*.jsonl"))
-TASKS = {t.key: t for f in TASK_FILES for t in load_tasks(f, modalities=SETTINGS.modalities)}
 TOOL_USE = TASKS["ledger-010"]  # four steps, then "done"
 COMPUTER_USE = next(
     t for t in TASKS.values() if t.modality == "computer_use" and len(t.solution or ()) >= 3
 )
 TRAINING = {"return_token_ids": True, "logprobs": True, "top_logprobs": 2}
-
-
-def solving(tasks: Sequence[TaskSpec]) -> Any:
-    """A script that plays each task's solution (found by its prompt), then says done."""
-    by_prompt = {t.prompt: [(s.name, dict(s.arguments)) for s in t.solution or ()] for t in tasks}
-
-    def script(body: dict[str, Any]) -> Reply:
-        messages = body["messages"]
-        prompt = next(m["content"] for m in messages if m["role"] == "user")
-        steps = by_prompt[prompt]
-        turn = sum(1 for m in messages if m["role"] == "assistant")
-        if turn >= len(steps):
-            return completion("done")
-        name, arguments = steps[turn]
-        return completion(tool_calls=[tool_call(name, arguments, id=f"call_{turn}")])
-
-    return script
 
 
 @asynccontextmanager
@@ -302,9 +281,6 @@ async def test_a_completion_cut_by_length_is_recorded_and_the_rollout_goes_on(
 # -- the command line ---------------------------------------------------------------------
 
 
-AGENT = Path(__file__).resolve().parents[1] / "examples" / "agent_openai_mcp.py"
-
-
 async def fleetroll_run(
     tmp_path: Path, tasks: Sequence[TaskSpec], agent: tuple[str, ...] | None = None
 ) -> tuple[list[RolloutResult], list[dict[str, Any]], list[dict[str, Any]]]:
@@ -343,24 +319,6 @@ async def fleetroll_run(
     return read_journal(out), replies, requests
 
 
-def sent_and_recorded(
-    replies: Sequence[dict[str, Any]], results: Sequence[RolloutResult]
-) -> tuple[dict[Any, Any], dict[Any, Any]]:
-    """The token ids and logprobs the server sent, and those the results' turns hold."""
-    sent = {
-        (tuple(r["prompt_token_ids"]), tuple(r["choices"][0]["token_ids"])): [
-            e["logprob"] for e in r["choices"][0]["logprobs"]["content"]
-        ]
-        for r in replies
-    }
-    recorded = {
-        (tuple(t.prompt_token_ids or ()), tuple(t.completion_token_ids or ())): t.logprobs
-        for r in results
-        for t in r.turns
-    }
-    return sent, recorded
-
-
 async def test_fleetroll_run_with_the_environment_variables_writes_turns_with_token_data(
     tmp_path: Path,
 ) -> None:
@@ -396,3 +354,16 @@ async def test_the_example_agent_scores_every_task_as_the_built_in_loop_with_the
     # The gateway asked for the training data the settings ask for, for the agent.
     assert all(q["return_token_ids"] and q["logprobs"] for q in requests)
     assert all("stream" not in q for q in requests)
+    # The tool answers the agent got over MCP are in its transcript, as it sent them
+    # back in its next request (the gateway's view), one per tool call.
+    for result in results:
+        task = next(t for t in tasks if t.key == result.task_key)
+        last = max(
+            (q["messages"] for q in requests if q["messages"][0]["content"] == task.prompt),
+            key=len,
+        )
+        sent_back = [(m["tool_call_id"], m["content"]) for m in last if m["role"] == "tool"]
+        kept = [(m["tool_call_id"], m["content"]) for m in result.transcript if m["role"] == "tool"]
+        assert kept == sent_back and len(kept) == result.steps == len(task.solution or ())
+        roles = [m["role"] for m in result.transcript]
+        assert roles[-1] == "assistant" and roles.count("assistant") == len(result.turns)

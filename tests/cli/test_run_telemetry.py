@@ -7,12 +7,12 @@ from pathlib import Path
 
 import anyio
 import pytest
+from test_cli import SOME, clean_env, ledger_part, run_args, slow_config, started
 
 from fleetroll.pool.journal import read_journal
 from fleetroll.results import FailureReason
 from fleetroll.telemetry import queries
 from fleetroll.telemetry.dashboard import snapshot
-from test_cli import SOME, clean_env, ledger_part, run_args, slow_config, started
 
 pytestmark = pytest.mark.slow
 

@@ -90,6 +90,28 @@ def test_run_writes_one_result_per_rollout_and_a_summary(tmp_path: Path) -> None
     assert "ledger:v1" in done.stderr and "reward mean" in done.stderr
 
 
+def test_groups_stops_every_other_group_once_that_many_are_complete(tmp_path: Path) -> None:
+    out = tmp_path / "results.jsonl"
+    done = fleetroll(
+        "run", str(LEDGER), "--out", str(out), "--samples", "2", "--groups", "3", tmp_path=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    results = read_journal(out)
+    assert len(results) == 2 * TASKS and len({r.rollout_id for r in results}) == 2 * TASKS
+    rewarded = Counter(r.task_key for r in results if r.reward is not None)
+    assert sum(1 for n in rewarded.values() if n == 2) == 3  # exactly the kept groups are full
+    cut = [r for r in results if r.failure_reason is FailureReason.SUPERSEDED]
+    assert all("groups_target" in (r.error or "") for r in cut)
+    assert len(cut) + sum(rewarded.values()) == 2 * TASKS
+
+
+def test_more_groups_than_tasks_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    done = fleetroll("run", str(LEDGER), "--groups", str(TASKS + 1), tmp_path=tmp_path)
+    assert done.returncode == 2
+    assert f"--groups {TASKS + 1} is more than the {TASKS} tasks" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

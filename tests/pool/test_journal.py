@@ -19,9 +19,14 @@ from fleetroll.pool.journal import (
     claim_journal,
     meta_path,
     read_journal,
+    read_sampler_state,
+    sampler_path,
+    step_batch_id,
+    write_sampler_state,
 )
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.tasks import TaskSpec
+from fleetroll.training.sampler import SamplerConfig, TaskSampler
 
 
 def result(n: int) -> RolloutResult:
@@ -262,3 +267,64 @@ def test_a_journal_from_before_oversample_was_recorded_resumes_with_any(tmp_path
     claim = claim_journal(path, BatchIdentity.of("b", TASKS, 2, oversample=3), resume=True)
     claim.close()
     assert claim.batch_id == "b"
+
+
+# -- a run of steps (--steps, --batch-tasks): one journal, a batch per step ---------
+
+
+def step_result(n: int, batch_id: str) -> RolloutResult:
+    return result(n).model_copy(update={"batch_id": batch_id, "task_key": "t"})
+
+
+def test_a_run_of_steps_resumes_with_the_batches_of_its_steps(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    steps = BatchIdentity.of("run", TASKS, 2, batch_tasks=1)
+    claim_journal(path, steps, resume=False).close()
+    assert BatchIdentity.from_json(meta_path(path).read_bytes()) == steps
+    write_lines(path, step_result(1, step_batch_id("run", 0)), step_result(2, "run-step1"))
+    claim = claim_journal(path, BatchIdentity.of("new", TASKS, 2, batch_tasks=1), resume=True)
+    try:
+        assert claim.batch_id == "run" and len(claim.done) == 2
+    finally:
+        claim.close()
+
+
+@pytest.mark.parametrize(
+    ("started", "asked", "message"),
+    [
+        (1, 2, "started with --batch-tasks 1, this run asks for 2"),
+        (None, 1, "started as one batch, without --steps"),
+        (1, None, "started with --steps, this run asks for one batch"),
+    ],
+)
+def test_a_run_of_steps_and_one_batch_do_not_resume_each_other(
+    tmp_path: Path, started: int | None, asked: int | None, message: str
+) -> None:
+    path = tmp_path / "results.jsonl"
+    claim_journal(
+        path, BatchIdentity.of("run", TASKS, 2, batch_tasks=started), resume=False
+    ).close()
+    write_lines(path, step_result(1, "run-step0" if started else "run"))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        claim_journal(path, BatchIdentity.of("run", TASKS, 2, batch_tasks=asked), resume=True)
+
+
+def test_a_run_of_steps_refuses_a_journal_holding_another_batch(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    claim_journal(path, BatchIdentity.of("run", TASKS, 2, batch_tasks=1), resume=False).close()
+    write_lines(path, step_result(1, "run-step0"), step_result(2, "other"))
+    with pytest.raises(ConfigError, match="holds batch other, not a step of the run run"):
+        claim_journal(path, BatchIdentity.of("run", TASKS, 2, batch_tasks=1), resume=True)
+
+
+def test_the_sampler_state_is_kept_beside_the_journal_and_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    assert read_sampler_state(path) is None
+    sampler = TaskSampler(TASKS, SamplerConfig(batch_tasks=1, seed=4))
+    sampler.draw()
+    write_sampler_state(path, sampler.state())
+    assert sampler_path(path).name == "results.jsonl.sampler.json"
+    assert read_sampler_state(path) == sampler.state()
+    sampler_path(path).write_text("{}")
+    with pytest.raises(ConfigError, match="not a sampler state"):
+        read_sampler_state(path)

@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import pytest
+from test_rollout_deadlines import assert_timings_add_up
 
 from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.policies import ScriptedPolicy
@@ -20,7 +21,6 @@ from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
-from test_rollout_deadlines import assert_timings_add_up
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

@@ -50,3 +50,21 @@ def test_the_transcript_flags_error_answers_by_the_tool_s_flag_not_by_their_text
         if transcript.messages.is_error_answer(i)
     ]
     assert flagged == ["ledger locked"]
+
+
+def test_an_agent_s_observations_keep_their_chat_fields_and_count_their_images() -> None:
+    transcript = Transcript(max_images=1)
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    transcript.add_observations(
+        [
+            {"role": "tool", "tool_call_id": "c1", "content": "42", "name": "extra"},
+            {"role": "user", "content": [{"type": "text", "text": "shot"}, image]},
+            {"role": "system", "content": "the agent's own: not an observation"},
+            {"role": "user", "content": [image]},
+        ]
+    )
+    tool, first, second = transcript.messages
+    assert tool == {"role": "tool", "tool_call_id": "c1", "content": "42"}
+    # Only the last image is kept (max_images), as for the built-in loop's answers.
+    assert first["content"][1]["type"] == "text" and "omitted" in first["content"][1]["text"]
+    assert second["content"] == [image]

@@ -17,12 +17,13 @@ import pytest
 
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.service.training import GroupLog
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider
 from fleetroll.testing.planned_policy import PlannedPolicy
-from fleetroll.training.groups import Group, GroupTracker
+from fleetroll.training.groups import Group, GroupTracker, cut_error, groups_of
 
 pytestmark = pytest.mark.anyio
 
@@ -426,3 +427,110 @@ async def test_samples_solving_one_after_another_fill_their_group_and_the_extra_
     assert results[2].failure_reason is FailureReason.SUPERSEDED
     assert_results_agree_with_groups(results, groups)
     assert_pairs(sink)
+
+
+# -- straggler cut-off by whole groups (groups_target) ---------------------------------------
+
+
+async def test_groups_target_delivers_the_first_complete_groups_and_cuts_the_others() -> None:
+    sink = MemorySink()
+    tasks = [TASK.model_copy(update={"key": f"task-{n}"}) for n in range(4)]
+    fast, slow = tasks[:2], tasks[2:]
+    plans = {t.key: ["solve", "zero", "solve"] for t in fast}
+    plans |= {t.key: ["hold"] * 3 for t in slow}  # stragglers: held until cut
+    policy = PlannedPolicy(plans)
+    pool, provider = fake_pool(sink)
+    async with pool:
+        batch = pool.run_batch(
+            tasks, policy, samples_per_task=2, oversample=1, batch_id="b", groups_target=2
+        )
+        with anyio.fail_after(10):
+            groups = [g async for g in batch.groups()]
+            kept = [g async for g in batch.groups(complete_only=True)]
+            results = await batch.results()
+
+    assert sorted(g.task_key for g in kept) == [t.key for t in fast]
+    assert all(g.complete and not g.cut and len(g.rewards) == 2 for g in kept)
+    cut = [g for g in groups if g.cut]
+    assert sorted(g.task_key for g in cut) == [t.key for t in slow] and len(groups) == 4
+    assert not any(g.complete for g in cut)
+    # Every straggler of a cut group was stopped: none of them delivered a reward.
+    stopped = [r for r in results if r.task_key in {t.key for t in slow}]
+    assert len(stopped) == 6
+    assert all(r.failure_reason is FailureReason.SUPERSEDED and r.reward is None for r in stopped)
+    assert all("groups_target" in (r.error or "") for r in stopped)
+    assert not policy.release.is_set()  # stopped by the cut, not let go
+    # Exactly one result per rollout, and every instance made was released.
+    assert len(results) == len({r.rollout_id for r in results}) == 4 * 3
+    assert provider.running == 0 and len(provider.released) == len(provider.states)
+    assert_pairs(sink)
+
+
+async def test_groups_target_outside_the_batch_s_groups_is_refused() -> None:
+    pool, _ = fake_pool(MemorySink())
+    async with pool:
+        for target in (0, 3):
+            with pytest.raises(ValueError, match="groups_target must be between 1 and"):
+                pool.run_batch([TASK, OTHER], PlannedPolicy(), groups_target=target)
+
+
+def test_a_cut_group_s_rollout_that_ends_scored_after_the_cut_is_not_kept() -> None:
+    members = {"g": ("t", ["r0", "r1"]), "h": ("u", ["s0", "s1"])}
+    tracker = GroupTracker("b", 1, members, target=1)
+    _, done = tracker.settle(result("r0", 1.0))
+    assert done is not None and done[0].complete
+    assert tracker.cut() == [(rid, cut_error("u", 1)) for rid in ("s0", "s1")]
+    assert tracker.cut() == []  # once
+    # s0 was verifying when the stop came: it ends scored, yet its group was cut.
+    late, _ = tracker.settle(
+        result("s0", 1.0).model_copy(update={"task_key": "u", "group_id": "h"})
+    )
+    assert (late.failure_reason, late.reward) == (FailureReason.SUPERSEDED, None)
+    stopped = result("s1", None, FailureReason.SUPERSEDED)
+    _, done = tracker.settle(stopped.model_copy(update={"task_key": "u", "group_id": "h"}))
+    assert done is not None
+    group, _ = done
+    assert (group.cut, group.complete, group.rewards, group.superseded) == (True, False, [], 2)
+
+
+def test_the_service_s_group_log_marks_the_groups_the_pool_cut_also_on_a_rerun() -> None:
+    tasks = [TASK, OTHER]
+    log = GroupLog("b", tasks, 1, 0, groups_target=1)
+
+    def of(task: TaskSpec, reward: float | None, reason: FailureReason | None = None):
+        return result(rollout_id("b", task.key, 0), reward, reason).model_copy(
+            update={"task_key": task.key, "group_id": group_id("b", task.key)}
+        )
+
+    log.add(of(TASK, 1.0))
+    log.add(of(OTHER, None, FailureReason.CANCELLED))  # cancelled before the cut reached it
+    assert [(g.task_key, g.complete, g.cut) for g in log.groups] == [
+        (TASK.key, True, False),
+        (OTHER.key, False, True),
+    ]
+    # Resubmitted, its cancelled rollout runs again: the pool cuts it at once (one group is
+    # complete already), so it ends superseded, and its group comes again, cut.
+    log.rerun([rollout_id("b", OTHER.key, 0)], [of(TASK, 1.0)])
+    log.add(of(OTHER, None, FailureReason.SUPERSEDED))
+    assert [(g.task_key, g.complete, g.cut) for g in log.groups[2:]] == [(OTHER.key, False, True)]
+
+
+async def test_the_groups_of_a_batch_s_results_are_the_groups_it_delivered() -> None:
+    sink = MemorySink()
+    policy = PlannedPolicy({TASK.key: ["solve", "zero", "solve"], OTHER.key: ["solve"] * 3})
+    pool, _ = fake_pool(sink)
+    async with pool:
+        batch = pool.run_batch([TASK, OTHER], policy, samples_per_task=2, oversample=1)
+        with anyio.fail_after(10):
+            delivered = [g async for g in batch.groups()]
+            results = await batch.results()
+    rebuilt = groups_of(batch.batch_id, 2, results)  # what a journal's reader gets
+
+    def summary(groups: list[Group]) -> list[tuple[str, list[float], bool, int, int]]:
+        return sorted(
+            (g.task_key, sorted(g.rewards), g.uniform, g.failed, g.superseded) for g in groups
+        )
+
+    assert summary(rebuilt) == summary(delivered)
+    assert {g.task_key: g.uniform for g in rebuilt} == {TASK.key: False, OTHER.key: True}
+    assert sum(g.superseded for g in rebuilt) == 2  # each group's extra

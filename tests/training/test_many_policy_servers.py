@@ -15,7 +15,7 @@ import pytest
 
 from fleetroll.pool.journal import read_journal
 from fleetroll.testing.fake_openai import FakeChatServer, Reply
-from test_training_rollouts import TASK_FILES, TASKS, solving
+from training_helpers import TASK_FILES, TASKS, solving
 
 #: Integration tests (the emulator over loopback, a real process): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

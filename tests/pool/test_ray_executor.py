@@ -6,6 +6,7 @@ executor (:mod:`fleetroll.pool.ray.executor`, what ``--ray`` opens).
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator
 
@@ -17,9 +18,12 @@ from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason
+from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry.events import Events, MemorySink
+from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
+from training_helpers import AGENT, sent_and_recorded, solving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -127,6 +131,22 @@ async def turn_versions(batch: Batch, rollout_id: str) -> list[int]:
     return [e.data["policy_version"] for e in page.events if e.kind == "turn"]
 
 
+async def gates(pool: RolloutPool) -> list[tuple[int, bool, int]]:
+    """Each gate policy calls start at: its version, whether paused, the calls it let start."""
+    from fleetroll.pool.ray.executor import RayExecutor
+
+    executor = pool.executor
+    if isinstance(executor, RayExecutor):
+        return [await worker.gate_state.remote() for worker in executor.workers]
+    gate = pool.policy_gate
+    return [(gate.version, gate.paused, gate.admitted)]
+
+
+async def admitted(pool: RolloutPool) -> int:
+    """Policy calls let start so far, counted at the gates they start at."""
+    return sum(n for _, _, n in await gates(pool))
+
+
 async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_nothing_twice(
     pool: RolloutPool,
 ) -> None:
@@ -147,7 +167,10 @@ async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_not
             results.append(result)
             if len(results) == 2:
                 async with pool.policy_paused():  # mid-batch: a weight swap
+                    in_pause = await gates(pool)
+                    before_pause = sum(n for _, _, n in in_pause)
                     pool.policy_version = 2
+                    during_pause = await admitted(pool) - before_pause
             if len(results) == 5:
                 batch.cancel()  # Ctrl-C: the rest deliver their (cancelled) results
         versions = {r.rollout_id: await turn_versions(batch, r.rollout_id) for r in results}
@@ -168,4 +191,105 @@ async def test_a_pause_and_version_bump_mid_batch_then_ctrl_c_and_resume_run_not
     # Every turn carries the version of its call: 1 before the swap, 2 after it.
     for seen in versions.values():
         assert seen == sorted(seen) and set(seen) <= {1, 2}
+    # Once the pause is entered no actor admits a policy call, so every turn
+    # with the old version started before it, and every later one has the new.
+    assert all(paused for _, paused, _ in in_pause) and during_pause == 0
+    assert sum(seen.count(1) for seen in versions.values()) <= before_pause
     assert rerun_versions and set(rerun_versions) == {2}
+
+
+async def test_no_policy_call_starts_in_a_pause_and_every_later_turn_has_the_version_set_in_it(
+    pool: RolloutPool,
+) -> None:
+    with anyio.fail_after(300):
+        pool.policy_version = 1
+        batch = pool.run_batch(LEDGER[:6], ScriptedPolicy(think_time_s=0.15), samples_per_task=2)
+        quick = pool.run_batch(LEDGER[6:7], ScriptedPolicy(), samples_per_task=1)
+        await quick.results()  # by now the slow batch's policy calls are under way
+        async with pool.policy_paused():
+            in_pause = await gates(pool)
+            before_pause = sum(n for _, _, n in in_pause)
+            pool.policy_version = 2
+            await anyio.sleep(0.2)  # the weight sync, while rollouts wait for the policy
+            during_pause = await admitted(pool) - before_pause
+        results = await batch.results()
+        versions = [await turn_versions(batch, r.rollout_id) for r in results]
+    assert len(results) == 12 and all(r.reward == 1.0 for r in results)
+    # Once the pause is entered every gate holds new calls, and none started in it.
+    assert all(paused for _, paused, _ in in_pause) and during_pause == 0
+    # A turn has the old version only if it started before the pause was entered.
+    assert sum(seen.count(1) for seen in versions) <= before_pause
+    assert all(seen == sorted(seen) and set(seen) <= {1, 2} for seen in versions)
+    assert any(2 in seen for seen in versions)
+
+
+async def test_on_ray_every_rollout_s_trace_is_posted_with_its_transcript_redacted(
+    local_ray: None,
+) -> None:
+    """``--traces`` on actors: the transcript comes back with the result,
+    redacted where the rollout ran, and the driver posts it."""
+    from fleetroll.emulator import Emulator
+    from fleetroll.pool.ray.executor import ray_pool
+    from fleetroll.telemetry.events import Redactor
+
+    secret = "sk-ray-trace-secret-0123456789abcdef"
+    settings = load_settings(
+        provisioning={"backoff_initial_s": 0.05, "backoff_max_s": 0.5},
+        traces={"upload": True},
+        openai_api_key=secret,
+    )
+    tasks = [LEDGER[0].model_copy(update={"prompt": f"{LEDGER[0].prompt} (key {secret})"})]
+    tasks += LEDGER[1:3]
+    async with Emulator() as emu:
+        async with ray_pool(
+            settings, api_key=emu.api_key, base_url=emu.base_url, num_actors=2
+        ) as pool:
+            with anyio.fail_after(300):
+                results = await pool.run_batch(tasks, ScriptedPolicy()).results()
+        sessions = list(emu.traces.sessions)
+    assert [r.reward for r in results] == [1.0, 1.0, 1.0]
+    by_rollout = {s.metadata["rollout_id"]: s for s in sessions if s.metadata}
+    assert set(by_rollout) == {r.rollout_id for r in results}
+    for result in results:
+        messages = by_rollout[result.rollout_id].messages
+        assert [m["role"] for m in messages] == [m["role"] for m in result.transcript]
+    assert secret not in str([s.messages for s in sessions])
+    (with_secret,) = [r for r in results if r.task_key == LEDGER[0].key]
+    assert Redactor.MASK in str(by_rollout[with_secret.rollout_id].messages)
+
+
+async def test_an_agent_command_runs_on_the_actors_and_its_turns_hold_the_server_s_ids(
+    local_ray: None, fleet: EmulatorProcess
+) -> None:
+    from fleetroll.pool.ray.executor import ray_pool
+
+    tasks = LEDGER[:2]
+    sink = MemorySink()
+    async with FakeChatServer(solving(tasks), vllm=VllmShape()) as server:
+        policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
+        policy |= {"return_token_ids": True, "logprobs": True}
+        settings = SETTINGS.model_copy(update={"policy": SETTINGS.policy.model_copy(update=policy)})
+        async with (
+            ray_pool(
+                settings,
+                api_key=fleet.api_key,
+                base_url=fleet.base_url,
+                num_actors=2,
+                events=Events([sink]),
+            ) as pool,
+            CommandAgent.from_settings([sys.executable, str(AGENT)], settings) as agent,
+        ):
+            with anyio.fail_after(300):
+                results = await pool.run_batch(tasks, agent, samples_per_task=2).results()
+        replies = list(server.replies)
+    ledger = await fleet.ledger()
+
+    assert sorted((r.task_key, r.reward) for r in results) == sorted(
+        (t.key, 1.0) for t in tasks for _ in range(2)
+    )
+    sent, recorded = sent_and_recorded(replies, results)
+    assert recorded == sent and sum(len(r.turns) for r in results) == len(replies)
+    # The rollouts (so their agents and gateways) ran on the actors, not here.
+    completed = sink.named("fleet_rollout_completed")
+    assert len(completed) == 4 and all("worker" in e.attributes for e in completed)
+    assert ledger["running"] == 0

@@ -19,6 +19,7 @@ from typing import Any
 
 import anyio
 import pytest
+from test_state_machine import HANGING, TASK
 
 from fleetroll.policies import ScriptedPolicy, ToolCall
 from fleetroll.results import FailureReason, RolloutResult, Timings
@@ -29,7 +30,6 @@ from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_provider import FakeProvider, Operation
-from test_state_machine import HANGING, TASK
 
 #: Every operation's own deadline is far away: only the rollout's can pass.
 PATIENT = {"reset_s": 3600, "mcp_connect_s": 3600, "list_tools_s": 3600, "call_tool_s": 3600}

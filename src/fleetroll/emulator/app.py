@@ -70,6 +70,9 @@ class EmulatorApp:
         self._create_queue = anyio.Lock()
         self._reaper_wake: anyio.Event | None = None
         self._next_create_slot = 0.0
+        #: The account's create rate limit (``create_rate_limit``): tokens, and when.
+        self._rate_tokens = faults.profile.create_rate_limit or 0.0
+        self._rate_updated = time.monotonic()
         #: Creates admitted under the instance limit and not answered yet: like
         #: Fleet, the limit counts instances still starting, so concurrent
         #: creates cannot pass it together.
@@ -245,6 +248,20 @@ class EmulatorApp:
             self.ledger.create_finished(outcome)
         return response
 
+    def _rate_limited(self) -> float | None:
+        """Seconds until the account may create again (``create_rate_limit``); None: now."""
+        limit = self.faults.profile.create_rate_limit
+        if limit is None:
+            return None
+        now = time.monotonic()
+        burst = max(1.0, limit)
+        self._rate_tokens = min(burst, self._rate_tokens + (now - self._rate_updated) * limit)
+        self._rate_updated = now
+        if self._rate_tokens >= 1.0:
+            self._rate_tokens -= 1.0
+            return None
+        return (1.0 - self._rate_tokens) / limit
+
     def _instance_count(self) -> int:
         """Instances counted against the account's limit: running and starting."""
         return self.ledger.running + self._starting
@@ -269,6 +286,13 @@ class EmulatorApp:
                 },
             ), "instance_limit"
         faults = self.faults
+        wait_s = self._rate_limited()
+        if wait_s is not None:
+            return _error(
+                429,
+                "Rate limit exceeded: too many instance creates",
+                headers={"Retry-After": f"{wait_s:.3g}"},
+            ), "429"
         # As on Fleet, a create answers within the wait the client asked for
         # (the SDK asks for its own timeout minus 30 s; 0 when that is shorter
         # than 30 s, which we read as "no wait asked": its own deadline rules).

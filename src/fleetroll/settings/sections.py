@@ -79,14 +79,14 @@ class ProvisioningSettings(_Section):
 
     #: Ceilings of the create gate: creates in flight, and a second.
     max_concurrent_creates: int = Field(32, ge=1)
-    creates_per_second: float = Field(8.0, gt=0)
+    creates_per_second: float = Field(32.0, gt=0)
     #: Learn the create rate and the creates in flight from Fleet's answers
     #: (up while it answers fast; halved on 429, 503, time-outs, slow answers),
     #: from the start values below, under the ceilings above. Off: the ceilings
     #: are the rate, and a 429 is a failed attempt like a 5xx.
     adaptive_creates: bool = True
     #: Where the learnt rate and in-flight limit start. None: a quarter of their
-    #: ceilings (2 a second and 8 in flight with the defaults).
+    #: ceilings (8 a second, the fixed rate of old, and 8 in flight by default).
     start_creates_per_second: float | None = Field(None, gt=0)
     start_concurrent_creates: int | None = Field(None, ge=1)
     #: The learnt rate never falls below this.

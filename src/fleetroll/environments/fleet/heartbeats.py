@@ -35,12 +35,15 @@ class Heartbeats:
 
     Args:
         interval_s: ``provisioning.heartbeat_s``; None: no heartbeats.
-        timeout_s: one beat's deadline.
+        timeout_s: one beat's deadline (never past half an interval).
     """
 
     def __init__(self, interval_s: int | None, *, timeout_s: float) -> None:
         self._interval = interval_s
-        self._timeout_s = timeout_s
+        # A hung beat must not hold the round past the next one.
+        self._timeout_s = (
+            timeout_s if interval_s is None else min(timeout_s, interval_s / BEATS_PER_INTERVAL)
+        )
         self._held: dict[str, AsyncEnv] = {}
         #: Held since the last round: beaten at once (Fleet's watch starts at
         #: an instance's first beat).

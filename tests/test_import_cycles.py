@@ -73,6 +73,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "_lazy",
                 "cli.options",  # what every command shares, the emulator's too
                 "errors",
+                "evaluation",  # pass@k and its statistics: the results alone
                 "examples_mcp",
                 "environments.mcp.leases",
                 "policies.gate",

@@ -126,7 +126,7 @@ def test_an_unknown_key_in_a_file_is_one_line_with_the_file_the_key_path_and_a_g
 
 
 def test_an_unknown_fault_profile_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match="known profiles: chaos, clean, realistic"):
+    with pytest.raises(ConfigError, match="known profiles: chaos, clean, create-queue, realistic"):
         load_settings().emulator.fault_profile("nope")
 
 

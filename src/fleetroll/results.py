@@ -220,6 +220,10 @@ class RolloutResult(BaseModel):
     task_key: str
     sample_index: int = 0
     group_id: str | None = None
+    policy_version: int | None = Field(
+        default=None,
+        description="The policy version its batch was started for (an evaluation's tag); else null",
+    )
     step: int | None = Field(
         default=None,
         description="The sampling step that drew its task (fleetroll run --steps), from 0",
@@ -228,6 +232,10 @@ class RolloutResult(BaseModel):
     env_version: str | None = None
     modality: str
     instance_id: str | None = None
+    instance_uses: int | None = Field(
+        default=None,
+        description="Rollouts its instance served, this one counted (1: made for it)",
+    )
     status: Literal["completed", "failed"]
     failure_reason: FailureReason | None = None
     error: str | None = Field(default=None, description="What went wrong, for people")

@@ -94,6 +94,8 @@ def test_the_scenario_list_names_every_scenario(tmp_path: Path) -> None:
         "tool-heavy",
         "scale",
         "chaos",
+        "create-queue",
+        "create-queue-fresh",
         "tool-call",
         "policy-turn",
     ]

@@ -38,10 +38,11 @@ INTERVAL_S = 2
 SLACK_S = 1.0
 
 
-async def test_heartbeats_keep_instances_alive_while_rollouts_use_them() -> None:
+@pytest.mark.parametrize("reuse", [False, True], ids=["fresh", "reused"])
+async def test_heartbeats_keep_instances_alive_while_rollouts_use_them(reuse: bool) -> None:
     sink = MemorySink()
     async with Emulator() as emu:
-        settings = load_settings(provisioning={"heartbeat_s": 1})
+        settings = load_settings(provisioning={"heartbeat_s": 1, "reuse": reuse})
         async with RolloutPool(
             settings, api_key=emu.api_key, base_url=emu.base_url, events=Events([sink])
         ) as pool:

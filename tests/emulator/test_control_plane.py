@@ -13,7 +13,12 @@ from fleet._async.exceptions import (
 )
 from fleet.models import InstanceResponse
 
-from fleetroll.emulator import Emulator
+from fleetroll.emulator import Emulator, FaultProfile
+from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.errors import RolloutError
+from fleetroll.settings import load_settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry import Events
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -163,3 +168,42 @@ async def test_two_hundred_instances_alive_at_once_all_answer_tool_calls(sdk) ->
                     tg.start_soon(env.close)
         assert sorted(answers) == sorted(e.instance_id for e in envs)
         assert emu.ledger.running == 0 and emu.ledger.deleted == count
+
+
+async def test_a_reset_leaves_nothing_a_query_made_in_the_connection(sdk) -> None:
+    async with Emulator() as emu:
+        env = await sdk(emu).make("ledger", data_key="seed")
+        await env.resources()
+        db = env.db("current")
+        seeded = (await db.query("SELECT name, balance_cents FROM accounts ORDER BY name")).rows
+        # A TEMP trigger lives in the connection, not the file: the next rollout's
+        # writes would go through it after a reset that only copied the file.
+        made = await db.query(
+            "CREATE TEMP TRIGGER double AFTER UPDATE ON main.accounts"
+            " BEGIN INSERT INTO transactions (date, description, from_account, to_account,"
+            " amount_cents) VALUES ('2026-01-01', 'ghost', 'Checking', 'Rent', 1); END"
+        )
+        assert made.success
+        await db.query("BEGIN")  # a transaction left open is rolled back too
+        await db.query("UPDATE accounts SET balance_cents = 0")
+        assert (await env.reset()).success
+        after = (await db.query("SELECT name, balance_cents FROM accounts ORDER BY name")).rows
+        assert after == seeded
+        await db.query("UPDATE accounts SET balance_cents = balance_cents WHERE name = 'Rent'")
+        ghosts = await db.query("SELECT COUNT(*) FROM transactions WHERE description = 'ghost'")
+        assert ghosts.rows == [[0]]
+        await env.close()
+
+
+async def test_a_reset_fault_answers_no_success_and_the_fleet_provider_raises(sdk) -> None:
+    settings = load_settings()
+    async with Emulator(FaultProfile(p_reset_error=1.0)) as emu:
+        provider = FleetProvider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
+        task = TaskSpec(key="t", prompt="p", env_key="ledger", data_key="seed")
+        instance = await provider.provision(task)
+        with pytest.raises(RolloutError, match="could not be reset") as caught:
+            await provider.reset(instance)
+        assert caught.value.operation == "reset"
+        assert await provider.release(instance)
+        await provider.aclose()
+        assert emu.ledger.running == 0

@@ -246,6 +246,13 @@ async def test_a_killed_actor_s_rollouts_run_again_once_or_end_cancelled_if_thei
     assert dead_ledger["running"] == 0
 
 
+async def idle(pool: RolloutPool) -> bool:
+    """Whether the cluster's admission holds no instance and no create."""
+    await pool.admission.refresh(Events())
+    state = pool.admission.state()
+    return state.in_use == 0 and state.starting == 0
+
+
 async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_still_serves_sessions(
     service_on_ray: ServiceOnRay,
 ) -> None:
@@ -273,6 +280,10 @@ async def test_a_service_on_ray_streams_each_result_once_keeps_deadlines_and_sti
                 deadline_s=1,
             )
             cancelled = [r async for r in late]
+            # The cancelled rollouts' creates still in flight end (and release
+            # what they made) on their actors after their results came back.
+            while not await idle(pool):
+                await anyio.sleep(0.1)
             async with client.session(LEDGER[0]) as env:
                 await env.reset()
                 for step in LEDGER[0].solution or ():

@@ -335,14 +335,14 @@ class HeldReleases(FakeProvider):
         self._expect = expect
         self._held = 0
 
-    async def release(self, instance: Any) -> bool:
+    async def release(self, instance: Any, *, reuse: bool = False) -> bool:
         with anyio.CancelScope(shield=True):
             if self.holding:
                 self._held += 1
                 if self._held == self._expect:
                     self.all_held.set()
                 await self.open.wait()
-        return await super().release(instance)
+        return await super().release(instance, reuse=reuse)
 
 
 def assert_results_agree_with_groups(results: list[RolloutResult], groups: list[Group]) -> None:

@@ -198,6 +198,31 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType(
                 wall_limit_s=240.0,
             ),
             Scenario(
+                name="create-queue",
+                description=(
+                    "Fleet's create queue (one create per 2 s), 8 tasks x 12 samples at "
+                    "C=16, instance reuse on (create-queue-fresh: off)"
+                ),
+                rollouts=96,
+                concurrency=(16,),
+                steps=5,
+                samples_per_task=12,
+                profile_name="create-queue",
+                provisioning={"reuse": True},
+                baselines=(),
+            ),
+            Scenario(
+                name="create-queue-fresh",
+                description="create-queue with instance reuse off: one create per rollout",
+                rollouts=96,
+                concurrency=(16,),
+                steps=5,
+                samples_per_task=12,
+                profile_name="create-queue",
+                provisioning={"reuse": False},
+                baselines=(),
+            ),
+            Scenario(
                 name="tool-call",
                 description=(
                     "N sequential calls on one instance: fleetroll's ToolSession vs a bare "

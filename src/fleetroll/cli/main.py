@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 from pathlib import Path
 from typing import Any, ClassVar
 
-import anyio
 import click
 
 from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
-from fleetroll.cli.options import CONFIG_OPTION, Failed, load_command_settings, ray_options
-from fleetroll.errors import FleetrollError
+from fleetroll.cli.jobs import job_options, job_settings, job_tasks, reported
+from fleetroll.cli.options import CONFIG_OPTION, Failed, ray_options
 from fleetroll.telemetry.console import configure_console_logging
 
 __all__ = ["main"]
@@ -44,6 +42,10 @@ class _LazyGroup(click.Group):
         "emulator": (
             "fleetroll.emulator.cli:emulator",
             "Run the Fleet-compatible emulator until interrupted.",
+        ),
+        "eval": (
+            "fleetroll.cli.eval:eval_command",
+            "Evaluate a policy (pass@1 … pass@K per task and overall), or compare two.",
         ),
         "gc": (
             "fleetroll.cli.gc:gc",
@@ -118,30 +120,7 @@ def main() -> None:
     show_default=True,
     help="Rollouts per task (a group, for GRPO-style training).",
 )
-@click.option(
-    "--policy",
-    "policy_kind",
-    type=click.Choice(["scripted", "openai"]),
-    default=None,
-    help="Default from config: scripted.",
-)
-@click.option("--model", default=None, help="Model name for --policy openai.")
-@click.option(
-    "--base-url",
-    "base_urls",
-    multiple=True,
-    help="OpenAI-compatible endpoint for --policy openai (…/v1); repeat it for many"
-    " servers (policy.base_urls): each rollout sticks to one.",
-)
-@click.option(
-    "--concurrency",
-    type=click.IntRange(min=1),
-    default=None,
-    help="Rollouts acting at once (default from config).",
-)
-@click.option(
-    "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
-)
+@job_options
 @click.option(
     "--steps",
     type=click.IntRange(min=1),
@@ -216,29 +195,27 @@ def run(
     and the sampler's state is kept beside --out, so --resume goes on with
     the same sequence of tasks.
     """
-    from fleetroll.tasks import load_task_paths
-
     if (steps is None) != (batch_tasks is None):
         raise Failed("--steps and --batch-tasks go together: give both (or neither)")
-    overrides: dict[str, Any] = {}
-    if concurrency is not None:
-        overrides["pool"] = {"concurrency": concurrency}
-    policy_overrides: dict[str, Any] = {
-        k: v for k, v in (("kind", policy_kind), ("model", model)) if v is not None
-    }
-    if base_urls:  # they replace both policy.base_url and policy.base_urls
-        if len({url.rstrip("/") for url in base_urls}) < len(base_urls):
-            raise Failed("--base-url names the same policy server twice: give each once")
-        policy_overrides.update(base_url=base_urls[0], base_urls=list(base_urls))
-    settings = load_command_settings(config_file, **overrides)
-    if policy_overrides:
-        settings = settings.model_copy(
-            update={"policy": settings.policy.model_copy(update=policy_overrides)}
-        )
-    try:
+    settings = job_settings(
+        config_file,
+        policy_kind=policy_kind,
+        model=model,
+        base_urls=base_urls,
+        concurrency=concurrency,
+    )
+    with reported():
         if agent_command is not None:
             _check_agent_command(agent_command, settings)
-        tasks = load_task_paths(tasks_paths, settings.modalities)
+        tasks = job_tasks(
+            settings,
+            tasks_paths,
+            profile=profile,
+            out=out,
+            samples=samples,
+            resume=resume,
+            batch_tasks=batch_tasks,
+        )
         per_batch = batch_tasks if batch_tasks is not None else len(tasks)
         if groups_target is not None and groups_target > per_batch:
             given = "--batch-tasks" if batch_tasks is not None else "tasks (groups) given"
@@ -246,93 +223,37 @@ def run(
                 f"--groups {groups_target} is more than the {per_batch} {given}:"
                 " start more tasks than the groups you need"
             )
-        from fleetroll.scoring.judge import missing_judge
-
-        problem = missing_judge(tasks, settings)
-        if problem is not None:
-            raise Failed(problem)
-        # A user's mistakes are said before the slow imports and before anything starts.
-        if settings.uses_emulator:
-            settings.emulator.fault_profile(profile)  # an unknown name
-        else:
-            settings.require_fleet_api_key()
         sampling = None
         if batch_tasks is not None:
             from fleetroll.training.sampler import SamplerConfig, TaskSampler
 
             sampling = SamplerConfig.from_settings(settings.sampling, batch_tasks)
             TaskSampler(tasks, sampling)  # a config these tasks cannot meet, said now
-        if out is not None:
-            from fleetroll.pool.journal import BatchIdentity, check_journal
-
-            oversample = settings.pool.oversample
-            identity = BatchIdentity.of("", tasks, samples, oversample, batch_tasks)
-            check_journal(out, identity, resume=resume)
-    except FleetrollError as exc:
-        raise Failed(str(exc)) from None
     # Imported once the input is known good: a bad task file costs no more.
     from rich.console import Console
 
-    from fleetroll.cli.run import Steps, print_report, run_job
-    from fleetroll.policies import policy_from_settings
+    from fleetroll.cli.run import Steps, print_report, run_command
 
     plan = Steps(steps, sampling) if steps is not None and sampling is not None else None
-
     console = Console(stderr=True, soft_wrap=True)
-
-    async def job() -> Any:
-        from fleetroll.telemetry import open_telemetry
-
-        # Signals are ours until telemetry is flushed: a Ctrl-C during the
-        # shutdown is then one more notice, never a KeyboardInterrupt half-way.
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with open_telemetry(settings) as events:
-                policy: Any
-                if agent_command is not None:
-                    from fleetroll.rollout.agent_command import CommandAgent
-
-                    # Its gateway serves while the batch runs; closing it closes its policy.
-                    policy = CommandAgent.from_settings(agent_command, settings)
-                    await policy.__aenter__()
-                else:
-                    policy = policy_from_settings(settings)
-                try:
-                    return await run_job(
-                        settings,
-                        tasks,
-                        policy,
-                        samples=samples,
-                        out=out,
-                        resume=resume,
-                        events=events,
-                        emulator_profile=profile,
-                        console=console,
-                        ray_address=ray_address,
-                        ray_actors=ray_actors,
-                        signals=signals,
-                        preflight=not no_preflight,
-                        groups_target=groups_target,
-                        steps=plan,
-                    )
-                finally:
-                    if agent_command is not None:
-                        await policy.__aexit__(None, None, None)
-                    else:
-                        await policy.aclose()
-
-    try:
-        report = anyio.run(job)
+    with reported():
+        report = run_command(
+            settings,
+            tasks,
+            samples=samples,
+            out=out,
+            resume=resume,
+            profile=profile,
+            preflight=not no_preflight,
+            console=console,
+            agent_command=agent_command,
+            ray_address=ray_address,
+            ray_actors=ray_actors,
+            groups_target=groups_target,
+            steps=plan,
+        )
         print_report(report, console, settings)
-    except FleetrollError as exc:
-        raise Failed(str(exc)) from None
-    except KeyboardInterrupt:
-        # A Ctrl-C outside the job (before its signal handlers, or while the
-        # report prints): everything was already released and journaled.
-        raise SystemExit(130) from None
-    if report.interrupted:
-        raise SystemExit(130)
-    if report.stopped is not None:
-        raise SystemExit(1)
+    report.exit()
 
 
 def _check_agent_command(command: str, settings: Any) -> None:

@@ -21,6 +21,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -57,6 +58,8 @@ __all__ = [
     "Steps",
     "cost_table",
     "open_fleet",
+    "print_report",
+    "run_command",
     "run_job",
     "summary_table",
 ]
@@ -79,6 +82,17 @@ class JobReport:
     #: A run of steps (``batch_id`` is then the run's id): the steps that ran to their end.
     steps: int | None = None
 
+    def exit(self) -> None:
+        """End the command as the job ended: 130 when interrupted, 1 when stopped early.
+
+        Raises:
+            SystemExit: it was interrupted, or stopped early.
+        """
+        if self.interrupted:
+            raise SystemExit(130)
+        if self.stopped is not None:
+            raise SystemExit(1)
+
 
 @dataclass(frozen=True, slots=True)
 class Steps:
@@ -87,6 +101,75 @@ class Steps:
 
     count: int
     sampler: SamplerConfig
+
+
+def run_command(
+    settings: Settings,
+    tasks: Sequence[TaskSpec],
+    *,
+    samples: int,
+    out: Path | None,
+    resume: bool,
+    profile: str | None,
+    preflight: bool,
+    console: Console,
+    agent_command: str | None = None,
+    ray_address: str | None = None,
+    ray_actors: int | None = None,
+    groups_target: int | None = None,
+    steps: Steps | None = None,
+    policy_version: int | None = None,
+) -> JobReport:
+    """A command's job (``run``, ``eval``): :func:`run_job` with telemetry, the
+    policy of the settings (or ``agent_command``'s gateway) and the signals.
+
+    Raises:
+        FleetrollError: as :func:`run_job` (a failed pre-flight, a journal in use).
+        KeyboardInterrupt: a Ctrl-C before the job's signal handlers or after them.
+    """
+    from fleetroll.policies import policy_from_settings
+    from fleetroll.telemetry import open_telemetry
+
+    async def job() -> JobReport:
+        # Signals are ours until telemetry is flushed: a Ctrl-C during the
+        # shutdown is then one more notice, never a KeyboardInterrupt half-way.
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with open_telemetry(settings) as events:
+                policy: Any
+                if agent_command is not None:
+                    from fleetroll.rollout.agent_command import CommandAgent
+
+                    # Its gateway serves while the batch runs; closing it closes its policy.
+                    policy = CommandAgent.from_settings(agent_command, settings)
+                    await policy.__aenter__()
+                else:
+                    policy = policy_from_settings(settings)
+                try:
+                    return await run_job(
+                        settings,
+                        tasks,
+                        policy,
+                        samples=samples,
+                        out=out,
+                        resume=resume,
+                        events=events,
+                        emulator_profile=profile,
+                        console=console,
+                        ray_address=ray_address,
+                        ray_actors=ray_actors,
+                        signals=signals,
+                        preflight=preflight,
+                        groups_target=groups_target,
+                        steps=steps,
+                        policy_version=policy_version,
+                    )
+                finally:
+                    if agent_command is not None:
+                        await policy.__aexit__(None, None, None)
+                    else:
+                        await policy.aclose()
+
+    return anyio.run(job)
 
 
 async def run_job(
@@ -107,6 +190,7 @@ async def run_job(
     preflight: bool = True,
     groups_target: int | None = None,
     steps: Steps | None = None,
+    policy_version: int | None = None,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
 
@@ -130,6 +214,8 @@ async def run_job(
 
     On resume, every rollout whose last journaled result is ``cancelled`` runs
     again, with those never journaled; the others are kept.
+
+    ``policy_version`` tags every result of the batch (an evaluation's).
 
     The first SIGINT or SIGTERM cancels the batch: every rollout still gets
     its result, every instance is released. Later ones change nothing but say
@@ -209,6 +295,7 @@ async def run_job(
                 batch_id=batch_id,
                 previous=previous,
                 groups_target=groups_target,
+                policy_version=policy_version,
             )
             console.print(
                 f"fleetroll: batch {batch.batch_id}: {batch.total} rollouts "
@@ -233,6 +320,7 @@ async def run_job(
                 batch_id=step_id,
                 previous=before,
                 groups_target=groups_target,
+                policy_version=policy_version,
             )
             console.print(
                 f"fleetroll: step {draw.step + 1}/{count} (epoch {draw.epoch}):"
@@ -714,10 +802,14 @@ def cost_table(results: Sequence[RolloutResult]) -> Table:
     return table
 
 
-def print_report(report: JobReport, console: Console, settings: Settings | None = None) -> None:
-    """The closing table, the batch's totals, and where results and telemetry went."""
-    console.print(summary_table(report.results))
-    console.print(cost_table(report.results))
+def print_report(
+    report: JobReport, console: Console, settings: Settings | None = None, *, tables: bool = True
+) -> None:
+    """The closing tables (unless ``tables`` is False), the batch's totals, and where
+    results and telemetry went."""
+    if tables:
+        console.print(summary_table(report.results))
+        console.print(cost_table(report.results))
     # A cancelled rollout (Ctrl-C, an early stop) did not fail: it was not let finish.
     ran = [r for r in report.results if r.failure_reason is not FailureReason.CANCELLED]
     cancelled = len(report.results) - len(ran)

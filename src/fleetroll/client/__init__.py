@@ -36,7 +36,9 @@ A trainer doing asynchronous RL has the same verbs as in-process, awaited:
 ``await client.set_policy_version(v)`` after a weight sync, ``async with
 client.policy_paused():`` around the swap (a lease the client renews while
 the block runs, so a trainer that dies cannot pause the service forever),
-and ``batch.groups()`` for each GRPO group as soon as it is complete.
+and ``batch.groups()`` for each GRPO group as soon as it is complete, and
+``await client.run_eval(tasks, k=8, max_concurrency=16, policy_version=v)``
+for pass@k at a known version beside the training batches.
 
 ``async for event in client.follow(rollout_id)`` watches one rollout live:
 its phases, policy turns and tool calls (timings, redacted previews), then
@@ -49,8 +51,10 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, Self
+from urllib.parse import urlencode
 
 import anyio
 import httpx
@@ -67,6 +71,7 @@ from fleetroll.client.remote import (
     describe_failure,
 )
 from fleetroll.errors import ServiceError
+from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, EvalReport, eval_batch
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.rollout.events import RolloutEvent
 from fleetroll.service.models import PolicyConfig
@@ -186,6 +191,8 @@ class FleetrollClient:
         after: int = 0,
         agent_command: str | Sequence[str] | None = None,
         groups_target: int | None = None,
+        max_in_flight: int | None = None,
+        policy_version: int | None = None,
     ) -> RemoteBatch:
         """A batch on the service; it is submitted when first iterated (or entered).
 
@@ -222,15 +229,50 @@ class FleetrollClient:
             payload["policy"] = _policy_record(policy)
         if deadline_s is not None:
             payload["deadline_s"] = deadline_s
-        if oversample is not None:
-            payload["oversample"] = oversample
-        if groups_target is not None:
-            payload["groups_target"] = groups_target
+        for name, value in (
+            ("oversample", oversample),
+            ("groups_target", groups_target),
+            ("max_in_flight", max_in_flight),
+            ("policy_version", policy_version),
+        ):
+            if value is not None:
+                payload[name] = value
         if agent_command is not None:
             payload["agent_command"] = (
                 agent_command if isinstance(agent_command, str) else list(agent_command)
             )
         return RemoteBatch(self._service, payload["batch_id"], payload=payload, after=after)
+
+    async def run_eval(
+        self,
+        tasks: Sequence[TaskSpec | Mapping[str, Any]],
+        policy: PolicyConfig | ScriptedPolicy | Mapping[str, Any] | None = None,
+        *,
+        k: int,
+        max_concurrency: int | None = None,
+        policy_version: int | None = None,
+        success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+        batch_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> EvalReport:
+        """Evaluate a policy on the service, as ``RolloutPool.run_eval`` in-process.
+
+        A batch of ``k`` samples per task without oversampling, with its share
+        of the service's pool (``max_concurrency``, the batch's
+        ``max_in_flight``) and its ``policy_version`` tag, read to its end;
+        then ``GET /v1/batches/{id}/eval``. The report holds the results too.
+
+        Raises:
+            ServiceError: the service refused the batch or the evaluation.
+            TypeError: as :meth:`run_batch`.
+            ValueError: ``k`` is below 1.
+        """
+        options = eval_batch(k, max_concurrency, policy_version, batch_id, deadline_s)
+        batch = self.run_batch(tasks, policy, **options)
+        results = [r async for r in batch]
+        query = urlencode({"k": k, "success_threshold": success_threshold})
+        record = await self._call("GET", f"/v1/batches/{batch.batch_id}/eval?{query}")
+        return replace(EvalReport.from_json(record), results=results)
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
         """An existing batch, its results read from cursor ``after`` on (e.g. after a restart).

@@ -561,6 +561,9 @@ class EmulatorApp:
         if self.faults.chance(self.faults.profile.p_reset_hang):
             await hang(request, self.faults.profile.reset_hang_s)
             return _error(504, "Reset timed out")
+        if self.faults.chance(self.faults.profile.p_reset_error):
+            message = f"Instance {inst.instance_id} could not be reset (injected fault)"
+            return JSONResponse({"success": False, "message": message})
         self.store.reseed(inst)
         self.ledger.resets += 1
         return JSONResponse({"success": True, "message": f"Instance {inst.instance_id} reset"})

@@ -354,6 +354,15 @@ class InstanceStore:
             self._end(inst, InstanceStatus.ERROR, "died")
 
     def reseed(self, inst: Instance) -> None:
+        """Restore the instance's seed: the file's pages, and a new connection.
+
+        TEMP tables and triggers, and pragmas, made through the manager API's
+        query live in the connection, not the file: a backup alone would leave
+        them for the next rollout (a TEMP trigger would change its writes).
+        Closing the old connection also rolls back a transaction left open.
+        """
+        inst.conn.close()
+        inst.conn = open_db(inst.db_path)
         self._seeded(inst.env, inst.data_key).backup(inst.conn)
         inst.updated_at = _now_iso()
 

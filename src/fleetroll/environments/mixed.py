@@ -156,8 +156,8 @@ class MixedProvider:
     async def is_alive(self, instance: Instance) -> bool:
         return await self._for(instance).is_alive(instance)
 
-    async def release(self, instance: Instance) -> bool:
-        return await self._for(instance).release(instance)
+    async def release(self, instance: Instance, *, reuse: bool = False) -> bool:
+        return await self._for(instance).release(instance, reuse=reuse)
 
     async def sweep(self, run_id: str) -> int:
         released = 0

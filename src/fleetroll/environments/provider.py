@@ -52,6 +52,8 @@ class Instance:
         placeholders: what this instance replaces in a task's ``solution``
             arguments (an ``mcp`` instance's ``{workdir}``...; none for Fleet):
             :meth:`fleetroll.tasks.TaskSpec.with_placeholders`.
+        uses: the rollouts it has served, this one counted (1: made for it;
+            more: reset and handed on, :mod:`fleetroll.environments.fleet.warm`).
     """
 
     instance_id: str
@@ -61,6 +63,7 @@ class Instance:
     handle: object
     reset_required: bool = False
     placeholders: Mapping[str, str] = field(default_factory=dict)
+    uses: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,8 +128,13 @@ class Provider(Protocol):
         """Whether the instance still runs (presumed alive when it cannot be told)."""
         ...
 
-    async def release(self, instance: Instance) -> bool:
-        """Give the instance back; whether that was confirmed. Never raises."""
+    async def release(self, instance: Instance, *, reuse: bool = False) -> bool:
+        """Give the instance back; whether that was confirmed. Never raises.
+
+        ``reuse``: the rollout that held it ended without an infrastructure
+        failure, so it may serve another rollout once reset (a provider that
+        does not reuse instances releases it all the same).
+        """
         ...
 
     async def sweep(self, run_id: str) -> int:

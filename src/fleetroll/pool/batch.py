@@ -267,8 +267,14 @@ class Batch(ResultStream):
         run_id: str | None = None,
         *,
         tracker: GroupTracker | None = None,
+        max_in_flight: int | None = None,
+        policy_version: int | None = None,
     ) -> None:
         self.batch_id = batch_id
+        #: At most this many of its rollouts run at once (None: the pool's limits only).
+        self.max_in_flight = max_in_flight
+        #: The tag every result of the batch carries (``RolloutResult.policy_version``).
+        self.policy_version = policy_version
         self.run_id = run_id or batch_id
         self.rollouts = rollouts
         self.skipped = skipped
@@ -301,9 +307,15 @@ class Batch(ResultStream):
         """
         return self._groups.read(self._mark_drained, complete_only=complete_only)
 
+    def _tagged(self, result: RolloutResult) -> RolloutResult:
+        if result.policy_version == self.policy_version:
+            return result
+        return result.model_copy(update={"policy_version": self.policy_version})
+
     def deliver(self, result: RolloutResult) -> None:
         if result.rollout_id in self.delivered:
             return
+        result = self._tagged(result)
         super().deliver(result)
         if self.traces is not None and (rollout := self._by_id.get(result.rollout_id)):
             self.traces.submit(result, rollout.messages, rollout.redactor)
@@ -312,6 +324,7 @@ class Batch(ResultStream):
         """A rollout's result as it is built: its group decides, once, whether it
         counts (:meth:`GroupTracker.settle`), and it is delivered at once, so the
         stream, telemetry and the groups see the same outcome, in the same order."""
+        result = self._tagged(result)
         if self._tracker is not None:
             result, completion = self._tracker.settle(result)
             if completion is not None:

@@ -113,6 +113,8 @@ class BatchPool(Protocol):
         batch_id: str | None = None,
         deadline_s: float | None = None,
         skip: Collection[str] = (),
+        max_in_flight: int | None = None,
+        policy_version: int | None = None,
     ) -> RunningBatch: ...
 
 

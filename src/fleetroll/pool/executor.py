@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import anyio
 
 from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.fleet.warm import open_warm_pool
 from fleetroll.environments.mixed import MixedProvider, require_fleet_key
 from fleetroll.environments.provider import Provider
 from fleetroll.policies import Policy
@@ -188,6 +189,11 @@ class LocalExecutor:
         )
         provider = self._provider or ours
         async with AsyncExitStack() as stack:
+            if self.settings.provisioning.reuse:
+                # Instances go from one rollout to the next (and the next batch's).
+                provider = await stack.enter_async_context(
+                    open_warm_pool(provider, self.settings, context.events)
+                )
             self._engine = await stack.enter_async_context(
                 RolloutEngine.open(
                     self.settings,
@@ -197,7 +203,8 @@ class LocalExecutor:
                     policy_gate=context.policy_gate,
                 )
             )
-            if provider is ours:  # its heartbeats stop before it closes
+            if self._provider is None:  # ours (under a warm pool or not): heartbeats
+                # stop before it closes
                 await stack.enter_async_context(ours.running())
             self._context = context
             try:

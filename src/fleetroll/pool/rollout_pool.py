@@ -12,6 +12,11 @@ results, one per rollout id: a crash, a timeout or cancellation each still
 yields one. :meth:`Batch.groups` yields each task's group of samples as soon
 as it is complete (:mod:`fleetroll.training.groups`).
 
+:meth:`RolloutPool.run_eval` evaluates a policy (``k`` samples per task, no
+oversampling) beside the training batches, with its own share of the pool
+(``max_concurrency``) and its own policy version tag, and returns its pass@k
+report (:mod:`fleetroll.evaluation`).
+
 An asynchronous RL trainer sets :attr:`RolloutPool.policy_version` after each
 weight sync (recorded on turns; ``pool.max_staleness`` flags or restarts
 rollouts too far behind) and holds new policy calls with
@@ -59,6 +64,7 @@ from fleetroll.environments.fleet.admission import Admission, AdmissionControlle
 from fleetroll.environments.fleet.traces import TraceUploader, open_trace_uploader
 from fleetroll.environments.provider import Provider
 from fleetroll.errors import ConfigError
+from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, EvalReport, eval_batch, evaluate
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.pool.batch import (
@@ -295,6 +301,8 @@ class RolloutPool:
         oversample: int | None = None,
         previous: Sequence[RolloutResult] = (),
         groups_target: int | None = None,
+        max_in_flight: int | None = None,
+        policy_version: int | None = None,
     ) -> Batch:
         """Start a batch; iterate the returned :class:`Batch` for its results.
 
@@ -319,11 +327,20 @@ class RolloutPool:
                 stopped (``superseded``) and those groups come with ``cut``
                 true (:mod:`fleetroll.training.groups`: its bias). None: every
                 group runs to its end.
+            max_in_flight: at most this many of the batch's rollouts run at
+                once (provisioning to release), within the pool's own limits:
+                a batch's share of the pool beside others (an evaluation beside
+                training batches). A cap, not a reservation: every batch's
+                rollouts take the pool's slots as they come.
+            policy_version: a tag recorded on every result of the batch
+                (``RolloutResult.policy_version``): the policy version it runs,
+                for an evaluation. Turns record the pool's version as ever.
 
         Raises:
             ValueError: ``samples_per_task`` is below 1, ``oversample`` below 0,
-                ``groups_target`` not between 1 and the number of tasks, two
-                tasks share a key, or a batch with this id is still running.
+                ``groups_target`` not between 1 and the number of tasks,
+                ``max_in_flight`` below 1, two tasks share a key, or a batch
+                with this id is still running.
             PoolFullError: the batch would take the pool's unfinished
                 rollouts past ``pool.max_queued_rollouts``.
             ConfigError: a task runs on Fleet and the pool has no Fleet ``api_key``.
@@ -341,6 +358,8 @@ class RolloutPool:
                 f"groups_target must be between 1 and the batch's {len(tasks)} tasks (groups),"
                 f" not {groups_target}"
             )
+        if max_in_flight is not None and max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         check_unique_keys(tasks)
         batch_id = batch_id or uuid.uuid4().hex[:12]
         if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
@@ -378,6 +397,8 @@ class RolloutPool:
             tracker=GroupTracker(
                 batch_id, samples_per_task, members, previous, ranks=ranks, target=groups_target
             ),
+            max_in_flight=max_in_flight,
+            policy_version=policy_version,
         )
         if deadline_s is not None:
             batch.scope.deadline = anyio.current_time() + deadline_s
@@ -385,6 +406,48 @@ class RolloutPool:
         self.batches.add(batch)
         self._tg.start_soon(self._run_batch, batch, policy)
         return batch
+
+    async def run_eval(
+        self,
+        tasks: Sequence[TaskSpec],
+        policy: Policy,
+        *,
+        k: int,
+        max_concurrency: int | None = None,
+        policy_version: int | None = None,
+        success_threshold: float = DEFAULT_SUCCESS_THRESHOLD,
+        batch_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> EvalReport:
+        """Evaluate ``policy`` on ``tasks``: ``k`` samples each, then pass@1 … pass@k.
+
+        A batch of ``k`` samples per task without oversampling (a sample the
+        platform failed is counted apart, never replaced: the report says how
+        many each task lost), run beside the pool's other batches. Returns when
+        every rollout has ended (:func:`fleetroll.evaluation.evaluate`).
+
+        Args:
+            k: samples per task, and the largest j of pass@j.
+            max_concurrency: at most this many of its rollouts at once (its
+                share of the pool beside training batches); default: the pool's limits only.
+            policy_version: the tag of the policy evaluated, recorded on every
+                result and on the report.
+            success_threshold: the reward at or above which a sample is a success.
+            batch_id: the batch's id (default ``eval-`` and 12 random hex digits).
+            deadline_s: cancel what is still running after this long (the
+                cancelled samples are unscored).
+
+        Raises:
+            ValueError: ``k`` or ``max_concurrency`` below 1, or as :meth:`run_batch`.
+            PoolFullError, ConfigError: as :meth:`run_batch`.
+        """
+        options = eval_batch(k, max_concurrency, policy_version, batch_id, deadline_s)
+        batch = self.run_batch(tasks, policy, **options)
+        async with batch:
+            results = await batch.results()
+        return evaluate(
+            results, k=k, success_threshold=success_threshold, policy_version=policy_version
+        )
 
     async def _run_batch(self, batch: Batch, policy: Policy) -> None:
         self.events.emit(
@@ -396,11 +459,12 @@ class RolloutPool:
             total=batch.total + batch.skipped,
             concurrency=self.settings.pool.concurrency,
         )
+        share = anyio.CapacityLimiter(batch.max_in_flight) if batch.max_in_flight else None
         try:
             with batch.scope:
                 async with anyio.create_task_group() as tg:
                     for rollout in batch.rollouts:
-                        tg.start_soon(self._one, batch, rollout, policy)
+                        tg.start_soon(self._one, batch, rollout, policy, share)
         finally:
             # Rollouts cancelled before they started still get their result.
             for rollout in batch.rollouts:
@@ -425,9 +489,19 @@ class RolloutPool:
                 counts=dict(statuses),
             )
 
-    async def _one(self, batch: Batch, rollout: RolloutHandle, policy: Policy) -> None:
+    async def _one(
+        self,
+        batch: Batch,
+        rollout: RolloutHandle,
+        policy: Policy,
+        share: anyio.CapacityLimiter | None,
+    ) -> None:
         try:
-            await rollout.execute(policy)
+            if share is None:
+                await rollout.execute(policy)
+            else:
+                async with share:  # the batch's share of the pool (``max_in_flight``)
+                    await rollout.execute(policy)
         except anyio.get_cancelled_exc_class():
             if rollout.result is not None:
                 batch.deliver(rollout.result)

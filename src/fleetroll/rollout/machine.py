@@ -492,7 +492,8 @@ class Rollout:
         if self.instance is not None:
             began = time.monotonic()
             try:
-                await self.engine.provider.release(self.instance)
+                reuse = not restart and stages.instance_reusable(self.progress)
+                await self.engine.provider.release(self.instance, reuse=reuse)
             finally:
                 self.progress.timings.release_s += time.monotonic() - began
         if self._provisioned_at is not None:
@@ -532,6 +533,7 @@ class Rollout:
             self.ids,
             self.task,
             self.instance.instance_id if self.instance else None,
+            instance_uses=self.instance.uses if self.instance else None,
             redact=self.engine.redactor,
             keep_images=self.engine.settings.pool.transcript_images,
             trajectory=self.engine.settings.policy.trajectory,

@@ -32,7 +32,7 @@ from fleetroll.errors import (
 )
 from fleetroll.policies import AssistantTurn, Policy, ToolSpec
 from fleetroll.policies.gate import PolicyGate
-from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult
 from fleetroll.rollout.progress import Progress, RolloutIds
 from fleetroll.rollout.routing import COMPUTER_TOOL, ComputerToolMissing, Route
 from fleetroll.rollout.tools import ToolCallFailed, ToolSession, describe
@@ -48,6 +48,7 @@ __all__ = [
     "connect",
     "event_attributes",
     "first_screenshot",
+    "instance_reusable",
     "provision",
     "report_completed",
     "reset",
@@ -308,6 +309,20 @@ async def _components(
         error_message=error[:500],
     )
     progress.reward_failed(error)
+
+
+#: Ends after which the instance is as sound as it was given: the episode ran to
+#: an end of the agent's (or the policy's) making, no call of ours was cut
+#: short, and the verifier ran. A reset makes it the next rollout's.
+_REUSABLE_ENDS = SCORED_REASONS | {FailureReason.POLICY_ERROR}
+
+
+def instance_reusable(progress: Progress) -> bool:
+    """Whether the rollout's instance may serve another rollout once reset: its
+    rollout ended without an infrastructure failure and without a tool call whose
+    answer never came (a call cut short could still land after the reset)."""
+    ended_well = progress.reason is None or progress.reason in _REUSABLE_ENDS
+    return ended_well and progress.tool_failures == 0 and progress.overrun is None
 
 
 def report_completed(events: Events, result: RolloutResult) -> None:

@@ -99,6 +99,10 @@ class _Plan:
     agent_command: tuple[str, ...] | None = None
     #: Once this many groups are complete, the others are cut (``groups_target``).
     groups_target: int | None = None
+    #: At most this many of its rollouts at once (its share of the pool), or None.
+    max_in_flight: int | None = None
+    #: The tag on every result (an evaluation's policy version), or None.
+    policy_version: int | None = None
 
     def rollout_ids(self, batch_id: str) -> set[str]:
         return {
@@ -120,6 +124,22 @@ class _Plan:
             oversample=self.oversample,
             agent_command=None if self.agent_command is None else list(self.agent_command),
             groups_target=self.groups_target,
+            max_in_flight=self.max_in_flight,
+            policy_version=self.policy_version,
+        )
+
+    def fingerprint(self) -> str:
+        """The request's identity (:func:`fleetroll.service.requests.batch_fingerprint`)."""
+        return batch_fingerprint(
+            self.tasks,
+            self.policy,
+            self.samples_per_task,
+            self.deadline_s,
+            self.oversample,
+            self.agent_command,
+            self.groups_target,
+            max_in_flight=self.max_in_flight,
+            policy_version=self.policy_version,
         )
 
     @classmethod
@@ -132,6 +152,8 @@ class _Plan:
             request.oversample,
             None if request.agent_command is None else tuple(request.agent_command),
             request.groups_target,
+            request.max_in_flight,
+            request.policy_version,
         )
 
 
@@ -504,6 +526,8 @@ class BatchRegistry:
             batch_id=request.batch_id,
             deadline_s=request.deadline_s,
             oversample=oversample,
+            max_in_flight=request.max_in_flight,
+            policy_version=request.policy_version,
             loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
             agent_command=request.agent_command,
             groups_target=request.groups_target,
@@ -541,6 +565,8 @@ class BatchRegistry:
         batch_id: str | None = None,
         deadline_s: float | None = None,
         oversample: int = 0,
+        max_in_flight: int | None = None,
+        policy_version: int | None = None,
         loc: Sequence[str] = ("task",),
         agent_command: Sequence[str] | None = None,
         groups_target: int | None = None,
@@ -557,15 +583,18 @@ class BatchRegistry:
                 taken by a different request), 503 (the pool is full, or a
                 cancel of the identical batch is still settling).
         """
-        fingerprint = batch_fingerprint(
+        plan = _Plan(
             tasks,
             policy_config,
             samples_per_task,
             deadline_s,
             oversample,
-            agent_command,
+            None if agent_command is None else tuple(agent_command),
             groups_target,
+            max_in_flight,
+            policy_version,
         )
+        fingerprint = plan.fingerprint()
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
         if existing is None:
@@ -575,16 +604,13 @@ class BatchRegistry:
             if existing.fingerprint != fingerprint:
                 raise ApiError(
                     409,
-                    f"batch {batch_id!r} already exists with different tasks, samples, policy"
-                    " or deadline; resubmit the same request, or use another batch_id",
+                    f"batch {batch_id!r} already exists with different tasks, samples, policy,"
+                    " deadline, share or tag; resubmit the same request, or use another"
+                    " batch_id",
                 )
             await existing.saved.wait()
             # Its own policy: the same but for the api_key, which is never stored.
             return existing, False, await self._rerun_cancelled(existing, policy_config)
-        command = None if agent_command is None else tuple(agent_command)
-        plan = _Plan(
-            tasks, policy_config, samples_per_task, deadline_s, oversample, command, groups_target
-        )
         batch, policy = self._run(plan, batch_id)
         record = BatchRecord(batch, fingerprint, plan)
         self._records[batch_id] = record
@@ -660,6 +686,8 @@ class BatchRegistry:
                 batch_id=batch_id,
                 deadline_s=plan.deadline_s,
                 skip=skip or (),
+                max_in_flight=plan.max_in_flight,
+                policy_version=plan.policy_version,
                 **extra,
             )
         except PoolFullError as exc:

@@ -219,6 +219,20 @@ class BatchRequest(_Request):
             " policy. Refused (422) unless the service's service.allow_command_tasks"
         ),
     )
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description=(
+            "At most this many of the batch's rollouts at once, within the pool's limits:"
+            " its share of the pool beside other batches (an evaluation beside training)"
+        ),
+    )
+    policy_version: int | None = Field(
+        None,
+        ge=0,
+        description="A tag recorded on every result of the batch (an evaluation's policy version)",
+    )
 
     @field_validator("agent_command", mode="before")
     @classmethod
@@ -460,6 +474,81 @@ class StatsResult(BaseModel):
     never_completed: list[str]
     completed_more_than_once: list[str]
     completed_without_start: list[str]
+
+
+_FIGURES: dict[str, Any] = {
+    "samples": {"type": "integer", "description": "Results (scored or not)"},
+    "scored": {"type": "integer", "description": "Results with a reward"},
+    "successes": {"type": "integer", "description": "Scored results with reward ≥ the threshold"},
+    "unscored": {"type": "integer", "description": "Results without a reward"},
+    "unscored_reasons": {
+        "type": "object",
+        "additionalProperties": {"type": "integer"},
+        "description": "Results without a reward, per failure reason",
+    },
+    "mean_reward": {"type": ["number", "null"]},
+}
+_PASS_AT: dict[str, Any] = {"^pass@[0-9]+$": {"type": ["number", "null"]}}
+_INTERVAL: dict[str, Any] = {
+    "type": ["array", "null"],
+    "items": {"type": "number"},
+    "minItems": 2,
+    "maxItems": 2,
+}
+
+#: Figures over a set of tasks: pass@j is the mean over the tasks that have it.
+_SUMMARY: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "tasks": {"type": "integer"},
+        "tasks_scored": {"type": "integer"},
+        **_FIGURES,
+        "intervals": {
+            "type": "object",
+            "additionalProperties": _INTERVAL,
+            "description": "Per pass@j, its 95% bootstrap interval over tasks",
+        },
+        "counted": {
+            "type": "object",
+            "additionalProperties": {"type": "integer"},
+            "description": "Per pass@j, the tasks with at least j scored samples",
+        },
+    },
+    "patternProperties": _PASS_AT,
+}
+
+#: ``GET /v1/batches/{id}/eval``: an evaluation (``EvalReport.to_json``), as a JSON schema.
+EVAL_REPORT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "required": ["k", "success_threshold", "policy_version", "tasks", "environments", "overall"],
+    "properties": {
+        "k": {"type": "integer", "description": "The largest j of pass@j"},
+        "success_threshold": {"type": "number"},
+        "policy_version": {"type": ["integer", "null"]},
+        "batch_ids": {"type": "array", "items": {"type": "string"}},
+        "intervals": {"type": "string", "description": "What the intervals are"},
+        "tasks": {
+            "type": "object",
+            "description": "Per task_key: its figures and pass@1 … pass@k (null above scored)",
+            "additionalProperties": {
+                "type": "object",
+                "properties": {
+                    "task_key": {"type": "string"},
+                    "env": {"type": "string"},
+                    **_FIGURES,
+                    "pass@1_interval": _INTERVAL,
+                },
+                "patternProperties": _PASS_AT,
+            },
+        },
+        "environments": {
+            "type": "object",
+            "description": "Per environment (key:version): as overall",
+            "additionalProperties": _SUMMARY,
+        },
+        "overall": {"description": "Means over tasks (each weighs the same)", **_SUMMARY},
+    },
+}
 
 
 class Health(BaseModel):

@@ -122,6 +122,9 @@ def batch_fingerprint(
     oversample: int = 0,
     agent_command: Sequence[str] | None = None,
     groups_target: int | None = None,
+    *,
+    max_in_flight: int | None = None,
+    policy_version: int | None = None,
 ) -> str:
     """What makes two submissions "the same batch" (a policy's api_key does not)."""
     identity: dict[str, Any] = {
@@ -136,6 +139,10 @@ def batch_fingerprint(
         identity["agent_command"] = list(agent_command)
     if groups_target is not None:
         identity["groups_target"] = groups_target
+    if max_in_flight is not None:
+        identity["max_in_flight"] = max_in_flight
+    if policy_version is not None:
+        identity["policy_version"] = policy_version
     blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()
 

@@ -13,6 +13,7 @@ Every await a handler makes on a rollout, a session or the pool is bounded.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -24,11 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, evaluate
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.events import EventPage, ndjson_lines
 from fleetroll.service.errors import ApiError
 from fleetroll.service.metrics import CONTENT_TYPE
 from fleetroll.service.models import (
+    EVAL_REPORT_SCHEMA,
     BatchCreated,
     BatchRequest,
     BatchState,
@@ -294,6 +297,50 @@ async def groups(api: Api, request: Request) -> Response:
     return StreamingResponse(lines, media_type=NDJSON, headers=_STREAM_HEADERS)
 
 
+def _number(request: Request, name: str, default: float, *, whole: bool = False) -> float:
+    """A number query parameter (a whole number ≥ 1 with ``whole``).
+
+    Raises:
+        ApiError: 422, not such a number.
+    """
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if whole else float(raw)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or (whole and value < 1):
+        kind = "a whole number ≥ 1" if whole else "a number"
+        raise ApiError(422, f"must be {kind}", loc=["query", name])
+    return value
+
+
+async def batch_eval(api: Api, request: Request) -> Response:
+    record = api.service.batches.get(request.path_params["batch_id"])
+    k = int(_number(request, "k", record.plan.samples_per_task, whole=True))
+    most = record.plan.samples_per_task + record.plan.oversample
+    if k > most:
+        raise ApiError(422, f"must be at most {most}, the samples of a task", loc=["query", "k"])
+    threshold = _number(request, "success_threshold", DEFAULT_SUCCESS_THRESHOLD)
+    if not record.done:
+        raise ApiError(
+            409,
+            f"batch {record.batch_id!r} is still running: read its results stream to its end"
+            " (or wait for status finished), then ask again",
+        )
+    results, version = record.newest(), record.plan.policy_version
+    try:
+        # Off the loop: a bootstrap over thousands of tasks takes a while.
+        report = await anyio.to_thread.run_sync(
+            lambda: evaluate(results, k=k, success_threshold=threshold, policy_version=version),
+            limiter=api.service.queries,
+        )
+    except ValueError as exc:  # k past the samples a task has
+        raise ApiError(422, str(exc), loc=["query", "k"]) from None
+    return JSONResponse(report.to_json())
+
+
 async def rollout_events(api: Api, request: Request) -> Response:
     service = api.service
     rid = request.path_params["rollout_id"]
@@ -539,6 +586,42 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
             ),
         ),
         errors={404: _NO_BATCH, 422: _INVALID},
+    ),
+    Endpoint(
+        "GET",
+        "/v1/batches/{batch_id}/eval",
+        batch_eval,
+        "evalBatch",
+        "The batch's evaluation: pass@1 … pass@k per task, per environment and overall",
+        description=(
+            "Computed from the newest result of each rollout once the batch is over"
+            " (fleetroll.evaluation): a sample is a success when its reward is at least"
+            " `success_threshold`; samples without a reward are counted apart (per failure"
+            " reason), never as failures of the policy; a task's pass@j uses its scored"
+            " samples and is null when it has fewer than j. Run an evaluation as a batch"
+            " with `samples_per_task` = k, `oversample` 0 and, beside training batches, a"
+            " `max_in_flight` share and a `policy_version` tag."
+        ),
+        answers={200: "The evaluation (the JSON of `fleetroll eval --json`)"},
+        answer=EVAL_REPORT_SCHEMA,
+        query=(
+            Query(
+                "k",
+                "The largest j of pass@j (default: the batch's samples_per_task; at most"
+                " the samples a task has)",
+                {"type": "integer", "minimum": 1},
+            ),
+            Query(
+                "success_threshold",
+                "The reward at or above which a sample is a success",
+                {"type": "number", "default": DEFAULT_SUCCESS_THRESHOLD},
+            ),
+        ),
+        errors={
+            404: _NO_BATCH,
+            409: "The batch is still running: read its results to the end, then ask again",
+            422: _INVALID,
+        },
     ),
     Endpoint(
         "GET",

@@ -65,6 +65,8 @@ class StoredRequest(BaseModel):
     samples_per_task: int
     deadline_s: float | None = None
     oversample: int = 0
+    max_in_flight: int | None = None
+    policy_version: int | None = None
     #: The agent command each rollout runs (``agent_command``), or None.
     agent_command: list[str] | None = None
     #: Its ``groups_target`` (straggler cut-off by whole groups), or None.

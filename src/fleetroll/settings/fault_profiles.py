@@ -90,6 +90,8 @@ class FaultProfile(BaseModel):
     #: Probability that a reset hangs for ``reset_hang_s``.
     p_reset_hang: Probability = 0.0
     reset_hang_s: Seconds = 3600.0
+    #: Probability that a reset answers ``"success": false`` and leaves the state as it was.
+    p_reset_error: Probability = 0.0
     #: Probability that an instance dies, and when (seconds after creation).
     p_instance_death: Probability = 0.0
     death_after: Latency = Latency(min_s=5.0)

@@ -103,6 +103,26 @@ class ProvisioningSettings(_Section):
     backoff_max_s: float = Field(60.0, ge=0)
     retry_instance_limit: bool = False
     region: str | None = None
+    #: Reuse instances: one whose rollout ended without an infrastructure failure
+    #: is reset to its seed and handed to the next rollout of the same
+    #: environment, version and data (docs/configuration.md, "Instance reuse").
+    #: Off by default: a reset that leaves state behind (files outside the
+    #: environment's database, caches) would change another rollout's reward
+    #: with no error, and only a run with and without reuse can tell; computer-use
+    #: and browser-lease modalities are never reused (a screen is not in the seed).
+    reuse: bool = False
+    #: Times one instance may be reused after its first rollout; then it is released.
+    max_reuses: int = Field(16, ge=0)
+    #: A rollout that finds no idle instance of its kind while others of that kind
+    #: are in use or being created waits for one to come back; it creates its own
+    #: once none came back or became ready for this long, or at once when its place
+    #: in the queue means a longer wait (at the rate they come back).
+    reuse_wait_s: float = Field(10.0, ge=0)
+    #: Idle (reset) instances kept per environment, version and data, for the
+    #: next rollouts and batches of a long-lived pool; more are released at once.
+    warm_instances: int = Field(8, ge=0)
+    #: An idle instance is released after this long unused.
+    warm_idle_s: float = Field(60.0, gt=0)
 
 
 class EnvAdmissionSettings(_Section):

@@ -70,6 +70,7 @@ EVENT_NAMES: Final[frozenset[str]] = frozenset(
         "fleet_mcp_tool_error",
         "fleet_verifier_failed",
         "fleet_instance_released",
+        "fleet_instance_recycled",
         "fleet_instance_release_failed",
         "fleet_env_close_failed",
         "fleet_worker_lost",

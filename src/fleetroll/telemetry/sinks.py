@@ -79,6 +79,7 @@ CONSOLE_LEVELS: Final[Mapping[str, int]] = {
     # Its fleet_instance_release_failed twin is the error line.
     "fleet_env_close_failed": DEBUG,
     "fleet_instance_released": DEBUG,
+    "fleet_instance_recycled": DEBUG,
     "fleet_make_retry": DEBUG,
     "fleet_retry": DEBUG,
     "fleet_make_failed": DEBUG,

@@ -123,6 +123,8 @@ class FakeProvider:
         if self.reset_error is not None:
             raise self.reset_error
         await self._maybe_hang("reset")
+        assert isinstance(instance.handle, FakeState)
+        instance.handle.calls.clear()  # back to its seed: no notes
 
     async def _maybe_hang(self, operation: Operation) -> None:
         if operation in self.hangs:
@@ -159,7 +161,7 @@ class FakeProvider:
     async def is_alive(self, instance: Instance) -> bool:
         return self.states[instance.instance_id].alive
 
-    async def release(self, instance: Instance) -> bool:
+    async def release(self, instance: Instance, *, reuse: bool = False) -> bool:
         self.states[instance.instance_id].alive = False
         self.released.append(instance.instance_id)
         return True

@@ -66,7 +66,7 @@ from fleetroll.environments.fleet.control import (
 from fleetroll.environments.fleet.heartbeats import Heartbeats
 from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.environments.provider import Instance, Verdict
-from fleetroll.errors import EnvUnavailableError, ProvisionError
+from fleetroll.errors import EnvUnavailableError, ProvisionError, RolloutError
 from fleetroll.pool.preflight_cache import PreflightCache
 from fleetroll.rollout.routing import Route, route, wants_final_answer
 from fleetroll.rollout.tools import (
@@ -171,9 +171,17 @@ class FleetProvider:
         return env
 
     async def reset(self, instance: Instance) -> None:
-        """Reset the instance to its seed state (``timeouts.reset_s``)."""
+        """Reset the instance to its seed state (``timeouts.reset_s``).
+
+        Raises:
+            RolloutError: Fleet answered that the reset did not succeed.
+        """
         with anyio.fail_after(self._settings.timeouts.reset_s):
-            await self._env(instance).reset()
+            answer = await self._env(instance).reset()
+        if not answer.success:  # the instance's state is not its seed's
+            raise RolloutError(
+                f"Fleet could not reset the instance: {answer.message}", operation="reset"
+            )
 
     def route(self, instance: Instance, task: TaskSpec) -> Route:
         """The MCP endpoint of ``task``'s modality on the instance (``[modalities]``)."""
@@ -503,11 +511,12 @@ class FleetProvider:
             return bool(current.status == "running")
         return True
 
-    async def release(self, instance: Instance) -> bool:
+    async def release(self, instance: Instance, *, reuse: bool = False) -> bool:
         """Delete the instance; shielded from cancellation and bounded in time.
 
         Returns whether Fleet confirmed the release (a 404 counts: it is gone).
-        Never raises. Its admission place is given back either way.
+        Never raises. Its admission place is given back either way. (``reuse``
+        is decided around this provider: :mod:`fleetroll.environments.fleet.warm`.)
         """
         self.heartbeats.drop(instance.instance_id)
         self._live.discard(instance.instance_id)

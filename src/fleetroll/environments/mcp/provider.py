@@ -572,8 +572,11 @@ class McpProvider:
                 await process.wait()
         return process.returncode is None
 
-    async def release(self, instance: Instance) -> bool:
-        """Kill the server's process group and remove the working directory. Never raises."""
+    async def release(self, instance: Instance, *, reuse: bool = False) -> bool:
+        """Kill the server's process group and remove the working directory. Never raises.
+
+        (Its instances are never reused: ``reuse`` changes nothing.)
+        """
         return await self._release(_handle(instance))
 
     async def _release(self, handle: McpHandle) -> bool:

@@ -99,7 +99,6 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
         "policies, tools and the environment protocol",
         frozenset(
             {
-                "environments.fleet.admission",
                 "environments.provider",
                 "policies",
                 "rollout.events",

@@ -18,6 +18,7 @@ CONTROL_PLANE = [
     ("GET", "/v1/env/instances"),
     ("POST", "/v1/env/instances"),
     ("DELETE", "/v1/env/instances/batch?run_id=r"),
+    ("GET", "/v1/env/runs"),
     ("GET", "/v1/env/instances/abc"),
     ("DELETE", "/v1/env/instances/abc"),
     ("POST", "/v1/env/instances/abc/heartbeat"),

@@ -68,6 +68,25 @@ async def test_rate_limits_answer_429_with_retry_after(sdk) -> None:
         assert raw.status_code == 429 and raw.headers["retry-after"] == "2.5"
 
 
+async def test_an_account_rate_limit_answers_429_past_it_with_the_wait_for_the_next_token(
+    sdk,
+) -> None:
+    async with Emulator(FaultProfile(create_rate_limit=2.0)) as emu:
+        fleet = sdk(emu)
+        made = [await fleet.make("ledger") for _ in range(2)]  # a second's worth at once
+        async with httpx.AsyncClient() as client:
+            raw = await client.post(
+                f"{emu.base_url}/v1/env/instances",
+                json={"env_key": "ledger"},
+                headers={"Authorization": f"Bearer {emu.api_key}"},
+            )
+        assert raw.status_code == 429
+        assert 0 < float(raw.headers["retry-after"]) <= 0.5
+        assert emu.ledger.created == 2 and emu.ledger.creates_by_outcome["429"] == 1
+        for env in made:
+            await env.close()
+
+
 async def test_the_instance_limit_answers_403_with_counts(sdk) -> None:
     async with Emulator(FaultProfile(instance_limit=1)) as emu:
         fleet = sdk(emu)

@@ -147,6 +147,21 @@ def test_a_resume_keeps_every_rollout_but_those_whose_last_result_is_cancelled(
         claim.close()
 
 
+def test_a_resume_of_a_run_killed_before_its_first_result_keeps_its_batch_id(
+    tmp_path: Path,
+) -> None:
+    # The batch id is its instances' run id: the resume releases what the killed run left.
+    path = tmp_path / "results.jsonl"
+    claim_journal(path, BatchIdentity.of("b", TASKS, 2), resume=False).close()
+    claim = claim_journal(path, BatchIdentity.of("other", TASKS, 2), resume=True)
+    claim.close()
+    assert claim.batch_id == "b" and claim.done == []
+    # Another batch in the same (empty) journal starts afresh, as before.
+    again = claim_journal(path, BatchIdentity.of("new", TASKS, 3), resume=True)
+    again.close()
+    assert again.batch_id == "new"
+
+
 def test_a_journal_in_use_by_another_run_is_refused_until_it_is_released(
     tmp_path: Path,
 ) -> None:

@@ -32,6 +32,11 @@ pytestmark = pytest.mark.slow
 SETTINGS = load_settings()
 LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
 FAST = {
+    # A fixed rate that never binds. Learnt (provisioning.adaptive_creates), the
+    # chaos profile's random 429s read as the account's rate limit: every
+    # Retry-After holds every create, and the rate falls, past the chaos test's
+    # 30 s provisioning budget (tests/environments/test_create_rate_emulator.py).
+    "adaptive_creates": False,
     "creates_per_second": 1000,
     "max_concurrent_creates": 64,
     "backoff_initial_s": 0.05,

@@ -10,8 +10,9 @@ from typing import Any
 import anyio
 import pytest
 from anyio.abc import TaskGroup
+from fleet._async.exceptions import FleetRateLimitError
 
-from fleetroll.environments.fleet.admission import Ticket
+from fleetroll.environments.fleet.admission import CreateLimits, Ticket
 from fleetroll.errors import EnvUnavailableError, ProvisionError
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.results import FailureReason
@@ -217,3 +218,28 @@ async def test_a_limiter_that_cannot_be_read_is_logged_once_per_streak(
     assert len(logged) == 2 and "could not read the cluster's admission state" in logged[0]
     assert logged[1] == "the cluster's admission state can be read again"
     assert flaky.failures == 0 and driver.state().in_use == 1
+
+
+async def test_each_actors_create_answers_teach_the_clusters_one_create_rate() -> None:
+    settings = load_settings()
+    limits = CreateLimits.from_settings(settings)
+    host = AdmissionHost(settings)
+    async with anyio.create_task_group() as tg:
+        handle = InProcess(host, tg)
+        one = RemoteAdmission(handle, "worker-0", call_s=30, limits=limits)
+        two = RemoteAdmission(handle, "worker-1", call_s=30, limits=limits)
+        assert one.adaptive and not proxy(handle, "d").adaptive
+        with anyio.fail_after(10):
+            start = (await host.follow(0.0))[0]
+            with pytest.raises(FleetRateLimitError):
+                async with one.slot():  # a 429 read in the actor, learnt by the host
+                    raise FleetRateLimitError("slow down")
+            async with two.slot():
+                pass
+            await anyio.wait_all_tasks_blocked()
+            state, events = await host.follow(0.0)
+        tg.cancel_scope.cancel()
+    assert state.creates_per_second == start.creates_per_second / 2
+    assert state.creates_in_flight_limit == start.creates_in_flight_limit // 2
+    assert state.creates_in_flight == 0
+    assert [e.attributes["reason"] for e in events] == ["throttled"]

@@ -308,4 +308,13 @@ async def test_the_dashboard_login_cookie_opens_its_data_with_the_gauges_and_not
     assert login.status_code == 303 and TOKEN not in login.headers["set-cookie"]
     assert data.status_code == 200 and metrics.status_code == 401
     gauges = data.json()["admission"]["gauges"]
-    assert set(gauges) == {"limit", "in_use", "starting", "queued", "open_breakers"}
+    assert set(gauges) == {
+        "limit",
+        "in_use",
+        "starting",
+        "queued",
+        "open_breakers",
+        "creates_per_second",
+        "creates_in_flight_limit",
+        "creates_in_flight",
+    }

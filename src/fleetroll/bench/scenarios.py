@@ -293,8 +293,8 @@ def fleetroll_settings(
 ) -> Settings:
     """fleetroll's settings for one run of ``scenario`` at ``concurrency``.
 
-    Creates get the run's concurrency and a rate that never binds, unless the
-    scenario says otherwise.
+    Creates get the run's concurrency and a fixed rate that never binds, unless
+    the scenario says otherwise.
 
     Raises:
         ConfigError: the configuration (file or overrides) is invalid.
@@ -302,6 +302,9 @@ def fleetroll_settings(
     provisioning: dict[str, Any] = {
         "max_concurrent_creates": scenario.max_creates or concurrency,
         "creates_per_second": scenario.creates_per_second,
+        # The ideal is drawn at these fixed rates: the learnt rate's ramp from its
+        # start would be measured as overhead (a scenario may turn it on).
+        "adaptive_creates": False,
         **scenario.provisioning,
     }
     return load_settings(

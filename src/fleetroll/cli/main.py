@@ -47,6 +47,10 @@ class _LazyGroup(click.Group):
             "fleetroll.cli.eval:eval_command",
             "Evaluate a policy (pass@1 … pass@K per task and overall), or compare two.",
         ),
+        "gc": (
+            "fleetroll.cli.gc:gc",
+            "Release the running instances of a run id (and of its batches and Ray actors).",
+        ),
         "query": (
             "fleetroll.cli.telemetry:query",
             "Run SQL on the telemetry records, the same SQL as on Logfire.",

@@ -31,7 +31,7 @@ from rich.table import Table
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll.errors import ConfigError
 from fleetroll.policies import Policy
-from fleetroll.pool.batch_pool import FleetTarget, RunningBatch, open_batch_pool
+from fleetroll.pool.batch_pool import FleetTarget, RunningBatch, open_batch_pool, release_run
 from fleetroll.pool.journal import (
     BatchIdentity,
     Journal,
@@ -259,6 +259,14 @@ async def run_job(
             )
             stack.callback(claim.close)  # the lock is held until the journal is closed
             batch_id, previous, journaled = claim.batch_id, claim.done, bool(claim.previous)
+            if resume and not settings.uses_emulator:
+                # The journal's batch id is the run id; its lock says no live run has it.
+                left = await release_run(settings, fleet, batch_id, events)
+                if left:
+                    console.print(
+                        f"fleetroll: released {len(left)} instance(s) of run {batch_id}"
+                        " that the interrupted run left running"
+                    )
         sampler = None
         if steps is not None:
             sampler = await anyio.to_thread.run_sync(

@@ -99,7 +99,7 @@ async def _serve(
     made: str,
 ) -> None:
     from fleetroll.cli.run import open_fleet
-    from fleetroll.pool.batch_pool import open_batch_pool
+    from fleetroll.pool.batch_pool import open_batch_pool, release_run
     from fleetroll.service.app import Service
     from fleetroll.service.asgi import create_app
     from fleetroll.service.server import serve_app
@@ -111,9 +111,22 @@ async def _serve(
         store = await stack.enter_async_context(open_store(settings.service.state_dir))
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
+        # What a killed earlier start on this folder left running (its heartbeats
+        # stop them too, later); nothing of this start runs yet.
+        left = (
+            []
+            if settings.uses_emulator
+            else await release_run(settings, fleet, store.run_id, events)
+        )
         # One pool: sessions here; batches and MCP rollouts here or on Ray actors.
         pool, backend = await open_batch_pool(
-            stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
+            stack,
+            settings,
+            fleet,
+            events,
+            ray_address=ray_address,
+            ray_actors=ray_actors,
+            run_id=store.run_id,
         )
         service = Service(pool, settings, store=store)
         url = await stack.enter_async_context(
@@ -128,6 +141,10 @@ async def _serve(
         click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
         restored = service.batches.restored
         click.echo(f"  batches kept in {store.root} ({restored} read back)", err=True)
+        click.echo(
+            f"  run id {store.run_id}: released {len(left)} instance(s) an earlier start left",
+            err=True,
+        )
         token = "FLEETROLL_SERVICE_TOKEN" if token_file is None else f"the token in {token_file}"
         click.echo(f"  dashboard: {url}/dashboard/login?token=<{token}>", err=True)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

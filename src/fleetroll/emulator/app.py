@@ -29,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from fleetroll.emulator import traces as trace_api
 from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector, hang
-from fleetroll.emulator.instances import Instance, InstanceStore
+from fleetroll.emulator.instances import MISSED_HEARTBEATS, Instance, InstanceStore
 from fleetroll.emulator.leases import BrowserLeases
 from fleetroll.emulator.ledger import Ledger
 from fleetroll.emulator.mcp_routing import McpRouter
@@ -70,6 +70,9 @@ class EmulatorApp:
         self._create_queue = anyio.Lock()
         self._reaper_wake: anyio.Event | None = None
         self._next_create_slot = 0.0
+        #: The account's create rate limit (``create_rate_limit``): tokens, and when.
+        self._rate_tokens = faults.profile.create_rate_limit or 0.0
+        self._rate_updated = time.monotonic()
         #: Creates admitted under the instance limit and not answered yet: like
         #: Fleet, the limit counts instances still starting, so concurrent
         #: creates cannot pass it together.
@@ -90,6 +93,7 @@ class EmulatorApp:
                 Route("/v1/env/instances", self.list_instances, methods=["GET"]),
                 Route("/v1/env/instances", self.create_instance, methods=["POST"]),
                 Route("/v1/env/instances/batch", self.delete_batch, methods=["DELETE"]),
+                Route("/v1/env/runs", self.list_runs, methods=["GET"]),
                 Route("/v1/env/instances/{instance_id}", self.get_instance, methods=["GET"]),
                 Route("/v1/env/instances/{instance_id}", self.delete_instance, methods=["DELETE"]),
                 Route(
@@ -244,6 +248,20 @@ class EmulatorApp:
             self.ledger.create_finished(outcome)
         return response
 
+    def _rate_limited(self) -> float | None:
+        """Seconds until the account may create again (``create_rate_limit``); None: now."""
+        limit = self.faults.profile.create_rate_limit
+        if limit is None:
+            return None
+        now = time.monotonic()
+        burst = max(1.0, limit)
+        self._rate_tokens = min(burst, self._rate_tokens + (now - self._rate_updated) * limit)
+        self._rate_updated = now
+        if self._rate_tokens >= 1.0:
+            self._rate_tokens -= 1.0
+            return None
+        return (1.0 - self._rate_tokens) / limit
+
     def _instance_count(self) -> int:
         """Instances counted against the account's limit: running and starting."""
         return self.ledger.running + self._starting
@@ -268,6 +286,13 @@ class EmulatorApp:
                 },
             ), "instance_limit"
         faults = self.faults
+        wait_s = self._rate_limited()
+        if wait_s is not None:
+            return _error(
+                429,
+                "Rate limit exceeded: too many instance creates",
+                headers={"Retry-After": f"{wait_s:.3g}"},
+            ), "429"
         # As on Fleet, a create answers within the wait the client asked for
         # (the SDK asks for its own timeout minus 30 s; 0 when that is shorter
         # than 30 s, which we read as "no wait asked": its own deadline rules).
@@ -348,6 +373,37 @@ class EmulatorApp:
         ]
         return JSONResponse(out)
 
+    async def list_runs(self, request: Request) -> Response:
+        """Instances grouped by ``run_id`` (the SDK's ``list_runs``): ``active``
+        (default: runs with a running instance), ``inactive`` or ``all``."""
+        if not self._authorized(request):
+            return self._unauthorized()
+        which = request.query_params.get("active", "active")
+        if which not in ("active", "inactive", "all"):
+            return _error(422, f"active must be 'active', 'inactive' or 'all', not {which!r}")
+        self.store.refresh_all()
+        runs: dict[str, list[Instance]] = {}
+        for inst in self.store:
+            if inst.run_id is not None:
+                runs.setdefault(inst.run_id, []).append(inst)
+        out = []
+        for run_id, members in sorted(runs.items()):
+            running = sum(inst.alive for inst in members)
+            if (which == "active" and not running) or (which == "inactive" and running):
+                continue
+            created = sorted(inst.created_at for inst in members)
+            out.append(
+                {
+                    "run_id": run_id,
+                    "running_count": running,
+                    "total_count": len(members),
+                    "first_created_at": created[0],
+                    "last_created_at": created[-1],
+                    "profile_id": None,
+                }
+            )
+        return JSONResponse(out)
+
     async def get_instance(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._unauthorized()
@@ -393,7 +449,10 @@ class EmulatorApp:
                 "success": True,
                 "instance_id": inst.instance_id,
                 "last_heartbeat": inst.last_heartbeat_at,
-                "deadline_timestamp": time.time() + 2 * interval if interval else None,
+                # When it stops without another beat.
+                "deadline_timestamp": (
+                    time.time() + MISSED_HEARTBEATS * interval if interval else None
+                ),
                 "interval_seconds": interval,
             }
         )

@@ -30,9 +30,16 @@ from fleetroll.emulator.ledger import Ledger
 if TYPE_CHECKING:
     from fleetroll.emulator.envs.base import SampleEnv
 
-__all__ = ["Instance", "InstanceStatus", "InstanceStore"]
+__all__ = ["MISSED_HEARTBEATS", "Instance", "InstanceStatus", "InstanceStore"]
 
 TEAM_ID = "team-emulator"
+#: An instance made with a heartbeat interval stops once its last heartbeat is
+#: this many intervals old (monitoring starts at its first heartbeat). Fleet
+#: does not publish its factor; two is what fleetroll plans for: it beats a new
+#: instance at once and then every half interval, so one lost beat never stops
+#: an instance, and a killed process's instances stop between 1.5 and 2
+#: intervals after its last beat.
+MISSED_HEARTBEATS = 2
 
 
 def _now_iso() -> str:
@@ -86,9 +93,16 @@ class Instance:
             times.append(self.dies_at_mono)
         if self.ttl_s is not None:
             times.append(self.created_mono + self.ttl_s)
-        if self.heartbeat_interval and self.last_heartbeat_mono is not None:
-            times.append(self.last_heartbeat_mono + 2 * self.heartbeat_interval)
+        beats = self.heartbeat_deadline()
+        if beats is not None:
+            times.append(beats)
         return min(times, default=None)
+
+    def heartbeat_deadline(self) -> float | None:
+        """When missed heartbeats stop it (monotonic); None: not monitored (yet)."""
+        if not self.heartbeat_interval or self.last_heartbeat_mono is None:
+            return None
+        return self.last_heartbeat_mono + MISSED_HEARTBEATS * self.heartbeat_interval
 
     def to_response(self, base_url: str) -> dict[str, Any]:
         """The instance as Fleet's ``InstanceResponse`` JSON."""
@@ -314,6 +328,8 @@ class InstanceStore:
         now = time.monotonic() if now is None else now
         if inst.dies_at_mono is not None and now >= inst.dies_at_mono:
             self._end(inst, InstanceStatus.ERROR, "died")
+        elif (beats := inst.heartbeat_deadline()) is not None and now >= beats:
+            self._end(inst, InstanceStatus.STOPPED, "heartbeats_missed")
         elif self._expired(inst, now):
             self._end(inst, InstanceStatus.STOPPED, "expired")
 
@@ -321,15 +337,7 @@ class InstanceStore:
     def _expired(inst: Instance, now: float) -> bool:
         # Compared at the instant of expiry, not by subtracting: `now - created`
         # can round to just under the TTL at exactly `created + ttl`.
-        if inst.ttl_s is not None and now >= inst.created_mono + inst.ttl_s:
-            return True
-        # With heartbeats on, two missed intervals end the instance (compared
-        # as Instance.deadline computes it, so the reaper's wake-up ends it).
-        return bool(
-            inst.heartbeat_interval
-            and inst.last_heartbeat_mono is not None
-            and now >= inst.last_heartbeat_mono + 2 * inst.heartbeat_interval
-        )
+        return inst.ttl_s is not None and now >= inst.created_mono + inst.ttl_s
 
     def refresh_all(self) -> None:
         now = time.monotonic()

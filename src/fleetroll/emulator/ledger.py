@@ -21,6 +21,8 @@ class Ledger:
     created: int = 0
     deleted: int = 0
     expired: int = 0
+    #: Stopped by Fleet's rule, nobody releasing them: their heartbeats stopped.
+    heartbeats_missed: int = 0
     died: int = 0
     running: int = 0
     peak_running: int = 0
@@ -45,7 +47,8 @@ class Ledger:
         self.peak_running = max(self.peak_running, self.running)
 
     def instance_ended(self, how: str) -> None:
-        """Count an instance leaving the running set: ``deleted``, ``expired`` or ``died``."""
+        """Count an instance leaving the running set: ``deleted``, ``expired``,
+        ``heartbeats_missed`` or ``died``."""
         self.running -= 1
         setattr(self, how, getattr(self, how) + 1)
 
@@ -71,6 +74,7 @@ class Ledger:
             "created": self.created,
             "deleted": self.deleted,
             "expired": self.expired,
+            "heartbeats_missed": self.heartbeats_missed,
             "died": self.died,
             "running": self.running,
             "peak_running": self.peak_running,

@@ -12,8 +12,11 @@ one, the first Fleet task is refused with a :class:`~fleetroll.errors.ConfigErro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+
+import anyio
+from anyio.abc import TaskGroup
 
 from fleetroll.environments.fleet.admission import Admission
 from fleetroll.environments.fleet.provider import FleetProvider
@@ -70,6 +73,7 @@ class MixedProvider:
         self._admission = admission
         self._fleet: FleetProvider | None = None
         self._mcp: McpProvider | None = None
+        self._background: TaskGroup | None = None
 
     @property
     def fleet(self) -> FleetProvider:
@@ -90,7 +94,23 @@ class MixedProvider:
                 base_url=self._base_url,
                 admission=self._admission,
             )
+            if self._background is not None:
+                self._fleet.heartbeats.start(self._background)
         return self._fleet
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """While open, the Fleet provider's heartbeats keep its instances alive
+        (from when it is built); a pool holds it open."""
+        async with anyio.create_task_group() as tg:
+            self._background = tg
+            if self._fleet is not None:
+                self._fleet.heartbeats.start(tg)
+            try:
+                yield
+            finally:
+                self._background = None
+                tg.cancel_scope.cancel()
 
     @property
     def mcp(self) -> McpProvider:

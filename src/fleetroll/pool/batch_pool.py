@@ -19,6 +19,7 @@ import anyio
 
 from fleetroll.cli.options import ray_options
 from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import Policy
 from fleetroll.pool.rollout_pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
@@ -34,6 +35,7 @@ __all__ = [
     "RunningBatch",
     "open_batch_pool",
     "ray_options",
+    "release_run",
 ]
 
 F = TypeVar("F", bound=Callable[..., object])
@@ -116,6 +118,25 @@ class BatchPool(Protocol):
     ) -> RunningBatch: ...
 
 
+async def release_run(
+    settings: Settings, fleet: FleetTarget, run_id: str, events: Events
+) -> list[str]:
+    """Release the running instances of ``run_id`` (and of its tags: a service's
+    batches, a Ray actor's) on ``fleet``: what a killed process of that run left.
+    Never raises: what could not be released is a ``fleet_instance_release_failed``.
+    Returns the ids released.
+
+    For a process's start-up (``run --resume``, ``serve``), before its pool
+    holds anything, and for ``fleetroll gc``.
+    """
+    provider = FleetProvider(settings, events, api_key=fleet.api_key, base_url=fleet.base_url)
+    try:
+        return await provider.collect(run_id)
+    finally:
+        with anyio.CancelScope(shield=True):
+            await provider.aclose()
+
+
 async def open_batch_pool(
     stack: AsyncExitStack,
     settings: Settings,
@@ -124,6 +145,7 @@ async def open_batch_pool(
     *,
     ray_address: str | None = None,
     ray_actors: int | None = None,
+    run_id: str | None = None,
 ) -> tuple[RolloutPool, str]:
     """The pool to run batches on, entered on ``stack``, and where it runs (for humans).
 
@@ -131,13 +153,20 @@ async def open_batch_pool(
     in this process; with it, on ``ray_actors`` Ray actors (None: one per CPU)
     of a local Ray (``"local"``) or of the cluster at ``ray_address``
     (:func:`fleetroll.pool.ray.executor.ray_pool`). Every pool feature is the same.
+    ``run_id``: the process's (``RolloutPool.run_id``; ``serve``'s).
 
     Raises:
         ConfigError: Ray is asked for but not installed.
     """
     if ray_address is None:
         pool = await stack.enter_async_context(
-            RolloutPool(settings, api_key=fleet.api_key, base_url=fleet.base_url, events=events)
+            RolloutPool(
+                settings,
+                api_key=fleet.api_key,
+                base_url=fleet.base_url,
+                events=events,
+                run_id=run_id,
+            )
         )
         return pool, fleet.description
     from fleetroll.pool.ray.executor import RayExecutor, ray_pool
@@ -150,6 +179,7 @@ async def open_batch_pool(
             events=events,
             num_actors=ray_actors,
             address=None if ray_address == "local" else ray_address,
+            run_id=run_id,
         )
     )
     executor = on_ray.executor

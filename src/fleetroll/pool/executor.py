@@ -180,13 +180,14 @@ class LocalExecutor:
 
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
-        provider = self._provider or MixedProvider(
+        ours = MixedProvider(
             self.settings,
             context.events,
             api_key=self._api_key,
             base_url=self._base_url,
             admission=context.admission,
         )
+        provider = self._provider or ours
         async with AsyncExitStack() as stack:
             if self.settings.provisioning.reuse:
                 # Instances go from one rollout to the next (and the next batch's).
@@ -202,6 +203,9 @@ class LocalExecutor:
                     policy_gate=context.policy_gate,
                 )
             )
+            if self._provider is None:  # ours (under a warm pool or not): heartbeats
+                # stop before it closes
+                await stack.enter_async_context(ours.running())
             self._context = context
             try:
                 yield

@@ -361,6 +361,11 @@ def _check(
 ) -> JournalClaim:
     meta = meta_path(path)
     if os.fstat(fd).st_size == 0:
+        kept = _started_before(meta, identity) if resume else None
+        if kept is not None:
+            # Killed before its first result: the same batch, and the same batch id
+            # (its instances' run id, which the resume releases).
+            return JournalClaim(path, kept.batch_id, [], fd)
         if write:
             _write_atomically(meta, identity.to_json())
         return JournalClaim(path, identity.batch_id, [], fd)
@@ -419,6 +424,15 @@ def _check(
     if write:
         _write_atomically(meta, started.to_json())
     return JournalClaim(path, batch_id, previous, fd)
+
+
+def _started_before(meta: Path, identity: BatchIdentity) -> BatchIdentity | None:
+    """The identity in ``meta`` if it is this batch's (same tasks and samples), else None."""
+    try:
+        started = BatchIdentity.from_json(meta.read_bytes())
+    except (OSError, ValueError):
+        return None
+    return started if started.difference(identity) is None else None
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

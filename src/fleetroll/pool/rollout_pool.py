@@ -134,10 +134,15 @@ class RolloutPool:
         provider: Provider | None = None,
         admission: Admission | None = None,
         executor: Executor | None = None,
+        run_id: str | None = None,
     ) -> None:
         if executor is not None and provider is not None:
             raise ValueError("pass provider= to the executor, not to a pool given executor=")
         self.settings = settings
+        #: This process's run id (``serve``'s): instances are tagged
+        #: ``{run_id}-{batch_id}``, so one ``collect(run_id)`` finds them all.
+        #: None: tagged with the batch id alone (``run``: its journal's).
+        self.run_id = run_id
         self._local: LocalExecutor | None = None
         if executor is None:
             self._local = executor = LocalExecutor(
@@ -267,6 +272,11 @@ class RolloutPool:
         for batch in self.batches.values():
             batch.cancel()
 
+    def tag(self, batch_id: str) -> str:
+        """Fleet's ``run_id`` of ``batch_id``'s instances: the batch id, under the
+        pool's :attr:`run_id` if it has one."""
+        return batch_id if self.run_id is None else f"{self.run_id}-{batch_id}"
+
     def forget(self, batch_id: str) -> None:
         """Let a finished batch go: ``pool.batches`` no longer holds it (nor its transcripts).
 
@@ -302,7 +312,7 @@ class RolloutPool:
             deadline_s: cancel whatever is still running after this many seconds.
             skip: rollout ids already finished (a resumed batch runs only the rest).
             only: run just these rollout ids (a shard of a larger batch).
-            run_id: Fleet's ``run_id`` for the instances (default: the batch id);
+            run_id: Fleet's ``run_id`` for the instances (default: :meth:`tag`);
                 instances left behind are swept by it when the batch ends.
             oversample: extra rollouts per group (default ``pool.oversample``),
                 sample indices ``samples_per_task`` and up: they stand in, in
@@ -355,6 +365,7 @@ class RolloutPool:
         if batch_id in self.batches and not self.batches[batch_id].finished.is_set():
             raise ValueError(f"batch {batch_id} is already running")
         skip = set(skip) | {r.rollout_id for r in previous}
+        tag = run_id or self.tag(batch_id)
         rollouts = []
         members: dict[str, tuple[str, list[str]]] = {}
         ranks: dict[str, int] = {}
@@ -372,7 +383,7 @@ class RolloutPool:
                 )
                 members[ids.group_id or ""][1].append(rid)
                 ranks[rid] = sample
-                rollouts.append(self._executor.rollout(task, ids, run_id=run_id or batch_id))
+                rollouts.append(self._executor.rollout(task, ids, run_id=tag))
         # A group of this batch is one with a rollout here or a result from before
         # (a shard, ``only``, holds some groups only).
         before = {r.group_id for r in previous}
@@ -382,7 +393,7 @@ class RolloutPool:
             batch_id,
             rollouts,
             skipped=len(tasks) * (samples_per_task + extra) - len(rollouts),
-            run_id=run_id or batch_id,
+            run_id=tag,
             tracker=GroupTracker(
                 batch_id, samples_per_task, members, previous, ranks=ranks, target=groups_target
             ),
@@ -512,5 +523,5 @@ class RolloutPool:
         )
         if not self._open:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
-        async with self._executor.session(task, ids, run_id=batch_id) as env:
+        async with self._executor.session(task, ids, run_id=self.tag(batch_id)) as env:
             yield env

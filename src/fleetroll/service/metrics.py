@@ -109,6 +109,19 @@ def _admission_gauges(state: AdmissionState) -> list[str]:
             "Environment versions quarantined by their circuit breaker.",
             state.open_breakers,
         ),
+        (
+            "fleetroll_create_rate",
+            "Creates a second allowed now (learnt from Fleet's answers when"
+            " provisioning.adaptive_creates; provisioning.creates_per_second at most).",
+            f"{state.creates_per_second:g}",
+        ),
+        (
+            "fleetroll_create_in_flight_limit",
+            "Create requests allowed at once now (learnt; provisioning.max_concurrent_creates"
+            " at most).",
+            state.creates_in_flight_limit,
+        ),
+        ("fleetroll_creates_in_flight", "Create requests in flight.", state.creates_in_flight),
     ]
     lines: list[str] = []
     for name, help_text, value in gauges:

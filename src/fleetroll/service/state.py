@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import uuid
 from collections.abc import AsyncIterator, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,14 @@ from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service.models import PolicyConfig
 from fleetroll.tasks import TaskSpec
 
-__all__ = ["BatchStore", "StoredBatch", "StoredRequest", "open_store", "rerun_starts"]
+__all__ = [
+    "BatchStore",
+    "StoredBatch",
+    "StoredRequest",
+    "open_store",
+    "rerun_starts",
+    "service_run_id",
+]
 
 _SUFFIX = ".jsonl"
 _CANCELLED = FailureReason.CANCELLED
@@ -86,6 +94,22 @@ class BatchStore:
         self._lock_fd: int | None = lock_fd
         #: Read at start-up by :func:`open_store`, oldest change first.
         self.restored: list[StoredBatch] = []
+        #: The service's run id, kept in the folder across restarts (:meth:`read_run_id`).
+        self.run_id = ""
+
+    def read_run_id(self, *, make: bool) -> str | None:
+        """The run id every instance of this service is tagged under (``{run_id}-{batch}``):
+        made on first use (``make``) and kept in ``run_id``, so a restart on the same
+        folder finds what a killed start left behind. None: none made yet."""
+        path = self.root / "run_id"
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            if not make:
+                return None
+        run_id = f"svc-{uuid.uuid4().hex[:12]}"
+        _write_atomically(path, run_id.encode())
+        return run_id
 
     def journal_path(self, batch_id: str) -> Path:
         """Where the results of ``batch_id`` are journaled (batch ids are safe file names)."""
@@ -168,11 +192,27 @@ def _lock(root: Path) -> BatchStore:
 def _open(root: Path) -> BatchStore:
     store = _lock(root)
     try:
+        store.run_id = store.read_run_id(make=True) or ""
         store.restored = store.load()
     except BaseException:
         store.close()
         raise
     return store
+
+
+def service_run_id(root: Path) -> str | None:
+    """The run id of the service whose ``service.state_dir`` is ``root`` (None: it never ran).
+
+    Blocking file I/O: call it from a worker thread.
+
+    Raises:
+        ConfigError: a running service holds the folder (its instances are live).
+    """
+    store = _lock(root)
+    try:
+        return store.read_run_id(make=False)
+    finally:
+        store.close()
 
 
 @contextlib.asynccontextmanager

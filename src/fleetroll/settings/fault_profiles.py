@@ -51,6 +51,10 @@ class FaultProfile(BaseModel):
     p_create_5xx: Probability = 0.0
     #: Probability that a create answers 429 with ``Retry-After``.
     p_create_429: Probability = 0.0
+    #: Creates a second the account allows (a token bucket holding a second's
+    #: worth): past it, a create answers 429 with the ``Retry-After`` of the next
+    #: token, as a rate-limited Fleet account does. None: no limit.
+    create_rate_limit: float | None = Field(default=None, gt=0)
     retry_after_s: Seconds = 1.0
     #: Probability that a 5xx body is marked ``"retryable": true``.
     p_retryable_body: Probability = 0.0

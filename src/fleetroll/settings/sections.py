@@ -77,8 +77,27 @@ class TimeoutSettings(_Section):
 class ProvisioningSettings(_Section):
     """How instances are created: limits and the one retry policy."""
 
+    #: Ceilings of the create gate: creates in flight, and a second.
     max_concurrent_creates: int = Field(32, ge=1)
-    creates_per_second: float = Field(8.0, gt=0)
+    creates_per_second: float = Field(32.0, gt=0)
+    #: Learn the create rate and the creates in flight from Fleet's answers
+    #: (up while it answers fast; halved on 429, 503, time-outs, slow answers),
+    #: from the start values below, under the ceilings above. Off: the ceilings
+    #: are the rate, and a 429 is a failed attempt like a 5xx.
+    adaptive_creates: bool = True
+    #: Where the learnt rate and in-flight limit start. None: a quarter of their
+    #: ceilings (8 a second, the fixed rate of old, and 8 in flight by default).
+    start_creates_per_second: float | None = Field(None, gt=0)
+    start_concurrent_creates: int | None = Field(None, ge=1)
+    #: The learnt rate never falls below this.
+    min_creates_per_second: float = Field(0.1, gt=0)
+    #: A create that succeeds but takes longer than this says Fleet is loaded.
+    slow_create_s: float = Field(120.0, gt=0)
+    #: Instances are made with this heartbeat interval (whole seconds; Fleet
+    #: accepts 30-3600) and kept alive by heartbeats while this process holds
+    #: them: a killed process's instances stop about two intervals later, not
+    #: at their TTL. None: no heartbeats (the TTL alone ends them).
+    heartbeat_s: int | None = Field(60, ge=1)
     max_attempts: int = Field(5, ge=1)
     backoff_initial_s: float = Field(2.0, ge=0)
     backoff_max_s: float = Field(60.0, ge=0)

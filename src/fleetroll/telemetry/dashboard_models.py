@@ -10,7 +10,7 @@ object, its fields its keys, a list a JSON array and a :data:`Bin` a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
 __all__ = [
@@ -291,11 +291,23 @@ class Breaker:
 
 
 @dataclass(frozen=True, slots=True)
+class RateChange:
+    """One change of the learnt create rate (a ``fleet_create_rate`` event)."""
+
+    time: str
+    creates_per_second: float | None
+    in_flight_limit: int | None
+    reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
 class Admission:
-    """The breakers, and the live admission gauges of ``/metrics`` (the service's only)."""
+    """The breakers, the learnt create rate's latest changes (newest first), and the
+    live admission gauges of ``/metrics`` (the service's only)."""
 
     envs: list[Breaker]
     gauges: dict[str, Any] | None
+    rate_changes: list[RateChange] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

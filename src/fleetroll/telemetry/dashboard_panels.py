@@ -17,7 +17,8 @@ columns read from ``records`` on an older store), and answers one panel of
   with phase, age, instance) and lost (their process is gone);
 - :func:`latest_errors`: the most recent failed rollouts;
 - :func:`admission`: each environment version's circuit breaker, from its
-  latest ``fleet_env_quarantined``/``fleet_env_recovered`` event.
+  latest ``fleet_env_quarantined``/``fleet_env_recovered`` event, and the
+  learnt create rate's latest changes (``fleet_create_rate``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fleetroll.telemetry.dashboard_models import (
     FailedRollout,
     Groups,
     Progress,
+    RateChange,
     ThroughputPoint,
     Unfinished,
     UnfinishedRollout,
@@ -61,6 +63,8 @@ Run = Callable[[str, Mapping[str, Any]], QueryResult]
 _STARTED, _COMPLETED = "fleet_rollout_started", "fleet_rollout_completed"
 #: Rows shown at most in the group and stuck/lost tables.
 _ROWS: Final = 50
+#: Changes of the learnt create rate shown at most (newest first).
+RATE_CHANGES: Final = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,7 +336,8 @@ def latest_errors(
 
 
 def admission(run: Run, params: Mapping[str, Any], gauges: Mapping[str, Any] | None) -> Admission:
-    """Each environment version's breaker (its latest event), and the live gauges if any."""
+    """Each environment version's breaker (its latest event), the create rate's
+    latest changes, and the live gauges if any."""
     # SQLite: the bare columns of a MAX() aggregate come from the row holding the max.
     rows = run(
         "SELECT attributes->>'env_key', attributes->>'env_version', MAX(start_timestamp), "
@@ -351,4 +356,15 @@ def admission(run: Run, params: Mapping[str, Any], gauges: Mapping[str, Any] | N
         )
         for key, version, at, message, share, window in rows
     ]
-    return Admission(envs=envs, gauges=dict(gauges) if gauges is not None else None)
+    changes = run(
+        "SELECT start_timestamp, attributes->>'creates_per_second', "
+        "attributes->>'creates_in_flight_limit', attributes->>'reason' FROM records "
+        "WHERE message = 'fleet_create_rate' AND service_name = :service "
+        f"ORDER BY start_timestamp DESC LIMIT {RATE_CHANGES}",
+        params,
+    ).rows
+    return Admission(
+        envs=envs,
+        gauges=dict(gauges) if gauges is not None else None,
+        rate_changes=[RateChange(*row) for row in changes],
+    )

@@ -44,7 +44,13 @@ from fleet.runner_auth import RunnerTokenProvider
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.http_transport import AiohttpTransport
 from fleetroll._internal.retrying import Decision, Retry
-from fleetroll.environments.fleet.admission import Admission, CreateSlots, Ticket, TokenBucket
+from fleetroll.environments.fleet.admission import (
+    Admission,
+    CreateLimits,
+    CreateSlots,
+    Ticket,
+    TokenBucket,
+)
 from fleetroll.environments.fleet.control import (
     Classification,
     Known,
@@ -57,6 +63,7 @@ from fleetroll.environments.fleet.control import (
     provisioning_failed,
     sdk_lanes,
 )
+from fleetroll.environments.fleet.heartbeats import Heartbeats
 from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.environments.provider import Instance, Verdict
 from fleetroll.errors import EnvUnavailableError, ProvisionError, RolloutError
@@ -92,8 +99,13 @@ class CreateGate(Protocol):
     process: Fleet's limits are per account); without one, this process's own.
     """
 
+    @property
+    def adaptive(self) -> bool:
+        """A 429 is the gate's to answer (it waits and slows down), not an attempt's."""
+        ...
+
     def slot(self) -> AbstractAsyncContextManager[None]:
-        """Held for the duration of one create request."""
+        """Held for the duration of one create request (it learns from its answer)."""
         ...
 
 
@@ -117,7 +129,6 @@ class FleetProvider:
         self._tickets: dict[str, Ticket] = {}
         self._account_read = False
         self._account_lock = anyio.Lock()
-        p = settings.provisioning
         t = settings.timeouts
         self._clients, self._lanes = sdk_lanes(settings, api_key=api_key, base_url=base_url)
         self._lane = itertools.cycle(self._lanes)
@@ -132,7 +143,7 @@ class FleetProvider:
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
         self._gate: CreateGate = admission or CreateSlots(
-            p.max_concurrent_creates, p.creates_per_second
+            CreateLimits.from_settings(settings), events
         )
         self._verifier = Verifier(
             timeout_s=t.verifier_s,
@@ -144,6 +155,10 @@ class FleetProvider:
         self._mcp_tls = httpx2.create_ssl_context()
         #: Browser leases by instance id (modalities with ``browser_lease``).
         self._leases: dict[str, Lease] = {}
+        #: Keeps the instances this provider holds alive (once its loop is started).
+        self.heartbeats = Heartbeats(settings.provisioning.heartbeat_s, timeout_s=t.release_s)
+        #: Instances provisioned and not released: a sweep leaves them alone.
+        self._live: set[str] = set()
 
     async def aclose(self) -> None:
         for client in self._clients:
@@ -312,6 +327,8 @@ class FleetProvider:
         if ticket is not None and self._admission is not None:
             self._admission.started(ticket)
             self._tickets[env.instance_id] = ticket
+        self.heartbeats.hold(env)
+        self._live.add(env.instance_id)
         if self._settings.modalities[task.modality].browser_lease:
             await self._lease_browser(env, task, attempt)
         elapsed = time.monotonic() - started
@@ -367,25 +384,34 @@ class FleetProvider:
         self, task: TaskSpec, run_id: str | None, ticket: Ticket | None
     ) -> AsyncEnv:
         """One create; a 403 ``instance_limit_exceeded`` queues again for a place
-        (admission learns the limit) instead of failing the attempt."""
+        (admission learns the limit) instead of failing the attempt, and so does a
+        429 when the gate learns the rate (it waits out Retry-After, slows down)."""
         while True:
             try:
                 return await self._create_once(task, run_id)
+            except fleet_errors.FleetRateLimitError as exc:
+                if not self._gate.adaptive:
+                    raise
+                self._queued_again(exc, 429, classify(exc).retry_after_s or 0.0)
             except fleet_errors.FleetInstanceLimitError as exc:
                 if ticket is None or self._admission is None:
                     raise
-                self._events.emit(
-                    "fleet_make_retry",
-                    level="warn",
-                    attempt=0,
-                    error_type=type(exc).__name__,
-                    error_message=str(exc)[:500],
-                    status_code=403,
-                    retry_delay_s=0.0,
-                )
+                self._queued_again(exc, 403, 0.0)
                 await self._admission.limit_reached(
                     ticket, exc.instance_limit, exc.running_instances
                 )
+
+    def _queued_again(self, exc: Exception, status: int, delay_s: float) -> None:
+        """A create that queues again (no attempt spent) is still a ``fleet_make_retry``."""
+        self._events.emit(
+            "fleet_make_retry",
+            level="warn",
+            attempt=0,
+            error_type=type(exc).__name__,
+            error_message=str(exc)[:500],
+            status_code=status,
+            retry_delay_s=delay_s,
+        )
 
     async def _lease_browser(self, env: AsyncEnv, task: TaskSpec, attempts: int) -> None:
         """Lease a browser for ``env`` (``timeouts.browser_lease_s`` in all). On
@@ -451,6 +477,7 @@ class FleetProvider:
                     image_type=modality.image_type,
                     ttl_seconds=task.ttl_seconds or modality.ttl_s,
                     run_id=run_id,
+                    heartbeat_interval=self.heartbeats.interval,
                     timeout=create_timeout,
                 )
         await self._share_runner_token(env)
@@ -491,6 +518,8 @@ class FleetProvider:
         Never raises. Its admission place is given back either way. (``reuse``
         is decided around this provider: :mod:`fleetroll.environments.fleet.warm`.)
         """
+        self.heartbeats.drop(instance.instance_id)
+        self._live.discard(instance.instance_id)
         try:
             return await self._release(instance)
         finally:
@@ -542,27 +571,58 @@ class FleetProvider:
         return False
 
     async def sweep(self, run_id: str) -> int:
-        """Release every running instance tagged with ``run_id``; never raises.
+        """Release every running instance tagged with ``run_id`` that this provider
+        does not hold (a live rollout's); never raises.
 
         Instances nobody knows about end up there: a create whose answer never
         came back (our deadline fired first), or those of a worker that died.
         Returns how many were released.
         """
-        released = 0
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(self._settings.timeouts.release_s * 2),
-        ):
+        return len(await self._sweep([run_id], f"sweep of {run_id}"))
+
+    async def collect(self, run_id: str) -> list[str]:
+        """Release the running instances of ``run_id`` and of every tag under it
+        (``run_id-…``: a service's batches, a Ray actor's) that this provider does
+        not hold; never raises. Returns the ids released.
+
+        A process's start-up (``run --resume``, ``serve``) and ``fleetroll gc``:
+        what a killed process of the same run id left behind.
+        """
+        with anyio.move_on_after(self._settings.timeouts.release_s):
             try:
-                orphans = await self.fleet.instances(status="running", run_id=run_id)
+                runs = await self.fleet.list_runs(status="active")
             except Exception as exc:  # best effort: report it
                 self._events.emit(
                     "fleet_instance_release_failed",
                     level="warn",
-                    error_message=f"sweep of {run_id} failed: {exc}"[:500],
+                    error_message=f"listing the runs of {run_id} failed: {exc}"[:500],
                 )
-                return 0
+                return []
+            mine = (r.run_id for r in runs)
+            tags = [tag for tag in mine if tag == run_id or tag.startswith(f"{run_id}-")]
+            return await self._sweep(sorted(tags), f"collecting {run_id}")
+        return []
+
+    async def _sweep(self, tags: Sequence[str], what: str) -> list[str]:
+        released: list[str] = []
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(self._settings.timeouts.release_s * 2),
+        ):
+            orphans: list[AsyncEnv] = []
+            try:
+                for tag in tags:
+                    orphans += await self.fleet.instances(status="running", run_id=tag)
+            except Exception as exc:  # best effort: report it
+                self._events.emit(
+                    "fleet_instance_release_failed",
+                    level="warn",
+                    error_message=f"{what} failed: {exc}"[:500],
+                )
+                return released
             for env in orphans:
+                if env.instance_id in self._live:
+                    continue  # a live rollout's (or a warm instance's)
                 try:
                     await env.close()
                 except Exception as exc:  # best effort, per instance
@@ -573,13 +633,15 @@ class FleetProvider:
                         error_message=str(exc)[:500],
                     )
                     continue
-                released += 1
+                released.append(env.instance_id)
                 self._events.emit(
                     "fleet_instance_released", instance_id=env.instance_id, orphan=True
                 )
         return released
 
     async def _close(self, env: AsyncEnv) -> None:
+        self.heartbeats.drop(env.instance_id)
+        self._live.discard(env.instance_id)
         timeout = self._settings.timeouts.release_s
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
             try:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -38,7 +39,14 @@ from typing import Any
 
 import anyio
 
-from fleetroll.environments.fleet.admission import AdmissionController, AdmissionState, Ticket
+from fleetroll.environments.fleet.admission import (
+    AdmissionController,
+    AdmissionState,
+    CreateAnswer,
+    CreateLimits,
+    Ticket,
+    answered,
+)
 from fleetroll.errors import EnvUnavailableError, ProvisionError
 from fleetroll.results import FailureReason
 from fleetroll.settings import Settings
@@ -178,11 +186,12 @@ class AdmissionHost:
             return True
         return False
 
-    async def release_slot(self, holder: str, rid: str) -> None:
+    async def release_slot(self, holder: str, rid: str, answer: CreateAnswer | None = None) -> None:
+        """Give a create slot back; ``answer``: what its create said of Fleet's load."""
         key = (holder, rid)
         if key in self._slots:
             self._slots.remove(key)
-            self._admission.creates.release(key)
+            self._admission.creates.release(key, answer)
 
     async def abandon(self, holder: str, rid: str) -> None:
         """The caller gave up a wait: stop it, or give back what it was granted."""
@@ -222,10 +231,16 @@ class RemoteAdmission:
         host: the actor's handle (each method has ``.remote(...)``).
         holder: the name the host knows this caller by (see :func:`release_all`).
         call_s: ``timeouts.ray_call_s``: how long an answer that comes at once may take.
+        limits: the create gate's (the host learns the rate from the answers
+            this proxy reads); None: a fixed rate.
     """
 
-    def __init__(self, host: Any, holder: str, call_s: float) -> None:
+    def __init__(
+        self, host: Any, holder: str, call_s: float, *, limits: CreateLimits | None = None
+    ) -> None:
         self._host = host
+        self._adaptive = limits is not None and limits.adaptive
+        self._slow_s = math.inf if limits is None else limits.slow_s
         self._holder = holder
         self._call_s = call_s
         self._prefix = uuid.uuid4().hex[:8]  # request ids unique across proxies
@@ -258,6 +273,10 @@ class RemoteAdmission:
             attempts=0,
         )
 
+    @property
+    def adaptive(self) -> bool:
+        return self._adaptive
+
     def slot(self) -> AbstractAsyncContextManager[None]:
         return self._slot()
 
@@ -266,10 +285,15 @@ class RemoteAdmission:
         rid = self._new_id()
         if not await self._ask(self._host.acquire_slot, rid):
             raise self._refused("a create slot")
-        try:
+        # The create's answer is read here (the SDK's errors stay in this
+        # process) and sent with the slot: the host learns the cluster's rate.
+        with answered(
+            self._slow_s,
+            lambda answer: self._host.release_slot.remote(
+                self._holder, rid, answer if self._adaptive else None
+            ),
+        ):
             yield
-        finally:
-            self._host.release_slot.remote(self._holder, rid)
 
     async def acquire(self, env: str, *, again: Ticket | None = None) -> Ticket:
         rid = self._new_id()

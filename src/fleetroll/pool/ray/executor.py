@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 
+from fleetroll.environments.fleet.admission import CreateLimits
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.fleet.traces import redacted
 from fleetroll.environments.mixed import require_fleet_key
@@ -70,7 +71,12 @@ class ExecutorWorker:
     ) -> None:
         self._settings = settings
         self._buffer = _Buffer(index)
-        admission = RemoteAdmission(limiter, holder(index), settings.timeouts.ray_call_s)
+        admission = RemoteAdmission(
+            limiter,
+            holder(index),
+            settings.timeouts.ray_call_s,
+            limits=CreateLimits.from_settings(settings),
+        )
         self._gate = PolicyGate()
         self._pause: AsyncExitStack | None = None
         #: The driver's gate generation last mirrored (older states are dropped).
@@ -570,6 +576,7 @@ async def ray_pool(
     events: Events | None = None,
     num_actors: int | None = None,
     address: str | None = None,
+    run_id: str | None = None,
 ) -> AsyncIterator[RolloutPool]:
     """One RolloutPool whose rollouts run on ``num_actors`` Ray actors.
 
@@ -580,6 +587,7 @@ async def ray_pool(
             here, the cluster's CPUs when joining one).
         address: a Ray cluster to join (default: the one this process is in,
             or a local one started here).
+        run_id: the process's run id (``RolloutPool.run_id``).
 
     Raises:
         ConfigError: Ray is not installed.
@@ -609,7 +617,12 @@ async def ray_pool(
         with anyio.fail_after(settings.timeouts.ray_call_s * 10):
             for worker in workers:
                 await worker.start.remote()
-        admission = RemoteAdmission(limiter, "driver", settings.timeouts.ray_call_s)
+        admission = RemoteAdmission(
+            limiter,
+            "driver",
+            settings.timeouts.ray_call_s,
+            limits=CreateLimits.from_settings(settings),
+        )
         events = events or Events()
         await stack.enter_async_context(admission.followed(events))
         pool = RolloutPool(
@@ -619,5 +632,6 @@ async def ray_pool(
             events=events,
             admission=admission,
             executor=RayExecutor(settings, workers, api_key, base_url, limiter),
+            run_id=run_id,
         )
         yield await stack.enter_async_context(pool)

@@ -19,11 +19,19 @@ async def exit_transparently(
     exc: BaseException | None,
     tb: TracebackType | None,
 ) -> None:
-    """Close ``stack``; when a task group in it wrapped the caller's own
-    exception in a group, raise that exception as it was raised."""
+    """Close ``stack``; when task groups in it wrapped the caller's own
+    exception in a group (or in groups of one, one inside another), raise that
+    exception as it was raised."""
     try:
         await stack.__aexit__(exc_type, exc, tb)
     except BaseExceptionGroup as group:
-        if exc is not None and group.exceptions == (exc,):
+        if exc is not None and _only(group) is exc:
             raise exc from exc.__cause__
         raise
+
+
+def _only(error: BaseException) -> BaseException:
+    """The one exception inside groups of one (``error`` itself if not a group)."""
+    while isinstance(error, BaseExceptionGroup) and len(error.exceptions) == 1:
+        error = error.exceptions[0]
+    return error

@@ -113,8 +113,9 @@ class Rollout:
         self.result: RolloutResult | None = None
         self._started = time.monotonic()
         #: Entered around the whole run by :meth:`execute`; :meth:`stop` cancels it.
-        #: None once :meth:`execute` returned (a scope keeps the task it ran in).
-        self.stop_scope: anyio.CancelScope | None = anyio.CancelScope()
+        #: Made when it starts, and None again once it returned (a scope keeps the
+        #: task it ran in): a batch's waiting and finished rollouts have none.
+        self.stop_scope: anyio.CancelScope | None = None
         self._stop: tuple[FailureReason, str] | None = None
         #: The owner's last word on the result as it is built, before anyone
         #: sees it (a batch: whether it counts in its group, :mod:`fleetroll.training.groups`).
@@ -176,7 +177,9 @@ class Rollout:
         with; on return :attr:`result` is set, even if :meth:`stop` came
         before it started or :meth:`run` itself failed (a fleetroll bug).
         """
-        assert self.stop_scope is not None, "a rollout is executed once"
+        self.stop_scope = anyio.CancelScope()
+        if self._stop is not None:  # stopped before it started
+            self.stop_scope.cancel()
         try:
             # stop() (its group is complete) cancels just this rollout.
             with self.stop_scope:

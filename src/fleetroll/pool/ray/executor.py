@@ -374,6 +374,12 @@ class RayExecutor:
         self._gate: PolicyGate | None = None
         self._closing = False
 
+    @property
+    def capacity(self) -> float:
+        # Each actor holds instance slots of its own (concurrency + creates).
+        p = self.settings
+        return len(self.workers) * (p.pool.concurrency + p.provisioning.max_concurrent_creates)
+
     def pick(self) -> int:
         """The next live actor, round robin (0 if none is: its call fails as lost)."""
         for _ in self.workers:

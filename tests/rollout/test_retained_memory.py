@@ -85,3 +85,16 @@ async def test_a_finished_rollout_keeps_its_result_and_read_model_not_its_machin
     objects = (objects_after - objects_before) / N
     assert per_rollout < MAX_BYTES_PER_ROLLOUT, f"{per_rollout:.0f} bytes kept per rollout"
     assert objects < MAX_OBJECTS_PER_ROLLOUT, f"{objects:.0f} tracked objects per rollout"
+
+
+async def test_rollouts_of_one_environment_share_their_tool_specs() -> None:
+    # One copy of each listed schema for every rollout, not one per rollout.
+    s = load_settings()
+    async with RolloutPool(s, provider=FakeProvider(s), events=Events()) as pool:
+        with anyio.fail_after(10):
+            async with pool.session(TASKS[0], sample_index=0) as first:
+                tools = first.tools
+            async with pool.session(TASKS[1], sample_index=1) as second:
+                again = second.tools
+    assert tools and [t.name for t in tools] == [t.name for t in again]
+    assert all(a is b for a, b in zip(tools, again, strict=True))

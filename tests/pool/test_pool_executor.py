@@ -286,3 +286,21 @@ async def test_extras_still_waiting_for_room_end_superseded_as_their_group_compl
     assert executor.ran == [first]  # the extras never took room
     reasons = sorted(str(r.failure_reason) for r in results)
     assert reasons == ["None"] + [str(FailureReason.SUPERSEDED)] * 3
+
+
+async def test_a_batch_held_by_its_share_takes_no_room_from_another() -> None:
+    # max_in_flight holds the batch's others before they take room in the pool.
+    executor = FakeExecutor(hold=True, capacity=2)
+    async with pool_over(executor) as pool:
+        a = pool.run_batch([TASK], ScriptedPolicy(), samples_per_task=5, max_in_flight=1)
+        b = pool.run_batch([OTHER], ScriptedPolicy(), samples_per_task=1)
+        first, other = rollout_id(a.batch_id, TASK.key, 0), rollout_id(b.batch_id, OTHER.key, 0)
+        with anyio.fail_after(5):
+            await executor.started(first)
+            await executor.started(other)
+            await anyio.wait_all_tasks_blocked()
+            assert sorted(executor.ran) == sorted([first, other])
+            for rid in list(executor.rollouts):
+                executor.finish(rid)
+            done = await a.results() + await b.results()
+    assert [r.reward for r in done] == [1.0] * 6

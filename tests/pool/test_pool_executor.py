@@ -249,3 +249,58 @@ def test_a_pool_given_an_executor_refuses_a_provider_too() -> None:
     settings = load_settings()
     with pytest.raises(ValueError, match="provider= to the executor"):
         RolloutPool(settings, executor=FakeExecutor(), provider=FakeProvider(settings))
+
+
+async def test_a_batch_starts_rollouts_only_as_the_executor_has_room_for_them() -> None:
+    # The others wait as handles (no task, no cancel scope) until one ends.
+    executor = FakeExecutor(hold=True, capacity=3)
+    async with pool_over(executor) as pool:
+        batch = pool.run_batch([TASK], ScriptedPolicy(), samples_per_task=10)
+        rids = [r.ids.rollout_id for r in batch.rollouts]
+        with anyio.fail_after(5):
+            for rid in rids[:3]:
+                await executor.started(rid)
+            await anyio.wait_all_tasks_blocked()
+            assert executor.ran == rids[:3] and batch.started == set(rids[:3])
+            assert all(r.phase is Phase.PENDING for r in batch.rollouts[3:])
+            executor.finish(rids[0])
+            await executor.started(rids[3])
+            await anyio.wait_all_tasks_blocked()
+            assert executor.ran == rids[:4]
+            for rid in rids[1:]:
+                executor.finish(rid)
+            results = await batch.results()
+    assert sorted(r.rollout_id for r in results) == sorted(rids)
+    assert [r.reward for r in results] == [1.0] * 10
+
+
+async def test_extras_still_waiting_for_room_end_superseded_as_their_group_completes() -> None:
+    executor = FakeExecutor(hold=True, capacity=1)
+    async with pool_over(executor) as pool:
+        batch = pool.run_batch([TASK], ScriptedPolicy(), samples_per_task=1, oversample=3)
+        first = rollout_id(batch.batch_id, TASK.key, 0)
+        with anyio.fail_after(5):
+            await executor.started(first)
+            executor.finish(first)
+            results = await batch.results()
+    assert executor.ran == [first]  # the extras never took room
+    reasons = sorted(str(r.failure_reason) for r in results)
+    assert reasons == ["None"] + [str(FailureReason.SUPERSEDED)] * 3
+
+
+async def test_a_batch_held_by_its_share_takes_no_room_from_another() -> None:
+    # max_in_flight holds the batch's others before they take room in the pool.
+    executor = FakeExecutor(hold=True, capacity=2)
+    async with pool_over(executor) as pool:
+        a = pool.run_batch([TASK], ScriptedPolicy(), samples_per_task=5, max_in_flight=1)
+        b = pool.run_batch([OTHER], ScriptedPolicy(), samples_per_task=1)
+        first, other = rollout_id(a.batch_id, TASK.key, 0), rollout_id(b.batch_id, OTHER.key, 0)
+        with anyio.fail_after(5):
+            await executor.started(first)
+            await executor.started(other)
+            await anyio.wait_all_tasks_blocked()
+            assert sorted(executor.ran) == sorted([first, other])
+            for rid in list(executor.rollouts):
+                executor.finish(rid)
+            done = await a.results() + await b.results()
+    assert [r.reward for r in done] == [1.0] * 6

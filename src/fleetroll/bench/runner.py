@@ -17,7 +17,7 @@ from fleetroll.bench.records import Machine, RunRecord, ScenarioReport
 from fleetroll.bench.scenarios import Scenario, bench_tasks, fleetroll_settings
 from fleetroll.bench.systems import measure_run, run_fleetroll
 from fleetroll.bench.toolcall import tool_call_bench
-from fleetroll.settings import Settings
+from fleetroll.settings import Settings, load_settings
 
 __all__ = ["quiet_libraries", "run_scenario", "with_overrides"]
 
@@ -109,6 +109,9 @@ async def run_scenario(
             "baselines": list(baselines),
             "discovery_wait_s": scenario.discovery_wait_s,
             "wall_limit_s": scenario.wall_limit_s,
+            "telemetry": "on" if scenario.telemetry else "off",
+            # The CLI's (fleetroll._internal.gc_policy): the process's collector.
+            "gc_policy": load_settings(config_file).pool.gc_policy,
         },
     )
     if scenario.kind == "tool-call":
@@ -181,6 +184,7 @@ def with_overrides(
     profile: str | None,
     discovery_wait_s: float | None,
     wall_limit_s: float | None,
+    telemetry: bool | None = None,
 ) -> Scenario:
     """``scenario`` with the command line's overrides applied.
 
@@ -196,4 +200,5 @@ def with_overrides(
             scenario.discovery_wait_s if discovery_wait_s is None else discovery_wait_s
         ),
         wall_limit_s=scenario.wall_limit_s if wall_limit_s is None else wall_limit_s,
+        telemetry=scenario.telemetry if telemetry is None else telemetry,
     )

@@ -77,6 +77,9 @@ class Scenario:
             tool discovery (the reference waited 8 s).
         samples_per_task: rollouts per task (a GRPO group), when it divides
             the number of rollouts.
+        telemetry: fleetroll runs with the telemetry ``fleetroll run`` sets up
+            (the local store, in a temporary folder, and the console sink, its
+            lines dropped); off, with no sink at all.
     """
 
     name: str
@@ -97,6 +100,7 @@ class Scenario:
     discovery_wait_s: float = 8.0
     samples_per_task: int = 8
     screenshot_kb: int = 100
+    telemetry: bool = True
 
     def with_profile(self, settings: Settings, name: str | None) -> Scenario:
         """This scenario with its named profile resolved (``name`` wins over its own).

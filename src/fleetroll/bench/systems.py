@@ -11,10 +11,14 @@ limit whatever the system does.
 from __future__ import annotations
 
 import gc
+import io
+import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -36,6 +40,7 @@ from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry import open_telemetry
 from fleetroll.telemetry.events import Events
 
 __all__ = ["Outcome", "RunContext", "System", "measure_run", "run_fleetroll"]
@@ -95,10 +100,12 @@ async def run_fleetroll(ctx: RunContext) -> Outcome:
     """One batch through :class:`RolloutPool`, as a training loop would run it."""
     scenario = ctx.scenario
     policy = ctx.policy()
-    # Telemetry sinks are off: this measures the orchestrator, not a sink.
-    async with RolloutPool(
-        ctx.settings, api_key=ctx.api_key, base_url=ctx.base_url, events=Events()
-    ) as pool:
+    async with (
+        _telemetry(ctx.settings, on=scenario.telemetry) as events,
+        RolloutPool(
+            ctx.settings, api_key=ctx.api_key, base_url=ctx.base_url, events=events
+        ) as pool,
+    ):
         batch = pool.run_batch(
             ctx.tasks,
             policy,
@@ -127,6 +134,27 @@ async def run_fleetroll(ctx: RunContext) -> Outcome:
         finished_on_its_own=not cut,
         notes=notes,
     )
+
+
+@asynccontextmanager
+async def _telemetry(settings: Settings, *, on: bool) -> AsyncIterator[Events]:
+    """The telemetry ``fleetroll run`` sets up (its store in a temporary folder, its
+    console's lines dropped), or none: what a user's run costs, or the floor."""
+    if not on:
+        yield Events()
+        return
+    with tempfile.TemporaryDirectory(prefix="fleetroll-bench-") as folder:
+        telemetry = settings.telemetry.model_copy(update={"db_path": Path(folder) / "t.db"})
+        local = settings.model_copy(update={"telemetry": telemetry})
+        async with open_telemetry(local, console=_Discard()) as events:
+            yield events
+
+
+class _Discard(io.StringIO):
+    """A console whose lines are formatted (their cost counts) and dropped."""
+
+    def write(self, text: str) -> int:
+        return len(text)
 
 
 async def _guarded(system: System, ctx: RunContext) -> Outcome:

@@ -99,6 +99,13 @@ def _has_matplotlib() -> bool:
     default=None,
     help="Folder for <scenario>.json, .md and .png [default: .fleetroll/bench].",
 )
+@click.option(
+    "--telemetry",
+    type=click.Choice(["on", "off"]),
+    default="on",
+    show_default=True,
+    help="fleetroll with the telemetry `fleetroll run` sets up (store, console), or none.",
+)
 @click.option("--no-plot", is_flag=True, help="Skip the PNG plot.")
 @click.option(
     "--config",
@@ -116,6 +123,7 @@ def bench(
     discovery_wait: float | None,
     wall_limit: float | None,
     out: Path | None,
+    telemetry: str,
     no_plot: bool,
     config_file: Path | None,
 ) -> None:
@@ -131,6 +139,7 @@ def bench(
             click.echo(f"{s.name:<11} {s.rollouts:>6} x C={levels:<16} {s.description}")
         return
     # Imported here: `fleetroll --help` and `--list` should not pay for the SDK and MCP imports.
+    from fleetroll._internal.gc_policy import gc_policy
     from fleetroll.bench.report import PLOT_HINT, write_report
     from fleetroll.bench.runner import quiet_libraries, run_scenario, with_overrides
 
@@ -146,6 +155,7 @@ def bench(
                 profile=profile,
                 discovery_wait_s=discovery_wait,
                 wall_limit_s=wall_limit,
+                telemetry=telemetry == "on",
             )
             for name in scenario_names or ("smoke",)
         ]
@@ -172,7 +182,7 @@ def bench(
                 click.echo(str(path))
 
     try:
-        with quiet_libraries():
+        with quiet_libraries(), gc_policy(settings.pool.gc_policy):
             anyio.run(main)
     except FleetrollError as exc:
         raise _Failed(str(exc)) from None

@@ -232,11 +232,13 @@ def run(
     # Imported once the input is known good: a bad task file costs no more.
     from rich.console import Console
 
+    from fleetroll._internal.gc_policy import gc_policy
     from fleetroll.cli.run import Steps, print_report, run_command
 
     plan = Steps(steps, sampling) if steps is not None and sampling is not None else None
     console = Console(stderr=True, soft_wrap=True)
-    with reported():
+    # This process is ours: the collector's policy too (pool.gc_policy).
+    with reported(), gc_policy(settings.pool.gc_policy):
         report = run_command(
             settings,
             tasks,

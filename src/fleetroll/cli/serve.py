@@ -98,6 +98,7 @@ async def _serve(
     token_file: Path | None,
     made: str,
 ) -> None:
+    from fleetroll._internal.gc_policy import gc_policy
     from fleetroll.cli.run import open_fleet
     from fleetroll.pool.batch_pool import open_batch_pool, release_run
     from fleetroll.service.app import Service
@@ -128,6 +129,8 @@ async def _serve(
             ray_actors=ray_actors,
             run_id=store.run_id,
         )
+        # Once started: what start-up made is frozen (this process is ours).
+        stack.enter_context(gc_policy(settings.pool.gc_policy))
         service = Service(pool, settings, store=store)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)

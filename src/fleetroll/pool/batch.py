@@ -281,6 +281,8 @@ class Batch(ResultStream):
         self.scope = anyio.CancelScope()
         super().__init__(len(rollouts))
         self._by_id = {r.ids.rollout_id: r for r in rollouts}
+        #: Ids of the rollouts whose task the pool started (the others wait for room).
+        self.started: set[str] = set()
         self._tracker = tracker
         self._groups = _Groups()
         #: Where each result's trace goes (``traces.upload``), or None.
@@ -335,9 +337,11 @@ class Batch(ResultStream):
     def _complete(self, completion: Completion) -> None:
         group, stop = completion
         for rid in stop:
-            self._by_id[rid].stop(
-                FailureReason.SUPERSEDED, superseded_error(group.task_key, group.expected)
-            )
+            rollout, error = self._by_id[rid], superseded_error(group.task_key, group.expected)
+            rollout.stop(FailureReason.SUPERSEDED, error)
+            if rid not in self.started and rollout.result is None:
+                # Still waiting for room: it ends now (its result is delivered as it is built).
+                rollout.never_started(FailureReason.SUPERSEDED, error)
         self._groups.add(group)
         # With groups_target: once enough groups are complete, the others are cut.
         for rid, why in self._tracker.cut() if self._tracker else ():

@@ -127,6 +127,11 @@ class Executor(Protocol):
     def rollout(self, task: TaskSpec, ids: RolloutIds, *, run_id: str) -> RolloutHandle:
         """A rollout, not started (:meth:`RolloutHandle.execute` runs it)."""
 
+    @property
+    def capacity(self) -> float:
+        """How many rollouts it can have under way at once (while open): the pool
+        starts no more, so a large batch's others wait as handles, not tasks."""
+
     async def sweep(self, run_id: str) -> None:
         """Release instances tagged ``run_id`` that no rollout holds (a batch ended)."""
 
@@ -146,6 +151,9 @@ class Executor(Protocol):
         Raises:
             ToolsError, ProvisionError: the environment could not be set up.
         """
+
+
+_Limit = Callable[[], AbstractAsyncContextManager[Any]]
 
 
 class LocalExecutor:
@@ -171,6 +179,8 @@ class LocalExecutor:
         self._provider = provider
         self._engine: RolloutEngine | None = None
         self._context: ExecutorContext | None = None
+        #: The rollouts' ``gate`` and ``hold`` (while open).
+        self._limits: tuple[_Limit, _Limit] | None = None
 
     @property
     def engine(self) -> RolloutEngine:
@@ -207,20 +217,27 @@ class LocalExecutor:
                 # stop before it closes
                 await stack.enter_async_context(ours.running())
             self._context = context
+            # One pair of callables for every rollout, not a pair each.
+            self._limits = (lambda: context.active), (lambda: context.instances)
             try:
                 yield
             finally:
-                self._engine = self._context = None
+                self._engine = self._context = self._limits = None
 
     def check_tasks(self, tasks: Sequence[TaskSpec]) -> None:
         if self._provider is None:
             require_fleet_key(tasks, self._api_key)
 
     def rollout(self, task: TaskSpec, ids: RolloutIds, *, run_id: str) -> RolloutHandle:
-        context = self._opened()
-        return self.engine.rollout(
-            task, ids, run_id=run_id, gate=lambda: context.active, hold=lambda: context.instances
-        )
+        self._opened()
+        assert self._limits is not None
+        gate, hold = self._limits
+        return self.engine.rollout(task, ids, run_id=run_id, gate=gate, hold=hold)
+
+    @property
+    def capacity(self) -> float:
+        # A rollout holds an instance slot from its start (``hold``).
+        return self._opened().instances.total_tokens
 
     async def sweep(self, run_id: str) -> None:
         await self.engine.provider.sweep(run_id)

@@ -156,6 +156,7 @@ class RolloutPool:
         self._traces: TraceUploader | None = None
         self._tg: TaskGroup | None = None
         self._stack: AsyncExitStack | None = None
+        self._room = anyio.CapacityLimiter(1)  # sized by the executor once open
         concurrency = settings.pool.concurrency
         self.active = anyio.CapacityLimiter(concurrency)
         self.instances = anyio.CapacityLimiter(
@@ -239,6 +240,8 @@ class RolloutPool:
                 self.events, self.admission, self.policy_gate, self.active, self.instances
             )
             await stack.enter_async_context(self._executor.open(context))
+            #: Rollouts under way across batches: no more than the executor has room for.
+            self._room = anyio.CapacityLimiter(self._executor.capacity)
             # Entered before the batches' task group: its bounded flush runs after them.
             self._traces = await stack.enter_async_context(
                 open_trace_uploader(
@@ -463,7 +466,20 @@ class RolloutPool:
         try:
             with batch.scope:
                 async with anyio.create_task_group() as tg:
+                    # A rollout gets its task once the executor has room for it:
+                    # a batch of 10,000 holds thousands of waiting handles, not tasks.
                     for rollout in batch.rollouts:
+                        # (and within the batch's share, ``max_in_flight``, first:
+                        # a batch held by its share takes no room from the others).
+                        if rollout.result is not None:  # its group ended it before it started
+                            continue
+                        if share is not None:
+                            await share.acquire_on_behalf_of(rollout)
+                        await self._room.acquire_on_behalf_of(rollout)
+                        if rollout.result is not None:  # ... while it waited for room
+                            self._let_go(rollout, share)
+                            continue
+                        batch.started.add(rollout.ids.rollout_id)
                         tg.start_soon(self._one, batch, rollout, policy, share)
         finally:
             # Rollouts cancelled before they started still get their result.
@@ -497,17 +513,21 @@ class RolloutPool:
         share: anyio.CapacityLimiter | None,
     ) -> None:
         try:
-            if share is None:
-                await rollout.execute(policy)
-            else:
-                async with share:  # the batch's share of the pool (``max_in_flight``)
-                    await rollout.execute(policy)
+            await rollout.execute(policy)
         except anyio.get_cancelled_exc_class():
             if rollout.result is not None:
                 batch.deliver(rollout.result)
             raise
+        finally:
+            self._let_go(rollout, share)
         assert rollout.result is not None
         batch.deliver(rollout.result)
+
+    def _let_go(self, rollout: RolloutHandle, share: anyio.CapacityLimiter | None) -> None:
+        """Give back the room (and the batch's share) a rollout held."""
+        self._room.release_on_behalf_of(rollout)
+        if share is not None:
+            share.release_on_behalf_of(rollout)
 
     @asynccontextmanager
     async def session(

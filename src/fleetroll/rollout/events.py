@@ -73,7 +73,9 @@ class RolloutEventLog:
     """The bounded event log of one rollout (see the module docstring)."""
 
     def __init__(self, *, cap: int, preview_chars: int, redact: Callable[[str], str]) -> None:
-        self._events: deque[RolloutEvent] = deque(maxlen=cap)
+        # Made at the first event: a batch's waiting rollouts have none yet.
+        self._events: deque[RolloutEvent] | tuple[()] = ()
+        self._cap = cap
         self._preview_chars = preview_chars
         self._redact = redact
         self._seq = 0
@@ -159,6 +161,9 @@ class RolloutEventLog:
         if self.ended:
             return
         self._seq += 1
+        if not self._events:
+            self._events = deque(maxlen=self._cap)
+        assert isinstance(self._events, deque)
         self._events.append(RolloutEvent(self._seq, kind, time.monotonic() - self._started, data))
         self._wake()
 

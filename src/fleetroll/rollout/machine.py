@@ -40,6 +40,7 @@ from contextlib import (
     asynccontextmanager,
     nullcontext,
 )
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import anyio
@@ -58,6 +59,7 @@ from fleetroll.rollout.progress import Progress, RolloutIds
 from fleetroll.rollout.routing import Route
 from fleetroll.rollout.stages import RolloutContext, SetupFailure
 from fleetroll.rollout.tools import ToolResult, ToolSession, describe
+from fleetroll.rollout.transcript import Transcript
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
@@ -111,7 +113,9 @@ class Rollout:
         self.result: RolloutResult | None = None
         self._started = time.monotonic()
         #: Entered around the whole run by :meth:`execute`; :meth:`stop` cancels it.
-        self.stop_scope = anyio.CancelScope()
+        #: Made when it starts, and None again once it returned (a scope keeps the
+        #: task it ran in): a batch's waiting and finished rollouts have none.
+        self.stop_scope: anyio.CancelScope | None = None
         self._stop: tuple[FailureReason, str] | None = None
         #: The owner's last word on the result as it is built, before anyone
         #: sees it (a batch: whether it counts in its group, :mod:`fleetroll.training.groups`).
@@ -173,6 +177,9 @@ class Rollout:
         with; on return :attr:`result` is set, even if :meth:`stop` came
         before it started or :meth:`run` itself failed (a fleetroll bug).
         """
+        self.stop_scope = anyio.CancelScope()
+        if self._stop is not None:  # stopped before it started
+            self.stop_scope.cancel()
         try:
             # stop() (its group is complete) cancels just this rollout.
             with self.stop_scope:
@@ -183,6 +190,8 @@ class Rollout:
         except Exception as exc:  # the rollout's own boundary failed: still one result
             if self.result is None:
                 self.never_started(FailureReason.INIT_ERROR, f"fleetroll bug: {exc!r}")
+        finally:
+            self.stop_scope = None
         if self.result is None:  # stopped while it waited for an instance slot
             reason, error = self._stop or (
                 FailureReason.CANCELLED,
@@ -477,7 +486,8 @@ class Rollout:
         """
         if self._stop is None:
             self._stop = (reason, error)
-        self.stop_scope.cancel()
+        if self.stop_scope is not None:
+            self.stop_scope.cancel()
 
     @property
     def stop_reason(self) -> tuple[FailureReason, str] | None:
@@ -540,7 +550,32 @@ class Rollout:
         )
         self.result = result if self.settle is None else self.settle(result)
         self.live.end(self.result)
+        self._let_go()
         return self.result
+
+    def _let_go(self) -> None:
+        """Keep only what the result and the read model need, once the result is built.
+
+        A batch holds its rollouts until it is forgotten (10,000 at once for a
+        large one), so a finished rollout drops what produced its result: the
+        provider's object for the instance (the SDK's, with its parsed
+        answers), the route, the live transcript (the result holds its
+        export) with its encodings, the turns' token data (in the result too),
+        the verifier's outcome, the deadline's cancel scope and the limits'
+        callables (closures over the pool's context).
+        """
+        assert self.result is not None
+        if self.instance is not None:
+            self.instance = replace(self.instance, handle=None)
+        self.route = None
+        self._deadline_scope = None
+        self._gate = self._hold = None
+        p = self.progress
+        p.transcript = Transcript(p.transcript.max_images)
+        p.turns = []
+        p.verifier = None
+        # The result holds copies of both, and nothing changes them any more.
+        p.timings, p.cost = self.result.timings, self.result.cost
 
     def never_started(self, reason: FailureReason, error: str) -> RolloutResult:
         """The result of a rollout that ended before it started (no events).
@@ -565,6 +600,10 @@ class Rollout:
 
     @property
     def messages(self) -> list[dict[str, Any]]:
+        """The transcript: the live one, or once the rollout has ended its result's
+        (redacted) export (the live one is let go then)."""
+        if self.result is not None:
+            return list(self.result.transcript)
         return self.progress.transcript.messages
 
     def view(self, *, messages: bool = True) -> RolloutView:

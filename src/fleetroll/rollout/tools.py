@@ -202,12 +202,7 @@ class ToolSession:
                 transient=too_large is None,
             ) from exc
         _share_output_validators(self._client, listed.tools)
-        return [
-            ToolSpec(
-                name=t.name, description=t.description or "", input_schema=dict(t.input_schema)
-            )
-            for t in listed.tools
-        ]
+        return [_shared_spec(t) for t in listed.tools]
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
         """Call a tool; an error *answer* is a result with ``is_error``.
@@ -410,6 +405,26 @@ def _timed_out(exc: BaseException) -> bool:
         if error is not None and error.code == REQUEST_TIMEOUT:
             return True
     return "timed out" in describe(exc).lower()
+
+
+#: Tools as the agent sees them, by what their listing says, shared by every
+#: session that lists the same tool (rollouts of one environment list the same
+#: tools: one copy of each schema, not one per rollout, for the collector to walk).
+_SPECS: dict[tuple[str, str, str], ToolSpec] = {}
+_SPECS_MAX = 4096
+
+
+def _shared_spec(tool: Tool) -> ToolSpec:
+    """The :class:`ToolSpec` of a listed tool; the same object for the same listing."""
+    description = tool.description or ""
+    key = (tool.name, description, json.dumps(tool.input_schema))
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= _SPECS_MAX:
+            _SPECS.clear()
+        spec = ToolSpec(name=tool.name, description=description, input_schema=tool.input_schema)
+        _SPECS[key] = spec
+    return spec
 
 
 #: Compiled output-schema validators, by schema text, shared by every session.

@@ -265,6 +265,11 @@ class PoolSettings(_Section):
     #: failed the same way (same failure_reason and error), the batch stops
     #: there; the rest end ``cancelled`` (``--resume`` runs them). 0: never.
     stop_after_same_failures: int = Field(20, ge=0)
+    #: The garbage collector's policy of ``fleetroll run``, ``bench`` and
+    #: ``serve`` (never of a program that imports fleetroll): "tuned" freezes
+    #: what start-up made and collects less often; "python" leaves Python's own
+    #: (docs/configuration.md has the numbers).
+    gc_policy: Literal["tuned", "python"] = "tuned"
 
 
 class SamplingSettings(_Section):

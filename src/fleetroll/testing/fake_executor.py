@@ -18,6 +18,7 @@ with ``rewards(ids)`` at once, or, with ``hold``, when the test calls
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -145,6 +146,7 @@ class FakeExecutor:
     Args:
         rewards: the reward of a rollout that ends on its own (default 1.0).
         hold: rollouts wait for :meth:`finish` (or a stop, or cancellation).
+        capacity: rollouts it has room for at once (:attr:`Executor.capacity`).
     """
 
     def __init__(
@@ -152,9 +154,11 @@ class FakeExecutor:
         rewards: Callable[[RolloutIds], float | None] = lambda ids: 1.0,
         *,
         hold: bool = False,
+        capacity: float = math.inf,
     ) -> None:
         self.rewards = rewards
         self.hold = hold
+        self._capacity = capacity
         #: Every rollout made, by id.
         self.rollouts: dict[str, FakeRollout] = {}
         #: Ids of the rollouts that started running, in order.
@@ -186,6 +190,10 @@ class FakeExecutor:
         rollout = FakeRollout(self, task, ids, run_id)
         self.rollouts[ids.rollout_id] = rollout
         return rollout
+
+    @property
+    def capacity(self) -> float:
+        return self._capacity
 
     async def started(self, rollout_id: str) -> None:
         """Wait until the rollout runs."""

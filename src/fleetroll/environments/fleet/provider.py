@@ -153,6 +153,12 @@ class FleetProvider:
         )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
+        # Built once too, for every rollout's MCP session (fewer objects per rollout).
+        self._mcp_report = retry_emitter(events)
+        self._mcp_limits = AnswerLimits.from_settings(settings)
+        self._mcp_budgets = {
+            op: retrying.budget(settings, op) for op in ("mcp_connect", "list_tools", "mcp_request")
+        }
         #: Browser leases by instance id (modalities with ``browser_lease``).
         self._leases: dict[str, Lease] = {}
         #: Keeps the instances this provider holds alive (once its loop is started).
@@ -219,10 +225,10 @@ class FleetProvider:
                     connect_timeout_s=t.mcp_connect_s,
                     call_timeout_s=t.call_tool_s,
                     list_timeout_s=t.list_tools_s,
-                    budget=retrying.budget(self._settings, "mcp_connect"),
-                    list_budget=retrying.budget(self._settings, "list_tools"),
-                    report=retry_emitter(self._events),
-                    limits=AnswerLimits.from_settings(self._settings),
+                    budget=self._mcp_budgets["mcp_connect"],
+                    list_budget=self._mcp_budgets["list_tools"],
+                    report=self._mcp_report,
+                    limits=self._mcp_limits,
                 )
             )
 
@@ -240,11 +246,9 @@ class FleetProvider:
             # Answers are read up to pool.max_tool_*_bytes, counted while read.
             transport=BoundedAnswers(
                 RetryRefusedConnections(
-                    transport,
-                    retrying.budget(self._settings, "mcp_request"),
-                    retry_emitter(self._events),
+                    transport, self._mcp_budgets["mcp_request"], self._mcp_report
                 ),
-                AnswerLimits.from_settings(self._settings),
+                self._mcp_limits,
             ),
         )
 

@@ -115,6 +115,16 @@ class ExecutorWorker:
         secrets are known)."""
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
+        messages: list[dict[str, Any]] = []
+        if self._traces:
+
+            def keep_transcript(result: RolloutResult) -> RolloutResult:
+                # Taken as the result is built: an ended rollout lets its live
+                # transcript (screenshots whole) go.
+                messages.extend(redacted(rollout.messages, rollout.redactor))
+                return result
+
+            rollout.settle = keep_transcript
         if isinstance(policy, AgentRecipe):  # an agent command travels as its recipe
             async with self._agents.agent(policy) as agent:
                 await rollout.execute(agent)
@@ -122,7 +132,6 @@ class ExecutorWorker:
             await rollout.execute(policy)
         assert rollout.result is not None
         events, self._buffer.events = self._buffer.events, []
-        messages = redacted(rollout.messages, rollout.redactor) if self._traces else []
         return rollout.result, events, messages
 
     async def stop(self, rollout_id: str, reason: FailureReason, error: str) -> None:
@@ -364,6 +373,12 @@ class RayExecutor:
         self._events: Events | None = None
         self._gate: PolicyGate | None = None
         self._closing = False
+
+    @property
+    def capacity(self) -> float:
+        # Each actor holds instance slots of its own (concurrency + creates).
+        p = self.settings
+        return len(self.workers) * (p.pool.concurrency + p.provisioning.max_concurrent_creates)
 
     def pick(self) -> int:
         """The next live actor, round robin (0 if none is: its call fails as lost)."""

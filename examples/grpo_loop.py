@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> list[Step]:
             f"  tasks {','.join(s.tasks)}  groups {s.groups}"
             f" ({s.uniform} uniform, skipped)  reward {reward:.2f}"
             f"  trained on {s.samples} samples, {len(s.data)} turns, {s.completion_tokens} tokens"
-            f"  loss {s.loss:+.3f}  superseded {s.superseded}"
+            f"  loss {s.loss:+.3f}"
         )
     return summaries
 

@@ -42,7 +42,7 @@ from fleetroll.pool.journal import (
     write_sampler_state,
 )
 from fleetroll.pool.preflight import preflight_fleet
-from fleetroll.pool.rollout_pool import Batch
+from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.machine import Phase
 from fleetroll.settings import Settings
@@ -172,6 +172,79 @@ def run_command(
     return anyio.run(job)
 
 
+async def _release_leftovers(
+    settings: Settings, fleet: FleetTarget, run_id: str, events: Events, console: Console
+) -> None:
+    """Release what an interrupted run of ``run_id`` left running (the journal's
+    batch id is the run id; its lock says no live run has it)."""
+    left = await release_run(settings, fleet, run_id, events)
+    if left:
+        console.print(
+            f"fleetroll: released {len(left)} instance(s) of run {run_id}"
+            " that the interrupted run left running"
+        )
+
+
+@dataclass
+class _StepRun:
+    """``run --steps``: batches one after another, each drawn by the sampler."""
+
+    pool: RolloutPool
+    policy: Policy
+    sampler: TaskSampler
+    count: int
+    samples: int
+    out: Path | None
+    backend: str
+    console: Console
+
+    async def steps(
+        self,
+        run_id: str,
+        previous: Sequence[RolloutResult],
+        current: _Current,
+        drive: _Drive,
+        interrupted: anyio.Event,
+        *,
+        groups_target: int | None,
+        policy_version: int | None,
+    ) -> int:
+        """Run the steps left; the number of steps finished (the sampler's step)."""
+        sampler, samples, out = self.sampler, self.samples, self.out
+        finished = sampler.step
+        while sampler.step < self.count:
+            if interrupted.is_set() or drive.stopped is not None:
+                return finished
+            if out is not None:  # the state this step starts from: a resume draws it again
+                await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
+            draw = sampler.draw()
+            step_id = step_batch_id(run_id, draw.step)
+            before = [r for r in previous if r.batch_id == step_id]
+            batch = current.batch = self.pool.run_batch(
+                draw.tasks,
+                self.policy,
+                samples_per_task=samples,
+                batch_id=step_id,
+                previous=before,
+                groups_target=groups_target,
+                policy_version=policy_version,
+            )
+            self.console.print(
+                f"fleetroll: step {draw.step + 1}/{self.count} (epoch {draw.epoch}):"
+                f" batch {step_id}: {batch.total} rollouts ({len(draw.tasks)} tasks × {samples})"
+                f" on {self.backend}" + (f", {len(before)} already done" if before else "")
+            )
+            ended = await drive.batch(batch, step=draw.step, before=before)
+            if interrupted.is_set() or drive.stopped is not None:
+                return finished
+            for group in groups_of(step_id, samples, ended):
+                sampler.observe(group)
+            finished = sampler.step
+        if out is not None:  # where a longer resume goes on from
+            await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
+        return finished
+
+
 async def run_job(
     settings: Settings,
     tasks: Sequence[TaskSpec],
@@ -260,13 +333,7 @@ async def run_job(
             stack.callback(claim.close)  # the lock is held until the journal is closed
             batch_id, previous, journaled = claim.batch_id, claim.done, bool(claim.previous)
             if resume and not settings.uses_emulator:
-                # The journal's batch id is the run id; its lock says no live run has it.
-                left = await release_run(settings, fleet, batch_id, events)
-                if left:
-                    console.print(
-                        f"fleetroll: released {len(left)} instance(s) of run {batch_id}"
-                        " that the interrupted run left running"
-                    )
+                await _release_leftovers(settings, fleet, batch_id, events, console)
         sampler = None
         if steps is not None:
             sampler = await anyio.to_thread.run_sync(
@@ -303,39 +370,19 @@ async def run_job(
                 + (f", {len(previous)} already done" if previous else "")
             )
             await drive.batch(batch)
-        count = steps.count if steps is not None else 0
-        finished = sampler.step if sampler is not None else 0
-        while sampler is not None and sampler.step < count:
-            if interrupted.is_set() or drive.stopped is not None:
-                break
-            if out is not None:  # the state this step starts from: a resume draws it again
-                await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
-            draw = sampler.draw()
-            step_id = step_batch_id(batch_id, draw.step)
-            before = [r for r in previous if r.batch_id == step_id]
-            batch = current.batch = pool.run_batch(
-                draw.tasks,
-                policy,
-                samples_per_task=samples,
-                batch_id=step_id,
-                previous=before,
+        finished = 0
+        if sampler is not None:
+            assert steps is not None
+            run = _StepRun(pool, policy, sampler, steps.count, samples, out, backend, console)
+            finished = await run.steps(
+                batch_id,
+                previous,
+                current,
+                drive,
+                interrupted,
                 groups_target=groups_target,
                 policy_version=policy_version,
             )
-            console.print(
-                f"fleetroll: step {draw.step + 1}/{count} (epoch {draw.epoch}):"
-                f" batch {step_id}: {batch.total} rollouts ({len(draw.tasks)} tasks × {samples})"
-                f" on {backend}" + (f", {len(before)} already done" if before else "")
-            )
-            ended = await drive.batch(batch, step=draw.step, before=before)
-            if interrupted.is_set() or drive.stopped is not None:
-                break
-            for group in groups_of(step_id, samples, ended):
-                sampler.observe(group)
-            finished = sampler.step
-        else:
-            if sampler is not None and out is not None:  # where a longer resume goes on from
-                await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
     return JobReport(
         batch_id=batch_id,
         results=drive.results,

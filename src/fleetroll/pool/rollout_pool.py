@@ -474,8 +474,8 @@ class RolloutPool:
                         if rollout.result is not None:  # its group ended it before it started
                             continue
                         if share is not None:
-                            await share.acquire_on_behalf_of(rollout)
-                        await self._room.acquire_on_behalf_of(rollout)
+                            await _acquire(share, rollout)
+                        await _acquire(self._room, rollout)
                         if rollout.result is not None:  # ... while it waited for room
                             self._let_go(rollout, share)
                             continue
@@ -545,3 +545,14 @@ class RolloutPool:
             raise RuntimeError("the pool is not open: use `async with RolloutPool(...)`")
         async with self._executor.session(task, ids, run_id=self.tag(batch_id)) as env:
             yield env
+
+
+async def _acquire(limiter: anyio.CapacityLimiter, rollout: RolloutHandle) -> None:
+    """Take a token of ``limiter`` for ``rollout``, waiting only when there is
+    none: while there is room, a batch's rollouts all start in one go, in order,
+    as if there were no limiter (a wait would let each run ahead of the next)."""
+    try:
+        limiter.acquire_on_behalf_of_nowait(rollout)
+    except anyio.WouldBlock:
+        await limiter.acquire_on_behalf_of(rollout)
+

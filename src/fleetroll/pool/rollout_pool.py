@@ -555,4 +555,3 @@ async def _acquire(limiter: anyio.CapacityLimiter, rollout: RolloutHandle) -> No
         limiter.acquire_on_behalf_of_nowait(rollout)
     except anyio.WouldBlock:
         await limiter.acquire_on_behalf_of(rollout)
-

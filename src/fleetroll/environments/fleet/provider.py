@@ -31,8 +31,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 import anyio
@@ -44,6 +44,7 @@ from fleet.runner_auth import RunnerTokenProvider
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.http_transport import AiohttpTransport
 from fleetroll._internal.retrying import Decision, Retry
+from fleetroll._internal.wire import Wire
 from fleetroll.environments.fleet.admission import (
     Admission,
     CreateLimits,
@@ -159,6 +160,16 @@ class FleetProvider:
         self._mcp_budgets = {
             op: retrying.budget(settings, op) for op in ("mcp_connect", "list_tools", "mcp_request")
         }
+        #: One connection pool for every rollout's thin MCP client (pool.mcp_client).
+        self._wire = (
+            Wire(
+                keepalive_s=t.http_keepalive_s,
+                connect_timeout_s=t.mcp_connect_s,
+                verify=self._mcp_tls,
+            )
+            if settings.pool.mcp_client == "thin"
+            else None
+        )
         #: Browser leases by instance id (modalities with ``browser_lease``).
         self._leases: dict[str, Lease] = {}
         #: Keeps the instances this provider holds alive (once its loop is started).
@@ -169,6 +180,8 @@ class FleetProvider:
     async def aclose(self) -> None:
         for client in self._clients:
             await client.aclose()
+        if self._wire is not None:
+            await self._wire.aclose()
 
     @staticmethod
     def _env(instance: Instance) -> AsyncEnv:
@@ -207,30 +220,32 @@ class FleetProvider:
         # The lease flow: the tools are the leased browser's, not the instance's.
         return chosen if lease is None else dataclasses.replace(chosen, url=lease.mcp_url)
 
-    @asynccontextmanager
-    async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
-        """An MCP session on the route's endpoint over its own HTTP client.
+    def open_tools(
+        self, instance: Instance, route: Route
+    ) -> AbstractAsyncContextManager[ToolSession]:
+        """An MCP session on the route's endpoint.
 
-        One client per rollout: each Fleet instance is its own host anyway, and
-        one shared pool of thousands of connections costs a scan of all of them
-        on every request.
+        The thin client's requests go over the provider's one connection pool
+        (``pool.mcp_client = "thin"``). The SDK's client, when the endpoint
+        needs it, gets an HTTP client of its own (:meth:`mcp_client`): each
+        Fleet instance is its own host anyway, and one shared pool of
+        thousands of connections costs a scan of all of them on every request.
         """
         t = self._settings.timeouts
-        async with AsyncExitStack() as stack:
-            http = await stack.enter_async_context(self.mcp_client())
-            yield await stack.enter_async_context(
-                open_tool_session(
-                    route.url,
-                    http,
-                    connect_timeout_s=t.mcp_connect_s,
-                    call_timeout_s=t.call_tool_s,
-                    list_timeout_s=t.list_tools_s,
-                    budget=self._mcp_budgets["mcp_connect"],
-                    list_budget=self._mcp_budgets["list_tools"],
-                    report=self._mcp_report,
-                    limits=self._mcp_limits,
-                )
-            )
+        budgets = self._mcp_budgets
+        return open_tool_session(
+            route.url,
+            self.mcp_client,
+            connect_timeout_s=t.mcp_connect_s,
+            call_timeout_s=t.call_tool_s,
+            list_timeout_s=t.list_tools_s,
+            budget=budgets["mcp_connect"],
+            list_budget=budgets["list_tools"],
+            report=self._mcp_report,
+            limits=self._mcp_limits,
+            wire=self._wire,
+            request_budget=budgets["mcp_request"],
+        )
 
     def mcp_client(self) -> httpx2.AsyncClient:
         """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""

@@ -33,9 +33,9 @@ It is the SDK client where it speaks at all (the SDK 2.3's wire behaviour,
   or a server request in its stream) is not guessed at: the call is made
   again by an SDK client on the same URL, whose answer is the answer.
 
-Answers are read up to :class:`~fleetroll.rollout.tools.AnswerLimits` (the
+Answers are read up to :class:`~fleetroll.rollout.mcp_common.AnswerLimits` (the
 listing cap for ``tools/list``, the answer cap otherwise); past it the
-request fails with :data:`~fleetroll.rollout.tools.ANSWER_TOO_LARGE`. A
+request fails with :data:`~fleetroll.rollout.mcp_common.ANSWER_TOO_LARGE`. A
 request whose connection could not be opened is sent again
 (``retries.mcp_request_attempts``); one whose connection broke after it may
 have left never is.
@@ -82,7 +82,7 @@ import fleetroll._internal.retrying as retrying
 from fleetroll._internal.retrying import Decision
 from fleetroll._internal.wire import BodyTooLarge, ConnectFailed, Response, Wire
 from fleetroll.policies import ToolSpec
-from fleetroll.rollout.tools import AnswerLimits, _shared_spec, shared_validator
+from fleetroll.rollout.mcp_common import AnswerLimits, shared_spec, shared_validator
 
 __all__ = ["FALLBACK", "ThinClient", "probe"]
 
@@ -231,16 +231,23 @@ def _from_events(body: bytes) -> dict[str, Any]:
                 event = value
             continue
         # A blank line dispatches the event gathered so far.
-        if data and event == b"message":
-            found = _message(b"\n".join(data))
-            if found is not None:
-                return found
-        data, event = [], b"message"
-    if data and event == b"message":  # a last event the stream did not end with a blank line
-        found = _message(b"\n".join(data))
+        found = _dispatch(data, event)
         if found is not None:
             return found
+        data, event = [], b"message"
+    found = _dispatch(data, event)  # a last event the stream did not end with a blank line
+    if found is not None:
+        return found
     raise _mcp_error(CONNECTION_CLOSED, "SSE stream ended without a response")
+
+
+def _dispatch(data: list[bytes], event: bytes) -> dict[str, Any] | None:
+    """An event's result; None for one that is no response (the SDK's transport
+    reads only ``message`` events, and skips those without data: priming events)."""
+    joined = b"\n".join(data)
+    if not joined or event != b"message":
+        return None
+    return _message(joined)
 
 
 def _message(data: bytes) -> dict[str, Any] | None:
@@ -312,7 +319,7 @@ def _listing(raw: dict[str, Any], version: str) -> Listing:
         kept.append(tool)
     listing = Listing(
         tools=tuple(kept),
-        specs=tuple(_shared_spec(t) for t in kept),
+        specs=tuple(shared_spec(t) for t in kept),
         output_schemas={t.name: t.output_schema for t in kept},
         param_headers=headers,
     )

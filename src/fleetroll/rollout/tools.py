@@ -30,29 +30,31 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import httpx2
-from jsonschema import SchemaError
-from jsonschema.protocols import Validator
-from jsonschema.validators import validator_for
 from mcp_types import (
     REQUEST_TIMEOUT,
     CallToolResult,
     ErrorData,
     ImageContent,
-    JSONRPCError,
     ListToolsResult,
     TextContent,
     Tool,
 )
-from referencing import Registry
 
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.retrying import Decision
 from fleetroll._internal.wire import BodyTooLarge, Wire, WireError
 from fleetroll.errors import FleetrollError, OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
+from fleetroll.rollout.mcp_common import (
+    ANSWER_TOO_LARGE,
+    AnswerLimits,
+    shared_spec,
+    shared_validator,
+)
+from fleetroll.rollout.mcp_thin import ThinClient, probe
 
 if TYPE_CHECKING:
-    from fleetroll.settings import Settings
+    pass
 
 _T = TypeVar("_T")
 
@@ -79,43 +81,6 @@ class ToolResult:
     images: tuple[str, ...] = ()  # data URLs
     is_error: bool = False
     structured: Any = None
-
-
-#: The JSON-RPC error code of an answer fleetroll stopped reading at its cap
-#: (in the range JSON-RPC leaves to implementations).
-ANSWER_TOO_LARGE = -32099
-
-
-@dataclass(frozen=True, slots=True)
-class AnswerLimits:
-    """How many bytes of an MCP answer are read (``pool.max_tool_*_bytes``)."""
-
-    answer_bytes: int  # a tool call's (or any other request's) answer
-    listing_bytes: int  # a tools/list answer
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> AnswerLimits:
-        pool = settings.pool
-        return cls(pool.max_tool_answer_bytes, pool.max_tool_listing_bytes)
-
-    def cap(self, method: str | None) -> tuple[int, str]:
-        """The cap of the answer to ``method``, and the setting that sets it."""
-        if method == "tools/list":
-            return self.listing_bytes, "pool.max_tool_listing_bytes"
-        return self.answer_bytes, "pool.max_tool_answer_bytes"
-
-    def too_large(self, method: str | None) -> str:
-        """What an answer over its cap is told as."""
-        cap, setting = self.cap(method)
-        return (
-            f"the MCP server's answer to {method or 'a request'} is over {setting}"
-            f" ({cap} bytes): reading stopped there and the connection was closed"
-        )
-
-    def error(self, method: str | None, request_id: Any = None) -> JSONRPCError:
-        """The JSON-RPC error the session gets instead of an answer over its cap."""
-        error = ErrorData(code=ANSWER_TOO_LARGE, message=self.too_large(method))
-        return JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -234,7 +199,7 @@ class ToolSession:
         if specs is not None:  # the thin client's listing, shared and made once
             return list(specs)
         _share_output_validators(self._client, listed.tools)
-        return [_shared_spec(t) for t in listed.tools]
+        return [shared_spec(t) for t in listed.tools]
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
         """Call a tool; an error *answer* is a result with ``is_error``.
@@ -439,49 +404,6 @@ def _timed_out(exc: BaseException) -> bool:
     return "timed out" in describe(exc).lower()
 
 
-#: Tools as the agent sees them, by what their listing says, shared by every
-#: session that lists the same tool (rollouts of one environment list the same
-#: tools: one copy of each schema, not one per rollout, for the collector to walk).
-_SPECS: dict[tuple[str, str, str], ToolSpec] = {}
-_SPECS_MAX = 4096
-
-
-def _shared_spec(tool: Tool) -> ToolSpec:
-    """The :class:`ToolSpec` of a listed tool; the same object for the same listing."""
-    description = tool.description or ""
-    key = (tool.name, description, json.dumps(tool.input_schema))
-    spec = _SPECS.get(key)
-    if spec is None:
-        if len(_SPECS) >= _SPECS_MAX:
-            _SPECS.clear()
-        spec = ToolSpec(name=tool.name, description=description, input_schema=tool.input_schema)
-        _SPECS[key] = spec
-    return spec
-
-
-#: Compiled output-schema validators, by schema text, shared by every session.
-_VALIDATORS: dict[str, Validator] = {}
-_VALIDATORS_MAX = 1024
-
-
-def shared_validator(schema: dict[str, Any]) -> Validator | None:
-    """The compiled validator of an output schema, shared by every session; None
-    when the schema is not one (the caller reports it, as the mcp client does)."""
-    key = json.dumps(schema, sort_keys=True)
-    validator = _VALIDATORS.get(key)
-    if validator is None:
-        cls = validator_for(schema)
-        try:
-            cls.check_schema(schema)
-        except SchemaError:
-            return None
-        validator = cls(schema, registry=Registry())
-        if len(_VALIDATORS) >= _VALIDATORS_MAX:
-            _VALIDATORS.clear()
-        _VALIDATORS[key] = validator
-    return validator
-
-
 def _share_output_validators(client: McpClient, tools: Sequence[Tool]) -> None:
     """Give a session the compiled validators of its tools' output schemas.
 
@@ -550,8 +472,6 @@ async def open_tool_session(
     """
     deadline = anyio.current_time() + connect_timeout_s
     if wire is not None:
-        from fleetroll.rollout.mcp_thin import ThinClient, probe
-
         opened = await _connect(
             url,
             lambda: probe(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import socket
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -37,10 +38,10 @@ from mcp_types import (
 from pydantic import BaseModel
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fleetroll._internal.retrying import Budget
+from fleetroll._internal.retrying import Budget, Retry
 from fleetroll._internal.serving import serve_asgi
 from fleetroll._internal.wire import Response, Wire
-from fleetroll.errors import ToolCallFailed
+from fleetroll.errors import OperationTimeout, ToolCallFailed
 from fleetroll.rollout import mcp_thin
 from fleetroll.rollout.mcp_thin import ThinClient
 from fleetroll.rollout.tools import (
@@ -139,6 +140,7 @@ class Front:
     * ``discover_versions``: ``server/discover`` answers these supported versions;
     * ``reject_first_discover``: the first probe is answered ``-32022``, naming
       the modern version as supported;
+    * ``warming``: the first this many requests get a bare 503 (a service starting);
     * ``chatty`` gets the log and progress opt-ins, so the SDK's server sends
       notifications before the answer (SSE);
     * ``liar``'s answer breaks its output schema; ``asks_mid_stream``'s stream
@@ -152,8 +154,10 @@ class Front:
         legacy_only: bool = False,
         discover_versions: list[str] | None = None,
         reject_first_discover: bool = False,
+        warming: int = 0,
     ) -> None:
         self.app = app
+        self.warming = warming
         self.legacy_only = legacy_only
         self.discover_versions = discover_versions
         self.reject_first_discover = reject_first_discover
@@ -169,6 +173,11 @@ class Front:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
+        if self.warming > 0:
+            self.warming -= 1
+            await send({"type": "http.response.start", "status": 503, "headers": []})
+            await send({"type": "http.response.body", "body": b"starting"})
+            return
         request = json.loads(body)
         method = request.get("method", "")
         params = request.get("params") or {}
@@ -464,6 +473,40 @@ async def test_an_sdk_client_reprobes_the_same_way() -> None:
     ):
         assert sdk._client.protocol_version == MODERN  # type: ignore[attr-defined]
     assert front.seen.methods[:2] == ["server/discover", "server/discover"]
+
+
+@pytest.mark.slow
+async def test_the_thin_client_waits_for_a_starting_service_as_the_sdk_client_does() -> None:
+    retries: list[Retry] = []
+    async with (
+        serving(json_response=True, warming=2) as (url, front),
+        Wire() as wire,
+        open_tool_session(url, _sdk_http, wire=wire, report=retries.append, **DEADLINES) as thin,
+    ):
+        assert isinstance(thin._client, ThinClient)
+        assert (await thin.call("echo", {"text": "up"})).text == "up"
+    # Two bare 503s: two connect attempts failed, each told as the SDK client tells it.
+    assert [r.operation for r in retries] == ["mcp_connect"] * 2
+    assert {str(r.cause) for r in retries} == {"Server returned an error response"}
+    assert front.seen.methods[0] == "server/discover"
+
+
+@pytest.mark.slow
+async def test_a_service_that_never_answers_is_a_connect_timeout_naming_its_attempts() -> None:
+    with anyio.fail_after(30):
+        async with Wire() as wire:
+            # Nothing listens on the port: every connection is refused.
+            url = f"http://127.0.0.1:{_free_port()}/mcp"
+            deadlines = dict(DEADLINES, connect_timeout_s=1.0, budget=Budget(None, 0.05, 0.2))
+            with pytest.raises(OperationTimeout, match=r"timed out after 1 s \(\d+ attempts; last"):
+                async with open_tool_session(url, _sdk_http, wire=wire, **deadlines):
+                    raise AssertionError("connected to nothing")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @pytest.mark.slow

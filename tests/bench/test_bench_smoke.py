@@ -45,10 +45,10 @@ def bench(*args: str, cwd: Path, timeout: float = 60) -> subprocess.CompletedPro
 def smoke(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Run:
-    """One smoke run of every system, with the default ``--out``, in a folder of its own:
-    the tests read it."""
+    """One smoke run of every system (fleetroll with telemetry and without), with the
+    default ``--out``, in a folder of its own: the tests read it."""
     cwd = tmp_path_factory.mktemp("smoke")
-    every = ("--baselines", "fresh-session,naive-gather,cpu-floor")
+    every = ("--baselines", "fresh-session,naive-gather,cpu-floor", "--telemetry", "both")
     return cwd, bench("--scenario", "smoke", *every, "--no-plot", cwd=cwd, timeout=110)
 
 
@@ -59,8 +59,9 @@ def test_the_smoke_scenario_runs_every_system_and_writes_its_report(
     assert done.returncode == 0, done.stderr
     out = cwd / ".fleetroll" / "bench"
     report = ScenarioReport.model_validate(json.loads((out / "smoke.json").read_text()))
-    systems = ["fleetroll", "fresh-session", "cpu-floor", "naive-gather"]
+    systems = ["fleetroll", "fleetroll-telemetry-off", "fresh-session", "cpu-floor", "naive-gather"]
     assert [r.system for r in report.runs] == systems
+    assert report.parameters["telemetry"] == "both"
     for run in report.runs:
         assert run.requested == 8
         assert run.returned == 8, run
@@ -71,6 +72,7 @@ def test_the_smoke_scenario_runs_every_system_and_writes_its_report(
     assert fleetroll.ledger["created"] == fleetroll.ledger["deleted"] == 8
     markdown = (out / "smoke.md").read_text()
     assert "| fleetroll | 8 | 8 / 8 |" in markdown
+    assert "| fleetroll-telemetry-off | 8 | 8 / 8 |" in markdown
 
 
 def test_reports_go_under_dot_fleetroll_by_default_and_the_output_says_where(

@@ -44,6 +44,8 @@ import anyio
 import httpx
 import httpx2
 
+from fleetroll._internal.wire import BadResponse, ConnectFailed, ConnectionLost
+
 if TYPE_CHECKING:
     from fleetroll.settings import Settings
 
@@ -113,6 +115,8 @@ def decide(exc: BaseException) -> Decision:
     the exception carries (the server's wish) comes along.
     """
     if isinstance(exc, TimeoutError | httpx.TransportError | httpx2.TransportError):
+        return Decision(True)
+    if isinstance(exc, ConnectFailed | ConnectionLost | BadResponse):  # the Wire's, likewise
         return Decision(True)
     status = getattr(exc, "status_code", None)
     flag = getattr(exc, "transient", None)

@@ -70,7 +70,7 @@ def _ideal(
 def _summary(run: RunRecord) -> str:
     overhead = f"{run.overhead:.3f}x ideal" if run.overhead else "no ideal"
     return (
-        f"  {run.system:<14} C={run.concurrency or 'inf':<5} "
+        f"  {run.system:<23} C={run.concurrency or 'inf':<5} "
         f"{run.returned}/{run.requested} returned, {run.scored} scored, "
         f"{run.makespan_s:.1f} s ({overhead}), {run.rollouts_per_s:.2f}/s, "
         f"lag p99 {run.loop_lag_p99_ms or 0:.0f} ms, leaked {run.leaked}, "
@@ -109,7 +109,9 @@ async def run_scenario(
             "baselines": list(baselines),
             "discovery_wait_s": scenario.discovery_wait_s,
             "wall_limit_s": scenario.wall_limit_s,
-            "telemetry": "on" if scenario.telemetry else "off",
+            "telemetry": (
+                "both" if scenario.telemetry_off_too else ("on" if scenario.telemetry else "off")
+            ),
             # The CLI's (fleetroll._internal.gc_policy): the process's collector.
             "gc_policy": load_settings(config_file).pool.gc_policy,
         },
@@ -140,15 +142,18 @@ async def run_scenario(
     for concurrency in scenario.concurrency:
         settings = fleetroll_settings(scenario, concurrency, config_file)
         ideal = _ideal(scenario, settings, n, concurrency)
-        systems = [("fleetroll", run_fleetroll)]
+        systems = [("fleetroll", run_fleetroll, scenario)]
+        if scenario.telemetry_off_too:
+            bare = replace(scenario, telemetry=False)
+            systems.append(("fleetroll-telemetry-off", run_fleetroll, bare))
         for name in ("fresh-session", "cpu-floor"):
             if name in baselines:
-                systems.append((name, BASELINE_SYSTEMS[name]))
-        for name, system in systems:
+                systems.append((name, BASELINE_SYSTEMS[name], scenario))
+        for name, system, as_run in systems:
             run = await measure_run(
                 name,
                 system,
-                scenario=scenario,
+                scenario=as_run,
                 concurrency=concurrency,
                 tasks=tasks,
                 samples_per_task=samples,
@@ -185,6 +190,7 @@ def with_overrides(
     discovery_wait_s: float | None,
     wall_limit_s: float | None,
     telemetry: bool | None = None,
+    telemetry_off_too: bool = False,
 ) -> Scenario:
     """``scenario`` with the command line's overrides applied.
 
@@ -201,4 +207,5 @@ def with_overrides(
         ),
         wall_limit_s=scenario.wall_limit_s if wall_limit_s is None else wall_limit_s,
         telemetry=scenario.telemetry if telemetry is None else telemetry,
+        telemetry_off_too=telemetry_off_too,
     )

@@ -80,6 +80,8 @@ class Scenario:
         telemetry: fleetroll runs with the telemetry ``fleetroll run`` sets up
             (the local store, in a temporary folder, and the console sink, its
             lines dropped); off, with no sink at all.
+        telemetry_off_too: also run fleetroll with no sink at all, as the
+            system ``fleetroll-telemetry-off``, right after each telemetry-on run.
     """
 
     name: str
@@ -101,6 +103,7 @@ class Scenario:
     samples_per_task: int = 8
     screenshot_kb: int = 100
     telemetry: bool = True
+    telemetry_off_too: bool = False
 
     def with_profile(self, settings: Settings, name: str | None) -> Scenario:
         """This scenario with its named profile resolved (``name`` wins over its own).

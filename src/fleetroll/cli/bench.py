@@ -101,10 +101,13 @@ def _has_matplotlib() -> bool:
 )
 @click.option(
     "--telemetry",
-    type=click.Choice(["on", "off"]),
+    type=click.Choice(["on", "off", "both"]),
     default="on",
     show_default=True,
-    help="fleetroll with the telemetry `fleetroll run` sets up (store, console), or none.",
+    help=(
+        "fleetroll with the telemetry `fleetroll run` sets up (store, console), or none;"
+        " both: each run twice, the second as fleetroll-telemetry-off."
+    ),
 )
 @click.option("--no-plot", is_flag=True, help="Skip the PNG plot.")
 @click.option(
@@ -155,7 +158,8 @@ def bench(
                 profile=profile,
                 discovery_wait_s=discovery_wait,
                 wall_limit_s=wall_limit,
-                telemetry=telemetry == "on",
+                telemetry=telemetry != "off",
+                telemetry_off_too=telemetry == "both",
             )
             for name in scenario_names or ("smoke",)
         ]

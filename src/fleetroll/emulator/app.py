@@ -9,11 +9,14 @@ instance limit and for retryable errors).
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,7 +27,7 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from fleetroll.emulator import traces as trace_api
 from fleetroll.emulator.envs.base import SampleEnv
@@ -35,7 +38,28 @@ from fleetroll.emulator.ledger import Ledger
 from fleetroll.emulator.mcp_routing import McpRouter
 from fleetroll.emulator.verifiers import BundleError, VerifierRunner
 
-__all__ = ["EmulatorApp"]
+__all__ = ["EmulatorApp", "RecordedRequest"]
+
+#: Create request ids remembered for the duplicate-create answer (409).
+_KEEP_REQUEST_IDS = 4096
+
+
+@dataclass(slots=True)
+class RecordedRequest:
+    """One HTTP request the emulator received (its MCP traffic is not recorded)."""
+
+    method: str
+    path: str
+    query: str
+    #: Lower-case names; a repeated header's last value.
+    headers: dict[str, str]
+    body: bytes = b""
+    #: The answer's status (0 until it was sent).
+    status: int = 0
+    _chunks: list[bytes] = field(default_factory=list, repr=False)
+
+    def json(self) -> object:
+        return json.loads(self.body) if self.body else None
 
 
 def _error(status: int, detail: Any, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -77,6 +101,13 @@ class EmulatorApp:
         #: Fleet, the limit counts instances still starting, so concurrent
         #: creates cannot pass it together.
         self._starting = 0
+        #: Instances by the request id (``X-Request-ID``) of the create that
+        #: made them: a create sent again with the same id is answered 409
+        #: ``duplicate_request_id`` pointing at it, as Fleet answers.
+        self._made_by_request: OrderedDict[str, str] = OrderedDict()
+        #: Every control-plane and instance-API request, in arrival order, when
+        #: recording (``Emulator(record_requests=...)``; up to that many).
+        self.requests: deque[RecordedRequest] | None = None
         self.mcp = McpRouter(envs, store, faults, ledger)
         #: What the trace API received (``/v1/traces/jobs``, ``/v1/sessions/ingest``).
         self.traces = trace_api.TraceStore()
@@ -121,6 +152,33 @@ class EmulatorApp:
             lifespan=self._lifespan,
         )
 
+    def record_requests(self, keep: int) -> None:
+        """Record the requests received from now on (the latest ``keep``)."""
+        self.requests = deque(maxlen=keep)
+
+    def _recorded(self, scope: Scope, receive: Receive, send: Send) -> tuple[Receive, Send]:
+        assert self.requests is not None
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        query = scope.get("query_string", b"").decode("latin-1")
+        entry = RecordedRequest(scope["method"], scope["path"], query, headers)
+        self.requests.append(entry)
+
+        async def receiving() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                entry._chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    entry.body = b"".join(entry._chunks)
+                    entry._chunks.clear()
+            return message
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                entry.status = int(message["status"])
+            await send(message)
+
+        return receiving, sending
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             if scope["type"] == "http":
@@ -134,6 +192,8 @@ class EmulatorApp:
                     leased = self.leases.instance_of(lease_id) or ""
                     await self.mcp.handle(leased, "aggregator", scope, receive, send)
                     return
+                if self.requests is not None:
+                    receive, send = self._recorded(scope, receive, send)
             await self._starlette(scope, receive, send)
         except* ClientDisconnect:
             # The client went away before its request was read (a cancelled
@@ -226,6 +286,18 @@ class EmulatorApp:
     async def create_instance(self, request: Request) -> Response:
         if not self._authorized(request):
             return self._unauthorized()
+        request_id = request.headers.get("x-request-id")
+        made = self._made_by_request.get(request_id) if request_id else None
+        if made is not None:
+            # The SDK's duplicate-create answer (fleet/_async/base.py reads it).
+            return _error(
+                409,
+                {
+                    "error": "duplicate_request_id",
+                    "instance_id": made,
+                    "message": f"Request '{request_id}' already created instance {made}",
+                },
+            )
         try:
             body = InstanceRequest.model_validate(await request.json())
         except (ValueError, ValidationError) as exc:
@@ -347,6 +419,11 @@ class EmulatorApp:
             dies_after_s=faults.death_after(),
             heartbeat_interval=body.heartbeat_interval,
         )
+        request_id = request.headers.get("x-request-id")
+        if request_id:
+            self._made_by_request[request_id] = inst.instance_id
+            while len(self._made_by_request) > _KEEP_REQUEST_IDS:
+                self._made_by_request.popitem(last=False)
         return JSONResponse(inst.to_response(self.base_url)), "ok"
 
     async def _wait_create_slot(self) -> None:

@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll._internal.serving import serve_asgi
-from fleetroll.emulator.app import EmulatorApp
+from fleetroll.emulator.app import EmulatorApp, RecordedRequest
 from fleetroll.emulator.envs import default_envs
 from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector
@@ -66,6 +66,8 @@ class Emulator:
         verifier_max_parallel: verifier runs at once.
         keep_ended_instances, keep_ended_s: ended instances (and their
             SQLite files) kept for late reads; past either, the oldest go.
+        record_requests: keep the latest this many control-plane and
+            instance-API requests in :attr:`requests` (0: none; for tests).
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class Emulator:
         verifier_max_parallel: int = 4,
         keep_ended_instances: int = 1024,
         keep_ended_s: float = 600.0,
+        record_requests: int = 0,
     ) -> None:
         self.profile = profile or FaultProfile()
         self.ledger = Ledger()
@@ -91,6 +94,7 @@ class Emulator:
         self._verifier_max_parallel = verifier_max_parallel
         self._keep_ended_instances = keep_ended_instances
         self._keep_ended_s = keep_ended_s
+        self._record_requests = record_requests
         self._data_dir: Path | None = None
         self._stack = contextlib.AsyncExitStack()
         self.app: EmulatorApp | None = None
@@ -105,6 +109,18 @@ class Emulator:
     def store(self) -> InstanceStore:
         assert self.app is not None, "the emulator is not running"
         return self.app.store
+
+    @property
+    def requests(self) -> list[RecordedRequest]:
+        """The requests received, oldest first (with ``record_requests``)."""
+        assert self.app is not None, "the emulator is not running"
+        return list(self.app.requests or ())
+
+    def forget_requests(self) -> None:
+        """Start the record afresh."""
+        assert self.app is not None, "the emulator is not running"
+        if self.app.requests is not None:
+            self.app.requests.clear()
 
     @property
     def traces(self) -> TraceStore:
@@ -145,6 +161,8 @@ class Emulator:
             VerifierRunner(limits=self._verifier_limits, max_parallel=self._verifier_max_parallel),
             api_key=self._api_key,
         )
+        if self._record_requests:
+            self.app.record_requests(self._record_requests)
         # Keep the host's logs clean: the MCP SDK and httpx log every request.
         for name in ("mcp", "httpx", "httpx2"):
             logging.getLogger(name).setLevel(logging.WARNING)

@@ -27,7 +27,6 @@ from fleetroll.policies.turns import (
     EncodedMessages,
     Message,
     ToolCall,
-    ToolErrorFlags,
     ToolSpec,
     TurnData,
 )
@@ -129,12 +128,14 @@ class ScriptedPolicy:
 
     def _next_step(self, messages: Sequence[Message]) -> int:
         """The index of the solution step to play next."""
-        flags = messages if isinstance(messages, ToolErrorFlags) else None
+        # The method, not isinstance against the runtime Protocol: that check walks
+        # the protocol's members at every turn (a few % of a rollout's own CPU).
+        is_error_answer = getattr(messages, "is_error_answer", None)
         step_index = attempt = 0
         for index, message in enumerate(messages):
             if message.get("role") != "tool":
                 continue
-            failed = flags is not None and flags.is_error_answer(index)
+            failed = is_error_answer is not None and bool(is_error_answer(index))
             attempt += 1
             if not failed or attempt >= self.max_attempts:
                 step_index, attempt = step_index + 1, 0

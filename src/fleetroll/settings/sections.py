@@ -98,6 +98,12 @@ class ProvisioningSettings(_Section):
     #: them: a killed process's instances stop about two intervals later, not
     #: at their TTL. None: no heartbeats (the TTL alone ends them).
     heartbeat_s: int | None = Field(60, ge=1)
+    #: How a rollout's control-plane calls are made (create, reset, verify,
+    #: heartbeat, release): "direct" sends the Fleet SDK's requests over one shared
+    #: connection pool without its models and clients (less CPU per rollout);
+    #: "sdk" goes through the SDK. Listing, account, runs, leases and sweeps use
+    #: the SDK either way.
+    control_client: Literal["direct", "sdk"] = "direct"
     max_attempts: int = Field(5, ge=1)
     backoff_initial_s: float = Field(2.0, ge=0)
     backoff_max_s: float = Field(60.0, ge=0)

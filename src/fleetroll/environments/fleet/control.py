@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import contextvars
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
 import httpx
 from fleet._async import exceptions as fleet_errors
-from fleet._async.client import AsyncEnv, AsyncFleet
+from fleet._async.client import AsyncFleet
 
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.http_transport import SdkAiohttpTransport
@@ -40,6 +40,7 @@ __all__ = [
     "listing_problems",
     "provisioning_failed",
     "remember_retry_after",
+    "remember_retry_after_of",
     "sdk_lanes",
 ]
 
@@ -169,7 +170,12 @@ def provisioning_failed(
 async def remember_retry_after(response: httpx.Response) -> None:
     """An httpx response hook: keep the Retry-After of an error answer for :func:`classify`."""
     if response.status_code >= 400:
-        _retry_after.set(retry_after_s(response.headers))
+        remember_retry_after_of(response.headers)
+
+
+def remember_retry_after_of(headers: Mapping[str, str]) -> None:
+    """Keep an error answer's Retry-After (its headers) for :func:`classify`."""
+    _retry_after.set(retry_after_s(headers))
 
 
 def forget_retry_after() -> None:
@@ -235,23 +241,21 @@ class Lease:
 
 
 async def create_lease(
-    fleet: AsyncFleet, env: AsyncEnv, *, ttl_s: float, release_s: float
+    fleet: AsyncFleet, instance_id: str, ui: str, *, ttl_s: float, release_s: float
 ) -> Lease:
-    """Lease a browser for ``env``: create it, navigate it to the environment's
-    UI, check its health. A lease made before a later step failed is given
+    """Lease a browser for the instance: create it, navigate it to the environment's
+    UI (``ui``), check its health. A lease made before a later step failed is given
     back (shielded, bounded by the caller's scope) before the error goes on.
 
     The caller bounds the whole with its own deadline.
     """
     client = fleet.client
     made = await client.request(
-        "POST", "/v1/browser/leases", json={"instance_id": env.instance_id, "ttl_seconds": ttl_s}
+        "POST", "/v1/browser/leases", json={"instance_id": instance_id, "ttl_seconds": ttl_s}
     )
     body = made.json()
     lease = Lease(str(body["lease_id"]), str(body["mcp_url"]))
     try:
-        assert env.urls is not None
-        ui = env.urls.app[0] if env.urls.app else env.urls.root
         path = f"/v1/browser/leases/{lease.lease_id}"
         await client.request("POST", f"{path}/navigate", json={"url": ui})
         await client.request("GET", f"{path}/health")

@@ -18,7 +18,8 @@ import logging
 import anyio
 from anyio.abc import TaskGroup
 from fleet._async import exceptions as fleet_errors
-from fleet._async.client import AsyncEnv
+
+from fleetroll.environments.fleet.direct import FleetEnv
 
 __all__ = ["BEATS_PER_INTERVAL", "Heartbeats"]
 
@@ -44,10 +45,10 @@ class Heartbeats:
         self._timeout_s = (
             timeout_s if interval_s is None else min(timeout_s, interval_s / BEATS_PER_INTERVAL)
         )
-        self._held: dict[str, AsyncEnv] = {}
+        self._held: dict[str, FleetEnv] = {}
         #: Held since the last round: beaten at once (Fleet's watch starts at
         #: an instance's first beat).
-        self._new: dict[str, AsyncEnv] = {}
+        self._new: dict[str, FleetEnv] = {}
         self._arrived = anyio.Event()
         self._running = False
         #: Beats sent and beats that failed (tests and the bench read them).
@@ -59,7 +60,7 @@ class Heartbeats:
         """The interval to make instances with: None unless the loop runs."""
         return self._interval if self._running else None
 
-    def hold(self, env: AsyncEnv) -> None:
+    def hold(self, env: FleetEnv) -> None:
         """Beat ``env`` from now on (if it was made with an interval)."""
         if env.heartbeat_interval:
             self._held[env.instance_id] = self._new[env.instance_id] = env
@@ -98,7 +99,7 @@ class Heartbeats:
         finally:
             self._running = False
 
-    async def _beat(self, env: AsyncEnv, limiter: anyio.CapacityLimiter) -> None:
+    async def _beat(self, env: FleetEnv, limiter: anyio.CapacityLimiter) -> None:
         async with limiter:
             if env.instance_id not in self._held:
                 return  # released meanwhile

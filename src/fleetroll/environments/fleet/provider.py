@@ -64,6 +64,7 @@ from fleetroll.environments.fleet.control import (
     provisioning_failed,
     sdk_lanes,
 )
+from fleetroll.environments.fleet.direct import DirectControl, DirectEnv, FleetEnv, new_request_id
 from fleetroll.environments.fleet.heartbeats import Heartbeats
 from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.environments.provider import Instance, Verdict
@@ -154,6 +155,17 @@ class FleetProvider:
         )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
+        #: The hot path's control-plane calls without the SDK
+        #: (``provisioning.control_client = "direct"``): one shared connection pool.
+        self._wire: Wire | None = None
+        self._direct: DirectControl | None = None
+        if settings.provisioning.control_client == "direct":
+            self._wire = Wire(
+                keepalive_s=t.http_keepalive_s,
+                connect_timeout_s=t.mcp_connect_s,
+                verify=self._mcp_tls,
+            )
+            self._direct = DirectControl(self._wire, self.fleet.client, self._runner_tokens)
         # Built once too, for every rollout's MCP session (fewer objects per rollout).
         self._mcp_report = retry_emitter(events)
         self._mcp_limits = AnswerLimits.from_settings(settings)
@@ -184,9 +196,9 @@ class FleetProvider:
             await self._wire.aclose()
 
     @staticmethod
-    def _env(instance: Instance) -> AsyncEnv:
+    def _env(instance: Instance) -> FleetEnv:
         env = instance.handle
-        assert isinstance(env, AsyncEnv), "an instance of another provider"
+        assert isinstance(env, AsyncEnv | DirectEnv), "an instance of another provider"
         return env
 
     async def reset(self, instance: Instance) -> None:
@@ -316,6 +328,9 @@ class FleetProvider:
             emit_retry(retry)
 
         ticket: Ticket | None = None
+        # One idempotency key for the create's attempts (the direct path): an
+        # attempt sent again after an unknown outcome recovers what the first made.
+        request_id = new_request_id()
         try:
             with anyio.fail_after(budget) as scope:
                 ticket = await self._admit(task)
@@ -330,9 +345,12 @@ class FleetProvider:
                         attempt = retry.num
                         forget_retry_after()
                         try:
-                            env = await self._create_admitted(task, run_id, ticket)
+                            env = await self._create_admitted(task, run_id, ticket, request_id)
                         except Exception as exc:
                             last = exc
+                            if isinstance(exc, fleet_errors.FleetConflictError):
+                                # Its instance did not come up: the next is a new request.
+                                request_id = new_request_id()
                             raise
         except EnvUnavailableError:
             raise
@@ -400,14 +418,14 @@ class FleetProvider:
             self._admission.learn_account(account.instance_limit, account.instance_count)
 
     async def _create_admitted(
-        self, task: TaskSpec, run_id: str | None, ticket: Ticket | None
-    ) -> AsyncEnv:
+        self, task: TaskSpec, run_id: str | None, ticket: Ticket | None, request_id: str
+    ) -> FleetEnv:
         """One create; a 403 ``instance_limit_exceeded`` queues again for a place
         (admission learns the limit) instead of failing the attempt, and so does a
         429 when the gate learns the rate (it waits out Retry-After, slows down)."""
         while True:
             try:
-                return await self._create_once(task, run_id)
+                return await self._create_once(task, run_id, request_id)
             except fleet_errors.FleetRateLimitError as exc:
                 if not self._gate.adaptive:
                     raise
@@ -432,7 +450,7 @@ class FleetProvider:
             retry_delay_s=delay_s,
         )
 
-    async def _lease_browser(self, env: AsyncEnv, task: TaskSpec, attempts: int) -> None:
+    async def _lease_browser(self, env: FleetEnv, task: TaskSpec, attempts: int) -> None:
         """Lease a browser for ``env`` (``timeouts.browser_lease_s`` in all). On
         failure the lease and the instance are given back.
 
@@ -443,7 +461,11 @@ class FleetProvider:
         ttl_s = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
         try:
             with anyio.fail_after(t.browser_lease_s):
-                lease = await create_lease(self.fleet, env, ttl_s=ttl_s, release_s=t.release_s)
+                assert env.urls is not None
+                ui = env.urls.app[0] if env.urls.app else env.urls.root
+                lease = await create_lease(
+                    self.fleet, env.instance_id, ui, ttl_s=ttl_s, release_s=t.release_s
+                )
         except Exception as exc:
             why = (
                 f"no answer within {t.browser_lease_s:g} s"
@@ -483,22 +505,37 @@ class FleetProvider:
             )
         return error is None
 
-    async def _create_once(self, task: TaskSpec, run_id: str | None) -> AsyncEnv:
+    async def _create_once(self, task: TaskSpec, run_id: str | None, request_id: str) -> FleetEnv:
         modality = self._settings.modalities[task.modality]
         create_timeout = self._settings.timeouts.provision_create_s
+        env: FleetEnv
         async with self._gate.slot():
             with anyio.fail_after(create_timeout):
-                env = await next(self._lane).make(
-                    task.env_spec,
-                    data_key=task.data_spec,
-                    region=self._settings.provisioning.region,
-                    env_variables=task.env_variables or None,
-                    image_type=modality.image_type,
-                    ttl_seconds=task.ttl_seconds or modality.ttl_s,
-                    run_id=run_id,
-                    heartbeat_interval=self.heartbeats.interval,
-                    timeout=create_timeout,
-                )
+                if self._direct is not None:
+                    env = await self._direct.make(
+                        task.env_spec,
+                        data_key=task.data_spec,
+                        region=self._settings.provisioning.region,
+                        env_variables=task.env_variables or None,
+                        image_type=modality.image_type,
+                        ttl_seconds=task.ttl_seconds or modality.ttl_s,
+                        run_id=run_id,
+                        heartbeat_interval=self.heartbeats.interval,
+                        create_timeout_s=create_timeout,
+                        request_id=request_id,
+                    )
+                else:
+                    env = await next(self._lane).make(
+                        task.env_spec,
+                        data_key=task.data_spec,
+                        region=self._settings.provisioning.region,
+                        env_variables=task.env_variables or None,
+                        image_type=modality.image_type,
+                        ttl_seconds=task.ttl_seconds or modality.ttl_s,
+                        run_id=run_id,
+                        heartbeat_interval=self.heartbeats.interval,
+                        timeout=create_timeout,
+                    )
         await self._share_runner_token(env)
         if env.status != "running" or env.urls is None:
             # Not usable: give it back before trying again.
@@ -508,11 +545,13 @@ class FleetProvider:
             )
         return env
 
-    async def _share_runner_token(self, env: AsyncEnv) -> None:
+    async def _share_runner_token(self, env: FleetEnv) -> None:
+        """The instance-router token, resolved once (bounded) for every instance."""
         async with self._runner_lock:
             with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
                 await self._runner_tokens.token_async()
-        env._runner_token_provider = self._runner_tokens
+        if isinstance(env, AsyncEnv):  # the direct path reads the shared provider itself
+            env._runner_token_provider = self._runner_tokens
 
     async def is_alive(self, instance: Instance) -> bool:
         """Whether Fleet still reports the instance running.
@@ -522,7 +561,10 @@ class FleetProvider:
         """
         with anyio.move_on_after(min(10.0, self._settings.timeouts.release_s)):
             try:
-                current = await self.fleet.instance(instance.instance_id)
+                if self._direct is not None:
+                    current: FleetEnv = await self._direct.instance(instance.instance_id)
+                else:
+                    current = await self.fleet.instance(instance.instance_id)
             except fleet_errors.FleetAPIError as exc:
                 return bool(exc.status_code != 404)  # 404: gone; anything else: presume alive
             except Exception:
@@ -658,7 +700,7 @@ class FleetProvider:
                 )
         return released
 
-    async def _close(self, env: AsyncEnv) -> None:
+    async def _close(self, env: FleetEnv) -> None:
         self.heartbeats.drop(env.instance_id)
         self._live.discard(env.instance_id)
         timeout = self._settings.timeouts.release_s

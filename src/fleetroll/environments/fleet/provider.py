@@ -155,33 +155,29 @@ class FleetProvider:
         )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
-        #: The hot path's control-plane calls without the SDK
-        #: (``provisioning.control_client = "direct"``): one shared connection pool.
+        #: One shared connection pool for the hot path's requests without the
+        #: SDKs: the control plane's (``provisioning.control_client = "direct"``)
+        #: and the thin MCP client's (``pool.mcp_client = "thin"``).
+        direct = settings.provisioning.control_client == "direct"
+        thin = settings.pool.mcp_client == "thin"
         self._wire: Wire | None = None
-        self._direct: DirectControl | None = None
-        if settings.provisioning.control_client == "direct":
+        if direct or thin:
             self._wire = Wire(
                 keepalive_s=t.http_keepalive_s,
                 connect_timeout_s=t.mcp_connect_s,
                 verify=self._mcp_tls,
             )
+        self._direct: DirectControl | None = None
+        if direct:
+            assert self._wire is not None
             self._direct = DirectControl(self._wire, self.fleet.client, self._runner_tokens)
+        self._mcp_wire = self._wire if thin else None
         # Built once too, for every rollout's MCP session (fewer objects per rollout).
         self._mcp_report = retry_emitter(events)
         self._mcp_limits = AnswerLimits.from_settings(settings)
         self._mcp_budgets = {
             op: retrying.budget(settings, op) for op in ("mcp_connect", "list_tools", "mcp_request")
         }
-        #: One connection pool for every rollout's thin MCP client (pool.mcp_client).
-        self._wire = (
-            Wire(
-                keepalive_s=t.http_keepalive_s,
-                connect_timeout_s=t.mcp_connect_s,
-                verify=self._mcp_tls,
-            )
-            if settings.pool.mcp_client == "thin"
-            else None
-        )
         #: Browser leases by instance id (modalities with ``browser_lease``).
         self._leases: dict[str, Lease] = {}
         #: Keeps the instances this provider holds alive (once its loop is started).
@@ -255,7 +251,7 @@ class FleetProvider:
             list_budget=budgets["list_tools"],
             report=self._mcp_report,
             limits=self._mcp_limits,
-            wire=self._wire,
+            wire=self._mcp_wire,
             request_budget=budgets["mcp_request"],
         )
 

@@ -104,6 +104,8 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
                 "rollout.events",
                 "rollout.progress",
                 "rollout.routing",
+                "rollout.mcp_common",
+                "rollout.mcp_thin",
                 "rollout.tools",
                 "rollout.transcript",
                 "scoring",  # reward components: checks and the judge (an HTTP adapter)

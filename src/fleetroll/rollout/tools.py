@@ -23,41 +23,47 @@ import binascii
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import anyio
 import httpx2
-from jsonschema import SchemaError
-from jsonschema.protocols import Validator
-from jsonschema.validators import validator_for
 from mcp_types import (
     REQUEST_TIMEOUT,
     CallToolResult,
     ErrorData,
     ImageContent,
-    JSONRPCError,
+    ListToolsResult,
     TextContent,
     Tool,
 )
-from referencing import Registry
 
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.retrying import Decision
-from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
+from fleetroll._internal.wire import BodyTooLarge, Wire, WireError
+from fleetroll.errors import FleetrollError, OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
+from fleetroll.rollout.mcp_common import (
+    ANSWER_TOO_LARGE,
+    AnswerLimits,
+    shared_spec,
+    shared_validator,
+)
+from fleetroll.rollout.mcp_thin import ThinClient, probe
 
 if TYPE_CHECKING:
-    from mcp import Client
+    pass
 
-    from fleetroll.settings import Settings
+_T = TypeVar("_T")
 
 __all__ = [
     "ANSWER_TOO_LARGE",
     "AnswerLimits",
     "BoundedAnswers",
+    "HttpClients",
+    "McpClient",
     "RetryRefusedConnections",
     "ToolCallFailed",
     "ToolResult",
@@ -75,43 +81,6 @@ class ToolResult:
     images: tuple[str, ...] = ()  # data URLs
     is_error: bool = False
     structured: Any = None
-
-
-#: The JSON-RPC error code of an answer fleetroll stopped reading at its cap
-#: (in the range JSON-RPC leaves to implementations).
-ANSWER_TOO_LARGE = -32099
-
-
-@dataclass(frozen=True, slots=True)
-class AnswerLimits:
-    """How many bytes of an MCP answer are read (``pool.max_tool_*_bytes``)."""
-
-    answer_bytes: int  # a tool call's (or any other request's) answer
-    listing_bytes: int  # a tools/list answer
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> AnswerLimits:
-        pool = settings.pool
-        return cls(pool.max_tool_answer_bytes, pool.max_tool_listing_bytes)
-
-    def cap(self, method: str | None) -> tuple[int, str]:
-        """The cap of the answer to ``method``, and the setting that sets it."""
-        if method == "tools/list":
-            return self.listing_bytes, "pool.max_tool_listing_bytes"
-        return self.answer_bytes, "pool.max_tool_answer_bytes"
-
-    def too_large(self, method: str | None) -> str:
-        """What an answer over its cap is told as."""
-        cap, setting = self.cap(method)
-        return (
-            f"the MCP server's answer to {method or 'a request'} is over {setting}"
-            f" ({cap} bytes): reading stopped there and the connection was closed"
-        )
-
-    def error(self, method: str | None, request_id: Any = None) -> JSONRPCError:
-        """The JSON-RPC error the session gets instead of an answer over its cap."""
-        error = ErrorData(code=ANSWER_TOO_LARGE, message=self.too_large(method))
-        return JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
 
 
 def _leaves(exc: BaseException) -> list[BaseException]:
@@ -138,6 +107,8 @@ def _connect_transient(exc: BaseException) -> bool:
     for leaf in _leaves(exc):
         if isinstance(leaf, httpx2.TransportError | TimeoutError):
             continue
+        if isinstance(leaf, WireError) and not isinstance(leaf, BodyTooLarge):
+            continue
         # The transport reports 5xx (and 404 from a router that has not seen
         # the instance yet) as MCP errors; whether the instance is really gone
         # is decided from the control plane, not from here.
@@ -147,12 +118,35 @@ def _connect_transient(exc: BaseException) -> bool:
     return True
 
 
+class _Listed(Protocol):
+    @property
+    def tools(self) -> Sequence[Tool]: ...
+
+
+class McpClient(Protocol):
+    """What a :class:`ToolSession` asks of its MCP client: the mcp SDK's
+    ``Client``, or the thin one (:class:`fleetroll.rollout.mcp_thin.ThinClient`)."""
+
+    async def list_tools(self) -> _Listed | ListToolsResult: ...
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        read_timeout_seconds: float | None = None,
+    ) -> CallToolResult: ...
+
+
+#: An HTTP client for the mcp SDK's client, or how to make one when needed.
+HttpClients = httpx2.AsyncClient | Callable[[], httpx2.AsyncClient]
+
+
 class ToolSession:
     """An open MCP session on one endpoint, and the tools it lists."""
 
     def __init__(
         self,
-        client: Client,
+        client: McpClient,
         url: str,
         *,
         call_timeout_s: float,
@@ -201,8 +195,11 @@ class ToolSession:
                 operation="list_tools",
                 transient=too_large is None,
             ) from exc
+        specs: Sequence[ToolSpec] | None = getattr(listed, "specs", None)
+        if specs is not None:  # the thin client's listing, shared and made once
+            return list(specs)
         _share_output_validators(self._client, listed.tools)
-        return [_shared_spec(t) for t in listed.tools]
+        return [shared_spec(t) for t in listed.tools]
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
         """Call a tool; an error *answer* is a result with ``is_error``.
@@ -407,32 +404,7 @@ def _timed_out(exc: BaseException) -> bool:
     return "timed out" in describe(exc).lower()
 
 
-#: Tools as the agent sees them, by what their listing says, shared by every
-#: session that lists the same tool (rollouts of one environment list the same
-#: tools: one copy of each schema, not one per rollout, for the collector to walk).
-_SPECS: dict[tuple[str, str, str], ToolSpec] = {}
-_SPECS_MAX = 4096
-
-
-def _shared_spec(tool: Tool) -> ToolSpec:
-    """The :class:`ToolSpec` of a listed tool; the same object for the same listing."""
-    description = tool.description or ""
-    key = (tool.name, description, json.dumps(tool.input_schema))
-    spec = _SPECS.get(key)
-    if spec is None:
-        if len(_SPECS) >= _SPECS_MAX:
-            _SPECS.clear()
-        spec = ToolSpec(name=tool.name, description=description, input_schema=tool.input_schema)
-        _SPECS[key] = spec
-    return spec
-
-
-#: Compiled output-schema validators, by schema text, shared by every session.
-_VALIDATORS: dict[str, Validator] = {}
-_VALIDATORS_MAX = 1024
-
-
-def _share_output_validators(client: Client, tools: list[Tool]) -> None:
+def _share_output_validators(client: McpClient, tools: Sequence[Tool]) -> None:
     """Give a session the compiled validators of its tools' output schemas.
 
     The mcp client validates every structured tool answer against the tool's
@@ -443,34 +415,25 @@ def _share_output_validators(client: Client, tools: list[Tool]) -> None:
     them all (validators are immutable). This fills the session's own cache
     (``ClientSession._tool_output_validators``, mcp 2.x), which it keys by
     tool name and clears when a listing changes a schema; if a later mcp
-    drops that attribute, sessions simply compile their own again.
+    drops that attribute, sessions simply compile their own again. (The thin
+    client has no such cache: it asks :func:`shared_validator` itself.)
     """
-    cache = getattr(client.session, "_tool_output_validators", None)
+    cache = getattr(getattr(client, "session", None), "_tool_output_validators", None)
     if not isinstance(cache, dict):
         return
     for tool in tools:
         schema = tool.output_schema
         if schema is None or tool.name in cache:
             continue
-        key = json.dumps(schema, sort_keys=True)
-        validator = _VALIDATORS.get(key)
-        if validator is None:
-            cls = validator_for(schema)
-            try:
-                cls.check_schema(schema)
-            except SchemaError:
-                continue  # the session reports it, on the call, as it always has
-            validator = cls(schema, registry=Registry())
-            if len(_VALIDATORS) >= _VALIDATORS_MAX:
-                _VALIDATORS.clear()
-            _VALIDATORS[key] = validator
-        cache[tool.name] = validator
+        validator = shared_validator(schema)
+        if validator is not None:  # else the session reports it, on the call, as it always has
+            cache[tool.name] = validator
 
 
 @asynccontextmanager
 async def open_tool_session(
     url: str,
-    http: httpx2.AsyncClient,
+    http: HttpClients,
     *,
     connect_timeout_s: float,
     call_timeout_s: float,
@@ -479,13 +442,24 @@ async def open_tool_session(
     list_budget: retrying.Budget | None = None,
     report: retrying.Report | None = None,
     limits: AnswerLimits | None = None,
+    wire: Wire | None = None,
+    request_budget: retrying.Budget | None = None,
 ) -> AsyncIterator[ToolSession]:
     """Connect to an MCP endpoint, retrying while its service starts.
+
+    With a ``wire`` (``pool.mcp_client = "thin"``), the thin client
+    (:mod:`fleetroll.rollout.mcp_thin`) is tried first: a server of the
+    modern, stateless revision is spoken to with plain POSTs on that shared
+    :class:`~fleetroll._internal.wire.Wire` (``request_budget``: the tries of
+    a request whose connection was refused, ``retries.mcp_request_attempts``).
+    Any other server (a legacy one, a session id, an error to the probe) gets
+    the mcp SDK's client, on ``http``: a client, or a function making one
+    (then made only when needed, and closed with the session).
 
     ``http`` should read answers through :class:`BoundedAnswers`; ``limits``
     (its caps) also bound each event of the server's SSE streams (the mcp
     client's own limit, 1 MiB by default, would otherwise refuse a larger
-    answer sent as an event).
+    answer sent as an event), and the thin client's answers.
 
     Retries (:func:`fleetroll._internal.retrying.attempts`, operation ``mcp_connect``,
     ``retries.mcp_connect_*``) wait full-jitter backoff inside
@@ -496,12 +470,137 @@ async def open_tool_session(
         ToolsError: a failure that retrying cannot fix, or (``transient``)
             the budget's attempts ran out first.
     """
+    deadline = anyio.current_time() + connect_timeout_s
+    if wire is not None:
+        opened = await _connect(
+            url,
+            lambda: probe(
+                url,
+                wire,
+                http=http,
+                read_timeout_s=call_timeout_s,
+                limits=limits,
+                budget=request_budget or retrying.Budget(1, 0.0, 0.0),
+                report=report,
+            ),
+            connect_timeout_s=connect_timeout_s,
+            deadline=deadline,
+            budget=budget,
+            report=report,
+        )
+        if isinstance(opened, ThinClient):
+            yield ToolSession(
+                opened,
+                url,
+                call_timeout_s=call_timeout_s,
+                list_timeout_s=list_timeout_s,
+                list_budget=list_budget,
+                report=report,
+            )
+            return
+    async with AsyncExitStack() as stack:
+        if not isinstance(http, httpx2.AsyncClient):
+            http = await stack.enter_async_context(http())
+        yield await stack.enter_async_context(
+            _sdk_session(
+                url,
+                http,
+                deadline=deadline,
+                connect_timeout_s=connect_timeout_s,
+                call_timeout_s=call_timeout_s,
+                list_timeout_s=list_timeout_s,
+                budget=budget,
+                list_budget=list_budget,
+                report=report,
+                limits=limits,
+            )
+        )
+
+
+async def _connect(
+    url: str,
+    attempt_once: Callable[[], Awaitable[_T]],
+    *,
+    connect_timeout_s: float,
+    deadline: float,
+    budget: retrying.Budget,
+    report: retrying.Report | None,
+) -> _T:
+    """What ``attempt_once`` opens, tried again while the service starts (a refused
+    connection, a bare 404 or 5xx) inside ``deadline``.
+
+    Raises:
+        OperationTimeout: ``deadline`` passed first.
+        ToolsError: a failure that retrying cannot fix, or (``transient``)
+            the budget's attempts ran out first.
+    """
+    tries = 0
+    last: BaseException | None = None
+
+    def decision(exc: BaseException) -> Decision:
+        return Decision(_connect_transient(exc))
+
+    try:
+        async for attempt in retrying.attempts(
+            "mcp_connect", budget, deadline=deadline, classify=decision, report=report
+        ):
+            with attempt:
+                tries = attempt.num
+                with anyio.CancelScope(deadline=deadline):
+                    try:
+                        return await attempt_once()
+                    except Exception as exc:
+                        last = exc
+                        raise
+                raise _connect_timeout(url, connect_timeout_s, tries, last)
+    except OperationTimeout:
+        raise
+    except Exception as exc:
+        raise _connect_failed(url, exc, connect_timeout_s, deadline, tries, budget) from exc
+    raise AssertionError("unreachable: the last attempt's error propagates")
+
+
+def _connect_failed(
+    url: str,
+    exc: BaseException,
+    timeout_s: float,
+    deadline: float,
+    tries: int,
+    budget: retrying.Budget,
+) -> FleetrollError:
+    """The error of a connect whose attempts ended with ``exc``."""
+    if _connect_transient(exc):  # out of time, or of attempts, for another try
+        if anyio.current_time() < deadline and budget.attempts is not None:
+            return ToolsError(
+                f"cannot open an MCP session at {url} in {tries} attempts"
+                f" (retries.mcp_connect_attempts): {describe(exc)}",
+                operation="connect",
+                transient=True,
+            )
+        return _connect_timeout(url, timeout_s, tries, exc)
+    return ToolsError(f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect")
+
+
+@asynccontextmanager
+async def _sdk_session(
+    url: str,
+    http: httpx2.AsyncClient,
+    *,
+    deadline: float,
+    connect_timeout_s: float,
+    call_timeout_s: float,
+    list_timeout_s: float,
+    budget: retrying.Budget,
+    list_budget: retrying.Budget | None,
+    report: retrying.Report | None,
+    limits: AnswerLimits | None,
+) -> AsyncIterator[ToolSession]:
+    """A session of the mcp SDK's client, connected with retries inside ``deadline``."""
     # The SDK's client, imported when first used: ``mcp`` loads starlette and
     # uvicorn (its server side), which importing the pool does not.
     from mcp import Client
     from mcp.client.streamable_http import DEFAULT_MAX_SSE_EVENT_SIZE, streamable_http_client
 
-    deadline = anyio.current_time() + connect_timeout_s
     event_bytes = None if limits is None else max(limits.answer_bytes, limits.listing_bytes)
     if event_bytes is None:
         event_bytes = DEFAULT_MAX_SSE_EVENT_SIZE
@@ -549,18 +648,7 @@ async def open_tool_session(
     except Exception as exc:
         if connected or isinstance(exc, OperationTimeout):
             raise
-        if _connect_transient(exc):  # out of time, or of attempts, for another try
-            if anyio.current_time() < deadline and budget.attempts is not None:
-                raise ToolsError(
-                    f"cannot open an MCP session at {url} in {tries} attempts"
-                    f" (retries.mcp_connect_attempts): {describe(exc)}",
-                    operation="connect",
-                    transient=True,
-                ) from exc
-            raise _connect_timeout(url, connect_timeout_s, tries, exc) from exc
-        raise ToolsError(
-            f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect"
-        ) from exc
+        raise _connect_failed(url, exc, connect_timeout_s, deadline, tries, budget) from exc
 
 
 def _connect_timeout(

@@ -276,6 +276,11 @@ class PoolSettings(_Section):
     #: what start-up made and collects less often; "python" leaves Python's own
     #: (docs/configuration.md has the numbers).
     gc_policy: Literal["tuned", "python"] = "tuned"
+    #: The MCP client of sessions over HTTP: "thin" speaks the modern,
+    #: stateless revision (2026-07-28) with plain POSTs on one shared
+    #: connection pool per provider, and hands any other server (a legacy or
+    #: stateful one) to the mcp SDK's client; "sdk" always uses the SDK's.
+    mcp_client: Literal["thin", "sdk"] = "thin"
 
 
 class SamplingSettings(_Section):

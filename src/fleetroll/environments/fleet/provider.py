@@ -31,8 +31,8 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import Protocol
 
 import anyio
@@ -155,17 +155,23 @@ class FleetProvider:
         )
         # Built once: building TLS settings costs ~20 ms of blocking work.
         self._mcp_tls = httpx2.create_ssl_context()
-        #: The hot path's control-plane calls without the SDK
-        #: (``provisioning.control_client = "direct"``): one shared connection pool.
+        #: One shared connection pool for the hot path's requests without the
+        #: SDKs: the control plane's (``provisioning.control_client = "direct"``)
+        #: and the thin MCP client's (``pool.mcp_client = "thin"``).
+        direct = settings.provisioning.control_client == "direct"
+        thin = settings.pool.mcp_client == "thin"
         self._wire: Wire | None = None
-        self._direct: DirectControl | None = None
-        if settings.provisioning.control_client == "direct":
+        if direct or thin:
             self._wire = Wire(
                 keepalive_s=t.http_keepalive_s,
                 connect_timeout_s=t.mcp_connect_s,
                 verify=self._mcp_tls,
             )
+        self._direct: DirectControl | None = None
+        if direct:
+            assert self._wire is not None
             self._direct = DirectControl(self._wire, self.fleet.client, self._runner_tokens)
+        self._mcp_wire = self._wire if thin else None
         # Built once too, for every rollout's MCP session (fewer objects per rollout).
         self._mcp_report = retry_emitter(events)
         self._mcp_limits = AnswerLimits.from_settings(settings)
@@ -222,30 +228,32 @@ class FleetProvider:
         # The lease flow: the tools are the leased browser's, not the instance's.
         return chosen if lease is None else dataclasses.replace(chosen, url=lease.mcp_url)
 
-    @asynccontextmanager
-    async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
-        """An MCP session on the route's endpoint over its own HTTP client.
+    def open_tools(
+        self, instance: Instance, route: Route
+    ) -> AbstractAsyncContextManager[ToolSession]:
+        """An MCP session on the route's endpoint.
 
-        One client per rollout: each Fleet instance is its own host anyway, and
-        one shared pool of thousands of connections costs a scan of all of them
-        on every request.
+        The thin client's requests go over the provider's one connection pool
+        (``pool.mcp_client = "thin"``). The SDK's client, when the endpoint
+        needs it, gets an HTTP client of its own (:meth:`mcp_client`): each
+        Fleet instance is its own host anyway, and one shared pool of
+        thousands of connections costs a scan of all of them on every request.
         """
         t = self._settings.timeouts
-        async with AsyncExitStack() as stack:
-            http = await stack.enter_async_context(self.mcp_client())
-            yield await stack.enter_async_context(
-                open_tool_session(
-                    route.url,
-                    http,
-                    connect_timeout_s=t.mcp_connect_s,
-                    call_timeout_s=t.call_tool_s,
-                    list_timeout_s=t.list_tools_s,
-                    budget=self._mcp_budgets["mcp_connect"],
-                    list_budget=self._mcp_budgets["list_tools"],
-                    report=self._mcp_report,
-                    limits=self._mcp_limits,
-                )
-            )
+        budgets = self._mcp_budgets
+        return open_tool_session(
+            route.url,
+            self.mcp_client,
+            connect_timeout_s=t.mcp_connect_s,
+            call_timeout_s=t.call_tool_s,
+            list_timeout_s=t.list_tools_s,
+            budget=budgets["mcp_connect"],
+            list_budget=budgets["list_tools"],
+            report=self._mcp_report,
+            limits=self._mcp_limits,
+            wire=self._mcp_wire,
+            request_budget=budgets["mcp_request"],
+        )
 
     def mcp_client(self) -> httpx2.AsyncClient:
         """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""

@@ -52,6 +52,7 @@ from anyio.abc import Process
 import fleetroll._internal.retrying as retrying
 import fleetroll.examples_mcp
 from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
+from fleetroll._internal.wire import Wire
 from fleetroll.environments.mcp.leases import ServerLeases
 from fleetroll.environments.mcp.process import (
     OUTPUT_KEPT,
@@ -127,6 +128,13 @@ class McpProvider:
         #: Who may use each url server now (its rollouts' states must not mix).
         self.leases = ServerLeases()
         self._examples = str(Path(fleetroll.examples_mcp.__file__).resolve().parent)
+        t = settings.timeouts
+        #: The thin MCP client's connections to url servers (pool.mcp_client).
+        self._wire = (
+            Wire(keepalive_s=t.http_keepalive_s, connect_timeout_s=t.mcp_connect_s)
+            if settings.pool.mcp_client == "thin"
+            else None
+        )
 
     # -- pre-flight -----------------------------------------------------------
 
@@ -393,19 +401,18 @@ class McpProvider:
     async def _session(self, handle: McpHandle) -> AsyncIterator[ToolSession]:
         t = self._settings.timeouts
         if handle.environment.url is not None:
-            async with (
-                self._http() as http,
-                open_tool_session(
-                    handle.environment.url,
-                    http,
-                    connect_timeout_s=t.mcp_connect_s,
-                    call_timeout_s=t.call_tool_s,
-                    list_timeout_s=t.list_tools_s,
-                    budget=retrying.budget(self._settings, "mcp_connect"),
-                    report=retry_emitter(self._events),
-                    limits=AnswerLimits.from_settings(self._settings),
-                ) as session,
-            ):
+            async with open_tool_session(
+                handle.environment.url,
+                self._http,
+                connect_timeout_s=t.mcp_connect_s,
+                call_timeout_s=t.call_tool_s,
+                list_timeout_s=t.list_tools_s,
+                budget=retrying.budget(self._settings, "mcp_connect"),
+                report=retry_emitter(self._events),
+                limits=AnswerLimits.from_settings(self._settings),
+                wire=self._wire,
+                request_budget=retrying.budget(self._settings, "mcp_request"),
+            ) as session:
                 yield session
             return
         connected = False
@@ -627,6 +634,8 @@ class McpProvider:
         """Release whatever is still held (each release is shielded and bounded)."""
         for handle in list(self._live.values()):
             await self._release(handle)
+        if self._wire is not None:
+            await self._wire.aclose()
 
     # -- helpers -----------------------------------------------------------------
 

@@ -1,0 +1,107 @@
+"""What both MCP clients share: answer caps, and tool specs and validators made once.
+
+The mcp SDK's client (:mod:`fleetroll.rollout.tools`) and the thin client
+(:mod:`fleetroll.rollout.mcp_thin`) read answers up to the same caps and fail
+past them with the same error, and every session of either kind hands the
+agent the same :class:`~fleetroll.policies.ToolSpec` objects and checks
+structured answers with the same compiled validators.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jsonschema import SchemaError
+from jsonschema.protocols import Validator
+from jsonschema.validators import validator_for
+from mcp_types import ErrorData, JSONRPCError, Tool
+from referencing import Registry
+
+from fleetroll.policies import ToolSpec
+
+if TYPE_CHECKING:
+    from fleetroll.settings import Settings
+
+__all__ = ["ANSWER_TOO_LARGE", "AnswerLimits", "shared_spec", "shared_validator"]
+
+
+#: The JSON-RPC error code of an answer fleetroll stopped reading at its cap
+#: (in the range JSON-RPC leaves to implementations).
+ANSWER_TOO_LARGE = -32099
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerLimits:
+    """How many bytes of an MCP answer are read (``pool.max_tool_*_bytes``)."""
+
+    answer_bytes: int  # a tool call's (or any other request's) answer
+    listing_bytes: int  # a tools/list answer
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AnswerLimits:
+        pool = settings.pool
+        return cls(pool.max_tool_answer_bytes, pool.max_tool_listing_bytes)
+
+    def cap(self, method: str | None) -> tuple[int, str]:
+        """The cap of the answer to ``method``, and the setting that sets it."""
+        if method == "tools/list":
+            return self.listing_bytes, "pool.max_tool_listing_bytes"
+        return self.answer_bytes, "pool.max_tool_answer_bytes"
+
+    def too_large(self, method: str | None) -> str:
+        """What an answer over its cap is told as."""
+        cap, setting = self.cap(method)
+        return (
+            f"the MCP server's answer to {method or 'a request'} is over {setting}"
+            f" ({cap} bytes): reading stopped there and the connection was closed"
+        )
+
+    def error(self, method: str | None, request_id: Any = None) -> JSONRPCError:
+        """The JSON-RPC error the session gets instead of an answer over its cap."""
+        error = ErrorData(code=ANSWER_TOO_LARGE, message=self.too_large(method))
+        return JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
+
+
+#: Tools as the agent sees them, by what their listing says, shared by every
+#: session that lists the same tool (rollouts of one environment list the same
+#: tools: one copy of each schema, not one per rollout, for the collector to walk).
+_SPECS: dict[tuple[str, str, str], ToolSpec] = {}
+_SPECS_MAX = 4096
+
+
+def shared_spec(tool: Tool) -> ToolSpec:
+    """The :class:`ToolSpec` of a listed tool; the same object for the same listing."""
+    description = tool.description or ""
+    key = (tool.name, description, json.dumps(tool.input_schema))
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= _SPECS_MAX:
+            _SPECS.clear()
+        spec = ToolSpec(name=tool.name, description=description, input_schema=tool.input_schema)
+        _SPECS[key] = spec
+    return spec
+
+
+#: Compiled output-schema validators, by schema text, shared by every session.
+_VALIDATORS: dict[str, Validator] = {}
+_VALIDATORS_MAX = 1024
+
+
+def shared_validator(schema: dict[str, Any]) -> Validator | None:
+    """The compiled validator of an output schema, shared by every session; None
+    when the schema is not one (the caller reports it, as the mcp client does)."""
+    key = json.dumps(schema, sort_keys=True)
+    validator = _VALIDATORS.get(key)
+    if validator is None:
+        cls = validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except SchemaError:
+            return None
+        validator = cls(schema, registry=Registry())
+        if len(_VALIDATORS) >= _VALIDATORS_MAX:
+            _VALIDATORS.clear()
+        _VALIDATORS[key] = validator
+    return validator

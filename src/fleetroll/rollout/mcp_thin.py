@@ -1,0 +1,684 @@
+"""A thin MCP tool client for the hot path: JSON-RPC over HTTP, 2026-07-28 only.
+
+The mcp SDK's client runs a task group, memory streams, a dispatcher and a
+post-writer task per session and a task per message, and turns every message
+into pydantic models and back: per rollout the larger part of fleetroll's CPU
+and ~550 objects the collector walks while the session lives. The modern
+(2026-07-28, stateless) revision needs none of it: each request is one POST
+carrying its own envelope. :class:`ThinClient` sends those POSTs on the
+provider's shared :class:`~fleetroll._internal.wire.Wire` and holds a few
+slots per session: no task, no stream, no closure.
+
+It is the SDK client where it speaks at all (the SDK 2.3's wire behaviour,
+``mcp.client.{session,streamable_http,_probe}``):
+
+* open: ``server/discover`` at the newest modern version, once more at a
+  mutual version on ``-32022`` (as ``negotiate_auto``); adopted only for a
+  valid ``DiscoverResult`` naming a modern version we speak.
+  :func:`probe` answers :data:`FALLBACK` for anything else (a legacy server,
+  a session id, a JSON-RPC error, a 4xx), and the caller opens the SDK
+  client instead; a bare 404, 5xx or a refused connection is the service
+  still starting (retried by the caller, as for the SDK client);
+* every request: the ``_meta`` envelope (protocol version, the SDK's client
+  info and capabilities) and the ``mcp-protocol-version``, ``mcp-method``,
+  ``mcp-name`` and ``Mcp-Param-*`` headers, as ``_make_modern_stamp``;
+* answers: JSON or an SSE stream (notifications skipped, the first response
+  taken, as the SDK's transport does); HTTP statuses, 202, unknown content
+  types and unparsable bodies become the same ``MCPError`` the SDK's
+  transport synthesises; results are validated with the same models
+  (version surface, then ``CallToolResult``) and structured answers against
+  the tool's output schema with the SDK's messages; a ``HEADER_MISMATCH``
+  is answered by listing again and sending once more, as ``Client.call_tool``;
+* a ``tools/call`` that asks for client input (an ``input_required`` result,
+  or a server request in its stream) is not guessed at: the call is made
+  again by an SDK client on the same URL, whose answer is the answer.
+
+Answers are read up to :class:`~fleetroll.rollout.mcp_common.AnswerLimits` (the
+listing cap for ``tools/list``, the answer cap otherwise); past it the
+request fails with :data:`~fleetroll.rollout.mcp_common.ANSWER_TOO_LARGE`. A
+request whose connection could not be opened is sent again
+(``retries.mcp_request_attempts``); one whose connection broke after it may
+have left never is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import anyio
+import httpx2
+from jsonschema import SchemaError
+from jsonschema import exceptions as jsonschema_exceptions
+from jsonschema.protocols import Validator
+from jsonschema.validators import validator_for
+from mcp_types import (
+    CONNECTION_CLOSED,
+    HEADER_MISMATCH,
+    INTERNAL_ERROR,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    REQUEST_TIMEOUT,
+    UNSUPPORTED_PROTOCOL_VERSION,
+    CallToolResult,
+    ClientCapabilities,
+    DiscoverResult,
+    InputRequiredResult,
+    ListToolsResult,
+    Tool,
+)
+from mcp_types import methods as _methods
+from mcp_types.version import LATEST_MODERN_VERSION, MODERN_PROTOCOL_VERSIONS
+from pydantic import TypeAdapter, ValidationError
+from referencing import Registry
+from referencing.exceptions import Unresolvable
+
+import fleetroll._internal.retrying as retrying
+from fleetroll._internal.retrying import Decision
+from fleetroll._internal.wire import BodyTooLarge, ConnectFailed, Response, Wire
+from fleetroll.policies import ToolSpec
+from fleetroll.rollout.mcp_common import AnswerLimits, shared_spec, shared_validator
+
+__all__ = ["FALLBACK", "ThinClient", "probe"]
+
+_log = logging.getLogger("fleetroll.mcp_thin")
+
+#: What :func:`probe` answers when the endpoint needs the SDK client.
+FALLBACK: Final = "fallback"
+
+_ACCEPT = "application/json, text/event-stream"
+_CONTENT_TYPE = "application/json"
+
+# The SDK client's envelope, read off the SDK itself (a client without
+# sampling, elicitation or roots callbacks advertises no capability).
+_CLIENT_INFO: Final = {"name": "mcp", "version": "0.1.0"}
+_CAPABILITIES: Final = ClientCapabilities().model_dump(
+    by_alias=True, mode="json", exclude_none=True
+)
+
+#: The ``_meta`` envelope of every request, encoded once per version.
+_META: dict[str, bytes] = {}
+
+_CALL_RESULT: TypeAdapter[CallToolResult | InputRequiredResult] = TypeAdapter(
+    CallToolResult | InputRequiredResult
+)
+#: The caps when the caller sets none (the settings' defaults).
+_NO_LIMITS: Final = AnswerLimits(16 * 1024 * 1024, 4 * 1024 * 1024)
+
+
+def _meta(version: str) -> bytes:
+    meta = _META.get(version)
+    if meta is None:
+        meta = _META[version] = json.dumps(
+            {
+                "io.modelcontextprotocol/protocolVersion": version,
+                "io.modelcontextprotocol/clientInfo": _CLIENT_INFO,
+                "io.modelcontextprotocol/clientCapabilities": _CAPABILITIES,
+            },
+            separators=(",", ":"),
+        ).encode()
+    return meta
+
+
+def _mcp_error(code: int, message: str, data: Any = None) -> Exception:
+    from mcp.shared.exceptions import MCPError  # loaded with mcp_types' server side
+
+    return MCPError(code, message, data)
+
+
+class _NeedsSdk(Exception):
+    """The answer asks for something only the SDK client does (client input)."""
+
+
+# ------------------------------------------------------------------ answers
+
+
+def _answer(response: Response) -> dict[str, Any]:
+    """The JSON-RPC result of one POST's answer, as the SDK's transport reads it.
+
+    Raises:
+        MCPError: an error answer, or the SDK transport's stand-in for an
+            answer that is not one (a bare HTTP error, 202, another content type).
+        _NeedsSdk: the server asked the client something in the stream.
+    """
+    status = response.status
+    content_type = response.headers.get("content-type", "").lower()
+    if status == 202:
+        raise _mcp_error(INVALID_REQUEST, "server answered a request with 202 Accepted")
+    if 300 <= status < 400 and "location" in response.headers:
+        raise _mcp_error(
+            INVALID_REQUEST,
+            f"Redirect to {response.headers['location']} not followed;"
+            " use that URL as the endpoint if it is the intended server",
+        )
+    if status >= 400:
+        if content_type.startswith("application/json"):
+            message = _loads(response.body)
+            error = _error_of(message)
+            if error is not None:
+                raise error
+        if status == 404:
+            raise _mcp_error(METHOD_NOT_FOUND, "Not Found")
+        raise _mcp_error(INTERNAL_ERROR, "Server returned an error response")
+    if content_type.startswith("application/json"):
+        message = _loads(response.body)
+        result = _result_of(message)
+        if result is None:
+            raise _mcp_error(PARSE_ERROR, "Failed to parse JSON response: not a JSON-RPC response")
+        return result
+    if content_type.startswith("text/event-stream"):
+        return _from_events(response.body)
+    raise _mcp_error(INVALID_REQUEST, f"Unexpected content type: {content_type}")
+
+
+def _loads(body: bytes) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def _error_of(message: Any) -> Exception | None:
+    """The MCPError of a JSON-RPC error message, None for anything else."""
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
+        return None
+    error = message.get("error")
+    if "result" in message or not isinstance(error, dict):
+        return None
+    code, text = error.get("code"), error.get("message")
+    if not isinstance(code, int) or isinstance(code, bool) or not isinstance(text, str):
+        return None
+    return _mcp_error(code, text, error.get("data"))
+
+
+def _result_of(message: Any) -> dict[str, Any] | None:
+    """A JSON-RPC response's result; raises its error; None when it is neither."""
+    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or "id" not in message:
+        return None
+    result = message.get("result")
+    if isinstance(result, dict) and "error" not in message:
+        return result
+    error = _error_of(message)
+    if error is not None:
+        raise error
+    return None
+
+
+def _from_events(body: bytes) -> dict[str, Any]:
+    """The response among a server-sent event stream's messages.
+
+    Notifications (log messages, progress) are skipped; the first response
+    or error ends it, whatever its id (the SDK's transport answers the POST's
+    request with it). A request from the server is client input: the SDK's.
+    """
+    data: list[bytes] = []
+    event = b"message"
+    for line in body.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
+        if line:
+            if line.startswith(b":"):
+                continue
+            field, _, value = line.partition(b":")
+            if value.startswith(b" "):
+                value = value[1:]
+            if field == b"data":
+                data.append(value)
+            elif field == b"event":
+                event = value
+            continue
+        # A blank line dispatches the event gathered so far.
+        found = _dispatch(data, event)
+        if found is not None:
+            return found
+        data, event = [], b"message"
+    found = _dispatch(data, event)  # a last event the stream did not end with a blank line
+    if found is not None:
+        return found
+    raise _mcp_error(CONNECTION_CLOSED, "SSE stream ended without a response")
+
+
+def _dispatch(data: list[bytes], event: bytes) -> dict[str, Any] | None:
+    """An event's result; None for one that is no response (the SDK's transport
+    reads only ``message`` events, and skips those without data: priming events)."""
+    joined = b"\n".join(data)
+    if not joined or event != b"message":
+        return None
+    return _message(joined)
+
+
+def _message(data: bytes) -> dict[str, Any] | None:
+    """One SSE message: a result, None for a notification; raises for the rest."""
+    message = _loads(data)
+    if isinstance(message, dict) and isinstance(message.get("method"), str):
+        if "id" in message:
+            raise _NeedsSdk(f"the server sent a {message['method']} request")
+        return None
+    result = _result_of(message)
+    if result is None:
+        raise _mcp_error(PARSE_ERROR, "Failed to parse SSE message: not a JSON-RPC message")
+    return result
+
+
+def _clamp_ttl(raw: dict[str, Any]) -> None:
+    """A negative ``ttlMs`` floored to 0 (the SDK's ``_clamp_inbound_ttl``)."""
+    ttl = raw.get("ttlMs")
+    if isinstance(ttl, int | float) and not isinstance(ttl, bool) and ttl < 0:
+        raw["ttlMs"] = 0
+
+
+# ------------------------------------------------------------------ listings
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A ``tools/list`` answer, parsed once and shared by every session that got it.
+
+    Rollouts of one environment list the same tools: one parse, one copy of
+    each schema and one compiled validator for all of them.
+    """
+
+    tools: tuple[Tool, ...]  # without the tools a modern client must drop
+    specs: tuple[ToolSpec, ...]
+    output_schemas: Mapping[str, dict[str, Any] | None]
+    param_headers: Mapping[str, dict[tuple[str, ...], str]]
+
+
+_LISTINGS: dict[str, Listing] = {}
+_LISTINGS_MAX = 256
+
+
+def _listing(raw: dict[str, Any], version: str) -> Listing:
+    """The shared :class:`Listing` of a ``tools/list`` result.
+
+    Raises:
+        pydantic.ValidationError: the result is not a listing at ``version``.
+    """
+    key = json.dumps(raw, sort_keys=True)
+    found = _LISTINGS.get(key)
+    if found is not None:
+        return found
+    from mcp.shared.inbound import find_invalid_x_mcp_header, x_mcp_header_map
+
+    _clamp_ttl(raw)
+    _methods.validate_server_result("tools/list", version, raw)
+    result = ListToolsResult.model_validate(raw, by_name=False)
+    kept: list[Tool] = []
+    headers: dict[str, dict[tuple[str, ...], str]] = {}
+    for tool in result.tools:
+        reason = find_invalid_x_mcp_header(tool.input_schema)
+        if reason is not None:  # 2026-07-28: a client MUST drop it
+            _log.warning("dropping tool %r: invalid x-mcp-header (%s)", tool.name, reason)
+            continue
+        header_map = x_mcp_header_map(tool.input_schema)
+        if header_map:
+            headers[tool.name] = header_map
+        kept.append(tool)
+    listing = Listing(
+        tools=tuple(kept),
+        specs=tuple(shared_spec(t) for t in kept),
+        output_schemas={t.name: t.output_schema for t in kept},
+        param_headers=headers,
+    )
+    if len(_LISTINGS) >= _LISTINGS_MAX:
+        _LISTINGS.clear()
+    _LISTINGS[key] = listing
+    return listing
+
+
+def _check_structured(name: str, schema: dict[str, Any], result: CallToolResult) -> None:
+    """The SDK's ``validate_tool_result``, with its messages, on a shared validator.
+
+    Raises:
+        RuntimeError: no structured content, content that breaks the schema,
+            or a schema that is not one.
+    """
+    if result.structured_content is None and "structured_content" not in result.model_fields_set:
+        raise RuntimeError(
+            f"Tool {name} has an output schema but did not return structured content"
+        )
+    validator = shared_validator(schema)
+    if validator is None:
+        cls = validator_for(schema)
+        try:
+            cls.check_schema(schema)
+        except SchemaError as e:
+            raise RuntimeError(f"Invalid schema for tool {name}: {e}") from None
+        validator = cast(Validator, cls(schema, registry=Registry()))
+    errors = validator.iter_errors(result.structured_content)
+    try:
+        error = cast("Exception | None", jsonschema_exceptions.best_match(errors))
+    except Unresolvable as e:
+        raise RuntimeError(f"Invalid schema for tool {name}: {e}") from e
+    if error is not None:
+        raise RuntimeError(
+            f"Invalid structured content returned by tool {name}: {error}"
+        ) from error
+
+
+# ------------------------------------------------------------------ the client
+
+
+class ThinClient:
+    """One endpoint's MCP tools over plain POSTs: ``list_tools`` and ``call_tool``
+    as the SDK's ``Client`` has them (same results, same errors)."""
+
+    __slots__ = (
+        "_budget",
+        "_http",
+        "_limits",
+        "_listing",
+        "_next_id",
+        "_read_timeout_s",
+        "_report",
+        "_version",
+        "_wire",
+        "url",
+    )
+
+    def __init__(
+        self,
+        url: str,
+        wire: Wire,
+        *,
+        version: str,
+        http: httpx2.AsyncClient | Callable[[], httpx2.AsyncClient],
+        read_timeout_s: float,
+        limits: AnswerLimits | None,
+        budget: retrying.Budget,
+        report: retrying.Report | None,
+    ) -> None:
+        self.url = url
+        self._wire = wire
+        self._version = version
+        self._http = http
+        self._read_timeout_s = read_timeout_s
+        self._limits = limits
+        self._budget = budget
+        self._report = report
+        self._listing: Listing | None = None
+        self._next_id = 1  # 0 was the probe's
+
+    @property
+    def protocol_version(self) -> str:
+        return self._version
+
+    async def list_tools(self) -> Listing:
+        """The endpoint's tools (the first page, as ``Client.list_tools()``).
+
+        Raises:
+            MCPError: an error answer, or the answer was not one.
+            pydantic.ValidationError: the result is not a listing.
+            WireError: the request failed on its way.
+        """
+        raw = await self._request("tools/list", b"", None, {}, self._read_timeout_s)
+        listing = self._listing = _listing(raw, self._version)
+        return listing
+
+    async def call_tool(
+        self,
+        name: str,
+        arguments: dict[str, Any] | None = None,
+        read_timeout_seconds: float | None = None,
+    ) -> CallToolResult:
+        """Call a tool; its answer as the SDK client returns it.
+
+        Raises:
+            MCPError: an error answer (or the SDK transport's stand-in), or the
+                read timeout (``REQUEST_TIMEOUT``).
+            RuntimeError: a structured answer that breaks the tool's output schema.
+            pydantic.ValidationError: the result is not a tool result.
+            WireError: the request failed on its way.
+        """
+        timeout = self._read_timeout_s if read_timeout_seconds is None else read_timeout_seconds
+        # As the SDK dumps the request: no "arguments" when there are none.
+        params = b'"name":%s,' % json.dumps(name).encode()
+        if arguments is not None:
+            params += b'"arguments":%s,' % json.dumps(arguments, separators=(",", ":")).encode()
+        try:
+            try:
+                raw = await self._call(name, arguments, params, timeout)
+            except Exception as exc:
+                if getattr(exc, "code", None) != HEADER_MISMATCH:
+                    raise
+                # The spec's recovery (Client.call_tool): list again, send once more.
+                try:
+                    with anyio.fail_after(timeout):
+                        await self.list_tools()
+                except Exception as relist:
+                    raise exc from relist
+                raw = await self._call(name, arguments, params, timeout)
+        except _NeedsSdk:
+            return await self._by_sdk(name, arguments, timeout)
+        if raw.get("resultType") == "input_required":
+            return await self._by_sdk(name, arguments, timeout)
+        _clamp_ttl(raw)
+        _methods.validate_server_result("tools/call", self._version, raw)
+        result = _CALL_RESULT.validate_python(raw, by_name=False)
+        if isinstance(result, InputRequiredResult):  # pragma: no cover - tagged above
+            return await self._by_sdk(name, arguments, timeout)
+        if not result.is_error:
+            await self._validate(name, result)
+        return result
+
+    async def _call(
+        self, name: str, arguments: dict[str, Any] | None, params: bytes, wait_s: float
+    ) -> dict[str, Any]:
+        headers: dict[str, str] = {}
+        listing = self._listing
+        if listing is not None and name in listing.param_headers:
+            from mcp.shared.inbound import mcp_param_headers
+
+            headers = mcp_param_headers(listing.param_headers[name], arguments or {})
+        return await self._request("tools/call", params, name, headers, wait_s)
+
+    async def _validate(self, name: str, result: CallToolResult) -> None:
+        if self._listing is None or name not in self._listing.output_schemas:
+            await self.list_tools()  # as the SDK: list, to know the tool's schema
+        assert self._listing is not None
+        if name not in self._listing.output_schemas:
+            _log.warning(
+                "Tool %s not listed by server, cannot validate any structured content", name
+            )
+            return
+        schema = self._listing.output_schemas[name]
+        if schema is not None:
+            _check_structured(name, schema, result)
+
+    async def _by_sdk(
+        self, name: str, arguments: dict[str, Any] | None, wait_s: float
+    ) -> CallToolResult:
+        """The call, made again by the SDK's client on the same URL.
+
+        A client of its own for this call: the SDK client's task group must
+        nest inside the caller's cancel scopes, so it cannot outlive the call
+        (a session-long one would need the per-session machinery this client
+        leaves out). Only calls that ask for client input come here.
+        """
+        from mcp import Client
+        from mcp.client.streamable_http import streamable_http_client
+
+        limits = self._limits or _NO_LIMITS
+        events = max(limits.answer_bytes, limits.listing_bytes)
+        async with AsyncExitStack() as stack:
+            http = self._http
+            if not isinstance(http, httpx2.AsyncClient):
+                http = await stack.enter_async_context(http())
+            client = await stack.enter_async_context(
+                Client(
+                    streamable_http_client(self.url, http_client=http, max_sse_event_size=events),
+                    read_timeout_seconds=self._read_timeout_s,
+                )
+            )
+            return await client.call_tool(name, arguments, read_timeout_seconds=wait_s)
+
+    async def _request(
+        self,
+        method: str,
+        params: bytes,
+        name: str | None,
+        extra: dict[str, str],
+        wait_s: float,
+    ) -> dict[str, Any]:
+        """One request's result, under the read timeout (``REQUEST_TIMEOUT`` past it)."""
+        request_id = self._next_id
+        self._next_id += 1
+        body = b'{"jsonrpc":"2.0","id":%d,"method":"%s","params":{%s"_meta":%s}}' % (
+            request_id,
+            method.encode(),
+            params,
+            _meta(self._version),
+        )
+        headers = {
+            "accept": _ACCEPT,
+            "content-type": _CONTENT_TYPE,
+            "mcp-protocol-version": self._version,
+            "mcp-method": method,
+        }
+        if name is not None:
+            from mcp.shared.inbound import encode_header_value
+
+            headers["mcp-name"] = encode_header_value(name)
+        if extra:
+            headers.update(extra)
+        with anyio.move_on_after(wait_s):
+            return _answer(await self._post(method, body, headers))
+        raise _mcp_error(REQUEST_TIMEOUT, f"Request {method!r} timed out")
+
+    async def _post(self, method: str, body: bytes, headers: dict[str, str]) -> Response:
+        return await post(
+            self._wire, self.url, method, body, headers, self._limits, self._budget, self._report
+        )
+
+
+async def post(
+    wire: Wire,
+    url: str,
+    method: str,
+    body: bytes,
+    headers: dict[str, str],
+    limits: AnswerLimits | None,
+    budget: retrying.Budget,
+    report: retrying.Report | None,
+) -> Response:
+    """One POST, sent again only while its connection could not be opened.
+
+    Raises:
+        MCPError: ``ANSWER_TOO_LARGE``: the answer passed its cap.
+        WireError: the request failed on its way.
+    """
+    limits = limits or _NO_LIMITS
+    cap = limits.cap(method)[0]
+    try:
+        try:
+            # The first attempt goes straight out: no retry machinery when nothing fails.
+            return await wire.request("POST", url, body=body, headers=headers, max_bytes=cap)
+        except ConnectFailed as exc:
+            failed: BaseException | None = exc
+        async for attempt in retrying.attempts(
+            "mcp_request", budget, classify=_never_sent, report=report
+        ):
+            with attempt:
+                if failed is not None:  # attempt 1: the one above, reported and counted
+                    first, failed = failed, None
+                    raise first
+                return await wire.request("POST", url, body=body, headers=headers, max_bytes=cap)
+    except BodyTooLarge:
+        too_large = limits.error(method).error
+        raise _mcp_error(too_large.code, too_large.message) from None
+    raise AssertionError("unreachable: the last attempt's error propagates")
+
+
+def _never_sent(exc: BaseException) -> Decision:
+    return Decision(isinstance(exc, ConnectFailed))
+
+
+# ------------------------------------------------------------------ opening
+
+
+async def probe(
+    url: str,
+    wire: Wire,
+    *,
+    http: httpx2.AsyncClient | Callable[[], httpx2.AsyncClient],
+    read_timeout_s: float,
+    limits: AnswerLimits | None,
+    budget: retrying.Budget,
+    report: retrying.Report | None,
+) -> ThinClient | str:
+    """A :class:`ThinClient` when ``url`` speaks the modern revision; :data:`FALLBACK` otherwise.
+
+    Raises:
+        MCPError: a bare 404 or 5xx (the SDK transport's stand-in): the
+            service may still be starting.
+        WireError: no answer (a refused or broken connection).
+    """
+    version = LATEST_MODERN_VERSION
+    for attempt in range(2):
+        body = b'{"jsonrpc":"2.0","id":0,"method":"server/discover","params":{"_meta":%s}}' % (
+            _meta(version),
+        )
+        headers = {
+            "accept": _ACCEPT,
+            "content-type": _CONTENT_TYPE,
+            "mcp-protocol-version": version,
+            "mcp-method": "server/discover",
+        }
+        response = await post(wire, url, "server/discover", body, headers, limits, budget, report)
+        if response.headers.get("mcp-session-id"):
+            return FALLBACK  # a stateful server: the SDK client keeps its session
+        bare = _bare_status(response)
+        try:
+            raw = _answer(response)
+        except _NeedsSdk:
+            return FALLBACK
+        except Exception as exc:
+            if bare:
+                raise  # the service is not up yet: try again
+            if getattr(exc, "code", None) == UNSUPPORTED_PROTOCOL_VERSION and attempt == 0:
+                mutual = _mutual(getattr(exc, "data", None))
+                if mutual is not None:
+                    version = mutual
+                    continue
+            return FALLBACK
+        _clamp_ttl(raw)
+        try:
+            result = DiscoverResult.model_validate(raw)
+        except ValidationError:
+            return FALLBACK
+        mutual_versions = [v for v in MODERN_PROTOCOL_VERSIONS if v in result.supported_versions]
+        if not mutual_versions:
+            return FALLBACK
+        return ThinClient(
+            url,
+            wire,
+            version=mutual_versions[-1],
+            http=http,
+            read_timeout_s=read_timeout_s,
+            limits=limits,
+            budget=budget,
+            report=report,
+        )
+    return FALLBACK
+
+
+def _bare_status(response: Response) -> bool:
+    """A 404 or 5xx that is no JSON-RPC answer: a router's or a starting service's."""
+    status = response.status
+    if status != 404 and status < 500:
+        return False
+    if response.headers.get("content-type", "").lower().startswith("application/json"):
+        return _error_of(_loads(response.body)) is None
+    return True
+
+
+def _mutual(data: Any) -> str | None:
+    """The newest modern version a ``-32022``'s ``supported`` list shares with us."""
+    supported = data.get("supported") if isinstance(data, dict) else None
+    if not isinstance(supported, list):
+        return None
+    mutual = [v for v in MODERN_PROTOCOL_VERSIONS if v in supported]
+    return mutual[-1] if mutual else None

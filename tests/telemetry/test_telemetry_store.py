@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import subprocess
 import threading
@@ -13,7 +14,9 @@ from telemetry_helpers import PYTHON, child_env, local_settings
 
 from fleetroll.errors import FleetrollError
 from fleetroll.telemetry import Telemetry
-from fleetroll.telemetry.store import SQLiteSpanProcessor, StoreError, connect
+from fleetroll.telemetry.events import Event
+from fleetroll.telemetry.sinks import LogfireSink, StoreSink
+from fleetroll.telemetry.store import COLUMNS, SQLiteSpanProcessor, StoreError, connect
 
 
 def rows(db: Path, sql: str, *params: object) -> list[sqlite3.Row]:
@@ -66,6 +69,56 @@ def test_events_become_records_with_logfire_columns_and_json_attributes(tmp_path
     assert where.endswith("test_telemetry_store.py")
     # Logfire's own bookkeeping attributes live in columns, not in `attributes`.
     assert not rows(db, "SELECT 1 FROM records WHERE attributes LIKE '%logfire.msg%'")
+
+
+def test_without_logfire_cloud_an_event_s_row_is_the_row_of_logfire_s_log_of_it(
+    tmp_path: Path,
+) -> None:
+    """The store sink (no span per event) writes what Logfire's log of the event made:
+    every column but the ids and times, ``code.*`` where it was emitted, the current
+    span as parent."""
+    db = tmp_path / "t.db"
+    with Telemetry(local_settings(db)) as telemetry:
+        assert telemetry.store is not None
+        [through_store] = [s for s in telemetry.events.sinks if isinstance(s, StoreSink)]
+        assert not any(isinstance(s, LogfireSink) for s in telemetry.events.sinks)
+        through_logfire = LogfireSink(telemetry.logfire)
+        attributes = {
+            "env_key": "ledger",
+            "reward": 0.25,
+            "failure_reason": None,
+            "ok": True,
+            "step_count": 3,
+            "counts": {"completed": 3, "init_error": 1},
+            "tools": ["a", "b"],
+            "note": "naïve ✓",
+        }
+        for level in ("debug", "info", "warn", "error"):
+            event = Event("fleet_rollout_completed", level, attributes)
+            for sink in (through_logfire, through_store):
+                sink.emit(event)
+        with telemetry.logfire.span("batch"):
+            for sink in (through_logfire, through_store):
+                sink.emit(Event("fleet_rollout_started", "info", {"rollout_id": "r1"}))
+        assert telemetry.flush(30)
+    records = rows(db, "SELECT * FROM records WHERE kind = 'log' ORDER BY rowid")
+    [span] = rows(db, "SELECT * FROM records WHERE kind = 'span'")
+    assert len(records) == 10
+    differ = {"start_timestamp", "end_timestamp", "span_id", "trace_id", "created_at"}
+    for logged, stored in zip(records[::2], records[1::2], strict=True):
+        logged_attrs, stored_attrs = (
+            json.loads(logged["attributes"]),
+            json.loads(stored["attributes"]),
+        )
+        assert list(stored_attrs.items()) == list(logged_attrs.items())  # code.lineno too
+        assert stored_attrs["code.filepath"].endswith("test_telemetry_store.py")
+        for column in COLUMNS:
+            if column not in differ | {"attributes"}:
+                assert stored[column] == logged[column], column
+        assert len(stored["trace_id"]) == 32 and len(stored["span_id"]) == 16
+    assert records[-1]["trace_id"] == records[-2]["trace_id"] == span["trace_id"]
+    assert records[-1]["parent_span_id"] == span["span_id"]
+    assert records[0]["trace_id"] != records[2]["trace_id"]  # no span: a trace of its own
 
 
 def test_spans_and_exceptions_fill_the_span_columns(tmp_path: Path) -> None:

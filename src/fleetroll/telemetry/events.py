@@ -251,6 +251,11 @@ class Events:
         self._redact = redactor or Redactor()
 
     @property
+    def sinks(self) -> tuple[EventSink, ...]:
+        """Where every event goes, in order."""
+        return tuple(self._sinks)
+
+    @property
     def redactor(self) -> Redactor:
         """What every event goes through; use it for anything else leaving the process."""
         return self._redact

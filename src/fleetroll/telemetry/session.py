@@ -4,7 +4,9 @@
 settings, an :class:`~fleetroll.telemetry.events.Events` whose sinks are
 Logfire (local store always, Logfire cloud when ``LOGFIRE_TOKEN`` is set) and
 the console, with a :class:`~fleetroll.telemetry.events.Redactor` that knows
-every secret in the settings.
+every secret in the settings. With no Logfire cloud, events go straight into
+the local store as the rows Logfire's logs of them would make
+(:class:`~fleetroll.telemetry.sinks.StoreSink`: no span per event).
 
 Logfire is configured with ``local=True``: each set-up owns its own Logfire
 instance and tracer provider, and the process-wide ``logfire`` object is left
@@ -36,7 +38,7 @@ import logfire
 
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events, EventSink, Redactor
-from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink
+from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink, StoreSink
 from fleetroll.telemetry.store import SQLiteSpanProcessor, is_disabled
 
 __all__ = ["Telemetry", "open_telemetry", "redactor_for"]
@@ -130,8 +132,19 @@ class Telemetry:
                 self.store.shutdown()
             raise
         self.console = ConsoleSink(t.console_level, file=console, repeat_s=t.console_repeat_s)
-        self.events = Events([LogfireSink(self.logfire), self.console, *extra_sinks], self.redactor)
+        self.events = Events(
+            [*self._logfire_sinks(send), self.console, *extra_sinks], self.redactor
+        )
         self._closed = False
+
+    def _logfire_sinks(self, send: bool) -> list[EventSink]:
+        """Events as Logfire logs when Logfire sends them somewhere; else straight
+        into the local store as the same rows (no span per event), or nowhere."""
+        if send:
+            return [LogfireSink(self.logfire)]
+        if self.store is not None:
+            return [StoreSink(self.logfire, self.store)]
+        return []
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Push every record emitted so far to the store (and Logfire cloud); blocking.

@@ -48,9 +48,12 @@ __all__ = [
     "LEVEL_NAMES",
     "LEVEL_NUMBERS",
     "SCHEMA",
+    "EventOrigin",
+    "EventRecord",
     "SQLiteSpanProcessor",
     "StoreError",
     "connect",
+    "event_to_row",
     "is_disabled",
     "level_name",
     "level_num",
@@ -500,6 +503,65 @@ def span_to_row(span: ReadableSpan, *, created_at: str | None = None) -> tuple[A
     )
 
 
+@dataclass(frozen=True, slots=True)
+class EventOrigin:
+    """What every event record of one Logfire set-up shares: its resource and its
+    logs' instrumentation scope."""
+
+    resource: Resource
+    scope_name: str | None
+    scope_version: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """An event to store as the row Logfire's log of it would make, with no span made
+    (:class:`fleetroll.telemetry.sinks.StoreSink`)."""
+
+    time_ns: int
+    trace_id: int
+    span_id: int
+    parent_span_id: int | None
+    level: str
+    name: str
+    attributes: Mapping[str, Any]  # ``code.*`` first, then the event's
+    origin: EventOrigin
+
+
+def event_to_row(record: EventRecord, *, created_at: str | None = None) -> tuple[Any, ...]:
+    """One ``records`` row (values in :data:`COLUMNS` order) for an event record:
+    the row :func:`span_to_row` makes of Logfire's log of the same event."""
+    start = _iso(record.time_ns)
+    parent = record.parent_span_id
+    return (
+        start,
+        start,
+        None,
+        format_trace_id(record.trace_id),
+        format_span_id(record.span_id),
+        format_span_id(parent) if parent is not None else None,
+        "log",
+        record.level,
+        record.name,
+        record.name,
+        _json({k: _plain(v) for k, v in record.attributes.items()}),
+        "[]",
+        # Logfire marks a log at error level or above as an error span too.
+        "ERROR" if (level_num(record.level) or 0) >= LEVEL_NUMBERS["error"] else "UNSET",
+        None,
+        None,
+        None,
+        record.origin.scope_name,
+        record.origin.scope_version,
+        0,
+        None,
+        None,
+        None,
+        *_resource_columns(record.origin.resource),
+        created_at or _iso(time.time_ns()),
+    )
+
+
 # -- the writer ----------------------------------------------------------------
 
 
@@ -541,7 +603,9 @@ class SQLiteSpanProcessor(SpanProcessor):
         self._busy_timeout = busy_timeout_s
         self._shutdown_timeout = shutdown_timeout_s
         self._conn = connect(self.path, busy_timeout_s=busy_timeout_s)
-        self._queue: queue.Queue[ReadableSpan | _Flush | object] = queue.Queue(max_queued)
+        self._queue: queue.Queue[ReadableSpan | EventRecord | _Flush | object] = queue.Queue(
+            max_queued
+        )
         self._closed = False
         self._lock = threading.Lock()
         #: Spans let go because the queue was full.
@@ -567,6 +631,15 @@ class SQLiteSpanProcessor(SpanProcessor):
             return
         try:
             self._queue.put_nowait(span)
+        except queue.Full:
+            self.dropped += 1
+
+    def record(self, event: EventRecord) -> None:
+        """Store an event record; never blocks (a full queue drops it, as ``on_end``)."""
+        if self._closed:
+            return
+        try:
+            self._queue.put_nowait(event)
         except queue.Full:
             self.dropped += 1
 
@@ -608,7 +681,7 @@ class SQLiteSpanProcessor(SpanProcessor):
     # the writer thread -------------------------------------------------------
 
     def _run(self) -> None:
-        pending: list[ReadableSpan] = []
+        pending: list[ReadableSpan | EventRecord] = []
         waiters: list[_Flush] = []
         due = 0.0
         stop = False
@@ -624,7 +697,7 @@ class SQLiteSpanProcessor(SpanProcessor):
                         stop = True
                     elif isinstance(item, _Flush):
                         waiters.append(item)
-                    elif isinstance(item, ReadableSpan):
+                    elif isinstance(item, ReadableSpan | EventRecord):
                         if not pending:
                             due = time.monotonic() + self._interval
                         pending.append(item)
@@ -645,7 +718,7 @@ class SQLiteSpanProcessor(SpanProcessor):
         finally:
             self._conn.close()
 
-    def _write(self, spans: Sequence[ReadableSpan]) -> None:
+    def _write(self, spans: Sequence[ReadableSpan | EventRecord]) -> None:
         created = _iso(time.time_ns())
         rows = list(self._rows(spans, created))
         if not rows:
@@ -670,11 +743,14 @@ class SQLiteSpanProcessor(SpanProcessor):
             self.written += len(rows)
 
     def _rows(
-        self, spans: Iterable[ReadableSpan], created: str | None
+        self, spans: Iterable[ReadableSpan | EventRecord], created: str | None
     ) -> Iterator[tuple[Any, ...]]:
         for span in spans:
             try:
-                yield span_to_row(span, created_at=created)
+                if isinstance(span, EventRecord):
+                    yield event_to_row(span, created_at=created)
+                else:
+                    yield span_to_row(span, created_at=created)
             except Exception:  # one malformed span must not cost the batch
                 self.failed += 1
                 _log.exception("telemetry store %s: cannot store span %r", self.path, span.name)

@@ -250,6 +250,8 @@ class Wire:
         self._max_idle = max_idle
         self._idle: dict[_Origin, deque[_Connection]] = {}
         self._origins: dict[str, _Origin] = {}
+        #: Split URLs (a rollout sends many requests to the same few).
+        self._targets: dict[str, tuple[_Origin, str]] = {}
         self._closed = False
 
     async def __aenter__(self) -> Wire:
@@ -268,6 +270,9 @@ class Wire:
 
     def _split(self, url: str) -> tuple[_Origin, str]:
         """The origin of a URL and its request target (path and query)."""
+        found = self._targets.get(url)
+        if found is not None:
+            return found
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
         if scheme not in ("http", "https") or not parts.hostname:
@@ -283,6 +288,9 @@ class Wire:
         target = parts.path or "/"
         if parts.query:
             target = f"{target}?{parts.query}"
+        if len(self._targets) >= 4096:
+            self._targets.clear()
+        self._targets[url] = (origin, target)
         return origin, target
 
     async def request(

@@ -304,7 +304,7 @@ def _listing(raw: dict[str, Any], version: str) -> Listing:
     from mcp.shared.inbound import find_invalid_x_mcp_header, x_mcp_header_map
 
     _clamp_ttl(raw)
-    _methods.validate_server_result("tools/list", version, raw)
+    _check_surface("tools/list", version, raw)
     result = ListToolsResult.model_validate(raw, by_name=False)
     kept: list[Tool] = []
     headers: dict[str, dict[tuple[str, ...], str]] = {}
@@ -329,6 +329,26 @@ def _listing(raw: dict[str, Any], version: str) -> Listing:
     return listing
 
 
+#: The version's wire type of each method's result, as a validator (None: no such pair).
+_SURFACES: dict[tuple[str, str], TypeAdapter[Any] | None] = {}
+
+
+def _check_surface(method: str, version: str, raw: dict[str, Any]) -> None:
+    """The SDK's ``validate_server_result`` check (the SDK session skips a pair it
+    does not know), without the dump of the result it then throws away.
+
+    Raises:
+        pydantic.ValidationError: the result is not of the version's shape.
+    """
+    key = (method, version)
+    if key not in _SURFACES:
+        target = _methods.SERVER_RESULTS.get(key)
+        _SURFACES[key] = None if target is None else TypeAdapter(cast(Any, target))
+    adapter = _SURFACES[key]
+    if adapter is not None:
+        adapter.validate_python(raw, by_name=False)
+
+
 def _check_structured(name: str, schema: dict[str, Any], result: CallToolResult) -> None:
     """The SDK's ``validate_tool_result``, with its messages, on a shared validator.
 
@@ -348,8 +368,10 @@ def _check_structured(name: str, schema: dict[str, Any], result: CallToolResult)
         except SchemaError as e:
             raise RuntimeError(f"Invalid schema for tool {name}: {e}") from None
         validator = cast(Validator, cls(schema, registry=Registry()))
-    errors = validator.iter_errors(result.structured_content)
     try:
+        if validator.is_valid(result.structured_content):
+            return  # the usual case, without best_match's walk of the errors
+        errors = validator.iter_errors(result.structured_content)
         error = cast("Exception | None", jsonschema_exceptions.best_match(errors))
     except Unresolvable as e:
         raise RuntimeError(f"Invalid schema for tool {name}: {e}") from e
@@ -456,7 +478,7 @@ class ThinClient:
         if raw.get("resultType") == "input_required":
             return await self._by_sdk(name, arguments, timeout)
         _clamp_ttl(raw)
-        _methods.validate_server_result("tools/call", self._version, raw)
+        _check_surface("tools/call", self._version, raw)
         result = _CALL_RESULT.validate_python(raw, by_name=False)
         if isinstance(result, InputRequiredResult):  # pragma: no cover - tagged above
             return await self._by_sdk(name, arguments, timeout)

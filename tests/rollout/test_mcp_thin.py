@@ -31,6 +31,7 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
 from mcp_types import (
+    CallToolResult,
     ElicitRequest,
     ElicitRequestFormParams,
     InputRequiredResult,
@@ -49,6 +50,7 @@ from fleetroll.rollout.tools import (
     BoundedAnswers,
     ToolResult,
     ToolSession,
+    normalise,
     open_tool_session,
 )
 
@@ -580,3 +582,38 @@ def test_answers_that_are_not_responses_get_the_sdk_transport_s_errors() -> None
         with pytest.raises(MCPError) as caught:
             mcp_thin._answer(response)
         assert (caught.value.code, caught.value.message) == (code, message)
+
+
+def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -> None:
+    """The fast path builds exactly what validation builds, fields set included; any
+    other shape is left to validation."""
+    plain = [
+        {"content": [{"type": "text", "text": "ok"}]},
+        {"content": [], "isError": True},
+        {
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            "structuredContent": {"n": 1, "xs": [1, 2]},
+            "isError": False,
+            "resultType": "complete",
+        },
+        {"content": [{"type": "text", "text": "x"}], "structuredContent": None},
+    ]
+    for raw in plain:
+        built = mcp_thin._plain_result(raw)
+        assert built is not None, raw
+        validated = CallToolResult.model_validate(raw, by_name=False)
+        assert built == validated and built.model_fields_set == validated.model_fields_set
+        assert normalise(built) == normalise(validated)
+    others = [
+        {"content": [{"type": "image", "data": "aGk=", "mimeType": "image/png"}]},
+        {"content": [{"type": "text", "text": "x", "annotations": {"priority": 1}}]},
+        {"content": [{"type": "text", "text": 3}]},
+        {"content": "ok"},
+        {"content": [], "isError": "no"},
+        {"content": [], "_meta": {"k": 1}},
+        {"content": [], "ttlMs": -5},
+        {"content": [], "resultType": "input_required"},
+        {"structuredContent": {}},
+    ]
+    for raw in others:
+        assert mcp_thin._plain_result(raw) is None, raw

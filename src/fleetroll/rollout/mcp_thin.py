@@ -67,9 +67,11 @@ from mcp_types import (
     UNSUPPORTED_PROTOCOL_VERSION,
     CallToolResult,
     ClientCapabilities,
+    ContentBlock,
     DiscoverResult,
     InputRequiredResult,
     ListToolsResult,
+    TextContent,
     Tool,
 )
 from mcp_types import methods as _methods
@@ -349,6 +351,46 @@ def _check_surface(method: str, version: str, raw: dict[str, Any]) -> None:
         adapter.validate_python(raw, by_name=False)
 
 
+_PLAIN_KEYS: Final = frozenset({"content", "structuredContent", "isError", "resultType"})
+_TEXT_KEYS: Final = frozenset({"type", "text"})
+
+
+def _plain_result(raw: dict[str, Any]) -> CallToolResult | None:
+    """A tool result of the usual shape, built without the two validations it passes.
+
+    The usual shape: only ``content`` (a list of bare text blocks),
+    ``structuredContent`` (any JSON value), ``isError`` (a bool) and
+    ``resultType: "complete"``. Such a result passes the version's surface and
+    the result model as it stands, so the model is made from it directly; any
+    other shape (images, annotations, ``_meta``, a ttl...) is None, and is
+    validated as the SDK does.
+    """
+    if not raw.keys() <= _PLAIN_KEYS or raw.get("resultType", "complete") != "complete":
+        return None
+    is_error = raw.get("isError", False)
+    content = raw.get("content")
+    if type(is_error) is not bool or type(content) is not list:
+        return None
+    blocks: list[ContentBlock] = []
+    for block in content:
+        if (
+            type(block) is not dict
+            or block.keys() != _TEXT_KEYS
+            or block["type"] != "text"
+            or type(block["text"]) is not str
+        ):
+            return None
+        blocks.append(TextContent.model_construct(type="text", text=block["text"]))
+    fields: dict[str, Any] = {"content": blocks}  # the fields set: those the answer has
+    if "structuredContent" in raw:
+        fields["structured_content"] = raw["structuredContent"]
+    if "isError" in raw:
+        fields["is_error"] = is_error
+    if "resultType" in raw:
+        fields["result_type"] = "complete"
+    return CallToolResult.model_construct(**fields)
+
+
 def _check_structured(name: str, schema: dict[str, Any], result: CallToolResult) -> None:
     """The SDK's ``validate_tool_result``, with its messages, on a shared validator.
 
@@ -477,11 +519,16 @@ class ThinClient:
             return await self._by_sdk(name, arguments, timeout)
         if raw.get("resultType") == "input_required":
             return await self._by_sdk(name, arguments, timeout)
-        _clamp_ttl(raw)
-        _check_surface("tools/call", self._version, raw)
-        result = _CALL_RESULT.validate_python(raw, by_name=False)
-        if isinstance(result, InputRequiredResult):  # pragma: no cover - tagged above
-            return await self._by_sdk(name, arguments, timeout)
+        plain = _plain_result(raw)
+        if plain is not None:
+            result = plain
+        else:
+            _clamp_ttl(raw)
+            _check_surface("tools/call", self._version, raw)
+            parsed = _CALL_RESULT.validate_python(raw, by_name=False)
+            if isinstance(parsed, InputRequiredResult):  # pragma: no cover - tagged above
+                return await self._by_sdk(name, arguments, timeout)
+            result = parsed
         if not result.is_error:
             await self._validate(name, result)
         return result

@@ -543,9 +543,10 @@ class FleetProvider:
 
     async def _share_runner_token(self, env: FleetEnv) -> None:
         """The instance-router token, resolved once (bounded) for every instance."""
-        async with self._runner_lock:
-            with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
-                await self._runner_tokens.token_async()
+        if not getattr(self._runner_tokens, "_resolved", False):  # resolved: nothing to wait for
+            async with self._runner_lock:
+                with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
+                    await self._runner_tokens.token_async()
         if isinstance(env, AsyncEnv):  # the direct path reads the shared provider itself
             env._runner_token_provider = self._runner_tokens
 

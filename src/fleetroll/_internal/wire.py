@@ -35,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import anyio
 import httptools
+
+from fleetroll._internal.deadlines import fail_after
 
 __all__ = [
     "BadResponse",
@@ -366,7 +367,7 @@ class Wire:
         if origin.tls:
             context = self._verify or ssl.create_default_context()
         try:
-            with anyio.fail_after(self._connect_timeout_s):
+            with fail_after(self._connect_timeout_s):
                 _, conn = await loop.create_connection(
                     _Connection,
                     origin.host,

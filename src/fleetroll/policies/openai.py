@@ -18,11 +18,11 @@ from dataclasses import replace
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, Self
 
-import anyio
 import httpx
 from pydantic import SecretStr
 
 import fleetroll._internal.retrying as retrying
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.excerpts import error_excerpt as _excerpt
 from fleetroll._internal.excerpts import shorten as _shorten
 from fleetroll._internal.retrying import Decision, decide, retry_after_s, transient_status
@@ -272,7 +272,7 @@ class OpenAIChatPolicy:
         sent: list[int] | None = None
         kind: Endpoint
         try:
-            with anyio.fail_after(self.timeout_s) as scope:
+            with fail_after(self.timeout_s) as scope:
                 if self.token_in and history is not None and not self._has_images(messages):
                     body = self._body(messages, tools)
                     added = len(body["messages"]) - len(messages)
@@ -329,7 +329,7 @@ class OpenAIChatPolicy:
         sent.update(self._training)
         sent.update(self._extra_body)
         try:
-            with anyio.fail_after(self.timeout_s) as scope:
+            with fail_after(self.timeout_s) as scope:
                 payload, server = await self._post(
                     self._encode(sent), deadline=scope.deadline, affinity=affinity
                 )

@@ -81,6 +81,7 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 import fleetroll._internal.retrying as retrying
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.retrying import Decision
 from fleetroll._internal.wire import BodyTooLarge, ConnectFailed, Response, Wire
 from fleetroll.policies import ToolSpec
@@ -510,7 +511,7 @@ class ThinClient:
                     raise
                 # The spec's recovery (Client.call_tool): list again, send once more.
                 try:
-                    with anyio.fail_after(timeout):
+                    with fail_after(timeout):
                         await self.list_tools()
                 except Exception as relist:
                     raise exc from relist

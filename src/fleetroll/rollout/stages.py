@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import anyio
 
+from fleetroll._internal.deadlines import fail_after
 from fleetroll.environments.fleet.admission import Admission
 from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import (
@@ -370,7 +371,7 @@ async def ask_policy(
     """
     began = time.monotonic()
     try:
-        with anyio.fail_after(timeout_s):
+        with fail_after(timeout_s):
             turn = await policy.act(task, progress.transcript.messages, tools)
     except ContextOverflowError as exc:
         progress.fail(FailureReason.CONTEXT_OVERFLOW, str(exc))

@@ -41,6 +41,7 @@ from mcp_types import (
 )
 
 import fleetroll._internal.retrying as retrying
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.retrying import Decision
 from fleetroll._internal.wire import BodyTooLarge, Wire, WireError
 from fleetroll.errors import FleetrollError, OperationTimeout, ToolCallFailed, ToolsError
@@ -172,7 +173,7 @@ class ToolSession:
             ToolsError: listing failed or timed out.
         """
         try:
-            with anyio.fail_after(self._list_timeout_s) as scope:
+            with fail_after(self._list_timeout_s) as scope:
                 async for attempt in retrying.attempts(
                     "list_tools",
                     self._list_budget,
@@ -211,7 +212,7 @@ class ToolSession:
         try:
             # The MCP read timeout ends the request cleanly; the outer deadline
             # (a little later) is the hard bound if anything else hangs.
-            with anyio.fail_after(timeout + 1.0):
+            with fail_after(timeout + 1.0):
                 result = await self._client.call_tool(
                     name, dict(arguments), read_timeout_seconds=timeout
                 )

@@ -20,6 +20,7 @@ from fleet._async import exceptions as fleet_errors
 from fleet._async.client import AsyncFleet
 
 import fleetroll._internal.retrying as retrying
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.http_transport import SdkAiohttpTransport
 from fleetroll._internal.retrying import Decision, Report, decide, retry_after_s, transient_status
 from fleetroll.errors import ProvisionError
@@ -339,7 +340,7 @@ async def _listing(
         return Decision(busy, verdict.status_code, verdict.retry_after_s)
 
     try:
-        with anyio.fail_after(timeout) as scope:
+        with fail_after(timeout) as scope:
             async for attempt in retrying.attempts(
                 "preflight",
                 retrying.budget(settings, "preflight"),

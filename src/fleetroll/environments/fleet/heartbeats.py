@@ -14,11 +14,13 @@ whose last beat is two intervals old.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 import anyio
 from anyio.abc import TaskGroup
 from fleet._async import exceptions as fleet_errors
 
+from fleetroll._internal.deadlines import fail_after
 from fleetroll.environments.fleet.direct import FleetEnv
 
 __all__ = ["BEATS_PER_INTERVAL", "Heartbeats"]
@@ -80,7 +82,6 @@ class Heartbeats:
 
     async def _run(self) -> None:
         assert self._interval is not None
-        limiter = anyio.CapacityLimiter(_MAX_CONCURRENT_BEATS)
         period = self._interval / BEATS_PER_INTERVAL
         due = anyio.current_time() + period
         try:
@@ -93,24 +94,28 @@ class Heartbeats:
                     envs, self._new = list(self._held.values()), {}
                 else:  # only the new ones now; all of them at the next round
                     envs, self._new = list(self._new.values()), {}
+                # A few beaters take the round's instances in turn: no task and no
+                # limiter wait per instance (a batch's start makes a thousand at once).
+                queue = deque(envs)
                 async with anyio.create_task_group() as tg:
-                    for env in envs:
-                        tg.start_soon(self._beat, env, limiter)
+                    for _ in range(min(_MAX_CONCURRENT_BEATS, len(queue))):
+                        tg.start_soon(self._beat_all, queue)
         finally:
             self._running = False
 
-    async def _beat(self, env: FleetEnv, limiter: anyio.CapacityLimiter) -> None:
-        async with limiter:
-            if env.instance_id not in self._held:
-                return  # released meanwhile
-            self.sent += 1
-            try:
-                with anyio.fail_after(self._timeout_s):
-                    await env.heartbeat()
-            except Exception as exc:  # the next beat may pass; the rollout sees a death
-                self.failed += 1
-                if isinstance(exc, fleet_errors.FleetAPIError) and exc.status_code == 404:
-                    self.drop(env.instance_id)  # gone: nothing left to keep alive
-                _log.warning(
-                    "heartbeat of instance %s failed: %s", env.instance_id, type(exc).__name__
-                )
+    async def _beat_all(self, queue: deque[FleetEnv]) -> None:
+        while queue:
+            await self._beat(queue.popleft())
+
+    async def _beat(self, env: FleetEnv) -> None:
+        if env.instance_id not in self._held:
+            return  # released meanwhile
+        self.sent += 1
+        try:
+            with fail_after(self._timeout_s):
+                await env.heartbeat()
+        except Exception as exc:  # the next beat may pass; the rollout sees a death
+            self.failed += 1
+            if isinstance(exc, fleet_errors.FleetAPIError) and exc.status_code == 404:
+                self.drop(env.instance_id)  # gone: nothing left to keep alive
+            _log.warning("heartbeat of instance %s failed: %s", env.instance_id, type(exc).__name__)

@@ -42,6 +42,7 @@ from fleet._async.client import AsyncEnv
 from fleet.runner_auth import RunnerTokenProvider
 
 import fleetroll._internal.retrying as retrying
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.http_transport import AiohttpTransport
 from fleetroll._internal.retrying import Decision, Retry
 from fleetroll._internal.wire import Wire
@@ -203,7 +204,7 @@ class FleetProvider:
         Raises:
             RolloutError: Fleet answered that the reset did not succeed.
         """
-        with anyio.fail_after(self._settings.timeouts.reset_s):
+        with fail_after(self._settings.timeouts.reset_s):
             answer = await self._env(instance).reset()
         if not answer.success:  # the instance's state is not its seed's
             raise RolloutError(
@@ -328,7 +329,7 @@ class FleetProvider:
         # attempt sent again after an unknown outcome recovers what the first made.
         request_id = new_request_id()
         try:
-            with anyio.fail_after(budget) as scope:
+            with fail_after(budget) as scope:
                 ticket = await self._admit(task)
                 async for retry in retrying.attempts(
                     "make",
@@ -456,7 +457,7 @@ class FleetProvider:
         t = self._settings.timeouts
         ttl_s = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
         try:
-            with anyio.fail_after(t.browser_lease_s):
+            with fail_after(t.browser_lease_s):
                 assert env.urls is not None
                 ui = env.urls.app[0] if env.urls.app else env.urls.root
                 lease = await create_lease(
@@ -506,7 +507,7 @@ class FleetProvider:
         create_timeout = self._settings.timeouts.provision_create_s
         env: FleetEnv
         async with self._gate.slot():
-            with anyio.fail_after(create_timeout):
+            with fail_after(create_timeout):
                 if self._direct is not None:
                     env = await self._direct.make(
                         task.env_spec,

@@ -31,6 +31,7 @@ from fleet._async import exceptions as fleet_errors
 from fleet._async.verifiers.verifier import AsyncVerifierFunction
 
 import fleetroll._internal.retrying as retrying
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.retrying import Decision, decide
 from fleetroll.environments.provider import Verdict
 from fleetroll.results import VerifierOutcome
@@ -250,7 +251,7 @@ class Verifier:
             return Verdict(None, outcome, "BadVerifier")
         kwargs = {"final_answer": final_answer} if compiled.takes_answer else {}
         try:
-            with anyio.fail_after(self._timeout_s) as scope:
+            with fail_after(self._timeout_s) as scope:
                 async for attempt in retrying.attempts(
                     "verify",
                     self._budget,

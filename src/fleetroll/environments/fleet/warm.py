@@ -48,6 +48,7 @@ from functools import partial
 import anyio
 from anyio.abc import TaskGroup
 
+from fleetroll._internal.deadlines import fail_after
 from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.rollout.routing import Route
 from fleetroll.rollout.tools import ToolSession, describe
@@ -349,7 +350,7 @@ class WarmPool:
         when the reset fails (or the pool closes meanwhile)."""
         began = time.monotonic()
         try:
-            with anyio.fail_after(self._limits.reset_s):
+            with fail_after(self._limits.reset_s):
                 await self._inner.reset(held.instance)
         except anyio.get_cancelled_exc_class():
             await self._release(held, "closing")

@@ -51,6 +51,7 @@ from anyio.abc import Process
 
 import fleetroll._internal.retrying as retrying
 import fleetroll.examples_mcp
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll._internal.wire import Wire
 from fleetroll.environments.mcp.leases import ServerLeases
@@ -177,7 +178,7 @@ class McpProvider:
     async def _url_answers(self, url: str, count: int) -> list[str]:
         timeout = self._settings.timeouts.preflight_s
         try:
-            with anyio.fail_after(timeout):
+            with fail_after(timeout):
                 async with httpx.AsyncClient(timeout=timeout) as http:
                     await http.get(url)
         except TimeoutError:
@@ -321,7 +322,7 @@ class McpProvider:
         finally:
             stderr.close()  # the child holds its own descriptor
         try:
-            with anyio.fail_after(self._settings.timeouts.mcp_connect_s):
+            with fail_after(self._settings.timeouts.mcp_connect_s):
                 async with self._stdio_client(handle):
                     pass
         except Exception as exc:  # whatever the handshake raised (MCPError...): it cannot start
@@ -357,7 +358,7 @@ class McpProvider:
             return ToolsError(f"reset ({target}) failed: {why}", operation="reset")
 
         try:
-            with anyio.fail_after(timeout):
+            with fail_after(timeout):
                 if reset.http is not None:
                     async with self._http() as http:
                         response = await http.request(reset.http.method, reset.http.url)
@@ -537,7 +538,7 @@ class McpProvider:
     ) -> Verdict:
         timeout = self._settings.timeouts.verifier_s
         try:
-            with anyio.fail_after(timeout):
+            with fail_after(timeout):
                 async with self._session(handle) as session:
                     answer = await session.call(tool.name, tool.arguments)
         except TimeoutError:

@@ -118,6 +118,11 @@ def tools_server() -> MCPServer:
         return "answered after the question (see Front)"
 
     @server.tool()
+    async def slow() -> str:
+        await anyio.sleep(30)
+        return "too late"
+
+    @server.tool()
     def big() -> str:
         return "x" * (LIMITS.answer_bytes + 1024)
 
@@ -317,13 +322,14 @@ def _sdk_http() -> httpx2.AsyncClient:
 
 
 @asynccontextmanager
-async def both(url: str) -> AsyncIterator[tuple[ToolSession, ToolSession]]:
+async def both(url: str, **deadlines: Any) -> AsyncIterator[tuple[ToolSession, ToolSession]]:
     """A thin-first session and an SDK session on one URL."""
+    deadlines = {**DEADLINES, **deadlines}
     async with (
         Wire() as wire,
-        open_tool_session(url, _sdk_http, wire=wire, **DEADLINES) as thin,
+        open_tool_session(url, _sdk_http, wire=wire, **deadlines) as thin,
         _sdk_http() as http,
-        open_tool_session(url, http, **DEADLINES) as sdk,
+        open_tool_session(url, http, **deadlines) as sdk,
     ):
         yield thin, sdk
 
@@ -375,6 +381,21 @@ async def test_the_thin_client_lists_and_answers_as_the_sdk_client_does(
     # Neither client ever had a session id: the server spoke the stateless revision.
     assert front.seen.issued_session_ids == []
     assert set(front.seen.session_ids) == {None}
+
+
+@pytest.mark.slow
+async def test_a_call_past_its_timeout_fails_alike_on_time_and_the_session_goes_on() -> None:
+    async with serving(json_response=True) as (url, _), both(url, call_timeout_s=0.5) as pair:
+        for session in pair:
+            began = anyio.current_time()
+            with (
+                anyio.fail_after(10),
+                pytest.raises(ToolCallFailed, match=r"slow took over 0\.5 s") as late,
+            ):
+                await session.call("slow", {})
+            assert late.value.transient and isinstance(late.value.__cause__, TimeoutError)
+            assert anyio.current_time() - began < 2.0
+            assert (await session.call("echo", {"text": "still here"})).text == "still here"
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, cast
 
 import anyio
@@ -81,7 +81,6 @@ from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 import fleetroll._internal.retrying as retrying
-from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.retrying import Decision
 from fleetroll._internal.wire import BodyTooLarge, ConnectFailed, Response, Wire
 from fleetroll.policies import ToolSpec
@@ -288,6 +287,8 @@ class Listing:
     specs: tuple[ToolSpec, ...]
     output_schemas: Mapping[str, dict[str, Any] | None]
     param_headers: Mapping[str, dict[tuple[str, ...], str]]
+    #: Each tool's compiled output-schema validator (None: not a schema), once looked up.
+    validators: dict[str, Validator | None] = field(default_factory=dict)
 
 
 _LISTINGS: dict[str, Listing] = {}
@@ -392,7 +393,12 @@ def _plain_result(raw: dict[str, Any]) -> CallToolResult | None:
     return CallToolResult.model_construct(**fields)
 
 
-def _check_structured(name: str, schema: dict[str, Any], result: CallToolResult) -> None:
+def _check_structured(
+    name: str,
+    schema: dict[str, Any],
+    result: CallToolResult,
+    validators: dict[str, Validator | None] | None = None,
+) -> None:
     """The SDK's ``validate_tool_result``, with its messages, on a shared validator.
 
     Raises:
@@ -403,7 +409,12 @@ def _check_structured(name: str, schema: dict[str, Any], result: CallToolResult)
         raise RuntimeError(
             f"Tool {name} has an output schema but did not return structured content"
         )
-    validator = shared_validator(schema)
+    if validators is not None and name in validators:
+        validator = validators[name]
+    else:
+        validator = shared_validator(schema)
+        if validators is not None:
+            validators[name] = validator
     if validator is None:
         cls = validator_for(schema)
         try:
@@ -499,27 +510,35 @@ class ThinClient:
             WireError: the request failed on its way.
         """
         timeout = self._read_timeout_s if read_timeout_seconds is None else read_timeout_seconds
+        # One deadline for the whole call, whichever way it goes (a re-list and a
+        # second send, the SDK's client for input): the read timeout, as the SDK's.
+        with anyio.move_on_after(timeout):
+            return await self._call_tool(name, arguments, sdk_wait_s=timeout)
+        raise _mcp_error(REQUEST_TIMEOUT, "Request 'tools/call' timed out")
+
+    async def _call_tool(
+        self, name: str, arguments: dict[str, Any] | None, *, sdk_wait_s: float
+    ) -> CallToolResult:
         # As the SDK dumps the request: no "arguments" when there are none.
         params = b'"name":%s,' % json.dumps(name).encode()
         if arguments is not None:
             params += b'"arguments":%s,' % json.dumps(arguments, separators=(",", ":")).encode()
         try:
             try:
-                raw = await self._call(name, arguments, params, timeout)
+                raw = await self._call(name, arguments, params)
             except Exception as exc:
                 if getattr(exc, "code", None) != HEADER_MISMATCH:
                     raise
                 # The spec's recovery (Client.call_tool): list again, send once more.
                 try:
-                    with fail_after(timeout):
-                        await self.list_tools()
+                    await self.list_tools()
                 except Exception as relist:
                     raise exc from relist
-                raw = await self._call(name, arguments, params, timeout)
+                raw = await self._call(name, arguments, params)
         except _NeedsSdk:
-            return await self._by_sdk(name, arguments, timeout)
+            return await self._by_sdk(name, arguments, sdk_wait_s)
         if raw.get("resultType") == "input_required":
-            return await self._by_sdk(name, arguments, timeout)
+            return await self._by_sdk(name, arguments, sdk_wait_s)
         plain = _plain_result(raw)
         if plain is not None:
             result = plain
@@ -528,14 +547,14 @@ class ThinClient:
             _check_surface("tools/call", self._version, raw)
             parsed = _CALL_RESULT.validate_python(raw, by_name=False)
             if isinstance(parsed, InputRequiredResult):  # pragma: no cover - tagged above
-                return await self._by_sdk(name, arguments, timeout)
+                return await self._by_sdk(name, arguments, sdk_wait_s)
             result = parsed
         if not result.is_error:
             await self._validate(name, result)
         return result
 
     async def _call(
-        self, name: str, arguments: dict[str, Any] | None, params: bytes, wait_s: float
+        self, name: str, arguments: dict[str, Any] | None, params: bytes
     ) -> dict[str, Any]:
         headers: dict[str, str] = {}
         listing = self._listing
@@ -543,7 +562,7 @@ class ThinClient:
             from mcp.shared.inbound import mcp_param_headers
 
             headers = mcp_param_headers(listing.param_headers[name], arguments or {})
-        return await self._request("tools/call", params, name, headers, wait_s)
+        return await self._request("tools/call", params, name, headers, None)
 
     async def _validate(self, name: str, result: CallToolResult) -> None:
         if self._listing is None or name not in self._listing.output_schemas:
@@ -556,7 +575,7 @@ class ThinClient:
             return
         schema = self._listing.output_schemas[name]
         if schema is not None:
-            _check_structured(name, schema, result)
+            _check_structured(name, schema, result, self._listing.validators)
 
     async def _by_sdk(
         self, name: str, arguments: dict[str, Any] | None, wait_s: float
@@ -591,9 +610,10 @@ class ThinClient:
         params: bytes,
         name: str | None,
         extra: dict[str, str],
-        wait_s: float,
+        wait_s: float | None,
     ) -> dict[str, Any]:
-        """One request's result, under the read timeout (``REQUEST_TIMEOUT`` past it)."""
+        """One request's result, under the read timeout (``REQUEST_TIMEOUT`` past it;
+        None: the caller's deadline bounds it)."""
         request_id = self._next_id
         self._next_id += 1
         body = b'{"jsonrpc":"2.0","id":%d,"method":"%s","params":{%s"_meta":%s}}' % (
@@ -614,6 +634,8 @@ class ThinClient:
             headers["mcp-name"] = encode_header_value(name)
         if extra:
             headers.update(extra)
+        if wait_s is None:
+            return _answer(await self._post(method, body, headers))
         with anyio.move_on_after(wait_s):
             return _answer(await self._post(method, body, headers))
         raise _mcp_error(REQUEST_TIMEOUT, f"Request {method!r} timed out")

@@ -209,13 +209,19 @@ class ToolSession:
             ToolCallFailed: the call raised or passed its deadline.
         """
         timeout = self._call_timeout_s
+        client = self._client
         try:
-            # The MCP read timeout ends the request cleanly; the outer deadline
-            # (a little later) is the hard bound if anything else hangs.
-            with fail_after(timeout + 1.0):
-                result = await self._client.call_tool(
-                    name, dict(arguments), read_timeout_seconds=timeout
-                )
+            if isinstance(client, ThinClient):
+                # It bounds the whole call by the read timeout itself (one cancel
+                # scope per call, not two: it is the hot path).
+                result = await client.call_tool(name, dict(arguments), timeout)
+            else:
+                # The MCP read timeout ends the request cleanly; the outer deadline
+                # (a little later) is the hard bound if anything else hangs.
+                with fail_after(timeout + 1.0):
+                    result = await client.call_tool(
+                        name, dict(arguments), read_timeout_seconds=timeout
+                    )
         except TimeoutError as exc:
             # Chained from the TimeoutError: `error_type` in telemetry says so.
             raise ToolCallFailed(

@@ -59,3 +59,12 @@ async def test_a_deadline_moved_in_the_block_is_the_one_kept(deadline: Deadline)
         scope.deadline = anyio.current_time() + 0.05
         await anyio.sleep(5)
     assert anyio.current_time() - began < 4
+
+
+async def test_now_reads_anyio_s_clock() -> None:
+    from fleetroll._internal.deadlines import now
+
+    before = anyio.current_time()
+    mine = now()
+    after = anyio.current_time()
+    assert before <= mine <= after

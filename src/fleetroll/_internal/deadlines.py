@@ -11,11 +11,21 @@ a cancellation from outside passes through untouched.
 
 from __future__ import annotations
 
+import asyncio
 from types import TracebackType
 
 import anyio
 
-__all__ = ["fail_after"]
+__all__ = ["fail_after", "now"]
+
+
+def now() -> float:
+    """``anyio.current_time()``: on asyncio, the loop's clock read directly (anyio's
+    looks the backend up first, which cost more than the reading)."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:  # not asyncio's loop (trio): anyio's own lookup
+        return anyio.current_time()
 
 
 class fail_after:
@@ -25,7 +35,7 @@ class fail_after:
     __slots__ = ("_scope",)
 
     def __init__(self, delay: float | None) -> None:
-        deadline = float("inf") if delay is None else anyio.current_time() + delay
+        deadline = float("inf") if delay is None else now() + delay
         self._scope = anyio.CancelScope(deadline=deadline)
 
     def __enter__(self) -> anyio.CancelScope:
@@ -39,6 +49,6 @@ class fail_after:
     ) -> bool:
         scope = self._scope
         swallowed = bool(scope.__exit__(exc_type, exc, tb))
-        if scope.cancelled_caught and anyio.current_time() >= scope.deadline:
+        if scope.cancelled_caught and now() >= scope.deadline:
             raise TimeoutError
         return swallowed

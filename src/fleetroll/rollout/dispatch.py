@@ -66,12 +66,12 @@ async def dispatch(
         result = ToolResult(text="Final answer recorded.")
         progress.transcript.add_answer(call, result)
         return result
-    allowed = {t.name for t in tools}
     if call.arguments_error:
         result = ToolResult(text=f"Error: {call.arguments_error}", is_error=True)
-    elif call.name not in allowed:
+    elif not any(t.name == call.name for t in tools):
+        allowed = sorted({t.name for t in tools})
         result = ToolResult(
-            text=f"Error: unknown tool {call.name!r}; available: {', '.join(sorted(allowed))}",
+            text=f"Error: unknown tool {call.name!r}; available: {', '.join(allowed)}",
             is_error=True,
         )
     else:

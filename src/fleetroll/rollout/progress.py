@@ -14,8 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import anyio
-
+from fleetroll._internal.deadlines import now
 from fleetroll.policies import AssistantTurn
 from fleetroll.results import (
     SCORED_REASONS,
@@ -91,11 +90,11 @@ class Progress:
         as ``platform_timeout``, not ``timeout``. Judged by the clock, not by
         where the deadline's cancellation lands, which may be a later await.
         """
-        began = anyio.current_time()
+        began = now()
         try:
             yield
         finally:
-            if self.overrun is None and began < self.deadline <= anyio.current_time():
+            if self.overrun is None and began < self.deadline <= now():
                 self.overrun = (what, self.deadline - began)
 
     def record_turn(self, turn: AssistantTurn, *, policy_version: int, latency_s: float) -> None:

@@ -97,7 +97,8 @@ class PolicyGate:
         self._changed = anyio.Event()
 
     async def admit(self) -> tuple[int, float]:
-        """Wait until policy calls may start.
+        """Wait until policy calls may start (when not :attr:`paused`, it returns
+        without awaiting anything: callers rely on that).
 
         Returns:
             The policy version to record on the call, and the seconds spent

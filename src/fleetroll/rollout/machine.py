@@ -421,10 +421,14 @@ class Rollout:
         A trainer's pause (pool.policy_paused) is charged to no deadline of the
         rollout's: neither its own nor policy_s (counted from the return on).
         """
-        with stages.deadline_lifted(self._deadline_scope, lambda: self.deadline):
-            version, waited_s = await self.engine.policy_gate.admit()
-            self.deadline += waited_s
-            self.progress.timings.paused_s += waited_s
+        gate = self.engine.policy_gate
+        if not gate.paused:  # admitted at once, with no await: no deadline to lift
+            version, _ = await gate.admit()
+        else:
+            with stages.deadline_lifted(self._deadline_scope, lambda: self.deadline):
+                version, waited_s = await gate.admit()
+                self.deadline += waited_s
+                self.progress.timings.paused_s += waited_s
         if self.progress.first_policy_version is None:
             self.progress.first_policy_version = version
         return version

@@ -603,9 +603,12 @@ class SQLiteSpanProcessor(SpanProcessor):
         self._busy_timeout = busy_timeout_s
         self._shutdown_timeout = shutdown_timeout_s
         self._conn = connect(self.path, busy_timeout_s=busy_timeout_s)
-        self._queue: queue.Queue[ReadableSpan | EventRecord | _Flush | object] = queue.Queue(
-            max_queued
+        # A SimpleQueue (no lock and condition around each put, as Queue has):
+        # records are put from the event loop's thread, one per event.
+        self._queue: queue.SimpleQueue[ReadableSpan | EventRecord | _Flush | object] = (
+            queue.SimpleQueue()
         )
+        self._max_queued = max_queued
         self._closed = False
         self._lock = threading.Lock()
         #: Spans let go because the queue was full.
@@ -629,19 +632,19 @@ class SQLiteSpanProcessor(SpanProcessor):
             return
         if (span.attributes or {}).get("logfire.span_type") == "pending_span":
             return
-        try:
-            self._queue.put_nowait(span)
-        except queue.Full:
+        if self._queue.qsize() >= self._max_queued:
             self.dropped += 1
+        else:
+            self._queue.put(span)
 
     def record(self, event: EventRecord) -> None:
         """Store an event record; never blocks (a full queue drops it, as ``on_end``)."""
         if self._closed:
             return
-        try:
-            self._queue.put_nowait(event)
-        except queue.Full:
+        if self._queue.qsize() >= self._max_queued:
             self.dropped += 1
+        else:
+            self._queue.put(event)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Commit everything queued so far.
@@ -653,10 +656,7 @@ class SQLiteSpanProcessor(SpanProcessor):
             return not self._thread.is_alive() and self._queue.empty()
         marker = _Flush(threading.Event(), self.failed)
         deadline = time.monotonic() + timeout_millis / 1000
-        try:
-            self._queue.put(marker, timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Full:
-            return False
+        self._queue.put(marker)  # a control marker is never dropped
         done = marker.done.wait(max(0.0, deadline - time.monotonic()))
         return done and self.failed == marker.failed_before
 
@@ -666,10 +666,7 @@ class SQLiteSpanProcessor(SpanProcessor):
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._queue.put(_STOP, timeout=self._shutdown_timeout)
-        except queue.Full:
-            _log.warning("telemetry store %s: queue full at shutdown", self.path)
+        self._queue.put(_STOP)
         self._thread.join(self._shutdown_timeout)
         if self._thread.is_alive():
             _log.warning(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import math
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -191,7 +192,11 @@ _CONNECTIONS_PER_LANE = 64
 
 
 def sdk_lanes(
-    settings: Settings, *, api_key: str, base_url: str | None
+    settings: Settings,
+    *,
+    api_key: str,
+    base_url: str | None,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[list[httpx.AsyncClient], list[AsyncFleet]]:
     """The SDK clients a provider spreads its instances over, and their HTTP clients.
 
@@ -208,9 +213,9 @@ def sdk_lanes(
     p, t = settings.provisioning, settings.timeouts
     held = settings.pool.concurrency + p.max_concurrent_creates
     lanes = max(1, math.ceil(held / _CONNECTIONS_PER_LANE))
-    # One TLS context for every lane: building one costs ~50 ms of CPU
-    # (loading the CA bundle), a second and a half at 1,000 rollouts.
-    tls = httpx.create_ssl_context()
+    # One TLS context for every lane (the caller's, if given): building one costs
+    # ~50 ms of CPU (loading the CA bundle), a second and a half at 1,000 rollouts.
+    tls = tls or httpx.create_ssl_context()
     clients = [
         httpx.AsyncClient(
             timeout=httpx.Timeout(t.provision_create_s, connect=t.mcp_connect_s),

@@ -45,6 +45,7 @@ from typing import Any, TypeAlias
 import anyio
 import cloudpickle
 import httpx
+from fleet import runner_auth
 from fleet._async import exceptions as fleet_errors
 from fleet._async.base import AsyncWrapper
 from fleet._async.client import (
@@ -57,6 +58,7 @@ from fleet.instance.models import ResetResponse
 from fleet.models import InstanceResponse, VerifiersCheckResponse, VerifiersExecuteResponse
 from fleet.runner_auth import RUNNER_TOKEN_HEADER, RunnerTokenProvider
 
+from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.wire import Response, Wire, WireError
 from fleetroll.environments.fleet.control import remember_retry_after_of
 
@@ -375,7 +377,27 @@ class DirectControl:
         if tokens._resolved:  # the SDK remembers the answer, a failure too
             return tokens._token  # type: ignore[no-any-return]
         async with self._runner_lock:
-            return await tokens.token_async()  # type: ignore[no-any-return]
+            return await self.resolve_runner_token()
+
+    async def resolve_runner_token(self) -> str | None:
+        """``RunnerTokenProvider.token_async`` over the Wire: the same GET, the same
+        answer remembered (a failure too) in the SDK's provider, which the rest of
+        the provider reads; without a new HTTP client (and TLS set-up) for it."""
+        tokens = self._runner_tokens
+        if tokens._resolved:
+            return tokens._token  # type: ignore[no-any-return]
+        token: str | None = runner_auth._token_from_env()
+        endpoint, headers = tokens._endpoint(), tokens._headers()
+        if token is None and endpoint and headers:
+            try:
+                with fail_after(runner_auth._FETCH_TIMEOUT):
+                    response = await self._wire.request("GET", endpoint, headers=headers)
+                if response.status == 200:
+                    token = runner_auth._token_from_payload(response.json())
+            except Exception:  # as the SDK: no token, remembered
+                token = None
+        tokens._token, tokens._resolved = token, True
+        return token
 
     async def check_bundle(self, sha256: str) -> Checked | Any:
         """``GET /v1/verifiers/check?sha256=`` (``AsyncEnv.check_bundle_exists``)."""

@@ -133,7 +133,12 @@ class FleetProvider:
         self._account_read = False
         self._account_lock = anyio.Lock()
         t = settings.timeouts
-        self._clients, self._lanes = sdk_lanes(settings, api_key=api_key, base_url=base_url)
+        # Built once, for the SDK's lanes, the Wire and the MCP clients: building
+        # a TLS context (loading the CA bundle) costs ~30 ms of blocking work.
+        self._mcp_tls = httpx2.create_ssl_context()
+        self._clients, self._lanes = sdk_lanes(
+            settings, api_key=api_key, base_url=base_url, tls=self._mcp_tls
+        )
         self._lane = itertools.cycle(self._lanes)
         #: For calls that belong to no instance (listing, sweeping).
         self.fleet = self._lanes[0]
@@ -154,8 +159,6 @@ class FleetProvider:
             budget=retrying.budget(settings, "verify"),
             report=retry_emitter(events),
         )
-        # Built once: building TLS settings costs ~20 ms of blocking work.
-        self._mcp_tls = httpx2.create_ssl_context()
         #: One shared connection pool for the hot path's requests without the
         #: SDKs: the control plane's (``provisioning.control_client = "direct"``)
         #: and the thin MCP client's (``pool.mcp_client = "thin"``).
@@ -547,7 +550,10 @@ class FleetProvider:
         if not getattr(self._runner_tokens, "_resolved", False):  # resolved: nothing to wait for
             async with self._runner_lock:
                 with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
-                    await self._runner_tokens.token_async()
+                    if self._direct is not None:  # over the Wire: no HTTP client to build
+                        await self._direct.resolve_runner_token()
+                    else:
+                        await self._runner_tokens.token_async()
         if isinstance(env, AsyncEnv):  # the direct path reads the shared provider itself
             env._runner_token_provider = self._runner_tokens
 

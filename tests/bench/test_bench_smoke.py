@@ -62,6 +62,9 @@ def test_the_smoke_scenario_runs_every_system_and_writes_its_report(
     systems = ["fleetroll", "fleetroll-telemetry-off", "fresh-session", "cpu-floor", "naive-gather"]
     assert [r.system for r in report.runs] == systems
     assert report.parameters["telemetry"] == "both"
+    # An unmeasured warm-up batch ran first: no system pays the process's one-time set-up.
+    assert "warm-up: 1/1 rollouts through fleetroll, not measured" in done.stderr
+    assert report.parameters["warm_up_rollouts"] == 8
     for run in report.runs:
         assert run.requested == 8
         assert run.returned == 8, run

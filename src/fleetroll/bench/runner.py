@@ -18,6 +18,7 @@ from fleetroll.bench.scenarios import Scenario, bench_tasks, fleetroll_settings
 from fleetroll.bench.systems import measure_run, run_fleetroll
 from fleetroll.bench.toolcall import tool_call_bench
 from fleetroll.settings import Settings, load_settings
+from fleetroll.tasks import TaskSpec
 
 __all__ = ["quiet_libraries", "run_scenario", "with_overrides"]
 
@@ -114,6 +115,7 @@ async def run_scenario(
             ),
             # The CLI's (fleetroll._internal.gc_policy): the process's collector.
             "gc_policy": load_settings(config_file).pool.gc_policy,
+            "warm_up_rollouts": WARM_UP_ROLLOUTS,
         },
     )
     if scenario.kind == "tool-call":
@@ -139,6 +141,7 @@ async def run_scenario(
     tasks, samples = bench_tasks(scenario.rollouts, scenario.steps, scenario.samples_per_task)
     n = len(tasks) * samples
     echo(f"{scenario.name}: {n} rollouts ({len(tasks)} tasks x {samples}), {scenario.description}")
+    await _warm_up(scenario, tasks, config_file, echo)
     for concurrency in scenario.concurrency:
         settings = fleetroll_settings(scenario, concurrency, config_file)
         ideal = _ideal(scenario, settings, n, concurrency)
@@ -178,6 +181,38 @@ async def run_scenario(
         report.runs.append(run)
         echo(_summary(run))
     return report
+
+
+#: Rollouts of the unmeasured warm-up batch (see :func:`_warm_up`).
+WARM_UP_ROLLOUTS = 8
+
+
+async def _warm_up(
+    scenario: Scenario,
+    tasks: Sequence[TaskSpec],
+    config_file: str | None,
+    echo: Callable[[str], None],
+) -> None:
+    """One small batch through fleetroll, not measured, before the measured runs.
+
+    A process's first batch pays for what it does once (lazy imports, TLS
+    contexts, compiled validators and models): charged to whichever system
+    ran first, it made the order of the runs part of their CPU per rollout.
+    """
+    count = min(WARM_UP_ROLLOUTS, len(tasks))
+    warm = replace(scenario, think_s=0.0, telemetry=True)
+    settings = fleetroll_settings(warm, count, config_file)
+    run = await measure_run(
+        "warm-up",
+        run_fleetroll,
+        scenario=warm,
+        concurrency=count,
+        tasks=tasks[:count],
+        samples_per_task=1,
+        settings=settings,
+        ideal_s=None,
+    )
+    echo(f"  warm-up: {run.returned}/{run.requested} rollouts through fleetroll, not measured")
 
 
 def with_overrides(

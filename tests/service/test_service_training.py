@@ -34,7 +34,10 @@ async def test_groups_stream_in_completion_order_and_oversampled_extras_are_supe
 ) -> None:
     first, second = LEDGER[:2]
     policy = PlannedPolicy(
-        {first.key: ["solve", "zero", "hold"], second.key: ["gate", "gate", "hold"]}
+        {
+            first.key: {0: "solve", 1: "zero", 2: "hold"},  # by sample: the extra holds
+            second.key: {0: "gate", 1: "gate", 2: "hold"},
+        }
     )
     plan(monkeypatch, policy)
     async with FleetrollClient(served.url) as client:
@@ -147,7 +150,7 @@ async def test_an_oversampled_group_run_again_after_a_cancel_counts_the_samples_
     served: Running, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     task = LEDGER[5]
-    policy = PlannedPolicy({task.key: ["solve", "hold", "hold"]})
+    policy = PlannedPolicy({task.key: {0: "solve", 1: "hold", 2: "hold"}})
     plan(monkeypatch, policy)
     async with FleetrollClient(served.url) as client:
         batch = client.run_batch([task], samples_per_task=2, oversample=1, batch_id="os-rerun")

@@ -128,7 +128,10 @@ async def test_oversampled_groups_stream_in_completion_order_with_exactly_their_
     sink = MemorySink()
     first, second = LEDGER[:2]
     policy = PlannedPolicy(
-        {first.key: ["solve", "zero", "hold"], second.key: ["gate", "gate", "hold"]}
+        {
+            first.key: {0: "solve", 1: "zero", 2: "hold"},  # by sample: the extra holds
+            second.key: {0: "gate", 1: "gate", 2: "hold"},
+        }
     )
     async with Emulator() as emu:
         async with pool_for(emu, sink) as pool:

@@ -53,7 +53,7 @@ def assert_pairs(sink: MemorySink) -> None:
 
 async def test_groups_come_in_completion_order_with_their_reward_statistics() -> None:
     sink = MemorySink()
-    policy = PlannedPolicy({TASK.key: ["hold"] * 3, OTHER.key: ["solve", "zero", "solve"]})
+    policy = PlannedPolicy({TASK.key: ["hold"] * 3, OTHER.key: {0: "solve", 1: "zero", 2: "solve"}})
     pool, provider = fake_pool(sink)
     groups: list[Group] = []
     async with pool:
@@ -81,7 +81,7 @@ async def test_groups_come_in_completion_order_with_their_reward_statistics() ->
 
 async def test_an_oversampled_group_keeps_its_first_scored_samples_and_stops_the_rest() -> None:
     sink = MemorySink()
-    policy = PlannedPolicy({TASK.key: ["solve", "zero", "hold", "hold"]})
+    policy = PlannedPolicy({TASK.key: {0: "solve", 1: "zero", 2: "hold", 3: "hold"}})
     pool, provider = fake_pool(sink)
     async with pool:
         batch = pool.run_batch([TASK], policy, samples_per_task=2, oversample=2, batch_id="b")
@@ -190,7 +190,7 @@ async def test_a_group_hit_by_infrastructure_failures_completes_when_its_rollout
 
 async def test_a_cancelled_batch_still_yields_every_group_with_what_it_had() -> None:
     sink = MemorySink()
-    policy = PlannedPolicy({TASK.key: ["solve", "hold", "hold"]})
+    policy = PlannedPolicy({TASK.key: {0: "solve", 1: "hold", 2: "hold"}})
     pool, provider = fake_pool(sink)
     async with pool:
         batch = pool.run_batch([TASK, OTHER], policy, samples_per_task=3)
@@ -370,7 +370,7 @@ async def test_an_extra_scored_while_its_group_completes_ends_superseded_everywh
     settings = load_settings()
     provider = HeldReleases(settings, expect=2)
     pool = RolloutPool(settings, api_key="unused", events=Events([sink]), provider=provider)
-    policy = PlannedPolicy({TASK.key: ["solve", "gate", "gate", "hold"]})
+    policy = PlannedPolicy({TASK.key: {0: "solve", 1: "gate", 2: "gate", 3: "hold"}})
     async with pool:
         batch = pool.run_batch([TASK], policy, samples_per_task=2, oversample=2, batch_id="b")
         results: list[RolloutResult] = []
@@ -436,7 +436,7 @@ async def test_groups_target_delivers_the_first_complete_groups_and_cuts_the_oth
     sink = MemorySink()
     tasks = [TASK.model_copy(update={"key": f"task-{n}"}) for n in range(4)]
     fast, slow = tasks[:2], tasks[2:]
-    plans = {t.key: ["solve", "zero", "solve"] for t in fast}
+    plans = {t.key: {0: "solve", 1: "zero", 2: "solve"} for t in fast}
     plans |= {t.key: ["hold"] * 3 for t in slow}  # stragglers: held until cut
     policy = PlannedPolicy(plans)
     pool, provider = fake_pool(sink)
@@ -517,7 +517,9 @@ def test_the_service_s_group_log_marks_the_groups_the_pool_cut_also_on_a_rerun()
 
 async def test_the_groups_of_a_batch_s_results_are_the_groups_it_delivered() -> None:
     sink = MemorySink()
-    policy = PlannedPolicy({TASK.key: ["solve", "zero", "solve"], OTHER.key: ["solve"] * 3})
+    policy = PlannedPolicy(
+        {TASK.key: {0: "solve", 1: "zero", 2: "solve"}, OTHER.key: ["solve"] * 3}
+    )
     pool, _ = fake_pool(sink)
     async with pool:
         batch = pool.run_batch([TASK, OTHER], policy, samples_per_task=2, oversample=1)

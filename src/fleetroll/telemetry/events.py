@@ -261,6 +261,11 @@ class Events:
         return self._redact
 
     @staticmethod
+    def bound() -> dict[str, Any]:
+        """The base attributes bound in this context (what every event here carries)."""
+        return dict(_base.get())
+
+    @staticmethod
     @contextmanager
     def bind(**attributes: Any) -> Iterator[None]:
         """Add base attributes to every event emitted in this context."""

@@ -8,7 +8,11 @@ Each rollout's first turn takes its task's next choice from the plan:
 * ``"gate"`` waits for :attr:`PlannedPolicy.go`, then solves;
 * ``"hold"`` waits for :attr:`PlannedPolicy.release`, then solves.
 
-Unplanned first turns solve.
+Unplanned first turns solve. A plan is either a sequence, taken in the order
+rollouts make their first policy call (which is not their sample order: their
+instances come up in any order), or a mapping from sample index to choice,
+read off the rollout's bound event attributes (``sample_index``): use that
+when a choice belongs to one sample (an oversampled extra that holds).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import anyio
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.policies.turns import Message
 from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
 
 __all__ = ["PlannedPolicy"]
 
@@ -32,9 +37,16 @@ class PlannedPolicy(ScriptedPolicy):
         plans: per task key, the choices of its rollouts' first turns, in order.
     """
 
-    def __init__(self, plans: Mapping[str, Sequence[str]] | None = None) -> None:
+    def __init__(
+        self, plans: Mapping[str, Sequence[str] | Mapping[int, str]] | None = None
+    ) -> None:
         super().__init__()
-        self._plans = {key: iter(plan) for key, plan in (plans or {}).items()}
+        self._by_sample = {
+            key: dict(plan) for key, plan in (plans or {}).items() if isinstance(plan, Mapping)
+        }
+        self._plans = {
+            key: iter(plan) for key, plan in (plans or {}).items() if not isinstance(plan, Mapping)
+        }
         self.go = anyio.Event()
         self.release = anyio.Event()
         #: Policy calls made, per task key.
@@ -51,7 +63,11 @@ class PlannedPolicy(ScriptedPolicy):
         """
         self.calls[task.key] += 1
         if not any(m.get("role") == "assistant" for m in messages):
-            choice = next(self._plans.get(task.key, iter(())), "solve")
+            by_sample = self._by_sample.get(task.key)
+            if by_sample is not None:
+                choice = by_sample.get(Events.bound().get("sample_index", -1), "solve")
+            else:
+                choice = next(self._plans.get(task.key, iter(())), "solve")
             if choice == "zero":
                 return AssistantTurn(content="I give up.")
             if choice == "gate":

@@ -107,12 +107,25 @@ class ExecutorWorker:
         return os.getpid()
 
     async def run(
-        self, task: TaskSpec, ids: RolloutIds, run_id: str, policy: Policy
+        self,
+        task: TaskSpec,
+        ids: RolloutIds,
+        run_id: str,
+        policy: Policy,
+        gate: tuple[int, bool, int] | None = None,
     ) -> tuple[RolloutResult, list[Event], list[dict[str, Any]]]:
         """Run one rollout; its result, the telemetry not taken yet (its
         completed event among it: the actor may die before the next take), and,
         when traces are uploaded, its transcript redacted here (where its
-        secrets are known)."""
+        secrets are known).
+
+        ``gate``: the driver's policy gate when the rollout was sent (version,
+        paused, generation), mirrored first: a version the trainer set before
+        the rollout began is on its first turn, whichever comes first here, the
+        rollout or the driver's mirroring.
+        """
+        if gate is not None:
+            await self.mirror(*gate)
         rollout = self._executor.rollout(task, ids, run_id=run_id)
         self._rollouts[ids.rollout_id] = rollout
         messages: list[dict[str, Any]] = []
@@ -218,7 +231,8 @@ class RayRollout:
         for attempt in range(2):
             tag = actor_run_id(self._run_id, self._index)
             self._executor.ran(self._index, self._run_id)
-            ref = self._worker.run.remote(self._task, self.ids, tag, policy)
+            gate = self._executor.gate_state()
+            ref = self._worker.run.remote(self._task, self.ids, tag, policy, gate)
             try:
                 result, events, self._messages = await ref
             except anyio.get_cancelled_exc_class():
@@ -474,6 +488,11 @@ class RayExecutor:
                     await worker.mirror.remote(gate.version, gate.paused, gate.generation)
             if gate.generation == seen:
                 await gate.changed()
+
+    def gate_state(self) -> tuple[int, bool, int] | None:
+        """The driver's policy gate now (version, paused, generation); None: not open."""
+        gate = self._gate
+        return None if gate is None else (gate.version, gate.paused, gate.generation)
 
     async def gate_synced(self) -> None:
         """Return once every live actor confirmed the driver's gate as it is now

@@ -250,7 +250,6 @@ class Wire:
         self._verify = verify
         self._max_idle = max_idle
         self._idle: dict[_Origin, deque[_Connection]] = {}
-        self._origins: dict[str, _Origin] = {}
         #: Split URLs (a rollout sends many requests to the same few).
         self._targets: dict[str, tuple[_Origin, str]] = {}
         self._closed = False
@@ -280,12 +279,7 @@ class Wire:
             raise ValueError(f"not an http(s) URL: {url!r}")
         tls = scheme == "https"
         port = parts.port or (443 if tls else 80)
-        base = f"{scheme}://{parts.netloc}"
-        origin = self._origins.get(base)
-        if origin is None:
-            if len(self._origins) >= 4096:
-                self._origins.clear()
-            origin = self._origins[base] = _Origin(parts.hostname, port, tls, parts.netloc)
+        origin = _Origin(parts.hostname, port, tls, parts.netloc)  # equal per origin
         target = parts.path or "/"
         if parts.query:
             target = f"{target}?{parts.query}"

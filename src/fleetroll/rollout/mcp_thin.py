@@ -397,9 +397,10 @@ def _check_structured(
     name: str,
     schema: dict[str, Any],
     result: CallToolResult,
-    validators: dict[str, Validator | None] | None = None,
+    validators: dict[str, Validator | None],
 ) -> None:
-    """The SDK's ``validate_tool_result``, with its messages, on a shared validator.
+    """The SDK's ``validate_tool_result``, with its messages, on a shared validator
+    (``validators``: the listing's, looked up once per tool).
 
     Raises:
         RuntimeError: no structured content, content that breaks the schema,
@@ -409,12 +410,10 @@ def _check_structured(
         raise RuntimeError(
             f"Tool {name} has an output schema but did not return structured content"
         )
-    if validators is not None and name in validators:
+    if name in validators:
         validator = validators[name]
     else:
-        validator = shared_validator(schema)
-        if validators is not None:
-            validators[name] = validator
+        validator = validators[name] = shared_validator(schema)
     if validator is None:
         cls = validator_for(schema)
         try:

@@ -632,19 +632,18 @@ class SQLiteSpanProcessor(SpanProcessor):
             return
         if (span.attributes or {}).get("logfire.span_type") == "pending_span":
             return
-        if self._queue.qsize() >= self._max_queued:
-            self.dropped += 1
-        else:
-            self._queue.put(span)
+        self._put(span)
 
     def record(self, event: EventRecord) -> None:
         """Store an event record; never blocks (a full queue drops it, as ``on_end``)."""
-        if self._closed:
-            return
+        if not self._closed:
+            self._put(event)
+
+    def _put(self, item: ReadableSpan | EventRecord) -> None:
         if self._queue.qsize() >= self._max_queued:
             self.dropped += 1
         else:
-            self._queue.put(event)
+            self._queue.put(item)
 
     def force_flush(self, timeout_millis: int = 30_000) -> bool:
         """Commit everything queued so far.

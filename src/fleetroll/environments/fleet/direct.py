@@ -353,7 +353,7 @@ class DirectControl:
         """
         assert env.urls is not None
         headers = dict(_INSTANCE_HEADERS)
-        token = await self._runner_token()
+        token = await self.runner_token()
         if token:
             headers[RUNNER_TOKEN_HEADER] = token
         headers["Content-Type"] = _JSON
@@ -372,20 +372,21 @@ class DirectControl:
             return Reset(answer["success"], answer["message"])
         return ResetResponse(**answer)  # type: ignore[no-any-return]  # raises as the SDK does
 
-    async def _runner_token(self) -> str | None:
+    async def runner_token(self) -> str | None:
+        """The instance-router token: ``RunnerTokenProvider.token_async`` over the
+        Wire (the same GET; no HTTP client and TLS set-up of its own), resolved
+        once under one lock, its answer (a failure too) remembered in the SDK's
+        provider, which the rest of the provider reads."""
         tokens = self._runner_tokens
         if tokens._resolved:  # the SDK remembers the answer, a failure too
             return tokens._token  # type: ignore[no-any-return]
         async with self._runner_lock:
-            return await self.resolve_runner_token()
+            if not tokens._resolved:  # not while this waited for the lock
+                tokens._token, tokens._resolved = await self._fetch_runner_token(), True
+        return tokens._token  # type: ignore[no-any-return]
 
-    async def resolve_runner_token(self) -> str | None:
-        """``RunnerTokenProvider.token_async`` over the Wire: the same GET, the same
-        answer remembered (a failure too) in the SDK's provider, which the rest of
-        the provider reads; without a new HTTP client (and TLS set-up) for it."""
+    async def _fetch_runner_token(self) -> str | None:
         tokens = self._runner_tokens
-        if tokens._resolved:
-            return tokens._token  # type: ignore[no-any-return]
         token: str | None = runner_auth._token_from_env()
         endpoint, headers = tokens._endpoint(), tokens._headers()
         if token is None and endpoint and headers:
@@ -396,7 +397,6 @@ class DirectControl:
                     token = runner_auth._token_from_payload(response.json())
             except Exception:  # as the SDK: no token, remembered
                 token = None
-        tokens._token, tokens._resolved = token, True
         return token
 
     async def check_bundle(self, sha256: str) -> Checked | Any:

@@ -33,7 +33,7 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 import anyio
 import httpx2
@@ -510,32 +510,25 @@ class FleetProvider:
         create_timeout = self._settings.timeouts.provision_create_s
         env: FleetEnv
         async with self._gate.slot():
+            made: dict[str, Any] = {
+                "data_key": task.data_spec,
+                "region": self._settings.provisioning.region,
+                "env_variables": task.env_variables or None,
+                "image_type": modality.image_type,
+                "ttl_seconds": task.ttl_seconds or modality.ttl_s,
+                "run_id": run_id,
+                "heartbeat_interval": self.heartbeats.interval,
+            }
             with fail_after(create_timeout):
                 if self._direct is not None:
                     env = await self._direct.make(
                         task.env_spec,
-                        data_key=task.data_spec,
-                        region=self._settings.provisioning.region,
-                        env_variables=task.env_variables or None,
-                        image_type=modality.image_type,
-                        ttl_seconds=task.ttl_seconds or modality.ttl_s,
-                        run_id=run_id,
-                        heartbeat_interval=self.heartbeats.interval,
+                        **made,
                         create_timeout_s=create_timeout,
                         request_id=request_id,
                     )
                 else:
-                    env = await next(self._lane).make(
-                        task.env_spec,
-                        data_key=task.data_spec,
-                        region=self._settings.provisioning.region,
-                        env_variables=task.env_variables or None,
-                        image_type=modality.image_type,
-                        ttl_seconds=task.ttl_seconds or modality.ttl_s,
-                        run_id=run_id,
-                        heartbeat_interval=self.heartbeats.interval,
-                        timeout=create_timeout,
-                    )
+                    env = await next(self._lane).make(task.env_spec, **made, timeout=create_timeout)
         await self._share_runner_token(env)
         if env.status != "running" or env.urls is None:
             # Not usable: give it back before trying again.
@@ -548,11 +541,11 @@ class FleetProvider:
     async def _share_runner_token(self, env: FleetEnv) -> None:
         """The instance-router token, resolved once (bounded) for every instance."""
         if not getattr(self._runner_tokens, "_resolved", False):  # resolved: nothing to wait for
-            async with self._runner_lock:
-                with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
-                    if self._direct is not None:  # over the Wire: no HTTP client to build
-                        await self._direct.resolve_runner_token()
-                    else:
+            with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
+                if self._direct is not None:  # over the Wire: no HTTP client to build
+                    await self._direct.runner_token()
+                else:
+                    async with self._runner_lock:
                         await self._runner_tokens.token_async()
         if isinstance(env, AsyncEnv):  # the direct path reads the shared provider itself
             env._runner_token_provider = self._runner_tokens

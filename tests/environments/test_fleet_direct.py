@@ -10,8 +10,11 @@ the same way, and a whole batch scored the same.
 from __future__ import annotations
 
 import base64
+import hashlib
+import io
 import pickle
 import re
+import zipfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -52,6 +55,7 @@ MODES = ("sdk", "direct")
 KEY = "fleetroll-contract-key"
 #: Headers whose values must be equal on both paths (the rest vary by transport).
 SAME_VALUE = ("authorization", "x-fleet-sdk-language", "x-fleet-sdk-version", "x-runner-token")
+BUNDLE_SHA = "<bundle sha>"
 UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
 
 
@@ -79,7 +83,9 @@ async def provider_for(
 
 def normalized(request: RecordedRequest, ids: dict[str, str]) -> tuple[Any, ...]:
     """A request with what is random by design replaced: instance ids (by their
-    order of appearance), the pickled verifier arguments (unpickled)."""
+    order of appearance), the pickled verifier arguments (unpickled), and the
+    verifier bundle by its files (the SDK zips them stamped with the clock's
+    time, so its bytes and hash change with the second it was built in)."""
 
     def name(instance_id: str) -> str:
         return ids.setdefault(instance_id, f"<instance {len(ids)}>")
@@ -96,11 +102,18 @@ def normalized(request: RecordedRequest, ids: dict[str, str]) -> tuple[Any, ...]
             "kwargs": args["kwargs"],
         }
         body["args_array"] = [{"env": name(a["env"])} for a in body["args_array"]]
+        body["sha256"] = BUNDLE_SHA
+        if "bundle" in body:
+            bundle = base64.b64decode(body["bundle"])
+            assert hashlib.sha256(bundle).hexdigest() == request.json()["sha256"]
+            with zipfile.ZipFile(io.BytesIO(bundle)) as files:
+                body["bundle"] = {info.filename: files.read(info) for info in files.infolist()}
+    query = re.sub(r"sha256=[0-9a-f]{64}", f"sha256={BUNDLE_SHA}", request.query or "")
     headers = request.headers
     return (
         request.method,
         path,
-        request.query,
+        query,
         body,
         request.status,
         tuple((h, headers.get(h)) for h in SAME_VALUE),
@@ -151,6 +164,10 @@ async def test_each_hot_path_call_sends_the_sdk_s_request() -> None:
             request_ids[mode] = [
                 r.headers["x-request-id"] for r in rest if "x-request-id" in r.headers
             ]
+            # One bundle per verifier: every check and execution names the same.
+            shas = {m.group(1) for r in rest if (m := re.search(r"sha256=(\w+)", r.query))}
+            shas |= {r.json()["sha256"] for r in rest if r.path == "/v1/verifiers/execute"}
+            assert len(shas) == 1
             assert emu.ledger.running == 0
     assert seen["direct"] == seen["sdk"]
     assert beats["direct"] == beats["sdk"] and beats["sdk"]  # at least the first beat

@@ -151,3 +151,30 @@ def test_the_cpu_floor_runs_only_when_asked_for_and_its_cpu_per_rollout_is_in_th
     markdown = (out / "smoke.md").read_text()
     assert "| CPU ms / rollout | emulator CPU ms / rollout |" in markdown
     assert "| cpu-floor | 8 | 8 / 8 | 8 |" in markdown
+
+
+def test_repeat_rotates_the_systems_each_round_and_reports_their_medians(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    args = ("--scenario", "smoke", "--baselines", "cpu-floor", "--telemetry", "off")
+    done = bench(*args, "--repeat", "2", "--no-plot", "--out", str(out), cwd=tmp_path, timeout=110)
+    assert done.returncode == 0, done.stderr
+    report = ScenarioReport.model_validate(json.loads((out / "smoke.json").read_text()))
+    assert report.parameters["repeat"] == 2
+    # Round 2 starts with the system that ran second in round 1.
+    assert [(r.system, r.round) for r in report.runs] == [
+        ("fleetroll", 1),
+        ("cpu-floor", 1),
+        ("cpu-floor", 2),
+        ("fleetroll", 2),
+    ]
+    assert all(r.scored == 8 and r.leaked == 0 for r in report.runs)
+    fleetroll, floor = report.summary
+    assert (fleetroll.system, fleetroll.rounds, fleetroll.scored) == ("fleetroll", 2, 8)
+    by_round = {r.round: r.cpu_ms_per_rollout for r in report.runs if r.system == "cpu-floor"}
+    ratios = sorted(
+        r.cpu_ms_per_rollout / by_round[r.round] for r in report.runs if r.system == "fleetroll"
+    )
+    assert fleetroll.cpu_vs_floor == pytest.approx(sum(ratios) / 2)  # the median of two
+    assert floor.cpu_vs_floor == pytest.approx(1.0)
+    assert "medians over 2 rounds:" in done.stderr
+    assert "Medians over 2 rounds" in (out / "smoke.md").read_text()

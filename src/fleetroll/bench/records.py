@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,9 +20,11 @@ __all__ = [
     "RunRecord",
     "Sample",
     "ScenarioReport",
+    "SystemSummary",
     "ToolCallRecord",
     "ToolCallStats",
     "load_average",
+    "summarize",
 ]
 
 #: Per-phase timings reported, by their :class:`~fleetroll.results.Timings` field.
@@ -87,6 +90,28 @@ class RunRecord(_Model):
     provisional: bool = Field(description="the machine was busy with others during the run")
     ledger: dict[str, Any]
     notes: list[str] = Field(default_factory=list)
+    round: int = Field(1, description="which round of `--repeat` (1 without it)")
+
+
+class SystemSummary(_Model):
+    """One system at one concurrency over every round of ``--repeat``: medians.
+
+    ``cpu_vs_floor`` is the median of each round's own ratio (this system's CPU
+    per rollout over ``cpu-floor``'s in the same round), so that the machine's
+    drift between rounds cancels rather than adds.
+    """
+
+    system: str
+    concurrency: int | None
+    rounds: int
+    scored: int = Field(description="the fewest scored in a round")
+    requested: int
+    cpu_ms_per_rollout: float
+    cpu_vs_floor: float | None = Field(description="None: no cpu-floor run to pair with")
+    overhead: float | None = Field(description="makespan / ideal")
+    loop_lag_p99_ms: float | None
+    peak_rss_mb: float = Field(description="the largest of the rounds")
+    leaked: int = Field(description="summed over the rounds")
 
 
 class ToolCallStats(_Model):
@@ -168,6 +193,7 @@ class ScenarioReport(_Model):
     machine: Machine
     parameters: dict[str, Any]
     runs: list[RunRecord] = Field(default_factory=list)
+    summary: list[SystemSummary] = Field(default_factory=list)
     tool_calls: ToolCallRecord | None = None
     policy_turns: PolicyTurnRecord | None = None
 
@@ -178,3 +204,44 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def summarize(runs: list[RunRecord], *, floor: str = "cpu-floor") -> list[SystemSummary]:
+    """Each system's medians over its rounds, at each concurrency, in the order the
+    systems first ran; a round's CPU ratio pairs it with ``floor``'s run of that round."""
+    floors = {
+        (r.concurrency, r.round): r.cpu_ms_per_rollout
+        for r in runs
+        if r.system == floor and r.cpu_ms_per_rollout > 0
+    }
+    groups: dict[tuple[str, int | None], list[RunRecord]] = {}
+    for run in runs:
+        groups.setdefault((run.system, run.concurrency), []).append(run)
+    summary = []
+    for (system, concurrency), mine in groups.items():
+        ratios = [
+            r.cpu_ms_per_rollout / floors[(concurrency, r.round)]
+            for r in mine
+            if (concurrency, r.round) in floors
+        ]
+        summary.append(
+            SystemSummary(
+                system=system,
+                concurrency=concurrency,
+                rounds=len(mine),
+                scored=min(r.scored for r in mine),
+                requested=mine[0].requested,
+                cpu_ms_per_rollout=statistics.median(r.cpu_ms_per_rollout for r in mine),
+                cpu_vs_floor=statistics.median(ratios) if ratios else None,
+                overhead=_median([r.overhead for r in mine]),
+                loop_lag_p99_ms=_median([r.loop_lag_p99_ms for r in mine]),
+                peak_rss_mb=max(r.peak_rss_mb for r in mine),
+                leaked=sum(r.leaked for r in mine),
+            )
+        )
+    return summary

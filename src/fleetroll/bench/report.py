@@ -9,6 +9,7 @@ from fleetroll.bench.records import (
     PolicyTurnRecord,
     RunRecord,
     ScenarioReport,
+    SystemSummary,
     ToolCallRecord,
 )
 
@@ -43,8 +44,8 @@ def _runs_table(runs: list[RunRecord]) -> list[str]:
         "| rollouts/s | loop lag p99 / max ms | peak RSS MiB | CPU ms / rollout "
         "| emulator CPU ms / rollout "
         "| fleetroll-process CPU (cores) | emulator CPU (cores) | others' CPU (cores) "
-        "| leaked | past deadline + 5 s | finished on its own | provisional |",
-        "|" + "---|" * 19,
+        "| leaked | past deadline + 5 s | finished on its own | provisional | round |",
+        "|" + "---|" * 20,
     ]
     for r in runs:
         rss = _num(r.peak_rss_mb, 0) + ("" if r.peak_rss_of_run else " (process)")
@@ -57,7 +58,24 @@ def _runs_table(runs: list[RunRecord]) -> list[str]:
             f"| {_num(r.cpu_utilisation)} "
             f"| {_num(r.emulator_cpu_utilisation)} | {_num(r.other_cpu_utilisation)} "
             f"| {_leaks(r)} | {r.past_deadline} | {'yes' if r.finished_on_its_own else 'NO'} "
-            f"| {'yes' if r.provisional else 'no'} |"
+            f"| {'yes' if r.provisional else 'no'} | {r.round} |"
+        )
+    return lines
+
+
+def _summary_table(rows: list[SystemSummary]) -> list[str]:
+    lines = [
+        "| system | C | rounds | scored (fewest) | CPU ms / rollout | CPU / cpu-floor "
+        "| makespan / ideal | loop lag p99 ms | peak RSS MiB (largest) | leaked (all rounds) |",
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        ratio = "–" if r.cpu_vs_floor is None else f"{r.cpu_vs_floor:.2f}x"
+        concurrency = "∞" if r.concurrency is None else str(r.concurrency)
+        lines.append(
+            f"| {r.system} | {concurrency} | {r.rounds} | {r.scored} / {r.requested} "
+            f"| {_num(r.cpu_ms_per_rollout, 1)} | {ratio} | {_num(r.overhead, 3)} "
+            f"| {_num(r.loop_lag_p99_ms, 1)} | {_num(r.peak_rss_mb, 0)} | {r.leaked} |"
         )
     return lines
 
@@ -127,6 +145,14 @@ def markdown(report: ScenarioReport) -> str:
         f"{report.started_at}; {m.nproc} cores ({m.cpu_model}), Python {m.python}.",
         "",
     ]
+    if any(row.rounds > 1 for row in report.summary):
+        lines += [
+            f"Medians over {report.parameters.get('repeat')} rounds, each started by the next"
+            " system; CPU / cpu-floor pairs each round's runs, then takes the median.",
+            "",
+            *_summary_table(report.summary),
+            "",
+        ]
     if report.runs:
         lines += ["Phase latencies below are p50 / p95 / p99 in seconds.", ""]
         lines += [*_runs_table(report.runs), "", *_phases_table(report.runs), ""]

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from fleetroll.bench.baselines import BASELINE_SYSTEMS
 from fleetroll.bench.ideal import IdealModel, ideal_makespan
 from fleetroll.bench.policy_turn import policy_turn_bench
-from fleetroll.bench.records import Machine, RunRecord, ScenarioReport
+from fleetroll.bench.records import Machine, RunRecord, ScenarioReport, SystemSummary, summarize
 from fleetroll.bench.scenarios import Scenario, bench_tasks, fleetroll_settings
 from fleetroll.bench.systems import measure_run, run_fleetroll
 from fleetroll.bench.toolcall import tool_call_bench
@@ -116,6 +116,7 @@ async def run_scenario(
             # The CLI's (fleetroll._internal.gc_policy): the process's collector.
             "gc_policy": load_settings(config_file).pool.gc_policy,
             "warm_up_rollouts": WARM_UP_ROLLOUTS,
+            "repeat": scenario.repeat,
         },
     )
     if scenario.kind == "tool-call":
@@ -152,19 +153,25 @@ async def run_scenario(
         for name in ("fresh-session", "cpu-floor"):
             if name in baselines:
                 systems.append((name, BASELINE_SYSTEMS[name], scenario))
-        for name, system, as_run in systems:
-            run = await measure_run(
-                name,
-                system,
-                scenario=as_run,
-                concurrency=concurrency,
-                tasks=tasks,
-                samples_per_task=samples,
-                settings=settings,
-                ideal_s=ideal,
-            )
-            report.runs.append(run)
-            echo(_summary(run))
+        for round_ in range(1, scenario.repeat + 1):
+            if scenario.repeat > 1:
+                echo(f"  round {round_} of {scenario.repeat}")
+            # Each round starts with the next system: none always runs first.
+            turn = (round_ - 1) % len(systems)
+            for name, system, as_run in systems[turn:] + systems[:turn]:
+                run = await measure_run(
+                    name,
+                    system,
+                    scenario=as_run,
+                    concurrency=concurrency,
+                    tasks=tasks,
+                    samples_per_task=samples,
+                    settings=settings,
+                    ideal_s=ideal,
+                )
+                run.round = round_
+                report.runs.append(run)
+                echo(_summary(run))
     if "naive-gather" in baselines:
         # No limit of its own: one run, whatever the concurrency list says.
         settings = fleetroll_settings(scenario, max(scenario.concurrency), config_file)
@@ -180,7 +187,23 @@ async def run_scenario(
         )
         report.runs.append(run)
         echo(_summary(run))
+    report.summary = summarize(report.runs)
+    if scenario.repeat > 1:
+        echo(f"medians over {scenario.repeat} rounds:")
+        for row in report.summary:
+            echo(_median_line(row))
     return report
+
+
+def _median_line(row: SystemSummary) -> str:
+    floor = f" ({row.cpu_vs_floor:.2f}x cpu-floor)" if row.cpu_vs_floor is not None else ""
+    overhead = f"{row.overhead:.3f}x ideal" if row.overhead else "no ideal"
+    return (
+        f"  {row.system:<23} C={row.concurrency or 'inf':<5} "
+        f"CPU {row.cpu_ms_per_rollout:.1f} ms/rollout{floor}, {overhead}, "
+        f"lag p99 {row.loop_lag_p99_ms or 0:.0f} ms, peak RSS {row.peak_rss_mb:.0f} MiB, "
+        f"scored {row.scored}/{row.requested} (fewest), leaked {row.leaked}"
+    )
 
 
 #: Rollouts of the unmeasured warm-up batch (see :func:`_warm_up`).
@@ -226,6 +249,7 @@ def with_overrides(
     wall_limit_s: float | None,
     telemetry: bool | None = None,
     telemetry_off_too: bool = False,
+    repeat: int = 1,
 ) -> Scenario:
     """``scenario`` with the command line's overrides applied.
 
@@ -243,4 +267,5 @@ def with_overrides(
         wall_limit_s=scenario.wall_limit_s if wall_limit_s is None else wall_limit_s,
         telemetry=scenario.telemetry if telemetry is None else telemetry,
         telemetry_off_too=telemetry_off_too,
+        repeat=repeat,
     )

@@ -82,6 +82,10 @@ class Scenario:
             lines dropped); off, with no sink at all.
         telemetry_off_too: also run fleetroll with no sink at all, as the
             system ``fleetroll-telemetry-off``, right after each telemetry-on run.
+        repeat: rounds of every system at each concurrency; each round starts
+            with the next system (a rotation), so a machine whose speed drifts
+            within minutes charges no system more than another, and the report
+            gives each system's medians over the rounds.
     """
 
     name: str
@@ -104,6 +108,7 @@ class Scenario:
     screenshot_kb: int = 100
     telemetry: bool = True
     telemetry_off_too: bool = False
+    repeat: int = 1
 
     def with_profile(self, settings: Settings, name: str | None) -> Scenario:
         """This scenario with its named profile resolved (``name`` wins over its own).

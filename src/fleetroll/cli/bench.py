@@ -109,6 +109,16 @@ def _has_matplotlib() -> bool:
         " both: each run twice, the second as fleetroll-telemetry-off."
     ),
 )
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help=(
+        "Rounds of every system at each concurrency, each round started by the next system;"
+        " the report adds each system's medians (CPU ratio to cpu-floor paired per round)."
+    ),
+)
 @click.option("--no-plot", is_flag=True, help="Skip the PNG plot.")
 @click.option(
     "--config",
@@ -127,6 +137,7 @@ def bench(
     wall_limit: float | None,
     out: Path | None,
     telemetry: str,
+    repeat: int,
     no_plot: bool,
     config_file: Path | None,
 ) -> None:
@@ -160,6 +171,7 @@ def bench(
                 wall_limit_s=wall_limit,
                 telemetry=telemetry != "off",
                 telemetry_off_too=telemetry == "both",
+                repeat=repeat,
             )
             for name in scenario_names or ("smoke",)
         ]

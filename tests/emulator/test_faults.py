@@ -123,6 +123,24 @@ async def test_a_slow_create_answers_504_once_the_clients_max_wait_has_passed(
         assert emu.ledger.created == 0 and emu.ledger.running == 0
 
 
+async def test_a_create_that_makes_no_instance_leaves_no_file_behind(sdk) -> None:
+    # An instance's file is made while its create's latency runs (in a worker thread).
+    async with Emulator(FaultProfile(create_latency=Latency(min_s=3600))) as emu:
+        files = emu.store.data_dir
+        with anyio.fail_after(30), pytest.raises(FleetAPIError):  # 504 past its max wait
+            await sdk(emu).make("ledger", max_wait_seconds=1)
+        assert not await answers_within(NO_ANSWER_S, sdk(emu).make, "ledger")  # it left
+        with anyio.fail_after(10):
+            while emu.ledger.creates_by_outcome.get("abandoned", 0) < 1:
+                await anyio.sleep(0.02)
+        assert emu.ledger.creates_by_outcome["timed_out"] == 1
+        assert sorted(files.iterdir()) == []
+    async with Emulator(FaultProfile(create_latency=Latency(min_s=0.2))) as emu:
+        env = await sdk(emu).make("ledger")
+        assert [p.name for p in emu.store.data_dir.iterdir()] == [f"{env.instance_id}.db"]
+        await env.close()
+
+
 async def test_mcp_endpoints_answer_503_while_the_instance_warms_up(sdk) -> None:
     async with Emulator(FaultProfile(mcp_warmup_s=3600)) as emu:
         env = await sdk(emu).make("ledger")

@@ -32,7 +32,7 @@ from starlette.types import Message, Receive, Scope, Send
 from fleetroll.emulator import traces as trace_api
 from fleetroll.emulator.envs.base import SampleEnv
 from fleetroll.emulator.faults import FaultInjector, hang
-from fleetroll.emulator.instances import MISSED_HEARTBEATS, Instance, InstanceStore
+from fleetroll.emulator.instances import MISSED_HEARTBEATS, Instance, InstanceStore, NewDatabase
 from fleetroll.emulator.leases import BrowserLeases
 from fleetroll.emulator.ledger import Ledger
 from fleetroll.emulator.mcp_routing import McpRouter
@@ -101,6 +101,8 @@ class EmulatorApp:
         #: Fleet, the limit counts instances still starting, so concurrent
         #: creates cannot pass it together.
         self._starting = 0
+        #: Worker threads making instances' files (a file's work is I/O mostly).
+        self._database_threads = anyio.CapacityLimiter(4)
         #: Instances by the request id (``X-Request-ID``) of the create that
         #: made them: a create sent again with the same id is answered 409
         #: ``duplicate_request_id`` pointing at it, as Fleet answers.
@@ -400,31 +402,45 @@ class EmulatorApp:
         max_wait = float(wait) if wait is not None and wait > 0 else math.inf
         await self._wait_create_slot()
         latency = faults.create_latency()
-        if latency and await hang(request, min(latency, max_wait)):
-            return _error(499, "client went away"), "abandoned"
-        if latency > max_wait:
-            return _create_timed_out(max_wait), "timed_out"
-
-        ttl = body.ttl_seconds if body.ttl_seconds is not None else faults.profile.default_ttl_s
-        inst = self.store.create(
-            env,
-            version=version,
-            data_key=body.data_key,
-            data_version=body.data_version,
-            region=body.region or "us-west-1",
-            run_id=body.run_id,
-            env_variables=body.env_variables,
-            image_type=body.image_type,
-            ttl_s=ttl,
-            dies_after_s=faults.death_after(),
-            heartbeat_interval=body.heartbeat_interval,
-        )
+        # The instance's file is made in a worker thread while the create's
+        # latency runs, as Fleet provisions an instance while its create waits.
+        # Made on the loop after the latency, a thousand creates that ended
+        # together each waited for the files of those before it.
+        database = self.store.new_database(env, body.data_key)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._make_database, database)
+                gone = bool(latency) and await hang(request, min(latency, max_wait))
+            if gone:
+                return _error(499, "client went away"), "abandoned"
+            if latency > max_wait:
+                return _create_timed_out(max_wait), "timed_out"
+            ttl = body.ttl_seconds if body.ttl_seconds is not None else faults.profile.default_ttl_s
+            inst = self.store.create(
+                env,
+                version=version,
+                data_key=body.data_key,
+                data_version=body.data_version,
+                region=body.region or "us-west-1",
+                run_id=body.run_id,
+                env_variables=body.env_variables,
+                image_type=body.image_type,
+                ttl_s=ttl,
+                dies_after_s=faults.death_after(),
+                heartbeat_interval=body.heartbeat_interval,
+                database=database,
+            )
+        finally:
+            database.discard()  # no instance took it
         request_id = request.headers.get("x-request-id")
         if request_id:
             self._made_by_request[request_id] = inst.instance_id
             while len(self._made_by_request) > _KEEP_REQUEST_IDS:
                 self._made_by_request.popitem(last=False)
         return JSONResponse(inst.to_response(self.base_url)), "ok"
+
+    async def _make_database(self, database: NewDatabase) -> None:
+        await anyio.to_thread.run_sync(database.make, limiter=self._database_threads)
 
     async def _wait_create_slot(self) -> None:
         interval = self.faults.profile.create_queue_interval_s

@@ -30,7 +30,7 @@ from fleetroll.emulator.ledger import Ledger
 if TYPE_CHECKING:
     from fleetroll.emulator.envs.base import SampleEnv
 
-__all__ = ["MISSED_HEARTBEATS", "Instance", "InstanceStatus", "InstanceStore"]
+__all__ = ["MISSED_HEARTBEATS", "Instance", "InstanceStatus", "InstanceStore", "NewDatabase"]
 
 TEAM_ID = "team-emulator"
 #: An instance made with a heartbeat interval stops once its last heartbeat is
@@ -216,12 +216,13 @@ class InstanceStore:
         ttl_s: float | None,
         dies_after_s: float | None,
         heartbeat_interval: int | None,
+        database: NewDatabase | None = None,
     ) -> Instance:
-        # Unguessable: the instance's URLs (MCP, manager API) need no API key.
-        instance_id = secrets.token_hex(8)
-        db_path = self._dir / f"{instance_id}.db"
-        conn = open_db(db_path)
-        self._seeded(env, data_key).backup(conn)
+        """Register a new running instance, on ``database`` (made now when None)."""
+        if database is None:
+            database = self.new_database(env, data_key)
+            database.make()
+        instance_id, db_path, conn = database.take()
         now = time.monotonic()
         inst = Instance(
             instance_id=instance_id,
@@ -244,6 +245,15 @@ class InstanceStore:
         self._ledger.instance_started(env.key)
         self._schedule(inst)
         return inst
+
+    def new_database(self, env: SampleEnv, data_key: str | None) -> NewDatabase:
+        """A new instance's database, to be made (perhaps in a worker thread) and
+        handed to :meth:`create`. The seed's template is made here, on the caller's
+        thread; :meth:`NewDatabase.make` only copies it into the new file."""
+        # Unguessable: the instance's URLs (MCP, manager API) need no API key.
+        instance_id = secrets.token_hex(8)
+        template = self._seeded(env, data_key)
+        return NewDatabase(instance_id, self._dir / f"{instance_id}.db", template)
 
     def _seeded(self, env: SampleEnv, data_key: str | None) -> sqlite3.Connection:
         """An in-memory database seeded for ``(env, data_key)``, made once.
@@ -397,6 +407,45 @@ class InstanceStore:
         self._instances.clear()
         self._deadlines.clear()
         self._ended.clear()
+
+
+class NewDatabase:
+    """A new instance's SQLite file, copied from its seed's template by :meth:`make`.
+
+    :meth:`make` may run in a worker thread (SQLite serializes the template's
+    use, and releases the GIL while it works): the emulator makes an instance's
+    file while its create's latency runs. :meth:`discard` removes a file no
+    instance took (the client left, the create timed out).
+    """
+
+    def __init__(self, instance_id: str, path: Path, template: sqlite3.Connection) -> None:
+        self.instance_id = instance_id
+        self.path = path
+        self._template = template
+        self._conn: sqlite3.Connection | None = None
+
+    def make(self) -> None:
+        conn = open_db(self.path)
+        try:
+            self._template.backup(conn)
+        except BaseException:
+            conn.close()
+            _delete_files(self.path)
+            raise
+        self._conn = conn
+
+    def take(self) -> tuple[str, Path, sqlite3.Connection]:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            raise RuntimeError("the database was not made, or was taken already")
+        return self.instance_id, self.path, conn
+
+    def discard(self) -> None:
+        """Close and delete the file unless an instance took it."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+            _delete_files(self.path)
 
 
 def _delete_files(db_path: Path) -> None:

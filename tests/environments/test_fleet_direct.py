@@ -310,6 +310,35 @@ async def test_a_create_sent_again_is_answered_409_and_both_paths_recover_its_in
     assert classify(direct_exc).transient  # a new request may work
 
 
+async def test_a_409_for_an_instance_that_did_not_come_up_makes_the_next_attempt_a_new_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A create's id was used before by a create whose instance stopped: its 409
+    # recovers nothing, and sending that id again would be answered 409 forever.
+    used = "11111111-1111-4111-8111-111111111111"
+    fresh = "22222222-2222-4222-8222-222222222222"
+    ids = iter([new_request_id(), used, fresh])  # the first, for the instance that stops
+    monkeypatch.setattr("fleetroll.environments.fleet.provider.new_request_id", lambda: next(ids))
+    async with (
+        Emulator(record_requests=1000) as emu,
+        provider_for(emu, "direct") as provider,
+    ):
+        assert emu.app is not None
+        with anyio.fail_after(60):
+            stopped = await provider.provision(TASK)
+            assert await provider.release(stopped)
+            emu.app._made_by_request[used] = stopped.instance_id
+            emu.forget_requests()
+            made = await provider.provision(TASK)
+            creates = [r for r in emu.requests if r.path == "/v1/env/instances"]
+            assert [(r.headers["x-request-id"], r.status) for r in creates] == [
+                (used, 409),
+                (fresh, 200),
+            ]
+            assert made.instance_id != stopped.instance_id
+            assert await provider.release(made)
+
+
 async def make_both_ways(
     emu: Emulator, profile: Callable[[], FaultProfile]
 ) -> list[tuple[type[BaseException], str, Any, int | None]]:

@@ -5,6 +5,7 @@ import os
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,8 +67,10 @@ def _outside_the_repository(tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 @pytest.fixture(scope="session")
-def anyio_backend() -> str:
+def anyio_backend() -> Any:
     """One backend for the whole run, so module-scoped async fixtures can exist."""
+    if os.environ.get("FLEETROLL_TEST_UVLOOP"):
+        return ("asyncio", {"use_uvloop": True})
     return "asyncio"
 
 

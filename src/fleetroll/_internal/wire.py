@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -125,8 +125,10 @@ class _Connection(asyncio.Protocol):
     # -- asyncio.Protocol ----------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (create_connection's), though not always a subclass
+        # of asyncio.Transport: uvloop's is not (an isinstance check hung every
+        # request on uvloop, the loop Ray's async actors and many trainers run).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.received = True

@@ -25,7 +25,7 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from subprocess import DEVNULL, PIPE
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 import mcp_types as types
@@ -47,6 +47,7 @@ __all__ = [
     "Ran",
     "make_workdir",
     "no_reward",
+    "open_program",
     "process_transport",
     "remove_workdir",
     "reward_number",
@@ -111,6 +112,24 @@ def remove_workdir(folder: Path, root: Path | None) -> None:
     shutil.rmtree(folder)
 
 
+async def open_program(argv: list[str], **options: Any) -> Process:
+    """``anyio.open_process(argv, **options)``, whose start-up errors name the program.
+
+    asyncio's loop puts the program in a missing one's error; uvloop's (the
+    loop of Ray's async actors, and of many trainers) says only "No such file
+    or directory".
+
+    Raises:
+        OSError: it could not be started; ``filename`` is the program.
+    """
+    try:
+        return await anyio.open_process(argv, **options)
+    except OSError as exc:
+        if exc.filename is not None or not argv or exc.errno is None:
+            raise
+        raise type(exc)(exc.errno, exc.strerror, argv[0]) from None
+
+
 async def run_command(
     argv: list[str],
     cwd: Path,
@@ -127,7 +146,7 @@ async def run_command(
     Raises:
         OSError: it could not be started (no such command...).
     """
-    process = await anyio.open_process(
+    process = await open_program(
         argv,
         cwd=cwd,
         env=env,

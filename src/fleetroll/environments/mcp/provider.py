@@ -61,6 +61,7 @@ from fleetroll.environments.mcp.process import (
     Ran,
     make_workdir,
     no_reward,
+    open_program,
     process_transport,
     remove_workdir,
     reward_number,
@@ -310,7 +311,7 @@ class McpProvider:
         argv = self._argv(handle.environment.command, handle)
         stderr = await anyio.to_thread.run_sync(handle.stderr_path.open, "wb")
         try:
-            handle.process = await anyio.open_process(
+            handle.process = await open_program(
                 argv,
                 cwd=handle.workdir,
                 env=handle.env,

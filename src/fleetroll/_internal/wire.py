@@ -45,6 +45,7 @@ __all__ = [
     "ConnectFailed",
     "ConnectionLost",
     "Response",
+    "Sent",
     "Wire",
     "WireError",
 ]
@@ -194,7 +195,7 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def exchange(self, data: bytes, cap: int) -> Response:
+    async def exchange(self, data: bytes, cap: int, sent: Sent | None = None) -> Response:
         """Send one request's bytes and read its answer to its end."""
         assert self.transport is not None
         self._status = 0
@@ -207,6 +208,8 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         try:
             self.transport.write(data)
+            if sent is not None:
+                sent.sent = True
             await waiter
         except BaseException:
             self.close()  # in an unknown state: never reused
@@ -218,6 +221,17 @@ class _Connection(asyncio.Protocol):
         if not self._keep_alive:
             self.close()
         return Response(self._status, self._headers, body)
+
+
+class Sent:
+    """Set once a request's bytes were handed to its connection
+    (``Wire.request(..., sent=marker)``): from then on the server may act on it,
+    whatever becomes of its answer."""
+
+    __slots__ = ("sent",)
+
+    def __init__(self) -> None:
+        self.sent = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,8 +312,10 @@ class Wire:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         max_bytes: int = 64 * 2**20,
+        sent: Sent | None = None,
     ) -> Response:
-        """Send a request; its answer, read to its end.
+        """Send a request; its answer, read to its end. ``sent`` is set once its
+        bytes were handed to a connection.
 
         Raises:
             ConnectFailed, ConnectionLost, BodyTooLarge, BadResponse: see the module.
@@ -323,7 +339,7 @@ class Wire:
             if conn is None:
                 conn, reused = await self._open(origin), False
             try:
-                response = await conn.exchange(data, max_bytes)
+                response = await conn.exchange(data, max_bytes, sent)
             except ConnectionLost:
                 if reused and not conn.received:
                     continue  # closed by the server while idle: it never read this

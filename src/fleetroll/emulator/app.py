@@ -107,6 +107,9 @@ class EmulatorApp:
         #: made them: a create sent again with the same id is answered 409
         #: ``duplicate_request_id`` pointing at it, as Fleet answers.
         self._made_by_request: OrderedDict[str, str] = OrderedDict()
+        #: Creates at work, by request id: the same request sent again meanwhile
+        #: waits for the first's outcome.
+        self._creating: dict[str, anyio.Event] = {}
         #: Every control-plane and instance-API request, in arrival order, when
         #: recording (``Emulator(record_requests=...)``; up to that many).
         self.requests: deque[RecordedRequest] | None = None
@@ -289,6 +292,11 @@ class EmulatorApp:
         if not self._authorized(request):
             return self._unauthorized()
         request_id = request.headers.get("x-request-id")
+        if request_id and (creating := self._creating.get(request_id)) is not None:
+            # The same request while the first is still at work: answered once
+            # that one is decided (Fleet answers 409 with the starting instance,
+            # which the SDK then waits for: the same outcome).
+            await creating.wait()
         made = self._made_by_request.get(request_id) if request_id else None
         if made is not None:
             # The SDK's duplicate-create answer (fleet/_async/base.py reads it).
@@ -316,10 +324,16 @@ class EmulatorApp:
 
         self.ledger.create_started()
         outcome = "error"
+        creating = anyio.Event()
+        if request_id:
+            self._creating[request_id] = creating
         try:
             response, outcome = await self._create(request, body, env, version)
         finally:
             self.ledger.create_finished(outcome)
+            if request_id and self._creating.get(request_id) is creating:
+                del self._creating[request_id]
+            creating.set()
         return response
 
     def _rate_limited(self) -> float | None:

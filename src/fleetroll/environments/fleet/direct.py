@@ -59,7 +59,7 @@ from fleet.models import InstanceResponse, VerifiersCheckResponse, VerifiersExec
 from fleet.runner_auth import RUNNER_TOKEN_HEADER, RunnerTokenProvider
 
 from fleetroll._internal.deadlines import fail_after
-from fleetroll._internal.wire import Response, Wire, WireError
+from fleetroll._internal.wire import Response, Sent, Wire, WireError
 from fleetroll.environments.fleet.control import remember_retry_after_of
 
 __all__ = ["DirectControl", "DirectEnv", "DirectUrls", "FleetEnv", "new_request_id"]
@@ -227,11 +227,13 @@ class DirectControl:
             headers["Content-Type"] = _JSON
         return headers
 
-    async def _send(self, method: str, url: str, body: Any, headers: dict[str, str]) -> Response:
+    async def _send(
+        self, method: str, url: str, body: Any, headers: dict[str, str], sent: Sent | None = None
+    ) -> Response:
         data = None if body is None else _dumps(body)
         try:
             return await self._wire.request(
-                method, url, body=data, headers=headers, max_bytes=_MAX_ANSWER_BYTES
+                method, url, body=data, headers=headers, max_bytes=_MAX_ANSWER_BYTES, sent=sent
             )
         except WireError as exc:  # the SDK's wrapper of httpx.RequestError
             raise fleet_errors.FleetAPIError(f"Request failed: {exc}") from exc
@@ -244,15 +246,16 @@ class DirectControl:
         body: Any = None,
         request_id: str | None = None,
         base: str | None = None,
+        sent: Sent | None = None,
     ) -> Any:
-        """One control-plane request; its JSON answer.
+        """One control-plane request; its JSON answer (``sent``: see ``Wire.request``).
 
         Raises:
             FleetAPIError: (and its subclasses) as the SDK raises them: the
                 answer's status, or no answer (``status_code`` None).
         """
         headers = self._control_headers(request_id, body is not None)
-        response = await self._send(method, f"{base or self._base}{path}", body, headers)
+        response = await self._send(method, f"{base or self._base}{path}", body, headers, sent)
         if response.status >= 400:
             _raise_as_the_sdk(response)
         return response.json()
@@ -272,8 +275,10 @@ class DirectControl:
         heartbeat_interval: int | None,
         create_timeout_s: float,
         request_id: str,
+        sent: Sent | None = None,
     ) -> DirectEnv:
-        """``AsyncFleet.make`` (its request), under the caller's deadline.
+        """``AsyncFleet.make`` (its request), under the caller's deadline; ``sent``
+        is set once the create was handed to a connection.
 
         Raises:
             FleetConflictError: a duplicate create whose instance did not come up.
@@ -302,7 +307,7 @@ class DirectControl:
         started = time.monotonic()
         try:
             answer = await self.call(
-                "POST", "/v1/env/instances", body=body, request_id=request_id, base=base
+                "POST", "/v1/env/instances", body=body, request_id=request_id, base=base, sent=sent
             )
         except fleet_errors.FleetConflictError as exc:
             if not exc.instance_id:

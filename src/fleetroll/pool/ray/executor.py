@@ -221,6 +221,9 @@ class RayRollout:
         self._stop: tuple[FailureReason, str] | None = None
         #: Its transcript, redacted on its actor (when ``traces.upload`` is on).
         self._messages: list[dict[str, Any]] = []
+        #: Whether it was sent to its actor: until then the actor may still hold
+        #: an earlier rollout of the same id (a resumed batch's), not this one.
+        self._sent = False
 
     async def execute(self, policy: Policy) -> None:
         if self._stop is not None:
@@ -232,6 +235,7 @@ class RayRollout:
             tag = actor_run_id(self._run_id, self._index)
             self._executor.ran(self._index, self._run_id)
             gate = self._executor.gate_state()
+            self._sent = True
             ref = self._worker.run.remote(self._task, self.ids, tag, policy, gate)
             try:
                 result, events, self._messages = await ref
@@ -321,8 +325,10 @@ class RayRollout:
         Raises:
             OperationTimeout: the actor did not answer within ``timeouts.ray_call_s``.
         """
-        ref = self._worker.view.remote(self.ids.rollout_id, messages)
-        view: RolloutView | None = await self._ask("view", ref, self._call_s)
+        view: RolloutView | None = None
+        if self._sent:
+            ref = self._worker.view.remote(self.ids.rollout_id, messages)
+            view = await self._ask("view", ref, self._call_s)
         if view is None:
             return RolloutView(self.ids, self._task.key, self.phase, 0, (), self.result)
         if self.result is not None:  # the driver's (settled) result is the one that counts
@@ -333,8 +339,10 @@ class RayRollout:
 
     async def events(self, after: int, wait_s: float) -> EventPage:
         """Its live events on the actor running it (see :meth:`read_view`)."""
-        ref = self._worker.events.remote(self.ids.rollout_id, after, wait_s)
-        page: EventPage | None = await self._ask("events", ref, self._call_s + wait_s)
+        page: EventPage | None = None
+        if self._sent:
+            ref = self._worker.events.remote(self.ids.rollout_id, after, wait_s)
+            page = await self._ask("events", ref, self._call_s + wait_s)
         if page is None and self.result is not None:
             return ended_page(after, self.result)
         return page or EventPage((), 0, False)

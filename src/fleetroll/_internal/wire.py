@@ -45,7 +45,6 @@ __all__ = [
     "ConnectFailed",
     "ConnectionLost",
     "Response",
-    "Sent",
     "Wire",
     "WireError",
 ]
@@ -195,7 +194,7 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def exchange(self, data: bytes, cap: int, sent: Sent | None = None) -> Response:
+    async def exchange(self, data: bytes, cap: int) -> Response:
         """Send one request's bytes and read its answer to its end."""
         assert self.transport is not None
         self._status = 0
@@ -208,8 +207,6 @@ class _Connection(asyncio.Protocol):
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         try:
             self.transport.write(data)
-            if sent is not None:
-                sent.sent = True
             await waiter
         except BaseException:
             self.close()  # in an unknown state: never reused
@@ -221,17 +218,6 @@ class _Connection(asyncio.Protocol):
         if not self._keep_alive:
             self.close()
         return Response(self._status, self._headers, body)
-
-
-class Sent:
-    """Set once a request's bytes were handed to its connection
-    (``Wire.request(..., sent=marker)``): from then on the server may act on it,
-    whatever becomes of its answer."""
-
-    __slots__ = ("sent",)
-
-    def __init__(self) -> None:
-        self.sent = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,10 +298,8 @@ class Wire:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         max_bytes: int = 64 * 2**20,
-        sent: Sent | None = None,
     ) -> Response:
-        """Send a request; its answer, read to its end. ``sent`` is set once its
-        bytes were handed to a connection.
+        """Send a request; its answer, read to its end.
 
         Raises:
             ConnectFailed, ConnectionLost, BodyTooLarge, BadResponse: see the module.
@@ -339,7 +323,7 @@ class Wire:
             if conn is None:
                 conn, reused = await self._open(origin), False
             try:
-                response = await conn.exchange(data, max_bytes, sent)
+                response = await conn.exchange(data, max_bytes)
             except ConnectionLost:
                 if reused and not conn.received:
                     continue  # closed by the server while idle: it never read this

@@ -425,7 +425,9 @@ class EmulatorApp:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._make_database, database)
                 gone = bool(latency) and await hang(request, min(latency, max_wait))
-            if gone:
+            # A client that left while its file was made (a cancelled batch) gets
+            # no instance either: it could never learn its id to release it.
+            if gone or await request.is_disconnected():
                 return _error(499, "client went away"), "abandoned"
             if latency > max_wait:
                 return _create_timed_out(max_wait), "timed_out"

@@ -59,7 +59,7 @@ from fleet.models import InstanceResponse, VerifiersCheckResponse, VerifiersExec
 from fleet.runner_auth import RUNNER_TOKEN_HEADER, RunnerTokenProvider
 
 from fleetroll._internal.deadlines import fail_after
-from fleetroll._internal.wire import Response, Sent, Wire, WireError
+from fleetroll._internal.wire import Response, Wire, WireError
 from fleetroll.environments.fleet.control import remember_retry_after_of
 
 __all__ = ["DirectControl", "DirectEnv", "DirectUrls", "FleetEnv", "new_request_id"]
@@ -227,13 +227,11 @@ class DirectControl:
             headers["Content-Type"] = _JSON
         return headers
 
-    async def _send(
-        self, method: str, url: str, body: Any, headers: dict[str, str], sent: Sent | None = None
-    ) -> Response:
+    async def _send(self, method: str, url: str, body: Any, headers: dict[str, str]) -> Response:
         data = None if body is None else _dumps(body)
         try:
             return await self._wire.request(
-                method, url, body=data, headers=headers, max_bytes=_MAX_ANSWER_BYTES, sent=sent
+                method, url, body=data, headers=headers, max_bytes=_MAX_ANSWER_BYTES
             )
         except WireError as exc:  # the SDK's wrapper of httpx.RequestError
             raise fleet_errors.FleetAPIError(f"Request failed: {exc}") from exc
@@ -246,16 +244,15 @@ class DirectControl:
         body: Any = None,
         request_id: str | None = None,
         base: str | None = None,
-        sent: Sent | None = None,
     ) -> Any:
-        """One control-plane request; its JSON answer (``sent``: see ``Wire.request``).
+        """One control-plane request; its JSON answer.
 
         Raises:
             FleetAPIError: (and its subclasses) as the SDK raises them: the
                 answer's status, or no answer (``status_code`` None).
         """
         headers = self._control_headers(request_id, body is not None)
-        response = await self._send(method, f"{base or self._base}{path}", body, headers, sent)
+        response = await self._send(method, f"{base or self._base}{path}", body, headers)
         if response.status >= 400:
             _raise_as_the_sdk(response)
         return response.json()
@@ -275,10 +272,8 @@ class DirectControl:
         heartbeat_interval: int | None,
         create_timeout_s: float,
         request_id: str,
-        sent: Sent | None = None,
     ) -> DirectEnv:
-        """``AsyncFleet.make`` (its request), under the caller's deadline; ``sent``
-        is set once the create was handed to a connection.
+        """``AsyncFleet.make`` (its request), under the caller's deadline.
 
         Raises:
             FleetConflictError: a duplicate create whose instance did not come up.
@@ -307,7 +302,7 @@ class DirectControl:
         started = time.monotonic()
         try:
             answer = await self.call(
-                "POST", "/v1/env/instances", body=body, request_id=request_id, base=base, sent=sent
+                "POST", "/v1/env/instances", body=body, request_id=request_id, base=base
             )
         except fleet_errors.FleetConflictError as exc:
             if not exc.instance_id:

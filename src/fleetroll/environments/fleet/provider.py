@@ -45,7 +45,7 @@ import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.http_transport import AiohttpTransport
 from fleetroll._internal.retrying import Decision, Retry
-from fleetroll._internal.wire import Sent, Wire
+from fleetroll._internal.wire import Wire
 from fleetroll.environments.fleet.admission import (
     Admission,
     CreateLimits,
@@ -519,23 +519,15 @@ class FleetProvider:
                 "run_id": run_id,
                 "heartbeat_interval": self.heartbeats.interval,
             }
-            if self._direct is not None:
-                sent = Sent()
-                try:
-                    with fail_after(create_timeout):
-                        env = await self._direct.make(
-                            task.env_spec,
-                            **made,
-                            create_timeout_s=create_timeout,
-                            request_id=request_id,
-                            sent=sent,
-                        )
-                except anyio.get_cancelled_exc_class():
-                    if sent.sent:
-                        await self._give_back_unanswered(task, made, request_id)
-                    raise
-            else:
-                with fail_after(create_timeout):
+            with fail_after(create_timeout):
+                if self._direct is not None:
+                    env = await self._direct.make(
+                        task.env_spec,
+                        **made,
+                        create_timeout_s=create_timeout,
+                        request_id=request_id,
+                    )
+                else:
                     env = await next(self._lane).make(task.env_spec, **made, timeout=create_timeout)
         await self._share_runner_token(env)
         if env.status != "running" or env.urls is None:
@@ -545,30 +537,6 @@ class FleetProvider:
                 f"instance {env.instance_id} came up {env.status!r}, not running"
             )
         return env
-
-    async def _give_back_unanswered(
-        self, task: TaskSpec, made: dict[str, Any], request_id: str
-    ) -> None:
-        """Release what a create cancelled after it was sent made (a cancelled batch).
-
-        Fleet goes on with a create whose client left, and remembers its request
-        id for that: the same request again is answered 409 with that instance
-        (recovered), or makes it now when the first never got through. Either
-        way it is released. Shielded, within ``timeouts.release_s``; a create
-        that ran out of its own deadline is not given back (its next attempt,
-        with the same id, recovers the instance instead).
-        """
-        assert self._direct is not None
-        release_s = self._settings.timeouts.release_s
-        with anyio.CancelScope(shield=True), anyio.move_on_after(release_s):
-            try:
-                env = await self._direct.make(
-                    task.env_spec, **made, create_timeout_s=release_s, request_id=request_id
-                )
-            except Exception as exc:  # none made, or it cannot be told: TTL and heartbeats
-                _log.info("a cancelled create's instance could not be given back: %s", exc)
-                return
-            await self._close(env)
 
     async def _share_runner_token(self, env: FleetEnv) -> None:
         """The instance-router token, resolved once (bounded) for every instance."""

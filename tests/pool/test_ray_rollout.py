@@ -39,9 +39,24 @@ class FakeWorker:
         self.view = _Method(view)
 
 
-def on(worker: FakeWorker) -> RayRollout:
+def on(worker: FakeWorker, *, sent: bool = True) -> RayRollout:
+    """A RayRollout on ``worker``; ``sent``: as ``execute`` marks it once it sent it there."""
     executor = RayExecutor(SETTINGS, [worker], api_key=None, base_url=None)
-    return RayRollout(executor, TASK, RolloutIds("b", RID), "b")
+    rollout = RayRollout(executor, TASK, RolloutIds("b", RID), "b")
+    rollout.sent = sent
+    return rollout
+
+
+async def test_a_rollout_not_yet_sent_is_not_asked_about_on_its_actor() -> None:
+    # The actor may still hold an earlier rollout of the same id (the run a
+    # resumed batch reruns): its view and its turns are not this rollout's.
+    earlier = RolloutView(RolloutIds("b", RID), TASK.key, Phase.ACTING, 7, (), None)
+
+    async def answer(rid: str, messages: bool) -> RolloutView | None:
+        return earlier
+
+    view = await on(FakeWorker(answer), sent=False).read_view()
+    assert view is not earlier and view.phase is Phase.PENDING and view.steps == 0
 
 
 async def test_a_running_rollout_is_viewed_on_the_actor_that_runs_it() -> None:

@@ -223,7 +223,7 @@ class RayRollout:
         self._messages: list[dict[str, Any]] = []
         #: Whether it was sent to its actor: until then the actor may still hold
         #: an earlier rollout of the same id (a resumed batch's), not this one.
-        self._sent = False
+        self.sent = False
 
     async def execute(self, policy: Policy) -> None:
         if self._stop is not None:
@@ -235,7 +235,7 @@ class RayRollout:
             tag = actor_run_id(self._run_id, self._index)
             self._executor.ran(self._index, self._run_id)
             gate = self._executor.gate_state()
-            self._sent = True
+            self.sent = True
             ref = self._worker.run.remote(self._task, self.ids, tag, policy, gate)
             try:
                 result, events, self._messages = await ref
@@ -326,7 +326,7 @@ class RayRollout:
             OperationTimeout: the actor did not answer within ``timeouts.ray_call_s``.
         """
         view: RolloutView | None = None
-        if self._sent:
+        if self.sent:
             ref = self._worker.view.remote(self.ids.rollout_id, messages)
             view = await self._ask("view", ref, self._call_s)
         if view is None:
@@ -340,7 +340,7 @@ class RayRollout:
     async def events(self, after: int, wait_s: float) -> EventPage:
         """Its live events on the actor running it (see :meth:`read_view`)."""
         page: EventPage | None = None
-        if self._sent:
+        if self.sent:
             ref = self._worker.events.remote(self.ids.rollout_id, after, wait_s)
             page = await self._ask("events", ref, self._call_s + wait_s)
         if page is None and self.result is not None:

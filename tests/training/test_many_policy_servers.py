@@ -44,9 +44,14 @@ async def test_each_rollout_keeps_to_one_server_both_serve_and_a_dead_one_loses_
     both_served = anyio.Event()
     servers: list[FakeChatServer] = []
 
-    def counting(body: dict[str, Any]) -> Reply:
-        if all(len(s.replies) >= 3 for s in servers):
-            both_served.set()  # stop the first server, mid-batch
+    def stopping_mid_rollout(body: dict[str, Any]) -> Reply:
+        # The first server is stopped once both served and it answers a rollout's
+        # second call (every task has three steps or more: calls follow), so some
+        # rollout surely moves. Stopped after a count of replies instead, it could
+        # find every one of its rollouts done when their starts were spread out.
+        turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
+        if turn == 1 and all(s.replies for s in servers):
+            both_served.set()
         return script(body)
 
     out = tmp_path / "results.jsonl"
@@ -63,13 +68,13 @@ async def test_each_rollout_keeps_to_one_server_both_serve_and_a_dead_one_loses_
     }
 
     async def doomed_server(*, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        async with FakeChatServer(counting) as doomed:
+        async with FakeChatServer(stopping_mid_rollout) as doomed:
             servers.insert(0, doomed)
             task_status.started(doomed)
             await both_served.wait()
         # Stopped: its port refuses connections from here on.
 
-    async with FakeChatServer(counting) as second:
+    async with FakeChatServer(script) as second:
         servers.append(second)
         args = [sys.executable, "-m", "fleetroll", "run", str(task_file(tmp_path))]
         args += ["--out", str(out), "--samples", str(SAMPLES), "--concurrency", "8"]

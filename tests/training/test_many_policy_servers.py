@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from fleetroll.pool.journal import read_journal
-from fleetroll.testing.fake_openai import FakeChatServer, Reply
+from fleetroll.testing.fake_openai import FakeChatServer, FakeError, Reply
 from training_helpers import TASK_FILES, TASKS, solving
 
 #: Integration tests (the emulator over loopback, a real process): outside `-m "not slow"`.
@@ -49,6 +49,10 @@ async def test_each_rollout_keeps_to_one_server_both_serve_and_a_dead_one_loses_
         # second call (every task has three steps or more: calls follow), so some
         # rollout surely moves. Stopped after a count of replies instead, it could
         # find every one of its rollouts done when their starts were spread out.
+        if both_served.is_set():
+            # Dying: until its shutdown is done (it lets open connections finish,
+            # slowly under load), it answers what it still gets with 503.
+            return FakeError(503, "shutting down")
         turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
         if turn == 1 and all(s.replies for s in servers):
             both_served.set()

@@ -425,14 +425,9 @@ class NewDatabase:
         self._conn: sqlite3.Connection | None = None
 
     def make(self) -> None:
-        conn = open_db(self.path)
-        try:
-            self._template.backup(conn)
-        except BaseException:
-            conn.close()
-            _delete_files(self.path)
-            raise
-        self._conn = conn
+        """Copy the template into the new file (on failure, :meth:`discard` removes it)."""
+        self._conn = open_db(self.path)
+        self._template.backup(self._conn)
 
     def take(self) -> tuple[str, Path, sqlite3.Connection]:
         conn, self._conn = self._conn, None

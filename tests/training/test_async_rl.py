@@ -112,7 +112,10 @@ async def test_stale_rollouts_restart_on_fresh_instances_with_one_result_each() 
             policy = PlannedPolicy({LEDGER[0].key: ["gate"]})
             batch = pool.run_batch(LEDGER[:1], policy, samples_per_task=2)
             with anyio.fail_after(60):
-                await batch.rollouts[0].wait_until(lambda r: policy.calls[LEDGER[0].key] == 1)
+                # Whichever sample took the one slot first is at the gate (the
+                # first's view alone would wait forever if the second went first).
+                while policy.calls[LEDGER[0].key] < 1:
+                    await anyio.sleep(0.01)
                 pool.policy_version += 1  # a weight sync while the first rollout acts
                 policy.go.set()
                 results = await batch.results()

@@ -238,8 +238,12 @@ async def test_a_resumed_oversampled_run_only_runs_what_its_groups_still_lack(
         reward=1.0,
     )
     out.write_text(journaled.model_dump_json() + "\n")
-    # Of the two samples left, the group needs one: the other is held until superseded.
-    policy = PlannedPolicy({task.key: ["solve", "hold"]})
+    # Of the two samples left, the group needs one: sample 1 (its own). The
+    # extra (sample 2) is held until superseded. (Held by the order of first
+    # calls instead, sample 1 could be the held one: the group keeps its
+    # lowest ranks, so it would wait for it, and the solved extra would end
+    # superseded: a deadlock of the test's own making, CI6 and CI9.)
+    policy = PlannedPolicy({task.key: {2: "hold"}})
     with anyio.fail_after(60):
         report = await run_job(
             settings,

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 from fleetroll._internal.serving import serve_asgi
@@ -67,3 +69,31 @@ def test_each_server_command_on_a_busy_port_says_so_in_one_line(
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().count("\n") == 0, done.stderr
     assert f"127.0.0.1:{busy_port}" in done.stderr and "in use" in done.stderr
+
+
+async def test_a_caller_cancelled_while_serving_still_shuts_the_server_down() -> None:
+    # Cancelled with its caller (a trainer's time-out around `run_job`), the
+    # server skipped uvicorn's shutdown: its lifespan task was cancelled (a
+    # traceback in the log) and its listening socket stayed open until the
+    # collector found it (an unclosed-socket warning that failed another test).
+    shutdowns = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        assert scope["type"] == "lifespan"
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                shutdowns.append(True)
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    with anyio.fail_after(15), anyio.CancelScope() as caller:
+        async with serve_asgi(app) as url:
+            port = int(url.rsplit(":", 1)[1])
+            caller.cancel()
+            await anyio.sleep(5)  # cancelled here
+    assert shutdowns == [True]
+    with pytest.raises(OSError):  # nobody listens there any more
+        await anyio.connect_tcp("127.0.0.1", port)

@@ -70,10 +70,17 @@ async def serve_asgi(
     )
     stopped = anyio.Event()
     failure: list[str] = []
+    # Shielded: a caller cancelled (a trainer's time-out, Ctrl-C) still gets
+    # uvicorn's own shutdown, which closes the listening socket. Cancelled with
+    # the caller, the server left its socket open for the collector to find
+    # (and its lifespan task printed a traceback). Cancelled on purpose below
+    # when the shutdown takes too long.
+    serving = anyio.CancelScope(shield=True)
 
     async def serve() -> None:
         try:
-            await server.serve()
+            with serving:
+                await server.serve()
         except SystemExit:
             # uvicorn logs why and exits (3) when it cannot bind: a port taken
             # since _check_free looked. Raised here it would end the process
@@ -100,7 +107,10 @@ async def serve_asgi(
                 server.should_exit = True
                 with anyio.move_on_after(shutdown_timeout_s, shield=True):
                     await stopped.wait()
+                serving.cancel()
                 tg.cancel_scope.cancel()
+                for listener in getattr(server, "servers", ()):
+                    listener.close()  # a shutdown cut short closes nothing itself
     except BaseExceptionGroup as group:
         # Not yet serving: the caller gets the OSError itself (the task group
         # wraps it), which the commands turn into one line.

@@ -17,7 +17,7 @@ from types import TracebackType
 from typing import Self, TypeVar
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.lowlevel import checkpoint
 
 from fleetroll.environments.fleet.traces import TraceUploader
 from fleetroll.errors import PoolFullError
@@ -90,36 +90,37 @@ class ResultStream:
     The buffer holds the whole batch: a result is never held back, so an
     instance is never held waiting for a slow reader. Once the stream is closed
     and read to its end, it is ``drained`` and calls its ``on_drained`` callbacks.
+
+    A plain buffer and an event, not a memory object stream: a batch whose
+    reader was cancelled mid-way (a trainer's time-out) is left unread, and
+    an unread memory object stream complains when the collector finds it.
     """
 
     batch_id: str
 
     def __init__(self, size: int) -> None:
         self._expected = size
-        self._send: MemoryObjectSendStream[RolloutResult]
-        self._receive: MemoryObjectReceiveStream[RolloutResult]
-        self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
-            max_buffer_size=max(1, size)
-        )
+        self._buffer: deque[RolloutResult] = deque()
+        self._closed = False
+        self._arrived = anyio.Event()
         self.delivered: set[str] = set()
         self.finished = anyio.Event()
         self.drained = False
         self.on_drained: list[Callable[[], None]] = []
 
-    def __del__(self) -> None:
-        # Nobody can read an unreachable batch: one read only through its
-        # groups (or not at all) closes its stream quietly as it goes.
-        self._receive.close()
-
     def deliver(self, result: RolloutResult) -> None:
         """Pass a result on, unless one with its id already was (exactly once)."""
         if result.rollout_id in self.delivered:
             return
+        if self._closed:
+            raise anyio.ClosedResourceError(f"batch {self.batch_id} has ended")
         self.delivered.add(result.rollout_id)
-        self._send.send_nowait(result)
+        self._buffer.append(result)
+        self._arrived.set()
 
     def close_stream(self) -> None:
-        self._send.close()
+        self._closed = True
+        self._arrived.set()
         self.finished.set()
 
     def unfinished(self) -> int:
@@ -130,12 +131,15 @@ class ResultStream:
         return self
 
     async def __anext__(self) -> RolloutResult:
-        try:
-            return await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            self._receive.close()
-            self._mark_drained()
-            raise StopAsyncIteration from None
+        await checkpoint()
+        while not self._buffer:
+            if self._closed:
+                self._mark_drained()
+                raise StopAsyncIteration
+            if self._arrived.is_set():  # what woke the readers was taken
+                self._arrived = anyio.Event()
+            await self._arrived.wait()
+        return self._buffer.popleft()
 
     def _mark_drained(self) -> None:
         if not self.drained:

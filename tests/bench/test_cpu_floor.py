@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from fleetroll.bench.cpu_floor import run_cpu_floor
 from fleetroll.bench.scenarios import SCENARIOS, bench_tasks, fleetroll_settings
 from fleetroll.bench.systems import RunContext, run_fleetroll
@@ -55,3 +57,27 @@ async def test_the_cpu_floor_makes_a_rollouts_requests_and_deletes_its_instances
     assert after["tool_calls"] - before["tool_calls"] == 8
     assert after["verifier_runs"] - before["verifier_runs"] == 4
     assert after["running"] == before["running"]
+
+
+async def test_the_cpu_floor_sends_the_control_plane_requests_fleetroll_sends() -> None:
+    # Its CPU is the floor of *fleetroll's* requests: one that fleetroll makes and
+    # it does not (the heartbeats, once) would flatter the floor and fleetroll's ratio.
+    def kinds(emulator: Emulator) -> Counter[str]:
+        ids = {r.path.split("/")[4] for r in emulator.requests if r.method == "DELETE"}
+        seen: Counter[str] = Counter()
+        for r in emulator.requests:
+            path = r.path
+            for instance_id in ids:
+                path = path.replace(instance_id, "{id}")
+            seen[f"{r.method} {path}"] += 1
+        return seen
+
+    made = []
+    for run in (run_fleetroll, run_cpu_floor):
+        async with Emulator(record_requests=1000) as emulator:
+            await run(context(emulator))
+            made.append(kinds(emulator))
+    fleetroll, floor = made
+    per_instance = {k for k in fleetroll if "{id}" in k}
+    assert "POST /v1/env/instances/{id}/heartbeat" in per_instance
+    assert {k: floor[k] for k in per_instance} == {k: fleetroll[k] for k in per_instance}

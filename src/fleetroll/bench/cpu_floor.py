@@ -4,8 +4,12 @@ A rollout makes the requests a fleetroll rollout makes (read off the
 emulator's request log), in the same order, with the same bodies:
 
 1. ``POST /v1/env/instances`` (the create answers once the instance runs:
-   fleetroll asks nothing else to wait for it);
-2. ``POST {instance}/api/v1/env/reset``;
+   fleetroll asks nothing else to wait for it), with fleetroll's heartbeat
+   interval (``provisioning.heartbeat_s``);
+2. a heartbeat at once (``POST /v1/env/instances/{id}/heartbeat``), then one
+   each half interval while the rollout holds its instance (the beats after
+   the first go over one connection of their own, in turn, as fleetroll's
+   beat over its shared pool); then ``POST {instance}/api/v1/env/reset``;
 3. MCP over streamable HTTP: ``server/discover``, ``tools/list``, then one
    ``tools/call`` per call the scripted policy makes (the same policy, with
    the same think time, as every system);
@@ -218,6 +222,26 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
     run_id = uuid.uuid4().hex[:12]
     bundles = {task.key: _bundle(task.verifier_func or "") for task in ctx.tasks}
     samples: list[Sample] = []
+    interval = ctx.settings.provisioning.heartbeat_s
+    held: dict[str, str | None] = {}  # instance id -> its heartbeat region
+
+    def beat(conn: Connection, instance_id: str) -> Any:
+        region = held.get(instance_id)
+        body = {"region": region} if region else {}
+        return conn.request("POST", f"/v1/env/instances/{instance_id}/heartbeat", body, auth)
+
+    async def beat_held(period: float) -> None:
+        conn = Connection(ctx.base_url)
+        try:
+            while True:
+                await anyio.sleep(period)
+                for instance_id in list(held):
+                    if instance_id in held:  # not released meanwhile
+                        with contextlib.suppress(Exception), anyio.fail_after(period):
+                            await beat(conn, instance_id)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await conn.aclose()
 
     async def create(conn: Connection, task: TaskSpec) -> Any:
         ttl = task.ttl_seconds or ctx.settings.modalities[task.modality].ttl_s
@@ -229,6 +253,7 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
             "run_id": run_id,
             "created_from": "sdk",
             "ttl_seconds": ttl,
+            "heartbeat_interval": interval,
             "max_wait_seconds": max(0, int(t.provision_create_s) - 30),
         }
         with anyio.fail_after(t.provision_create_s):
@@ -302,6 +327,10 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
                 timings.provision_s = time.perf_counter() - began
                 instance_id = str(instance["instance_id"])
                 root = urlsplit(instance["urls"]["root"]).path
+                if instance.get("heartbeat_interval"):
+                    held[instance_id] = instance.get("heartbeat_region")
+                    with anyio.fail_after(t.reset_s):
+                        await beat(conn, instance_id)
                 mark = time.perf_counter()
                 with anyio.fail_after(t.reset_s):
                     await conn.request(
@@ -318,16 +347,22 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
             except Exception as exc:  # one rollout's boundary: recorded, not raised
                 failure = type(exc).__name__
             finally:
+                if instance_id is not None:
+                    held.pop(instance_id, None)
                 with anyio.CancelScope(shield=True), anyio.move_on_after(t.release_s):
                     await _release(conn, instance_id, auth)
                 timings.total_s = time.perf_counter() - began
                 samples.append(Sample(reward=reward, failure=failure, timings=timings))
 
     with anyio.move_on_after(ctx.scenario.wall_limit_s) as scope:
-        async with anyio.create_task_group() as tg:
-            for task in ctx.tasks:
-                for _ in range(ctx.samples_per_task):
-                    tg.start_soon(one, task)
+        async with anyio.create_task_group() as beats:
+            if interval is not None:
+                beats.start_soon(beat_held, interval / 2)
+            async with anyio.create_task_group() as tg:
+                for task in ctx.tasks:
+                    for _ in range(ctx.samples_per_task):
+                        tg.start_soon(one, task)
+            beats.cancel_scope.cancel()
     return Outcome(
         samples=samples,
         returned=len(samples),

@@ -116,6 +116,14 @@ class Heartbeats:
                 await env.heartbeat()
         except Exception as exc:  # the next beat may pass; the rollout sees a death
             self.failed += 1
+            released = env.instance_id not in self._held
             if isinstance(exc, fleet_errors.FleetAPIError) and exc.status_code == 404:
                 self.drop(env.instance_id)  # gone: nothing left to keep alive
-            _log.warning("heartbeat of instance %s failed: %s", env.instance_id, type(exc).__name__)
+            # A beat that crossed its instance's release (a 404 from the delete
+            # that won) is expected: not a line on the user's console.
+            _log.log(
+                logging.DEBUG if released else logging.WARNING,
+                "heartbeat of instance %s failed: %s",
+                env.instance_id,
+                type(exc).__name__,
+            )

@@ -101,7 +101,6 @@ class ResultStream:
     def __init__(self, size: int) -> None:
         self._expected = size
         self._buffer: deque[RolloutResult] = deque()
-        self._closed = False
         self._arrived = anyio.Event()
         self.delivered: set[str] = set()
         self.finished = anyio.Event()
@@ -112,16 +111,15 @@ class ResultStream:
         """Pass a result on, unless one with its id already was (exactly once)."""
         if result.rollout_id in self.delivered:
             return
-        if self._closed:
+        if self.finished.is_set():
             raise anyio.ClosedResourceError(f"batch {self.batch_id} has ended")
         self.delivered.add(result.rollout_id)
         self._buffer.append(result)
         self._arrived.set()
 
     def close_stream(self) -> None:
-        self._closed = True
-        self._arrived.set()
         self.finished.set()
+        self._arrived.set()
 
     def unfinished(self) -> int:
         """Rollouts of this batch whose result is not in yet."""
@@ -133,7 +131,7 @@ class ResultStream:
     async def __anext__(self) -> RolloutResult:
         await checkpoint()
         while not self._buffer:
-            if self._closed:
+            if self.finished.is_set():
                 self._mark_drained()
                 raise StopAsyncIteration
             if self._arrived.is_set():  # what woke the readers was taken

@@ -233,6 +233,7 @@ class _Connection(asyncio.Protocol):
         "_headers",
         "_in_head",
         "_keep_alive",
+        "_no_body",
         "_parser",
         "_paused",
         "_size",
@@ -258,6 +259,7 @@ class _Connection(asyncio.Protocol):
         self._status = 0
         self._headers: dict[str, str] = {}
         self._keep_alive = False
+        self._no_body = False
         self._body: list[bytes] = []
         self._size = 0
         self._cap = 0
@@ -343,6 +345,14 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        if self._no_body:
+            # The answer to a HEAD: its length describes a body never sent, and
+            # httptools cannot be told so: the answer ends here, and the parser
+            # (expecting that body) goes with its connection.
+            self._status = self._parser.get_status_code()
+            self._complete = True
+            self._wake()
+            raise _Extra
         encoding = self._headers.get("content-encoding")
         if encoding is not None:
             self._decoders = _decoders(encoding)  # refused before the head is handed over
@@ -437,7 +447,7 @@ class _Connection(asyncio.Protocol):
         except (OSError, ValueError):
             return True
 
-    def _begin(self, cap: int, streaming: bool) -> asyncio.Future[None]:
+    def _begin(self, cap: int, streaming: bool, no_body: bool) -> asyncio.Future[None]:
         self._status = 0
         self._headers = {}
         self._body = []
@@ -449,16 +459,17 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._decoders = None
         self._streaming = streaming
+        self._no_body = no_body
         self._complete = False
         self._error = None
         self._active = True
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         return waiter
 
-    async def exchange(self, data: bytes, cap: int) -> Response:
+    async def exchange(self, data: bytes, cap: int, no_body: bool) -> Response:
         """Send one request's bytes and read its answer to its end."""
         assert self.transport is not None
-        waiter = self._begin(cap, False)
+        waiter = self._begin(cap, False, no_body)
         try:
             self.transport.write(data)
             await waiter
@@ -477,10 +488,10 @@ class _Connection(asyncio.Protocol):
             self.close()
         return Response(self._status, self._headers, body)
 
-    async def open_stream(self, data: bytes, cap: int) -> None:
+    async def open_stream(self, data: bytes, cap: int, no_body: bool) -> None:
         """Send one request's bytes and wait for its answer's head."""
         assert self.transport is not None
-        waiter = self._begin(cap, True)
+        waiter = self._begin(cap, True, no_body)
         self._buffered = 0
         self._paused = False
         try:
@@ -848,7 +859,7 @@ class Wire:
             if conn is None:
                 conn, reused = await self._open(target), False
             try:
-                response = await conn.exchange(data, max_bytes)
+                response = await conn.exchange(data, max_bytes, method == "HEAD")
             except ConnectionLost:
                 if reused and not conn.received and _resendable(method, headers):
                     continue  # closed by the server while idle: it never read this
@@ -1057,7 +1068,7 @@ class _Stream:
             if conn is None:
                 conn, reused = await wire._open(target), False
             try:
-                await conn.open_stream(data, self._max_bytes)
+                await conn.open_stream(data, self._max_bytes, self._method == "HEAD")
             except ConnectionLost:
                 if reused and not conn.received and _resendable(self._method, self._headers):
                     continue

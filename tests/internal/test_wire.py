@@ -486,8 +486,9 @@ async def proxying(*, credentials: tuple[str, str] | None = None) -> AsyncIterat
             proxy.heads.append(text)
             method, target, _ = text.split("\r\n", 1)[0].split(" ", 2)
             if wanted is not None and wanted not in text.lower():
-                await client.send(
-                    b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n"
+                await client.send(  # with a page, as squid's
+                    b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 6\r\n"
+                    b"Proxy-Authenticate: Basic realm=x\r\n\r\ndenied"
                 )
                 return
             if method == "CONNECT":

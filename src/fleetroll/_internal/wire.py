@@ -553,8 +553,9 @@ class _Tunnel(asyncio.Protocol):
         self._buffer += data
         end = self._buffer.find(b"\r\n\r\n")
         if end >= 0:
-            # Nothing may follow the head: the target speaks first after TLS.
-            self.head.set_result(self._buffer[: end + 4] if end + 4 == len(self._buffer) else b"")
+            # All of it: a refusal may come with a body; a 2xx may not (the
+            # target speaks only after TLS), which _open_tunnel checks.
+            self.head.set_result(self._buffer)
         elif len(self._buffer) > HEAD_CAP:
             self.head.set_result(b"")
 
@@ -975,10 +976,13 @@ class Wire:
                 lines.append(f"proxy-authorization: {proxy.authorization}\r\n")
             lines.append("\r\n")
             transport.write("".join(lines).encode("latin-1"))
-            head = await tunnel.head
+            answer = await tunnel.head
+            head, _, rest = answer.partition(b"\r\n\r\n")
             status, reason = _status_line(head)
-            if not 200 <= status < 300:
+            if not 200 <= status < 300 or rest:
                 what = f"{status} {reason}".strip() if status else "a malformed answer"
+                if 200 <= status < 300:
+                    what = f"{what}, followed by bytes before TLS"
                 raise ProxyError(
                     f"the proxy {proxy.url} refused the tunnel to {authority}: {what}",
                     status=status,

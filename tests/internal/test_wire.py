@@ -733,3 +733,22 @@ async def test_the_answer_to_a_head_ends_at_its_head_whatever_its_length_says() 
     assert response.status == 200 and response.body == b""
     assert response.headers["content-length"] == "1000"
     assert after.json() == {"ok": True}
+
+
+async def test_interim_answers_are_skipped_for_the_final_one() -> None:
+    async def hints_first(server: Server, stream: SocketStream, head: bytes) -> bool:
+        await stream.send(
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+            b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n"
+        )
+        return await answer_ok(server, stream, head)
+
+    async with serving(hints_first) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/mcp"
+        with anyio.fail_after(10):
+            response = await wire.request("POST", url, body=b"{}")
+            async with wire.stream("POST", url, body=b"{}") as streamed:
+                assert streamed.status == 200 and await streamed.aread() == b'{"ok":true}'
+    assert response.status == 200 and response.json() == {"ok": True}
+    assert "link" not in response.headers
+    assert server.connections == 1

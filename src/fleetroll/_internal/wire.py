@@ -232,6 +232,7 @@ class _Connection(asyncio.Protocol):
         "_head_bytes",
         "_headers",
         "_in_head",
+        "_interim",
         "_keep_alive",
         "_no_body",
         "_parser",
@@ -264,6 +265,7 @@ class _Connection(asyncio.Protocol):
         self._size = 0
         self._cap = 0
         self._in_head = True
+        self._interim = False
         self._head_bytes = 0
         self._decoders: list[_Inflate] | None = None
         self._streaming = False
@@ -344,19 +346,26 @@ class _Connection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            # An interim answer (100 Continue, 103 Early Hints): skipped, as
+            # httpx does; the answer follows on the same connection.
+            self._interim = True
+            self._headers = {}
+            return
         self._in_head = False
         if self._no_body:
             # The answer to a HEAD: its length describes a body never sent, and
             # httptools cannot be told so: the answer ends here, and the parser
             # (expecting that body) goes with its connection.
-            self._status = self._parser.get_status_code()
+            self._status = status
             self._complete = True
             self._wake()
             raise _Extra
         encoding = self._headers.get("content-encoding")
         if encoding is not None:
             self._decoders = _decoders(encoding)  # refused before the head is handed over
-        self._status = self._parser.get_status_code()
+        self._status = status
         if self._streaming:
             self._wake()
 
@@ -368,6 +377,9 @@ class _Connection(asyncio.Protocol):
         self._add(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self._keep_alive = self._parser.should_keep_alive()
         if self._decoders is not None:
             self._flush()

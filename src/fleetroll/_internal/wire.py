@@ -17,6 +17,9 @@ Contracts:
   allows it, and for at most ``keepalive_s`` of idleness; an idle connection
   the server already closed (its socket readable, as httpcore checks) is
   dropped before it is used.
+* Answers are read as httpx reads them: interim ones (``100 Continue``,
+  ``103 Early Hints``) are skipped; the answer to a ``HEAD`` ends at its
+  head whatever its length says (its connection is then closed).
 * :class:`ConnectFailed`: no connection could be opened, the request
   provably never left (safe to send again, a POST too).
   :class:`ConnectionLost`: the connection broke after the request may have

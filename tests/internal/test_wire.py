@@ -184,6 +184,8 @@ async def test_a_stream_hands_over_head_and_body_as_they_arrive_and_reuses_its_c
                     chunks.append(chunk)
                     first_read.set()
             assert chunks == [b"event1", b"event2"]
+            with pytest.raises(RuntimeError, match="after its `async with` ended"):
+                await response.aread()  # its connection is another answer's now
             async with wire.stream("GET", url) as again:
                 assert await again.aread() == b"event1event2"
     assert server.connections == 1  # read to its end: the connection was reused

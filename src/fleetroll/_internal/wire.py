@@ -1024,7 +1024,7 @@ class StreamResponse:
     __slots__ = ("_conn", "headers", "status")
 
     def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
-        self._conn = conn
+        self._conn: _Connection | None = conn  # None once its context has ended
         self.status = status
         self.headers = headers  # lower-case names; a repeated header keeps its last value
 
@@ -1040,6 +1040,8 @@ class StreamResponse:
         return self
 
     async def __anext__(self) -> bytes:
+        if self._conn is None:  # its connection may carry another answer by now
+            raise RuntimeError("the stream was read after its `async with` ended")
         chunk = await self._conn.next_chunk()
         if chunk is None:
             raise StopAsyncIteration
@@ -1058,7 +1060,17 @@ class StreamResponse:
 class _Stream:
     """``Wire.stream``'s context: the exchange's head on entry, its connection settled on exit."""
 
-    __slots__ = ("_body", "_conn", "_headers", "_max_bytes", "_method", "_route", "_url", "_wire")
+    __slots__ = (
+        "_body",
+        "_conn",
+        "_headers",
+        "_max_bytes",
+        "_method",
+        "_response",
+        "_route",
+        "_url",
+        "_wire",
+    )
 
     def __init__(
         self,
@@ -1077,6 +1089,7 @@ class _Stream:
         self._max_bytes = max_bytes
         self._conn: _Connection | None = None
         self._route: _Route | None = None
+        self._response: StreamResponse | None = None
 
     async def __aenter__(self) -> StreamResponse:
         wire = self._wire
@@ -1093,12 +1106,15 @@ class _Stream:
                     continue
                 raise
             self._conn = conn
-            return StreamResponse(conn, conn._status, conn._headers)
+            self._response = StreamResponse(conn, conn._status, conn._headers)
+            return self._response
 
     async def __aexit__(self, *exc_info: object) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        if self._response is not None:
+            self._response._conn = None
         if conn.reusable():
             assert self._route is not None
             self._wire._put_back(self._route, conn)

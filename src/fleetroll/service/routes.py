@@ -234,6 +234,9 @@ def asgi_routes(api: Api) -> list[Route]:
 
 
 async def healthz(api: Api, request: Request) -> Response:
+    error = api.service.batches.store_error
+    if error is not None:
+        return _json(Health(status="failing", error=error), 503)
     return _json(Health())
 
 
@@ -473,7 +476,11 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         healthz,
         "healthz",
         "Liveness (needs no token)",
-        answers={200: "The service is up"},
+        answers={
+            200: "The service is up",
+            503: "The service cannot write service.state_dir (a full disk): it takes no"
+            " new rollouts until it is restarted (status failing, with the error)",
+        },
         answer=Health,
         auth=False,
     ),
@@ -514,7 +521,9 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
             422: "Invalid request: each problem with its location; or the pre-flight"
             " refused the batch (type preflight_error, nothing provisioned)",
             503: "The pool is full (pool.max_queued_rollouts), or a cancel of this"
-            " batch is still settling: retry after Retry-After seconds",
+            " batch is still settling: retry after Retry-After seconds; or the service"
+            " cannot write service.state_dir (a full disk) and takes no new rollouts until"
+            " it is restarted",
         },
     ),
     Endpoint(

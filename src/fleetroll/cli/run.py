@@ -49,7 +49,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.training.groups import groups_of
-from fleetroll.training.sampler import SamplerConfig, TaskSampler
+from fleetroll.training.sampler import SamplerConfig, SamplerState, TaskSampler
 
 __all__ = [
     "FleetTarget",
@@ -216,7 +216,7 @@ class _StepRun:
             if interrupted.is_set() or drive.stopped is not None:
                 return finished
             if out is not None:  # the state this step starts from: a resume draws it again
-                await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
+                await _keep_sampler_state(out, sampler.state(), drive)
             draw = sampler.draw()
             step_id = step_batch_id(run_id, draw.step)
             before = [r for r in previous if r.batch_id == step_id]
@@ -241,8 +241,17 @@ class _StepRun:
                 sampler.observe(group)
             finished = sampler.step
         if out is not None:  # where a longer resume goes on from
-            await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
+            await _keep_sampler_state(out, sampler.state(), drive)
         return finished
+
+
+async def _keep_sampler_state(out: Path, state: SamplerState, drive: _Drive) -> None:
+    """Raises: JournalError: the state could not be written beside the journal (a full disk)."""
+    try:
+        await anyio.to_thread.run_sync(write_sampler_state, out, state)
+    except OSError as exc:
+        written = drive.journal.written if drive.journal is not None else 0
+        raise JournalError(sampler_path(out), exc, written) from None
 
 
 async def run_job(

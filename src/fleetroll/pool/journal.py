@@ -331,12 +331,17 @@ def claim_journal(path: Path, identity: BatchIdentity, *, resume: bool) -> Journ
     Raises:
         ConfigError: ``path`` is not a regular file, another run holds its
             lock, it has results and ``resume`` was not asked, or it belongs
-            to another batch. The message says which and what to do.
+            to another batch; or it (or its identity) cannot be read or
+            written. The message says which and what to do.
     """
     fd = _open_locked(path)
     with contextlib.ExitStack() as undo:
         undo.callback(os.close, fd)  # unless the claim is made
-        claim = _check(path, fd, identity, resume=resume)
+        try:
+            claim = _check(path, fd, identity, resume=resume)
+        except OSError as exc:  # its identity could not be written (a full disk), or read
+            where = exc.filename or path
+            raise ConfigError(f"--out {path}: {where}: {exc.strerror or exc}") from None
         undo.pop_all()
     return claim
 

@@ -62,6 +62,7 @@ __all__ = [
     "BatchIdentity",
     "Journal",
     "JournalClaim",
+    "JournalError",
     "claim_journal",
     "journal_line",
     "meta_path",

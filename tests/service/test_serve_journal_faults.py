@@ -10,8 +10,10 @@ as a model's text (JSON's ``\\udc80`` escape, which ``json`` accepts).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import resource
 from collections import Counter
 from pathlib import Path
@@ -210,3 +212,35 @@ async def test_a_result_json_cannot_hold_is_result_error_and_the_batch_goes_on(
     assert groups.status_code == 200 and groups.text.count('"type":"group"') == len(TASKS)
     # The journal holds them as streamed, and reads back after a restart.
     assert [r for _, r in seen] == read_journal(store.journal_path(BATCH), latest=False)
+
+
+async def test_a_request_that_cannot_be_kept_is_refused_and_the_service_says_why(
+    emulator: Emulator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fleetroll.service.state as state
+
+    def disk_full(path: Path, data: bytes) -> None:  # the lowest write of a request
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    settings = load_settings(service={"state_dir": tmp_path}, service_token=TOKEN)
+    async with (
+        open_store(tmp_path) as store,
+        RolloutPool(settings, api_key=emulator.api_key, base_url=emulator.base_url) as pool,
+    ):
+        monkeypatch.setattr(state, "_write_atomically", disk_full)
+        service = Service(pool, settings, store=store)
+        async with (
+            serve_app(create_app(service), "127.0.0.1", 0) as url,
+            httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30) as http,
+        ):
+            refused = await http.post("/v1/batches", json=BODY)
+            batch = await http.get(f"/v1/batches/{BATCH}")
+            health = await http.get("/healthz")
+            again = await http.post("/v1/batches", json=BODY)
+    # Never accepted: it would not have survived a restart.
+    assert refused.status_code == 503, refused.text
+    assert "No space left on device" in refused.json()["detail"]
+    assert batch.json()["status"] == "interrupted" and batch.json()["results"] == 0
+    assert health.status_code == 503 and "No space left" in health.json()["error"]
+    assert again.status_code == 503
+    assert list(tmp_path.glob("batches/*.jsonl*")) == []

@@ -644,7 +644,7 @@ def journal_line(result: RolloutResult) -> tuple[RolloutResult, bytes]:
     output are left out.
     """
     try:
-        return result, _encode((result,))
+        return result, result.model_dump_json().encode() + b"\n"
     except (ValueError, TypeError) as exc:  # pydantic's serialisation error is a ValueError
         where = _unwritable(result.model_dump(), "") or _safe(" ".join(str(exc).split())[:200])
     ended = result.status if result.failure_reason is None else result.failure_reason.value

@@ -26,6 +26,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import Emulator  # noqa: E402
 from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy  # noqa: E402
 from fleetroll.pool.batch_pool import FleetTarget, open_batch_pool  # noqa: E402
@@ -155,6 +156,12 @@ def ran_on_actors(shared: Shared, results: list[RolloutResult]) -> bool:
     return len(completed) == len(ids) and all("worker" in e.attributes for e in completed)
 
 
+async def actor_gates(shared: Shared) -> list[tuple[int, bool, int]]:
+    """Each actor's gate now (version, paused, calls admitted): asked of all at once."""
+    refs = [worker.gate_state.remote() for worker in shared.executor.workers]
+    return [await ref for ref in refs]
+
+
 @pytest.mark.parametrize("executor", ["local", "ray"])
 @pytest.mark.parametrize("kind", ["scripted", "openai", "agent"])
 async def test_every_policy_runs_a_batch_to_scored_results_on_either_executor(
@@ -225,3 +232,52 @@ async def test_on_ray_a_policy_that_cannot_travel_or_load_fails_its_rollouts_not
     assert "failed on its Ray actor" in str(unloaded[0].error)
     assert [r.reward for r in after] == [1.0] * len(TASKS)
     assert health.status_code == 200
+
+
+async def test_on_serve_ray_an_openai_batch_runs_and_each_call_after_a_version_put_records_it(
+    shared: Shared,
+) -> None:
+    """``PUT /v1/policy/version`` answers once every actor has the version: the
+    actors' gates hold it when the answer comes, and every policy call made
+    after it (each rollout's second and later) records it."""
+    executor, script = shared.executor, shared.script
+    tasks = LEDGER[2:6]
+    policy = {"kind": "openai", "base_url": shared.chat.base_url, "model": "served"}
+    async with (
+        httpx.AsyncClient(base_url=shared.url, timeout=30) as http,
+        FleetrollClient(shared.url) as client,
+    ):
+        with anyio.fail_after(300):
+            version = shared.on_ray.policy_version + 1
+            script.arm(expected=len(tasks))  # each rollout's first call is held
+            batch = client.run_batch(tasks, policy, batch_id="put")
+            await batch.submit()
+            await script.arrived.wait()
+            put = await http.put("/v1/policy/version", json={"version": version})
+            gates = await actor_gates(shared)  # when the answer came
+            script.open()  # every later call is made after the answer
+            results = [r async for r in batch]
+    assert put.status_code == 200
+    assert put.json()["version"] == version
+    assert [v for v, _, _ in gates] == [version] * len(executor.workers)
+    assert sorted((r.task_key, r.reward) for r in results) == sorted((t.key, 1.0) for t in tasks)
+    for r in results:
+        first, *later = [turn.policy_version for turn in r.turns]
+        assert first == version - 1 and later and set(later) == {version}
+
+
+async def test_on_ray_a_pause_and_a_version_set_return_once_every_actor_has_them(
+    shared: Shared,
+) -> None:
+    pool = shared.on_ray
+    with anyio.fail_after(60):
+        version = pool.policy_version
+        async with pool.policy_paused():
+            in_pause = await actor_gates(shared)
+            pool.policy_version = version + 1  # the weights swapped in the pause
+        after_pause = await actor_gates(shared)
+        await pool.set_policy_version(version + 2)
+        after_set = await actor_gates(shared)
+    assert {(v, paused) for v, paused, _ in in_pause} == {(version, True)}
+    assert {(v, paused) for v, paused, _ in after_pause} == {(version + 1, False)}
+    assert {(v, paused) for v, paused, _ in after_set} == {(version + 2, False)}

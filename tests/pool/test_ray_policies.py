@@ -13,23 +13,33 @@ logprobs) and the emulator are shared too.
 
 from __future__ import annotations
 
+import io
 import operator
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
 import pytest
+from rich.console import Console
 
 ray = pytest.importorskip("ray")
 
+from fleetroll.cli.run import run_job  # noqa: E402
 from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import Emulator  # noqa: E402
-from fleetroll.policies import OpenAIChatPolicy, Policy, ScriptedPolicy  # noqa: E402
+from fleetroll.policies import (  # noqa: E402
+    OpenAIChatPolicy,
+    Policy,
+    ScriptedPolicy,
+    policy_from_settings,
+)
 from fleetroll.pool.batch_pool import FleetTarget, open_batch_pool  # noqa: E402
+from fleetroll.pool.journal import read_journal  # noqa: E402
 from fleetroll.pool.ray.executor import RayExecutor  # noqa: E402
 from fleetroll.pool.rollout_pool import RolloutPool  # noqa: E402
 from fleetroll.results import FailureReason, RolloutResult  # noqa: E402
@@ -183,6 +193,30 @@ async def test_every_policy_runs_a_batch_to_scored_results_on_either_executor(
         assert recorded == sent and sum(len(r.turns) for r in results) == len(replies)
     if executor == "ray":
         assert ran_on_actors(shared, results)
+
+
+async def test_run_on_ray_with_the_openai_policy_journals_every_rollout_scored(
+    shared: Shared, tmp_path: Path
+) -> None:
+    """``fleetroll run --ray --policy openai``'s job (it journaled every rollout
+    ``cancelled`` and exited 1: the policy did not pickle)."""
+    settings = shared.settings()
+    out = tmp_path / "results.jsonl"
+    with anyio.fail_after(300):
+        async with policy_from_settings(settings) as policy:  # as `fleetroll run` makes it
+            report = await run_job(
+                settings,
+                TASKS,
+                policy,
+                out=out,
+                ray_address="local",
+                ray_actors=1,
+                console=Console(file=io.StringIO()),
+            )
+    journaled = read_journal(out)
+    assert not report.interrupted and report.stopped is None
+    assert sorted((r.task_key, r.reward) for r in journaled) == [(t.key, 1.0) for t in TASKS]
+    assert all(r.turns for r in journaled)
 
 
 class Unpicklable(ScriptedPolicy):

@@ -690,6 +690,7 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         answers={201: "The pause is held"},
         answer=PauseLease,
         body=PauseRequest,
+        errors={504: "A Ray actor did not confirm the pause within timeouts.ray_call_s"},
     ),
     Endpoint(
         "PUT",

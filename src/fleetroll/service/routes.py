@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetroll.errors import OperationTimeout
 from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, evaluate
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.events import EventPage, ndjson_lines
@@ -375,8 +376,11 @@ async def get_policy(api: Api, request: Request) -> Response:
 
 async def set_policy_version(api: Api, request: Request) -> Response:
     body = await _parse(request, PolicyVersionRequest)
-    api.service.policy_state()  # refused on Ray
-    api.service.pool.policy_version = body.version
+    try:
+        # Answered once every Ray actor has it: each policy call after the answer records it.
+        await api.service.pool.set_policy_version(body.version)
+    except OperationTimeout as exc:
+        raise ApiError(504, str(exc)) from None
     return _json(api.service.policy_state())
 
 
@@ -669,9 +673,17 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         set_policy_version,
         "setPolicyVersion",
         "Set the policy version (after a weight sync)",
+        description=(
+            "Answered once every place policy calls start in has the version (with"
+            " `serve --ray`, every live actor): each call made after the answer records it."
+        ),
         answers={200: "The policy"},
         answer=PolicyState,
         body=PolicyVersionRequest,
+        errors={
+            504: "A Ray actor did not confirm the version within timeouts.ray_call_s"
+            " (it is set, and reaches the actor when it answers)"
+        },
     ),
     Endpoint(
         "POST",
@@ -687,6 +699,7 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         answers={201: "The pause is held"},
         answer=PauseLease,
         body=PauseRequest,
+        errors={504: "A Ray actor did not confirm the pause within timeouts.ray_call_s"},
     ),
     Endpoint(
         "PUT",

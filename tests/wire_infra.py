@@ -188,7 +188,8 @@ async def _program(
             tg.start_soon(read)
             with anyio.move_on_after(START_S):
                 await started.up.wait()
-            up = not started.ended.is_set() and process.returncode is None
+            up = started.up.is_set() and not started.ended.is_set()
+            up = up and process.returncode is None
             if up:
                 try:
                     yield started
@@ -279,9 +280,13 @@ async def forward_proxy(folder: Path) -> AsyncIterator[ForwardProxy]:
     folder.mkdir(parents=True, exist_ok=True)
     log = AccessLog()
 
+    def entry(line: str) -> None:
+        if line:
+            log.add(line)
+
     async def take(stream: SocketStream) -> None:
         async with stream:
-            await _read_lines(_received(stream), lambda line: line and log.add(line))
+            await _read_lines(_received(stream), entry)
 
     async with (
         await anyio.create_tcp_listener(local_host="127.0.0.1") as listener,

@@ -27,6 +27,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import httpx
@@ -35,6 +36,9 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from fleetroll._internal.http_transport import SdkAiohttpTransport
 from fleetroll._internal.wire import ConnectFailed, Wire, WireError
+from fleetroll.environments.mcp.provider import McpProvider
+from fleetroll.settings import load_settings
+from fleetroll.telemetry import Events
 from wire_infra import (
     PROXY_SOURCE,
     ForwardProxy,
@@ -392,6 +396,21 @@ async def test_no_proxy_sends_a_request_straight_to_its_host(
             assert (await http.get(f"http://127.0.0.1:{server.port}{marker}")).status_code == 200
     await proxy.log.wait_for(lambda _: any(e.target.endswith(marker) for e in proxy.entries))
     assert not [e for e in proxy.entries if any(e.target.endswith(p) for p in paths.values())]
+
+
+async def test_the_sdk_mcp_client_of_a_url_environment_goes_through_the_forward_proxy(
+    server: Server, proxy: ForwardProxy, no_proxies: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """MCP servers given by URL (``environment.url``), ``pool.mcp_client = "sdk"``: its
+    HTTP client has a transport of its own, with the environment's proxies mounted."""
+    no_proxies.setenv("HTTP_PROXY", proxy.url)
+    settings = load_settings(pool={"mcp_client": "sdk"}, mcp={"workdir_root": str(tmp_path)})
+    path = _path("json", "mcp-sdk")
+    async with McpProvider(settings, Events())._http() as http:
+        with anyio.fail_after(REQUEST_S):
+            got = await http.get(f"http://127.0.0.1:{server.port}{path}")
+    assert got.status_code == 200
+    assert [a.peer for a in server.to(path)] == [PROXY_SOURCE]
 
 
 # -- case 4: no second POST -----------------------------------------------------------------

@@ -135,11 +135,22 @@ async def answer_huge_headers(stream: SocketStream, arrival: Arrival) -> bool:
     return True
 
 
+async def answer_huge_header_line(stream: SocketStream, arrival: Arrival) -> bool:
+    """Case 6, in one line: a single header of :data:`HUGE_HEADERS` bytes."""
+    await stream.send(b"HTTP/1.1 200 OK\r\nX-Padding: ")
+    chunk = b"a" * 2**18
+    for _ in range(HUGE_HEADERS // len(chunk)):
+        await stream.send(chunk)
+    await stream.send(b"\r\nContent-Length: 2\r\n\r\n{}")
+    return True
+
+
 ANSWERS: dict[str, Answer] = {
     "json": answer_json,
     "post-close": close_a_reused_post,
     "gzip": answer_gzip,
     "huge-headers": answer_huge_headers,
+    "huge-header-line": answer_huge_header_line,
 }
 
 
@@ -454,12 +465,14 @@ async def test_a_gzip_answer_is_decoded_or_refused_beforehand(
 # -- case 6: a huge header block -----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("shape", ["huge-headers", "huge-header-line"])
 async def test_a_huge_header_block_fails_the_request_within_its_bound(
-    server: Server, ca: LoopbackCA, no_proxies: pytest.MonkeyPatch
+    server: Server, ca: LoopbackCA, no_proxies: pytest.MonkeyPatch, shape: str
 ) -> None:
+    """Many 4 KiB header lines, or one line, 16 MiB in all: an error, not an answer."""
     got: dict[str, object] = {}
     for kind in CLIENTS:
-        path = _path("huge-headers", kind)
+        path = _path(shape, kind)
         async with client(kind, ca.client_context()) as send:
             outcome = await send("GET", f"http://127.0.0.1:{server.port}{path}")
         got[kind] = (outcome, len(server.to(path)))

@@ -486,8 +486,9 @@ async def proxying(*, credentials: tuple[str, str] | None = None) -> AsyncIterat
             proxy.heads.append(text)
             method, target, _ = text.split("\r\n", 1)[0].split(" ", 2)
             if wanted is not None and wanted not in text.lower():
-                await client.send(
-                    b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n"
+                await client.send(  # with a page, as squid's
+                    b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 6\r\n"
+                    b"Proxy-Authenticate: Basic realm=x\r\n\r\ndenied"
                 )
                 return
             if method == "CONNECT":
@@ -713,3 +714,22 @@ def test_proxies_from_the_environment_are_chosen_by_httpx_s_rules(
         got = None if route.proxy is None else route.proxy.url.rsplit(":", 1)[0]
         want = None if expected is None else str(httpx.URL(expected).copy_with(port=None))
         assert got == (want.rstrip("/") if want else None), (no_proxy, url)
+
+
+async def test_the_answer_to_a_head_ends_at_its_head_whatever_its_length_says() -> None:
+    async def head_answer(server: Server, stream: SocketStream, head: bytes) -> bool:
+        if head.startswith(b"HEAD"):
+            await stream.send(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+            return True
+        return await answer_ok(server, stream, head)
+
+    async with serving(head_answer) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/"
+        with anyio.fail_after(10):
+            response = await wire.request("HEAD", url)
+            async with wire.stream("HEAD", url) as streamed:
+                assert await streamed.aread() == b""
+            after = await wire.request("GET", url)
+    assert response.status == 200 and response.body == b""
+    assert response.headers["content-length"] == "1000"
+    assert after.json() == {"ok": True}

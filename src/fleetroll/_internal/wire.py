@@ -233,6 +233,7 @@ class _Connection(asyncio.Protocol):
         "_headers",
         "_in_head",
         "_keep_alive",
+        "_no_body",
         "_parser",
         "_paused",
         "_size",
@@ -258,6 +259,7 @@ class _Connection(asyncio.Protocol):
         self._status = 0
         self._headers: dict[str, str] = {}
         self._keep_alive = False
+        self._no_body = False
         self._body: list[bytes] = []
         self._size = 0
         self._cap = 0
@@ -343,6 +345,14 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        if self._no_body:
+            # The answer to a HEAD: its length describes a body never sent, and
+            # httptools cannot be told so: the answer ends here, and the parser
+            # (expecting that body) goes with its connection.
+            self._status = self._parser.get_status_code()
+            self._complete = True
+            self._wake()
+            raise _Extra
         encoding = self._headers.get("content-encoding")
         if encoding is not None:
             self._decoders = _decoders(encoding)  # refused before the head is handed over
@@ -437,7 +447,7 @@ class _Connection(asyncio.Protocol):
         except (OSError, ValueError):
             return True
 
-    def _begin(self, cap: int, streaming: bool) -> asyncio.Future[None]:
+    def _begin(self, cap: int, streaming: bool, no_body: bool) -> asyncio.Future[None]:
         self._status = 0
         self._headers = {}
         self._body = []
@@ -449,16 +459,17 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._decoders = None
         self._streaming = streaming
+        self._no_body = no_body
         self._complete = False
         self._error = None
         self._active = True
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         return waiter
 
-    async def exchange(self, data: bytes, cap: int) -> Response:
+    async def exchange(self, data: bytes, cap: int, no_body: bool) -> Response:
         """Send one request's bytes and read its answer to its end."""
         assert self.transport is not None
-        waiter = self._begin(cap, False)
+        waiter = self._begin(cap, False, no_body)
         try:
             self.transport.write(data)
             await waiter
@@ -477,10 +488,10 @@ class _Connection(asyncio.Protocol):
             self.close()
         return Response(self._status, self._headers, body)
 
-    async def open_stream(self, data: bytes, cap: int) -> None:
+    async def open_stream(self, data: bytes, cap: int, no_body: bool) -> None:
         """Send one request's bytes and wait for its answer's head."""
         assert self.transport is not None
-        waiter = self._begin(cap, True)
+        waiter = self._begin(cap, True, no_body)
         self._buffered = 0
         self._paused = False
         try:
@@ -542,8 +553,9 @@ class _Tunnel(asyncio.Protocol):
         self._buffer += data
         end = self._buffer.find(b"\r\n\r\n")
         if end >= 0:
-            # Nothing may follow the head: the target speaks first after TLS.
-            self.head.set_result(self._buffer[: end + 4] if end + 4 == len(self._buffer) else b"")
+            # All of it: a refusal may come with a body; a 2xx may not (the
+            # target speaks only after TLS), which _open_tunnel checks.
+            self.head.set_result(self._buffer)
         elif len(self._buffer) > HEAD_CAP:
             self.head.set_result(b"")
 
@@ -848,7 +860,7 @@ class Wire:
             if conn is None:
                 conn, reused = await self._open(target), False
             try:
-                response = await conn.exchange(data, max_bytes)
+                response = await conn.exchange(data, max_bytes, method == "HEAD")
             except ConnectionLost:
                 if reused and not conn.received and _resendable(method, headers):
                     continue  # closed by the server while idle: it never read this
@@ -964,10 +976,13 @@ class Wire:
                 lines.append(f"proxy-authorization: {proxy.authorization}\r\n")
             lines.append("\r\n")
             transport.write("".join(lines).encode("latin-1"))
-            head = await tunnel.head
+            answer = await tunnel.head
+            head, _, rest = answer.partition(b"\r\n\r\n")
             status, reason = _status_line(head)
-            if not 200 <= status < 300:
+            if not 200 <= status < 300 or rest:
                 what = f"{status} {reason}".strip() if status else "a malformed answer"
+                if 200 <= status < 300:
+                    what = f"{what}, followed by bytes before TLS"
                 raise ProxyError(
                     f"the proxy {proxy.url} refused the tunnel to {authority}: {what}",
                     status=status,
@@ -1057,7 +1072,7 @@ class _Stream:
             if conn is None:
                 conn, reused = await wire._open(target), False
             try:
-                await conn.open_stream(data, self._max_bytes)
+                await conn.open_stream(data, self._max_bytes, self._method == "HEAD")
             except ConnectionLost:
                 if reused and not conn.received and _resendable(self._method, self._headers):
                     continue

@@ -471,3 +471,32 @@ async def test_a_batch_scores_alike_with_direct_calls_and_through_the_sdk_leavin
         rewards[mode] = {rid: r.reward for rid, r in by_id(results).items()}
     assert rewards["direct"] == rewards["sdk"]
     assert len(rewards["sdk"]) == 12 and set(rewards["sdk"].values()) == {1.0}
+
+
+async def test_a_proxy_refusing_the_tunnel_fails_a_direct_create_for_good() -> None:
+    # A proxy that wants credentials (407) or forbids the host (403) is a setting
+    # to fix: retried as a network blip, a create waited out its whole budget.
+    async def refuse(client: anyio.abc.SocketStream) -> None:
+        async with client:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await client.receive()
+            seen.append(head.split(b" ", 1)[0])
+            await client.send(
+                b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 0\r\n\r\n"
+            )
+
+    seen: list[bytes] = []
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, refuse)
+        async with Wire(proxy=f"http://127.0.0.1:{port}", connect_timeout_s=10) as wire:
+            fleet = AsyncFleet(api_key="k", base_url="https://127.0.0.1:9", max_retries=0)
+            direct = DirectControl(wire, fleet.client, RunnerTokenProvider(fleet.client))
+            with anyio.fail_after(10), pytest.raises(fleet_errors.FleetAPIError) as caught:
+                await make_directly(direct, new_request_id())
+        tg.cancel_scope.cancel()
+    assert seen == [b"CONNECT"]
+    assert "407" in str(caught.value)
+    assert not classify(caught.value).transient

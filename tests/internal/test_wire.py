@@ -256,19 +256,31 @@ async def test_a_post_the_server_closed_on_after_reading_it_is_not_sent_again() 
 
 
 @pytest.mark.parametrize(
-    ("method", "headers"),
-    [("GET", {}), ("PUT", {}), ("DELETE", {}), ("POST", {"X-Request-ID": "create-1"})],
+    ("method", "idempotent"),
+    [("GET", False), ("PUT", False), ("DELETE", False), ("POST", True)],
 )
-async def test_an_idempotent_request_or_one_with_a_request_id_is_sent_again(
-    method: str, headers: dict[str, str]
+async def test_an_idempotent_request_or_one_its_caller_marks_idempotent_is_sent_again(
+    method: str, idempotent: bool
 ) -> None:
     async with serving(closing_on_the_second_request()) as server, Wire() as wire:
         url = f"http://127.0.0.1:{server.port}/v1/env"
         with anyio.fail_after(10):
-            await wire.request(method, url, headers=headers)
-            again = await wire.request(method, url, headers=headers)
+            await wire.request(method, url, idempotent=idempotent)
+            again = await wire.request(method, url, idempotent=idempotent)
     assert again.json() == {"ok": True}
     assert len(server.requests) == 3 and server.connections == 2
+
+
+async def test_a_post_with_a_request_id_header_alone_is_not_sent_again() -> None:
+    # The SDK puts a tracing X-Request-ID on every control-plane request: only
+    # the caller knows which one is an idempotency key (the create's).
+    async with serving(closing_on_the_second_request()) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/v1/env/instances/i-1/reset"
+        with anyio.fail_after(10):
+            await wire.request("POST", url, body=b"{}", headers={"X-Request-ID": "r-1"})
+            with pytest.raises(ConnectionLost):
+                await wire.request("POST", url, body=b"{}", headers={"X-Request-ID": "r-2"})
+    assert len(server.requests) == 2  # the reset ran once
 
 
 async def test_an_idle_connection_the_server_closed_unseen_is_dropped_before_a_post() -> None:

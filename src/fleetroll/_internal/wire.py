@@ -32,8 +32,9 @@ Contracts:
 * Sent again: a request on a reused idle connection that the server closed
   before answering a byte, on a new connection, only when sending it twice
   is harmless: an idempotent method (GET, HEAD, OPTIONS, PUT, DELETE,
-  TRACE) or a request that carries an ``X-Request-ID`` (the control plane
-  answers a repeated id idempotently). A POST is never sent twice.
+  TRACE), or a request its caller marks ``idempotent=True`` (the control
+  plane's create, whose ``X-Request-ID`` Fleet answers idempotently). Any
+  other POST is never sent twice.
 * Encodings: every request says ``Accept-Encoding: identity`` unless the
   caller set one; an answer in ``gzip`` or ``deflate`` anyway is decoded as
   it arrives, with ``max_bytes`` applied to the decoded size (a zip bomb is
@@ -860,8 +861,12 @@ class Wire:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         max_bytes: int = 64 * 2**20,
+        idempotent: bool = False,
     ) -> Response:
         """Send a request; its answer, read to its end.
+
+        ``idempotent``: sending it twice is harmless (a create with its
+        idempotency key), so it may be sent again as an idempotent method is.
 
         Raises:
             ConnectFailed, ConnectionLost, BodyTooLarge, BadResponse, ProxyError:
@@ -877,7 +882,7 @@ class Wire:
             try:
                 response = await conn.exchange(data, max_bytes, method == "HEAD")
             except ConnectionLost:
-                if reused and not conn.received and _resendable(method, headers):
+                if reused and not conn.received and (idempotent or method in _IDEMPOTENT):
                     continue  # closed by the server while idle: it never read this
                 raise
             if not conn.closed:
@@ -1102,7 +1107,7 @@ class _Stream:
             try:
                 await conn.open_stream(data, self._max_bytes, self._method == "HEAD")
             except ConnectionLost:
-                if reused and not conn.received and _resendable(self._method, self._headers):
+                if reused and not conn.received and self._method in _IDEMPOTENT:
                     continue
                 raise
             self._conn = conn
@@ -1120,12 +1125,6 @@ class _Stream:
             self._wire._put_back(self._route, conn)
         else:
             conn.close()
-
-
-def _resendable(method: str, headers: Mapping[str, str] | None) -> bool:
-    if method in _IDEMPOTENT:
-        return True
-    return headers is not None and any(name.lower() == "x-request-id" for name in headers)
 
 
 def _status_line(head: bytes) -> tuple[int, str]:

@@ -59,7 +59,7 @@ from fleet.models import InstanceResponse, VerifiersCheckResponse, VerifiersExec
 from fleet.runner_auth import RUNNER_TOKEN_HEADER, RunnerTokenProvider
 
 from fleetroll._internal.deadlines import fail_after
-from fleetroll._internal.wire import Response, Wire, WireError
+from fleetroll._internal.wire import ProxyError, Response, Wire, WireError
 from fleetroll.environments.fleet.control import remember_retry_after_of
 
 __all__ = ["DirectControl", "DirectEnv", "DirectUrls", "FleetEnv", "new_request_id"]
@@ -227,12 +227,32 @@ class DirectControl:
             headers["Content-Type"] = _JSON
         return headers
 
-    async def _send(self, method: str, url: str, body: Any, headers: dict[str, str]) -> Response:
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        body: Any,
+        headers: dict[str, str],
+        *,
+        idempotent: bool = False,
+    ) -> Response:
         data = None if body is None else _dumps(body)
         try:
             return await self._wire.request(
-                method, url, body=data, headers=headers, max_bytes=_MAX_ANSWER_BYTES
+                method,
+                url,
+                body=data,
+                headers=headers,
+                max_bytes=_MAX_ANSWER_BYTES,
+                idempotent=idempotent,
             )
+        except ProxyError as exc:
+            # A refused tunnel (407, 403) is a setting to fix, not a network
+            # blip; a 5xx (the proxy could not reach Fleet) may pass.
+            detail = {"detail": {"retryable": exc.transient}}
+            raise fleet_errors.FleetAPIError(
+                f"Request failed: {exc}", response_data=detail
+            ) from exc
         except WireError as exc:  # the SDK's wrapper of httpx.RequestError
             raise fleet_errors.FleetAPIError(f"Request failed: {exc}") from exc
 
@@ -252,7 +272,12 @@ class DirectControl:
                 answer's status, or no answer (``status_code`` None).
         """
         headers = self._control_headers(request_id, body is not None)
-        response = await self._send(method, f"{base or self._base}{path}", body, headers)
+        # Only a request with the caller's own id (a create) may go twice: Fleet
+        # answers a repeated id with the first one's outcome. The ids made here
+        # for other calls are the SDK's tracing ids, not idempotency keys.
+        response = await self._send(
+            method, f"{base or self._base}{path}", body, headers, idempotent=request_id is not None
+        )
         if response.status >= 400:
             _raise_as_the_sdk(response)
         return response.json()

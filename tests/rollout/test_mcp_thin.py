@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import socket
 import warnings
 from collections.abc import AsyncIterator
@@ -151,7 +152,10 @@ class Front:
     * ``chatty`` gets the log and progress opt-ins, so the SDK's server sends
       notifications before the answer (SSE);
     * ``liar``'s answer breaks its output schema; ``asks_mid_stream``'s stream
-      carries a server request (elicitation) before the answer.
+      carries a server request (elicitation) before the answer;
+    * ``raw``: a ``tools/call`` of one of these names is answered with these
+      bytes (``@ID@``: the request's id), as JSON or, with ``raw_events``, as
+      one SSE event.
     """
 
     def __init__(
@@ -162,8 +166,12 @@ class Front:
         discover_versions: list[str] | None = None,
         reject_first_discover: bool = False,
         warming: int = 0,
+        raw: dict[str, bytes] | None = None,
+        raw_events: bool = False,
     ) -> None:
         self.app = app
+        self.raw = raw or {}
+        self.raw_events = raw_events
         self.warming = warming
         self.legacy_only = legacy_only
         self.discover_versions = discover_versions
@@ -216,6 +224,10 @@ class Front:
             }
             await _json(send, 200, {"jsonrpc": "2.0", "id": request["id"], "result": result})
             return
+        if method == "tools/call" and params.get("name") in self.raw:
+            answer = self.raw[params["name"]].replace(b"@ID@", json.dumps(request["id"]).encode())
+            await _raw(send, answer, events=self.raw_events)
+            return
         if method == "tools/call" and params.get("name") == "asks_mid_stream":
             await _asking_stream(send, request["id"])
             return
@@ -258,6 +270,15 @@ async def _json(send: Send, status: int, payload: Any) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _raw(send: Send, answer: bytes, *, events: bool) -> None:
+    kind = b"application/json"
+    if events:
+        kind, answer = b"text/event-stream", b"event: message\ndata: " + answer + b"\n\n"
+    headers = [(b"content-type", kind), (b"content-length", str(len(answer)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
 
 
 async def _asking_stream(send: Send, request_id: Any) -> None:
@@ -555,6 +576,84 @@ async def test_one_open_thin_session_holds_far_fewer_tracked_objects_than_an_sdk
     assert thin * 10 < sdk
 
 
+#: Whole answers to a ``tools/call`` that Python's json module reads one way and
+#: the SDK's parser (pydantic-core's) another, or that both read alike.
+def _text_answer(text: bytes, after: bytes = b"") -> bytes:
+    head = b'{"jsonrpc":"2.0","id":@ID@,"result":{"resultType":"complete",'
+    return head + b'"content":[{"type":"text","text":"' + text + b'"}]}}' + after
+
+
+ODD_ANSWERS: dict[str, bytes] = {
+    # A file name that is not UTF-8, as a server that escapes surrogates writes it.
+    "lone_low_surrogate": _text_answer(rb"report-\udc80.txt"),
+    "lone_high_surrogate": _text_answer(rb"report-\ud83d.txt"),
+    "surrogate_in_a_key": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"content":[],"structuredContent":{"\\udcff":1}}}'
+    ),
+    "a_surrogate_pair": _text_answer(rb"smile \ud83d\ude00"),  # valid: both read it
+    "trailing_data": _text_answer(b"ok", after=b' {"jsonrpc":"2.0"}'),
+    "trailing_whitespace": _text_answer(b"ok", after=b" \r\n\t"),
+    "byte_order_mark": b"\xef\xbb\xbf" + _text_answer(b"ok"),
+    "invalid_utf8": _text_answer(b"caf\xe9"),
+    "a_float_id": _text_answer(b"ok").replace(b"@ID@", b"@ID@.0"),
+    "duplicate_keys": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"resultType":"complete",'
+        b'"content":[{"type":"text","text":"first"}],'
+        b'"content":[{"type":"text","text":"second"}]}}'
+    ),
+    "infinity": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"content":[],"structuredContent":{"x":Infinity}}}'
+    ),
+    "deep_nesting": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"resultType":"complete","content":[],'
+        b'"structuredContent":' + b"[" * 300 + b"]" * 300 + b"}}"
+    ),
+    # The modern surface wants a resultType: the SDK's client refuses a result without.
+    "no_result_type": b'{"jsonrpc":"2.0","id":@ID@,"result":{"content":[]}}',
+    "an_error_with_a_surrogate": (
+        b'{"jsonrpc":"2.0","id":@ID@,"error":{"code":-32000,"message":"no \\udc80"}}'
+    ),
+}
+
+
+def _idless(seen: Outcome) -> Outcome:
+    """An outcome without the numbers its message quotes: the clients number their
+    requests apart, and an id's digits move the columns a parse error names."""
+    if isinstance(seen, tuple):
+        return (seen[0], re.sub(r"\d+", "N", seen[1]), seen[2])
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("events", [False, True], ids=["json", "sse"])
+async def test_answers_the_sdk_s_json_parser_refuses_are_refused_alike(events: bool) -> None:
+    """A lone surrogate escape (a file name that is not UTF-8) was a result on the thin
+    client, whose text then crashed the run's journal; the SDK client refuses the
+    message as not JSON (a ``tool_failure``). Every odd answer is read alike."""
+    with anyio.fail_after(60):
+        async with (
+            serving(json_response=True, raw=ODD_ANSWERS, raw_events=events) as (url, _),
+            both(url) as (thin, sdk),
+        ):
+            assert isinstance(thin._client, ThinClient)
+            seen = {}
+            for name in ODD_ANSWERS:
+                mine, theirs = await outcome(thin, name, {}), await outcome(sdk, name, {})
+                assert _idless(mine) == _idless(theirs), name
+                seen[name] = mine
+    where = "SSE message" if events else "JSON response"
+    for name in ("lone_low_surrogate", "lone_high_surrogate", "surrogate_in_a_key"):
+        failed = seen[name]
+        assert isinstance(failed, tuple), name
+        assert failed[0] == "ToolCallFailed" and failed[2], name
+        assert f"Failed to parse {where}" in failed[1] and "Invalid JSON" in failed[1], name
+    assert isinstance(seen["a_surrogate_pair"], ToolResult)
+    assert seen["a_surrogate_pair"].text == "smile \U0001f600"
+    assert isinstance(seen["duplicate_keys"], ToolResult)
+    assert seen["duplicate_keys"].text == "second"
+    assert isinstance(seen["trailing_data"], tuple) and isinstance(seen["deep_nesting"], tuple)
+
+
 # -- the thin client's reading of answers, without a server -----------------------
 
 
@@ -607,17 +706,22 @@ def test_answers_that_are_not_responses_get_the_sdk_transport_s_errors() -> None
 
 def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -> None:
     """The fast path builds exactly what validation builds, fields set included; any
-    other shape is left to validation."""
+    other shape is left to validation (the version's surface first, which wants a
+    ``resultType``: the SDK client refuses a result without one)."""
     plain = [
-        {"content": [{"type": "text", "text": "ok"}]},
-        {"content": [], "isError": True},
+        {"content": [{"type": "text", "text": "ok"}], "resultType": "complete"},
+        {"content": [], "isError": True, "resultType": "complete"},
         {
             "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             "structuredContent": {"n": 1, "xs": [1, 2]},
             "isError": False,
             "resultType": "complete",
         },
-        {"content": [{"type": "text", "text": "x"}], "structuredContent": None},
+        {
+            "content": [{"type": "text", "text": "x"}],
+            "structuredContent": None,
+            "resultType": "complete",
+        },
     ]
     for raw in plain:
         built = mcp_thin._plain_result(raw)
@@ -635,6 +739,7 @@ def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -
         {"content": [], "ttlMs": -5},
         {"content": [], "resultType": "input_required"},
         {"structuredContent": {}},
+        {"content": [{"type": "text", "text": "ok"}]},  # no resultType
     ]
     for raw in others:
         assert mcp_thin._plain_result(raw) is None, raw

@@ -43,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fleetroll._internal.retrying import Budget, Retry
 from fleetroll._internal.serving import serve_asgi
 from fleetroll._internal.wire import Response, Wire
-from fleetroll.errors import OperationTimeout, ToolCallFailed
+from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.rollout import mcp_thin
 from fleetroll.rollout.mcp_thin import ThinClient
 from fleetroll.rollout.tools import (
@@ -545,6 +545,64 @@ async def test_a_service_that_never_answers_is_a_connect_timeout_naming_its_atte
             with pytest.raises(OperationTimeout, match=r"timed out after 1 s \(\d+ attempts; last"):
                 async with open_tool_session(url, _sdk_http, wire=wire, **deadlines):
                     raise AssertionError("connected to nothing")
+
+
+class Redirecting:
+    """ASGI in front of an app: ``/elsewhere`` is redirected (307) to the same
+    server under another host name (``localhost`` for ``127.0.0.1``), ``/moved``
+    to ``/mcp`` on its own origin; the rest goes to the app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.base = ""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path")
+        if scope["type"] != "http" or path not in ("/elsewhere", "/moved"):
+            await self.app(scope, receive, send)
+            return
+        target = self.base.replace("127.0.0.1", "localhost") if path == "/elsewhere" else ""
+        headers = [(b"location", f"{target}/mcp".encode()), (b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 307, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_a_redirect_to_another_host_fails_the_connect_at_once_naming_both_hosts(
+    client: str,
+) -> None:
+    """Neither client follows it (the SDK's rule: within the URL's origin only), and
+    the same request is redirected again: it was retried for all of
+    ``mcp_connect_s``. A redirect within the origin still leads to the server."""
+    app = tools_server().streamable_http_app(
+        json_response=True,
+        stateless_http=True,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    front = Redirecting(app)
+    retries: list[Retry] = []
+    deadlines = dict(DEADLINES, connect_timeout_s=5.0, budget=Budget(None, 0.05, 0.2))
+    async with serve_asgi(front) as base, Wire() as wire:
+        front.base = base
+        mine = wire if client == "thin" else None
+        with anyio.fail_after(30), pytest.raises(ToolsError) as failed:
+            async with open_tool_session(
+                f"{base}/elsewhere", _sdk_http, wire=mine, report=retries.append, **deadlines
+            ):
+                raise AssertionError("followed a redirect to another host")
+        with anyio.fail_after(30):
+            async with open_tool_session(f"{base}/moved", _sdk_http, wire=mine, **deadlines) as s:
+                assert (await s.call("echo", {"text": "moved"})).text == "moved"
+    here = base.removeprefix("http://")
+    there = here.replace("127.0.0.1", "localhost")
+    assert retries == [] and not failed.value.transient
+    assert str(failed.value) == (
+        f"cannot open an MCP session at {base}/elsewhere: it redirects to http://{there}/mcp,"
+        f" on another host ({here} -> {there}), and an MCP client follows a redirect only"
+        " within the URL's own origin: use that URL as the endpoint if it is the intended"
+        " server"
+    )
 
 
 def _free_port() -> int:

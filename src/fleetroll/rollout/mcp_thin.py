@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
+from urllib.parse import urlsplit
 
 import anyio
 import httpx2
@@ -178,9 +179,12 @@ def _check_status(
     if status == 202:
         raise _mcp_error(INVALID_REQUEST, "server answered a request with 202 Accepted")
     if 300 <= status < 400 and "location" in headers:
+        # Shown as the SDK's transport shows it: without user info, query or fragment.
+        parts = urlsplit(headers["location"])
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
         raise _mcp_error(
             INVALID_REQUEST,
-            f"Redirect to {headers['location']} not followed;"
+            f"Redirect to {shown.geturl()} not followed;"
             " use that URL as the endpoint if it is the intended server",
         )
     if status >= 400:

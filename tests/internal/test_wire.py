@@ -133,3 +133,74 @@ async def test_a_header_value_with_a_line_break_is_refused_before_sending() -> N
             await wire.request("GET", "http://127.0.0.1:9/", headers={"x": "a\r\nb: c"})
         with pytest.raises(ValueError, match="not an http"):
             await wire.request("GET", "ftp://127.0.0.1/")
+
+
+# -- streaming (Wire.stream) -----------------------------------------------------------
+
+
+async def test_a_stream_hands_over_head_and_body_as_they_arrive_and_reuses_its_connection() -> None:
+    first_read = anyio.Event()
+
+    async def in_two_parts(server: Server, stream: SocketStream, head: bytes) -> bool:
+        await stream.send(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n6\r\nevent1\r\n"
+        )
+        await first_read.wait()  # the rest only once the client saw the first part
+        await stream.send(b"6\r\nevent2\r\n0\r\n\r\n")
+        return True
+
+    async with serving(in_two_parts) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/mcp"
+        with anyio.fail_after(10):
+            async with wire.stream("POST", url, body=b"{}") as response:
+                assert response.status == 200
+                assert response.headers["content-type"] == "text/event-stream"
+                chunks = []
+                async for chunk in response.aiter_bytes():
+                    chunks.append(chunk)
+                    first_read.set()
+            assert chunks == [b"event1", b"event2"]
+            async with wire.stream("GET", url) as again:
+                assert await again.aread() == b"event1event2"
+    assert server.connections == 1  # read to its end: the connection was reused
+
+
+async def test_a_stream_left_early_or_cancelled_closes_its_connection() -> None:
+    async def endless(server: Server, stream: SocketStream, head: bytes) -> bool:
+        await stream.send(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        while True:
+            await stream.send(b"5\r\nping\n\r\n")
+            await anyio.sleep(0.01)
+
+    async with serving(endless) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/mcp"
+        with anyio.fail_after(10):
+            async with wire.stream("GET", url) as response:
+                async for chunk in response.aiter_bytes():
+                    assert chunk.startswith(b"ping")
+                    break  # the caller leaves with the answer still coming
+            assert not any(wire._idle.values())
+            with anyio.CancelScope() as scope:
+                async with wire.stream("GET", url) as response:
+                    async for _ in response.aiter_bytes():
+                        scope.cancel()  # cancelled while reading
+            assert not any(wire._idle.values())
+    assert server.connections == 2
+
+
+async def test_a_stream_over_its_cap_fails_while_reading_and_closes_the_connection() -> None:
+    async with serving(answer_big) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/big"
+        with anyio.fail_after(10):
+            async with wire.stream("GET", url, max_bytes=1000) as response:
+                assert response.status == 200
+                with pytest.raises(BodyTooLarge) as caught:
+                    await response.aread()
+            assert caught.value.limit == 1000
+            async with wire.stream("GET", url) as response:
+                assert len(await response.aread()) == BIG
+    assert server.connections == 2

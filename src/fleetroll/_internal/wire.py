@@ -4,36 +4,77 @@ A rollout's requests (create, reset, MCP calls, verification, release) are
 small JSON exchanges; through httpx (or httpx2) and their transports each
 cost several times the bytes' own work. :class:`Wire` sends them on
 asyncio protocol connections and parses answers with httptools' compiled
-parser: one idle-connection list per origin, no request or response models.
+parser: one idle-connection list per route, no request or response models.
+It behaves as httpx does wherever the two could differ on the wire; every
+such rule is resolved when the Wire is built or the first time a URL is
+seen, never per request.
 
 Contracts:
 
 * Deadlines are the caller's (``anyio.fail_after``, cancel scopes); a
   request cancelled or failed mid-way closes its connection, which is never
   reused. A connection is reused only after an answer read to its end that
-  allows it, and for at most ``keepalive_s`` of idleness.
+  allows it, and for at most ``keepalive_s`` of idleness; an idle connection
+  the server already closed (its socket readable, as httpcore checks) is
+  dropped before it is used.
 * :class:`ConnectFailed`: no connection could be opened, the request
   provably never left (safe to send again, a POST too).
   :class:`ConnectionLost`: the connection broke after the request may have
   left. :class:`BodyTooLarge`: the answer passed ``max_bytes`` (reading
   stopped there, the connection was closed). :class:`BadResponse`: the
-  bytes are not HTTP/1.1 as the parser knows it.
-* A reused idle connection that the server closed before answering a byte
-  is the one case sent again on a new connection (the server closed it
-  while idle; it never read the request), for every method.
+  bytes are not HTTP/1.1 as the parser knows it, the header block is over
+  100 KiB (httpcore's limit; reading stops there), or the body is in an
+  encoding the Wire cannot decode. :class:`ProxyError`: the proxy refused
+  to open a tunnel.
+* Sent again: a request on a reused idle connection that the server closed
+  before answering a byte, on a new connection, only when sending it twice
+  is harmless: an idempotent method (GET, HEAD, OPTIONS, PUT, DELETE,
+  TRACE) or a request that carries an ``X-Request-ID`` (the control plane
+  answers a repeated id idempotently). A POST is never sent twice.
+* Encodings: every request says ``Accept-Encoding: identity`` unless the
+  caller set one; an answer in ``gzip`` or ``deflate`` anyway is decoded as
+  it arrives, with ``max_bytes`` applied to the decoded size (a zip bomb is
+  :class:`BodyTooLarge`); any other encoding (``br``, ``zstd``) is a
+  :class:`BadResponse` naming it (httpx would hand back the raw bytes).
+* Proxies as httpx's ``trust_env`` reads them when the Wire is built:
+  ``HTTP_PROXY``, ``HTTPS_PROXY``, ``ALL_PROXY`` and ``NO_PROXY`` (either
+  case, through :func:`urllib.request.getproxies`), with httpx's matching
+  rules (``*`` turns proxies off; a name matches itself and its subdomains,
+  a leading dot only subdomains; an IP address or ``localhost`` itself; a
+  ``host:port`` entry that port only; a range such as ``10.0.0.0/8`` only
+  its first address, as in httpx). ``proxy=`` overrides the environment for
+  every URL, ``trust_env=False`` ignores it. ``http://`` targets go to the
+  proxy in absolute form, ``https://`` ones through a ``CONNECT`` tunnel and
+  TLS to the target itself; the proxy URL's user info becomes
+  ``Proxy-Authorization: Basic``. Tunnelled, proxied and direct connections
+  never share an idle list.
+* A URL's user info (``http://user:pw@host/``) becomes ``Authorization:
+  Basic`` (percent-decoded, as httpx does, and in its place: it wins over an
+  ``Authorization`` the caller set) and appears in no ``Host`` header and
+  no error message; nor does a proxy's.
+* :meth:`Wire.stream` hands over status and headers as soon as they arrive
+  and the body chunk by chunk (decoded, capped); its connection is reused
+  only when the whole answer arrived, closed otherwise (the caller left
+  early, was cancelled, or the answer failed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import ipaddress
 import json
+import re
+import select
 import ssl
 import time
+import zlib
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
+from urllib.request import getproxies
 
 import httptools
 
@@ -44,10 +85,20 @@ __all__ = [
     "BodyTooLarge",
     "ConnectFailed",
     "ConnectionLost",
+    "ProxyError",
     "Response",
+    "StreamResponse",
     "Wire",
     "WireError",
 ]
+
+#: The largest response header block read (httpcore's h11 limit).
+HEAD_CAP = 100 * 1024
+#: Unread body a stream buffers before it stops reading the socket.
+_STREAM_BUFFER = 256 * 1024
+#: Methods that may be sent twice (RFC 9110's idempotent ones).
+_IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 class WireError(Exception):
@@ -74,6 +125,19 @@ class BadResponse(WireError):
     """The server's bytes are not HTTP/1.1 as the parser knows it."""
 
 
+class ProxyError(WireError):
+    """The proxy answered a ``CONNECT`` with something other than 2xx: the request never left.
+
+    ``transient`` (a 5xx: the proxy could not reach the target) is read by
+    :func:`fleetroll._internal.retrying.decide`.
+    """
+
+    def __init__(self, message: str, *, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+        self.transient = status >= 500
+
+
 @dataclass(frozen=True, slots=True)
 class Response:
     """An answer read to its end."""
@@ -90,19 +154,92 @@ class Response:
         return self.body.decode("utf-8", "replace")
 
 
+class _Extra(Exception):
+    """Bytes after a complete answer: the connection cannot be reused."""
+
+
+class _Inflate:
+    """One ``gzip`` or ``deflate`` layer, decoded as httpx's decoders do."""
+
+    __slots__ = ("_retry_raw", "_z", "name")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # deflate: zlib-wrapped as the RFC says, or raw as some servers send it.
+        self._retry_raw = name == "deflate"
+        self._z = zlib.decompressobj(zlib.MAX_WBITS | 16 if name == "gzip" else zlib.MAX_WBITS)
+
+    def decompress(self, data: bytes, limit: int) -> bytes:
+        try:
+            out = self._z.decompress(data, limit)
+        except zlib.error as exc:
+            if self._retry_raw:
+                self._retry_raw = False
+                self._z = zlib.decompressobj(-zlib.MAX_WBITS)
+                return self.decompress(data, limit)
+            raise BadResponse(
+                f"the answer's {self.name} encoding does not decode ({exc})"
+            ) from None
+        self._retry_raw = False
+        return out
+
+    def flush(self) -> bytes:
+        try:
+            return self._z.flush()
+        except zlib.error as exc:  # pragma: no cover - flush rarely fails
+            raise BadResponse(
+                f"the answer's {self.name} encoding does not decode ({exc})"
+            ) from None
+
+
+def _undecodable(name: str, exc: zlib.error) -> BadResponse:
+    return BadResponse(f"the answer's {name} encoding does not decode ({exc})")
+
+
+def _decoders(encoding: str) -> list[_Inflate] | None:
+    """The layers to undo for a ``Content-Encoding``, the last applied first."""
+    layers: list[_Inflate] = []
+    for value in reversed(encoding.split(",")):
+        name = value.strip().lower()
+        if name in ("gzip", "deflate"):
+            layers.append(_Inflate(name))
+        elif name not in ("", "identity"):
+            raise BadResponse(
+                f"the answer is in the content encoding {name!r}, which the client "
+                "cannot decode (it asked for identity; gzip and deflate are decoded)"
+            )
+    return layers or None
+
+
 class _Connection(asyncio.Protocol):
-    """One HTTP/1.1 connection: a request, then its answer, in turn."""
+    """One HTTP/1.1 connection: a request, then its answer, in turn.
+
+    The reader waits on ``_waiter``, which is only ever resolved with None:
+    the state (``_error``, ``_complete``, ``_body``) says what happened. An
+    exchange (``exchange``) is woken once, at the answer's end or failure; a
+    stream also at its head and at each piece of body.
+    """
 
     __slots__ = (
+        "_active",
         "_body",
+        "_buffered",
         "_cap",
+        "_complete",
+        "_decoders",
+        "_error",
+        "_head_bytes",
         "_headers",
+        "_in_head",
         "_keep_alive",
         "_parser",
+        "_paused",
         "_size",
         "_status",
+        "_streaming",
         "_waiter",
         "closed",
+        "fileno",
         "idle_since",
         "received",
         "transport",
@@ -110,17 +247,27 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
+        self.fileno = -1
         self.closed = False
         self.idle_since = 0.0
         self.received = False  # any byte of the current answer
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
+        self._active = False  # an answer is expected
         self._status = 0
         self._headers: dict[str, str] = {}
         self._keep_alive = False
         self._body: list[bytes] = []
         self._size = 0
         self._cap = 0
+        self._in_head = True
+        self._head_bytes = 0
+        self._decoders: list[_Inflate] | None = None
+        self._streaming = False
+        self._complete = False
+        self._error: WireError | None = None
+        self._buffered = 0
+        self._paused = False
 
     # -- asyncio.Protocol ----------------------------------------------------------
 
@@ -129,53 +276,128 @@ class _Connection(asyncio.Protocol):
         # of asyncio.Transport: uvloop's is not (an isinstance check hung every
         # request on uvloop, the loop Ray's async actors and many trainers run).
         self.transport = cast(asyncio.Transport, transport)
+        sock = transport.get_extra_info("socket")
+        self.fileno = sock.fileno() if sock is not None else -1
 
     def data_received(self, data: bytes) -> None:
+        if not self._active:  # bytes nobody asked for: the connection is spoiled
+            self.close()
+            return
         self.received = True
         try:
             self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__
+            if isinstance(cause, _Extra):
+                self.close()
+            elif isinstance(cause, WireError):
+                self._fail(cause)
+            else:
+                self._fail(BadResponse(f"a malformed HTTP answer ({cause or exc})"))
+            return
         except httptools.HttpParserUpgrade:
             self._fail(BadResponse("the server switched protocols"))
+            return
         except httptools.HttpParserError as exc:
             self._fail(BadResponse(f"a malformed HTTP answer ({exc})"))
+            return
+        if self._in_head:
+            # Checked after each read (at most the loop's read size past the cap),
+            # before the parser buffers more: an endless header costs nothing.
+            self._head_bytes += len(data)
+            if self._head_bytes > HEAD_CAP:
+                self._fail(BadResponse(f"the answer's header block is over {HEAD_CAP} bytes"))
 
     def eof_received(self) -> bool | None:
         return None  # close the transport: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
+        if not self._active or self._complete or self._error is not None:
+            return
+        if self._status and not self._framed():
             # An answer delimited by the connection's close ends here.
-            if self._status and not self._framed():
-                waiter.set_result(None)
-                return
+            try:
+                self._flush()
+            except WireError as failed:
+                self._error = failed
+            self._complete = True
+        else:
             why = f" ({exc})" if exc else ""
-            lost = ConnectionLost(f"the connection closed before the answer ended{why}")
-            waiter.set_exception(lost)
+            self._error = ConnectionLost(f"the connection closed before the answer ended{why}")
+        self._wake()
 
     # -- httptools callbacks -------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            raise _Extra  # a second answer to one request: stop parsing
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        encoding = self._headers.get("content-encoding")
+        if encoding is not None:
+            self._decoders = _decoders(encoding)  # refused before the head is handed over
         self._status = self._parser.get_status_code()
+        if self._streaming:
+            self._wake()
 
     def on_body(self, body: bytes) -> None:
-        self._size += len(body)
-        if self._size > self._cap:
-            self._fail(
-                BodyTooLarge(f"the answer is over {self._cap} bytes", limit=self._cap),
-            )
-            return
-        self._body.append(body)
+        if self._decoders is not None:
+            body = self._decode(body)
+            if not body:
+                return
+        self._add(body)
 
     def on_message_complete(self) -> None:
         self._keep_alive = self._parser.should_keep_alive()
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if self._decoders is not None:
+            self._flush()
+        self._complete = True
+        self._wake()
+
+    # -- body ----------------------------------------------------------------------
+
+    def _add(self, body: bytes) -> None:
+        size = self._size + len(body)
+        if size > self._cap:
+            raise BodyTooLarge(f"the answer is over {self._cap} bytes", limit=self._cap)
+        self._size = size
+        self._body.append(body)
+        if self._streaming:
+            self._buffered += len(body)
+            if self._buffered > _STREAM_BUFFER and not self._paused and self.transport:
+                self._paused = True
+                self.transport.pause_reading()
+            self._wake()
+
+    def _decode(self, data: bytes) -> bytes:
+        assert self._decoders is not None
+        # One byte over what is left: enough to know the cap is passed, never
+        # more (a few KiB that inflate to gigabytes stop at the cap).
+        limit = self._cap - self._size + 1
+        for layer in self._decoders:
+            data = layer.decompress(data, limit)
+            if len(data) >= limit:
+                raise BodyTooLarge(
+                    f"the answer is over {self._cap} bytes (decoded)", limit=self._cap
+                )
+        return data
+
+    def _flush(self) -> None:
+        if self._decoders is None:
+            return
+        data = b""
+        limit = self._cap - self._size + 1
+        for layer in self._decoders:
+            if data:
+                data = layer.decompress(data, limit)
+            data += layer.flush()
+        if data:
+            self._add(data)
 
     # -- use -----------------------------------------------------------------------
 
@@ -183,10 +405,15 @@ class _Connection(asyncio.Protocol):
         h = self._headers
         return "content-length" in h or "chunked" in h.get("transfer-encoding", "").lower()
 
-    def _fail(self, exc: WireError) -> None:
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_exception(exc)
+            waiter.set_result(None)
+
+    def _fail(self, exc: WireError) -> None:
+        if self._error is None:
+            self._error = exc
+        self._wake()
         self.close()
 
     def close(self) -> None:
@@ -194,9 +421,19 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
-    async def exchange(self, data: bytes, cap: int) -> Response:
-        """Send one request's bytes and read its answer to its end."""
-        assert self.transport is not None
+    def stale(self) -> bool:
+        """Whether an idle connection was closed by its server (or sent bytes unasked)."""
+        if self.closed:
+            return True
+        if self.fileno < 0:
+            return False
+        try:
+            readable, _, _ = select.select((self.fileno,), (), (), 0)
+        except (OSError, ValueError):
+            return True
+        return bool(readable)
+
+    def _begin(self, cap: int, streaming: bool) -> asyncio.Future[None]:
         self._status = 0
         self._headers = {}
         self._body = []
@@ -204,7 +441,20 @@ class _Connection(asyncio.Protocol):
         self._cap = cap
         self._keep_alive = False
         self.received = False
+        self._in_head = True
+        self._head_bytes = 0
+        self._decoders = None
+        self._streaming = streaming
+        self._complete = False
+        self._error = None
+        self._active = True
         waiter = self._waiter = asyncio.get_running_loop().create_future()
+        return waiter
+
+    async def exchange(self, data: bytes, cap: int) -> Response:
+        """Send one request's bytes and read its answer to its end."""
+        assert self.transport is not None
+        waiter = self._begin(cap, False)
         try:
             self.transport.write(data)
             await waiter
@@ -213,30 +463,244 @@ class _Connection(asyncio.Protocol):
             raise
         finally:
             self._waiter = None
+        self._active = False
+        if self._error is not None:
+            self.close()
+            raise self._error
         body = b"".join(self._body)
         self._body = []
         if not self._keep_alive:
             self.close()
         return Response(self._status, self._headers, body)
 
+    async def open_stream(self, data: bytes, cap: int) -> None:
+        """Send one request's bytes and wait for its answer's head."""
+        assert self.transport is not None
+        waiter = self._begin(cap, True)
+        self._buffered = 0
+        self._paused = False
+        try:
+            self.transport.write(data)
+            await waiter
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._waiter = None
+        if self._error is not None and not self._status:
+            self.close()
+            raise self._error
+
+    async def next_chunk(self) -> bytes | None:
+        """The body that arrived since the last call (waiting for some), or None at its end."""
+        while True:
+            body = self._body
+            if body:
+                chunk = body[0] if len(body) == 1 else b"".join(body)
+                self._body = []
+                self._buffered = 0
+                if self._paused:
+                    self._paused = False
+                    if not self.closed and self.transport is not None:
+                        self.transport.resume_reading()
+                return chunk
+            if self._error is not None:
+                self.close()
+                raise self._error
+            if self._complete:
+                return None
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+
+    def reusable(self) -> bool:
+        """After a stream: whether the whole answer arrived on a connection that stays open."""
+        self._active = False
+        return self._complete and self._error is None and self._keep_alive and not self.closed
+
+
+class _Tunnel(asyncio.Protocol):
+    """A proxy's answer to ``CONNECT``: bytes up to the end of its head."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.head: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._buffer = b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.head.done():
+            return
+        self._buffer += data
+        end = self._buffer.find(b"\r\n\r\n")
+        if end >= 0:
+            # Nothing may follow the head: the target speaks first after TLS.
+            self.head.set_result(self._buffer[: end + 4] if end + 4 == len(self._buffer) else b"")
+        elif len(self._buffer) > HEAD_CAP:
+            self.head.set_result(b"")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.head.done():
+            self.head.set_exception(ConnectionResetError("the proxy closed the connection"))
+
+
+def _basic(user: str, password: str) -> str:
+    token = base64.b64encode(f"{user}:{password}".encode()).decode("ascii")
+    return f"Basic {token}"
+
+
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
 
 @dataclass(frozen=True, slots=True)
-class _Origin:
+class _Proxy:
     host: str
     port: int
     tls: bool
-    authority: str
+    url: str  # without credentials: for messages
+    authorization: str | None  # Proxy-Authorization
+
+
+def _parse_proxy(url: str) -> _Proxy:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in ("socks5", "socks5h"):
+        raise ValueError("a SOCKS proxy is not supported by fleetroll's client; use an http proxy")
+    if scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("not an http(s) proxy URL")  # the URL may hold a password: not shown
+    port = parts.port or _DEFAULT_PORTS[scheme]
+    authorization = None
+    if parts.username is not None or parts.password is not None:
+        user, password = unquote(parts.username or ""), unquote(parts.password or "")
+        if user or password:
+            authorization = _basic(user, password)
+    shown = f"{scheme}://{_bracketed(parts.hostname)}:{port}"
+    return _Proxy(parts.hostname, port, scheme == "https", shown, authorization)
+
+
+class _Pattern:
+    """httpx's ``URLPattern``: which URLs a proxy mount (or a ``NO_PROXY`` entry) covers."""
+
+    __slots__ = ("host", "port", "regex", "scheme")
+
+    def __init__(self, pattern: str) -> None:
+        parts = urlsplit(pattern)
+        scheme = parts.scheme.lower()
+        self.scheme = "" if scheme == "all" else scheme
+        host = parts.hostname or ""
+        self.host = "" if host == "*" else host
+        port = parts.port
+        self.port = None if port is not None and _DEFAULT_PORTS.get(scheme) == port else port
+        self.regex: re.Pattern[str] | None
+        if not self.host:
+            self.regex = None
+        elif host.startswith("*."):
+            self.regex = re.compile(f"^.+\\.{re.escape(host[2:])}$")
+        elif host.startswith("*"):
+            self.regex = re.compile(f"^(.+\\.)?{re.escape(host[1:])}$")
+        else:
+            self.regex = re.compile(f"^{re.escape(host)}$")
+
+    def matches(self, scheme: str, host: str, port: int | None) -> bool:
+        if self.scheme and self.scheme != scheme:
+            return False
+        if self.host and self.regex is not None and not self.regex.match(host):
+            return False
+        return self.port is None or self.port == port
+
+    @property
+    def priority(self) -> tuple[int, int, int]:
+        return (0 if self.port is not None else 1, -len(self.host), -len(self.scheme))
+
+
+def _is_ip(host: str, version: type[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> bool:
+    try:
+        version(host.split("/")[0])  # a range counts by its first address, as in httpx
+    except ValueError:
+        return False
+    return True
+
+
+def _environment_mounts() -> dict[str, str | None]:
+    """httpx's ``get_environment_proxies``: pattern → proxy URL (None: go direct)."""
+    info = getproxies()
+    mounts: dict[str, str | None] = {}
+    for scheme in ("http", "https", "all"):
+        if info.get(scheme):
+            value = info[scheme]
+            mounts[f"{scheme}://"] = value if "://" in value else f"http://{value}"
+    for entry in (host.strip() for host in info.get("no", "").split(",")):
+        if entry == "*":
+            return {}
+        if not entry:
+            continue
+        if "://" in entry:
+            mounts[entry] = None
+        elif _is_ip(entry, ipaddress.IPv4Address):
+            mounts[f"all://{entry}"] = None
+        elif _is_ip(entry, ipaddress.IPv6Address):
+            mounts[f"all://[{entry}]"] = None
+        elif entry.lower() == "localhost":
+            mounts[f"all://{entry}"] = None
+        else:
+            mounts[f"all://*{entry}"] = None
+    return mounts
+
+
+def _mounts(proxy: str | None, trust_env: bool) -> list[tuple[_Pattern, _Proxy | None]]:
+    if proxy is not None:
+        return [(_Pattern("all://"), _parse_proxy(proxy))]
+    if not trust_env:
+        return []
+    found = [
+        (_Pattern(key), None if url is None else _parse_proxy(url))
+        for key, url in _environment_mounts().items()
+    ]
+    return sorted(found, key=lambda mount: mount[0].priority)  # stable, as httpx's sort
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """Where a connection goes, and the key of its idle list."""
+
+    host: str  # the host connected to (the target's, or the proxy's when forwarding)
+    port: int
+    tls: bool  # TLS on the connection itself (to the target, or to an https proxy)
+    proxy: _Proxy | None
+    tunnel: bool  # CONNECT through ``proxy``, then TLS to host:port
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    route: _Route
+    head: str  # "{target} HTTP/1.1\r\nhost: ...\r\n" plus the headers the URL brings
+    authorization: bool  # the URL's user info sets Authorization
+    shown: str  # the origin for messages, without credentials
 
 
 class Wire:
-    """Keep-alive HTTP/1.1 connections, one idle list per origin.
+    """Keep-alive HTTP/1.1 connections, one idle list per route.
 
     Args:
         keepalive_s: how long an idle connection may be reused (keep it
             under the servers' own keep-alive time).
-        connect_timeout_s: bound of opening a connection (TLS included).
+        connect_timeout_s: bound of opening a connection (TLS and a proxy's
+            tunnel included).
         verify: the TLS context for ``https://`` (default: verified).
-        max_idle: idle connections kept per origin; more are closed.
+        max_idle: idle connections kept per route; more are closed.
+        proxy: the proxy for every URL (``http://[user:pw@]host:port``),
+            instead of the environment's.
+        trust_env: read the proxies from the environment (see the module),
+            once, here.
+
+    Raises:
+        ValueError: a proxy URL (given or from the environment) that is not
+            an http(s) one.
     """
 
     def __init__(
@@ -246,14 +710,17 @@ class Wire:
         connect_timeout_s: float = 10.0,
         verify: ssl.SSLContext | None = None,
         max_idle: int = 1024,
+        proxy: str | None = None,
+        trust_env: bool = True,
     ) -> None:
         self._keepalive_s = keepalive_s
         self._connect_timeout_s = connect_timeout_s
         self._verify = verify
         self._max_idle = max_idle
-        self._idle: dict[_Origin, deque[_Connection]] = {}
+        self._mounts = _mounts(proxy, trust_env)
+        self._idle: dict[_Route, deque[_Connection]] = {}
         #: Split URLs (a rollout sends many requests to the same few).
-        self._targets: dict[str, tuple[_Origin, str]] = {}
+        self._targets: dict[str, _Target] = {}
         self._closed = False
 
     async def __aenter__(self) -> Wire:
@@ -270,25 +737,89 @@ class Wire:
                 idle.pop().close()
         self._idle.clear()
 
-    def _split(self, url: str) -> tuple[_Origin, str]:
-        """The origin of a URL and its request target (path and query)."""
+    def _proxy_for(self, scheme: str, host: str, port: int | None) -> _Proxy | None:
+        for pattern, proxy in self._mounts:
+            if pattern.matches(scheme, host, port):
+                return proxy
+        return None
+
+    def _split(self, url: str) -> _Target:
+        """How a URL is reached and the start of its request head."""
         found = self._targets.get(url)
         if found is not None:
             return found
         parts = urlsplit(url)
         scheme = parts.scheme.lower()
-        if scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
+        host = parts.hostname
+        if scheme not in ("http", "https") or not host:
+            raise ValueError(f"not an http(s) URL: {_without_userinfo(url)!r}")
         tls = scheme == "https"
-        port = parts.port or (443 if tls else 80)
-        origin = _Origin(parts.hostname, port, tls, parts.netloc)  # equal per origin
-        target = parts.path or "/"
+        explicit = parts.port
+        default = 443 if tls else 80
+        port = explicit or default
+        authority = (
+            _bracketed(host) if explicit in (None, default) else f"{_bracketed(host)}:{port}"
+        )
+        path = parts.path or "/"
         if parts.query:
-            target = f"{target}?{parts.query}"
+            path = f"{path}?{parts.query}"
+        proxy = self._proxy_for(scheme, host, None if port == default else port)
+        extra = ""
+        if proxy is None:
+            route = _Route(host, port, tls, None, False)
+            target = path
+        elif tls:
+            route = _Route(host, port, True, proxy, True)
+            target = path
+        else:  # forwarded: the proxy reads the absolute URL
+            route = _Route(proxy.host, proxy.port, proxy.tls, proxy, False)
+            target = f"http://{authority}{path}"
+            if proxy.authorization is not None:
+                extra = f"proxy-authorization: {proxy.authorization}\r\n"
+        user, password = parts.username, parts.password
+        authorization = False
+        if user is not None or password is not None:
+            user, password = unquote(user or ""), unquote(password or "")
+            if user or password:
+                extra += f"authorization: {_basic(user, password)}\r\n"
+                authorization = True
+        head = f"{target} HTTP/1.1\r\nhost: {authority}\r\n{extra}"
+        shown = f"{scheme}://{authority}"
+        found = _Target(route, head, authorization, shown)
         if len(self._targets) >= 4096:
             self._targets.clear()
-        self._targets[url] = (origin, target)
-        return origin, target
+        self._targets[url] = found
+        return found
+
+    def _encode(
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+    ) -> tuple[_Target, bytes]:
+        if self._closed:
+            raise RuntimeError("the Wire is closed")
+        target = self._split(url)
+        head = [method, " ", target.head]
+        encoding = False
+        if headers:
+            for name, value in headers.items():
+                if "\r" in value or "\n" in value:
+                    raise ValueError(f"the header {name!r} holds a line break")
+                lower = name.lower()
+                if lower == "accept-encoding":
+                    encoding = True
+                elif lower == "authorization" and target.authorization:
+                    continue  # the URL's user info wins, as in httpx
+                head.append(f"{name}: {value}\r\n")
+        if not encoding:
+            head.append("accept-encoding: identity\r\n")
+        if body is not None or method in ("POST", "PUT", "PATCH"):
+            head.append(f"content-length: {len(body or b'')}\r\n")
+        head.append("\r\n")
+        data = "".join(head).encode("latin-1") + (body or b"")
+        return target, data
 
     async def request(
         self,
@@ -302,79 +833,261 @@ class Wire:
         """Send a request; its answer, read to its end.
 
         Raises:
-            ConnectFailed, ConnectionLost, BodyTooLarge, BadResponse: see the module.
+            ConnectFailed, ConnectionLost, BodyTooLarge, BadResponse, ProxyError:
+                see the module.
             ValueError: ``url`` is not an http(s) URL.
         """
-        if self._closed:
-            raise RuntimeError("the Wire is closed")
-        origin, target = self._split(url)
-        head = [f"{method} {target} HTTP/1.1\r\nhost: {origin.authority}\r\n"]
-        if headers:
-            for name, value in headers.items():
-                if "\r" in value or "\n" in value:
-                    raise ValueError(f"the header {name!r} holds a line break")
-                head.append(f"{name}: {value}\r\n")
-        if body is not None or method in ("POST", "PUT", "PATCH"):
-            head.append(f"content-length: {len(body or b'')}\r\n")
-        head.append("\r\n")
-        data = "".join(head).encode("latin-1") + (body or b"")
+        target, data = self._encode(method, url, body, headers)
+        route = target.route
         while True:
-            conn, reused = self._idle_connection(origin), True
+            conn, reused = self._idle_connection(route), True
             if conn is None:
-                conn, reused = await self._open(origin), False
+                conn, reused = await self._open(target), False
             try:
                 response = await conn.exchange(data, max_bytes)
             except ConnectionLost:
-                if reused and not conn.received:
+                if reused and not conn.received and _resendable(method, headers):
                     continue  # closed by the server while idle: it never read this
                 raise
             if not conn.closed:
-                self._put_back(origin, conn)
+                self._put_back(route, conn)
             return response
 
-    def _idle_connection(self, origin: _Origin) -> _Connection | None:
-        idle = self._idle.get(origin)
+    def stream(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        max_bytes: int = 64 * 2**20,
+    ) -> _Stream:
+        """Send a request; its answer as it arrives.
+
+        ``async with wire.stream("GET", url) as response:`` gives the status
+        and headers; ``async for chunk in response.aiter_bytes():`` the body
+        (decoded, ``max_bytes`` applied). The connection is reused only when
+        the whole answer arrived; leaving early or a cancel closes it.
+
+        Raises:
+            ConnectFailed, ConnectionLost, BadResponse, ProxyError: on entering
+                (see the module); while reading also BodyTooLarge.
+            ValueError: ``url`` is not an http(s) URL.
+        """
+        return _Stream(self, method, url, body, headers, max_bytes)
+
+    def _idle_connection(self, route: _Route) -> _Connection | None:
+        idle = self._idle.get(route)
         if not idle:
             return None
         oldest_usable = time.monotonic() - self._keepalive_s
         while idle:
             conn = idle.pop()  # the most recently used first: the likeliest alive
-            if conn.closed or conn.idle_since < oldest_usable:
+            if conn.idle_since < oldest_usable or conn.stale():
                 conn.close()
                 continue
             return conn
         return None
 
-    def _put_back(self, origin: _Origin, conn: _Connection) -> None:
+    def _put_back(self, route: _Route, conn: _Connection) -> None:
         if self._closed:
             conn.close()
             return
-        idle = self._idle.get(origin)
+        idle = self._idle.get(route)
         if idle is None:
-            idle = self._idle[origin] = deque()
+            idle = self._idle[route] = deque()
         if len(idle) >= self._max_idle:
             idle.popleft().close()  # the longest idle goes
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
-    async def _open(self, origin: _Origin) -> _Connection:
-        loop = asyncio.get_running_loop()
-        context: ssl.SSLContext | None = None
-        if origin.tls:
-            context = self._verify or ssl.create_default_context()
+    async def _open(self, target: _Target) -> _Connection:
+        route = target.route
+        proxy = route.proxy
+        if route.tunnel:
+            assert proxy is not None
+            where = f"{target.shown} through the proxy {proxy.url}"
+        elif proxy is not None:
+            where = f"the proxy {proxy.url}"
+        else:
+            where = target.shown
         try:
             with fail_after(self._connect_timeout_s):
-                _, conn = await loop.create_connection(
-                    _Connection,
-                    origin.host,
-                    origin.port,
-                    ssl=context,
-                    server_hostname=origin.host if context is not None else None,
-                )
+                if route.tunnel:
+                    conn = await self._open_tunnel(route)
+                else:
+                    loop = asyncio.get_running_loop()
+                    context = self._context(route.tls, proxy)
+                    _, conn = await loop.create_connection(
+                        _Connection,
+                        route.host,
+                        route.port,
+                        ssl=context,
+                        server_hostname=route.host if context is not None else None,
+                    )
         except TimeoutError as exc:
             raise ConnectFailed(
-                f"no connection to {origin.authority} within {self._connect_timeout_s:g} s"
+                f"no connection to {where} within {self._connect_timeout_s:g} s"
             ) from exc
         except OSError as exc:
-            raise ConnectFailed(f"cannot connect to {origin.authority}: {exc}") from exc
+            raise ConnectFailed(f"cannot connect to {where}: {exc}") from exc
         return conn
+
+    def _context(self, tls: bool, proxy: _Proxy | None) -> ssl.SSLContext | None:
+        if not tls:
+            return None
+        if proxy is not None and proxy.tls:
+            return ssl.create_default_context()  # to the proxy itself: the system's trust
+        return self._verify or ssl.create_default_context()
+
+    async def _open_tunnel(self, route: _Route) -> _Connection:
+        """A connection to ``route`` inside a proxy's ``CONNECT`` tunnel, TLS to the target."""
+        proxy = route.proxy
+        assert proxy is not None
+        loop = asyncio.get_running_loop()
+        to_proxy = ssl.create_default_context() if proxy.tls else None
+        transport, tunnel = await loop.create_connection(
+            _Tunnel,
+            proxy.host,
+            proxy.port,
+            ssl=to_proxy,
+            server_hostname=proxy.host if to_proxy is not None else None,
+        )
+        try:
+            authority = f"{_bracketed(route.host)}:{route.port}"
+            lines = [f"CONNECT {authority} HTTP/1.1\r\nhost: {authority}\r\n"]
+            if proxy.authorization is not None:
+                lines.append(f"proxy-authorization: {proxy.authorization}\r\n")
+            lines.append("\r\n")
+            transport.write("".join(lines).encode("latin-1"))
+            head = await tunnel.head
+            status, reason = _status_line(head)
+            if not 200 <= status < 300:
+                what = f"{status} {reason}".strip() if status else "a malformed answer"
+                raise ProxyError(
+                    f"the proxy {proxy.url} refused the tunnel to {authority}: {what}",
+                    status=status,
+                )
+            conn = _Connection()
+            tls = await loop.start_tls(
+                transport,
+                conn,
+                self._verify or ssl.create_default_context(),
+                server_hostname=route.host,
+            )
+            if tls is None:  # pragma: no cover - the loop closed the transport
+                raise ConnectionResetError("the tunnel closed during TLS set-up")
+            conn.connection_made(tls)
+            return conn
+        except BaseException:
+            transport.close()
+            raise
+
+
+class StreamResponse:
+    """An answer whose body is read as it arrives (see :meth:`Wire.stream`)."""
+
+    __slots__ = ("_conn", "headers", "status")
+
+    def __init__(self, conn: _Connection, status: int, headers: dict[str, str]) -> None:
+        self._conn = conn
+        self.status = status
+        self.headers = headers  # lower-case names; a repeated header keeps its last value
+
+    def aiter_bytes(self) -> StreamResponse:
+        """The body, piece by piece as it arrives (decoded; ``max_bytes`` applied).
+
+        Raises:
+            BodyTooLarge, BadResponse, ConnectionLost: see the module.
+        """
+        return self
+
+    def __aiter__(self) -> StreamResponse:
+        return self
+
+    async def __anext__(self) -> bytes:
+        chunk = await self._conn.next_chunk()
+        if chunk is None:
+            raise StopAsyncIteration
+        return chunk
+
+    async def aread(self) -> bytes:
+        """The rest of the body.
+
+        Raises:
+            BodyTooLarge, BadResponse, ConnectionLost: see the module.
+        """
+        pieces = [chunk async for chunk in self]
+        return b"".join(pieces)
+
+
+class _Stream:
+    """``Wire.stream``'s context: the exchange's head on entry, its connection settled on exit."""
+
+    __slots__ = ("_body", "_conn", "_headers", "_max_bytes", "_method", "_route", "_url", "_wire")
+
+    def __init__(
+        self,
+        wire: Wire,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+        max_bytes: int,
+    ) -> None:
+        self._wire = wire
+        self._method = method
+        self._url = url
+        self._body = body
+        self._headers = headers
+        self._max_bytes = max_bytes
+        self._conn: _Connection | None = None
+        self._route: _Route | None = None
+
+    async def __aenter__(self) -> StreamResponse:
+        wire = self._wire
+        target, data = wire._encode(self._method, self._url, self._body, self._headers)
+        route = self._route = target.route
+        while True:
+            conn, reused = wire._idle_connection(route), True
+            if conn is None:
+                conn, reused = await wire._open(target), False
+            try:
+                await conn.open_stream(data, self._max_bytes)
+            except ConnectionLost:
+                if reused and not conn.received and _resendable(self._method, self._headers):
+                    continue
+                raise
+            self._conn = conn
+            return StreamResponse(conn, conn._status, conn._headers)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.reusable():
+            assert self._route is not None
+            self._wire._put_back(self._route, conn)
+        else:
+            conn.close()
+
+
+def _resendable(method: str, headers: Mapping[str, str] | None) -> bool:
+    if method in _IDEMPOTENT:
+        return True
+    return headers is not None and any(name.lower() == "x-request-id" for name in headers)
+
+
+def _status_line(head: bytes) -> tuple[int, str]:
+    line = head.split(b"\r\n", 1)[0].decode("latin-1")
+    parts = line.split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        return 0, ""
+    return int(parts[1]), parts[2] if len(parts) > 2 else ""
+
+
+def _without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()

@@ -155,7 +155,9 @@ class Front:
       carries a server request (elicitation) before the answer;
     * ``raw``: a ``tools/call`` of one of these names is answered with these
       bytes (``@ID@``: the request's id), as JSON or, with ``raw_events``, as
-      one SSE event.
+      one SSE event; with ``raw_kept_open`` too, a progress notification comes
+      first and the stream stays open after the answer until the client
+      leaves it (the spec allows it), which ``departures`` then tells.
     """
 
     def __init__(
@@ -168,10 +170,13 @@ class Front:
         warming: int = 0,
         raw: dict[str, bytes] | None = None,
         raw_events: bool = False,
+        raw_kept_open: bool = False,
     ) -> None:
         self.app = app
         self.raw = raw or {}
         self.raw_events = raw_events
+        self.raw_kept_open = raw_kept_open
+        self._departed, self.departures = anyio.create_memory_object_stream[str](100)
         self.warming = warming
         self.legacy_only = legacy_only
         self.discover_versions = discover_versions
@@ -226,6 +231,10 @@ class Front:
             return
         if method == "tools/call" and params.get("name") in self.raw:
             answer = self.raw[params["name"]].replace(b"@ID@", json.dumps(request["id"]).encode())
+            if self.raw_kept_open:
+                await _kept_open(receive, send, answer)
+                await self._departed.send(params["name"])
+                return
             await _raw(send, answer, events=self.raw_events)
             return
         if method == "tools/call" and params.get("name") == "asks_mid_stream":
@@ -281,6 +290,21 @@ async def _raw(send: Send, answer: bytes, *, events: bool) -> None:
     await send({"type": "http.response.body", "body": answer})
 
 
+async def _kept_open(receive: Receive, send: Send, answer: bytes) -> None:
+    """A progress notification, the answer, then the stream held open (a comment
+    on it) until the client leaves."""
+    progress = b'{"jsonrpc":"2.0","method":"notifications/progress","params":'
+    progress += b'{"progressToken":1,"progress":1}}'
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    for data in (progress, answer):
+        event = b"event: message\r\ndata: " + data + b"\r\n\r\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b": still here\n\n", "more_body": True})
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
 async def _asking_stream(send: Send, request_id: Any) -> None:
     """A progress notification, a request to the client, then the answer."""
     events = [
@@ -331,8 +355,9 @@ async def serving(
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
     )
     wrapped = Front(app, **front)
-    async with serve_asgi(wrapped) as base:
-        yield f"{base}/mcp", wrapped
+    with wrapped._departed, wrapped.departures:
+        async with serve_asgi(wrapped) as base:
+            yield f"{base}/mcp", wrapped
 
 
 def _sdk_http() -> httpx2.AsyncClient:
@@ -547,6 +572,34 @@ async def test_a_service_that_never_answers_is_a_connect_timeout_naming_its_atte
                     raise AssertionError("connected to nothing")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_a_stream_kept_open_after_its_response_is_answered_at_the_response(
+    client: str,
+) -> None:
+    """The spec lets a server keep a POST's event stream open after the response;
+    the thin client read every stream to its end, so each call waited out
+    ``call_tool_s``. Both clients return at the response event and leave the
+    stream (which the server sees), and the session goes on."""
+    answer = _text_answer(b"here already")
+    deadlines = dict(DEADLINES, call_timeout_s=600.0)  # never what ends a call here
+    async with (
+        serving(
+            json_response=False, raw={"lingering": answer}, raw_events=True, raw_kept_open=True
+        ) as (url, front),
+        Wire() as wire,
+    ):
+        with anyio.fail_after(60):
+            async with open_tool_session(
+                url, _sdk_http, wire=wire if client == "thin" else None, **deadlines
+            ) as session:
+                assert isinstance(session._client, ThinClient if client == "thin" else Client)
+                for _ in range(2):
+                    assert (await session.call("lingering", {})).text == "here already"
+                    assert await front.departures.receive() == "lingering"  # it left
+                assert (await session.call("echo", {"text": "next"})).text == "next"
+
+
 class Redirecting:
     """ASGI in front of an app: ``/elsewhere`` is redirected (307) to the same
     server under another host name (``localhost`` for ``127.0.0.1``), ``/moved``
@@ -729,6 +782,25 @@ def test_an_event_stream_answer_skips_notifications_comments_and_pings() -> None
         b'data: {"jsonrpc":"2.0","id":1,"result":{"ok":1}}'
     )
     assert mcp_thin._answer(_response(200, "text/event-stream", events)) == {"ok": 1}
+
+
+def test_an_event_stream_is_parsed_as_it_arrives_and_ends_at_its_response() -> None:
+    """Fed in any pieces (one byte at a time: a CRLF split between two), the parser
+    gives the response as soon as its event is complete, whatever follows."""
+    before = (
+        b": ping\r\n\r\n"
+        b'event: message\r\ndata: {"jsonrpc":"2.0","method":"notifications/progress",\r\n'
+        b'data: "params":{"progressToken":1,"progress":1}}\r\n\r\n'
+        b"id: 7\revent: message\rdata:\r\r"
+        b'data: {"jsonrpc":"2.0","id":1,"result":{"ok":"caf\xc3\xa9"}}\r\n'
+    )
+    for size in (1, 2, 3, 7, len(before)):
+        events = mcp_thin._Events()
+        pieces = [before[i : i + size] for i in range(0, len(before), size)]
+        assert all(events.feed(piece) is None for piece in pieces), size
+        # The blank line that ends the response's event; the stream may go on.
+        assert events.feed(b"\r") is None  # a CR that may be the start of a CRLF
+        assert events.feed(b"\ndata: never read\n\n") == {"ok": "café"}, size
 
 
 def test_answers_that_are_not_responses_get_the_sdk_transport_s_errors() -> None:

@@ -48,10 +48,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 from urllib.parse import urlsplit
 
 import anyio
@@ -87,13 +87,20 @@ from referencing.exceptions import Unresolvable
 
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.retrying import Decision
-from fleetroll._internal.wire import BodyTooLarge, ConnectFailed, Response, Wire
+from fleetroll._internal.wire import (
+    BodyTooLarge,
+    ConnectFailed,
+    Response,
+    StreamResponse,
+    Wire,
+)
 from fleetroll.policies import ToolSpec
 from fleetroll.rollout.mcp_common import AnswerLimits, shared_spec, shared_validator
 
 __all__ = ["FALLBACK", "ThinClient", "probe"]
 
 _log = logging.getLogger("fleetroll.mcp_thin")
+_T = TypeVar("_T")
 
 #: What :func:`probe` answers when the endpoint needs the SDK client.
 FALLBACK: Final = "fallback"
@@ -164,6 +171,37 @@ def _answer(response: Response) -> dict[str, Any]:
         return _json_answer(response.body)
     if content_type.startswith("text/event-stream"):
         return _from_events(response.body)
+    raise _mcp_error(INVALID_REQUEST, f"Unexpected content type: {content_type}")
+
+
+async def _read(response: StreamResponse) -> dict[str, Any]:
+    """The JSON-RPC result of one POST's answer, read as it arrives.
+
+    An event stream is parsed as its bytes come, and left at the event that
+    carries the response (the spec lets a server keep the stream open after
+    it; the SDK's transport returns there too): leaving it closes the
+    connection, which is reused only when an answer was read to its end.
+
+    Raises:
+        MCPError, _NeedsSdk: as :func:`_answer`.
+        WireError: the answer broke off or passed its cap (``BodyTooLarge``).
+    """
+    status = response.status
+    headers = response.headers
+    content_type = headers.get("content-type", "").lower()
+    if status == 202 or status >= 300:
+        body = await response.aread() if status >= 400 else None
+        _check_status(status, content_type, headers, body)
+    if content_type.startswith("text/event-stream"):
+        events = _Events()
+        async for chunk in response.aiter_bytes():
+            found = events.feed(chunk)
+            if found is not None:
+                return found
+        return events.end()
+    body = await response.aread()
+    if content_type.startswith("application/json"):
+        return _json_answer(body)
     raise _mcp_error(INVALID_REQUEST, f"Unexpected content type: {content_type}")
 
 
@@ -766,14 +804,22 @@ class ThinClient:
         if extra:
             headers.update(extra)
         if wait_s is None:
-            return _answer(await self._post(method, body, headers))
+            return await self._post(method, body, headers)
         with anyio.move_on_after(wait_s):
-            return _answer(await self._post(method, body, headers))
+            return await self._post(method, body, headers)
         raise _mcp_error(REQUEST_TIMEOUT, f"Request {method!r} timed out")
 
-    async def _post(self, method: str, body: bytes, headers: dict[str, str]) -> Response:
+    async def _post(self, method: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
         return await post(
-            self._wire, self.url, method, body, headers, self._limits, self._budget, self._report
+            self._wire,
+            self.url,
+            method,
+            body,
+            headers,
+            self._limits,
+            self._budget,
+            self._report,
+            _read,
         )
 
 
@@ -786,11 +832,13 @@ async def post(
     limits: AnswerLimits | None,
     budget: retrying.Budget,
     report: retrying.Report | None,
-) -> Response:
-    """One POST, sent again only while its connection could not be opened.
+    read: Callable[[StreamResponse], Awaitable[_T]],
+) -> _T:
+    """What ``read`` makes of one POST's answer (handed over at its head); the POST
+    is sent again only while its connection could not be opened.
 
     Raises:
-        MCPError: ``ANSWER_TOO_LARGE``: the answer passed its cap.
+        MCPError: ``ANSWER_TOO_LARGE``: the answer passed its cap; or ``read``'s.
         WireError: the request failed on its way.
     """
     limits = limits or _NO_LIMITS
@@ -798,8 +846,11 @@ async def post(
     try:
         try:
             # The first attempt goes straight out: no retry machinery when nothing fails.
-            return await wire.request("POST", url, body=body, headers=headers, max_bytes=cap)
-        except ConnectFailed as exc:
+            async with wire.stream(
+                "POST", url, body=body, headers=headers, max_bytes=cap
+            ) as response:
+                return await read(response)
+        except ConnectFailed as exc:  # raised on entering only: nothing was sent
             failed: BaseException | None = exc
         async for attempt in retrying.attempts(
             "mcp_request", budget, classify=_never_sent, report=report
@@ -808,7 +859,10 @@ async def post(
                 if failed is not None:  # attempt 1: the one above, reported and counted
                     first, failed = failed, None
                     raise first
-                return await wire.request("POST", url, body=body, headers=headers, max_bytes=cap)
+                async with wire.stream(
+                    "POST", url, body=body, headers=headers, max_bytes=cap
+                ) as response:
+                    return await read(response)
     except BodyTooLarge:
         too_large = limits.error(method).error
         raise _mcp_error(too_large.code, too_large.message) from None
@@ -850,16 +904,17 @@ async def probe(
             "mcp-protocol-version": version,
             "mcp-method": "server/discover",
         }
-        response = await post(wire, url, "server/discover", body, headers, limits, budget, report)
-        if response.headers.get("mcp-session-id"):
-            return FALLBACK  # a stateful server: the SDK client keeps its session
-        bare = _bare_status(response)
+        heard = _Heard()
         try:
-            raw = _answer(response)
+            raw = await post(
+                wire, url, "server/discover", body, headers, limits, budget, report, heard.read
+            )
         except _NeedsSdk:
             return FALLBACK
+        except _Stateful:
+            return FALLBACK  # a stateful server: the SDK client keeps its session
         except Exception as exc:
-            if bare:
+            if heard.bare:
                 raise  # the service is not up yet: try again
             if getattr(exc, "code", None) == UNSUPPORTED_PROTOCOL_VERSION and attempt == 0:
                 mutual = _mutual(getattr(exc, "data", None))
@@ -888,14 +943,33 @@ async def probe(
     return FALLBACK
 
 
-def _bare_status(response: Response) -> bool:
-    """A 404 or 5xx that is no JSON-RPC answer: a router's or a starting service's."""
-    status = response.status
-    if status != 404 and status < 500:
-        return False
-    if response.headers.get("content-type", "").lower().startswith("application/json"):
-        return _error_in(response.body) is None
-    return True
+class _Stateful(Exception):
+    """The probe's answer carries a session id: the SDK client keeps sessions."""
+
+
+class _Heard:
+    """The probe's reading of its answer: what :func:`_read` makes of it, and
+    whether it was a bare 404 or 5xx (no JSON-RPC answer: a router's, or a
+    service still starting)."""
+
+    __slots__ = ("bare",)
+
+    def __init__(self) -> None:
+        self.bare = False
+
+    async def read(self, response: StreamResponse) -> dict[str, Any]:
+        if response.headers.get("mcp-session-id"):
+            raise _Stateful
+        status = response.status
+        if status != 404 and status < 500:
+            return await _read(response)
+        body = await response.aread()
+        content_type = response.headers.get("content-type", "").lower()
+        if content_type.startswith("application/json"):
+            self.bare = _error_in(body) is None
+        else:
+            self.bare = True
+        return _answer(Response(status, response.headers, body))
 
 
 def _mutual(data: Any) -> str | None:

@@ -600,6 +600,84 @@ async def test_a_stream_kept_open_after_its_response_is_answered_at_the_response
                 assert (await session.call("echo", {"text": "next"})).text == "next"
 
 
+class Lingering:
+    """ASGI in front of the SDK's app (JSON answers): each POST's answer is sent as
+    an event stream instead (a comment, the answer's event), which then stays open
+    until the client leaves it, as the spec allows. ``served`` counts those
+    streams, ``open`` those not left yet; :meth:`all_left` waits until none is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.served = 0
+        self.open = 0
+        self._left = anyio.Event()
+
+    async def all_left(self) -> None:
+        while self.open:
+            await self._left.wait()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        start: Message = {}
+        body = b""
+
+        async def kept(message: Message) -> None:
+            nonlocal start, body
+            if message["type"] == "http.response.start":
+                start = message
+            else:
+                body += message.get("body", b"")
+
+        await self.app(scope, receive, kept)
+        headers = dict(start.get("headers", []))
+        if start.get("status") != 200 or headers.get(b"content-type") != b"application/json":
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
+            return
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        self.served += 1
+        self.open += 1
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            event = b": an answer follows\n\nevent: message\ndata: " + body + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        finally:
+            self.open -= 1
+            self._left.set()
+            self._left = anyio.Event()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_a_server_keeping_every_stream_open_serves_a_whole_session(client: str) -> None:
+    """The probe, the listing and each call return at their answer's event, the
+    streams they leave are closed (the server sees each client leave)."""
+    app = tools_server().streamable_http_app(
+        json_response=True,
+        stateless_http=True,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    front = Lingering(app)
+    deadlines = dict(DEADLINES, connect_timeout_s=600.0, call_timeout_s=600.0)
+    deadlines["list_timeout_s"] = 600.0  # never what ends a request here
+    async with serve_asgi(front) as base, Wire() as wire:
+        with anyio.fail_after(60):
+            async with open_tool_session(
+                f"{base}/mcp", _sdk_http, wire=wire if client == "thin" else None, **deadlines
+            ) as session:
+                assert isinstance(session._client, ThinClient if client == "thin" else Client)
+                assert "echo" in {spec.name for spec in await session.list_tools()}
+                for text in ("one", "two"):
+                    assert (await session.call("echo", {"text": text})).text == text
+                assert (await session.call("broken", {})).is_error
+            await front.all_left()
+    assert front.served >= 5  # discover, list, three calls: each left at its answer
+
+
 class Redirecting:
     """ASGI in front of an app: ``/elsewhere`` is redirected (307) to the same
     server under another host name (``localhost`` for ``127.0.0.1``), ``/moved``

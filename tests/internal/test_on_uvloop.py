@@ -8,7 +8,9 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 import pytest
+import trustme
 from test_http_transport import answer_ok, serving
+from test_wire import proxying, serving_tls, trusting
 
 from fleetroll._internal.wire import Wire
 from fleetroll.environments.mcp.process import open_program
@@ -40,5 +42,22 @@ def test_a_program_that_is_not_there_is_named_in_its_error_on_uvloop() -> None:
             await open_program(["no-such-mcp-server-binary"])
         assert err.value.filename == "no-such-mcp-server-binary"
         assert "no-such-mcp-server-binary" in str(err.value)
+
+    on_uvloop(main)
+
+
+def test_the_wire_s_tunnel_through_a_proxy_opens_tls_on_uvloop() -> None:
+    # The tunnel upgrades a proxy's connection to TLS in place (loop.start_tls).
+    ca = trustme.CA()
+
+    async def main() -> None:
+        async with serving_tls(answer_ok, ca) as server, proxying() as proxy:
+            wire = Wire(proxy=proxy.url, verify=trusting(ca))
+            url = f"https://127.0.0.1:{server.port}/"
+            async with wire:
+                for _ in range(2):
+                    with anyio.fail_after(10):
+                        assert (await wire.request("GET", url)).json() == {"ok": True}
+        assert len(proxy.heads) == 1 and proxy.heads[0].startswith("CONNECT ")
 
     on_uvloop(main)

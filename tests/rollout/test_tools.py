@@ -13,7 +13,9 @@ from mcp.types import CallToolResult
 from pydantic import BaseModel
 
 from fleetroll._internal.retrying import Budget
+from fleetroll._internal.wire import Wire
 from fleetroll.emulator import Emulator
+from fleetroll.errors import ToolsError
 from fleetroll.rollout.tools import ToolSession, open_tool_session
 
 DEADLINES = {
@@ -90,3 +92,31 @@ async def test_an_answer_that_breaks_its_output_schema_is_still_rejected() -> No
         lie = CallToolResult(content=[], structured_content={"account": "Checking"})
         with pytest.raises(RuntimeError, match="Invalid structured content"):
             await client.session.validate_tool_result("balance", lie)
+
+
+async def test_a_proxy_refusing_the_tunnel_fails_the_thin_client_s_connect_at_once() -> None:
+    connects: list[bytes] = []
+
+    async def refuse(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                head += await stream.receive()
+            connects.append(head)
+            await stream.send(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+
+    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
+    port = listener.extra(anyio.abc.SocketAttribute.local_port)
+    async with listener, anyio.create_task_group() as tg:
+        tg.start_soon(listener.serve, refuse)
+        async with Wire(proxy=f"http://127.0.0.1:{port}") as wire:
+            with anyio.fail_after(10), pytest.raises(ToolsError, match="refused the tunnel"):
+                async with open_tool_session(
+                    "https://127.0.0.1:9/mcp",
+                    lambda: httpx2.AsyncClient(),
+                    wire=wire,
+                    **{**DEADLINES, "budget": Budget(5, 0.0, 0.0)},
+                ):
+                    pass
+        tg.cancel_scope.cancel()
+    assert len(connects) == 1  # a refusal is not a service still starting: not tried again

@@ -17,6 +17,9 @@ Contracts:
   allows it, and for at most ``keepalive_s`` of idleness; an idle connection
   the server already closed (its socket readable, as httpcore checks) is
   dropped before it is used.
+* Answers are read as httpx reads them: interim ones (``100 Continue``,
+  ``103 Early Hints``) are skipped; the answer to a ``HEAD`` ends at its
+  head whatever its length says (its connection is then closed).
 * :class:`ConnectFailed`: no connection could be opened, the request
   provably never left (safe to send again, a POST too).
   :class:`ConnectionLost`: the connection broke after the request may have
@@ -99,6 +102,7 @@ _STREAM_BUFFER = 256 * 1024
 #: Methods that may be sent twice (RFC 9110's idempotent ones).
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+_HAS_POLL = hasattr(select, "poll")  # not on Windows: no idle check there
 
 
 class WireError(Exception):
@@ -231,7 +235,9 @@ class _Connection(asyncio.Protocol):
         "_head_bytes",
         "_headers",
         "_in_head",
+        "_interim",
         "_keep_alive",
+        "_no_body",
         "_parser",
         "_paused",
         "_size",
@@ -239,15 +245,15 @@ class _Connection(asyncio.Protocol):
         "_streaming",
         "_waiter",
         "closed",
-        "fileno",
         "idle_since",
+        "poller",
         "received",
         "transport",
     )
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
-        self.fileno = -1
+        self.poller: select.poll | None = None
         self.closed = False
         self.idle_since = 0.0
         self.received = False  # any byte of the current answer
@@ -257,10 +263,12 @@ class _Connection(asyncio.Protocol):
         self._status = 0
         self._headers: dict[str, str] = {}
         self._keep_alive = False
+        self._no_body = False
         self._body: list[bytes] = []
         self._size = 0
         self._cap = 0
         self._in_head = True
+        self._interim = False
         self._head_bytes = 0
         self._decoders: list[_Inflate] | None = None
         self._streaming = False
@@ -277,7 +285,11 @@ class _Connection(asyncio.Protocol):
         # request on uvloop, the loop Ray's async actors and many trainers run).
         self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
-        self.fileno = sock.fileno() if sock is not None else -1
+        if sock is not None and _HAS_POLL:
+            # For the idle check (stale): a poll object of its own costs a quarter
+            # of a select call per reuse.
+            self.poller = select.poll()
+            self.poller.register(sock.fileno(), select.POLLIN)
 
     def data_received(self, data: bytes) -> None:
         if not self._active:  # bytes nobody asked for: the connection is spoiled
@@ -337,11 +349,26 @@ class _Connection(asyncio.Protocol):
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            # An interim answer (100 Continue, 103 Early Hints): skipped, as
+            # httpx does; the answer follows on the same connection.
+            self._interim = True
+            self._headers = {}
+            return
         self._in_head = False
+        if self._no_body:
+            # The answer to a HEAD: its length describes a body never sent, and
+            # httptools cannot be told so: the answer ends here, and the parser
+            # (expecting that body) goes with its connection.
+            self._status = status
+            self._complete = True
+            self._wake()
+            raise _Extra
         encoding = self._headers.get("content-encoding")
         if encoding is not None:
             self._decoders = _decoders(encoding)  # refused before the head is handed over
-        self._status = self._parser.get_status_code()
+        self._status = status
         if self._streaming:
             self._wake()
 
@@ -353,6 +380,9 @@ class _Connection(asyncio.Protocol):
         self._add(body)
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self._keep_alive = self._parser.should_keep_alive()
         if self._decoders is not None:
             self._flush()
@@ -425,15 +455,14 @@ class _Connection(asyncio.Protocol):
         """Whether an idle connection was closed by its server (or sent bytes unasked)."""
         if self.closed:
             return True
-        if self.fileno < 0:
+        if self.poller is None:
             return False
         try:
-            readable, _, _ = select.select((self.fileno,), (), (), 0)
+            return bool(self.poller.poll(0))  # readable: the close (or bytes nobody asked for)
         except (OSError, ValueError):
             return True
-        return bool(readable)
 
-    def _begin(self, cap: int, streaming: bool) -> asyncio.Future[None]:
+    def _begin(self, cap: int, streaming: bool, no_body: bool) -> asyncio.Future[None]:
         self._status = 0
         self._headers = {}
         self._body = []
@@ -445,16 +474,17 @@ class _Connection(asyncio.Protocol):
         self._head_bytes = 0
         self._decoders = None
         self._streaming = streaming
+        self._no_body = no_body
         self._complete = False
         self._error = None
         self._active = True
         waiter = self._waiter = asyncio.get_running_loop().create_future()
         return waiter
 
-    async def exchange(self, data: bytes, cap: int) -> Response:
+    async def exchange(self, data: bytes, cap: int, no_body: bool) -> Response:
         """Send one request's bytes and read its answer to its end."""
         assert self.transport is not None
-        waiter = self._begin(cap, False)
+        waiter = self._begin(cap, False, no_body)
         try:
             self.transport.write(data)
             await waiter
@@ -473,10 +503,10 @@ class _Connection(asyncio.Protocol):
             self.close()
         return Response(self._status, self._headers, body)
 
-    async def open_stream(self, data: bytes, cap: int) -> None:
+    async def open_stream(self, data: bytes, cap: int, no_body: bool) -> None:
         """Send one request's bytes and wait for its answer's head."""
         assert self.transport is not None
-        waiter = self._begin(cap, True)
+        waiter = self._begin(cap, True, no_body)
         self._buffered = 0
         self._paused = False
         try:
@@ -538,8 +568,9 @@ class _Tunnel(asyncio.Protocol):
         self._buffer += data
         end = self._buffer.find(b"\r\n\r\n")
         if end >= 0:
-            # Nothing may follow the head: the target speaks first after TLS.
-            self.head.set_result(self._buffer[: end + 4] if end + 4 == len(self._buffer) else b"")
+            # All of it: a refusal may come with a body; a 2xx may not (the
+            # target speaks only after TLS), which _open_tunnel checks.
+            self.head.set_result(self._buffer)
         elif len(self._buffer) > HEAD_CAP:
             self.head.set_result(b"")
 
@@ -807,10 +838,10 @@ class Wire:
             for name, value in headers.items():
                 if "\r" in value or "\n" in value:
                     raise ValueError(f"the header {name!r} holds a line break")
-                lower = name.lower()
-                if lower == "accept-encoding":
+                size = len(name)  # lower-cased only when it could be one of the two
+                if size == 15 and name.lower() == "accept-encoding":
                     encoding = True
-                elif lower == "authorization" and target.authorization:
+                elif size == 13 and target.authorization and name.lower() == "authorization":
                     continue  # the URL's user info wins, as in httpx
                 head.append(f"{name}: {value}\r\n")
         if not encoding:
@@ -844,7 +875,7 @@ class Wire:
             if conn is None:
                 conn, reused = await self._open(target), False
             try:
-                response = await conn.exchange(data, max_bytes)
+                response = await conn.exchange(data, max_bytes, method == "HEAD")
             except ConnectionLost:
                 if reused and not conn.received and _resendable(method, headers):
                     continue  # closed by the server while idle: it never read this
@@ -960,10 +991,13 @@ class Wire:
                 lines.append(f"proxy-authorization: {proxy.authorization}\r\n")
             lines.append("\r\n")
             transport.write("".join(lines).encode("latin-1"))
-            head = await tunnel.head
+            answer = await tunnel.head
+            head, _, rest = answer.partition(b"\r\n\r\n")
             status, reason = _status_line(head)
-            if not 200 <= status < 300:
+            if not 200 <= status < 300 or rest:
                 what = f"{status} {reason}".strip() if status else "a malformed answer"
+                if 200 <= status < 300:
+                    what = f"{what}, followed by bytes before TLS"
                 raise ProxyError(
                     f"the proxy {proxy.url} refused the tunnel to {authority}: {what}",
                     status=status,
@@ -1053,7 +1087,7 @@ class _Stream:
             if conn is None:
                 conn, reused = await wire._open(target), False
             try:
-                await conn.open_stream(data, self._max_bytes)
+                await conn.open_stream(data, self._max_bytes, self._method == "HEAD")
             except ConnectionLost:
                 if reused and not conn.received and _resendable(self._method, self._headers):
                     continue

@@ -44,7 +44,7 @@ from mcp_types import (
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.retrying import Decision
-from fleetroll._internal.wire import BodyTooLarge, Wire, WireError
+from fleetroll._internal.wire import BodyTooLarge, ProxyError, Wire, WireError
 from fleetroll.errors import FleetrollError, OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
 from fleetroll.rollout.mcp_common import (
@@ -126,6 +126,10 @@ def _connect_transient(exc: BaseException) -> bool:
     for leaf in _leaves(exc):
         if isinstance(leaf, httpx2.TransportError | TimeoutError):
             continue
+        if isinstance(leaf, ProxyError):
+            if leaf.transient:  # the proxy could not reach the service (yet)
+                continue
+            return False  # the proxy said no (403, 407): trying again changes nothing
         if isinstance(leaf, WireError) and not isinstance(leaf, BodyTooLarge):
             continue
         if _redirected_to(leaf) is not None:

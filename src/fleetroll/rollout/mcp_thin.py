@@ -93,9 +93,15 @@ from fleetroll._internal.wire import (
     Response,
     StreamResponse,
     Wire,
+    WireError,
 )
 from fleetroll.policies import ToolSpec
-from fleetroll.rollout.mcp_common import AnswerLimits, shared_spec, shared_validator
+from fleetroll.rollout.mcp_common import (
+    ANSWER_TOO_LARGE,
+    AnswerLimits,
+    shared_spec,
+    shared_validator,
+)
 
 __all__ = ["FALLBACK", "ThinClient", "probe"]
 
@@ -913,9 +919,11 @@ async def probe(
             return FALLBACK
         except _Stateful:
             return FALLBACK  # a stateful server: the SDK client keeps its session
+        except WireError:
+            raise  # no answer (refused, broken, a proxy's refusal): the caller decides
         except Exception as exc:
-            if heard.bare:
-                raise  # the service is not up yet: try again
+            if heard.bare or getattr(exc, "code", None) == ANSWER_TOO_LARGE:
+                raise  # the service is not up yet (try again), or an answer past its cap
             if getattr(exc, "code", None) == UNSUPPORTED_PROTOCOL_VERSION and attempt == 0:
                 mutual = _mutual(getattr(exc, "data", None))
                 if mutual is not None:

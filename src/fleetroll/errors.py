@@ -10,6 +10,7 @@
     ├── PreflightError           a batch cannot run: unknown env, key refused, policy dead
     │   └── ServicePreflightError  the service's pre-flight refused it (also a ServiceError)
     ├── ServiceError             the HTTP service answered an error (fleetroll.client)
+    ├── JournalError             a result journal could not be written (a full disk)
     ├── StoreError               the local telemetry store could not be opened or read
     │   ├── NoSuchBatchError     a batch id the store has never seen
     │   └── QueryError           a query failed
@@ -48,6 +49,7 @@ __all__ = [
     "EnvUnavailableError",
     "FleetrollError",
     "InstanceLostError",
+    "JournalError",
     "JudgeError",
     "NoSuchBatchError",
     "OperationTimeout",
@@ -76,6 +78,24 @@ class ConfigError(FleetrollError):
 
     The message names the source (file or environment variable) and the field.
     """
+
+
+class JournalError(FleetrollError):
+    """Writing a result journal failed (a full disk, an I/O error): nothing more
+    is written to it, and the results it could not write are not kept.
+
+    Attributes:
+        path: the journal.
+        error: the operating system's error (``errno`` tells ENOSPC from EIO).
+        written: how many results it holds from this run.
+    """
+
+    def __init__(self, path: object, error: OSError, written: int, hint: str = "") -> None:
+        self.path = path
+        self.error = error
+        self.written = written
+        why = error.strerror or str(error)
+        super().__init__(f"writing the journal {path} failed: {why}{hint}")
 
 
 class PreflightError(FleetrollError):

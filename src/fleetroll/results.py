@@ -64,6 +64,10 @@ class FailureReason(StrEnum):
     #: A component of the task's ``rewards`` other than the verifier (a judge)
     #: could not be computed: not scored; ``error`` names the component.
     REWARD_ERROR = "reward_error"
+    #: The rollout's result could not be written as JSON (a string holding a
+    #: lone surrogate, which UTF-8 cannot encode): journaled and streamed as
+    #: this failure instead, not scored; ``error`` names the field.
+    RESULT_ERROR = "result_error"
 
 
 #: Reasons after which the verifier still scores the rollout (docs/results.md);

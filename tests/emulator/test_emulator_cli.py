@@ -130,3 +130,29 @@ def test_a_port_out_of_range_is_refused_without_a_traceback() -> None:
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "99999 is not in the range 0<=x<=65535" in done.stderr
+
+
+async def test_public_url_is_what_it_hands_out_and_tells_to_export() -> None:
+    """Behind a reverse proxy: instances' URLs (MCP, manager) are on the proxy's base."""
+    public = "https://fleet.test:8443"
+    async with emulator_process("--public-url", f"{public}/") as emu:
+        assert emu.exports["FLEET_BASE_URL"] == public
+        listening = next(line for line in emu.lines if "listening on" in line)
+        own = listening.split("listening on ")[1].split()[0]
+        key = emu.exports["FLEET_API_KEY"]
+        async with httpx.AsyncClient(timeout=30, trust_env=False) as http:
+            with anyio.fail_after(30):
+                made = await http.post(
+                    f"{own}/v1/env/instances",
+                    json={"env_key": "ledger", "version": "v1"},
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                assert made.status_code == 200, made.text
+                urls = made.json()["urls"]
+                gone = await http.delete(
+                    f"{own}/v1/env/instances/{made.json()['instance_id']}",
+                    headers={"Authorization": f"Bearer {key}"},
+                )
+                assert gone.status_code == 200
+        assert urls["root"].startswith(f"{public}/instances/")
+        assert all(url.startswith(public) for url in urls["app"])

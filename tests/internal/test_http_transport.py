@@ -158,3 +158,23 @@ async def test_idle_connections_are_kept_only_for_the_keep_alive_setting() -> No
         session = transport._pool._session
         assert session is not None
         assert session.connector is not None and session.connector._keepalive_timeout == 2.5
+
+
+async def test_a_proxy_that_refuses_the_tunnel_is_a_proxy_error_and_the_request_never_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def refuse(server: Server, stream: SocketStream, head: bytes) -> bool:
+        await stream.send(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+        return False
+
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "NO_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.lower(), raising=False)
+    async with serving(refuse) as proxy:
+        monkeypatch.setenv("HTTPS_PROXY", f"http://127.0.0.1:{proxy.port}")
+        transport = SdkAiohttpTransport(verify=False, keepalive_s=15.0, max_connections=8)
+        async with httpx.AsyncClient(transport=transport) as http:
+            with anyio.fail_after(10), pytest.raises(httpx.ProxyError, match="403"):
+                await http.post("https://127.0.0.1:9/v1/env/instances", json={})
+    # The proxy was asked for a tunnel, once; nothing was sent through one.
+    assert [head.split(b" ")[:2] for head in proxy.requests] == [[b"CONNECT", b"127.0.0.1:9"]]

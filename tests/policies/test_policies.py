@@ -533,3 +533,23 @@ async def test_the_policy_opens_connections_within_timeouts_policy_connect_s() -
     async with OpenAIChatPolicy.from_settings(settings) as policy:
         assert policy._client.timeout.connect == 2.5
         assert policy._client.timeout.read == settings.timeouts.policy_s
+
+
+def test_a_policy_made_from_settings_pickles_as_its_recipe_and_one_made_by_hand_refuses() -> None:
+    import pickle
+
+    from fleetroll.policies.openai import PolicyRecipe
+
+    settings = load_settings(
+        policy={"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
+        openai_api_key=API_KEY,
+    )
+    policy = OpenAIChatPolicy.from_settings(settings)
+    recipe = pickle.loads(pickle.dumps(policy))
+    assert isinstance(recipe, PolicyRecipe) and recipe.settings == settings
+    remade = recipe.make()
+    assert type(remade) is OpenAIChatPolicy and remade.model == "m" and remade.url == policy.url
+    # Made again elsewhere, it keeps its key: a process makes one per recipe.
+    assert pickle.loads(pickle.dumps(remade)).key == recipe.key
+    with pytest.raises(TypeError, match=r"OpenAIChatPolicy\.from_settings"):
+        pickle.dumps(OpenAIChatPolicy(base_url="http://127.0.0.1:9/v1", model="m"))

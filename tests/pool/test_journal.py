@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -11,7 +13,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from fleetroll.errors import ConfigError
+import fleetroll.pool.journal as journal_module
+from fleetroll.errors import ConfigError, JournalError
 from fleetroll.pool.journal import (
     BatchIdentity,
     Journal,
@@ -91,11 +94,21 @@ async def test_a_torn_last_line_is_ignored_then_truncated_before_appending(tmp_p
     assert path.read_text().count("\n") == 2
 
 
-def test_a_complete_line_that_is_not_a_result_is_an_error_naming_the_line(tmp_path) -> None:
+def test_a_corrupt_line_is_skipped_with_a_warning_naming_the_file_and_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "results.jsonl"
-    path.write_text(result(1).model_dump_json() + "\n" + '{"rollout_id": 3}\n')
-    with pytest.raises(ValueError, match=r"results\.jsonl:2: not a rollout result"):
-        read_journal(path)
+    path.write_text(
+        result(1).model_dump_json()
+        + "\n"
+        + '{"rollout_id": 3}\n'
+        + result(2).model_dump_json()
+        + "\n"
+    )
+    with caplog.at_level(logging.WARNING, logger="fleetroll.pool.journal"):
+        assert [r.rollout_id for r in read_journal(path)] == ["r1", "r2"]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"{path}:2: not a rollout result, skipped" in warning
 
 
 def test_a_missing_journal_reads_as_empty(tmp_path: Path) -> None:
@@ -145,6 +158,16 @@ def test_a_resume_keeps_every_rollout_but_those_whose_last_result_is_cancelled(
         assert sorted(r.rollout_id for r in claim.done) == ["r1", "r3"]
     finally:
         claim.close()
+
+
+def test_a_resume_runs_again_a_rollout_whose_line_is_corrupt(tmp_path: Path) -> None:
+    path = tmp_path / "results.jsonl"
+    claim_journal(path, BatchIdentity.of("b", TASKS, 2), resume=False).close()
+    torn = result(2).model_dump_json()[:50]  # a completed result, cut by a disk's fault
+    path.write_text(result(1).model_dump_json() + "\n" + torn + "\n")
+    claim = claim_journal(path, BatchIdentity.of("b", TASKS, 2), resume=True)
+    claim.close()
+    assert [r.rollout_id for r in claim.done] == ["r1"]  # r2 is not done: it runs again
 
 
 def test_a_resume_of_a_run_killed_before_its_first_result_keeps_its_batch_id(
@@ -328,3 +351,81 @@ def test_the_sampler_state_is_kept_beside_the_journal_and_read_back(tmp_path: Pa
     sampler_path(path).write_text("{}")
     with pytest.raises(ConfigError, match="not a sampler state"):
         read_sampler_state(path)
+
+
+# -- no one result can stop the journal; a failed write is final (issue 37) -------------
+
+
+def unwritable(n: int) -> RolloutResult:
+    """A result with a lone surrogate in a tool's answer (a file name that is not UTF-8)."""
+    transcript = [{"role": "user", "content": "list"}, {"role": "tool", "content": "a\udc80b"}]
+    return result(n).model_copy(update={"transcript": transcript, "final_answer": "done"})
+
+
+async def test_a_result_json_cannot_hold_is_journaled_as_its_rollouts_failure_and_the_rest_kept(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "results.jsonl"
+    async with anyio.create_task_group() as tg, Journal(path, tg) as journal:
+        assert journal.append(result(0)) == result(0)
+        kept = journal.append(unwritable(1))
+        journal.append(result(2))
+    got = read_journal(path)
+    assert [r.rollout_id for r in got] == ["r0", "r1", "r2"]
+    assert got[1] == kept
+    assert (kept.status, kept.failure_reason, kept.reward) == (
+        "failed",
+        FailureReason.RESULT_ERROR,
+        None,
+    )
+    assert kept.error is not None
+    assert "transcript[1].content holds a lone surrogate (U+DC80)" in kept.error
+    assert "it had ended completed with reward 1" in kept.error
+    assert kept.transcript == [] and kept.final_answer is None
+    assert (kept.batch_id, kept.task_key, kept.env_key) == ("b", "t", "ledger")
+
+
+async def test_a_failed_write_is_final_cut_back_and_never_reported_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "results.jsonl"
+    real_write = journal_module._write
+    writes = 0
+
+    def disk_fills_on_the_second_write(fd: int, data: bytes) -> None:
+        nonlocal writes
+        writes += 1
+        if writes == 2:  # half of it reaches the file, then the disk is full
+            os.write(fd, data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_write(fd, data)
+
+    monkeypatch.setattr(journal_module, "_write", disk_fills_on_the_second_write)
+    heard: list[str] = []
+    failed: list[OSError] = []
+    first_written, write_failed = anyio.Event(), anyio.Event()
+
+    def on_written(results: Sequence[RolloutResult]) -> None:
+        heard.extend(r.rollout_id for r in results)
+        first_written.set()
+
+    def on_failed(exc: OSError) -> None:
+        failed.append(exc)
+        write_failed.set()
+
+    async with anyio.create_task_group() as tg:
+        with pytest.raises(JournalError, match="No space left on device") as raised:
+            async with Journal(path, tg, on_written=on_written, on_failed=on_failed) as journal:
+                journal.append(result(0))
+                with anyio.fail_after(5):
+                    await first_written.wait()
+                journal.append(result(1))
+                journal.append(result(2))
+                with anyio.fail_after(5):
+                    await write_failed.wait()
+                journal.append(result(3))  # after the failure: dropped, never written
+    assert heard == ["r0"]
+    assert [exc.errno for exc in failed] == [errno.ENOSPC]
+    assert raised.value.written == 1 and raised.value.error.errno == errno.ENOSPC
+    # The file holds exactly what its listener heard of: no torn line, nothing more.
+    assert path.read_bytes() == (result(0).model_dump_json() + "\n").encode()

@@ -115,11 +115,18 @@ async def test_a_killed_actor_s_rollouts_run_again_once_on_the_other(
                 results.append(result)
                 if len(results) == 5:
                     ray.kill(executor.workers[1])
+            # A weight sync after the death: the live actor gets it, the pool goes on
+            # (the gate's mirror asked the dead actor too, and its error ended the pool).
+            pool.policy_version = 3
+            after = pool.run_batch(LEDGER[:2], ScriptedPolicy(), batch_id="after")
+            later = await after.results()
+            versions = [v for r in later for v in await turn_versions(after, r.rollout_id)]
         alive = list(executor.alive)
     ledger = await fleet.ledger()
     assert len(results) == 20 and len({r.rollout_id for r in results}) == 20
     assert [(r.rollout_id, r.failure_reason) for r in results if r.reward != 1.0] == []
     assert alive == [True, False] and sink.named("fleet_worker_lost")
+    assert [r.reward for r in later] == [1.0, 1.0] and versions and set(versions) == {3}
     started = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_started"))
     completed = Counter(e.attributes["rollout_id"] for e in sink.named("fleet_rollout_completed"))
     assert started == completed and set(completed.values()) == {1}

@@ -1,14 +1,21 @@
-"""Helpers of the service tests: a running service, task records, a gated policy."""
+"""Helpers of the service tests: a running service (in this process, or ``fleetroll
+serve`` as a child), task records, a gated policy."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import anyio
 import httpx
+from anyio.abc import Process
 
 from fleetroll.emulator import Emulator
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
@@ -75,3 +82,78 @@ class GatedPolicy(ScriptedPolicy):
         if task.key in self.held:
             await self.release.wait()
         return await super().act(task, messages, tools)
+
+
+#: The token of ``fleetroll serve`` as a child (:func:`serving`).
+TOKEN = "a-restart-test-token-of-32-chars"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def serve_env(state: Path) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_", "OTEL_"))
+    }
+    return env | {
+        "FLEETROLL_SERVICE_TOKEN": TOKEN,
+        "FLEETROLL_TELEMETRY__DB_PATH": os.devnull,
+        "FLEETROLL_SERVICE__STATE_DIR": str(state),
+        "FLEETROLL_POOL__CONCURRENCY": "4",
+    }
+
+
+@asynccontextmanager
+async def serving(
+    tmp_path: Path, port: int, emu: Emulator | None = None
+) -> AsyncIterator[tuple[Process, list[str]]]:
+    """``fleetroll serve`` on ``port`` over ``tmp_path/state``, once it listens; its stderr.
+
+    On ``emu`` (this process's emulator) if given, else on its embedded one.
+    Killed at the end if still running."""
+    env = serve_env(tmp_path / "state")
+    if emu is not None:
+        env |= {"FLEET_BASE_URL": emu.base_url, "FLEET_API_KEY": emu.api_key}
+    command = [sys.executable, "-m", "fleetroll", "serve", "--port", str(port)]
+    said: list[str] = []
+    process = await anyio.open_process(
+        command,
+        cwd=tmp_path,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    listening = anyio.Event()
+
+    async def read() -> None:
+        assert process.stderr is not None
+        tail = ""
+        async for chunk in process.stderr:
+            *lines, tail = (tail + chunk.decode()).split("\n")
+            said.extend(lines)
+            if any("  API: " in line for line in lines):
+                listening.set()
+        listening.set()  # it ended: the test sees why in ``said``
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(read)
+        try:
+            with anyio.fail_after(60):
+                await listening.wait()
+            assert process.returncode is None, "\n".join(said)
+            yield process, said
+        finally:
+            with anyio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.kill()
+                with anyio.fail_after(30):
+                    await process.wait()
+                tg.cancel_scope.cancel()
+                await process.aclose()

@@ -7,20 +7,15 @@ which reconnects with its cursor and resubmits the batch the restart cut.
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import httpx
 import pytest
-from anyio.abc import Process
+from service_helpers import TOKEN, free_port, serve_env, serving
 
 from fleetroll.client import FleetrollClient
 from fleetroll.pool.journal import read_journal
@@ -32,78 +27,12 @@ from fleetroll.tasks import load_tasks
 
 pytestmark = pytest.mark.slow
 
-TOKEN = "a-restart-test-token-of-32-chars"
 LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=load_settings().modalities)
 TASKS = LEDGER[:6]
 SAMPLES = 4  # 6 tasks x 4 samples = 24 rollouts
 BATCH = "step-1"
 #: Slow enough that when the service goes down, rollouts are done, running and waiting.
 POLICY = PolicyConfig(kind="scripted", think_time_s=0.25)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def serve_env(state: Path) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_", "OTEL_"))
-    }
-    return env | {
-        "FLEETROLL_SERVICE_TOKEN": TOKEN,
-        "FLEETROLL_TELEMETRY__DB_PATH": os.devnull,
-        "FLEETROLL_SERVICE__STATE_DIR": str(state),
-        "FLEETROLL_POOL__CONCURRENCY": "4",
-    }
-
-
-@asynccontextmanager
-async def serving(tmp_path: Path, port: int) -> AsyncIterator[tuple[Process, list[str]]]:
-    """``fleetroll serve`` on ``port`` over ``tmp_path/state``, once it listens; its stderr.
-
-    Killed at the end if still running."""
-    command = [sys.executable, "-m", "fleetroll", "serve", "--port", str(port)]
-    said: list[str] = []
-    process = await anyio.open_process(
-        command,
-        cwd=tmp_path,
-        env=serve_env(tmp_path / "state"),
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    listening = anyio.Event()
-
-    async def read() -> None:
-        assert process.stderr is not None
-        tail = ""
-        async for chunk in process.stderr:
-            *lines, tail = (tail + chunk.decode()).split("\n")
-            said.extend(lines)
-            if any("  API: " in line for line in lines):
-                listening.set()
-        listening.set()  # it ended: the test sees why in ``said``
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(read)
-        try:
-            with anyio.fail_after(60):
-                await listening.wait()
-            assert process.returncode is None, "\n".join(said)
-            yield process, said
-        finally:
-            with anyio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.kill()
-                with anyio.fail_after(30):
-                    await process.wait()
-                tg.cancel_scope.cancel()
-                await process.aclose()
 
 
 async def restart_under_a_trainer(tmp_path: Path, stop: signal.Signals) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import anyio
@@ -226,13 +227,44 @@ async def test_a_batch_the_client_did_not_submit_says_how_to_resume_an_interrupt
 async def test_a_stored_batch_that_cannot_be_read_refuses_the_start_naming_its_file(
     tmp_path: Path,
 ) -> None:
+    # Its request: without it the batch cannot be told from another (a corrupt result
+    # line is another matter: the next test).
     async with open_store(tmp_path) as store:
         await anyio.to_thread.run_sync(store.save_request, request())
-        store.journal_path(BATCH).write_text("not a result\n")
+        meta_path(store.journal_path(BATCH)).write_text("not a request\n")
     with pytest.raises(ConfigError, match=r"cannot read the batch stored in .*b-1\.jsonl") as no:
         async with open_store(tmp_path):
             pass
     assert "\n" not in str(no.value)
-    (tmp_path / "batches" / f"{BATCH}.jsonl").unlink()  # as the message says
+    meta_path(tmp_path / "batches" / f"{BATCH}.jsonl").unlink()  # as the message says
     async with open_store(tmp_path) as store:  # and the lock was let go
-        assert [b.request.batch_id for b in store.restored] == [BATCH]
+        assert store.restored == []
+
+
+async def test_a_corrupt_result_line_is_skipped_with_a_warning_and_its_rollout_has_no_result(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_store(tmp_path) as store:
+        await anyio.to_thread.run_sync(store.save_request, request())
+        path = store.journal_path(BATCH)
+        lines = [result(0).model_dump_json(), result(1).model_dump_json()[:40]]
+        lines += [result(2).model_dump_json(), result(3).model_dump_json()]
+        path.write_text("\n".join(lines) + "\n")
+    with caplog.at_level(logging.WARNING, logger="fleetroll.pool.journal"):
+        async with open_store(tmp_path) as store:  # it starts
+            (stored,) = store.restored
+    assert [m for r in caplog.records if f"{path}:2: not a rollout result" in (m := r.getMessage())]
+    record = BatchRecord.restored(stored)
+    # r[1] is not done: the batch is interrupted, a resubmission runs r[1] again.
+    assert record.status == "interrupted"
+    assert record.newest_of(R[1]) is None
+    assert record.plan.rollout_ids(BATCH) - {r.rollout_id for r in record.newest()} == {R[1]}
+    # Every other line keeps its cursor: a reader resuming after 2 gets r[2] at 3, r[3] at 4.
+    lines_read = await stream(record, after=2)
+    assert [(line["type"], line["cursor"]) for line in lines_read] == [
+        ("result", 3),
+        ("result", 4),
+        ("interrupted", 4),
+    ]
+    assert lines_read[-1]["missing"] == 1
+    assert record.state().results == 4

@@ -19,6 +19,12 @@ Contracts kept from httpcore:
   sends again); a failure after that is ``ReadError``, ``ReadTimeout`` or
   ``RemoteProtocolError``.
 * A response not read to its end is closed with its connection, never reused.
+* Proxies as httpx would choose them from the environment (``HTTP_PROXY``,
+  ``HTTPS_PROXY``, ``ALL_PROXY``, ``NO_PROXY``: :class:`fleetroll._internal.proxies.Proxies`),
+  CONNECT for https: a client given a transport of its own no longer reads them itself.
+  A proxy that refuses the tunnel is ``ProxyError``.
+* User info in a URL is the Basic ``Authorization`` the httpx client already made
+  of it, never sent again by aiohttp (which refuses both at once).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ import aiohttp
 import httpx
 import httpx2
 
+from fleetroll._internal.proxies import Proxies
+
 __all__ = ["AiohttpTransport", "SdkAiohttpTransport"]
 
 
@@ -45,6 +53,7 @@ class _Errors:
     read_timeout: type[Exception]
     protocol: type[Exception]
     read: type[Exception]
+    proxy: type[Exception]
 
 
 _HTTPX2 = _Errors(
@@ -53,6 +62,7 @@ _HTTPX2 = _Errors(
     httpx2.ReadTimeout,
     httpx2.RemoteProtocolError,
     httpx2.ReadError,
+    httpx2.ProxyError,
 )
 _HTTPX = _Errors(
     httpx.ConnectError,
@@ -60,6 +70,7 @@ _HTTPX = _Errors(
     httpx.ReadTimeout,
     httpx.RemoteProtocolError,
     httpx.ReadError,
+    httpx.ProxyError,
 )
 
 
@@ -68,6 +79,8 @@ def _translated(errors: _Errors) -> Iterator[None]:
     """aiohttp's exceptions as httpx's: "never sent" only when no connection was had."""
     try:
         yield
+    except aiohttp.ClientHttpProxyError as exc:  # the proxy refused the tunnel
+        raise errors.proxy(f"the proxy answered {exc.status} to CONNECT") from exc
     except aiohttp.ClientConnectorError as exc:  # DNS, refused, TLS: never sent
         raise errors.connect(str(exc) or type(exc).__name__) from exc
     except aiohttp.ConnectionTimeoutError as exc:  # no connection in time: never sent
@@ -106,11 +119,17 @@ class _Pool:
     """One aiohttp session, made on first use (inside the event loop)."""
 
     def __init__(
-        self, *, verify: ssl.SSLContext | bool, keepalive_s: float, max_connections: int
+        self,
+        *,
+        verify: ssl.SSLContext | bool,
+        keepalive_s: float,
+        max_connections: int,
+        proxies: Proxies | None,
     ) -> None:
         self._verify = verify
         self._keepalive_s = keepalive_s
         self._max_connections = max_connections
+        self._proxies = Proxies.from_environment() if proxies is None else proxies
         self._session: aiohttp.ClientSession | None = None
 
     def _open(self) -> aiohttp.ClientSession:
@@ -132,7 +151,7 @@ class _Pool:
     async def send(
         self,
         method: str,
-        url: str,
+        url: Any,
         headers: list[tuple[str, str]],
         data: Any,
         timeouts: Mapping[str, float | None],
@@ -145,9 +164,18 @@ class _Pool:
             sock_connect=timeouts.get("connect"),
             sock_read=timeouts.get("read"),
         )
+        proxy = self._proxies.for_url(url)
+        if url.userinfo:  # already the request's Authorization header (httpx made it)
+            url = url.copy_with(username=None, password=None)
         with _translated(errors):
             response = await session.request(
-                method, url, headers=headers, data=data, allow_redirects=False, timeout=timeout
+                method,
+                str(url),
+                headers=headers,
+                data=data,
+                allow_redirects=False,
+                timeout=timeout,
+                proxy=proxy,
             )
         extensions = {
             "http_version": _VERSIONS.get(response.version or aiohttp.HttpVersion11, b"HTTP/1.1"),
@@ -174,7 +202,7 @@ async def _forward(pool: _Pool, request: Any, library: Any, errors: _Errors) -> 
         data = _chunks(request.stream)  # a streamed upload
     response, extensions = await pool.send(
         request.method,
-        str(request.url),
+        request.url,
         request.headers.multi_items(),
         data,
         request.extensions.get("timeout", {}),
@@ -195,12 +223,26 @@ class AiohttpTransport(httpx2.AsyncBaseTransport):
         verify: the TLS context for https (one per process: building one is costly).
         keepalive_s: how long an idle connection may be reused.
         max_connections: connections open at once (0: no limit).
+        proxies: which proxy each URL goes through (default: the environment's, read now).
+
+    Raises:
+        ValueError: the environment names a proxy of a scheme other than http(s).
     """
 
     def __init__(
-        self, *, verify: ssl.SSLContext | bool, keepalive_s: float, max_connections: int
+        self,
+        *,
+        verify: ssl.SSLContext | bool,
+        keepalive_s: float,
+        max_connections: int,
+        proxies: Proxies | None = None,
     ) -> None:
-        self._pool = _Pool(verify=verify, keepalive_s=keepalive_s, max_connections=max_connections)
+        self._pool = _Pool(
+            verify=verify,
+            keepalive_s=keepalive_s,
+            max_connections=max_connections,
+            proxies=proxies,
+        )
 
     async def handle_async_request(self, request: httpx2.Request) -> httpx2.Response:
         response: httpx2.Response = await _forward(self._pool, request, httpx2, _HTTPX2)
@@ -214,9 +256,19 @@ class SdkAiohttpTransport(httpx.AsyncBaseTransport):
     """httpx requests over one aiohttp session (the Fleet SDK's); as :class:`AiohttpTransport`."""
 
     def __init__(
-        self, *, verify: ssl.SSLContext | bool, keepalive_s: float, max_connections: int
+        self,
+        *,
+        verify: ssl.SSLContext | bool,
+        keepalive_s: float,
+        max_connections: int,
+        proxies: Proxies | None = None,
     ) -> None:
-        self._pool = _Pool(verify=verify, keepalive_s=keepalive_s, max_connections=max_connections)
+        self._pool = _Pool(
+            verify=verify,
+            keepalive_s=keepalive_s,
+            max_connections=max_connections,
+            proxies=proxies,
+        )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response: httpx.Response = await _forward(self._pool, request, httpx, _HTTPX)

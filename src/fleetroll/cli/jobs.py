@@ -134,19 +134,28 @@ def job_tasks(
     return tasks
 
 
+class _Stopped(Failed):
+    """The job stopped early (its journal could not be written): exit code 1."""
+
+    exit_code = 1
+
+
 @contextmanager
 def reported() -> Iterator[None]:
-    """A job's errors as a user sees them: one line and exit code 2, or 130 for a Ctrl-C.
+    """A job's errors as a user sees them: one line and exit code 2 (1 when the
+    journal could not be written: the batch stopped early), or 130 for a Ctrl-C.
 
     Raises:
         Failed: a ``FleetrollError`` was raised (its message is the line).
         SystemExit: (130) a ``KeyboardInterrupt`` (outside the job's own signal
             handling, once everything was released and journaled).
     """
-    from fleetroll.errors import FleetrollError
+    from fleetroll.errors import FleetrollError, JournalError
 
     try:
         yield
+    except JournalError as exc:
+        raise _Stopped(str(exc)) from None
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
     except KeyboardInterrupt:

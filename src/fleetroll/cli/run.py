@@ -17,7 +17,7 @@ import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetroll._internal.exit_stack import exit_transparently
-from fleetroll.errors import ConfigError
+from fleetroll.errors import ConfigError, JournalError
 from fleetroll.policies import Policy
 from fleetroll.pool.batch_pool import FleetTarget, RunningBatch, open_batch_pool, release_run
 from fleetroll.pool.journal import (
@@ -49,7 +49,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.training.groups import groups_of
-from fleetroll.training.sampler import SamplerConfig, TaskSampler
+from fleetroll.training.sampler import SamplerConfig, SamplerState, TaskSampler
 
 __all__ = [
     "FleetTarget",
@@ -216,7 +216,7 @@ class _StepRun:
             if interrupted.is_set() or drive.stopped is not None:
                 return finished
             if out is not None:  # the state this step starts from: a resume draws it again
-                await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
+                await _keep_sampler_state(out, sampler.state(), drive)
             draw = sampler.draw()
             step_id = step_batch_id(run_id, draw.step)
             before = [r for r in previous if r.batch_id == step_id]
@@ -241,8 +241,17 @@ class _StepRun:
                 sampler.observe(group)
             finished = sampler.step
         if out is not None:  # where a longer resume goes on from
-            await anyio.to_thread.run_sync(write_sampler_state, out, sampler.state())
+            await _keep_sampler_state(out, sampler.state(), drive)
         return finished
+
+
+async def _keep_sampler_state(out: Path, state: SamplerState, drive: _Drive) -> None:
+    """Raises: JournalError: the state could not be written beside the journal (a full disk)."""
+    try:
+        await anyio.to_thread.run_sync(write_sampler_state, out, state)
+    except OSError as exc:
+        written = drive.journal.written if drive.journal is not None else 0
+        raise JournalError(sampler_path(out), exc, written) from None
 
 
 async def run_job(
@@ -304,6 +313,9 @@ async def run_job(
             by another run, it exists and ``resume`` was not asked, or it
             belongs to another batch (other tasks or samples); or the sampler
             cannot draw from ``tasks`` or its saved state is not this run's.
+        JournalError: a write to the journal failed (a full disk): the batch
+            was stopped there, and the journal holds every result but those
+            not written (a resume runs them).
     """
     console = console or Console(stderr=True)
     events = events or Events()
@@ -315,7 +327,7 @@ async def run_job(
     batch_tasks = steps.sampler.batch_tasks if steps is not None else None
     previous: list[RolloutResult] = []
     journaled = False  # the journal held results (cancelled ones too) when claimed
-    async with AsyncExitStack() as stack:
+    async with _resume_hint(), AsyncExitStack() as stack:
         if signals is None:
             signals = stack.enter_context(anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM))
         fleet = await open_fleet(stack, settings, emulator_profile)
@@ -343,7 +355,11 @@ async def run_job(
         # delivered while it shuts down are journaled, and a Ctrl-C meanwhile
         # is handled, never a KeyboardInterrupt.
         background = await stack.enter_async_context(_Background())
-        journal = await stack.enter_async_context(Journal(out, background)) if out else None
+        journal_failed = anyio.Event()  # a write failed: the batch stops (nothing more is kept)
+        journal = None
+        if out is not None:
+            journal = Journal(out, background, on_failed=lambda _: journal_failed.set())
+            await stack.enter_async_context(journal)
         pool, backend = await open_batch_pool(
             stack, settings, fleet, events, ray_address=ray_address, ray_actors=ray_actors
         )
@@ -351,7 +367,7 @@ async def run_job(
         interrupted = anyio.Event()
         current = _Current()
         background.start_soon(_watch_signals, signals, current, interrupted, console, settings)
-        drive = _Drive(journal, list(previous), console, settings)
+        drive = _Drive(journal, list(previous), console, settings, journal_failed)
         if sampler is None:
             # The pool counts them in their groups: an oversampled group runs only
             # what it still lacks (on Ray as here).
@@ -433,8 +449,10 @@ class _Drive:
         results: list[RolloutResult],
         console: Console,
         settings: Settings,
+        journal_failed: anyio.Event | None = None,
     ) -> None:
         self.journal = journal
+        self.journal_failed = journal_failed
         self.results = results
         self.console = console
         self.settings = settings
@@ -454,11 +472,13 @@ class _Drive:
             foreground.start_soon(
                 _show_progress, batch, self.console, time.monotonic(), self.settings
             )
+            if self.journal_failed is not None:
+                foreground.start_soon(self._stop_when_the_journal_fails, batch)
             async for result in batch:
                 if step is not None:
                     result = result.model_copy(update={"step": step})
                 if self.journal:
-                    self.journal.append(result)
+                    result = self.journal.append(result)  # as journaled (result_error)
                 self.results.append(result)
                 ended.append(result)
                 if self.stopped is None and (stopped := self.same.add(result)) is not None:
@@ -466,6 +486,35 @@ class _Drive:
                     self.console.print(f"fleetroll: stopping the batch early: {stopped}")
                     batch.cancel()  # the rest still deliver their (cancelled) results
         return ended
+
+    async def _stop_when_the_journal_fails(self, batch: RunningBatch) -> None:
+        """A failed journal write stops the batch: what it runs now could not be kept."""
+        assert self.journal is not None and self.journal_failed is not None
+        await self.journal_failed.wait()
+        if self.stopped is None:
+            self.stopped = f"the journal {self.journal.path} cannot be written"
+        self.console.print(
+            f"fleetroll: writing the journal {self.journal.path} failed"
+            f" ({_strerror(self.journal.error)}): stopping the batch"
+        )
+        batch.cancel()
+
+
+def _strerror(error: OSError | None) -> str:
+    return "" if error is None else error.strerror or str(error)
+
+
+@asynccontextmanager
+async def _resume_hint() -> AsyncIterator[None]:
+    """A journal that could not be written ends the job with what to do about it."""
+    try:
+        yield
+    except JournalError as exc:
+        hint = (
+            f" ({exc.written} results of this run were journaled, the others not kept):"
+            " make room, then run the same command with --resume to run what it lacks"
+        )
+        raise JournalError(exc.path, exc.error, exc.written, hint) from None
 
 
 #: Digits and hex ids vary between rollouts that failed the same way.

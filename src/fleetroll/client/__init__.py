@@ -369,18 +369,17 @@ class FleetrollClient:
     # -- the policy (asynchronous RL) --------------------------------------------
 
     async def policy_version(self) -> int:
-        """The policy version the service records on turns.
-
-        Raises:
-            ServiceError: 409, the service runs batches on Ray actors.
-        """
+        """The policy version the service records on turns."""
         return int((await self._call("GET", "/v1/policy"))["version"])
 
     async def set_policy_version(self, version: int) -> None:
-        """Record ``version`` on turns from now on (after a weight sync).
+        """Record ``version`` on turns from now on (after a weight sync): every
+        policy call made after this returns records it (on ``serve --ray``, every
+        actor has it by then).
 
         Raises:
-            ServiceError: 409 (batches on Ray actors), 422 (not an int ≥ 0).
+            ServiceError: 422 (not an int ≥ 0), 504 (a Ray actor did not confirm
+                it within the service's ``timeouts.ray_call_s``; it is set).
         """
         await self._call("PUT", "/v1/policy/version", json={"version": version})
 
@@ -393,8 +392,8 @@ class FleetrollClient:
         process dies, the service lets go within ``ttl_s``.
 
         Raises:
-            ServiceError: 409 (batches on Ray actors), 422 (``ttl_s`` over the
-                server's ``service.max_pause_ttl_s``), or a renewal failed
+            ServiceError: 422 (``ttl_s`` over the server's
+                ``service.max_pause_ttl_s``), or a renewal failed
                 (the pause may have lapsed: the block is cancelled).
         """
         lease = await self._call(

@@ -45,6 +45,12 @@ def _loop_options() -> dict[str, bool]:
     is_flag=True,
     help="Allow a --host other than loopback (anyone who has the key can run code here).",
 )
+@click.option(
+    "--public-url",
+    default=None,
+    metavar="URL",
+    help="Base of the URLs it hands out (instances' MCP URLs), when a reverse proxy fronts it.",
+)
 @click.option("--profile", default=None, help="Fault profile: clean, realistic, chaos, ...")
 @click.option("--seed", type=int, default=None, help="Override the profile's RNG seed.")
 @click.option(
@@ -58,6 +64,7 @@ def emulator(
     host: str | None,
     port: int | None,
     allow_remote: bool,
+    public_url: str | None,
     profile: str | None,
     seed: int | None,
     profile_json: str | None,
@@ -105,6 +112,7 @@ def emulator(
         verifier_max_parallel=emu_settings.verifier_max_parallel,
         keep_ended_instances=emu_settings.keep_ended_instances,
         keep_ended_s=emu_settings.keep_ended_s,
+        public_url=public_url,
     )
 
     async def run() -> None:
@@ -113,7 +121,7 @@ def emulator(
                 f"fleetroll emulator listening on {emu.base_url} "
                 f"(profile {profile or emu_settings.profile})"
             )
-            click.echo(f"  export FLEET_BASE_URL={emu.base_url}")
+            click.echo(f"  export FLEET_BASE_URL={emu.public_url}")
             click.echo(f"  export FLEET_API_KEY={emu.api_key}")
             click.echo(f"  ledger: {emu.base_url}/_emulator/ledger   (Ctrl-C to stop)")
             await until_signalled()

@@ -68,6 +68,10 @@ class Emulator:
             SQLite files) kept for late reads; past either, the oldest go.
         record_requests: keep the latest this many control-plane and
             instance-API requests in :attr:`requests` (0: none; for tests).
+        public_url: the base of the URLs it hands out (instances' MCP and
+            manager URLs, browser leases) when a reverse proxy fronts it
+            (e.g. ``https://fleet.test:8443``); default: its own
+            :attr:`base_url`. Settable while it runs (:attr:`public_url`).
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Emulator:
         keep_ended_instances: int = 1024,
         keep_ended_s: float = 600.0,
         record_requests: int = 0,
+        public_url: str | None = None,
     ) -> None:
         self.profile = profile or FaultProfile()
         self.ledger = Ledger()
@@ -95,6 +100,7 @@ class Emulator:
         self._keep_ended_instances = keep_ended_instances
         self._keep_ended_s = keep_ended_s
         self._record_requests = record_requests
+        self._public_url = public_url.rstrip("/") if public_url else None
         self._data_dir: Path | None = None
         self._stack = contextlib.AsyncExitStack()
         self.app: EmulatorApp | None = None
@@ -104,6 +110,17 @@ class Emulator:
     def api_key(self) -> str:
         """The one API key the emulator accepts (given, or generated at start)."""
         return self._api_key
+
+    @property
+    def public_url(self) -> str:
+        """The base of the URLs it hands out: ``public_url`` if given, else :attr:`base_url`."""
+        return self._public_url or self.base_url
+
+    @public_url.setter
+    def public_url(self, url: str) -> None:
+        self._public_url = url.rstrip("/")
+        if self.app is not None:
+            self.app.base_url = self._public_url
 
     @property
     def store(self) -> InstanceStore:
@@ -182,7 +199,7 @@ class Emulator:
                 proxy_headers=False,
             ) as base_url:
                 self.base_url = base_url
-                self.app.base_url = base_url
+                self.app.base_url = self._public_url or base_url
                 yield
         except OSError as exc:
             raise EmulatorError(

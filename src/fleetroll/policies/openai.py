@@ -13,10 +13,11 @@ import logging
 import math
 import re
 import secrets
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType, TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, NamedTuple, Self
 
 import httpx
 from pydantic import SecretStr
@@ -47,7 +48,7 @@ from fleetroll.policies.turns import (
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
-__all__ = ["OpenAIChatPolicy"]
+__all__ = ["OpenAIChatPolicy", "PolicyRecipe"]
 
 _OPERATION = "policy"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -65,6 +66,23 @@ _CONTEXT_OVERFLOW = re.compile(
     r"|longer than the model's context length|exceeds the maximum allowed length"
 )
 _log = logging.getLogger(__name__)
+
+
+class PolicyRecipe(NamedTuple):
+    """What makes an :class:`OpenAIChatPolicy` in another process (a Ray actor):
+    pickled in its place. ``key`` is the policy's own, so a process makes one
+    policy per recipe (its HTTP client, its servers' health), not one per rollout.
+    ``kind`` is the class that made it (a subclass travels as itself)."""
+
+    key: str
+    settings: Settings
+    kind: type[OpenAIChatPolicy]
+
+    def make(self) -> OpenAIChatPolicy:
+        """The policy, made in this process from the settings."""
+        made = self.kind.from_settings(self.settings)
+        made._recipe = self  # the same key in every process
+        return made
 
 
 class OpenAIChatPolicy:
@@ -199,19 +217,24 @@ class OpenAIChatPolicy:
             # would only queue turns behind each other.
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
+        #: What makes this policy in another process (:class:`PolicyRecipe`): set
+        #: by :meth:`from_settings`.
+        self._recipe: PolicyRecipe | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Self:
         """A policy configured by ``settings.policy``, ``settings.openai_api_key``,
         ``settings.timeouts.policy_s`` and ``settings.retries.policy_backoff_*``;
-        its servers are ``policy.servers`` (``base_urls``, or else ``base_url``)."""
+        its servers are ``policy.servers`` (``base_urls``, or else ``base_url``).
+
+        Pickled (to a Ray actor), it travels as its settings (:class:`PolicyRecipe`)."""
         policy = settings.policy
         limits = ServerLimits(
             max_calls=policy.max_calls_per_server,
             eject_after_failures=policy.eject_after_failures,
             eject_s=policy.eject_s,
         )
-        return cls(
+        made = cls(
             servers=PolicyServers(policy.servers, limits),
             model=policy.model,
             api_key=settings.openai_api_key,
@@ -231,6 +254,22 @@ class OpenAIChatPolicy:
             max_answer_bytes=policy.max_answer_bytes,
             token_in=policy.token_in,
         )
+        made._recipe = PolicyRecipe(uuid.uuid4().hex, settings, cls)
+        return made
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to a Ray actor), a policy travels as its :class:`PolicyRecipe`:
+        its HTTP client cannot, and each process needs its own.
+
+        Raises:
+            TypeError: the policy was not made with :meth:`from_settings`.
+        """
+        if self._recipe is None:
+            raise TypeError(
+                "an OpenAIChatPolicy runs in another process (Ray) only when made with"
+                " OpenAIChatPolicy.from_settings: it is made again there from the settings"
+            )
+        return (PolicyRecipe, tuple(self._recipe))
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(url={self.url!r}, model={self.model!r})"

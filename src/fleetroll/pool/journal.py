@@ -5,7 +5,18 @@ gathers whatever is ready and writes and fsyncs it in one go, in a worker
 thread (never on the event loop). A line is written whole or the reader
 drops it: :func:`read_journal` ignores (and :class:`Journal` truncates) a
 last line without its newline, which is all a ``kill -9`` mid-write can
-leave behind.
+leave behind. A complete line that is not a result (a disk's corruption, an
+edit) is skipped with a warning naming the file and line: its rollout counts
+as not done, so a resume runs it again.
+
+No one result can stop the journal: a result JSON cannot hold (a string with
+a lone surrogate, from a tool, a verifier or a policy) is journaled as its
+rollout's failure, ``result_error``, whose ``error`` names the field
+(:func:`journal_line`). A write that fails (a full disk) is final: the
+journal cuts the file back to its last whole write, writes nothing more, and
+tells its owner (``on_failed``), who stops the batch; what was not written
+is never reported written, so a reader is never shown a result the disk does
+not hold.
 
 A rollout may have several lines (a resumed batch re-runs the rollouts it
 had cancelled): the last one is its result.
@@ -36,14 +47,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO, Self
+from typing import Any, Self
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from fleetroll.errors import ConfigError
-from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.errors import ConfigError, JournalError
+from fleetroll.results import Cost, FailureReason, RolloutResult, Timings
 from fleetroll.tasks import TaskSpec
 from fleetroll.training.sampler import SamplerState
 
@@ -51,9 +62,12 @@ __all__ = [
     "BatchIdentity",
     "Journal",
     "JournalClaim",
+    "JournalError",
     "claim_journal",
+    "journal_line",
     "meta_path",
     "read_journal",
+    "read_lines",
     "read_sampler_state",
     "sampler_path",
     "step_batch_id",
@@ -73,11 +87,32 @@ def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
     With ``latest`` (the default), one result per rollout id: its last line,
     in the order of those last lines. Otherwise every line, in file order.
     A last line without a newline (a write cut short) is ignored; a complete
-    line that is not a result is an error.
+    line that is not a result is skipped with a warning (:func:`read_lines`).
 
     Raises:
-        ValueError: ``path`` is not a regular file, or a complete line is not
-            a valid result (the message names it).
+        ValueError: ``path`` is not a regular file.
+        OSError: ``path`` cannot be read.
+    """
+    results = [r for r in read_lines(path) if r is not None]
+    if not latest:
+        return results
+    last: dict[str, RolloutResult] = {}
+    for r in results:
+        last.pop(r.rollout_id, None)
+        last[r.rollout_id] = r
+    return list(last.values())
+
+
+def read_lines(path: Path) -> list[RolloutResult | None]:
+    """Every complete line of the journal at ``path``, in file order: its result,
+    or None for a line that is not one (logged as a warning naming the file and
+    line; its rollout counts as not done). Blank lines are left out, as is a
+    last line without its newline (a write cut short). Empty when ``path`` does
+    not exist.
+
+    Raises:
+        ValueError: ``path`` is not a regular file.
+        OSError: ``path`` cannot be read.
     """
     try:
         info = path.stat()
@@ -87,21 +122,22 @@ def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
         raise ValueError(f"{path}: not a regular file")
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    results: list[RolloutResult] = []
-    for number, line in enumerate(complete.splitlines(), start=1):
+    results: list[RolloutResult | None] = []
+    for number, line in enumerate(complete.split(b"\n")[:-1], start=1):
         if not line.strip():
             continue
         try:
             results.append(RolloutResult.model_validate_json(line))
         except ValueError as exc:
-            raise ValueError(f"{path}:{number}: not a rollout result: {exc}") from None
-    if not latest:
-        return results
-    last: dict[str, RolloutResult] = {}
-    for r in results:
-        last.pop(r.rollout_id, None)
-        last[r.rollout_id] = r
-    return list(last.values())
+            why = " ".join(str(exc).split())[:200]
+            _log.warning(
+                "%s:%d: not a rollout result, skipped (its rollout counts as not done): %s",
+                path,
+                number,
+                why,
+            )
+            results.append(None)
+    return results
 
 
 def write_results(path: Path, results: Iterable[RolloutResult]) -> None:
@@ -296,12 +332,17 @@ def claim_journal(path: Path, identity: BatchIdentity, *, resume: bool) -> Journ
     Raises:
         ConfigError: ``path`` is not a regular file, another run holds its
             lock, it has results and ``resume`` was not asked, or it belongs
-            to another batch. The message says which and what to do.
+            to another batch; or it (or its identity) cannot be read or
+            written. The message says which and what to do.
     """
     fd = _open_locked(path)
     with contextlib.ExitStack() as undo:
         undo.callback(os.close, fd)  # unless the claim is made
-        claim = _check(path, fd, identity, resume=resume)
+        try:
+            claim = _check(path, fd, identity, resume=resume)
+        except OSError as exc:  # its identity could not be written (a full disk), or read
+            where = exc.filename or path
+            raise ConfigError(f"--out {path}: {where}: {exc.strerror or exc}") from None
         undo.pop_all()
     return claim
 
@@ -476,8 +517,10 @@ class Journal:
 
     ``on_written`` hears of each result once it is on disk: a service shows a
     result to its readers only then, so a crash never takes back what a reader
-    saw. After a write fails, the rest are not written; each still reaches
-    ``on_written``, and leaving the block raises the error.
+    saw. A write that fails is final: the file is cut back to its last whole
+    write, nothing more is written, ``on_failed`` hears why (once), the results
+    not written never reach ``on_written``, and leaving the block raises
+    :class:`~fleetroll.errors.JournalError`.
     """
 
     def __init__(
@@ -486,24 +529,30 @@ class Journal:
         task_group: TaskGroup,
         *,
         on_written: Callable[[Sequence[RolloutResult]], None] | None = None,
+        on_failed: Callable[[OSError], None] | None = None,
     ) -> None:
         self.path = path
         self._tg = task_group
-        #: Called on the loop with each group of results once they are on disk (or,
-        #: after a write failed, with those that could not be written: never lost).
+        #: Called on the loop with each group of results once they are on disk.
         self._on_written = on_written
-        self._send: MemoryObjectSendStream[RolloutResult]
-        self._receive: MemoryObjectReceiveStream[RolloutResult]
-        self._send, self._receive = anyio.create_memory_object_stream[RolloutResult](
+        #: Called on the loop, once, when a write failed (nothing is written after it).
+        self._on_failed = on_failed
+        self._send: MemoryObjectSendStream[tuple[RolloutResult, bytes]]
+        self._receive: MemoryObjectReceiveStream[tuple[RolloutResult, bytes]]
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[RolloutResult, bytes]](
             max_buffer_size=float("inf")
         )
         self._done = anyio.Event()
-        self._error: BaseException | None = None
+        self._error: OSError | None = None
+        #: Results on disk.
         self.written = 0
 
     async def __aenter__(self) -> Self:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        await anyio.to_thread.run_sync(_truncate_partial_tail, self.path)
+        """Raises: JournalError: the file cannot be opened for appending."""
+        try:
+            self._fd = await anyio.to_thread.run_sync(_open_append, self.path)
+        except OSError as exc:
+            raise JournalError(self.path, exc, 0) from None
         self._tg.start_soon(self._writer)
         return self
 
@@ -518,51 +567,177 @@ class Journal:
         with anyio.CancelScope(shield=True):
             await self._done.wait()
         if self._error is not None and exc is None:
-            raise OSError(f"writing the journal {self.path} failed: {self._error}")
+            raise JournalError(self.path, self._error, self.written)
 
     @property
-    def error(self) -> BaseException | None:
+    def error(self) -> OSError | None:
         """Why writing failed (then nothing more is written), or None."""
         return self._error
 
-    def append(self, result: RolloutResult) -> None:
-        """Queue a result for writing. Never blocks; safe during cancellation."""
-        self._send.send_nowait(result)
+    def append(self, result: RolloutResult) -> RolloutResult:
+        """Queue a result for writing; the result as journaled (:func:`journal_line`).
+
+        Never blocks; safe during cancellation. After a write failed, nothing
+        is queued (and nothing more written).
+        """
+        if self._error is not None:
+            return result
+        kept, line = journal_line(result)
+        if kept is not result:
+            _log.warning(
+                "journal %s: rollout %s: %s; journaled as %s",
+                self.path,
+                kept.rollout_id,
+                kept.error,
+                FailureReason.RESULT_ERROR.value,
+            )
+        self._send.send_nowait((kept, line))
+        return kept
 
     async def _writer(self) -> None:
+        fd = self._fd
         try:
             # Drain even when the batch is cancelled.
             with anyio.CancelScope(shield=True), self._receive:
                 try:
-                    with self.path.open("ab") as f:
-                        async for first in self._receive:
-                            lines = [first]
-                            while len(lines) < _MAX_LINES_PER_WRITE:
-                                try:
-                                    lines.append(self._receive.receive_nowait())
-                                except (anyio.WouldBlock, anyio.EndOfStream):
-                                    break
-                            await anyio.to_thread.run_sync(_write, f, _encode(lines))
-                            self.written += len(lines)
-                            # On disk now: what a watcher of a run (and its tests) can wait on.
-                            _log.debug("journal %s: %d results written", self.path, self.written)
-                            if self._on_written is not None:
-                                self._on_written(lines)
+                    kept = os.lseek(fd, 0, os.SEEK_END)  # the end of the last whole write
+                    async for first in self._receive:
+                        group = [first]
+                        while len(group) < _MAX_LINES_PER_WRITE:
+                            try:
+                                group.append(self._receive.receive_nowait())
+                            except (anyio.WouldBlock, anyio.EndOfStream):
+                                break
+                        data = b"".join(line for _, line in group)
+                        try:
+                            await anyio.to_thread.run_sync(_write, fd, data)
+                        except OSError:
+                            # What got out of the failed write was never acknowledged:
+                            # the file holds exactly what its listeners heard of.
+                            await anyio.to_thread.run_sync(_cut, fd, kept, self.path)
+                            raise
+                        kept += len(data)
+                        self.written += len(group)
+                        # On disk now: what a watcher of a run (and its tests) can wait on.
+                        _log.debug("journal %s: %d results written", self.path, self.written)
+                        if self._on_written is not None:
+                            self._on_written([result for result, _ in group])
                 except OSError as exc:
                     self._error = exc
-                    # Nothing more is written; what is still appended is not lost in memory.
-                    async for rest in self._receive:
-                        if self._on_written is not None:
-                            self._on_written([rest])
+                    if self._on_failed is not None:
+                        self._on_failed(exc)
+                    async for _ in self._receive:
+                        pass  # not written, so never reported written
         finally:
+            os.close(fd)
             self._done.set()
+
+
+def journal_line(result: RolloutResult) -> tuple[RolloutResult, bytes]:
+    """The journal line of ``result``, and the result that line holds.
+
+    That is ``result`` itself, unless it cannot be written as JSON (a string
+    holding a lone surrogate, which UTF-8 cannot encode, or a value JSON has
+    no form for): then its rollout's failure, ``result_error`` with reward
+    null, its ids, counts, timings and costs kept, ``error`` naming the field
+    and what the rollout had ended as; its transcript, turns and verifier
+    output are left out.
+    """
+    try:
+        return result, result.model_dump_json().encode() + b"\n"
+    except (ValueError, TypeError) as exc:  # pydantic's serialisation error is a ValueError
+        where = _unwritable(result.model_dump(), "") or _safe(" ".join(str(exc).split())[:200])
+    ended = result.status if result.failure_reason is None else result.failure_reason.value
+    error = (
+        f"its result could not be written as JSON: {where}; it had ended {_safe(ended)}"
+        + (f" with reward {result.reward:g}" if result.reward is not None else "")
+        + " (its transcript, turns and verifier output are left out)"
+    )
+    stand_in = RolloutResult(
+        rollout_id=_safe(result.rollout_id),
+        batch_id=_safe(result.batch_id),
+        task_key=_safe(result.task_key),
+        sample_index=result.sample_index,
+        group_id=None if result.group_id is None else _safe(result.group_id),
+        policy_version=result.policy_version,
+        step=result.step,
+        env_key=_safe(result.env_key),
+        env_version=None if result.env_version is None else _safe(result.env_version),
+        modality=_safe(result.modality),
+        instance_id=None if result.instance_id is None else _safe(result.instance_id),
+        instance_uses=result.instance_uses,
+        status="failed",
+        failure_reason=FailureReason.RESULT_ERROR,
+        error=error,
+        reward=None,
+        steps=result.steps,
+        tool_errors=result.tool_errors,
+        tool_failures=result.tool_failures,
+        timings=Timings.model_validate(result.timings.model_dump()),
+        cost=Cost.model_validate(result.cost.model_dump()),
+    )
+    return stand_in, _encode((stand_in,))
+
+
+def _unwritable(value: object, path: str) -> str | None:
+    """Where in ``value`` (a result's fields, as Python values) JSON cannot go, and why."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            code = ord(value[exc.start])
+            where = path or "a field"
+            return f"{where} holds a lone surrogate (U+{code:04X}), which UTF-8 cannot encode"
+        return None
+    if value is None or isinstance(value, bool | int | float):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = _safe(str(key))
+            where = f"{path}.{name}" if path else name
+            if isinstance(key, str) and (
+                found := _unwritable(key, f"a key of {path or 'the result'}")
+            ):
+                return found
+            if found := _unwritable(item, where):
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if found := _unwritable(item, f"{path}[{i}]"):
+                return found
+        return None
+    return f"{path or 'a field'} holds a {type(value).__name__}, which JSON cannot hold"
+
+
+def _safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) written as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _encode(results: Iterable[RolloutResult]) -> bytes:
     return b"".join(r.model_dump_json().encode() + b"\n" for r in results)
 
 
-def _write(f: BinaryIO, data: bytes) -> None:
-    f.write(data)
-    f.flush()
-    os.fsync(f.fileno())
+def _open_append(path: Path) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _truncate_partial_tail(path)
+    return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+def _write(fd: int, data: bytes) -> None:
+    """All of ``data`` on disk (a short write goes on; an error is raised as it is)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+    os.fsync(fd)
+
+
+def _cut(fd: int, size: int, path: Path) -> None:
+    """Cut the file back to ``size`` bytes after a failed write (best effort: a
+    failure is logged, and a reader drops a torn last line anyway)."""
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    except OSError as exc:
+        _log.warning("journal %s: cannot cut back the failed write: %s", path, exc)

@@ -196,6 +196,11 @@ class RolloutPool:
     def policy_version(self) -> int:
         """The policy version recorded on turns from now on (the trainer sets it).
 
+        Set here, it is on every policy call that starts in this process from
+        now on; Ray actors get it within ``timeouts.ray_call_s``. Await
+        :meth:`set_policy_version` (or set it in :meth:`policy_paused`) to know
+        that every call starting after it, on every actor, records it.
+
         Raises:
             TypeError: (setting) the value is not an int.
         """
@@ -205,6 +210,20 @@ class RolloutPool:
     def policy_version(self, value: int) -> None:
         self.policy_gate.version = value
 
+    async def set_policy_version(self, value: int) -> None:
+        """Set :attr:`policy_version`; return once every place policy calls start
+        in has it (every live Ray actor confirmed it): each call that starts
+        after this returns records ``value``.
+
+        Raises:
+            TypeError: the value is not an int.
+            OperationTimeout: a live Ray actor did not confirm within
+                ``timeouts.ray_call_s`` (the version is set: it reaches that
+                actor with its next rollout, or when it answers).
+        """
+        self.policy_gate.version = value
+        await self._executor.gate_synced()
+
     @asynccontextmanager
     async def policy_paused(self) -> AsyncIterator[None]:
         """Hold new policy calls for the block (a weight swap); pauses nest.
@@ -212,9 +231,10 @@ class RolloutPool:
         Calls already running finish; tool calls, provisioning and verification
         go on. The wait is charged to no rollout deadline, only to the batch's
         ``deadline_s``. Once the block is entered no new call starts anywhere
-        (every Ray actor confirmed the pause), and a version set in the block is
-        on every call that starts after it (every actor confirmed it before the
-        pause ends).
+        (every Ray actor confirmed the pause), a version set in the block is on
+        every call that starts after it (every actor confirmed it before the
+        pause ends), and once the block is left calls start again everywhere
+        (every actor confirmed the pause's end, unless another pause holds).
 
         Raises:
             OperationTimeout: a live Ray actor did not confirm within
@@ -227,6 +247,7 @@ class RolloutPool:
             finally:
                 with anyio.CancelScope(shield=True):
                     await self._executor.gate_synced()
+        await self._executor.gate_synced()
 
     async def __aenter__(self) -> Self:
         if self._api_key is None and self.settings.traces.upload:

@@ -203,11 +203,14 @@ class Service:
         """Wait for the rollout's end (at most ``timeout_s``) and return its result.
 
         Raises:
-            ApiError: 404 (no such rollout), 504 (still running after ``timeout_s``).
+            ApiError: 404 (no such rollout), 504 (still running after ``timeout_s``),
+                503 (its result could not be written to ``service.state_dir``).
         """
         record = self._record_of(rollout_id)
         with anyio.move_on_after(timeout_s):
             await record.wait_done()
+        if record.error is not None and not record.results:  # it could not be kept
+            raise ApiError(503, record.error)
         if not record.results:
             raise ApiError(504, f"rollout {rollout_id} is still running after {timeout_s:g} s")
         return record.results[0]

@@ -21,6 +21,13 @@ batch back with the same cursors. Rollouts cut short by the service stopping
 kept) have no result: the batch is ``interrupted``, its streams say so, and
 a resubmission runs exactly the rollouts without a result (and those whose
 newest result is ``cancelled``), so no rollout is ever delivered twice.
+
+A write to the store that fails (a full disk) stops the batch at once: it is
+``interrupted`` with an ``error`` (its state and its streams' last line say
+it), the results it could not write are never shown, and the service takes
+no new rollouts until it is restarted (``store_error``; ``/healthz`` answers
+503). What readers saw is exactly what is on disk, so after the restart a
+resubmission runs the rest and nothing is delivered twice.
 """
 
 from __future__ import annotations
@@ -37,12 +44,12 @@ from dataclasses import dataclass, replace
 import anyio
 from anyio.abc import TaskGroup
 
-from fleetroll.errors import ConfigError, PoolFullError, TaskFileError
+from fleetroll.errors import ConfigError, JournalError, PoolFullError, TaskFileError
 from fleetroll.policies import Policy
 from fleetroll.policies.gateway import Gateway
 from fleetroll.pool.batch import BatchCounts as PoolCounts
 from fleetroll.pool.batch_pool import BatchPool, RunningBatch
-from fleetroll.pool.journal import Journal
+from fleetroll.pool.journal import Journal, journal_line
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
@@ -81,6 +88,17 @@ _LINES_PER_CHUNK = 64
 #: Closing a batch's policy (an HTTP client) after the batch: bounded, shielded.
 #: Not a setting: closing a client does no I/O worth waiting for longer.
 _POLICY_CLOSE_S = 5.0
+#: Stands in, in a batch read back, for a journal line that is not a result: it keeps
+#: its cursor, and streams skip it as they skip a superseded result.
+_UNREADABLE = RolloutResult(
+    rollout_id="",
+    batch_id="",
+    task_key="",
+    env_key="",
+    modality="",
+    status="failed",
+    error="a journal line that is not a result",
+)
 #: How long a resubmission waits for a cancelled batch's last results before re-running it.
 #: Not a setting: a margin over ``timeouts.release_s``, which is one.
 _CANCEL_SETTLE_SLACK_S = 5.0
@@ -236,6 +254,8 @@ class BatchRecord:
         self.interrupting = False
         #: Set once its request is on disk (at once without a store).
         self.saved = anyio.Event()
+        #: Why it stopped early: its results could not be kept (a full disk), or None.
+        self.error: str | None = None
         self._latest: dict[str, int] = {}  # rollout id → index of its newest result
         self._superseded: set[int] = set()
         self._pending: set[str] = set()  # re-run rollouts whose new result is not in yet
@@ -268,8 +288,9 @@ class BatchRecord:
 
     @property
     def interrupted(self) -> bool:
-        """Over without a result for every rollout: the service stopped while it ran."""
-        return self.done and self.results_in() < self.total
+        """Over without a result for every rollout: the service stopped while it ran,
+        or could not keep its results (``error``)."""
+        return self.done and (self.error is not None or self.results_in() < self.total)
 
     @classmethod
     def restored(cls, stored: StoredBatch) -> BatchRecord:
@@ -284,7 +305,11 @@ class BatchRecord:
         for i, result in enumerate(stored.results):
             if i in starts:
                 record.rerun(record.batch, set(starts[i]))
-            record.append(result)
+            if result is None:  # its cursor is kept; its rollout has no result from it
+                record.results.append(_UNREADABLE)
+                record._superseded.add(len(record.results) - 1)
+            else:
+                record.append(result)
         record.saved.set()
         record.finish()
         return record
@@ -330,6 +355,7 @@ class BatchRecord:
                 failed=failed,
             ),
             results=len(self.results),
+            error=self.error,
         )
 
     def append_all(self, results: Iterable[RolloutResult]) -> None:
@@ -370,6 +396,13 @@ class BatchRecord:
         self.done = True
         self.notify()
 
+    def fail(self, error: str) -> None:
+        """Its results can no longer be kept: it ends here, ``interrupted`` with ``error``
+        (the results still to come are dropped, never shown)."""
+        if self.error is None:
+            self.error = error
+        self.finish()
+
     def notify(self) -> None:
         """Wake every waiting reader (each then re-checks what it waits for)."""
         self._changed.set()
@@ -382,6 +415,8 @@ class BatchRecord:
         if self.interrupted:
             missing = self.total - self.results_in()
             last = {"type": "interrupted", "cursor": cursor, "missing": missing}
+            if self.error is not None:
+                last["error"] = self.error
         else:
             last = {"type": "end", "cursor": cursor, "status": self.status}
         return (json.dumps(last, separators=(",", ":")) + "\n").encode()
@@ -458,6 +493,9 @@ class BatchRegistry:
         self._removing: dict[str, anyio.Event] = {}
         #: Batches read back from the store at start-up.
         self.restored = 0
+        #: Why the store could not be written (a full disk): then no new rollout starts
+        #: until the service is restarted. None while it is fine.
+        self.store_error: str | None = None
         if store is not None:
             restored, store.restored = store.restored, []  # the records hold them now
             for stored in restored:
@@ -598,6 +636,7 @@ class BatchRegistry:
         batch_id = batch_id or uuid.uuid4().hex[:12]
         existing = self._records.get(batch_id)
         if existing is None:
+            self._check_store()
             await self._preflight.check(tasks, policy_config, loc=loc)
             existing = self._records.get(batch_id)  # its twin may have started it meanwhile
         if existing is not None:
@@ -616,6 +655,8 @@ class BatchRegistry:
         self._records[batch_id] = record
         self._consume_soon(record, policy)
         await record.saved.wait()  # accepted once it would survive a restart
+        if record.error is not None:  # it would not
+            raise ApiError(503, self._refusal(record.error))
         return record, True, 0
 
     async def _rerun_cancelled(self, record: BatchRecord, policy: PolicyConfig | None) -> int:
@@ -643,6 +684,7 @@ class BatchRegistry:
         again = record.plan.rollout_ids(record.batch_id) - keep
         if not again:
             return 0
+        self._check_store()
         kept = [r for r in record.newest() if r.rollout_id in keep]
         batch, running = self._run(
             replace(record.plan, policy=policy), record.batch_id, skip=keep, previous=kept
@@ -699,6 +741,34 @@ class BatchRegistry:
             self._close_soon(policy)
             raise ApiError(409, str(exc)) from None
         return batch, policy
+
+    def _check_store(self) -> None:
+        """Raises: ApiError: 503, the store could not be written: no new rollout starts."""
+        if self.store_error is not None:
+            raise ApiError(503, self._refusal(self.store_error))
+
+    @staticmethod
+    def _refusal(error: str) -> str:
+        return (
+            f"{error}; this service takes no new rollouts until it is restarted: make room"
+            " in service.state_dir, restart fleetroll serve, then submit again"
+        )
+
+    def _store_failed(self, record: BatchRecord, why: str) -> None:
+        """Writing ``record``'s request or results failed: the batch stops (nothing it
+        ran from now on could be kept), and no new rollout starts until a restart."""
+        assert self._store is not None
+        error = f"service.state_dir: cannot keep batch {record.batch_id}: {why}"
+        if self.store_error is None:
+            self.store_error = f"service.state_dir {self._store.root} cannot be written: {why}"
+        _log.error(
+            "%s; the batch was stopped, and this service takes no new rollouts until it is"
+            " restarted (make room in %s first; then resubmit the batch: it runs the rest)",
+            error,
+            self._store.root,
+        )
+        record.fail(error)
+        record.batch.cancel()
 
     def _policy(self, plan: _Plan) -> Policy:
         """What plays ``plan``'s rollouts: its policy, or its agent command over it."""
@@ -765,21 +835,27 @@ class BatchRegistry:
             await _close_policy(policy)
 
     @asynccontextmanager
-    async def _journal(self, record: BatchRecord) -> AsyncIterator[Callable[[RolloutResult], None]]:
+    async def _journal(
+        self, record: BatchRecord
+    ) -> AsyncIterator[Callable[[RolloutResult], object]]:
         """What to call with each of ``record``'s results: it puts them in the record,
         through the batch's journal when there is a store (a new batch's request is
         written first). Leaving the block waits until every result given is in.
 
-        A store that fails is logged; the batch then goes on in memory only.
+        A result JSON cannot hold is kept as its rollout's ``result_error``
+        (:func:`~fleetroll.pool.journal.journal_line`). A store that fails stops
+        the batch (:meth:`_store_failed`): what it could not write is dropped,
+        never shown to a reader.
         """
         store = self._store
         if store is None:
             record.saved.set()
-            yield record.append
+            yield lambda result: record.append(journal_line(result)[0])
             return
         assert self.tg is not None
         journal: Journal | None = None
-        try:
+        # Its failure was said by _store_failed, which stopped the batch.
+        with suppress(JournalError):
             async with AsyncExitStack() as stack:
                 try:
                     if not record.saved.is_set():
@@ -789,22 +865,21 @@ class BatchRegistry:
                         request = record.plan.stored(record.batch_id, record.fingerprint)
                         await anyio.to_thread.run_sync(store.save_request, request)
                     path = store.journal_path(record.batch_id)
-                    journal = Journal(path, self.tg, on_written=record.append_all)
+                    journal = Journal(
+                        path,
+                        self.tg,
+                        on_written=record.append_all,
+                        on_failed=lambda exc: self._store_failed(record, _strerror(exc)),
+                    )
                     await stack.enter_async_context(journal)
-                except (OSError, ConfigError) as exc:
-                    _log.error("service.state_dir: cannot keep batch %s: %s", record.batch_id, exc)
+                except (OSError, JournalError, ConfigError) as exc:
+                    error = exc.error if isinstance(exc, JournalError) else exc
+                    self._store_failed(
+                        record, _strerror(error) if isinstance(error, OSError) else str(error)
+                    )
                     journal = None
                 record.saved.set()
-                yield record.append if journal is None else journal.append
-        except OSError as exc:
-            if journal is None or journal.error is None:
-                raise  # not the journal's
-            _log.error(
-                "service.state_dir: writing the results of batch %s failed (%s); they are"
-                " kept in memory only and will not survive a restart",
-                record.batch_id,
-                exc,
-            )
+                yield _drop if journal is None else journal.append
 
     def _retire(self, record: BatchRecord) -> None:
         self._finished.append(record.batch_id)
@@ -859,6 +934,14 @@ class BatchRegistry:
             # Paths as the client gave them: relative to tasks_root, not the server's layout.
             reason = str(exc).replace(f"{s.service.tasks_root.resolve()}{os.sep}", "")
             raise ApiError(422, reason, loc=["body", "tasks_file"], type="task_error") from None
+
+
+def _drop(result: RolloutResult) -> None:
+    """Where the results of a batch whose store failed go: nowhere (never shown unkept)."""
+
+
+def _strerror(error: OSError) -> str:
+    return error.strerror or str(error)
 
 
 async def _close_policy(policy: Policy) -> None:

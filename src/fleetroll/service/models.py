@@ -275,11 +275,17 @@ class BatchState(BaseModel):
     batch_id: str
     status: BatchStatus = Field(
         description="running until every result is in; then finished, or cancelled if it was;"
-        " interrupted: the service stopped while it ran (resubmit it to run the rest)"
+        " interrupted: the service stopped while it ran, or could not keep its results"
+        " (error; resubmit it to run the rest)"
     )
     cancel_requested: bool
     counts: BatchCounts
     results: int = Field(description="Results available: the cursor of the latest one")
+    error: str | None = Field(
+        default=None,
+        description="Why it stopped early: its results could not be written to"
+        " service.state_dir (a full disk); null otherwise",
+    )
 
 
 class StreamLine(BaseModel):
@@ -294,6 +300,8 @@ class StreamLine(BaseModel):
     * ``{"type": "interrupted", "cursor": n, "missing": k}``: the last line of a
       batch the service stopped while it ran (a restart): ``k`` rollouts have
       no result. Resubmit the same request, then reconnect with ``?after=n``.
+      With ``"error"``: the service could not write the batch's results (a full
+      disk) and stopped it; it takes no new rollouts until it is restarted.
     """
 
     type: Literal["result", "heartbeat", "end", "interrupted"]
@@ -301,6 +309,7 @@ class StreamLine(BaseModel):
     result: RolloutResult | None = None
     status: BatchStatus | None = None
     missing: int | None = None
+    error: str | None = None
 
 
 class GroupStreamLine(BaseModel):
@@ -318,6 +327,7 @@ class GroupStreamLine(BaseModel):
     group: Group | None = None
     status: BatchStatus | None = None
     missing: int | None = None
+    error: str | None = None
 
 
 class EventStreamLine(BaseModel):
@@ -552,7 +562,12 @@ EVAL_REPORT_SCHEMA: dict[str, Any] = {
 
 
 class Health(BaseModel):
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "failing"] = "ok"
+    error: str | None = Field(
+        default=None,
+        description="failing: why (service.state_dir cannot be written); it takes no new"
+        " rollouts until it is restarted",
+    )
 
 
 class ErrorItem(BaseModel):

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from fleetroll.errors import OperationTimeout
 from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, evaluate
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.events import EventPage, ndjson_lines
@@ -234,6 +235,9 @@ def asgi_routes(api: Api) -> list[Route]:
 
 
 async def healthz(api: Api, request: Request) -> Response:
+    error = api.service.batches.store_error
+    if error is not None:
+        return _json(Health(status="failing", error=error), 503)
     return _json(Health())
 
 
@@ -372,8 +376,11 @@ async def get_policy(api: Api, request: Request) -> Response:
 
 async def set_policy_version(api: Api, request: Request) -> Response:
     body = await _parse(request, PolicyVersionRequest)
-    api.service.policy_state()  # refused on Ray
-    api.service.pool.policy_version = body.version
+    try:
+        # Answered once every Ray actor has it: each policy call after the answer records it.
+        await api.service.pool.set_policy_version(body.version)
+    except OperationTimeout as exc:
+        raise ApiError(504, str(exc)) from None
     return _json(api.service.policy_state())
 
 
@@ -473,7 +480,11 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         healthz,
         "healthz",
         "Liveness (needs no token)",
-        answers={200: "The service is up"},
+        answers={
+            200: "The service is up",
+            503: "The service cannot write service.state_dir (a full disk): it takes no"
+            " new rollouts until it is restarted (status failing, with the error)",
+        },
         answer=Health,
         auth=False,
     ),
@@ -514,7 +525,9 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
             422: "Invalid request: each problem with its location; or the pre-flight"
             " refused the batch (type preflight_error, nothing provisioned)",
             503: "The pool is full (pool.max_queued_rollouts), or a cancel of this"
-            " batch is still settling: retry after Retry-After seconds",
+            " batch is still settling: retry after Retry-After seconds; or the service"
+            " cannot write service.state_dir (a full disk) and takes no new rollouts until"
+            " it is restarted",
         },
     ),
     Endpoint(
@@ -660,9 +673,17 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         set_policy_version,
         "setPolicyVersion",
         "Set the policy version (after a weight sync)",
+        description=(
+            "Answered once every place policy calls start in has the version (with"
+            " `serve --ray`, every live actor): each call made after the answer records it."
+        ),
         answers={200: "The policy"},
         answer=PolicyState,
         body=PolicyVersionRequest,
+        errors={
+            504: "A Ray actor did not confirm the version within timeouts.ray_call_s"
+            " (it is set, and reaches the actor when it answers)"
+        },
     ),
     Endpoint(
         "POST",
@@ -678,6 +699,7 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
         answers={201: "The pause is held"},
         answer=PauseLease,
         body=PauseRequest,
+        errors={504: "A Ray actor did not confirm the pause within timeouts.ray_call_s"},
     ),
     Endpoint(
         "PUT",

@@ -14,7 +14,9 @@ is taken back by a crash. A policy's ``api_key`` is never written: a
 resubmission brings it again.
 
 At start-up :func:`open_store` locks the folder and reads every batch back
-(a line cut short by a kill is dropped, as ``run --resume`` does).
+(a line cut short by a kill is dropped, as ``run --resume`` does; a complete
+line that is not a result is skipped with a warning naming the file and
+line, keeping its cursor, and its rollout counts as having no result).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import anyio
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from fleetroll.errors import ConfigError
-from fleetroll.pool.journal import _write_atomically, meta_path, read_journal
+from fleetroll.pool.journal import _write_atomically, meta_path, read_lines
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service.models import PolicyConfig
 from fleetroll.tasks import TaskSpec
@@ -75,10 +77,11 @@ class StoredRequest(BaseModel):
 
 @dataclass(frozen=True, slots=True)
 class StoredBatch:
-    """A batch read back at start-up: its request, every result line, when it last changed."""
+    """A batch read back at start-up: its request, every result line (None: a line
+    that is not a result), when it last changed."""
 
     request: StoredRequest
-    results: Sequence[RolloutResult]
+    results: Sequence[RolloutResult | None]
     mtime: float
 
 
@@ -140,7 +143,7 @@ class BatchStore:
             journal = meta.with_name(meta.name.removesuffix(".meta.json"))
             try:
                 request = StoredRequest.model_validate_json(meta.read_bytes())
-                results = read_journal(journal, latest=False)
+                results = read_lines(journal)
                 mtime = max(meta.stat().st_mtime, _mtime(journal))
             except (OSError, ValidationError, ValueError) as exc:
                 reason = str(exc).splitlines()[0]
@@ -231,7 +234,7 @@ async def open_store(root: Path) -> AsyncIterator[BatchStore]:
 
 
 def rerun_starts(
-    results: Sequence[RolloutResult], rollout_ids: Collection[str]
+    results: Sequence[RolloutResult | None], rollout_ids: Collection[str]
 ) -> Iterator[tuple[int, frozenset[str]]]:
     """Where a batch's stored results show a resubmission began re-running rollouts.
 
@@ -244,6 +247,8 @@ def rerun_starts(
     newest: dict[str, RolloutResult] = {}
     owed: set[str] = set()
     for i, result in enumerate(results):
+        if result is None:  # a line that is not a result: no rollout's
+            continue
         rid = result.rollout_id
         if rid in newest and rid not in owed:
             kept = {r for r, res in newest.items() if res.failure_reason is not _CANCELLED}

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -19,11 +20,14 @@ from typing import Protocol
 import anyio
 from anyio.abc import TaskGroup
 
+from fleetroll.errors import OperationTimeout
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.service.errors import ApiError
 from fleetroll.tasks import TaskSpec
 from fleetroll.training.groups import Group, GroupTracker
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["GroupLog", "PauseLeases"]
 
@@ -187,7 +191,10 @@ class PauseLeases:
             raise RuntimeError("the service is not running")
         lease = _Lease(uuid.uuid4().hex, anyio.current_time() + ttl_s)
         self._leases[lease.pause_id] = lease
-        await self.tg.start(self._hold, lease)
+        try:
+            await self.tg.start(self._hold, lease)
+        except OperationTimeout as exc:  # a Ray actor did not confirm the pause
+            raise ApiError(504, str(exc)) from None
         return lease.pause_id
 
     def renew(self, pause_id: str, ttl_s: float) -> None:
@@ -218,13 +225,21 @@ class PauseLeases:
     async def _hold(
         self, lease: _Lease, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
+        started = False
         try:
             async with self._pool.policy_paused():
                 task_status.started()
+                started = True
                 while not lease.ended.is_set() and anyio.current_time() < lease.expires:
                     # A renewal moves the expiry on: the loop looks again when this one passes.
                     with anyio.move_on_at(lease.expires):
                         await lease.ended.wait()
+        except OperationTimeout as exc:
+            if not started:
+                raise  # the pause was never held: its POST answers 504
+            # Over here; a slow actor gets the pause's end (and a version set in
+            # it) with its next rollout. Raised, it would end the service.
+            _log.warning("pause %s ended, but %s", lease.pause_id, exc)
         finally:
             self._leases.pop(lease.pause_id, None)
             lease.over.set()

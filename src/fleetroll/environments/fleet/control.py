@@ -23,6 +23,7 @@ from fleet._async.client import AsyncFleet
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.http_transport import SdkAiohttpTransport
+from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.retrying import Decision, Report, decide, retry_after_s, transient_status
 from fleetroll.errors import ProvisionError
 from fleetroll.pool.preflight_cache import PreflightCache
@@ -197,6 +198,7 @@ def sdk_lanes(
     api_key: str,
     base_url: str | None,
     tls: ssl.SSLContext | None = None,
+    proxies: Proxies | None = None,
 ) -> tuple[list[httpx.AsyncClient], list[AsyncFleet]]:
     """The SDK clients a provider spreads its instances over, and their HTTP clients.
 
@@ -216,6 +218,7 @@ def sdk_lanes(
     # One TLS context for every lane (the caller's, if given): building one costs
     # ~50 ms of CPU (loading the CA bundle), a second and a half at 1,000 rollouts.
     tls = tls or httpx.create_ssl_context()
+    proxies = Proxies.from_environment() if proxies is None else proxies
     clients = [
         httpx.AsyncClient(
             timeout=httpx.Timeout(t.provision_create_s, connect=t.mcp_connect_s),
@@ -223,6 +226,7 @@ def sdk_lanes(
                 verify=tls,
                 keepalive_s=t.http_keepalive_s,
                 max_connections=_CONNECTIONS_PER_LANE * 2,
+                proxies=proxies,
             ),
             event_hooks={"response": [remember_retry_after]},
         )

@@ -44,6 +44,7 @@ from fleet.runner_auth import RunnerTokenProvider
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.http_transport import AiohttpTransport
+from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.retrying import Decision, Retry
 from fleetroll._internal.wire import Wire
 from fleetroll.environments.fleet.admission import (
@@ -69,7 +70,7 @@ from fleetroll.environments.fleet.direct import DirectControl, DirectEnv, FleetE
 from fleetroll.environments.fleet.heartbeats import Heartbeats
 from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.environments.provider import Instance, Verdict
-from fleetroll.errors import EnvUnavailableError, ProvisionError, RolloutError
+from fleetroll.errors import ConfigError, EnvUnavailableError, ProvisionError, RolloutError
 from fleetroll.pool.preflight_cache import PreflightCache
 from fleetroll.rollout.routing import Route, route, wants_final_answer
 from fleetroll.rollout.tools import (
@@ -135,9 +136,16 @@ class FleetProvider:
         t = settings.timeouts
         # Built once, for the SDK's lanes, the Wire and the MCP clients: building
         # a TLS context (loading the CA bundle) costs ~30 ms of blocking work.
+        # (It trusts SSL_CERT_FILE / SSL_CERT_DIR when set, as httpx does.)
         self._mcp_tls = httpx2.create_ssl_context()
+        # The SDK modes' transports go through the environment's proxies as httpx
+        # would (HTTP(S)_PROXY, ALL_PROXY, NO_PROXY), read once, here.
+        try:
+            self._proxies = Proxies.from_environment()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         self._clients, self._lanes = sdk_lanes(
-            settings, api_key=api_key, base_url=base_url, tls=self._mcp_tls
+            settings, api_key=api_key, base_url=base_url, tls=self._mcp_tls, proxies=self._proxies
         )
         self._lane = itertools.cycle(self._lanes)
         #: For calls that belong to no instance (listing, sweeping).
@@ -263,7 +271,10 @@ class FleetProvider:
         """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""
         t = self._settings.timeouts
         transport = AiohttpTransport(
-            verify=self._mcp_tls, keepalive_s=t.http_keepalive_s, max_connections=8
+            verify=self._mcp_tls,
+            keepalive_s=t.http_keepalive_s,
+            max_connections=8,
+            proxies=self._proxies,
         )
         return httpx2.AsyncClient(
             timeout=httpx2.Timeout(

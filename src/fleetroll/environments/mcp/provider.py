@@ -52,6 +52,7 @@ from anyio.abc import Process
 import fleetroll._internal.retrying as retrying
 import fleetroll.examples_mcp
 from fleetroll._internal.deadlines import fail_after
+from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll._internal.wire import Wire
 from fleetroll.environments.mcp.leases import ServerLeases
@@ -70,7 +71,7 @@ from fleetroll.environments.mcp.process import (
     tool_reward,
 )
 from fleetroll.environments.provider import Instance, Verdict
-from fleetroll.errors import OperationTimeout, ProvisionError, ToolsError
+from fleetroll.errors import ConfigError, OperationTimeout, ProvisionError, ToolsError
 from fleetroll.results import VerifierOutcome
 from fleetroll.rollout.mcp_common import unfollowed
 from fleetroll.rollout.routing import Route, route
@@ -132,6 +133,10 @@ class McpProvider:
         self.leases = ServerLeases()
         self._examples = str(Path(fleetroll.examples_mcp.__file__).resolve().parent)
         t = settings.timeouts
+        try:
+            self._proxies = Proxies.from_environment()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         #: The thin MCP client's connections to url servers (pool.mcp_client).
         self._wire = (
             Wire(keepalive_s=t.http_keepalive_s, connect_timeout_s=t.mcp_connect_s)
@@ -472,13 +477,17 @@ class McpProvider:
 
     def _http(self) -> httpx2.AsyncClient:
         t = self._settings.timeouts
+        limits = AnswerLimits.from_settings(self._settings)
         return httpx2.AsyncClient(
             timeout=httpx2.Timeout(
                 max(t.call_tool_s, t.list_tools_s) + t.mcp_connect_s, connect=t.mcp_connect_s
             ),
             # Answers are read up to pool.max_tool_*_bytes, counted while read.
-            transport=BoundedAnswers(
-                httpx2.AsyncHTTPTransport(), AnswerLimits.from_settings(self._settings)
+            transport=BoundedAnswers(httpx2.AsyncHTTPTransport(), limits),
+            # A transport of our own switches off httpx's proxies from the
+            # environment: the same rules, mounted as httpx would mount them.
+            mounts=self._proxies.mounts(
+                lambda proxy: BoundedAnswers(httpx2.AsyncHTTPTransport(proxy=proxy), limits)
             ),
         )
 

@@ -21,6 +21,7 @@ on its actor, and its trace is posted from the driver.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, suppress
@@ -28,6 +29,7 @@ from typing import Any
 
 import anyio
 
+from fleetroll._internal.excerpts import shorten
 from fleetroll.environments.fleet.admission import CreateLimits
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.fleet.traces import redacted
@@ -35,8 +37,9 @@ from fleetroll.environments.mixed import require_fleet_key
 from fleetroll.errors import OperationTimeout
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
+from fleetroll.policies.openai import PolicyRecipe
 from fleetroll.pool.executor import ExecutorContext, LocalExecutor, RolloutHandle
-from fleetroll.pool.ray.actors import _Buffer, default_num_actors, holder, load_ray
+from fleetroll.pool.ray.actors import PolicyHost, _Buffer, default_num_actors, holder, load_ray
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
@@ -46,12 +49,14 @@ from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.events import EventPage, ended_page
 from fleetroll.rollout.phases import Phase, RolloutView
 from fleetroll.rollout.progress import RolloutIds
+from fleetroll.rollout.tools import describe
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events, Redactor
 
 __all__ = ["ExecutorWorker", "RayExecutor", "planned_actors", "ray_pool"]
 
+_log = logging.getLogger(__name__)
 #: How long a driver's take of an actor's telemetry waits for an event.
 _TAKE_WAIT_S = 0.5
 #: Events passed on once per rollout, even when it ran again after its actor died.
@@ -97,6 +102,9 @@ class ExecutorWorker:
         #: The agent commands of this actor's rollouts (``--agent-command``), made
         #: here from their recipes, each with this actor's gateway.
         self._agents = AgentHost()
+        #: The built-in ``openai`` policies of its rollouts, made here from their
+        #: recipes (an HTTP client does not travel).
+        self._policies = PolicyHost()
 
     async def start(self) -> int:
         """Open the executor (once); this actor's pid."""
@@ -141,11 +149,18 @@ class ExecutorWorker:
         if isinstance(policy, AgentRecipe):  # an agent command travels as its recipe
             async with self._agents.agent(policy) as agent:
                 await rollout.execute(agent)
+        elif isinstance(policy, PolicyRecipe):  # and so does the openai policy
+            async with self._policies.policy(policy) as made:
+                await rollout.execute(made)
         else:
             await rollout.execute(policy)
         assert rollout.result is not None
         events, self._buffer.events = self._buffer.events, []
         return rollout.result, events, messages
+
+    async def close(self) -> None:
+        """The actor's end (before it is killed): close the policies it made."""
+        await self._policies.aclose()
 
     async def stop(self, rollout_id: str, reason: FailureReason, error: str) -> None:
         if (rollout := self._rollouts.get(rollout_id)) is not None:
@@ -194,6 +209,20 @@ class ExecutorWorker:
         return events
 
 
+def _what_raised(exc: BaseException) -> str:
+    """One line for the error under ``exc``: a RayTaskError's cause is what was
+    raised on the actor, a RaySystemError's ``client_exc`` what failed to load
+    there, and Ray raises its own TypeError (with pages of diagnosis) from a
+    pickling error: the innermost cause is the news."""
+    while True:
+        cause = getattr(exc, "cause", None) or getattr(exc, "client_exc", None) or exc.__cause__
+        if isinstance(cause, str):  # a client_exc that came as its message
+            return f"{type(exc).__name__}: {cause}"
+        if not isinstance(cause, BaseException) or cause is exc:
+            return describe(exc)
+        exc = cause
+
+
 def actor_run_id(run_id: str, index: int) -> str:
     """The Fleet ``run_id`` of the instances actor ``index`` makes for ``run_id``:
     a dead actor's are released at once, and only its."""
@@ -235,15 +264,20 @@ class RayRollout:
             tag = actor_run_id(self._run_id, self._index)
             self._executor.ran(self._index, self._run_id)
             gate = self._executor.gate_state()
+            try:
+                ref = self._worker.run.remote(self._task, self.ids, tag, policy, gate)
+            except Exception as exc:  # what it runs with cannot be pickled: its failure
+                self._failed("could not be sent to its Ray actor", exc)
+                return
             self.sent = True
-            ref = self._worker.run.remote(self._task, self.ids, tag, policy, gate)
             try:
                 result, events, self._messages = await ref
             except anyio.get_cancelled_exc_class():
                 with (
                     anyio.CancelScope(shield=True),
                     anyio.move_on_after(self._call_s),
-                    suppress(ray.exceptions.RayActorError),  # then: cancelled before it ended
+                    # The actor died, or the rollout failed there: it ends cancelled.
+                    suppress(Exception),
                 ):
                     why = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
                     await self._worker.stop.remote(self.ids.rollout_id, *why)
@@ -260,9 +294,20 @@ class RayRollout:
                     return
                 self._index, self._worker = live, self._executor.workers[live]
                 continue
+            except Exception as exc:
+                # Raised on the actor by the rollout's code, or by the (de)serialisation
+                # of what it was sent or sends back: this rollout's failure, not the
+                # pool's (its batch goes on).
+                self._failed("failed on its Ray actor", exc)
+                return
             self._executor.pass_on(events)
             self._end(result)
             return
+
+    def _failed(self, what: str, exc: Exception) -> None:
+        """End it failed, with what raised ``exc`` as its error (redacted)."""
+        error = self._executor.engine.redactor(f"the rollout {what}: {_what_raised(exc)}")
+        self.never_started(FailureReason.INIT_ERROR, shorten(error))
 
     def _end(self, result: RolloutResult) -> None:
         self.phase = Phase.DONE
@@ -489,11 +534,23 @@ class RayExecutor:
             await self._mirror_forever(gate)
 
     async def _mirror_forever(self, gate: PolicyGate) -> None:
+        ray = load_ray()
+        timeout_s = self.settings.timeouts.ray_call_s
         while True:
             seen = gate.generation
-            with anyio.fail_after(self.settings.timeouts.ray_call_s):
-                for worker in self.workers:
-                    await worker.mirror.remote(gate.version, gate.paused, gate.generation)
+            with anyio.move_on_after(timeout_s) as scope:
+                for n, worker in enumerate(self.workers):
+                    if self.alive[n]:
+                        # A dead actor's rollouts find out (and run again elsewhere).
+                        with suppress(ray.exceptions.RayActorError):
+                            await worker.mirror.remote(gate.version, gate.paused, gate.generation)
+            if scope.cancelled_caught:
+                # Each rollout sent carries the gate, and gate_synced waits for it.
+                _log.warning(
+                    "a Ray actor did not take the policy gate within %g s"
+                    " (timeouts.ray_call_s); it gets it with its next rollout",
+                    timeout_s,
+                )
             if gate.generation == seen:
                 await gate.changed()
 
@@ -609,6 +666,15 @@ def planned_actors(num_actors: int | None, cluster_cpus: int = 0) -> int:
     return num_actors or cluster_cpus or default_num_actors()
 
 
+async def _close_workers(workers: list[Any], timeout_s: float) -> None:
+    """Each live actor's end, before it is killed: it closes what it made (policies)."""
+    ray = load_ray()
+    with anyio.CancelScope(shield=True), anyio.move_on_after(timeout_s):
+        for worker in workers:
+            with suppress(ray.exceptions.RayActorError):
+                await worker.close.remote()
+
+
 @asynccontextmanager
 async def ray_pool(
     settings: Settings,
@@ -656,6 +722,7 @@ async def ray_pool(
             worker_cls.remote(settings, api_key, base_url, limiter, n) for n in range(num_actors)
         ]
         stack.callback(lambda: [ray.kill(a) for a in [*workers, limiter]])
+        stack.push_async_callback(_close_workers, workers, settings.timeouts.ray_call_s)
         with anyio.fail_after(settings.timeouts.ray_call_s * 10):
             for worker in workers:
                 await worker.start.remote()

@@ -23,7 +23,9 @@ It is the SDK client where it speaks at all (the SDK 2.3's wire behaviour,
   info and capabilities) and the ``mcp-protocol-version``, ``mcp-method``,
   ``mcp-name`` and ``Mcp-Param-*`` headers, as ``_make_modern_stamp``;
 * answers: JSON or an SSE stream (notifications skipped, the first response
-  taken, as the SDK's transport does); each message parsed as strictly as the
+  taken, as the SDK's transport does), read as they arrive: a stream is left
+  at its response's event, though its server may keep it open (the
+  connection is then closed); each message parsed as strictly as the
   SDK parses it (pydantic-core's JSON parser: a lone surrogate escape, a BOM,
   trailing data are refused) and its envelope judged by the same models;
   HTTP statuses, 202, unknown content types and unparsable bodies become the
@@ -34,7 +36,10 @@ It is the SDK client where it speaks at all (the SDK 2.3's wire behaviour,
   is answered by listing again and sending once more, as ``Client.call_tool``;
 * a ``tools/call`` that asks for client input (an ``input_required`` result,
   or a server request in its stream) is not guessed at: the call is made
-  again by an SDK client on the same URL, whose answer is the answer.
+  again by an SDK client on the same URL, whose answer is the answer;
+* a redirect is not followed here: a probe that meets one opens the SDK
+  client, which follows it within the URL's origin (a trailing slash) and
+  fails at once on any other (:func:`fleetroll.rollout.mcp_common.unfollowed`).
 
 Answers are read up to :class:`~fleetroll.rollout.mcp_common.AnswerLimits` (the
 listing cap for ``tools/list``, the answer cap otherwise); past it the

@@ -9,6 +9,7 @@ server itself says how many used it at once.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -149,3 +150,83 @@ async def test_a_rollout_cancelled_while_it_holds_the_server_gives_it_back(tmp_p
 
     assert cancelled.failure_reason is FailureReason.CANCELLED
     assert after.failure_reason is None and after.reward == 0.0
+
+
+class NotUtf8Names:
+    """ASGI in front of a server: ``list_files`` answers a file name that is not
+    UTF-8, as a server escaping it writes it (a lone surrogate, ``\\udc80``)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body)
+        params = request.get("params") or {}
+        if request.get("method") == "tools/call" and params.get("name") == "list_files":
+            answer = b'{"jsonrpc":"2.0","id":%s,"result":{"resultType":"complete",' % (
+                json.dumps(request["id"]).encode()
+            )
+            answer += b'"content":[{"type":"text","text":"[\\"report-\\udc80.txt\\"]"}],'
+            answer += b'"structuredContent":{"result":["report-\\udc80.txt"]}}}'
+            headers = [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(answer)).encode()),
+            ]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": answer})
+            return
+        sent = False
+
+        async def replay() -> dict[str, Any]:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_a_tool_answer_that_is_not_valid_json_text_fails_the_call_on_both_clients(
+    tmp_path: Path, client: str
+) -> None:
+    """A lone surrogate escape is JSON Python's json reads and the SDK's parser
+    refuses: the thin client took it as a result whose text then crashed the
+    run's journal (0 of 6 kept); the call fails, and each result serialises."""
+    folder = tmp_path / "served"
+    folder.mkdir()
+    app = NotUtf8Names(build(folder).streamable_http_app())
+    settings = load_settings(
+        timeouts={"mcp_connect_s": 20.0, "call_tool_s": 20.0},
+        mcp={"workdir_root": str(tmp_path / "workdirs")},
+        pool={"mcp_client": client},
+    )
+    async with serve_app(app, "127.0.0.1", 0) as url:
+        record = {
+            "key": "looks",
+            "prompt": "List the files.",
+            "environment": {"url": f"{url}/mcp", "max_concurrent_rollouts": 6},
+            "verifier": {"command": ["{python}", "-c", "print(1.0)"]},
+            "solution": LOOK,
+        }
+        looks = parse_task(record, source="test", modalities={"tool_use"})
+        with anyio.fail_after(120):
+            async with RolloutPool(settings, api_key="unused", base_url=NOWHERE) as pool:
+                batch = pool.run_batch([looks], ScriptedPolicy(), samples_per_task=6)
+                results = await batch.results()
+
+    assert [r.failure_reason for r in results] == [FailureReason.TOOL_FAILURE] * 6
+    for result in results:
+        assert result.reward is None
+        assert result.error is not None and "Failed to parse JSON response" in result.error
+        result.model_dump_json().encode("utf-8")  # what the journal writes

@@ -19,6 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetroll._internal.serving import serve_asgi
 from fleetroll.cli.run import SameFailures
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
@@ -454,3 +455,80 @@ async def test_an_mcp_url_that_answers_any_status_passes() -> None:
         )
 
     assert problems == []
+
+
+class AwkwardMcpUrls:
+    """ASGI: what pre-flight's GET meets at real MCP URLs.
+
+    * ``/mcp``: an SSE stream that does not end (a stateless MCP server's
+      answer to a GET): a comment, then nothing until the client leaves;
+    * ``/elsewhere``: 307 to the same server under another host name
+      (``localhost`` for ``127.0.0.1``);
+    * ``/moved``: 307 to ``/mcp`` on its own origin.
+    """
+
+    def __init__(self) -> None:
+        self.base = ""
+        self.streams_left = anyio.Event()  # a client left the endless stream
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path in ("/elsewhere", "/moved"):
+            target = self.base.replace("127.0.0.1", "localhost") if path == "/elsewhere" else ""
+            headers = [(b"location", f"{target}/mcp".encode()), (b"content-length", b"0")]
+            await send({"type": "http.response.start", "status": 307, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b": open\n\n", "more_body": True})
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.streams_left.set()
+
+
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_an_mcp_url_whose_get_is_an_endless_event_stream_passes_without_reading_it(
+    client: str,
+) -> None:
+    """Pre-flight read the whole answer to its GET: with a stateless MCP server's
+    endless stream, every run ended at ``timeouts.preflight_s`` with exit code 2."""
+    app = AwkwardMcpUrls()
+    settings = load_settings(pool={"mcp_client": client}, timeouts={"preflight_s": 10})
+    async with serve_asgi(app, lifespan="off") as base:
+        provider = McpProvider(settings, Events())
+        with anyio.fail_after(20):
+            problems = await provider.preflight([mcp_task("sse", url=f"{base}/mcp")])
+            await app.streams_left.wait()  # it left the stream: nothing kept reading
+        await provider.aclose()
+
+    assert problems == []
+
+
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_an_mcp_url_redirecting_to_another_host_is_one_problem_naming_both_hosts(
+    client: str,
+) -> None:
+    """No MCP client follows it, so every session failed (after retrying for
+    ``mcp_connect_s``); a redirect within the URL's origin passes, as before."""
+    app = AwkwardMcpUrls()
+    settings = load_settings(pool={"mcp_client": client}, timeouts={"preflight_s": 10})
+    async with serve_asgi(app, lifespan="off") as base:
+        app.base = base
+        provider = McpProvider(settings, Events())
+        with anyio.fail_after(20):
+            problems = await provider.preflight(
+                [mcp_task("away", url=f"{base}/elsewhere"), mcp_task("near", url=f"{base}/moved")]
+            )
+        await provider.aclose()
+
+    here = base.removeprefix("http://")
+    there = here.replace("127.0.0.1", "localhost")
+    assert problems == [
+        f"MCP server {base}/elsewhere (1 task(s)): it redirects to http://{there}/mcp,"
+        f" on another host ({here} -> {there}), and an MCP client follows a redirect only"
+        " within the URL's own origin: use that URL as the endpoint if it is the intended"
+        " server"
+    ]

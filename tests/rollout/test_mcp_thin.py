@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import socket
 import warnings
 from collections.abc import AsyncIterator
@@ -42,7 +43,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fleetroll._internal.retrying import Budget, Retry
 from fleetroll._internal.serving import serve_asgi
 from fleetroll._internal.wire import Response, Wire
-from fleetroll.errors import OperationTimeout, ToolCallFailed
+from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.rollout import mcp_thin
 from fleetroll.rollout.mcp_thin import ThinClient
 from fleetroll.rollout.tools import (
@@ -151,7 +152,12 @@ class Front:
     * ``chatty`` gets the log and progress opt-ins, so the SDK's server sends
       notifications before the answer (SSE);
     * ``liar``'s answer breaks its output schema; ``asks_mid_stream``'s stream
-      carries a server request (elicitation) before the answer.
+      carries a server request (elicitation) before the answer;
+    * ``raw``: a ``tools/call`` of one of these names is answered with these
+      bytes (``@ID@``: the request's id), as JSON or, with ``raw_events``, as
+      one SSE event; with ``raw_kept_open`` too, a progress notification comes
+      first and the stream stays open after the answer until the client
+      leaves it (the spec allows it), which ``departures`` then tells.
     """
 
     def __init__(
@@ -162,8 +168,15 @@ class Front:
         discover_versions: list[str] | None = None,
         reject_first_discover: bool = False,
         warming: int = 0,
+        raw: dict[str, bytes] | None = None,
+        raw_events: bool = False,
+        raw_kept_open: bool = False,
     ) -> None:
         self.app = app
+        self.raw = raw or {}
+        self.raw_events = raw_events
+        self.raw_kept_open = raw_kept_open
+        self._departed, self.departures = anyio.create_memory_object_stream[str](100)
         self.warming = warming
         self.legacy_only = legacy_only
         self.discover_versions = discover_versions
@@ -216,6 +229,14 @@ class Front:
             }
             await _json(send, 200, {"jsonrpc": "2.0", "id": request["id"], "result": result})
             return
+        if method == "tools/call" and params.get("name") in self.raw:
+            answer = self.raw[params["name"]].replace(b"@ID@", json.dumps(request["id"]).encode())
+            if self.raw_kept_open:
+                await _kept_open(receive, send, answer)
+                await self._departed.send(params["name"])
+                return
+            await _raw(send, answer, events=self.raw_events)
+            return
         if method == "tools/call" and params.get("name") == "asks_mid_stream":
             await _asking_stream(send, request["id"])
             return
@@ -258,6 +279,30 @@ async def _json(send: Send, status: int, payload: Any) -> None:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def _raw(send: Send, answer: bytes, *, events: bool) -> None:
+    kind = b"application/json"
+    if events:
+        kind, answer = b"text/event-stream", b"event: message\ndata: " + answer + b"\n\n"
+    headers = [(b"content-type", kind), (b"content-length", str(len(answer)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+async def _kept_open(receive: Receive, send: Send, answer: bytes) -> None:
+    """A progress notification, the answer, then the stream held open (a comment
+    on it) until the client leaves."""
+    progress = b'{"jsonrpc":"2.0","method":"notifications/progress","params":'
+    progress += b'{"progressToken":1,"progress":1}}'
+    headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    for data in (progress, answer):
+        event = b"event: message\r\ndata: " + data + b"\r\n\r\n"
+        await send({"type": "http.response.body", "body": event, "more_body": True})
+    await send({"type": "http.response.body", "body": b": still here\n\n", "more_body": True})
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _asking_stream(send: Send, request_id: Any) -> None:
@@ -310,8 +355,9 @@ async def serving(
         transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
     )
     wrapped = Front(app, **front)
-    async with serve_asgi(wrapped) as base:
-        yield f"{base}/mcp", wrapped
+    with wrapped._departed, wrapped.departures:
+        async with serve_asgi(wrapped) as base:
+            yield f"{base}/mcp", wrapped
 
 
 def _sdk_http() -> httpx2.AsyncClient:
@@ -526,6 +572,170 @@ async def test_a_service_that_never_answers_is_a_connect_timeout_naming_its_atte
                     raise AssertionError("connected to nothing")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_a_stream_kept_open_after_its_response_is_answered_at_the_response(
+    client: str,
+) -> None:
+    """The spec lets a server keep a POST's event stream open after the response;
+    the thin client read every stream to its end, so each call waited out
+    ``call_tool_s``. Both clients return at the response event and leave the
+    stream (which the server sees), and the session goes on."""
+    answer = _text_answer(b"here already")
+    deadlines = dict(DEADLINES, call_timeout_s=600.0)  # never what ends a call here
+    async with (
+        serving(
+            json_response=False, raw={"lingering": answer}, raw_events=True, raw_kept_open=True
+        ) as (url, front),
+        Wire() as wire,
+    ):
+        with anyio.fail_after(60):
+            async with open_tool_session(
+                url, _sdk_http, wire=wire if client == "thin" else None, **deadlines
+            ) as session:
+                assert isinstance(session._client, ThinClient if client == "thin" else Client)
+                for _ in range(2):
+                    assert (await session.call("lingering", {})).text == "here already"
+                    assert await front.departures.receive() == "lingering"  # it left
+                assert (await session.call("echo", {"text": "next"})).text == "next"
+
+
+class Lingering:
+    """ASGI in front of the SDK's app (JSON answers): each POST's answer is sent as
+    an event stream instead (a comment, the answer's event), which then stays open
+    until the client leaves it, as the spec allows. ``served`` counts those
+    streams, ``open`` those not left yet; :meth:`all_left` waits until none is."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.served = 0
+        self.open = 0
+        self._left = anyio.Event()
+
+    async def all_left(self) -> None:
+        while self.open:
+            await self._left.wait()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        start: Message = {}
+        body = b""
+
+        async def kept(message: Message) -> None:
+            nonlocal start, body
+            if message["type"] == "http.response.start":
+                start = message
+            else:
+                body += message.get("body", b"")
+
+        await self.app(scope, receive, kept)
+        headers = dict(start.get("headers", []))
+        if start.get("status") != 200 or headers.get(b"content-type") != b"application/json":
+            await send(start)
+            await send({"type": "http.response.body", "body": body})
+            return
+        headers = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+        self.served += 1
+        self.open += 1
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            event = b": an answer follows\n\nevent: message\ndata: " + body + b"\n\n"
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        finally:
+            self.open -= 1
+            self._left.set()
+            self._left = anyio.Event()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_a_server_keeping_every_stream_open_serves_a_whole_session(client: str) -> None:
+    """The probe, the listing and each call return at their answer's event, the
+    streams they leave are closed (the server sees each client leave)."""
+    app = tools_server().streamable_http_app(
+        json_response=True,
+        stateless_http=True,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    front = Lingering(app)
+    deadlines = dict(DEADLINES, connect_timeout_s=600.0, call_timeout_s=600.0)
+    deadlines["list_timeout_s"] = 600.0  # never what ends a request here
+    async with serve_asgi(front) as base, Wire() as wire:
+        with anyio.fail_after(60):
+            async with open_tool_session(
+                f"{base}/mcp", _sdk_http, wire=wire if client == "thin" else None, **deadlines
+            ) as session:
+                assert isinstance(session._client, ThinClient if client == "thin" else Client)
+                assert "echo" in {spec.name for spec in await session.list_tools()}
+                for text in ("one", "two"):
+                    assert (await session.call("echo", {"text": text})).text == text
+                assert (await session.call("broken", {})).is_error
+            await front.all_left()
+    assert front.served >= 5  # discover, list, three calls: each left at its answer
+
+
+class Redirecting:
+    """ASGI in front of an app: ``/elsewhere`` is redirected (307) to the same
+    server under another host name (``localhost`` for ``127.0.0.1``), ``/moved``
+    to ``/mcp`` on its own origin; the rest goes to the app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.base = ""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path")
+        if scope["type"] != "http" or path not in ("/elsewhere", "/moved"):
+            await self.app(scope, receive, send)
+            return
+        target = self.base.replace("127.0.0.1", "localhost") if path == "/elsewhere" else ""
+        headers = [(b"location", f"{target}/mcp".encode()), (b"content-length", b"0")]
+        await send({"type": "http.response.start", "status": 307, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", ["thin", "sdk"])
+async def test_a_redirect_to_another_host_fails_the_connect_at_once_naming_both_hosts(
+    client: str,
+) -> None:
+    """Neither client follows it (the SDK's rule: within the URL's origin only), and
+    the same request is redirected again: it was retried for all of
+    ``mcp_connect_s``. A redirect within the origin still leads to the server."""
+    app = tools_server().streamable_http_app(
+        json_response=True,
+        stateless_http=True,
+        transport_security=TransportSecuritySettings(enable_dns_rebinding_protection=False),
+    )
+    front = Redirecting(app)
+    retries: list[Retry] = []
+    deadlines = dict(DEADLINES, connect_timeout_s=5.0, budget=Budget(None, 0.05, 0.2))
+    async with serve_asgi(front) as base, Wire() as wire:
+        front.base = base
+        mine = wire if client == "thin" else None
+        with anyio.fail_after(30), pytest.raises(ToolsError) as failed:
+            async with open_tool_session(
+                f"{base}/elsewhere", _sdk_http, wire=mine, report=retries.append, **deadlines
+            ):
+                raise AssertionError("followed a redirect to another host")
+        with anyio.fail_after(30):
+            async with open_tool_session(f"{base}/moved", _sdk_http, wire=mine, **deadlines) as s:
+                assert (await s.call("echo", {"text": "moved"})).text == "moved"
+    here = base.removeprefix("http://")
+    there = here.replace("127.0.0.1", "localhost")
+    assert retries == [] and not failed.value.transient
+    assert str(failed.value) == (
+        f"cannot open an MCP session at {base}/elsewhere: it redirects to http://{there}/mcp,"
+        f" on another host ({here} -> {there}), and an MCP client follows a redirect only"
+        " within the URL's own origin: use that URL as the endpoint if it is the intended"
+        " server"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -555,6 +765,84 @@ async def test_one_open_thin_session_holds_far_fewer_tracked_objects_than_an_sdk
     assert thin * 10 < sdk
 
 
+#: Whole answers to a ``tools/call`` that Python's json module reads one way and
+#: the SDK's parser (pydantic-core's) another, or that both read alike.
+def _text_answer(text: bytes, after: bytes = b"") -> bytes:
+    head = b'{"jsonrpc":"2.0","id":@ID@,"result":{"resultType":"complete",'
+    return head + b'"content":[{"type":"text","text":"' + text + b'"}]}}' + after
+
+
+ODD_ANSWERS: dict[str, bytes] = {
+    # A file name that is not UTF-8, as a server that escapes surrogates writes it.
+    "lone_low_surrogate": _text_answer(rb"report-\udc80.txt"),
+    "lone_high_surrogate": _text_answer(rb"report-\ud83d.txt"),
+    "surrogate_in_a_key": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"content":[],"structuredContent":{"\\udcff":1}}}'
+    ),
+    "a_surrogate_pair": _text_answer(rb"smile \ud83d\ude00"),  # valid: both read it
+    "trailing_data": _text_answer(b"ok", after=b' {"jsonrpc":"2.0"}'),
+    "trailing_whitespace": _text_answer(b"ok", after=b" \r\n\t"),
+    "byte_order_mark": b"\xef\xbb\xbf" + _text_answer(b"ok"),
+    "invalid_utf8": _text_answer(b"caf\xe9"),
+    "a_float_id": _text_answer(b"ok").replace(b"@ID@", b"@ID@.0"),
+    "duplicate_keys": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"resultType":"complete",'
+        b'"content":[{"type":"text","text":"first"}],'
+        b'"content":[{"type":"text","text":"second"}]}}'
+    ),
+    "infinity": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"content":[],"structuredContent":{"x":Infinity}}}'
+    ),
+    "deep_nesting": (
+        b'{"jsonrpc":"2.0","id":@ID@,"result":{"resultType":"complete","content":[],'
+        b'"structuredContent":' + b"[" * 300 + b"]" * 300 + b"}}"
+    ),
+    # The modern surface wants a resultType: the SDK's client refuses a result without.
+    "no_result_type": b'{"jsonrpc":"2.0","id":@ID@,"result":{"content":[]}}',
+    "an_error_with_a_surrogate": (
+        b'{"jsonrpc":"2.0","id":@ID@,"error":{"code":-32000,"message":"no \\udc80"}}'
+    ),
+}
+
+
+def _idless(seen: Outcome) -> Outcome:
+    """An outcome without the numbers its message quotes: the clients number their
+    requests apart, and an id's digits move the columns a parse error names."""
+    if isinstance(seen, tuple):
+        return (seen[0], re.sub(r"\d+", "N", seen[1]), seen[2])
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("events", [False, True], ids=["json", "sse"])
+async def test_answers_the_sdk_s_json_parser_refuses_are_refused_alike(events: bool) -> None:
+    """A lone surrogate escape (a file name that is not UTF-8) was a result on the thin
+    client, whose text then crashed the run's journal; the SDK client refuses the
+    message as not JSON (a ``tool_failure``). Every odd answer is read alike."""
+    with anyio.fail_after(60):
+        async with (
+            serving(json_response=True, raw=ODD_ANSWERS, raw_events=events) as (url, _),
+            both(url) as (thin, sdk),
+        ):
+            assert isinstance(thin._client, ThinClient)
+            seen = {}
+            for name in ODD_ANSWERS:
+                mine, theirs = await outcome(thin, name, {}), await outcome(sdk, name, {})
+                assert _idless(mine) == _idless(theirs), name
+                seen[name] = mine
+    where = "SSE message" if events else "JSON response"
+    for name in ("lone_low_surrogate", "lone_high_surrogate", "surrogate_in_a_key"):
+        failed = seen[name]
+        assert isinstance(failed, tuple), name
+        assert failed[0] == "ToolCallFailed" and failed[2], name
+        assert f"Failed to parse {where}" in failed[1] and "Invalid JSON" in failed[1], name
+    assert isinstance(seen["a_surrogate_pair"], ToolResult)
+    assert seen["a_surrogate_pair"].text == "smile \U0001f600"
+    assert isinstance(seen["duplicate_keys"], ToolResult)
+    assert seen["duplicate_keys"].text == "second"
+    assert isinstance(seen["trailing_data"], tuple) and isinstance(seen["deep_nesting"], tuple)
+
+
 # -- the thin client's reading of answers, without a server -----------------------
 
 
@@ -572,6 +860,25 @@ def test_an_event_stream_answer_skips_notifications_comments_and_pings() -> None
         b'data: {"jsonrpc":"2.0","id":1,"result":{"ok":1}}'
     )
     assert mcp_thin._answer(_response(200, "text/event-stream", events)) == {"ok": 1}
+
+
+def test_an_event_stream_is_parsed_as_it_arrives_and_ends_at_its_response() -> None:
+    """Fed in any pieces (one byte at a time: a CRLF split between two), the parser
+    gives the response as soon as its event is complete, whatever follows."""
+    before = (
+        b": ping\r\n\r\n"
+        b'event: message\r\ndata: {"jsonrpc":"2.0","method":"notifications/progress",\r\n'
+        b'data: "params":{"progressToken":1,"progress":1}}\r\n\r\n'
+        b"id: 7\revent: message\rdata:\r\r"
+        b'data: {"jsonrpc":"2.0","id":1,"result":{"ok":"caf\xc3\xa9"}}\r\n'
+    )
+    for size in (1, 2, 3, 7, len(before)):
+        events = mcp_thin._Events()
+        pieces = [before[i : i + size] for i in range(0, len(before), size)]
+        assert all(events.feed(piece) is None for piece in pieces), size
+        # The blank line that ends the response's event; the stream may go on.
+        assert events.feed(b"\r") is None  # a CR that may be the start of a CRLF
+        assert events.feed(b"\ndata: never read\n\n") == {"ok": "café"}, size
 
 
 def test_answers_that_are_not_responses_get_the_sdk_transport_s_errors() -> None:
@@ -607,17 +914,22 @@ def test_answers_that_are_not_responses_get_the_sdk_transport_s_errors() -> None
 
 def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -> None:
     """The fast path builds exactly what validation builds, fields set included; any
-    other shape is left to validation."""
+    other shape is left to validation (the version's surface first, which wants a
+    ``resultType``: the SDK client refuses a result without one)."""
     plain = [
-        {"content": [{"type": "text", "text": "ok"}]},
-        {"content": [], "isError": True},
+        {"content": [{"type": "text", "text": "ok"}], "resultType": "complete"},
+        {"content": [], "isError": True, "resultType": "complete"},
         {
             "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
             "structuredContent": {"n": 1, "xs": [1, 2]},
             "isError": False,
             "resultType": "complete",
         },
-        {"content": [{"type": "text", "text": "x"}], "structuredContent": None},
+        {
+            "content": [{"type": "text", "text": "x"}],
+            "structuredContent": None,
+            "resultType": "complete",
+        },
     ]
     for raw in plain:
         built = mcp_thin._plain_result(raw)
@@ -635,6 +947,7 @@ def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -
         {"content": [], "ttlMs": -5},
         {"content": [], "resultType": "input_required"},
         {"structuredContent": {}},
+        {"content": [{"type": "text", "text": "ok"}]},  # no resultType
     ]
     for raw in others:
         assert mcp_thin._plain_result(raw) is None, raw

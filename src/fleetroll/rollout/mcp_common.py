@@ -1,9 +1,11 @@
-"""What both MCP clients share: answer caps, and tool specs and validators made once.
+"""What both MCP clients share: answer caps, redirects, and tool specs and validators
+made once.
 
 The mcp SDK's client (:mod:`fleetroll.rollout.tools`) and the thin client
 (:mod:`fleetroll.rollout.mcp_thin`) read answers up to the same caps and fail
-past them with the same error, and every session of either kind hands the
-agent the same :class:`~fleetroll.policies.ToolSpec` objects and checks
+past them with the same error, follow the same redirects (:func:`unfollowed`
+says which they do not, in one line), and every session of either kind hands
+the agent the same :class:`~fleetroll.policies.ToolSpec` objects and checks
 structured answers with the same compiled validators.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urljoin, urlsplit
 
 from jsonschema import SchemaError
 from jsonschema.protocols import Validator
@@ -24,7 +27,13 @@ from fleetroll.policies import ToolSpec
 if TYPE_CHECKING:
     from fleetroll.settings import Settings
 
-__all__ = ["ANSWER_TOO_LARGE", "AnswerLimits", "shared_spec", "shared_validator"]
+__all__ = [
+    "ANSWER_TOO_LARGE",
+    "AnswerLimits",
+    "shared_spec",
+    "shared_validator",
+    "unfollowed",
+]
 
 
 #: The JSON-RPC error code of an answer fleetroll stopped reading at its cap
@@ -105,3 +114,53 @@ def shared_validator(schema: dict[str, Any]) -> Validator | None:
             _VALIDATORS.clear()
         _VALIDATORS[key] = validator
     return validator
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    return scheme, (parts.hostname or "").lower(), port or _DEFAULT_PORTS.get(scheme)
+
+
+def _host_port(url: str) -> str:
+    """``host:port`` of a URL, never its user or password."""
+    _, host, port = _origin(url)
+    shown = f"[{host}]" if ":" in host else host
+    return f"{shown}:{port}" if port is not None else shown
+
+
+def unfollowed(url: str, location: str) -> str | None:
+    """Why an MCP client does not follow a redirect of ``url`` to ``location``, in one
+    line naming both hosts; None for a redirect it follows.
+
+    Both clients follow a redirect only within the endpoint's origin (the mcp
+    SDK's rule, ``stream_within_origin``): the same scheme, host and port, or
+    the https upgrade of the same host on the default ports. Anything else
+    would send the request's headers to a server it was not configured for;
+    the same request is redirected the same way again, so it is not retried.
+    """
+    target = urljoin(url, location)
+    here, there = _origin(url), _origin(target)
+    if here == there or (
+        here[0] == "http"
+        and there[0] == "https"
+        and here[1] == there[1]
+        and here[2] == 80
+        and there[2] == 443
+    ):
+        return None
+    parts = urlsplit(target)
+    shown = parts._replace(netloc=_host_port(target), query="", fragment="").geturl()
+    where = "another host" if here[1] != there[1] else "another port or scheme"
+    return (
+        f"it redirects to {shown}, on {where} ({_host_port(url)} -> {_host_port(target)}),"
+        " and an MCP client follows a redirect only within the URL's own origin:"
+        " use that URL as the endpoint if it is the intended server"
+    )

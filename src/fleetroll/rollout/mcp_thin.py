@@ -23,15 +23,23 @@ It is the SDK client where it speaks at all (the SDK 2.3's wire behaviour,
   info and capabilities) and the ``mcp-protocol-version``, ``mcp-method``,
   ``mcp-name`` and ``Mcp-Param-*`` headers, as ``_make_modern_stamp``;
 * answers: JSON or an SSE stream (notifications skipped, the first response
-  taken, as the SDK's transport does); HTTP statuses, 202, unknown content
-  types and unparsable bodies become the same ``MCPError`` the SDK's
-  transport synthesises; results are validated with the same models
+  taken, as the SDK's transport does), read as they arrive: a stream is left
+  at its response's event, though its server may keep it open (the
+  connection is then closed); each message parsed as strictly as the
+  SDK parses it (pydantic-core's JSON parser: a lone surrogate escape, a BOM,
+  trailing data are refused) and its envelope judged by the same models;
+  HTTP statuses, 202, unknown content types and unparsable bodies become the
+  same ``MCPError`` the SDK's transport synthesises, in its words; results
+  are validated with the same models
   (version surface, then ``CallToolResult``) and structured answers against
   the tool's output schema with the SDK's messages; a ``HEADER_MISMATCH``
   is answered by listing again and sending once more, as ``Client.call_tool``;
 * a ``tools/call`` that asks for client input (an ``input_required`` result,
   or a server request in its stream) is not guessed at: the call is made
-  again by an SDK client on the same URL, whose answer is the answer.
+  again by an SDK client on the same URL, whose answer is the answer;
+* a redirect is not followed here: a probe that meets one opens the SDK
+  client, which follows it within the URL's origin (a trailing slash) and
+  fails at once on any other (:func:`fleetroll.rollout.mcp_common.unfollowed`).
 
 Answers are read up to :class:`~fleetroll.rollout.mcp_common.AnswerLimits` (the
 listing cap for ``tools/list``, the answer cap otherwise); past it the
@@ -45,10 +53,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
+from urllib.parse import urlsplit
 
 import anyio
 import httpx2
@@ -77,18 +86,32 @@ from mcp_types import (
 from mcp_types import methods as _methods
 from mcp_types.version import LATEST_MODERN_VERSION, MODERN_PROTOCOL_VERSIONS
 from pydantic import TypeAdapter, ValidationError
+from pydantic_core import from_json
 from referencing import Registry
 from referencing.exceptions import Unresolvable
 
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.retrying import Decision
-from fleetroll._internal.wire import BodyTooLarge, ConnectFailed, Response, Wire
+from fleetroll._internal.wire import (
+    BodyTooLarge,
+    ConnectFailed,
+    Response,
+    StreamResponse,
+    Wire,
+    WireError,
+)
 from fleetroll.policies import ToolSpec
-from fleetroll.rollout.mcp_common import AnswerLimits, shared_spec, shared_validator
+from fleetroll.rollout.mcp_common import (
+    ANSWER_TOO_LARGE,
+    AnswerLimits,
+    shared_spec,
+    shared_validator,
+)
 
 __all__ = ["FALLBACK", "ThinClient", "probe"]
 
 _log = logging.getLogger("fleetroll.mcp_thin")
+_T = TypeVar("_T")
 
 #: What :func:`probe` answers when the endpoint needs the SDK client.
 FALLBACK: Final = "fallback"
@@ -137,6 +160,10 @@ class _NeedsSdk(Exception):
     """The answer asks for something only the SDK client does (client input)."""
 
 
+class _NotJsonRpc(Exception):
+    """A message that is no JSON-RPC message (the SDK's adapter's refusal)."""
+
+
 # ------------------------------------------------------------------ answers
 
 
@@ -150,119 +177,273 @@ def _answer(response: Response) -> dict[str, Any]:
     """
     status = response.status
     content_type = response.headers.get("content-type", "").lower()
-    if status == 202:
-        raise _mcp_error(INVALID_REQUEST, "server answered a request with 202 Accepted")
-    if 300 <= status < 400 and "location" in response.headers:
-        raise _mcp_error(
-            INVALID_REQUEST,
-            f"Redirect to {response.headers['location']} not followed;"
-            " use that URL as the endpoint if it is the intended server",
-        )
-    if status >= 400:
-        if content_type.startswith("application/json"):
-            message = _loads(response.body)
-            error = _error_of(message)
-            if error is not None:
-                raise error
-        if status == 404:
-            raise _mcp_error(METHOD_NOT_FOUND, "Not Found")
-        raise _mcp_error(INTERNAL_ERROR, "Server returned an error response")
+    _check_status(status, content_type, response.headers, response.body)
     if content_type.startswith("application/json"):
-        message = _loads(response.body)
-        result = _result_of(message)
-        if result is None:
-            raise _mcp_error(PARSE_ERROR, "Failed to parse JSON response: not a JSON-RPC response")
-        return result
+        return _json_answer(response.body)
     if content_type.startswith("text/event-stream"):
         return _from_events(response.body)
     raise _mcp_error(INVALID_REQUEST, f"Unexpected content type: {content_type}")
 
 
-def _loads(body: bytes) -> Any:
+async def _read(response: StreamResponse) -> dict[str, Any]:
+    """The JSON-RPC result of one POST's answer, read as it arrives.
+
+    An event stream is parsed as its bytes come, and left at the event that
+    carries the response (the spec lets a server keep the stream open after
+    it; the SDK's transport returns there too): leaving it closes the
+    connection, which is reused only when an answer was read to its end.
+
+    Raises:
+        MCPError, _NeedsSdk: as :func:`_answer`.
+        WireError: the answer broke off or passed its cap (``BodyTooLarge``).
+    """
+    status = response.status
+    headers = response.headers
+    content_type = headers.get("content-type", "").lower()
+    if status == 202 or status >= 300:
+        body = await response.aread() if status >= 400 else None
+        _check_status(status, content_type, headers, body)
+    if content_type.startswith("text/event-stream"):
+        events = _Events()
+        async for chunk in response.aiter_bytes():
+            found = events.feed(chunk)
+            if found is not None:
+                return found
+        return events.end()
+    body = await response.aread()
+    if content_type.startswith("application/json"):
+        return _json_answer(body)
+    raise _mcp_error(INVALID_REQUEST, f"Unexpected content type: {content_type}")
+
+
+def _check_status(
+    status: int, content_type: str, headers: Mapping[str, str], body: bytes | None
+) -> None:
+    """Raise what the SDK's transport makes of a status that carries no result
+    (``body``: the answer's, read whole, for a JSON-RPC error at 4xx/5xx).
+
+    Raises:
+        MCPError: 202, an unfollowed redirect, or an error status.
+    """
+    if status == 202:
+        raise _mcp_error(INVALID_REQUEST, "server answered a request with 202 Accepted")
+    if 300 <= status < 400 and "location" in headers:
+        # Shown as the SDK's transport shows it: without user info, query or fragment.
+        parts = urlsplit(headers["location"])
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2], query="", fragment="")
+        raise _mcp_error(
+            INVALID_REQUEST,
+            f"Redirect to {shown.geturl()} not followed;"
+            " use that URL as the endpoint if it is the intended server",
+        )
+    if status >= 400:
+        if body is not None and content_type.startswith("application/json"):
+            error = _error_in(body)
+            if error is not None:
+                raise error
+        if status == 404:
+            raise _mcp_error(METHOD_NOT_FOUND, "Not Found")
+        raise _mcp_error(INTERNAL_ERROR, "Server returned an error response")
+
+
+# JSON-RPC messages are read as the SDK's transport reads them
+# (``jsonrpc_message_adapter.validate_json``): pydantic-core's JSON parser, which
+# refuses what Python's ``json`` lets through (a lone surrogate escape such as a
+# file name that is not UTF-8, a BOM, nesting past its recursion limit; trailing
+# data and invalid UTF-8 as ``json`` does) and keeps what it keeps (NaN and
+# Infinity, the last of duplicate keys); then the envelope models. The usual
+# envelopes are recognised here without building the models; anything else is
+# decided by the SDK's own adapter, whose words its refusal carries.
+
+_ABSENT: Final = object()
+
+
+def _request_id(value: Any) -> bool:
+    """A ``RequestId``: a str or (strictly) an int, never a bool or a float."""
+    kind = type(value)
+    return kind is int or kind is str
+
+
+def _message(data: bytes | str) -> dict[str, Any] | None:
+    """One JSON-RPC message's result; None for a notification.
+
+    Raises:
+        MCPError: an error response (its error).
+        _NotJsonRpc: not a JSON-RPC message (the SDK's adapter's words).
+        _NeedsSdk: a request from the server.
+    """
     try:
-        return json.loads(body)
+        message = from_json(data)
     except ValueError:
-        return None
+        message = None
+    if type(message) is dict and message.get("jsonrpc") == "2.0":
+        method = message.get("method", _ABSENT)
+        rid = message.get("id", _ABSENT)
+        if method is _ABSENT:
+            result = message.get("result", _ABSENT)
+            error = message.get("error", _ABSENT)
+            if type(result) is dict and error is _ABSENT and _request_id(rid):
+                return cast("dict[str, Any]", result)
+            if type(error) is dict and result is _ABSENT and (rid is None or _request_id(rid)):
+                code, text = error.get("code"), error.get("message")
+                if type(code) is int and type(text) is str:
+                    raise _mcp_error(code, text, error.get("data"))
+        elif type(method) is str and rid is _ABSENT:
+            params = message.get("params")
+            if params is None or type(params) is dict:
+                return None  # a notification (log messages, progress)
+    return _by_adapter(data)
 
 
-def _error_of(message: Any) -> Exception | None:
-    """The MCPError of a JSON-RPC error message, None for anything else."""
-    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0":
-        return None
-    error = message.get("error")
-    if "result" in message or not isinstance(error, dict):
-        return None
-    code, text = error.get("code"), error.get("message")
-    if not isinstance(code, int) or isinstance(code, bool) or not isinstance(text, str):
-        return None
-    return _mcp_error(code, text, error.get("data"))
+def _by_adapter(data: bytes | str) -> dict[str, Any] | None:
+    """:func:`_message` of an envelope out of the usual, by the SDK's own adapter."""
+    from mcp_types import JSONRPCError, JSONRPCRequest, JSONRPCResponse, jsonrpc_message_adapter
 
-
-def _result_of(message: Any) -> dict[str, Any] | None:
-    """A JSON-RPC response's result; raises its error; None when it is neither."""
-    if not isinstance(message, dict) or message.get("jsonrpc") != "2.0" or "id" not in message:
-        return None
-    result = message.get("result")
-    if isinstance(result, dict) and "error" not in message:
-        return result
-    error = _error_of(message)
-    if error is not None:
-        raise error
+    try:
+        parsed = jsonrpc_message_adapter.validate_json(data, by_name=False)
+    except ValidationError as exc:
+        raise _NotJsonRpc(str(exc)) from None
+    if isinstance(parsed, JSONRPCResponse):
+        return parsed.result
+    if isinstance(parsed, JSONRPCError):
+        error = parsed.error
+        raise _mcp_error(error.code, error.message, error.data)
+    if isinstance(parsed, JSONRPCRequest):
+        raise _NeedsSdk(f"the server sent a {parsed.method} request")
     return None
 
 
-def _from_events(body: bytes) -> dict[str, Any]:
-    """The response among a server-sent event stream's messages.
+def _json_answer(body: bytes) -> dict[str, Any]:
+    """The result of a JSON answer (one message, which must be a response).
 
-    Notifications (log messages, progress) are skipped; the first response
-    or error ends it, whatever its id (the SDK's transport answers the POST's
-    request with it). A request from the server is client input: the SDK's.
+    Raises:
+        MCPError: an error response, or ``PARSE_ERROR``: not a response.
     """
-    data: list[bytes] = []
-    event = b"message"
-    for line in body.replace(b"\r\n", b"\n").replace(b"\r", b"\n").split(b"\n"):
-        if line:
-            if line.startswith(b":"):
-                continue
-            field, _, value = line.partition(b":")
-            if value.startswith(b" "):
-                value = value[1:]
-            if field == b"data":
-                data.append(value)
-            elif field == b"event":
-                event = value
-            continue
-        # A blank line dispatches the event gathered so far.
-        found = _dispatch(data, event)
+    try:
+        result = _message(body)
+    except _NotJsonRpc as exc:
+        raise _mcp_error(PARSE_ERROR, f"Failed to parse JSON response: {exc}") from None
+    except _NeedsSdk:
+        result = None
+    if result is None:  # a notification or a request where the response belongs
+        raise _mcp_error(PARSE_ERROR, "Failed to parse JSON response: not a JSON-RPC response")
+    return result
+
+
+def _error_in(body: bytes) -> Exception | None:
+    """The MCPError of a JSON-RPC error answer; None for any other body (the SDK's
+    transport then answers from the status)."""
+    try:
+        _message(body)
+    except (_NotJsonRpc, _NeedsSdk):
+        return None
+    except Exception as exc:  # the error response's MCPError
+        return exc
+    return None
+
+
+class _Events:
+    """A server-sent event stream, parsed as its bytes arrive, up to its response.
+
+    The SDK's transport reads it so (httpx2's ``EventSource``): lines end at
+    CR, LF or CRLF, a blank line dispatches the event gathered so far; only
+    ``message`` events are read, those without data (priming events) skipped;
+    a notification is skipped, the first response or error ends it, whatever
+    its id (the SDK's transport answers the POST's request with it); a request
+    from the server is client input, the SDK's. Event data is UTF-8, an invalid
+    byte read as U+FFFD (as ``aiter_text`` decodes it).
+    """
+
+    __slots__ = ("_data", "_event", "_line", "_pending_cr")
+
+    def __init__(self) -> None:
+        self._data: list[bytes] = []
+        self._event = b""
+        self._line: list[bytes] = []  # the start of a line not ended yet
+        self._pending_cr = False  # a chunk ended in CR: the next may start with its LF
+
+    def feed(self, chunk: bytes) -> dict[str, Any] | None:
+        """The response's result once its event is complete; None while it is not.
+
+        Raises:
+            MCPError: an error response, or a message that is not JSON-RPC.
+            _NeedsSdk: the server asked the client something.
+        """
+        if self._pending_cr:
+            chunk = b"\r" + chunk
+            self._pending_cr = False
+        if chunk.endswith(b"\r"):
+            self._pending_cr = True
+            chunk = chunk[:-1]
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if b"\n" not in chunk:
+            if chunk:
+                self._line.append(chunk)
+            return None
+        lines = chunk.split(b"\n")
+        if self._line:
+            self._line.append(lines[0])
+            lines[0] = b"".join(self._line)
+            self._line = []
+        last = lines.pop()
+        if last:
+            self._line.append(last)
+        for line in lines:
+            found = self._line_of(line)
+            if found is not None:
+                return found
+        return None
+
+    def end(self) -> dict[str, Any]:
+        """The stream ended: a last event it did not close with a blank line counts.
+
+        Raises:
+            MCPError: no response (``CONNECTION_CLOSED``), or as :meth:`feed`.
+            _NeedsSdk: as :meth:`feed`.
+        """
+        self._pending_cr = False
+        if self._line:
+            line, self._line = b"".join(self._line), []
+            found = self._line_of(line)
+            if found is not None:
+                return found
+        found = self._line_of(b"")
         if found is not None:
             return found
-        data, event = [], b"message"
-    found = _dispatch(data, event)  # a last event the stream did not end with a blank line
-    if found is not None:
-        return found
-    raise _mcp_error(CONNECTION_CLOSED, "SSE stream ended without a response")
+        raise _mcp_error(CONNECTION_CLOSED, "SSE stream ended without a response")
+
+    def _line_of(self, line: bytes) -> dict[str, Any] | None:
+        if line:
+            if line.startswith(b":"):
+                return None
+            name, _, value = line.partition(b":")
+            if value.startswith(b" "):
+                value = value[1:]
+            if name == b"data":
+                self._data.append(value)
+            elif name == b"event":
+                self._event = value
+            return None
+        # A blank line dispatches the event gathered so far.
+        data, event = self._data, self._event
+        self._data, self._event = [], b""
+        if not data or event not in (b"", b"message"):
+            return None
+        joined = b"\n".join(data)
+        if not joined:
+            return None  # a priming event
+        try:
+            return _message(joined.decode("utf-8", "replace"))
+        except _NotJsonRpc as exc:
+            raise _mcp_error(PARSE_ERROR, f"Failed to parse SSE message: {exc}") from None
 
 
-def _dispatch(data: list[bytes], event: bytes) -> dict[str, Any] | None:
-    """An event's result; None for one that is no response (the SDK's transport
-    reads only ``message`` events, and skips those without data: priming events)."""
-    joined = b"\n".join(data)
-    if not joined or event != b"message":
-        return None
-    return _message(joined)
-
-
-def _message(data: bytes) -> dict[str, Any] | None:
-    """One SSE message: a result, None for a notification; raises for the rest."""
-    message = _loads(data)
-    if isinstance(message, dict) and isinstance(message.get("method"), str):
-        if "id" in message:
-            raise _NeedsSdk(f"the server sent a {message['method']} request")
-        return None
-    result = _result_of(message)
-    if result is None:
-        raise _mcp_error(PARSE_ERROR, "Failed to parse SSE message: not a JSON-RPC message")
-    return result
+def _from_events(body: bytes) -> dict[str, Any]:
+    """The response among a whole server-sent event stream's messages (:class:`_Events`)."""
+    events = _Events()
+    found = events.feed(body)
+    return found if found is not None else events.end()
 
 
 def _clamp_ttl(raw: dict[str, Any]) -> None:
@@ -360,14 +541,15 @@ _TEXT_KEYS: Final = frozenset({"type", "text"})
 def _plain_result(raw: dict[str, Any]) -> CallToolResult | None:
     """A tool result of the usual shape, built without the two validations it passes.
 
-    The usual shape: only ``content`` (a list of bare text blocks),
-    ``structuredContent`` (any JSON value), ``isError`` (a bool) and
-    ``resultType: "complete"``. Such a result passes the version's surface and
-    the result model as it stands, so the model is made from it directly; any
-    other shape (images, annotations, ``_meta``, a ttl...) is None, and is
+    The usual shape: ``resultType: "complete"`` (which the modern surface
+    requires), ``content`` (a list of bare text blocks), and at most
+    ``structuredContent`` (any JSON value) and ``isError`` (a bool) besides.
+    Such a result passes the version's surface and the result model as it
+    stands, so the model is made from it directly; any other shape (images,
+    annotations, ``_meta``, a ttl, no ``resultType``...) is None, and is
     validated as the SDK does.
     """
-    if not raw.keys() <= _PLAIN_KEYS or raw.get("resultType", "complete") != "complete":
+    if not raw.keys() <= _PLAIN_KEYS or raw.get("resultType") != "complete":
         return None
     is_error = raw.get("isError", False)
     content = raw.get("content")
@@ -388,8 +570,7 @@ def _plain_result(raw: dict[str, Any]) -> CallToolResult | None:
         fields["structured_content"] = raw["structuredContent"]
     if "isError" in raw:
         fields["is_error"] = is_error
-    if "resultType" in raw:
-        fields["result_type"] = "complete"
+    fields["result_type"] = "complete"
     return CallToolResult.model_construct(**fields)
 
 
@@ -634,14 +815,22 @@ class ThinClient:
         if extra:
             headers.update(extra)
         if wait_s is None:
-            return _answer(await self._post(method, body, headers))
+            return await self._post(method, body, headers)
         with anyio.move_on_after(wait_s):
-            return _answer(await self._post(method, body, headers))
+            return await self._post(method, body, headers)
         raise _mcp_error(REQUEST_TIMEOUT, f"Request {method!r} timed out")
 
-    async def _post(self, method: str, body: bytes, headers: dict[str, str]) -> Response:
+    async def _post(self, method: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
         return await post(
-            self._wire, self.url, method, body, headers, self._limits, self._budget, self._report
+            self._wire,
+            self.url,
+            method,
+            body,
+            headers,
+            self._limits,
+            self._budget,
+            self._report,
+            _read,
         )
 
 
@@ -654,11 +843,13 @@ async def post(
     limits: AnswerLimits | None,
     budget: retrying.Budget,
     report: retrying.Report | None,
-) -> Response:
-    """One POST, sent again only while its connection could not be opened.
+    read: Callable[[StreamResponse], Awaitable[_T]],
+) -> _T:
+    """What ``read`` makes of one POST's answer (handed over at its head); the POST
+    is sent again only while its connection could not be opened.
 
     Raises:
-        MCPError: ``ANSWER_TOO_LARGE``: the answer passed its cap.
+        MCPError: ``ANSWER_TOO_LARGE``: the answer passed its cap; or ``read``'s.
         WireError: the request failed on its way.
     """
     limits = limits or _NO_LIMITS
@@ -666,8 +857,11 @@ async def post(
     try:
         try:
             # The first attempt goes straight out: no retry machinery when nothing fails.
-            return await wire.request("POST", url, body=body, headers=headers, max_bytes=cap)
-        except ConnectFailed as exc:
+            async with wire.stream(
+                "POST", url, body=body, headers=headers, max_bytes=cap
+            ) as response:
+                return await read(response)
+        except ConnectFailed as exc:  # raised on entering only: nothing was sent
             failed: BaseException | None = exc
         async for attempt in retrying.attempts(
             "mcp_request", budget, classify=_never_sent, report=report
@@ -676,7 +870,10 @@ async def post(
                 if failed is not None:  # attempt 1: the one above, reported and counted
                     first, failed = failed, None
                     raise first
-                return await wire.request("POST", url, body=body, headers=headers, max_bytes=cap)
+                async with wire.stream(
+                    "POST", url, body=body, headers=headers, max_bytes=cap
+                ) as response:
+                    return await read(response)
     except BodyTooLarge:
         too_large = limits.error(method).error
         raise _mcp_error(too_large.code, too_large.message) from None
@@ -718,17 +915,20 @@ async def probe(
             "mcp-protocol-version": version,
             "mcp-method": "server/discover",
         }
-        response = await post(wire, url, "server/discover", body, headers, limits, budget, report)
-        if response.headers.get("mcp-session-id"):
-            return FALLBACK  # a stateful server: the SDK client keeps its session
-        bare = _bare_status(response)
+        heard = _Heard()
         try:
-            raw = _answer(response)
+            raw = await post(
+                wire, url, "server/discover", body, headers, limits, budget, report, heard.read
+            )
         except _NeedsSdk:
             return FALLBACK
+        except _Stateful:
+            return FALLBACK  # a stateful server: the SDK client keeps its session
+        except WireError:
+            raise  # no answer (refused, broken, a proxy's refusal): the caller decides
         except Exception as exc:
-            if bare:
-                raise  # the service is not up yet: try again
+            if heard.bare or getattr(exc, "code", None) == ANSWER_TOO_LARGE:
+                raise  # the service is not up yet (try again), or an answer past its cap
             if getattr(exc, "code", None) == UNSUPPORTED_PROTOCOL_VERSION and attempt == 0:
                 mutual = _mutual(getattr(exc, "data", None))
                 if mutual is not None:
@@ -756,14 +956,33 @@ async def probe(
     return FALLBACK
 
 
-def _bare_status(response: Response) -> bool:
-    """A 404 or 5xx that is no JSON-RPC answer: a router's or a starting service's."""
-    status = response.status
-    if status != 404 and status < 500:
-        return False
-    if response.headers.get("content-type", "").lower().startswith("application/json"):
-        return _error_of(_loads(response.body)) is None
-    return True
+class _Stateful(Exception):
+    """The probe's answer carries a session id: the SDK client keeps sessions."""
+
+
+class _Heard:
+    """The probe's reading of its answer: what :func:`_read` makes of it, and
+    whether it was a bare 404 or 5xx (no JSON-RPC answer: a router's, or a
+    service still starting)."""
+
+    __slots__ = ("bare",)
+
+    def __init__(self) -> None:
+        self.bare = False
+
+    async def read(self, response: StreamResponse) -> dict[str, Any]:
+        if response.headers.get("mcp-session-id"):
+            raise _Stateful
+        status = response.status
+        if status != 404 and status < 500:
+            return await _read(response)
+        body = await response.aread()
+        content_type = response.headers.get("content-type", "").lower()
+        if content_type.startswith("application/json"):
+            self.bare = _error_in(body) is None
+        else:
+            self.bare = True
+        return _answer(Response(status, response.headers, body))
 
 
 def _mutual(data: Any) -> str | None:

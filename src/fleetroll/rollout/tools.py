@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import anyio
 import httpx2
 from mcp_types import (
+    INVALID_REQUEST,
     REQUEST_TIMEOUT,
     CallToolResult,
     ErrorData,
@@ -51,6 +52,7 @@ from fleetroll.rollout.mcp_common import (
     AnswerLimits,
     shared_spec,
     shared_validator,
+    unfollowed,
 )
 from fleetroll.rollout.mcp_thin import ThinClient, probe
 
@@ -103,6 +105,22 @@ def _mcp_error(leaf: BaseException) -> ErrorData | None:
     return leaf.error if isinstance(leaf, MCPError) else None
 
 
+#: How both clients say they left a redirect unfollowed (an ``INVALID_REQUEST``:
+#: the SDK transport's ``_unfollowed_redirect``, and the thin client's copy of it).
+_UNFOLLOWED = re.compile(r"Redirect to (\S+) not followed")
+
+
+def _redirected_to(exc: BaseException) -> str | None:
+    """Where a redirect the client did not follow pointed; None for any other error."""
+    for leaf in _leaves(exc):
+        error = _mcp_error(leaf)
+        if error is not None and error.code == INVALID_REQUEST:
+            found = _UNFOLLOWED.match(error.message)
+            if found is not None:
+                return found.group(1)
+    return None
+
+
 def _connect_transient(exc: BaseException) -> bool:
     """Worth another connect attempt: the service may still be starting."""
     for leaf in _leaves(exc):
@@ -114,6 +132,8 @@ def _connect_transient(exc: BaseException) -> bool:
             return False  # the proxy said no (403, 407): trying again changes nothing
         if isinstance(leaf, WireError) and not isinstance(leaf, BodyTooLarge):
             continue
+        if _redirected_to(leaf) is not None:
+            return False  # the same request is redirected the same way again
         # The transport reports 5xx (and 404 from a router that has not seen
         # the instance yet) as MCP errors; whether the instance is really gone
         # is decided from the control plane, not from here.
@@ -589,6 +609,10 @@ def _connect_failed(
                 transient=True,
             )
         return _connect_timeout(url, timeout_s, tries, exc)
+    location = _redirected_to(exc)
+    if location is not None:
+        why = unfollowed(url, location) or f"it redirects to {location}, which was not followed"
+        return ToolsError(f"cannot open an MCP session at {url}: {why}", operation="connect")
     return ToolsError(f"cannot open an MCP session at {url}: {describe(exc)}", operation="connect")
 
 

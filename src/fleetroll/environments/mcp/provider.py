@@ -73,6 +73,7 @@ from fleetroll.environments.mcp.process import (
 from fleetroll.environments.provider import Instance, Verdict
 from fleetroll.errors import ConfigError, OperationTimeout, ProvisionError, ToolsError
 from fleetroll.results import VerifierOutcome
+from fleetroll.rollout.mcp_common import unfollowed
 from fleetroll.rollout.routing import Route, route
 from fleetroll.rollout.tools import (
     AnswerLimits,
@@ -150,7 +151,8 @@ class McpProvider:
 
         What only exists once the working directory is made (a relative path,
         ``{workdir}``) is not checked. A URL answers when any HTTP status comes
-        back within ``timeouts.preflight_s``.
+        back within ``timeouts.preflight_s`` (only the status and headers are
+        read), unless it redirects where no MCP client follows (another origin).
         """
         problems: list[str] = []
         urls: dict[str, int] = {}
@@ -182,15 +184,26 @@ class McpProvider:
         return problems
 
     async def _url_answers(self, url: str, count: int) -> list[str]:
+        """One problem line when ``url`` gives no HTTP answer, or redirects where no
+        MCP client follows (another host: every session would fail the same way)."""
         timeout = self._settings.timeouts.preflight_s
         try:
             with fail_after(timeout):
-                async with httpx.AsyncClient(timeout=timeout) as http:
-                    await http.get(url)
+                async with (
+                    httpx.AsyncClient(timeout=timeout) as http,
+                    http.stream("GET", url) as response,
+                ):
+                    # The status and headers are the answer; the body is never read
+                    # (a stateless MCP server answers a GET with an SSE stream that
+                    # does not end). Leaving closes the connection.
+                    location = response.headers.get("location") if response.is_redirect else None
         except TimeoutError:
             return [f"MCP server {url} ({count} task(s)) did not answer within {timeout:g} s"]
         except httpx.HTTPError as exc:
             return [f"MCP server {url} ({count} task(s)) does not answer: {type(exc).__name__}"]
+        why = None if location is None else unfollowed(url, location)
+        if why is not None:
+            return [f"MCP server {url} ({count} task(s)): {why}"]
         return []
 
     # -- provisioning ---------------------------------------------------------

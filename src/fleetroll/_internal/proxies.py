@@ -77,6 +77,11 @@ class Proxies:
         rules.sort(key=lambda rule: rule[0].priority)
         return cls(tuple(rules))
 
+    @classmethod
+    def through(cls, proxy: str) -> Proxies:
+        """Every URL through ``proxy`` (a client's ``proxy=``)."""
+        return cls(((URLPattern("all://"), proxy),))
+
     def for_url(self, url: _Url | str) -> str | None:
         """The proxy URL for a request to ``url`` (with its credentials, if any), or ``None``."""
         if not self.rules:

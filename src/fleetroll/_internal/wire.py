@@ -66,9 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import ipaddress
 import json
-import re
 import select
 import ssl
 import time
@@ -78,11 +76,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
-from urllib.request import getproxies
 
 import httptools
 
 from fleetroll._internal.deadlines import fail_after
+from fleetroll._internal.proxies import Proxies
 
 __all__ = [
     "BadResponse",
@@ -615,87 +613,6 @@ def _parse_proxy(url: str) -> _Proxy:
     return _Proxy(parts.hostname, port, scheme == "https", shown, authorization)
 
 
-class _Pattern:
-    """httpx's ``URLPattern``: which URLs a proxy mount (or a ``NO_PROXY`` entry) covers."""
-
-    __slots__ = ("host", "port", "regex", "scheme")
-
-    def __init__(self, pattern: str) -> None:
-        parts = urlsplit(pattern)
-        scheme = parts.scheme.lower()
-        self.scheme = "" if scheme == "all" else scheme
-        host = parts.hostname or ""
-        self.host = "" if host == "*" else host
-        port = parts.port
-        self.port = None if port is not None and _DEFAULT_PORTS.get(scheme) == port else port
-        self.regex: re.Pattern[str] | None
-        if not self.host:
-            self.regex = None
-        elif host.startswith("*."):
-            self.regex = re.compile(f"^.+\\.{re.escape(host[2:])}$")
-        elif host.startswith("*"):
-            self.regex = re.compile(f"^(.+\\.)?{re.escape(host[1:])}$")
-        else:
-            self.regex = re.compile(f"^{re.escape(host)}$")
-
-    def matches(self, scheme: str, host: str, port: int | None) -> bool:
-        if self.scheme and self.scheme != scheme:
-            return False
-        if self.host and self.regex is not None and not self.regex.match(host):
-            return False
-        return self.port is None or self.port == port
-
-    @property
-    def priority(self) -> tuple[int, int, int]:
-        return (0 if self.port is not None else 1, -len(self.host), -len(self.scheme))
-
-
-def _is_ip(host: str, version: type[ipaddress.IPv4Address | ipaddress.IPv6Address]) -> bool:
-    try:
-        version(host.split("/")[0])  # a range counts by its first address, as in httpx
-    except ValueError:
-        return False
-    return True
-
-
-def _environment_mounts() -> dict[str, str | None]:
-    """httpx's ``get_environment_proxies``: pattern → proxy URL (None: go direct)."""
-    info = getproxies()
-    mounts: dict[str, str | None] = {}
-    for scheme in ("http", "https", "all"):
-        if info.get(scheme):
-            value = info[scheme]
-            mounts[f"{scheme}://"] = value if "://" in value else f"http://{value}"
-    for entry in (host.strip() for host in info.get("no", "").split(",")):
-        if entry == "*":
-            return {}
-        if not entry:
-            continue
-        if "://" in entry:
-            mounts[entry] = None
-        elif _is_ip(entry, ipaddress.IPv4Address):
-            mounts[f"all://{entry}"] = None
-        elif _is_ip(entry, ipaddress.IPv6Address):
-            mounts[f"all://[{entry}]"] = None
-        elif entry.lower() == "localhost":
-            mounts[f"all://{entry}"] = None
-        else:
-            mounts[f"all://*{entry}"] = None
-    return mounts
-
-
-def _mounts(proxy: str | None, trust_env: bool) -> list[tuple[_Pattern, _Proxy | None]]:
-    if proxy is not None:
-        return [(_Pattern("all://"), _parse_proxy(proxy))]
-    if not trust_env:
-        return []
-    found = [
-        (_Pattern(key), None if url is None else _parse_proxy(url))
-        for key, url in _environment_mounts().items()
-    ]
-    return sorted(found, key=lambda mount: mount[0].priority)  # stable, as httpx's sort
-
-
 @dataclass(frozen=True, slots=True)
 class _Route:
     """Where a connection goes, and the key of its idle list."""
@@ -749,7 +666,12 @@ class Wire:
         self._connect_timeout_s = connect_timeout_s
         self._verify = verify
         self._max_idle = max_idle
-        self._mounts = _mounts(proxy, trust_env)
+        if proxy is not None:
+            _parse_proxy(proxy)  # refused here, not at the first request
+            self._proxies = Proxies.through(proxy)
+        else:
+            self._proxies = Proxies.from_environment() if trust_env else Proxies()
+        self._parsed: dict[str, _Proxy] = {}
         self._idle: dict[_Route, deque[_Connection]] = {}
         #: Split URLs (a rollout sends many requests to the same few).
         self._targets: dict[str, _Target] = {}
@@ -770,10 +692,16 @@ class Wire:
         self._idle.clear()
 
     def _proxy_for(self, scheme: str, host: str, port: int | None) -> _Proxy | None:
-        for pattern, proxy in self._mounts:
-            if pattern.matches(scheme, host, port):
-                return proxy
-        return None
+        if not self._proxies.rules:
+            return None
+        origin = f"{scheme}://{_bracketed(host)}" + ("" if port is None else f":{port}")
+        url = self._proxies.for_url(origin)
+        if url is None:
+            return None
+        found = self._parsed.get(url)
+        if found is None:
+            found = self._parsed[url] = _parse_proxy(url)
+        return found
 
     def _split(self, url: str) -> _Target:
         """How a URL is reached and the start of its request head."""

@@ -26,7 +26,14 @@ from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink
-from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion
+from fleetroll.testing.fake_openai import (
+    FakeChatServer,
+    FakeError,
+    Script,
+    VllmShape,
+    completion,
+    tool_call,
+)
 from fleetroll.testing.fake_provider import FakeProvider
 
 #: Real processes and servers on loopback: outside `-m "not slow"`.
@@ -73,12 +80,14 @@ async def agent_rollout(
     command: list[str],
     answer_bytes: int = 1024 * 1024,
     gate: PolicyGate | None = None,
+    script: Script | None = None,
+    token_ids: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[tuple[RolloutEngine, CommandAgent, FakeChatServer]]:
     settings = load_settings(**overrides)
     events = Events([MemorySink()])
     async with (
-        FakeChatServer([completion("hello")] * 4, vllm=VllmShape()) as server,
+        FakeChatServer(script or [completion("hello")] * 4, vllm=VllmShape()) as server,
         RolloutEngine.open(settings, events, FakeProvider(settings), policy_gate=gate) as eng,
         CommandAgent(
             command,
@@ -87,6 +96,7 @@ async def agent_rollout(
                 model="served",
                 api_key="real-key",
                 logprobs=True,
+                return_token_ids=token_ids,
                 temperature=0.3,
                 extra_body={"top_k": 5},
             ),
@@ -277,3 +287,218 @@ async def test_an_agent_pickles_as_its_recipe_and_a_host_makes_it_once_while_in_
         async with host.agent(recipe) as again:
             assert again is not first  # the last user closed it; made anew
         await host.aclose()
+
+
+# -- an agent's rollout as honest as the built-in loop's (issue 37) ------------------------
+
+#: What the agents below share: one HTTP call to the gateway (stdlib only), the
+#: connection closed whatever happens, and the answer file written as JSON.
+CALLS = """
+import http.client, json, os, sys, threading, urllib.parse
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+root = urllib.parse.urlsplit(base)
+
+def call(path, body=None, method="POST", auth=None, timeout=30, raw=False):
+    conn = http.client.HTTPConnection(root.hostname, root.port, timeout=timeout)
+    try:
+        headers = {"Authorization": auth or "Bearer " + key, "Content-Type": "application/json"}
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path if raw else root.path + path, data, headers)
+        answer = conn.getresponse()
+        return [answer.status, answer.read().decode("utf-8", "replace")]
+    finally:
+        conn.close()
+
+def done(value):
+    with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
+        json.dump(value, f)
+
+def ask(content, timeout=30, **more):
+    body = {"messages": [{"role": "user", "content": content}], **more}
+    return call("/chat/completions", body, timeout=timeout)
+"""
+
+
+def events_of(text: str) -> list[dict[str, Any]]:
+    """The JSON chunks of a Server-Sent Events body (``[DONE]`` left out)."""
+    return [
+        json.loads(line[len("data: ") :])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+async def test_the_gateway_answers_a_bad_key_and_an_unknown_route_in_openai_s_error_shape() -> None:
+    script = CALLS + (
+        "done({\n"
+        "    'accented_key': call('/models', method='GET', auth='Bearer cl\\u00e9'),\n"
+        "    'unknown_route': call('/embeddings', {'input': 'x'}),\n"
+        "    'wrong_method': call('/chat/completions', method='GET'),\n"
+        "    'outside': call('/nothing', method='GET', raw=True),\n"
+        "})\n"
+    )
+    async with agent_rollout([sys.executable, "-c", script]) as (eng, agent, _):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    seen = json.loads(result.final_answer)
+    statuses = {name: status for name, (status, _) in seen.items()}
+    assert statuses == {
+        "accented_key": 401,
+        "unknown_route": 404,
+        "wrong_method": 405,
+        "outside": 404,
+    }
+    for _, text in seen.values():
+        error = json.loads(text)["error"]
+        assert error["message"] and error["type"] and isinstance(error["code"], int)
+
+
+async def test_a_streamed_answer_keeps_every_field_the_server_sent(tmp_path: Path) -> None:
+    reply = completion("the answer")
+    reply["choices"][0]["message"]["reasoning_content"] = "first I think"
+    reply["choices"][0]["stop_reason"] = None
+    reply["system_fingerprint"] = "fp-1"
+    # Kept apart from the answer file: a result redacts its final answer's "token" fields.
+    kept = tmp_path / "seen.json"
+    script = CALLS + (
+        "seen = {'streamed': ask('hi', stream=True, stream_options={'include_usage': True}),"
+        " 'whole': ask('hi')}\n"
+        f"json.dump(seen, open({str(kept)!r}, 'w'))\n"
+    )
+    command = [sys.executable, "-c", script]
+    async with agent_rollout(command, script=[reply, reply], token_ids=True) as (eng, agent, srv):
+        result = await run(eng, agent)
+
+    assert result.failure_reason is None, result.error
+    seen = json.loads(kept.read_text())
+    sent = srv.replies[0]
+    assert sent["prompt_token_ids"] and sent["choices"][0]["token_ids"]  # the test's premise
+    assert json.loads(seen["whole"][1]) == srv.replies[1]
+    first, *rest = events_of(seen["streamed"][1])
+    # The answer's own fields, on the first chunk.
+    for name in ("id", "created", "model", "prompt_token_ids", "system_fingerprint"):
+        assert first[name] == sent[name], name
+    [choice] = first["choices"]
+    # The choice's fields on its chunk, its message whole as the delta.
+    assert choice["delta"] == sent["choices"][0]["message"]
+    for name in ("index", "finish_reason", "logprobs", "token_ids", "stop_reason"):
+        assert choice[name] == sent["choices"][0][name], name
+    assert [chunk["usage"] for chunk in rest] == [sent["usage"]]
+    assert [t.completion_token_ids for t in result.turns] == [
+        r["choices"][0]["token_ids"] for r in srv.replies
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_call_the_agent_gave_up_on_is_not_recorded(stream: bool) -> None:
+    second = anyio.Event()
+
+    async def script(body: dict[str, Any]) -> dict[str, Any]:
+        if body["messages"][0]["content"] == "first":
+            await second.wait()  # answered only once the agent gave up and asked again
+            return completion("too late")
+        second.set()
+        return completion("in time")
+
+    agent_script = CALLS + (
+        "try:\n"
+        f"    gave_up = ask('first', stream={stream}, timeout=1)\n"
+        "except OSError as exc:\n"
+        "    gave_up = repr(exc)\n"
+        f"done({{'gave_up': gave_up, 'answer': ask('second', stream={stream})}})\n"
+    )
+    async with agent_rollout([sys.executable, "-c", agent_script], script=script) as (
+        eng,
+        agent,
+        server,
+    ):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    seen = json.loads(result.final_answer)
+    assert "timed out" in seen["gave_up"] and seen["answer"][0] == 200
+    # One answer received, one turn: the call it gave up on is not its turn.
+    assert [m["content"] for m in result.transcript if m["role"] == "assistant"] == ["in time"]
+    assert len(result.turns) == 1 and result.cost.policy_calls == 1
+    assert [m["content"] for m in server.requests[1]["messages"]] == ["second"]
+
+
+async def test_a_call_asking_for_several_choices_records_each_as_a_turn() -> None:
+    reply = completion("one")
+    reply["choices"].append(
+        {"index": 1, "message": {"role": "assistant", "content": "two"}, "finish_reason": "stop"}
+    )
+    script = CALLS + "done({'answer': ask('hi', n=2)})\n"
+    command = [sys.executable, "-c", script]
+    async with agent_rollout(command, script=[reply], token_ids=True) as (eng, agent, server):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    [sent] = server.replies
+    assert server.requests[0]["n"] == 2
+    assert [t.choice for t in result.turns] == [0, 1]
+    assert [t.index for t in result.turns] == [0, 1]
+    assert [t.completion_token_ids for t in result.turns] == [
+        c["token_ids"] for c in sent["choices"]
+    ]
+    assert [t.prompt_token_ids for t in result.turns] == [sent["prompt_token_ids"]] * 2
+    # One call: counted once, its usage on its first choice.
+    assert result.cost.policy_calls == 1
+    assert [t.usage for t in result.turns] == [sent["usage"], None]
+
+
+async def test_concurrent_calls_of_one_agent_cannot_pass_max_steps() -> None:
+    everyone_asked = anyio.Event()
+    asked = 0
+
+    async def script(body: dict[str, Any]) -> dict[str, Any]:
+        nonlocal asked
+        asked += 1
+        if asked == 8:
+            everyone_asked.set()
+        await everyone_asked.wait()  # held until all 8 calls are in (or the test ends)
+        return completion(tool_calls=[tool_call("note", {"word": "x"}, id="c1")])
+
+    agent_script = CALLS + (
+        "statuses = []\n"
+        "go = threading.Barrier(8)\n"
+        "def one():\n"
+        "    go.wait()\n"
+        "    statuses.append(ask('go')[0])\n"
+        "threads = [threading.Thread(target=one) for _ in range(8)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "done(statuses)\n"
+    )
+    overrides = {"pool": {"max_steps": 3}}
+    command = [sys.executable, "-c", agent_script]
+    async with agent_rollout(command, script=script, **overrides) as (eng, agent, server):
+        try:
+            result = await run(eng, agent)
+        finally:
+            everyone_asked.set()
+
+    assert result.failure_reason is FailureReason.MAX_STEPS, (result.status, result.error)
+    # Each call forwarded held a step: at most three reached the server.
+    assert len(server.requests) <= 3
+    assert result.steps <= 3 and len(result.turns) <= 3
+
+
+@pytest.mark.parametrize("then", ["exits_0", "exits_1"])
+async def test_a_policy_failure_behind_the_gateway_fails_the_rollout_whatever_the_agent_does(
+    then: str,
+) -> None:
+    agent_script = CALLS + (
+        "status, text = ask('hi')\n"
+        "done({'status': status})\n"  # an agent that answers anyway, then exits
+        f"sys.exit({then[-1]})\n"
+    )
+    script = [FakeError(400, "the server refused the request")]
+    command = [sys.executable, "-c", agent_script]
+    async with agent_rollout(command, script=script) as (eng, agent, _):
+        result = await run(eng, agent)
+
+    assert (result.failure_reason, result.reward) == (FailureReason.POLICY_ERROR, None)
+    assert "the server refused the request" in (result.error or "")
+    assert result.turns == []

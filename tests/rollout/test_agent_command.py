@@ -422,6 +422,8 @@ async def test_a_call_the_agent_gave_up_on_is_not_recorded(stream: bool) -> None
     assert [m["content"] for m in result.transcript if m["role"] == "assistant"] == ["in time"]
     assert len(result.turns) == 1 and result.cost.policy_calls == 1
     assert [m["content"] for m in server.requests[1]["messages"]] == ["second"]
+    # The gateway did not wait for the server's answer to the call it gave up on.
+    assert server.abandoned == [0]
 
 
 async def test_a_call_asking_for_several_choices_records_each_as_a_turn() -> None:

@@ -355,6 +355,7 @@ class FakeChatServer:
         requests: the JSON body of every request received, in order.
         headers: the headers of every request received (lower-case names).
         script_errors: exceptions the script raised (each answered with 500).
+        abandoned: the requests whose client left before their reply was ready.
 
     Raises:
         RuntimeError: the server could not start.
@@ -376,6 +377,9 @@ class FakeChatServer:
         self.tokenize_requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.script_errors: list[Exception] = []
+        #: The numbers (from 0) of the requests whose client had left by the time
+        #: their reply was ready (it gave up, or was cancelled).
+        self.abandoned: list[int] = []
         self.base_url = ""
         self._host = host
         self._release_hung: anyio.Event | None = None
@@ -392,6 +396,7 @@ class FakeChatServer:
         self.tokenize_requests.clear()
         self.headers.clear()
         self.script_errors.clear()
+        self.abandoned.clear()
         if self._release_hung is not None:
             self._release_hung.set()
             self._release_hung = anyio.Event()
@@ -478,6 +483,8 @@ class FakeChatServer:
             self.script_errors.append(exc)
             logging.getLogger(__name__).exception("the fake OpenAI server's script failed")
             return _error(500, f"fake OpenAI server: the script raised {exc!r}")
+        if await request.is_disconnected():
+            self.abandoned.append(number)  # answered all the same, to nobody
         if self.vllm is not None and isinstance(reply, Mapping):
             tokens = body.get("tokens") if request.url.path.endswith("/tokens") else None
             reply = _vllm_answer(self.vllm, body, reply, tokens)

@@ -276,7 +276,8 @@ def _encoded(
     """The status, headers and body parts of ``answer`` as the agent asked for it."""
     if not asked.get("stream"):
         body = json.dumps(answer, ensure_ascii=False).encode()
-        return 200, [(b"content-type", b"application/json")], [body]
+        length = str(len(body)).encode()
+        return 200, [(b"content-type", b"application/json"), (b"content-length", length)], [body]
     opts = asked.get("stream_options")
     usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
     headers = [

@@ -63,6 +63,9 @@ _DROPPED = frozenset(
         b"authorization",
     }
 )
+#: Closing a relayed answer's stream: bounded, shielded. Not a setting: closing
+#: a response does no I/O worth waiting for longer.
+_CLOSE_S = 5.0
 #: A JSON-RPC error code for a request the relay answered itself (JSON-RPC's
 #: "server error" range).
 _RELAY_ERROR = -32000
@@ -307,7 +310,7 @@ class AgentLink:
                     exchange.message(collected)
                 await send({"type": "http.response.body", "body": b""})
             finally:
-                with anyio.CancelScope(shield=True):
+                with anyio.move_on_after(_CLOSE_S, shield=True):
                     await upstream.aclose()
 
         key = id(exchange)
@@ -355,10 +358,11 @@ class AgentLink:
             error = f"the MCP endpoint could not be reached: {describe(exc)}"
         rollout = self.rollout
         instance = rollout.instance
+        settings = rollout.engine.settings
         for name in exchange.tools.values():
-            settings = rollout.engine.settings
             assert instance is not None, "acting, so provisioned"
-            with anyio.CancelScope(shield=True):
+            # Recorded even if the agent leaves meanwhile; is_alive is one request.
+            with anyio.move_on_after(settings.timeouts.release_s, shield=True):
                 await tool_call_failed(
                     name,
                     ToolCallFailed(error, operation="call_tool"),

@@ -16,15 +16,21 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import AgentHost, AgentRecipe, CommandAgent
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
+from fleetroll.service import serve_app
 from fleetroll.settings import load_settings
-from fleetroll.tasks import TaskSpec
+from fleetroll.tasks import TaskSpec, parse_task
 from fleetroll.telemetry import Events, MemorySink
 from fleetroll.testing.fake_openai import (
     FakeChatServer,
@@ -504,3 +510,92 @@ async def test_a_policy_failure_behind_the_gateway_fails_the_rollout_whatever_th
     assert (result.failure_reason, result.reward) == (FailureReason.POLICY_ERROR, None)
     assert "the server refused the request" in (result.error or "")
     assert result.turns == []
+
+
+def sse_mcp_server(stop: anyio.Event) -> Starlette:
+    """An MCP server (streamable HTTP) that answers the ``note`` tool as Server-Sent
+    Events and keeps that stream open after the answer, as the spec allows; every
+    other request (fleetroll's own session, the ``finish`` verifier) it answers as JSON."""
+
+    def result(message: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+        return {"jsonrpc": "2.0", "id": message["id"], "result": value}
+
+    async def mcp(request: Request) -> Response:
+        message = json.loads(await request.body())
+        method = message.get("method")
+        if "id" not in message:
+            return Response(status_code=202)  # a notification
+        if method == "initialize":
+            return JSONResponse(
+                result(
+                    message,
+                    {
+                        "protocolVersion": message["params"]["protocolVersion"],
+                        "capabilities": {"tools": {}},
+                        "serverInfo": {"name": "kept-open", "version": "1"},
+                    },
+                )
+            )
+        if method == "tools/list":
+            schema = {"type": "object", "properties": {"word": {"type": "string"}}}
+            tools = [{"name": n, "inputSchema": schema} for n in ("note", "finish")]
+            return JSONResponse(result(message, {"tools": tools}))
+        if method != "tools/call":
+            return JSONResponse(result(message, {}))  # ping and the like
+        if message["params"]["name"] == "finish":
+            return JSONResponse(result(message, {"content": [{"type": "text", "text": "1.0"}]}))
+        answer = {"content": [{"type": "text", "text": "noted, badly"}], "isError": True}
+
+        async def events() -> AsyncIterator[str]:
+            yield f"event: message\ndata: {json.dumps(result(message, answer))}\n\n"
+            await stop.wait()  # open after the answer, until the test ends
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/mcp", mcp, methods=["POST"])])
+
+
+async def test_an_agent_s_tool_call_answered_on_a_stream_kept_open_returns_at_its_answer(
+    tmp_path: Path,
+) -> None:
+    script = (
+        "import http.client, json, os, urllib.parse\n"
+        "mcp = urllib.parse.urlsplit(os.environ['FLEETROLL_MCP_URL'])\n"
+        "conn = http.client.HTTPConnection(mcp.hostname, mcp.port, timeout=60)\n"
+        "call = {'jsonrpc': '2.0', 'id': 7, 'method': 'tools/call',\n"
+        "        'params': {'name': 'note', 'arguments': {'word': 'done'}}}\n"
+        "conn.request('POST', mcp.path, json.dumps(call),\n"
+        "             {'Content-Type': 'application/json',\n"
+        "              'Accept': 'application/json, text/event-stream'})\n"
+        "text = conn.getresponse().read().decode()\n"  # to the end of the stream
+        "open(os.environ['FLEETROLL_ANSWER_FILE'], 'w').write(text)\n"
+    )
+    stop = anyio.Event()
+    settings = load_settings(
+        timeouts={"call_tool_s": 3.0, "rollout_s": 30.0},
+        mcp={"workdir_root": str(tmp_path / "workdirs")},
+    )
+    policy = OpenAIChatPolicy(base_url="http://127.0.0.1:9/v1", model="unused")
+    try:
+        async with serve_app(sse_mcp_server(stop), "127.0.0.1", 0) as url:
+            record = {
+                "key": "kept-open",
+                "prompt": "Note it.",
+                "environment": {"url": f"{url}/mcp"},
+                "verifier": {"tool": {"name": "finish"}},
+            }
+            task = parse_task(record, source="test", modalities={"tool_use"})
+            with anyio.fail_after(60):
+                async with (
+                    RolloutPool(settings, api_key="unused", base_url="http://127.0.0.1:9") as pool,
+                    CommandAgent([sys.executable, "-c", script], policy, owns_policy=True) as agent,
+                ):
+                    [result] = await pool.run_batch([task], agent).results()
+    finally:
+        stop.set()
+
+    # The relay ended the agent's stream at the answer: no wait for call_tool_s, no failure.
+    assert (result.status, result.reward, result.tool_failures) == ("completed", 1.0, 0)
+    assert result.final_answer is not None and "noted, badly" in result.final_answer
+    # It counted the call, and the error the tool answered.
+    assert (result.cost.tool_calls, result.tool_errors) == (1, 1)

@@ -130,9 +130,12 @@ class Gateway:
 
     async def __aenter__(self) -> Gateway:
         # The relays' requests: no timeout of its own (each relayed request has its
-        # deadline), connections kept while idle as our other clients keep them.
+        # deadline) and no cap on connections: every acting agent may hold one open
+        # (its server's event stream), and a request queued behind them would be
+        # charged to its own deadline (a tool call's call_tool_s).
+        unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         self._http = await self._stack.enter_async_context(
-            httpx.AsyncClient(timeout=None, follow_redirects=False)
+            httpx.AsyncClient(timeout=None, limits=unbounded, follow_redirects=False)
         )
         self.url = await self._stack.enter_async_context(serve_asgi(self._app, lifespan="off"))
         return self

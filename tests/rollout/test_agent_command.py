@@ -341,6 +341,7 @@ async def test_the_gateway_answers_a_bad_key_and_an_unknown_route_in_openai_s_er
         "    'unknown_route': call('/embeddings', {'input': 'x'}),\n"
         "    'wrong_method': call('/chat/completions', method='GET'),\n"
         "    'outside': call('/nothing', method='GET', raw=True),\n"
+        "    'root': [0, base],\n"
         "})\n"
     )
     async with agent_rollout([sys.executable, "-c", script]) as (eng, agent, _):
@@ -348,6 +349,9 @@ async def test_the_gateway_answers_a_bad_key_and_an_unknown_route_in_openai_s_er
 
     assert result.final_answer is not None, result.error
     seen = json.loads(result.final_answer)
+    _, base = seen.pop("root")
+    token = base.split("/r/")[1].split("/")[0]
+    assert len(token) > 16
     statuses = {name: status for name, (status, _) in seen.items()}
     assert statuses == {
         "accented_key": 401,
@@ -355,9 +359,10 @@ async def test_the_gateway_answers_a_bad_key_and_an_unknown_route_in_openai_s_er
         "wrong_method": 405,
         "outside": 404,
     }
-    for _, text in seen.values():
+    for status, text in seen.values():
         error = json.loads(text)["error"]
-        assert error["message"] and error["type"] and isinstance(error["code"], int)
+        assert error["message"] and error["type"] and error["code"] == status
+        assert token not in text  # the rollout's token (in the URL) is not echoed
 
 
 async def test_a_streamed_answer_keeps_every_field_the_server_sent(tmp_path: Path) -> None:

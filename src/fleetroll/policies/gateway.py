@@ -294,10 +294,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (an unknown route, a method not allowed) in OpenAI's shape."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    refusal = GatewayRefusal(
-        exc.status_code, f"{request.method} {request.url.path}: {exc.detail}", kind=kind
+    # Not the path: it holds the rollout's token.
+    said = (
+        f"{exc.detail}: this gateway serves POST {{OPENAI_BASE_URL}}/chat/completions"
+        " and GET {OPENAI_BASE_URL}/models"
     )
-    return _error(refusal, headers=exc.headers)
+    return _error(GatewayRefusal(exc.status_code, said, kind=kind), headers=exc.headers)
 
 
 def _error(exc: GatewayRefusal, headers: Mapping[str, str] | None = None) -> JSONResponse:

@@ -4,7 +4,7 @@ fleetroll starts it once per rollout with (README, "Bring your own agent"):
 
 - ``OPENAI_BASE_URL``/``OPENAI_API_KEY``: the rollout's gateway (the
   ``openai`` client reads both by itself);
-- ``FLEETROLL_MCP_URL``: the instance's MCP endpoint;
+- ``FLEETROLL_MCP_URL``: the instance's MCP endpoint (through fleetroll's relay);
 - ``FLEETROLL_TASK_FILE``: the task (key, prompt, modality, metadata);
 - ``FLEETROLL_ANSWER_FILE``: where to write the final answer.
 

@@ -149,6 +149,10 @@ class Turn(BaseModel):
     #: The policy server that answered this call (its API root, without
     #: credentials), with many servers (``policy.base_urls``); null with one.
     server: str | None = None
+    #: Which of its call's choices this turn is: 0, unless the call asked for
+    #: ``n`` > 1 choices (an agent of its own may): then each choice is a turn,
+    #: in order, the same call's siblings sharing its prompt.
+    choice: int = 0
 
 
 class TrajectorySegment(BaseModel):

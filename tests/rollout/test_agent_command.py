@@ -16,17 +16,30 @@ from typing import Any
 import anyio
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
 
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import AgentHost, AgentRecipe, CommandAgent
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
+from fleetroll.service import serve_app
 from fleetroll.settings import load_settings
-from fleetroll.tasks import TaskSpec
+from fleetroll.tasks import TaskSpec, parse_task
 from fleetroll.telemetry import Events, MemorySink
-from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion
+from fleetroll.testing.fake_openai import (
+    FakeChatServer,
+    FakeError,
+    Script,
+    VllmShape,
+    completion,
+    tool_call,
+)
 from fleetroll.testing.fake_provider import FakeProvider
 
 #: Real processes and servers on loopback: outside `-m "not slow"`.
@@ -73,12 +86,14 @@ async def agent_rollout(
     command: list[str],
     answer_bytes: int = 1024 * 1024,
     gate: PolicyGate | None = None,
+    script: Script | None = None,
+    token_ids: bool = False,
     **overrides: Any,
 ) -> AsyncIterator[tuple[RolloutEngine, CommandAgent, FakeChatServer]]:
     settings = load_settings(**overrides)
     events = Events([MemorySink()])
     async with (
-        FakeChatServer([completion("hello")] * 4, vllm=VllmShape()) as server,
+        FakeChatServer(script or [completion("hello")] * 4, vllm=VllmShape()) as server,
         RolloutEngine.open(settings, events, FakeProvider(settings), policy_gate=gate) as eng,
         CommandAgent(
             command,
@@ -87,6 +102,7 @@ async def agent_rollout(
                 model="served",
                 api_key="real-key",
                 logprobs=True,
+                return_token_ids=token_ids,
                 temperature=0.3,
                 extra_body={"top_k": 5},
             ),
@@ -277,3 +293,314 @@ async def test_an_agent_pickles_as_its_recipe_and_a_host_makes_it_once_while_in_
         async with host.agent(recipe) as again:
             assert again is not first  # the last user closed it; made anew
         await host.aclose()
+
+
+# -- an agent's rollout as honest as the built-in loop's (issue 37) ------------------------
+
+#: What the agents below share: one HTTP call to the gateway (stdlib only), the
+#: connection closed whatever happens, and the answer file written as JSON.
+CALLS = """
+import http.client, json, os, sys, threading, urllib.parse
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+root = urllib.parse.urlsplit(base)
+
+def call(path, body=None, method="POST", auth=None, timeout=30, raw=False):
+    conn = http.client.HTTPConnection(root.hostname, root.port, timeout=timeout)
+    try:
+        headers = {"Authorization": auth or "Bearer " + key, "Content-Type": "application/json"}
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, path if raw else root.path + path, data, headers)
+        answer = conn.getresponse()
+        return [answer.status, answer.read().decode("utf-8", "replace")]
+    finally:
+        conn.close()
+
+def done(value):
+    with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
+        json.dump(value, f)
+
+def ask(content, timeout=30, **more):
+    body = {"messages": [{"role": "user", "content": content}], **more}
+    return call("/chat/completions", body, timeout=timeout)
+"""
+
+
+def events_of(text: str) -> list[dict[str, Any]]:
+    """The JSON chunks of a Server-Sent Events body (``[DONE]`` left out)."""
+    return [
+        json.loads(line[len("data: ") :])
+        for line in text.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
+
+
+async def test_the_gateway_answers_a_bad_key_and_an_unknown_route_in_openai_s_error_shape() -> None:
+    script = CALLS + (
+        "done({\n"
+        "    'accented_key': call('/models', method='GET', auth='Bearer cl\\u00e9'),\n"
+        "    'unknown_route': call('/embeddings', {'input': 'x'}),\n"
+        "    'wrong_method': call('/chat/completions', method='GET'),\n"
+        "    'outside': call('/nothing', method='GET', raw=True),\n"
+        "    'root': [0, base],\n"
+        "})\n"
+    )
+    async with agent_rollout([sys.executable, "-c", script]) as (eng, agent, _):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    seen = json.loads(result.final_answer)
+    _, base = seen.pop("root")
+    token = base.split("/r/")[1].split("/")[0]
+    assert len(token) > 16
+    statuses = {name: status for name, (status, _) in seen.items()}
+    assert statuses == {
+        "accented_key": 401,
+        "unknown_route": 404,
+        "wrong_method": 405,
+        "outside": 404,
+    }
+    for status, text in seen.values():
+        error = json.loads(text)["error"]
+        assert error["message"] and error["type"] and error["code"] == status
+        assert token not in text  # the rollout's token (in the URL) is not echoed
+
+
+async def test_a_streamed_answer_keeps_every_field_the_server_sent(tmp_path: Path) -> None:
+    reply = completion("the answer")
+    reply["choices"][0]["message"]["reasoning_content"] = "first I think"
+    reply["choices"][0]["stop_reason"] = None
+    reply["system_fingerprint"] = "fp-1"
+    # Kept apart from the answer file: a result redacts its final answer's "token" fields.
+    kept = tmp_path / "seen.json"
+    script = CALLS + (
+        "seen = {'streamed': ask('hi', stream=True, stream_options={'include_usage': True}),"
+        " 'whole': ask('hi')}\n"
+        f"json.dump(seen, open({str(kept)!r}, 'w'))\n"
+    )
+    command = [sys.executable, "-c", script]
+    async with agent_rollout(command, script=[reply, reply], token_ids=True) as (eng, agent, srv):
+        result = await run(eng, agent)
+
+    assert result.failure_reason is None, result.error
+    seen = json.loads(kept.read_text())
+    sent = srv.replies[0]
+    assert sent["prompt_token_ids"] and sent["choices"][0]["token_ids"]  # the test's premise
+    assert json.loads(seen["whole"][1]) == srv.replies[1]
+    first, *rest = events_of(seen["streamed"][1])
+    # The answer's own fields, on the first chunk.
+    for name in ("id", "created", "model", "prompt_token_ids", "system_fingerprint"):
+        assert first[name] == sent[name], name
+    [choice] = first["choices"]
+    # The choice's fields on its chunk, its message whole as the delta.
+    assert choice["delta"] == sent["choices"][0]["message"]
+    for name in ("index", "finish_reason", "logprobs", "token_ids", "stop_reason"):
+        assert choice[name] == sent["choices"][0][name], name
+    assert [chunk["usage"] for chunk in rest] == [sent["usage"]]
+    assert [t.completion_token_ids for t in result.turns] == [
+        r["choices"][0]["token_ids"] for r in srv.replies
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+async def test_a_call_the_agent_gave_up_on_is_not_recorded(stream: bool) -> None:
+    second = anyio.Event()
+
+    async def script(body: dict[str, Any]) -> dict[str, Any]:
+        if body["messages"][0]["content"] == "first":
+            await second.wait()  # answered only once the agent gave up and asked again
+            return completion("too late")
+        second.set()
+        return completion("in time")
+
+    agent_script = CALLS + (
+        "try:\n"
+        f"    gave_up = ask('first', stream={stream}, timeout=1)\n"
+        "except OSError as exc:\n"
+        "    gave_up = repr(exc)\n"
+        f"done({{'gave_up': gave_up, 'answer': ask('second', stream={stream})}})\n"
+    )
+    async with agent_rollout([sys.executable, "-c", agent_script], script=script) as (
+        eng,
+        agent,
+        server,
+    ):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    seen = json.loads(result.final_answer)
+    assert "timed out" in seen["gave_up"] and seen["answer"][0] == 200
+    # One answer received, one turn: the call it gave up on is not its turn.
+    assert [m["content"] for m in result.transcript if m["role"] == "assistant"] == ["in time"]
+    assert len(result.turns) == 1 and result.cost.policy_calls == 1
+    assert [m["content"] for m in server.requests[1]["messages"]] == ["second"]
+    # The gateway did not wait for the server's answer to the call it gave up on.
+    assert server.abandoned == [0]
+
+
+async def test_a_call_asking_for_several_choices_records_each_as_a_turn() -> None:
+    reply = completion("one")
+    reply["choices"].append(
+        {"index": 1, "message": {"role": "assistant", "content": "two"}, "finish_reason": "stop"}
+    )
+    script = CALLS + "done({'answer': ask('hi', n=2)})\n"
+    command = [sys.executable, "-c", script]
+    async with agent_rollout(command, script=[reply], token_ids=True) as (eng, agent, server):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    [sent] = server.replies
+    assert server.requests[0]["n"] == 2
+    assert [t.choice for t in result.turns] == [0, 1]
+    assert [t.index for t in result.turns] == [0, 1]
+    assert [t.completion_token_ids for t in result.turns] == [
+        c["token_ids"] for c in sent["choices"]
+    ]
+    assert [t.prompt_token_ids for t in result.turns] == [sent["prompt_token_ids"]] * 2
+    # One call: counted once, its usage on its first choice.
+    assert result.cost.policy_calls == 1
+    assert [t.usage for t in result.turns] == [sent["usage"], None]
+
+
+async def test_concurrent_calls_of_one_agent_cannot_pass_max_steps() -> None:
+    everyone_asked = anyio.Event()
+    asked = 0
+
+    async def script(body: dict[str, Any]) -> dict[str, Any]:
+        nonlocal asked
+        asked += 1
+        if asked == 8:
+            everyone_asked.set()
+        await everyone_asked.wait()  # held until all 8 calls are in (or the test ends)
+        return completion(tool_calls=[tool_call("note", {"word": "x"}, id="c1")])
+
+    agent_script = CALLS + (
+        "statuses = []\n"
+        "go = threading.Barrier(8)\n"
+        "def one():\n"
+        "    go.wait()\n"
+        "    statuses.append(ask('go')[0])\n"
+        "threads = [threading.Thread(target=one) for _ in range(8)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "done(statuses)\n"
+    )
+    overrides = {"pool": {"max_steps": 3}}
+    command = [sys.executable, "-c", agent_script]
+    async with agent_rollout(command, script=script, **overrides) as (eng, agent, server):
+        try:
+            result = await run(eng, agent)
+        finally:
+            everyone_asked.set()
+
+    assert result.failure_reason is FailureReason.MAX_STEPS, (result.status, result.error)
+    # Each call forwarded held a step: at most three reached the server.
+    assert len(server.requests) <= 3
+    assert result.steps <= 3 and len(result.turns) <= 3
+
+
+@pytest.mark.parametrize("then", ["exits_0", "exits_1"])
+async def test_a_policy_failure_behind_the_gateway_fails_the_rollout_whatever_the_agent_does(
+    then: str,
+) -> None:
+    agent_script = CALLS + (
+        "status, text = ask('hi')\n"
+        "done({'status': status})\n"  # an agent that answers anyway, then exits
+        f"sys.exit({then[-1]})\n"
+    )
+    script = [FakeError(400, "the server refused the request")]
+    command = [sys.executable, "-c", agent_script]
+    async with agent_rollout(command, script=script) as (eng, agent, _):
+        result = await run(eng, agent)
+
+    assert (result.failure_reason, result.reward) == (FailureReason.POLICY_ERROR, None)
+    assert "the server refused the request" in (result.error or "")
+    assert result.turns == []
+
+
+def sse_mcp_server(stop: anyio.Event) -> Starlette:
+    """An MCP server (streamable HTTP) that answers the ``note`` tool as Server-Sent
+    Events and keeps that stream open after the answer, as the spec allows; every
+    other request (fleetroll's own session, the ``finish`` verifier) it answers as JSON."""
+
+    def result(message: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+        return {"jsonrpc": "2.0", "id": message["id"], "result": value}
+
+    async def mcp(request: Request) -> Response:
+        message = json.loads(await request.body())
+        method = message.get("method")
+        if "id" not in message:
+            return Response(status_code=202)  # a notification
+        if method == "initialize":
+            return JSONResponse(
+                result(
+                    message,
+                    {
+                        "protocolVersion": message["params"]["protocolVersion"],
+                        "capabilities": {"tools": {}},
+                        "serverInfo": {"name": "kept-open", "version": "1"},
+                    },
+                )
+            )
+        if method == "tools/list":
+            schema = {"type": "object", "properties": {"word": {"type": "string"}}}
+            tools = [{"name": n, "inputSchema": schema} for n in ("note", "finish")]
+            return JSONResponse(result(message, {"tools": tools}))
+        if method != "tools/call":
+            return JSONResponse(result(message, {}))  # ping and the like
+        if message["params"]["name"] == "finish":
+            return JSONResponse(result(message, {"content": [{"type": "text", "text": "1.0"}]}))
+        answer = {"content": [{"type": "text", "text": "noted, badly"}], "isError": True}
+
+        async def events() -> AsyncIterator[str]:
+            yield f"event: message\ndata: {json.dumps(result(message, answer))}\n\n"
+            await stop.wait()  # open after the answer, until the test ends
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    return Starlette(routes=[Route("/mcp", mcp, methods=["POST"])])
+
+
+async def test_an_agent_s_tool_call_answered_on_a_stream_kept_open_returns_at_its_answer(
+    tmp_path: Path,
+) -> None:
+    script = (
+        "import http.client, json, os, urllib.parse\n"
+        "mcp = urllib.parse.urlsplit(os.environ['FLEETROLL_MCP_URL'])\n"
+        "conn = http.client.HTTPConnection(mcp.hostname, mcp.port, timeout=60)\n"
+        "call = {'jsonrpc': '2.0', 'id': 7, 'method': 'tools/call',\n"
+        "        'params': {'name': 'note', 'arguments': {'word': 'done'}}}\n"
+        "conn.request('POST', mcp.path, json.dumps(call),\n"
+        "             {'Content-Type': 'application/json',\n"
+        "              'Accept': 'application/json, text/event-stream'})\n"
+        "text = conn.getresponse().read().decode()\n"  # to the end of the stream
+        "open(os.environ['FLEETROLL_ANSWER_FILE'], 'w').write(text)\n"
+    )
+    stop = anyio.Event()
+    settings = load_settings(
+        timeouts={"call_tool_s": 3.0, "rollout_s": 30.0},
+        mcp={"workdir_root": str(tmp_path / "workdirs")},
+    )
+    policy = OpenAIChatPolicy(base_url="http://127.0.0.1:9/v1", model="unused")
+    try:
+        async with serve_app(sse_mcp_server(stop), "127.0.0.1", 0) as url:
+            record = {
+                "key": "kept-open",
+                "prompt": "Note it.",
+                "environment": {"url": f"{url}/mcp"},
+                "verifier": {"tool": {"name": "finish"}},
+            }
+            task = parse_task(record, source="test", modalities={"tool_use"})
+            with anyio.fail_after(60):
+                async with (
+                    RolloutPool(settings, api_key="unused", base_url="http://127.0.0.1:9") as pool,
+                    CommandAgent([sys.executable, "-c", script], policy, owns_policy=True) as agent,
+                ):
+                    [result] = await pool.run_batch([task], agent).results()
+    finally:
+        stop.set()
+
+    # The relay ended the agent's stream at the answer: no wait for call_tool_s, no failure.
+    assert (result.status, result.reward, result.tool_failures) == ("completed", 1.0, 0)
+    assert result.final_answer is not None and "noted, badly" in result.final_answer
+    # It counted the call, and the error the tool answered.
+    assert (result.cost.tool_calls, result.tool_errors) == (1, 1)

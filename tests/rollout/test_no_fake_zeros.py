@@ -5,10 +5,13 @@ Every result is either the solution's reward, 1.0, or an infrastructure
 failure with a ``failure_reason`` and ``reward: null``; a fault never turns
 into a fabricated zero a trainer would learn from. Issue 27's: neither does
 a rollout deadline (``timeouts.rollout_s``) shorter than the platform's hangs.
+Issue 37's: nor an agent of its own (``--agent-command``) on the faults where
+the built-in loop's rollout is unscored.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import anyio
@@ -16,11 +19,18 @@ import pytest
 from test_rollout_deadlines import assert_timings_add_up
 
 from fleetroll.emulator import Emulator, FaultProfile
-from fleetroll.policies import ScriptedPolicy
+from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.agent_command import CommandAgent
+from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
+from fleetroll.telemetry import Events, MemorySink
+from fleetroll.testing.fake_openai import FakeChatServer, FakeError, Script, VllmShape
+from training_helpers import AGENT, solving
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -31,6 +41,9 @@ TASKS = [
     for f in sorted((config_dir() / "tasks").glob("*.jsonl"))
     for t in load_tasks(f, modalities=SETTINGS.modalities)
 ]
+
+#: Four steps, then "done".
+TOOL_USE = next(t for t in TASKS if t.key == "ledger-010")
 
 #: Small deadlines, so that the profile's hangs end in seconds: a hang passes
 #: its deadline (and is a failure) instead of holding the test for an hour.
@@ -117,3 +130,80 @@ async def test_a_rollout_deadline_shorter_than_the_platform_hangs_gives_no_fake_
     assert any(r.failure_reason is FailureReason.PLATFORM_TIMEOUT for r in results)
     for r in results:
         assert_timings_add_up(r.timings)
+
+
+# -- an agent of its own (--agent-command) on the same faults (issue 37) ----------------
+
+
+async def built_in_and_agent(
+    profile: FaultProfile, timeouts: dict[str, float], script: Script
+) -> dict[str, RolloutResult]:
+    """One rollout of ``TOOL_USE`` by the built-in loop and one by the example agent
+    (plain ``openai`` and ``mcp``, through the gateway and its MCP relay), side by
+    side on the emulator with ``profile``, the policy server playing ``script``."""
+    results: dict[str, RolloutResult] = {}
+    async with (
+        Emulator(profile) as emu,
+        FakeChatServer(script, vllm=VllmShape()) as server,
+    ):
+        policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
+        settings = load_settings(timeouts=timeouts, provisioning=PROVISIONING, policy=policy)
+        events = Events([MemorySink()])
+        provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
+        async with (
+            RolloutEngine.open(settings, events, provider) as eng,
+            OpenAIChatPolicy.from_settings(settings) as model,
+            CommandAgent.from_settings([sys.executable, str(AGENT)], settings) as agent,
+        ):
+
+            async def one(name: str, actor: OpenAIChatPolicy | CommandAgent) -> None:
+                ids = RolloutIds(batch_id="b", rollout_id=name)
+                results[name] = await eng.rollout(TOOL_USE, ids).run(actor)
+
+            with anyio.fail_after(180):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(one, "built_in", model)
+                    tg.start_soon(one, "agent", agent)
+        assert emu.ledger.running == 0
+    return results
+
+
+def outcome(result: RolloutResult) -> tuple[Any, ...]:
+    return (result.status, result.failure_reason, result.reward)
+
+
+#: Every tool call hangs, longer than any deadline below.
+HANGING_TOOLS = FaultProfile(p_tool_hang=1.0, tool_hang_s=120.0)
+
+
+@pytest.mark.timeout(300)
+async def test_an_agent_s_tool_call_waiting_when_the_deadline_passes_is_platform_timeout() -> None:
+    # The rollout's deadline passes while the tool call waits (call_tool_s is longer).
+    timeouts = {**TIMEOUTS, "call_tool_s": 100.0, "rollout_s": 20.0}
+    results = await built_in_and_agent(HANGING_TOOLS, timeouts, solving([TOOL_USE]))
+
+    assert outcome(results["built_in"]) == ("failed", FailureReason.PLATFORM_TIMEOUT, None)
+    assert outcome(results["agent"]) == outcome(results["built_in"])
+    assert "the tool call" in (results["agent"].error or "")
+    assert results["agent"].cost.tool_calls == 1
+
+
+@pytest.mark.timeout(300)
+async def test_an_agent_s_tool_call_past_call_tool_s_is_a_tool_failure() -> None:
+    timeouts = {**TIMEOUTS, "call_tool_s": 2.0}
+    results = await built_in_and_agent(HANGING_TOOLS, timeouts, solving([TOOL_USE]))
+
+    assert outcome(results["built_in"]) == ("failed", FailureReason.TOOL_FAILURE, None)
+    assert outcome(results["agent"]) == outcome(results["built_in"])
+    agent = results["agent"]
+    assert (agent.cost.tool_calls, agent.tool_failures) == (1, 1)
+    assert "call_tool_s" in (agent.error or "")
+
+
+@pytest.mark.timeout(300)
+async def test_a_policy_failure_fails_an_agent_s_rollout_as_the_built_in_loop_s() -> None:
+    refused = FakeError(400, "the server refused the request")
+    results = await built_in_and_agent(FaultProfile(), TIMEOUTS, lambda body: refused)
+
+    assert outcome(results["built_in"]) == ("failed", FailureReason.POLICY_ERROR, None)
+    assert outcome(results["agent"]) == outcome(results["built_in"])

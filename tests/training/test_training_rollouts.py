@@ -346,6 +346,12 @@ async def test_the_example_agent_scores_every_task_as_the_built_in_loop_with_the
     rewards = {r.task_key: (r.status, r.reward) for r in results}
     assert rewards == {r.task_key: (r.status, r.reward) for r in built_in}
     assert set(rewards.values()) == {("completed", 1.0)}
+    # Its tool calls went through the rollout's MCP relay, which counted them.
+    counted = {r.task_key: (r.cost.tool_calls, r.tool_errors, r.tool_failures) for r in results}
+    assert counted == {
+        r.task_key: (r.cost.tool_calls, r.tool_errors, r.tool_failures) for r in built_in
+    }
+    assert all(r.cost.tool_calls for r in results)
     # Every call the agent made is one turn holding exactly what the server sent.
     sent, recorded = sent_and_recorded(replies, results)
     assert recorded == sent

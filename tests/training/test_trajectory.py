@@ -304,3 +304,20 @@ async def test_the_settings_ask_for_token_ids_when_trajectories_or_token_in_are_
                 assert model.token_in is policy.get("token_in", False)
         asked = [r.get("return_token_ids") for r in server.requests]
     assert asked == [True, True, None]
+
+
+def test_of_a_call_s_several_choices_the_trajectory_follows_the_one_the_next_call_continues() -> (
+    None
+):
+    first, second, third = CONSISTENT
+    # The first call asked for two choices; the next call continued the second.
+    skipped = first.model_copy(update={"completion_token_ids": [30, 31]})
+    taken = first.model_copy(update={"index": 1, "choice": 1})
+    later = [second.model_copy(update={"index": 2}), third.model_copy(update={"index": 3})]
+    branched, plain = stitch([skipped, taken, *later]), stitch(CONSISTENT)
+    assert branched is not None and plain is not None
+    assert branched == plain and not branched.drift
+
+    # The last call's choices: no call tells which was taken, so the first is.
+    extra = third.model_copy(update={"index": 3, "choice": 1, "completion_token_ids": [40]})
+    assert stitch([*CONSISTENT, extra]) == plain

@@ -5,33 +5,48 @@ serving each rollout that acts through a command under its own root::
 
     POST /r/{token}/v1/chat/completions   (streaming and not)
     GET  /r/{token}/v1/models
+    *    /r/{token}/mcp                   (the rollout's MCP relay)
 
 ``token`` is the rollout's: it is in the URL and is the only API key the
 gateway accepts for it (``Authorization: Bearer {token}``); it is never the
-real server's key. What a call does is the :class:`Link`'s business (the
-rollout's: hold while the policy is paused, forward, record the turn); the
-gateway only routes, checks the key and speaks HTTP. A streaming request gets
-the server's one answer as Server-Sent Events (one chunk with the whole
-message, then a usage chunk when asked, then ``[DONE]``): the turn is recorded
-from that answer, so its token ids and logprobs are exactly the server's.
+real server's key. The MCP relay is reached by its URL alone (an MCP client
+sends no key), and hands the request to the :class:`Link`, which forwards it to
+the instance. What a call does is the link's business (the rollout's: hold
+while the policy is paused, forward, record the turn); the gateway only
+routes, checks the key and speaks HTTP. Every error, an unknown route
+included, has OpenAI's shape (``{"error": {"message", "type", "code"}}``).
+
+A call's turn is recorded only once its answer was sent whole to the agent
+(:meth:`Pending.received`): an agent that disconnects before (it gave up, its
+client timed out) gets no turn, and its call to the server is cancelled. A
+streaming request gets the server's one answer as Server-Sent Events (per
+choice, one chunk with the whole message and every field the server sent
+with it; the answer's own top-level fields, ``prompt_token_ids`` among them,
+on the first chunk; then a usage chunk when asked, then ``[DONE]``): the
+turn is recorded from that answer, so its token ids and logprobs are exactly
+the server's.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import AsyncIterator, Iterator
-from contextlib import AsyncExitStack, contextmanager
-from typing import Any, Protocol
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, contextmanager
+from typing import Any, NamedTuple, Protocol
 
+import anyio
+import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from fleetroll._internal.serving import serve_asgi
 
-__all__ = ["Gateway", "GatewayRefusal", "Link"]
+__all__ = ["Gateway", "GatewayRefusal", "Link", "Opened", "Pending"]
 
 
 class GatewayRefusal(Exception):
@@ -44,26 +59,55 @@ class GatewayRefusal(Exception):
         self.kind = kind
 
 
+class Pending(Protocol):
+    """A server's answer on its way to the agent."""
+
+    #: The answer, as the server sent it.
+    answer: dict[str, Any]
+
+    def received(self) -> None:
+        """The agent got the whole answer: record it (only then)."""
+        ...
+
+
 class Link(Protocol):
     """What the gateway needs of the rollout that owns a token."""
 
     #: The model name ``/models`` lists.
     model: str
 
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One chat completion for ``body``: the server's answer, recorded.
+    def complete(self, body: dict[str, Any]) -> AbstractAsyncContextManager[Pending]:
+        """One chat completion for ``body``: the server's answer, recorded only if
+        :meth:`Pending.received` is called within the block (a block left without
+        it, by a disconnect or a cancel, records nothing).
 
         Raises:
-            GatewayRefusal: the call is refused (the rollout ended, the server failed).
+            GatewayRefusal: on entering, the call is refused (the rollout ended,
+                the server failed).
         """
         ...
 
+    async def relay(
+        self, scope: Scope, receive: Receive, send: Send, http: httpx.AsyncClient
+    ) -> None:
+        """Answer one HTTP request to the rollout's MCP relay (ASGI), forwarding
+        it with ``http`` (the gateway's client, shared by its links)."""
+        ...
+
+
+class Opened(NamedTuple):
+    """Where a link is served: its OpenAI root, its key and its MCP relay."""
+
+    base_url: str
+    key: str
+    mcp_url: str
+
 
 class Gateway:
-    """A loopback OpenAI-compatible server routing ``/r/{token}/v1/...`` to links.
+    """A loopback OpenAI-compatible server routing ``/r/{token}/...`` to links.
 
     Use it as an async context manager; :meth:`open` registers a link for
-    the length of a block and gives its base URL and key.
+    the length of a block and gives its base URL, key and MCP relay URL.
 
     Args:
         max_request_bytes: the largest request body accepted (HTTP 413 past it).
@@ -77,11 +121,22 @@ class Gateway:
             routes=[
                 Route("/r/{token}/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/r/{token}/v1/models", self._models, methods=["GET"]),
-            ]
+                Route("/r/{token}/mcp", self._mcp, methods=["GET", "POST", "DELETE"]),
+            ],
+            exception_handlers={HTTPException: _http_error},
         )
         self._stack = AsyncExitStack()
+        self._http: httpx.AsyncClient | None = None
 
     async def __aenter__(self) -> Gateway:
+        # The relays' requests: no timeout of its own (each relayed request has its
+        # deadline) and no cap on connections: every acting agent may hold one open
+        # (its server's event stream), and a request queued behind them would be
+        # charged to its own deadline (a tool call's call_tool_s).
+        unbounded = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self._http = await self._stack.enter_async_context(
+            httpx.AsyncClient(timeout=None, limits=unbounded, follow_redirects=False)
+        )
         self.url = await self._stack.enter_async_context(serve_asgi(self._app, lifespan="off"))
         return self
 
@@ -90,8 +145,9 @@ class Gateway:
         await self._stack.aclose()
 
     @contextmanager
-    def open(self, link: Link) -> Iterator[tuple[str, str]]:
-        """Serve ``link`` during the block: yields its base URL (``…/v1``) and key.
+    def open(self, link: Link) -> Iterator[Opened]:
+        """Serve ``link`` during the block: yields its base URL (``…/v1``), key
+        and MCP relay URL.
 
         After the block its token is unknown: every call is refused (401).
         """
@@ -99,16 +155,20 @@ class Gateway:
             raise RuntimeError("the gateway is not serving: enter it first")
         token = secrets.token_urlsafe(24)
         self._links[token] = link
+        root = f"{self.url.rstrip('/')}/r/{token}"
         try:
-            yield f"{self.url.rstrip('/')}/r/{token}/v1", token
+            yield Opened(f"{root}/v1", token, f"{root}/mcp")
         finally:
             del self._links[token]
 
-    def _link(self, request: Request) -> Link:
+    def _link(self, request: Request, *, key: bool = True) -> Link:
+        """The link of the request's token; with ``key``, its key must be the token."""
         token = request.path_params["token"]
         link = self._links.get(token)
-        given = request.headers.get("authorization", "")
-        if link is None or not secrets.compare_digest(given, f"Bearer {token}"):
+        # Compared as bytes: a header is latin-1, and compare_digest refuses
+        # strings that are not ASCII (a 500 for a key with an accent).
+        given = request.headers.get("authorization", "").encode("latin-1")
+        if link is None or (key and not secrets.compare_digest(given, f"Bearer {token}".encode())):
             raise GatewayRefusal(
                 401,
                 "unknown key or rollout: this gateway serves a rollout only while it acts,"
@@ -125,23 +185,21 @@ class Gateway:
         model = {"id": link.model, "object": "model", "created": 0, "owned_by": "fleetroll"}
         return JSONResponse({"object": "list", "data": [model]})
 
+    async def _mcp(self, request: Request) -> Response:
+        try:
+            link = self._link(request, key=False)
+        except GatewayRefusal as exc:
+            return _error(exc)
+        assert self._http is not None, "serving, so entered"
+        return _Relayed(link, self._http)
+
     async def _chat(self, request: Request) -> Response:
         try:
             link = self._link(request)
             body = await self._body(request)
-            answer = await link.complete(body)
         except GatewayRefusal as exc:
             return _error(exc)
-        if body.get("stream"):
-            usage = isinstance(opts := body.get("stream_options"), dict) and opts.get(
-                "include_usage"
-            )
-            return StreamingResponse(
-                _events(answer, usage=bool(usage)),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache"},
-            )
-        return JSONResponse(answer)
+        return _Answer(link, body)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         chunks: list[bytes] = []
@@ -164,39 +222,132 @@ class Gateway:
         return body
 
 
-def _error(exc: GatewayRefusal) -> JSONResponse:
+class _Relayed(Response):
+    """The link's MCP relay answers the request itself."""
+
+    def __init__(self, link: Link, http: httpx.AsyncClient) -> None:
+        self.link = link
+        self.http = http
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.link.relay(scope, receive, send, self.http)
+
+
+class _Answer(Response):
+    """A chat completion, asked for while the agent waits and recorded once sent.
+
+    The agent's disconnect (watched while the server answers and while the
+    answer is sent) cancels the call: nothing is recorded.
+    """
+
+    def __init__(self, link: Link, body: dict[str, Any]) -> None:
+        self.link = link
+        self.asked = body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gone = anyio.Event()
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                gone.set()
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            try:
+                async with self.link.complete(self.asked) as pending:
+                    status, headers, parts = _encoded(pending.answer, self.asked)
+                    await send(
+                        {"type": "http.response.start", "status": status, "headers": headers}
+                    )
+                    for part in parts:
+                        await send({"type": "http.response.body", "body": part, "more_body": True})
+                    if not gone.is_set():
+                        await send({"type": "http.response.body", "body": b""})
+                        # uvicorn drops what is sent on a closed connection silently.
+                        if not gone.is_set():
+                            pending.received()
+            except GatewayRefusal as exc:
+                await _error(exc)(scope, receive, send)
+            tg.cancel_scope.cancel()
+
+
+def _encoded(
+    answer: dict[str, Any], asked: dict[str, Any]
+) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
+    """The status, headers and body parts of ``answer`` as the agent asked for it."""
+    if not asked.get("stream"):
+        body = json.dumps(answer, ensure_ascii=False).encode()
+        length = str(len(body)).encode()
+        return 200, [(b"content-type", b"application/json"), (b"content-length", length)], [body]
+    opts = asked.get("stream_options")
+    usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+    headers = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+    ]
+    return 200, headers, [event.encode() for event in _events(answer, usage=usage)]
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (an unknown route, a method not allowed) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    # Not the path: it holds the rollout's token.
+    said = (
+        f"{exc.detail}: this gateway serves POST {{OPENAI_BASE_URL}}/chat/completions"
+        " and GET {OPENAI_BASE_URL}/models"
+    )
+    return _error(GatewayRefusal(exc.status_code, said, kind=kind), headers=exc.headers)
+
+
+def _error(exc: GatewayRefusal, headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(
         {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}},
         status_code=exc.status,
+        headers=headers,
     )
 
 
-async def _events(answer: dict[str, Any], *, usage: bool) -> AsyncIterator[str]:
-    """A chat completion as the chunks of a stream (OpenAI's ``chat.completion.chunk``)."""
+#: A completion's top-level fields a chunk has its own value for.
+_CHUNK_OWN = frozenset({"id", "object", "created", "model", "choices", "usage"})
+
+
+def _events(answer: dict[str, Any], *, usage: bool) -> Iterator[str]:
+    """A chat completion as the chunks of a stream (OpenAI's ``chat.completion.chunk``).
+
+    Nothing the server sent is dropped: each choice's message fields are its
+    chunk's ``delta`` (``reasoning_content`` included; tool calls numbered by
+    ``index``), its other fields (``logprobs``, ``token_ids``, ``stop_reason``...)
+    are on its chunk, and the answer's own fields (``prompt_token_ids``,
+    ``system_fingerprint``...) are on the first chunk, as vLLM streams them.
+    """
     base = {
         "id": answer.get("id", "chatcmpl-fleetroll"),
         "object": "chat.completion.chunk",
         "created": answer.get("created", 0),
         "model": answer.get("model"),
     }
+    extra = {k: v for k, v in answer.items() if k not in _CHUNK_OWN}
     for index, choice in enumerate(answer.get("choices") or []):
-        message = choice.get("message") or {}
-        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
-        calls = message.get("tool_calls")
+        if not isinstance(choice, dict):
+            continue
+        message = choice.get("message")
+        delta: dict[str, Any] = {"role": "assistant", "content": None}
+        delta.update(message if isinstance(message, dict) else {})
+        calls = delta.get("tool_calls")
         if calls:
             delta["tool_calls"] = [
                 {"index": i, **call} for i, call in enumerate(calls) if isinstance(call, dict)
             ]
-        chunk = {
-            "index": choice.get("index", index),
-            "delta": delta,
-            "finish_reason": choice.get("finish_reason"),
-        }
-        if "logprobs" in choice:
-            chunk["logprobs"] = choice["logprobs"]
-        if "token_ids" in choice:
-            chunk["token_ids"] = choice["token_ids"]
-        yield _sse({**base, "choices": [chunk]})
+        else:
+            delta.pop("tool_calls", None)  # none (null, []): OpenAI's chunks leave it out
+        chunk = {k: v for k, v in choice.items() if k != "message"}
+        chunk |= {"index": choice.get("index", index), "delta": delta}
+        chunk.setdefault("finish_reason", None)
+        yield _sse({**base, **extra, "choices": [chunk]})
+        extra = {}
     if usage and "usage" in answer:
         yield _sse({**base, "choices": [], "usage": answer["usage"]})
     yield "data: [DONE]\n\n"

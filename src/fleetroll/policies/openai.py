@@ -347,7 +347,7 @@ class OpenAIChatPolicy:
 
     async def forward(
         self, body: Mapping[str, Any], *, affinity: Affinity | None = None
-    ) -> tuple[dict[str, Any], AssistantTurn]:
+    ) -> tuple[dict[str, Any], tuple[AssistantTurn, ...]]:
         """One chat completion for a request someone else wrote (an agent's,
         through :mod:`fleetroll.policies.gateway`): its messages, tools and sampling as
         sent (this policy's ``temperature``, ``top_p``, ``max_tokens`` where it
@@ -356,8 +356,10 @@ class OpenAIChatPolicy:
         and its ``extra_body`` on top. Streaming is the caller's business: the
         server is asked for one answer.
 
-        Returns the server's answer (as it sent it) and the turn parsed from it,
-        with the same retries, servers and deadline as :meth:`act`.
+        Returns the server's answer (as it sent it) and a turn parsed from each
+        of its choices (one unless the request asked for ``n`` > 1; the
+        ``usage``, which is the call's, on the first only), with the same
+        retries, servers and deadline as :meth:`act`.
 
         Raises:
             PolicyError: as :meth:`act`; ContextOverflowError included.
@@ -383,10 +385,20 @@ class OpenAIChatPolicy:
                 operation=_OPERATION,
                 transient=True,
             ) from None
-        turn = self._parse(payload, url=_endpoint(server, "chat"))
-        if turn.data is not None and len(self.servers.servers) > 1:
-            turn = replace(turn, data=replace(turn.data, server=server.name))
-        return payload, turn
+        url = _endpoint(server, "chat")
+        turns = [self._parse(payload, url=url)]
+        turns += [
+            replace(self._parse(payload, url=url, choice=index), usage=None)
+            for index in range(1, len(payload["choices"]))  # checked by the first parse
+        ]
+        if len(self.servers.servers) > 1:
+            turns = [
+                replace(turn, data=replace(turn.data, server=server.name))
+                if turn.data is not None
+                else turn
+                for turn in turns
+            ]
+        return payload, tuple(turns)
 
     # ------------------------------------------------------------- request
 
@@ -648,7 +660,10 @@ class OpenAIChatPolicy:
                 transient=False,
             ) from None
 
-    def _parse(self, payload: Any, *, url: str) -> AssistantTurn:
+    def _parse(self, payload: Any, *, url: str, choice: int = 0) -> AssistantTurn:
+        """The turn of ``payload``'s choice number ``choice`` (the first: the one
+        a policy acts on)."""
+
         def malformed(what: str) -> PolicyError:
             excerpt = _shorten(json.dumps(payload, ensure_ascii=False, default=str))
             return PolicyError(
@@ -662,10 +677,10 @@ class OpenAIChatPolicy:
         choices = payload.get("choices")
         if not isinstance(choices, list) or not choices:
             raise malformed("no 'choices'")
-        choice = choices[0]
-        message = choice.get("message") if isinstance(choice, dict) else None
+        chosen = choices[choice]
+        message = chosen.get("message") if isinstance(chosen, dict) else None
         if not isinstance(message, dict):
-            raise malformed("choices[0] has no 'message' object")
+            raise malformed(f"choices[{choice}] has no 'message' object")
 
         content = message.get("content")
         if isinstance(content, list):  # some servers answer content parts
@@ -696,7 +711,7 @@ class OpenAIChatPolicy:
             content=content,
             tool_calls=tuple(calls),
             usage=_int_fields(usage) if isinstance(usage, dict) else None,
-            data=self._turn_data(payload, choice, usage),
+            data=self._turn_data(payload, chosen, usage),
         )
 
     def _turn_data(

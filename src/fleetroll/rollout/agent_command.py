@@ -9,7 +9,8 @@ environment that holds only ``PATH``, ``HOME``, ``LANG`` and:
   goes to the policy servers, held while the policy is paused, recorded as
   one of the rollout's ``turns`` (token ids and logprobs asked for as
   ``policy.*`` says), refused once the rollout has ended;
-- ``FLEETROLL_MCP_URL``: the instance's MCP endpoint for the task's modality;
+- ``FLEETROLL_MCP_URL``: the instance's MCP endpoint for the task's modality,
+  through the rollout's relay (:mod:`fleetroll.rollout.agent_link`);
 - ``FLEETROLL_TASK_FILE``: a JSON file with the task's key, prompt, modality
   and metadata;
 - ``FLEETROLL_ANSWER_FILE``: where the agent may write its final answer,
@@ -28,7 +29,6 @@ import os
 import shlex
 import shutil
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -40,12 +40,12 @@ from typing import Any, NamedTuple, Self
 import anyio
 
 from fleetroll.environments.mcp.process import stop_process
-from fleetroll.errors import ContextOverflowError, PolicyError
-from fleetroll.policies.gateway import Gateway, GatewayRefusal
+from fleetroll.errors import PolicyError
+from fleetroll.policies.gateway import Gateway
 from fleetroll.policies.openai import OpenAIChatPolicy
-from fleetroll.policies.servers import Affinity, current_affinity
+from fleetroll.policies.servers import current_affinity
 from fleetroll.policies.turns import AssistantTurn, Message, ToolSpec
-from fleetroll.results import FailureReason
+from fleetroll.rollout.agent_link import AgentLink
 from fleetroll.rollout.machine import Rollout
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -199,13 +199,19 @@ class CommandAgent:
             "metadata": task.metadata,
         }
         await anyio.Path(task_file).write_text(json.dumps(about, ensure_ascii=False))
-        link = _Link(rollout, self.policy, current_affinity())
-        with self._gateway.open(link) as (base_url, key):
+        link = AgentLink(
+            rollout,
+            self.policy,
+            current_affinity(),
+            mcp_url=mcp_url,
+            max_request_bytes=self._gateway.max_request_bytes,
+        )
+        with self._gateway.open(link) as (base_url, key, relay_url):
             env = {name: os.environ[name] for name in _PASSED if name in os.environ}
             env |= {
                 "OPENAI_BASE_URL": base_url,
                 "OPENAI_API_KEY": key,
-                "FLEETROLL_MCP_URL": mcp_url,
+                "FLEETROLL_MCP_URL": relay_url,  # the instance's, through the rollout's relay
                 "FLEETROLL_TASK_FILE": str(task_file),
                 "FLEETROLL_ANSWER_FILE": str(answer_file),
             }
@@ -231,7 +237,7 @@ class CommandAgent:
                     await process.wait()
                     tg.cancel_scope.cancel()
             finally:
-                link.ended.set()
+                link.end()
                 await stop_process(process, grace_s=self.kill_grace_s, wait_s=self.kill_grace_s)
         progress = rollout.progress
         if progress.reason is None:
@@ -303,58 +309,6 @@ class AgentHost:
                 del self._agents[recipe.key]
                 with anyio.CancelScope(shield=True), anyio.move_on_after(_CLOSE_S):
                     await agent.aclose()
-
-
-class _Link:
-    """One rollout, as its gateway sees it (:class:`fleetroll.policies.gateway.Link`)."""
-
-    def __init__(
-        self, rollout: Rollout, policy: OpenAIChatPolicy, affinity: Affinity | None
-    ) -> None:
-        self.rollout = rollout
-        self.policy = policy
-        self.model = policy.model
-        self.affinity = affinity
-        #: Set once the rollout's acting phase is over: calls are refused.
-        self.ended = anyio.Event()
-
-    def _refuse_if_ended(self) -> None:
-        if self.ended.is_set() or self.rollout.finished:
-            raise GatewayRefusal(409, "this rollout has ended: no more policy calls")
-
-    async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        rollout = self.rollout
-        self._refuse_if_ended()
-        if rollout.progress.steps >= rollout.max_steps:
-            rollout.fail(FailureReason.MAX_STEPS, f"the step budget of {rollout.max_steps} ran out")
-            self.ended.set()
-            raise GatewayRefusal(409, f"the step budget of {rollout.max_steps} ran out")
-        version = await rollout.admit_policy_call()
-        self._refuse_if_ended()
-        began = time.monotonic()
-        try:
-            answer, turn = await self.policy.forward(body, affinity=self.affinity)
-        except ContextOverflowError as exc:
-            raise GatewayRefusal(400, str(exc)) from None
-        except PolicyError as exc:
-            raise GatewayRefusal(502, str(exc), kind="api_error") from None
-        finally:
-            latency = time.monotonic() - began
-            rollout.progress.timings.policy_s += latency
-        self._refuse_if_ended()  # it ended while the server answered: not its turn
-        observed = _after_last_assistant(body["messages"])
-        rollout.record_call(turn, policy_version=version, latency_s=latency, observations=observed)
-        return answer
-
-
-def _after_last_assistant(messages: Sequence[Any]) -> list[dict[str, Any]]:
-    """The messages of a request after its last assistant message: what the agent
-    observed since its previous call (its tool answers). None without one."""
-    for index in range(len(messages) - 1, -1, -1):
-        message = messages[index]
-        if isinstance(message, dict) and message.get("role") == "assistant":
-            return [m for m in messages[index + 1 :] if isinstance(m, dict)]
-    return []
 
 
 async def _read_capped(path: Path, limit: int) -> str | None:

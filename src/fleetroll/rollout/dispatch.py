@@ -31,7 +31,7 @@ from fleetroll.rollout.stages import RolloutContext
 from fleetroll.rollout.tools import ToolCallFailed, ToolResult, ToolSession
 from fleetroll.telemetry.events import Events
 
-__all__ = ["StepResult", "dispatch"]
+__all__ = ["StepResult", "dispatch", "tool_call_failed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,27 +80,15 @@ async def dispatch(
         try:
             result = await session.call(call.name, call.arguments)
         except ToolCallFailed as exc:
-            # Not an answer from the environment: an infrastructure failure.
-            progress.tool_failures += 1
-            events.emit(
-                "fleet_tool_call_failed",
-                level="warn",
-                tool_name=call.name,
-                step_count=progress.steps,
-                error_type=type(exc.__cause__ or exc).__name__,
-                error_message=str(exc)[:500],
+            await tool_call_failed(
+                call.name,
+                exc,
+                progress=progress,
+                provider=provider,
+                events=events,
+                stop_on_failure=stop_on_failure,
+                instance=instance,
             )
-            if not await provider.is_alive(instance):
-                progress.fail(
-                    FailureReason.INSTANCE_LOST,
-                    f"instance {instance.instance_id} is gone ({exc})",
-                )
-            elif stop_on_failure:
-                progress.fail(
-                    FailureReason.TOOL_FAILURE,
-                    f"the tool call {call.name} failed: {exc} "
-                    '(pool.on_tool_failure = "continue" would go on)',
-                )
             result = ToolResult(text=f"Error: the tool call failed: {exc}", is_error=True)
             progress.transcript.add_answer(call, result)
             return result
@@ -118,6 +106,42 @@ async def dispatch(
         progress.tool_errors += 1
     progress.transcript.add_answer(call, result)
     return result
+
+
+async def tool_call_failed(
+    name: str,
+    exc: Exception,
+    *,
+    progress: Progress,
+    provider: Provider,
+    events: Events,
+    stop_on_failure: bool,
+    instance: Instance,
+) -> None:
+    """A tool call that got no answer (``exc``: its deadline, its transport, the
+    instance gone): an infrastructure failure, not feedback. Counted and reported;
+    it ends the rollout as ``instance_lost`` when the instance is gone, else as
+    ``tool_failure`` when ``stop_on_failure``. The built-in loop's and the MCP
+    relay's of an agent of its own (:mod:`fleetroll.rollout.agent_link`)."""
+    progress.tool_failures += 1
+    events.emit(
+        "fleet_tool_call_failed",
+        level="warn",
+        tool_name=name,
+        step_count=progress.steps,
+        error_type=type(exc.__cause__ or exc).__name__,
+        error_message=str(exc)[:500],
+    )
+    if not await provider.is_alive(instance):
+        progress.fail(
+            FailureReason.INSTANCE_LOST,
+            f"instance {instance.instance_id} is gone ({exc})",
+        )
+    elif stop_on_failure:
+        progress.fail(
+            FailureReason.TOOL_FAILURE,
+            f'the tool call {name} failed: {exc} (pool.on_tool_failure = "continue" would go on)',
+        )
 
 
 class ToolCaller(Protocol):

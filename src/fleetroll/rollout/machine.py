@@ -440,18 +440,25 @@ class Rollout:
         policy_version: int,
         latency_s: float,
         observations: Sequence[Mapping[str, Any]] = (),
+        others: Sequence[AssistantTurn] = (),
     ) -> None:
         """Record a policy call an agent of its own made (its tools it runs itself).
 
         ``observations``: what the agent sent after its previous assistant message
         (the tool answers it got over MCP), added to the transcript before the turn.
+        ``others``: the call's other choices (it asked for ``n`` > 1), each a turn
+        of its own after ``turn`` (choice 1, 2, …); the transcript holds ``turn``'s
+        message. The call is a step when any choice calls tools.
         """
-        self.progress.record_turn(turn, policy_version=policy_version, latency_s=latency_s)
+        p = self.progress
+        p.record_turn(turn, policy_version=policy_version, latency_s=latency_s)
+        for choice, other in enumerate(others, start=1):
+            p.record_turn(other, policy_version=policy_version, latency_s=latency_s, choice=choice)
         self.live.turn(turn, latency_s=latency_s, policy_version=policy_version)
-        self.progress.transcript.add_observations(observations)
-        self.progress.transcript.add_turn(turn)
-        if turn.tool_calls:
-            self.progress.steps += 1
+        p.transcript.add_observations(observations)
+        p.transcript.add_turn(turn)
+        if turn.tool_calls or any(other.tool_calls for other in others):
+            p.steps += 1
         self.notify()
 
     async def apply(self, turn: AssistantTurn) -> None:

@@ -97,9 +97,16 @@ class Progress:
             if self.overrun is None and began < self.deadline <= now():
                 self.overrun = (what, self.deadline - began)
 
-    def record_turn(self, turn: AssistantTurn, *, policy_version: int, latency_s: float) -> None:
-        """Count a policy call and keep its training data; call before adding the turn."""
-        self.cost.policy_calls += 1
+    def record_turn(
+        self, turn: AssistantTurn, *, policy_version: int, latency_s: float, choice: int = 0
+    ) -> None:
+        """Count a policy call and keep its training data; call before adding the turn.
+
+        ``choice`` > 0: another choice of the call just recorded (``n`` > 1), kept
+        as a turn of its own; the call is not counted again.
+        """
+        if not choice:
+            self.cost.policy_calls += 1
         usage = dict(turn.usage) if turn.usage is not None else None
         if usage is not None:
             self.cost.prompt_tokens += usage.get("prompt_tokens", 0)
@@ -126,6 +133,7 @@ class Progress:
                 latency_s=latency_s,
                 training_data_error=data.training_data_error,
                 server=data.server,
+                choice=choice,
             )
         )
 

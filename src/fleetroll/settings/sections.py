@@ -371,7 +371,8 @@ class PolicySettings(_Section):
     #: An agent command's (``--agent-command``) process group: SIGTERM once
     #: its rollout's deadline passes, SIGKILL this much later.
     agent_kill_grace_s: float = Field(2.0, ge=0)
-    #: The largest request an agent command may send to its gateway (HTTP 413 past it).
+    #: The largest request an agent command may send to its gateway or its MCP relay
+    #: (HTTP 413 past it).
     agent_max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     #: Bytes of an agent command's answer file read as the final answer (the rest is cut).
     agent_max_answer_file_bytes: int = Field(1024 * 1024, ge=1)

@@ -209,7 +209,27 @@ def _vllm_answer(
             " or completion.",
         )
     answer: dict[str, Any] = json.loads(json.dumps(reply))  # a deep copy we may change
-    choice = answer["choices"][0]
+    answer["model"] = body.get("model", answer.get("model"))
+    wants_ids = shape.token_ids and body.get("return_token_ids") is True
+    answer["prompt_token_ids"] = prompt if wants_ids else None
+    completion_tokens = 0
+    for choice in answer["choices"]:  # each choice its own ids (a reply with n > 1 choices)
+        completion_tokens += _vllm_choice(shape, body, choice, wants_ids=wants_ids)
+    if shape.usage:
+        answer["usage"] = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": completion_tokens,
+            "total_tokens": len(prompt) + completion_tokens,
+        }
+    else:
+        answer.pop("usage", None)
+    return answer
+
+
+def _vllm_choice(
+    shape: VllmShape, body: Mapping[str, Any], choice: dict[str, Any], *, wants_ids: bool
+) -> int:
+    """One choice of a reply as vLLM sends it (changed in place); its token count."""
     message = choice["message"]
     if shape.finish_length:
         choice["finish_reason"] = "length"
@@ -229,9 +249,6 @@ def _vllm_answer(
     if choice["finish_reason"] != "length":
         completion_ids.append(_END)
         texts.append("<|im_end|>")
-    answer["model"] = body.get("model", answer.get("model"))
-    wants_ids = shape.token_ids and body.get("return_token_ids") is True
-    answer["prompt_token_ids"] = prompt if wants_ids else None
     choice["token_ids"] = completion_ids if wants_ids else None
     choice["logprobs"] = None
     if shape.logprobs and body.get("logprobs") is True:
@@ -254,15 +271,7 @@ def _vllm_answer(
                 for token_id, text in zip(completion_ids, texts, strict=True)
             ]
         }
-    if shape.usage:
-        answer["usage"] = {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": len(completion_ids),
-            "total_tokens": len(prompt) + len(completion_ids),
-        }
-    else:
-        answer.pop("usage", None)
-    return answer
+    return len(completion_ids)
 
 
 Reply: TypeAlias = Mapping[str, Any] | FakeError | FakeRawResponse | Hang
@@ -346,6 +355,7 @@ class FakeChatServer:
         requests: the JSON body of every request received, in order.
         headers: the headers of every request received (lower-case names).
         script_errors: exceptions the script raised (each answered with 500).
+        abandoned: the requests whose client left before their reply was ready.
 
     Raises:
         RuntimeError: the server could not start.
@@ -367,6 +377,9 @@ class FakeChatServer:
         self.tokenize_requests: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.script_errors: list[Exception] = []
+        #: The numbers (from 0) of the requests whose client had left by the time
+        #: their reply was ready (it gave up, or was cancelled).
+        self.abandoned: list[int] = []
         self.base_url = ""
         self._host = host
         self._release_hung: anyio.Event | None = None
@@ -383,6 +396,7 @@ class FakeChatServer:
         self.tokenize_requests.clear()
         self.headers.clear()
         self.script_errors.clear()
+        self.abandoned.clear()
         if self._release_hung is not None:
             self._release_hung.set()
             self._release_hung = anyio.Event()
@@ -469,6 +483,8 @@ class FakeChatServer:
             self.script_errors.append(exc)
             logging.getLogger(__name__).exception("the fake OpenAI server's script failed")
             return _error(500, f"fake OpenAI server: the script raised {exc!r}")
+        if await request.is_disconnected():
+            self.abandoned.append(number)  # answered all the same, to nobody
         if self.vllm is not None and isinstance(reply, Mapping):
             tokens = body.get("tokens") if request.url.path.endswith("/tokens") else None
             reply = _vllm_answer(self.vllm, body, reply, tokens)

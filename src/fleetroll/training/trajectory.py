@@ -80,6 +80,11 @@ def stitch(turns: Sequence[Turn]) -> Trajectory | None:
     prompt does not starts a new segment: ``drift`` is true and
     ``drift_turn`` is the first such turn's index.
 
+    A call that asked for several choices (``n`` > 1: sibling turns, ``choice``
+    1, 2, … after the first) adds one of them: the choice the next call's prompt
+    continues, else its first. The others are in ``turns``, not in the
+    trajectory.
+
     Returns None when there are no turns or a turn lacks its token ids (the
     server did not return them, or ``policy.return_token_ids`` is off).
     """
@@ -87,6 +92,7 @@ def stitch(turns: Sequence[Turn]) -> Trajectory | None:
         turn.prompt_token_ids is None or turn.completion_token_ids is None for turn in turns
     ):
         return None
+    turns = _followed(turns)
     segments: list[TrajectorySegment] = []
     current: _Building | None = None
     drift_turn: int | None = None
@@ -116,6 +122,31 @@ def stitch(turns: Sequence[Turn]) -> Trajectory | None:
         drift_turn=drift_turn,
         segments=segments if drift_turn is not None else [],
     )
+
+
+def _followed(turns: Sequence[Turn]) -> Sequence[Turn]:
+    """One turn per call: of sibling choices, the one the next call's prompt extends
+    (else the first). Turns as they are when no call has siblings."""
+    if all(turn.choice == 0 for turn in turns):
+        return turns
+    calls: list[list[Turn]] = []
+    for turn in turns:
+        if turn.choice and calls:
+            calls[-1].append(turn)
+        else:
+            calls.append([turn])
+    followed: list[Turn] = []
+    for number, siblings in enumerate(calls):
+        chosen = siblings[0]
+        if len(siblings) > 1 and number + 1 < len(calls):
+            after = calls[number + 1][0].prompt_token_ids or []
+            for turn in siblings:
+                done = (turn.prompt_token_ids or []) + (turn.completion_token_ids or [])
+                if after[: len(done)] == done:
+                    chosen = turn
+                    break
+        followed.append(chosen)
+    return followed
 
 
 def training_rows(

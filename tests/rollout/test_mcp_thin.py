@@ -951,3 +951,31 @@ def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -
     ]
     for raw in others:
         assert mcp_thin._plain_result(raw) is None, raw
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("events", [False, True], ids=["json", "sse"])
+async def test_a_response_to_another_request_s_id_is_never_this_call_s_result(
+    events: bool,
+) -> None:
+    """A server off by one (OpenEnv's timed-out receive) answers a call with another
+    request's response: read as this call's result, a rollout scores on another call's
+    answer. The thin client took the first response whatever its id; now it refuses
+    one to another id at once. The SDK client fails a JSON one too (its session drops
+    the stray response and waits out its read timeout), but takes one on the POST's
+    own event stream as the answer whatever its id: there the thin client is the
+    stricter of the two, on purpose."""
+    stray = {"stray": _text_answer(b"someone else's answer").replace(b"@ID@", b"@ID@0")}
+    with anyio.fail_after(60):
+        async with (
+            serving(json_response=True, raw=stray, raw_events=events) as (url, _),
+            both(url, call_timeout_s=1.0) as (thin, sdk),
+        ):
+            assert isinstance(thin._client, ThinClient)
+            mine, theirs = await outcome(thin, "stray", {}), await outcome(sdk, "stray", {})
+    assert isinstance(mine, tuple) and mine[0] == "ToolCallFailed", mine
+    assert "with a response to request" in mine[1]
+    if events:
+        assert isinstance(theirs, ToolResult) and theirs.text == "someone else's answer"
+    else:
+        assert isinstance(theirs, tuple) and theirs[0] == "ToolCallFailed", theirs

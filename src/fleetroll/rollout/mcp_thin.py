@@ -56,6 +56,7 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final, TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -185,8 +186,9 @@ def _answer(response: Response) -> dict[str, Any]:
     raise _mcp_error(INVALID_REQUEST, f"Unexpected content type: {content_type}")
 
 
-async def _read(response: StreamResponse) -> dict[str, Any]:
-    """The JSON-RPC result of one POST's answer, read as it arrives.
+async def _read(response: StreamResponse, expected: int | None = None) -> dict[str, Any]:
+    """The JSON-RPC result of one POST's answer (to the request ``expected``), read
+    as it arrives.
 
     An event stream is parsed as its bytes come, and left at the event that
     carries the response (the spec lets a server keep the stream open after
@@ -204,7 +206,7 @@ async def _read(response: StreamResponse) -> dict[str, Any]:
         body = await response.aread() if status >= 400 else None
         _check_status(status, content_type, headers, body)
     if content_type.startswith("text/event-stream"):
-        events = _Events()
+        events = _Events(expected)
         async for chunk in response.aiter_bytes():
             found = events.feed(chunk)
             if found is not None:
@@ -212,7 +214,7 @@ async def _read(response: StreamResponse) -> dict[str, Any]:
         return events.end()
     body = await response.aread()
     if content_type.startswith("application/json"):
-        return _json_answer(body)
+        return _json_answer(body, expected)
     raise _mcp_error(INVALID_REQUEST, f"Unexpected content type: {content_type}")
 
 
@@ -264,11 +266,16 @@ def _request_id(value: Any) -> bool:
     return kind is int or kind is str
 
 
-def _message(data: bytes | str) -> dict[str, Any] | None:
+def _message(data: bytes | str, expected: int | None = None) -> dict[str, Any] | None:
     """One JSON-RPC message's result; None for a notification.
 
+    ``expected``: the id of the request it answers. A response to another id
+    is refused at once: read as this request's answer it would hand a rollout
+    another call's result (a server off by one); the SDK's session drops it
+    and waits out its read timeout, a failure of the call too.
+
     Raises:
-        MCPError: an error response (its error).
+        MCPError: an error response (its error), or a response to another id.
         _NotJsonRpc: not a JSON-RPC message (the SDK's adapter's words).
         _NeedsSdk: a request from the server.
     """
@@ -283,6 +290,8 @@ def _message(data: bytes | str) -> dict[str, Any] | None:
             result = message.get("result", _ABSENT)
             error = message.get("error", _ABSENT)
             if type(result) is dict and error is _ABSENT and _request_id(rid):
+                if expected is not None and rid != expected:
+                    raise _not_ours(expected, rid)
                 return cast("dict[str, Any]", result)
             if type(error) is dict and result is _ABSENT and (rid is None or _request_id(rid)):
                 code, text = error.get("code"), error.get("message")
@@ -292,10 +301,17 @@ def _message(data: bytes | str) -> dict[str, Any] | None:
             params = message.get("params")
             if params is None or type(params) is dict:
                 return None  # a notification (log messages, progress)
-    return _by_adapter(data)
+    return _by_adapter(data, expected)
 
 
-def _by_adapter(data: bytes | str) -> dict[str, Any] | None:
+def _not_ours(expected: int, rid: object) -> Exception:
+    return _mcp_error(
+        INTERNAL_ERROR,
+        f"the server answered request {expected} with a response to request {rid!r}",
+    )
+
+
+def _by_adapter(data: bytes | str, expected: int | None = None) -> dict[str, Any] | None:
     """:func:`_message` of an envelope out of the usual, by the SDK's own adapter."""
     from mcp_types import JSONRPCError, JSONRPCRequest, JSONRPCResponse, jsonrpc_message_adapter
 
@@ -304,6 +320,8 @@ def _by_adapter(data: bytes | str) -> dict[str, Any] | None:
     except ValidationError as exc:
         raise _NotJsonRpc(str(exc)) from None
     if isinstance(parsed, JSONRPCResponse):
+        if expected is not None and parsed.id != expected:
+            raise _not_ours(expected, parsed.id)
         return parsed.result
     if isinstance(parsed, JSONRPCError):
         error = parsed.error
@@ -313,14 +331,16 @@ def _by_adapter(data: bytes | str) -> dict[str, Any] | None:
     return None
 
 
-def _json_answer(body: bytes) -> dict[str, Any]:
-    """The result of a JSON answer (one message, which must be a response).
+def _json_answer(body: bytes, expected: int | None = None) -> dict[str, Any]:
+    """The result of a JSON answer (one message, which must be the response to
+    ``expected``, when given).
 
     Raises:
-        MCPError: an error response, or ``PARSE_ERROR``: not a response.
+        MCPError: an error response, a response to another id, or
+            ``PARSE_ERROR``: not a response.
     """
     try:
-        result = _message(body)
+        result = _message(body, expected)
     except _NotJsonRpc as exc:
         raise _mcp_error(PARSE_ERROR, f"Failed to parse JSON response: {exc}") from None
     except _NeedsSdk:
@@ -354,9 +374,10 @@ class _Events:
     byte read as U+FFFD (as ``aiter_text`` decodes it).
     """
 
-    __slots__ = ("_data", "_event", "_line", "_pending_cr")
+    __slots__ = ("_data", "_event", "_expected", "_line", "_pending_cr")
 
-    def __init__(self) -> None:
+    def __init__(self, expected: int | None = None) -> None:
+        self._expected = expected  # the request's id: a response to another is refused
         self._data: list[bytes] = []
         self._event = b""
         self._line: list[bytes] = []  # the start of a line not ended yet
@@ -434,7 +455,7 @@ class _Events:
         if not joined:
             return None  # a priming event
         try:
-            return _message(joined.decode("utf-8", "replace"))
+            return _message(joined.decode("utf-8", "replace"), self._expected)
         except _NotJsonRpc as exc:
             raise _mcp_error(PARSE_ERROR, f"Failed to parse SSE message: {exc}") from None
 
@@ -815,12 +836,14 @@ class ThinClient:
         if extra:
             headers.update(extra)
         if wait_s is None:
-            return await self._post(method, body, headers)
+            return await self._post(method, body, headers, request_id)
         with anyio.move_on_after(wait_s):
-            return await self._post(method, body, headers)
+            return await self._post(method, body, headers, request_id)
         raise _mcp_error(REQUEST_TIMEOUT, f"Request {method!r} timed out")
 
-    async def _post(self, method: str, body: bytes, headers: dict[str, str]) -> dict[str, Any]:
+    async def _post(
+        self, method: str, body: bytes, headers: dict[str, str], request_id: int
+    ) -> dict[str, Any]:
         return await post(
             self._wire,
             self.url,
@@ -830,7 +853,7 @@ class ThinClient:
             self._limits,
             self._budget,
             self._report,
-            _read,
+            partial(_read, expected=request_id),
         )
 
 

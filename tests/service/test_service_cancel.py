@@ -5,7 +5,7 @@ after their client left, as Fleet's do)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -16,7 +16,6 @@ from service_helpers import LEDGER
 
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
-from fleetroll.emulator.ledger import Ledger
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
@@ -25,7 +24,8 @@ from fleetroll.service import batches as service_batches
 from fleetroll.settings import load_settings
 from fleetroll.settings.fault_profiles import FaultProfile, Latency
 from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry import Event, Events, MemorySink
+from fleetroll.telemetry import Events, MemorySink
+from ledger_watch import Changes, creates_sent
 
 pytestmark = pytest.mark.slow
 
@@ -41,41 +41,11 @@ SLOW_CREATES = FaultProfile(
 )
 
 
-class Changes:
-    """Wakes its waiters at every change of the emulator's ledger and at every
-    event the service emits (no polling)."""
-
-    def __init__(self, ledger: Ledger) -> None:
-        self._changed = anyio.Event()
-        for name in ("create_started", "create_finished", "instance_started", "instance_ended"):
-            setattr(ledger, name, self._waking(getattr(ledger, name)))
-
-    def _waking(self, method: Callable[..., None]) -> Callable[..., None]:
-        def changed(*args: Any) -> None:
-            method(*args)
-            self.wake()
-
-        return changed
-
-    def wake(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def emit(self, event: Event) -> None:  # an EventSink
-        self.wake()
-
-    async def until(self, condition: Callable[[], Awaitable[bool]]) -> None:
-        while True:
-            changed = self._changed  # a change while the condition is read wakes it too
-            if await condition():
-                return
-            await changed.wait()
-
-
 @asynccontextmanager
 async def serving(
     emu: Emulator, sink: MemorySink, changes: Changes
 ) -> AsyncIterator[tuple[str, Service]]:
+    """``fleetroll serve`` over ``emu`` with an instance cap of ``CAP``."""
     settings = load_settings(
         provisioning={
             "adaptive_creates": False,
@@ -143,11 +113,6 @@ def in_flight(values: dict[str, float]) -> dict[str, float]:
 
 def idle(values: dict[str, float]) -> bool:
     return not any(in_flight(values).values())
-
-
-def creates_sent(ledger: Ledger) -> int:
-    """Creates the emulator received (ended or at work)."""
-    return sum(ledger.creates_by_outcome.values()) + ledger.snapshot()["creates_in_flight"]
 
 
 async def cancel_mid_provisioning(url: str, emu: Emulator, changes: Changes) -> None:

@@ -51,10 +51,15 @@ def held(state: AdmissionState) -> tuple[int, int, int]:
     ],
     ids=["success", "failure", "timeout"],
 )
+@pytest.mark.parametrize("client", ["direct", "sdk"])
 async def test_a_create_in_flight_at_a_cancel_holds_its_place_until_it_ends(
-    profile: FaultProfile, timeouts: dict[str, Any], outcome: str, error_type: str | None
+    profile: FaultProfile,
+    timeouts: dict[str, Any],
+    outcome: str,
+    error_type: str | None,
+    client: str,
 ) -> None:
-    settings = load_settings(provisioning=FAST, timeouts=timeouts)
+    settings = load_settings(provisioning={**FAST, "control_client": client}, timeouts=timeouts)
     sink = MemorySink()
     async with Emulator(profile) as emu:
         changes = Changes(emu.ledger)

@@ -25,7 +25,7 @@ TASKS, SAMPLES = 4, 2
 ROLLOUTS = TASKS * SAMPLES
 #: Long enough that the Ctrl-C lands while every create is at work.
 SLOW_CREATES = FaultProfile(
-    create_latency=Latency(min_s=2.0, max_s=3.0), creates_outlive_clients=True
+    create_latency=Latency(min_s=3.0, max_s=4.0), creates_outlive_clients=True
 )
 CONFIG = f"""\
 [pool]

@@ -34,17 +34,17 @@ def held(state: AdmissionState) -> tuple[int, int, int]:
     [
         # It succeeds after the cancel: its instance is released at once.
         (
-            FaultProfile(create_latency=Latency(min_s=1.0), creates_outlive_clients=True),
+            FaultProfile(create_latency=Latency(min_s=2.0), creates_outlive_clients=True),
             {},
             "released",
             None,
         ),
         # Fleet answers it with an error (504) after the cancel.
-        (FaultProfile(p_create_hang=1.0, create_hang_s=1.0), {}, "failed", "FleetAPIError"),
+        (FaultProfile(p_create_hang=1.0, create_hang_s=2.0), {}, "failed", "FleetAPIError"),
         # It runs out of its own deadline (timeouts.provision_create_s).
         (
             FaultProfile(create_latency=Latency(min_s=3600)),
-            {"provision_create_s": 1.0},
+            {"provision_create_s": 2.0},
             "failed",
             "TimeoutError",
         ),

@@ -609,7 +609,7 @@ async def test_batches_on_ray_cancelled_mid_provisioning_give_back_every_place_a
         },
         admission={"max_instances": cap},
     )
-    slow = FaultProfile(create_latency=Latency(min_s=2.0, max_s=3.0), creates_outlive_clients=True)
+    slow = FaultProfile(create_latency=Latency(min_s=3.0, max_s=4.0), creates_outlive_clients=True)
     sink = MemorySink()
     async with Emulator(slow) as emu:
         changes = Changes(emu.ledger)

@@ -35,7 +35,7 @@ SETTINGS = load_settings(
 LEDGER = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=SETTINGS.modalities)
 #: Long enough that every cancel lands while its batch's creates are at work.
 SLOW_CREATES = FaultProfile(
-    create_latency=Latency(min_s=2.0, max_s=3.0), creates_outlive_clients=True
+    create_latency=Latency(min_s=3.0, max_s=4.0), creates_outlive_clients=True
 )
 
 

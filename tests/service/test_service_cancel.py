@@ -37,7 +37,7 @@ CANCELS = 16
 PER_BATCH = 2
 #: Long enough that every cancel lands while its batch's creates are at work.
 SLOW_CREATES = FaultProfile(
-    create_latency=Latency(min_s=2.0, max_s=3.0), creates_outlive_clients=True
+    create_latency=Latency(min_s=3.0, max_s=4.0), creates_outlive_clients=True
 )
 
 

@@ -34,7 +34,7 @@ ray = pytest.importorskip("ray")
 from mcp import Client  # noqa: E402
 
 from fleetroll.client import FleetrollClient  # noqa: E402
-from fleetroll.emulator import FaultProfile, Latency  # noqa: E402
+from fleetroll.emulator import Emulator, FaultProfile, Latency  # noqa: E402
 from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
 from fleetroll.errors import PoolFullError  # noqa: E402
 from fleetroll.policies import ScriptedPolicy  # noqa: E402
@@ -49,6 +49,7 @@ from fleetroll.settings import config_dir, load_settings  # noqa: E402
 from fleetroll.tasks import TaskSpec, load_tasks  # noqa: E402
 from fleetroll.telemetry import Events, MemorySink  # noqa: E402
 from fleetroll.telemetry.events import Event, EventSink  # noqa: E402
+from ledger_watch import Changes, creates_sent  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -591,3 +592,56 @@ async def test_a_broken_environment_trips_one_breaker_for_the_cluster_while_a_he
     assert state.open_breakers == 1
     metrics = Metrics().render(in_flight=0, sessions_open=0, batches={}, admission=state)
     assert "fleetroll_admission_open_breakers 1" in metrics.splitlines()
+
+
+async def test_batches_on_ray_cancelled_mid_provisioning_give_back_every_place_and_instance(
+    local_ray: None,
+) -> None:
+    # Fleet here is this process's emulator (the actors reach it over loopback),
+    # whose creates go on after their client left, as Fleet's do.
+    cap, per_batch, cancels = 8, 4, 2
+    s = load_settings(
+        pool={"concurrency": cap},
+        provisioning={
+            "adaptive_creates": False,
+            "max_concurrent_creates": cap,
+            "creates_per_second": 500,
+        },
+        admission={"max_instances": cap},
+    )
+    slow = FaultProfile(create_latency=Latency(min_s=3.0, max_s=4.0), creates_outlive_clients=True)
+    sink = MemorySink()
+    async with Emulator(slow) as emu:
+        changes = Changes(emu.ledger)
+        fleet = {"api_key": emu.api_key, "base_url": emu.base_url}
+        async with ray_pool(s, **fleet, num_actors=1, events=Events([sink, changes])) as pool:
+            for n in range(cancels):
+                batch = pool.run_batch(LEDGER[:per_batch], ScriptedPolicy(), batch_id=f"cut-{n}")
+
+                async def arrived(sent: int = (n + 1) * per_batch) -> bool:
+                    return creates_sent(emu.ledger) == sent
+
+                with anyio.fail_after(120):
+                    await changes.until(arrived)
+                    batch.cancel()
+                    results = await batch.results()
+                assert {r.failure_reason for r in results} == {FailureReason.CANCELLED}
+
+            async def returned() -> bool:
+                ledger = emu.ledger.snapshot()
+                await pool.admission.refresh(Events())
+                state = pool.admission.state()
+                return (
+                    ledger["running"] == ledger["creates_in_flight"] == 0
+                    and state.in_use == state.starting == state.creates_in_flight == 0
+                )
+
+            with anyio.move_on_after(10):  # from the last cancel
+                await changes.until(returned)
+            state, ledger = pool.admission.state(), emu.ledger.snapshot()
+    # The cluster's one controller holds nothing; Fleet runs nothing.
+    assert (state.in_use, state.starting, state.creates_in_flight) == (0, 0, 0), state
+    assert (ledger["running"], ledger["created"]) == (0, cancels * per_batch), ledger
+    events = sink.named("fleet_create_abandoned")
+    assert len({e.attributes["instance_id"] for e in events}) == cancels * per_batch
+    assert {e.attributes["outcome"] for e in events} == {"released"}

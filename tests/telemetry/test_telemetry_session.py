@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import MemorySink, Redactor, Telemetry, open_telemetry
+from fleetroll.telemetry.events import Event
+from fleetroll.telemetry.sinks import console_level
 from fleetroll.telemetry.store import connect
 
 SETTINGS = load_settings()
@@ -101,6 +104,14 @@ def test_console_level_debug_shows_every_event(
         telemetry.events.emit("fleet_rollout_completed", failure_reason=None)
     err = capsys.readouterr().err
     assert "fleet_rollout_started" in err and "fleet_rollout_completed" in err
+
+
+def test_an_abandoned_create_is_a_console_line_only_when_its_instance_may_run_on() -> None:
+    def level(outcome: str) -> int:
+        return console_level(Event("fleet_create_abandoned", "info", {"outcome": outcome}))
+
+    assert [level(o) for o in ("released", "failed", "release_failed")] == [logging.DEBUG] * 3
+    assert level("cut") == logging.WARNING
 
 
 def test_the_redactor_masks_known_secrets_headers_and_credential_fields() -> None:

@@ -421,13 +421,21 @@ class EmulatorApp:
         # Made on the loop after the latency, a thousand creates that ended
         # together each waited for the files of those before it.
         database = self.store.new_database(env, body.data_key)
+        outcome = "ok"
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._make_database, database)
-                gone = bool(latency) and await hang(request, min(latency, max_wait))
+                began, waited = time.monotonic(), min(latency, max_wait)
+                gone = bool(latency) and await hang(request, waited)
+                if gone and faults.profile.creates_outlive_clients:
+                    # As Fleet: the create goes on without its client.
+                    outcome = "client_gone"
+                    await anyio.sleep(max(0.0, waited - (time.monotonic() - began)))
             # A client that left while its file was made (a cancelled batch) gets
             # no instance either: it could never learn its id to release it.
-            if gone or await request.is_disconnected():
+            if not faults.profile.creates_outlive_clients and (
+                gone or await request.is_disconnected()
+            ):
                 return _error(499, "client went away"), "abandoned"
             if latency > max_wait:
                 return _create_timed_out(max_wait), "timed_out"
@@ -453,7 +461,7 @@ class EmulatorApp:
             self._made_by_request[request_id] = inst.instance_id
             while len(self._made_by_request) > _KEEP_REQUEST_IDS:
                 self._made_by_request.popitem(last=False)
-        return JSONResponse(inst.to_response(self.base_url)), "ok"
+        return JSONResponse(inst.to_response(self.base_url)), outcome
 
     async def _make_database(self, database: NewDatabase) -> None:
         await anyio.to_thread.run_sync(database.make, limiter=self._database_threads)

@@ -95,21 +95,25 @@ class MixedProvider:
                 admission=self._admission,
             )
             if self._background is not None:
-                self._fleet.heartbeats.start(self._background)
+                self._fleet.start(self._background)
         return self._fleet
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
-        """While open, the Fleet provider's heartbeats keep its instances alive
-        (from when it is built); a pool holds it open."""
+        """While open, the Fleet provider's background work runs (from when it is
+        built): heartbeats keep its instances alive, and creates whose rollout was
+        cancelled end there (what they made is released). A pool holds it open; on
+        exit those creates are waited for (``timeouts.release_s`` at most)."""
         async with anyio.create_task_group() as tg:
             self._background = tg
             if self._fleet is not None:
-                self._fleet.heartbeats.start(tg)
+                self._fleet.start(tg)
             try:
                 yield
             finally:
                 self._background = None
+                if self._fleet is not None:
+                    await self._fleet.settle()  # shielded and bounded
                 tg.cancel_scope.cancel()
 
     @property

@@ -65,6 +65,9 @@ class FaultProfile(BaseModel):
     #: (sooner if the request's ``max_wait_seconds`` is shorter, as on Fleet).
     p_create_hang: Probability = 0.0
     create_hang_s: Seconds = 3600.0
+    #: A create whose client left (a cancelled request) still makes its instance
+    #: once its latency is over, as Fleet goes on with it; off: none is made.
+    creates_outlive_clients: bool = False
 
     # -- MCP and tools ------------------------------------------------------
     #: MCP endpoints answer 503 for this long after an instance is created.

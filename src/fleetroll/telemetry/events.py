@@ -60,6 +60,7 @@ EVENT_NAMES: Final[frozenset[str]] = frozenset(
         "fleet_make_retry",
         "fleet_retry",
         "fleet_make_failed",
+        "fleet_create_abandoned",
         "fleet_create_rate",
         "fleet_provisioning_completed",
         "fleet_env_quarantined",

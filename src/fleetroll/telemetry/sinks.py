@@ -123,6 +123,10 @@ def console_level(event: Event) -> int:
         if reason is None or reason in ("cancelled", "superseded"):
             return DEBUG
         return INFO if reason in ("max_steps", "stale") else WARNING
+    if event.name == "fleet_create_abandoned":
+        # One a create in flight at a cancel (hundreds at a Ctrl-C): a line only
+        # when its instance may be left running (a failed release has its own).
+        return WARNING if event.attributes.get("outcome") == "cut" else DEBUG
     fixed = CONSOLE_LEVELS.get(event.name)
     return fixed if fixed is not None else _BY_EVENT_LEVEL.get(event.level, INFO)
 

@@ -23,6 +23,12 @@ the ``fleet`` SDK.
   per-environment breakers).
 * :meth:`FleetProvider.release` runs shielded and bounded: cancellation
   cannot leak an instance, and a hung delete cannot hang the caller.
+* A create request, once sent, is Fleet's to finish whoever waits for it: it
+  runs in the provider's own task group (:meth:`FleetProvider.start`), so a
+  rollout cancelled meanwhile (its batch cancelled, a Ctrl-C, its provisioning
+  budget) returns at once and leaves the create to end. The create keeps its
+  admission place and create slot until then; what it made is released as soon
+  as it is answered (``fleet_create_abandoned`` names it).
 """
 
 from __future__ import annotations
@@ -31,12 +37,14 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import anyio
 import httpx2
+from anyio.abc import TaskGroup
 from fleet._async import exceptions as fleet_errors
 from fleet._async.client import AsyncEnv
 from fleet.runner_auth import RunnerTokenProvider
@@ -111,6 +119,27 @@ class CreateGate(Protocol):
     def slot(self) -> AbstractAsyncContextManager[None]:
         """Held for the duration of one create request (it learns from its answer)."""
         ...
+
+
+@dataclass(eq=False, slots=True)
+class _Create:
+    """One create request run in the provider's task group, apart from the
+    rollout that waits for it (see the module's docstring)."""
+
+    ticket: Ticket | None
+    run_id: str | None
+    began: float = field(default_factory=time.monotonic)
+    #: Cancelled by the rollout that leaves before the request is sent.
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    #: Its slot is taken and the request goes out: from then on it runs to its end.
+    sent: bool = False
+    #: Why its rollout left while it was in flight (what it makes is released).
+    abandoned: str | None = None
+    #: Cut short by the provider's task group closing before it was answered.
+    cut: bool = False
+    env: FleetEnv | None = None
+    error: Exception | None = None
 
 
 class FleetProvider:
@@ -196,6 +225,32 @@ class FleetProvider:
         self.heartbeats = Heartbeats(settings.provisioning.heartbeat_s, timeout_s=t.release_s)
         #: Instances provisioned and not released: a sweep leaves them alone.
         self._live: set[str] = set()
+        #: Where create requests run (:meth:`start`); None: in their rollout's task.
+        self._background: TaskGroup | None = None
+        #: Create requests running there, and a wake-up when one ends (:meth:`settle`).
+        self._creates: set[_Create] = set()
+        self._create_ended: anyio.Event | None = None
+        #: Places held by creates whose rollout left: given back when they end.
+        self._held_by_creates: set[Ticket] = set()
+
+    def start(self, tg: TaskGroup) -> None:
+        """Run the provider's background work in ``tg`` until :meth:`settle`:
+        the heartbeats, and every create request (a rollout cancelled while its
+        create is in flight leaves it to end there; what it makes is released)."""
+        self._background = tg
+        self.heartbeats.start(tg)
+
+    async def settle(self) -> None:
+        """Wait for the create requests still running in :meth:`start`'s task
+        group to end and what they made to be released (shielded, at most
+        ``timeouts.release_s``): for its owner, before it closes that group
+        (which cuts those left; their instances, if any, carry the run's tag for
+        the next start's collection). Creates from now on run in their rollout's task."""
+        self._background = None
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self._settings.timeouts.release_s):
+            while self._creates:
+                ended = self._create_ended = anyio.Event()
+                await ended.wait()
 
     async def aclose(self) -> None:
         for client in self._clients:
@@ -365,9 +420,11 @@ class FleetProvider:
                             raise
         except EnvUnavailableError:
             raise
+        except anyio.get_cancelled_exc_class():
+            self._give_back(ticket)
+            raise
         except Exception as exc:
-            if ticket is not None and self._admission is not None:
-                self._admission.release(ticket)
+            self._give_back(ticket)
             waited = ticket is None and self._admission is not None
             raise provisioning_failed(
                 self._settings, self._events, task, exc, last, attempt, waited_for_admission=waited
@@ -378,7 +435,11 @@ class FleetProvider:
         self.heartbeats.hold(env)
         self._live.add(env.instance_id)
         if self._settings.modalities[task.modality].browser_lease:
-            await self._lease_browser(env, task, attempt)
+            try:
+                await self._lease_browser(env, task, attempt)
+            except anyio.get_cancelled_exc_class():  # nobody will hold it: released now
+                await self.release(Instance(env.instance_id, attempt, 0.0, started, env))
+                raise
         elapsed = time.monotonic() - started
         self._events.emit(
             "fleet_provisioning_completed",
@@ -400,6 +461,14 @@ class FleetProvider:
             created_mono=time.monotonic(),
             handle=env,
         )
+
+    def _give_back(self, ticket: Ticket | None) -> None:
+        """The ticket's place back, unless a create its rollout left holds it
+        (given back when that create ends)."""
+        held = ticket is None or ticket in self._held_by_creates
+        if not held and self._admission is not None:
+            assert ticket is not None
+            self._admission.release(ticket)
 
     async def _admit(self, task: TaskSpec) -> Ticket | None:
         """A place for the instance (waits for room); None without admission control.
@@ -436,7 +505,7 @@ class FleetProvider:
         429 when the gate learns the rate (it waits out Retry-After, slows down)."""
         while True:
             try:
-                return await self._create_once(task, run_id, request_id)
+                return await self._create_once(task, run_id, request_id, ticket)
             except fleet_errors.FleetRateLimitError as exc:
                 if not self._gate.adaptive:
                     raise
@@ -516,20 +585,28 @@ class FleetProvider:
             )
         return error is None
 
-    async def _create_once(self, task: TaskSpec, run_id: str | None, request_id: str) -> FleetEnv:
+    async def _create_once(
+        self, task: TaskSpec, run_id: str | None, request_id: str, ticket: Ticket | None
+    ) -> FleetEnv:
+        """One create request (within its create slot) and a running instance out of it.
+
+        In :meth:`start`'s task group when there is one: a cancel of the caller
+        then leaves a request already sent to end there (:meth:`_run_create`).
+        """
         modality = self._settings.modalities[task.modality]
         create_timeout = self._settings.timeouts.provision_create_s
-        env: FleetEnv
-        async with self._gate.slot():
-            made: dict[str, Any] = {
-                "data_key": task.data_spec,
-                "region": self._settings.provisioning.region,
-                "env_variables": task.env_variables or None,
-                "image_type": modality.image_type,
-                "ttl_seconds": task.ttl_seconds or modality.ttl_s,
-                "run_id": run_id,
-                "heartbeat_interval": self.heartbeats.interval,
-            }
+        made: dict[str, Any] = {
+            "data_key": task.data_spec,
+            "region": self._settings.provisioning.region,
+            "env_variables": task.env_variables or None,
+            "image_type": modality.image_type,
+            "ttl_seconds": task.ttl_seconds or modality.ttl_s,
+            "run_id": run_id,
+            "heartbeat_interval": self.heartbeats.interval,
+        }
+
+        async def make() -> FleetEnv:
+            env: FleetEnv
             with fail_after(create_timeout):
                 if self._direct is not None:
                     env = await self._direct.make(
@@ -540,14 +617,116 @@ class FleetProvider:
                     )
                 else:
                     env = await next(self._lane).make(task.env_spec, **made, timeout=create_timeout)
-        await self._share_runner_token(env)
-        if env.status != "running" or env.urls is None:
-            # Not usable: give it back before trying again.
-            await self._close(env)
-            raise fleet_errors.FleetEnvironmentError(
-                f"instance {env.instance_id} came up {env.status!r}, not running"
-            )
-        return env
+            return env
+
+        tg = self._background
+        create = _Create(ticket, run_id)
+        if tg is None:  # no task group of ours: in the caller's task, cut by its cancel
+            await self._run_create(create, make)
+        else:
+            self._creates.add(create)
+            tg.start_soon(self._run_create, create, make)
+            try:
+                await create.done.wait()
+            except anyio.get_cancelled_exc_class():
+                self._abandon(create, tg, "cancelled")
+                raise
+        if create.error is not None:
+            raise create.error
+        assert create.env is not None
+        return create.env
+
+    async def _run_create(self, create: _Create, make: Callable[[], Awaitable[FleetEnv]]) -> None:
+        """Send the create (once its slot is free), then make sure what it made runs.
+
+        The outcome goes to ``create`` (its ``env`` or ``error``); if its rollout
+        left meanwhile, what it made is released and its place given back here.
+        """
+        try:
+            with create.scope:
+                async with self._gate.slot():
+                    create.sent, create.began = True, time.monotonic()
+                    create.env = await make()
+                await self._share_runner_token(create.env)
+                if create.env.status != "running" or create.env.urls is None:
+                    # Not usable: give it back before trying again.
+                    env, create.env = create.env, None
+                    await self._close(env)
+                    raise fleet_errors.FleetEnvironmentError(
+                        f"instance {env.instance_id} came up {env.status!r}, not running"
+                    )
+        except Exception as exc:  # the caller's to raise
+            create.error = exc
+        except anyio.get_cancelled_exc_class():
+            if create in self._creates:  # our task group closes under it
+                create.cut = True
+                create.error = ProvisionError(
+                    "the pool closed while the instance's create was in flight",
+                    transient=False,
+                    attempts=0,
+                )
+                create.abandoned = create.abandoned or "closing"
+            elif create.env is not None:  # a bare provider's caller, cancelled
+                with anyio.CancelScope(shield=True):
+                    await self._close(create.env)
+            raise
+        finally:
+            create.done.set()
+            if create.abandoned is None:
+                self._ended(create)
+            else:
+                await self._end_abandoned(create)
+
+    def _ended(self, create: _Create) -> None:
+        self._creates.discard(create)
+        if self._create_ended is not None:
+            self._create_ended.set()
+
+    def _abandon(self, create: _Create, tg: TaskGroup, why: str) -> None:
+        """The rollout waiting for ``create`` left: a create not sent yet is called
+        off; one sent runs to its end, which releases what it made."""
+        if not create.sent:
+            create.scope.cancel()
+            return
+        create.abandoned = why
+        if create.ticket is not None:
+            self._held_by_creates.add(create.ticket)
+        if create.done.is_set():  # answered, but its rollout left before it took it
+            self._creates.add(create)
+            tg.start_soon(self._end_abandoned, create)
+
+    async def _end_abandoned(self, create: _Create) -> None:
+        """Release what a create its rollout left made, give its place back, and
+        say so (``fleet_create_abandoned``). Shielded; bounded by the release."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._give_back_abandoned(create)
+            finally:
+                self._ended(create)
+
+    async def _give_back_abandoned(self, create: _Create) -> None:
+        env, create.env = create.env, None
+        outcome = "cut" if create.cut else "failed"
+        if env is not None:
+            instance = Instance(env.instance_id, 0, 0.0, time.monotonic(), env)
+            outcome = "released" if await self._release(instance) else "release_failed"
+        ticket = create.ticket
+        if ticket is not None:
+            self._held_by_creates.discard(ticket)
+            if self._admission is not None:
+                self._admission.release(ticket)
+        error = create.error if env is None else None
+        self._events.emit(
+            "fleet_create_abandoned",
+            level="info" if outcome in ("released", "failed") else "warn",
+            instance_id=None if env is None else env.instance_id,
+            run_id=create.run_id,
+            reason=create.abandoned,
+            outcome=outcome,
+            create_s=round(time.monotonic() - create.began, 4),
+            error_type=None if error is None else type(error).__name__,
+            error_message=None if error is None else str(error)[:500],
+        )
 
     async def _share_runner_token(self, env: FleetEnv) -> None:
         """The instance-router token, resolved once (bounded) for every instance."""

@@ -17,6 +17,7 @@ import anyio
 import httpx
 import pytest
 
+from agent_helpers import marked, new_mark
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.results import FailureReason, RolloutResult
@@ -184,11 +185,13 @@ async def test_the_gateway_refuses_a_rollout_s_key_once_it_has_ended(tmp_path: P
 async def test_an_agent_past_the_rollout_s_deadline_is_killed_with_its_group(
     tmp_path: Path,
 ) -> None:
-    pid_file = tmp_path / "child.pid"
+    # Its child is found by a mark in its command line: in a PID namespace of its
+    # own, the agent's process ids are not this test's.
+    mark, started = new_mark(), tmp_path / "started"
     script = (
         "import subprocess, sys, time\n"
-        "child = subprocess.Popen(['sleep', '600'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {mark!r}])\n"
+        f"open({str(started)!r}, 'w').close()\n"
         "time.sleep(600)\n"
     )
     overrides = {"timeouts": {"rollout_s": 1.0}}
@@ -197,7 +200,7 @@ async def test_an_agent_past_the_rollout_s_deadline_is_killed_with_its_group(
 
     assert result.failure_reason is FailureReason.TIMEOUT
     assert result.reward == 0.0  # scored, as the built-in loop's timeout is
-    assert not alive(int(pid_file.read_text()))
+    assert started.exists() and marked(mark) == []
 
 
 async def test_an_agent_that_fails_is_scored_with_its_answer_cut_and_its_output_logged(
@@ -217,15 +220,6 @@ async def test_an_agent_that_fails_is_scored_with_its_answer_cut_and_its_output_
         r.getMessage() for r in caplog.records if r.name == "fleetroll.rollout.agent_command"
     ]
     assert "exited with 3" in warning and "the agent gave up here" in warning
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:\tZ") for line in f)
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize(

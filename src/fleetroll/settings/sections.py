@@ -375,6 +375,14 @@ class PolicySettings(_Section):
     agent_max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     #: Bytes of an agent command's answer file read as the final answer (the rest is cut).
     agent_max_answer_file_bytes: int = Field(1024 * 1024, ge=1)
+    #: Bytes of an agent command's output kept in its log: past them, a marker
+    #: line, then only its last 64 KiB (at most half of this), written at its end.
+    agent_max_log_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    #: How an agent command's processes are contained: "namespace", a PID
+    #: namespace of its own (ended whole; fleetroll's and its siblings' /proc out
+    #: of its reach), "subreaper", its orphans kept and ended by its init, "auto"
+    #: (the namespace where one can be made, else the subreaper with a warning).
+    agent_sandbox: Literal["auto", "namespace", "subreaper"] = "auto"
 
     @field_validator("base_urls")
     @classmethod

@@ -7,7 +7,9 @@ the tests look for the mark in /proc.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import uuid
 
@@ -58,3 +60,10 @@ urllib.request.urlopen(request).read()
 {then}
 """
     return [sys.executable, "-c", script]
+
+
+def end_marked(mark: str) -> None:
+    """SIGKILL what a failed test left running (its marked processes only)."""
+    for pid in marked(mark):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)

@@ -8,7 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -17,7 +17,7 @@ import anyio
 import httpx
 import pytest
 
-from agent_helpers import marked, new_mark
+from agent_helpers import end_marked, marked, new_mark
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.results import FailureReason, RolloutResult
@@ -32,6 +32,15 @@ from fleetroll.testing.fake_provider import FakeProvider
 
 #: Real processes and servers on loopback: outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def mark() -> Iterator[str]:
+    """A mark for the test's agents' descendants; what is left of them is ended after."""
+    mark = new_mark()
+    yield mark
+    end_marked(mark)
+
 
 TASK = TaskSpec(key="t1", prompt="note done", env_key="fake", metadata={"level": 3})
 #: The variables an agent is given (LC_CTYPE: Python's own locale coercion may add it).
@@ -183,11 +192,11 @@ async def test_the_gateway_refuses_a_rollout_s_key_once_it_has_ended(tmp_path: P
 
 
 async def test_an_agent_past_the_rollout_s_deadline_is_killed_with_its_group(
-    tmp_path: Path,
+    tmp_path: Path, mark: str
 ) -> None:
     # Its child is found by a mark in its command line: in a PID namespace of its
     # own, the agent's process ids are not this test's.
-    mark, started = new_mark(), tmp_path / "started"
+    started = tmp_path / "started"
     script = (
         "import subprocess, sys, time\n"
         f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {mark!r}])\n"

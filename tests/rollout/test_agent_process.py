@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
-from agent_helpers import leaving_descendants, marked, new_mark
+from agent_helpers import end_marked, leaving_descendants, marked, new_mark
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.results import FailureReason, RolloutResult
@@ -31,6 +31,15 @@ from fleetroll.testing.fake_provider import FakeProvider
 
 #: Real processes and servers on loopback: outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def mark() -> Iterator[str]:
+    """A mark for the test's agents' descendants; what is left of them is ended after."""
+    mark = new_mark()
+    yield mark
+    end_marked(mark)
+
 
 TASK = TaskSpec(key="t1", prompt="note done", env_key="fake")
 SANDBOXES = ["namespace", "subreaper"]
@@ -80,9 +89,8 @@ async def run(eng: RolloutEngine, agent: CommandAgent) -> RolloutResult:
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
 async def test_an_agent_s_descendants_that_called_setsid_end_when_it_exits(
-    sandbox: Sandbox,
+    sandbox: Sandbox, mark: str
 ) -> None:
-    mark = new_mark()
     command = leaving_descendants(mark, then="print('bye')")
     async with agent_rollout(command, sandbox) as (eng, agent, server):
         result = await run(eng, agent)
@@ -93,9 +101,8 @@ async def test_an_agent_s_descendants_that_called_setsid_end_when_it_exits(
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
 async def test_an_agent_s_descendants_that_called_setsid_end_at_the_rollout_s_deadline(
-    sandbox: Sandbox,
+    sandbox: Sandbox, mark: str
 ) -> None:
-    mark = new_mark()
     overrides = {"timeouts": {"rollout_s": 4.0}}
     async with agent_rollout(leaving_descendants(mark), sandbox, **overrides) as (eng, agent, srv):
         result = await run(eng, agent)
@@ -107,9 +114,8 @@ async def test_an_agent_s_descendants_that_called_setsid_end_at_the_rollout_s_de
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
 async def test_an_agent_s_descendants_that_called_setsid_end_when_its_rollout_is_cancelled(
-    sandbox: Sandbox,
+    sandbox: Sandbox, mark: str
 ) -> None:
-    mark = new_mark()
     gate = WatchedGate()
     async with (
         agent_rollout(leaving_descendants(mark), sandbox, gate) as (eng, agent, _),
@@ -153,11 +159,10 @@ async def test_an_agent_s_log_keeps_its_head_and_its_tail_within_the_cap(
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)
 async def test_a_later_start_on_the_same_records_ends_an_agent_an_earlier_process_left(
-    tmp_path: Path, sandbox: Sandbox
+    tmp_path: Path, sandbox: Sandbox, mark: str
 ) -> None:
     """The backstop for an init that outlived its fleetroll: here one whose lifeline
     is still open (this test holds it) and whose records' holder is gone."""
-    mark = new_mark()
     folder = tmp_path / "out.jsonl.agents"
     earlier = AgentRecords(folder)
     earlier.open()

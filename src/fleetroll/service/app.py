@@ -36,6 +36,7 @@ from fleetroll.errors import OperationTimeout
 from fleetroll.policies.gateway import Gateway
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
+from fleetroll.rollout.agent_process import AgentRecords
 from fleetroll.rollout.events import EventPage
 from fleetroll.rollout.machine import RolloutIds, RolloutView
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
@@ -84,6 +85,9 @@ class Service:
         self.metrics = Metrics()
         self.redact = Redactor(settings.secrets())
         self.batches = BatchRegistry(pool, settings, self.metrics, preflight_pool=pool, store=store)
+        #: Where batches' agent commands are noted (beside the stored batches), so
+        #: a start ends what a killed earlier one left running.
+        self.agent_records = None if store is None else AgentRecords(store.root / "agents")
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
         #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}
@@ -97,6 +101,10 @@ class Service:
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            if self.agent_records is not None:
+                await anyio.to_thread.run_sync(self.agent_records.open)
+                stack.callback(self.agent_records.close)
+                self.batches.agent_records = self.agent_records
             if self.settings.service.allow_command_tasks:
                 # Batches' agent commands talk to it; it outlives their consumers.
                 gateway = Gateway(max_request_bytes=self.settings.policy.agent_max_request_bytes)

@@ -368,8 +368,8 @@ class PolicySettings(_Section):
     #: Bytes of one chat completion (the HTTP body) read before giving up: past
     #: it the turn is a ``policy_error``, the connection closed.
     max_answer_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    #: An agent command's (``--agent-command``) process group: SIGTERM once
-    #: its rollout's deadline passes, SIGKILL this much later.
+    #: An agent command's (``--agent-command``) processes: SIGTERM once its
+    #: rollout's deadline passes (or it is cancelled), all killed this much later.
     agent_kill_grace_s: float = Field(2.0, ge=0)
     #: The largest request an agent command may send to its gateway (HTTP 413 past it).
     agent_max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)

@@ -195,8 +195,9 @@ async def start_serve(tmp_path: Path, port: int, name: str) -> anyio.abc.Process
                 await anyio.sleep(0.05)
 
 
-async def test_every_agent_process_ends_when_serve_is_killed_and_the_restart_finds_none(
-    tmp_path: Path, mark: str
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill_9"])
+async def test_every_agent_process_ends_when_serve_stops_and_the_restart_finds_none(
+    tmp_path: Path, stop: signal.Signals, mark: str
 ) -> None:
     agent = tmp_path / "agent.py"
     agent.write_text(leaving_descendants(mark)[2])
@@ -221,16 +222,18 @@ async def test_every_agent_process_ends_when_serve_is_killed_and_the_restart_fin
                     assert first.returncode is None, (tmp_path / "first.log").read_text()
                     await anyio.sleep(0.05)
         finally:
-            first.kill()  # SIGKILL, to this child only
-            with anyio.fail_after(30):
+            first.send_signal(stop)  # to this child only
+            with anyio.fail_after(60):
                 await first.wait()
+        # Ended by serve's stop (SIGTERM), or by their inits when the lifeline ends.
         with anyio.fail_after(30):
             while marked(mark):
                 await anyio.sleep(0.05)
         second = await start_serve(tmp_path, port, "second")
         try:
             notes = sorted(p.name for p in (tmp_path / "state" / "agents").iterdir())
-            assert len(notes) == 1  # the second's own; the first's was found and removed
+            said = (tmp_path / "first.log").read_text() + (tmp_path / "second.log").read_text()
+            assert len(notes) == 1, said  # the second's; a killed first's was found and removed
         finally:
             second.send_signal(signal.SIGTERM)
             with anyio.fail_after(60):

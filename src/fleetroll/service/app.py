@@ -71,6 +71,9 @@ class Service:
             and the sessions (these in this process, whatever its executor).
         store: where batches and their results are kept across restarts
             (:func:`fleetroll.service.state.open_store`; default: memory only).
+        agent_records: where batches' agent commands are noted, opened by the
+            caller for longer than the pool runs (``fleetroll serve``'s are in
+            ``service.state_dir/agents``), so a start ends what a killed one left.
     """
 
     def __init__(
@@ -79,15 +82,14 @@ class Service:
         settings: Settings,
         *,
         store: BatchStore | None = None,
+        agent_records: AgentRecords | None = None,
     ) -> None:
         self.pool = pool
         self.settings = settings
         self.metrics = Metrics()
         self.redact = Redactor(settings.secrets())
         self.batches = BatchRegistry(pool, settings, self.metrics, preflight_pool=pool, store=store)
-        #: Where batches' agent commands are noted (beside the stored batches), so
-        #: a start ends what a killed earlier one left running.
-        self.agent_records = None if store is None else AgentRecords(store.root / "agents")
+        self.batches.agent_records = agent_records
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
         #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}
@@ -101,10 +103,6 @@ class Service:
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            if self.agent_records is not None:
-                await anyio.to_thread.run_sync(self.agent_records.open)
-                stack.callback(self.agent_records.close)
-                self.batches.agent_records = self.agent_records
             if self.settings.service.allow_command_tasks:
                 # Batches' agent commands talk to it; it outlives their consumers.
                 gateway = Gateway(max_request_bytes=self.settings.policy.agent_max_request_bytes)

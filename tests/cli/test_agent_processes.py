@@ -98,8 +98,12 @@ async def test_every_agent_process_ends_with_fleetroll_run_even_those_that_calle
             while left := marked(mark):
                 assert stop is signal.SIGKILL, left
                 await anyio.sleep(0.05)
+    notes = tmp_path / "out.jsonl.agents"  # beside the journal: what a next start ends
     if stop is signal.SIGTERM:
         assert child.returncode == 130, (tmp_path / "run.log").read_text()
+        assert not notes.exists()
+    else:
+        assert len(list(notes.iterdir())) == 1
 
 
 #: An agent that looks for secrets: it notes its own key, waits until its
@@ -238,4 +242,4 @@ async def test_every_agent_process_ends_when_serve_stops_and_the_restart_finds_n
             second.send_signal(signal.SIGTERM)
             with anyio.fail_after(60):
                 await second.wait()
-    assert not list((tmp_path / "state" / "agents").iterdir())
+    assert not (tmp_path / "state" / "agents").exists()  # nothing left to end

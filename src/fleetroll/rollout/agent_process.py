@@ -303,12 +303,15 @@ class AgentRecords:
         return ended
 
     def close(self) -> None:
-        """Remove this process's note (its agents are all ended by now)."""
+        """Remove this process's note (its agents are all ended by now), and the
+        folder if no other note is left in it."""
         fd, self._fd = self._fd, None
         if fd is not None:
             with contextlib.suppress(OSError):
                 (self.folder / f"{self.tag}.lock").unlink()
             os.close(fd)
+            with contextlib.suppress(OSError):
+                self.folder.rmdir()
 
     def __enter__(self) -> AgentRecords:
         self.open()

@@ -36,14 +36,19 @@ def marked(mark: str) -> list[int]:
     return found
 
 
-def leaving_descendants(mark: str, *, then: str = "import time; time.sleep(600)") -> list[str]:
+def leaving_descendants(
+    mark: str, *, then: str = "import time; time.sleep(600)", deaf: bool = False
+) -> list[str]:
     """An agent that starts a child which calls ``setsid`` and starts a
     grandchild (a daemon's double fork), both sleeping with ``mark`` in their
-    command lines; once both run, it makes one policy call, then runs ``then``."""
+    command lines (``deaf``: ignoring SIGTERM); once both run, it makes one
+    policy call, then runs ``then``."""
+    deafen = "import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN); " if deaf else ""
+    sleeper = deafen + "import time; time.sleep(600)"
     daemon = (
-        "import os, subprocess, sys, time\n"
+        f"{deafen}import os, subprocess, sys, time\n"
         "os.setsid()\n"
-        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {mark!r}],"
+        f"subprocess.Popen([sys.executable, '-c', {sleeper!r}, {mark!r}],"
         " start_new_session=True)\n"
         "print('up', flush=True)\n"
         "time.sleep(600)\n"

@@ -117,8 +117,9 @@ async def test_an_agent_s_descendants_that_called_setsid_end_when_its_rollout_is
     sandbox: Sandbox, mark: str
 ) -> None:
     gate = WatchedGate()
+    command = leaving_descendants(mark, deaf=True)  # they ignore SIGTERM, too
     async with (
-        agent_rollout(leaving_descendants(mark), sandbox, gate) as (eng, agent, _),
+        agent_rollout(command, sandbox, gate) as (eng, agent, _),
         anyio.create_task_group() as tg,
         gate.paused_calls(),
     ):

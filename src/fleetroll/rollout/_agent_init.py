@@ -15,6 +15,7 @@ leaving nothing of the agent running:
   so the agent's orphans (those that called ``setsid`` included) become its
   children; before it exits it kills every descendant, round after round
   until none is left.
+- MODE ``group`` (not Linux): the agent's process group only, as fleetroll signals it.
 
 SIGTERM, SIGINT and SIGHUP are passed on to every process of the agent (they
 end it gracefully; fleetroll's SIGKILL, or the lifeline's end, follows).
@@ -212,7 +213,7 @@ def main(argv: list[str]) -> int:
         status = _reap(agent)
         if lifeline in ready:
             break  # fleetroll closed it, or is gone: end everything now
-    if mode == "subreaper":
+    if mode != "namespace":  # in a namespace, the kernel ends the rest when this exits
         _kill_descendants()
     if reading:
         _drain(out_r, log)

@@ -8,7 +8,7 @@ import os
 import pickle
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from agent_helpers import end_marked, marked, new_mark
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.pool.rollout_pool import RolloutPool
@@ -44,6 +45,15 @@ from fleetroll.testing.fake_provider import FakeProvider
 
 #: Real processes and servers on loopback: outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def mark() -> Iterator[str]:
+    """A mark for the test's agents' descendants; what is left of them is ended after."""
+    mark = new_mark()
+    yield mark
+    end_marked(mark)
+
 
 TASK = TaskSpec(key="t1", prompt="note done", env_key="fake", metadata={"level": 3})
 #: The variables an agent is given (LC_CTYPE: Python's own locale coercion may add it).
@@ -198,13 +208,15 @@ async def test_the_gateway_refuses_a_rollout_s_key_once_it_has_ended(tmp_path: P
 
 
 async def test_an_agent_past_the_rollout_s_deadline_is_killed_with_its_group(
-    tmp_path: Path,
+    tmp_path: Path, mark: str
 ) -> None:
-    pid_file = tmp_path / "child.pid"
+    # Its child is found by a mark in its command line: in a PID namespace of its
+    # own, the agent's process ids are not this test's.
+    started = tmp_path / "started"
     script = (
         "import subprocess, sys, time\n"
-        "child = subprocess.Popen(['sleep', '600'])\n"
-        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        f"subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', {mark!r}])\n"
+        f"open({str(started)!r}, 'w').close()\n"
         "time.sleep(600)\n"
     )
     overrides = {"timeouts": {"rollout_s": 1.0}}
@@ -213,7 +225,7 @@ async def test_an_agent_past_the_rollout_s_deadline_is_killed_with_its_group(
 
     assert result.failure_reason is FailureReason.TIMEOUT
     assert result.reward == 0.0  # scored, as the built-in loop's timeout is
-    assert not alive(int(pid_file.read_text()))
+    assert started.exists() and marked(mark) == []
 
 
 async def test_an_agent_that_fails_is_scored_with_its_answer_cut_and_its_output_logged(
@@ -233,15 +245,6 @@ async def test_an_agent_that_fails_is_scored_with_its_answer_cut_and_its_output_
         r.getMessage() for r in caplog.records if r.name == "fleetroll.rollout.agent_command"
     ]
     assert "exited with 3" in warning and "the agent gave up here" in warning
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie waiting for its reaper does not)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return not any(line.startswith("State:\tZ") for line in f)
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -50,6 +50,9 @@ from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.training.groups import groups_of
 from fleetroll.training.sampler import SamplerConfig, SamplerState, TaskSampler
+
+if TYPE_CHECKING:
+    from fleetroll.rollout.agent_process import AgentRecords
 
 __all__ = [
     "FleetTarget",
@@ -136,12 +139,24 @@ def run_command(
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_telemetry(settings) as events:
                 policy: Any
+                records: AgentRecords | None = None
                 if agent_command is not None:
                     from fleetroll.rollout.agent_command import CommandAgent
+                    from fleetroll.rollout.agent_process import AgentRecords
 
+                    if out is not None:
+                        # Beside the journal: a start on it ends the agents a killed
+                        # run on it left (the journal's own lock is taken later).
+                        records = AgentRecords(out.parent / f"{out.name}.agents")
+                        await anyio.to_thread.run_sync(records.open)
                     # Its gateway serves while the batch runs; closing it closes its policy.
-                    policy = CommandAgent.from_settings(agent_command, settings)
-                    await policy.__aenter__()
+                    policy = CommandAgent.from_settings(agent_command, settings, records=records)
+                    try:
+                        await policy.__aenter__()
+                    except BaseException:
+                        if records is not None:
+                            records.close()
+                        raise
                 else:
                     policy = policy_from_settings(settings)
                 try:
@@ -166,6 +181,8 @@ def run_command(
                 finally:
                     if agent_command is not None:
                         await policy.__aexit__(None, None, None)
+                        if records is not None:
+                            records.close()
                     else:
                         await policy.aclose()
 

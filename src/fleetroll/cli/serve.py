@@ -101,6 +101,7 @@ async def _serve(
     from fleetroll._internal.gc_policy import gc_policy
     from fleetroll.cli.run import open_fleet
     from fleetroll.pool.batch_pool import open_batch_pool, release_run
+    from fleetroll.rollout.agent_process import AgentRecords
     from fleetroll.service.app import Service
     from fleetroll.service.asgi import create_app
     from fleetroll.service.server import serve_app
@@ -110,6 +111,11 @@ async def _serve(
     async with AsyncExitStack() as stack:
         # First: a folder another service holds is refused before anything starts.
         store = await stack.enter_async_context(open_store(settings.service.state_dir))
+        # What agents a killed earlier start left running end now; this start's
+        # are noted until its pool (opened after, closed before) has ended them.
+        records = AgentRecords(store.root / "agents")
+        await anyio.to_thread.run_sync(records.open)
+        stack.callback(records.close)
         events = await stack.enter_async_context(open_telemetry(settings))
         fleet = await open_fleet(stack, settings, profile)
         # What a killed earlier start on this folder left running (its heartbeats
@@ -131,7 +137,7 @@ async def _serve(
         )
         # Once started: what start-up made is frozen (this process is ours).
         stack.enter_context(gc_policy(settings.pool.gc_policy))
-        service = Service(pool, settings, store=store)
+        service = Service(pool, settings, store=store, agent_records=records)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)
         )

@@ -1,8 +1,9 @@
 """Bring your own agent: a command that acts for each rollout (``--agent-command``).
 
 Per rollout, once its instance is ready, :class:`CommandAgent` starts the
-command in its own process group and its own working directory, with an
-environment that holds only ``PATH``, ``HOME``, ``LANG`` and:
+command contained (:mod:`fleetroll.rollout.agent_process`: a PID namespace of
+its own, or a subreaper) in its own working directory, with an environment
+that holds only ``PATH``, ``HOME``, ``LANG`` and:
 
 - ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``: the rollout's root on the
   :mod:`fleetroll.policies.gateway` and its key (never the real server's): every call
@@ -16,9 +17,11 @@ environment that holds only ``PATH``, ``HOME``, ``LANG`` and:
 - ``FLEETROLL_ANSWER_FILE``: where the agent may write its final answer,
   read (``policy.agent_max_answer_file_bytes``) for the verifier once it exits.
 
-The process's exit ends the acting phase; the rollout's deadline kills its
-group (SIGTERM, then SIGKILL ``policy.agent_kill_grace_s`` later), and so does
-the rollout's end for any other reason (its step budget spent).
+The process's exit ends the acting phase (and every process it left); the
+rollout's deadline ends them all (SIGTERM, then SIGKILL
+``policy.agent_kill_grace_s`` later), and so does the rollout's end for any
+other reason (its step budget spent, a cancel). Its output goes to a log capped
+at ``policy.agent_max_log_bytes``.
 """
 
 from __future__ import annotations
@@ -33,19 +36,24 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-from subprocess import DEVNULL, STDOUT
 from types import TracebackType
 from typing import Any, NamedTuple, Self
 
 import anyio
 
-from fleetroll.environments.mcp.process import stop_process
 from fleetroll.errors import PolicyError
 from fleetroll.policies.gateway import Gateway
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.policies.servers import current_affinity
 from fleetroll.policies.turns import AssistantTurn, Message, ToolSpec
 from fleetroll.rollout.agent_link import AgentLink
+from fleetroll.rollout.agent_process import (
+    AgentLimits,
+    AgentRecords,
+    Sandbox,
+    containment,
+    start_agent,
+)
 from fleetroll.rollout.machine import Rollout
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
@@ -75,10 +83,14 @@ class CommandAgent:
         command: a shell-like string (split as a shell would, not run by one)
             or an argv.
         policy: where the agent's calls go, and how token data is asked for.
-        kill_grace_s, max_request_bytes, max_answer_file_bytes: ``policy.agent_*``.
+        kill_grace_s, max_request_bytes, max_answer_file_bytes, max_log_bytes,
+            sandbox: ``policy.agent_*``.
         owns_policy: close ``policy`` when the agent is closed.
         gateway: a gateway someone else serves (one for many agents, as the
             HTTP service's); by default the agent serves its own.
+        records: where the agents' inits are noted, so that the next start on
+            the same folder ends any a killed fleetroll left (opened by whoever
+            made them: :class:`fleetroll.rollout.agent_process.AgentRecords`).
     """
 
     def __init__(
@@ -89,8 +101,11 @@ class CommandAgent:
         kill_grace_s: float = 2.0,
         max_request_bytes: int = 64 * 1024 * 1024,
         max_answer_file_bytes: int = 1024 * 1024,
+        max_log_bytes: int = 16 * 1024 * 1024,
+        sandbox: Sandbox = "auto",
         owns_policy: bool = False,
         gateway: Gateway | None = None,
+        records: AgentRecords | None = None,
     ) -> None:
         self.argv = shlex.split(command) if isinstance(command, str) else list(command)
         if not self.argv:
@@ -98,6 +113,8 @@ class CommandAgent:
         self.policy = policy
         self.kill_grace_s = kill_grace_s
         self.max_answer_file_bytes = max_answer_file_bytes
+        self.limits = AgentLimits(kill_grace_s, max_log_bytes, sandbox)
+        self.records = records
         self._owns_policy = owns_policy
         self._owns_gateway = gateway is None
         self._gateway = gateway or Gateway(max_request_bytes=max_request_bytes)
@@ -107,7 +124,12 @@ class CommandAgent:
 
     @classmethod
     def from_settings(
-        cls, command: str | Sequence[str], settings: Settings, *, gateway: Gateway | None = None
+        cls,
+        command: str | Sequence[str],
+        settings: Settings,
+        *,
+        gateway: Gateway | None = None,
+        records: AgentRecords | None = None,
     ) -> Self:
         """An agent whose calls go to ``settings.policy``'s servers (it owns that policy)."""
         p = settings.policy
@@ -117,8 +139,11 @@ class CommandAgent:
             kill_grace_s=p.agent_kill_grace_s,
             max_request_bytes=p.agent_max_request_bytes,
             max_answer_file_bytes=p.agent_max_answer_file_bytes,
+            max_log_bytes=p.agent_max_log_bytes,
+            sandbox=p.agent_sandbox,
             owns_policy=True,
             gateway=gateway,
+            records=records,
         )
         agent._recipe = AgentRecipe(uuid.uuid4().hex, tuple(agent.argv), settings)
         return agent
@@ -140,6 +165,9 @@ class CommandAgent:
         return f"{type(self).__name__}({shlex.join(self.argv)!r}, {self.policy!r})"
 
     async def __aenter__(self) -> Self:
+        # How agents are contained here, found now: a sandbox that cannot be had
+        # fails the start, not each rollout.
+        await anyio.to_thread.run_sync(containment, self.limits.sandbox)
         if self._owns_gateway:
             await self._gateway.__aenter__()
         return self
@@ -217,14 +245,13 @@ class CommandAgent:
             }
             log = await anyio.to_thread.run_sync(log_file.open, "wb")
             with log:  # the process has its own copy of the descriptor
-                process = await anyio.open_process(
+                process = await start_agent(
                     self.argv,
                     cwd=workdir,
                     env=env,
-                    stdin=DEVNULL,
-                    stdout=log,
-                    stderr=STDOUT,
-                    start_new_session=True,
+                    log=log,
+                    limits=self.limits,
+                    records=self.records,
                 )
             try:
                 async with anyio.create_task_group() as tg:
@@ -238,7 +265,7 @@ class CommandAgent:
                     tg.cancel_scope.cancel()
             finally:
                 link.end()
-                await stop_process(process, grace_s=self.kill_grace_s, wait_s=self.kill_grace_s)
+                await process.stop(grace_s=self.kill_grace_s, wait_s=self.kill_grace_s)
         progress = rollout.progress
         if progress.reason is None:
             answer = await _read_capped(answer_file, self.max_answer_file_bytes)

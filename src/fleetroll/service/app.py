@@ -36,6 +36,7 @@ from fleetroll.errors import OperationTimeout
 from fleetroll.policies.gateway import Gateway
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
+from fleetroll.rollout.agent_process import AgentRecords
 from fleetroll.rollout.events import EventPage
 from fleetroll.rollout.machine import RolloutIds, RolloutView
 from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
@@ -70,6 +71,9 @@ class Service:
             and the sessions (these in this process, whatever its executor).
         store: where batches and their results are kept across restarts
             (:func:`fleetroll.service.state.open_store`; default: memory only).
+        agent_records: where batches' agent commands are noted, opened by the
+            caller for longer than the pool runs (``fleetroll serve``'s are in
+            ``service.state_dir/agents``), so a start ends what a killed one left.
     """
 
     def __init__(
@@ -78,12 +82,14 @@ class Service:
         settings: Settings,
         *,
         store: BatchStore | None = None,
+        agent_records: AgentRecords | None = None,
     ) -> None:
         self.pool = pool
         self.settings = settings
         self.metrics = Metrics()
         self.redact = Redactor(settings.secrets())
         self.batches = BatchRegistry(pool, settings, self.metrics, preflight_pool=pool, store=store)
+        self.batches.agent_records = agent_records
         self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
         #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}

@@ -53,6 +53,7 @@ from fleetroll.pool.journal import Journal, journal_line
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
+from fleetroll.rollout.agent_process import AgentRecords
 from fleetroll.rollout.events import EventPage, ended_page
 from fleetroll.rollout.phases import Phase, RolloutView
 from fleetroll.rollout.progress import RolloutIds
@@ -485,6 +486,8 @@ class BatchRegistry:
         self.tg: TaskGroup | None = None
         #: The gateway of batches' agent commands (with ``service.allow_command_tasks``).
         self.gateway: Gateway | None = None
+        #: Where the batches' agent commands are noted (the service's, with a store).
+        self.agent_records: AgentRecords | None = None
         self.stopping = False
         #: Called with each record forgotten to make room (see ``keep_finished_batches``).
         self.on_forget: list[Callable[[BatchRecord], None]] = []
@@ -777,7 +780,9 @@ class BatchRegistry:
         if self.gateway is None:
             raise RuntimeError("agent commands are allowed but the service serves no gateway")
         settings = request_settings(plan.policy, self._settings)
-        return CommandAgent.from_settings(plan.agent_command, settings, gateway=self.gateway)
+        return CommandAgent.from_settings(
+            plan.agent_command, settings, gateway=self.gateway, records=self.agent_records
+        )
 
     def _consume_soon(self, record: BatchRecord, policy: Policy) -> None:
         assert self.tg is not None

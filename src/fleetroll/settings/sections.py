@@ -368,14 +368,22 @@ class PolicySettings(_Section):
     #: Bytes of one chat completion (the HTTP body) read before giving up: past
     #: it the turn is a ``policy_error``, the connection closed.
     max_answer_bytes: int = Field(64 * 1024 * 1024, ge=1024)
-    #: An agent command's (``--agent-command``) process group: SIGTERM once
-    #: its rollout's deadline passes, SIGKILL this much later.
+    #: An agent command's (``--agent-command``) processes: SIGTERM once its
+    #: rollout's deadline passes (or it is cancelled), all killed this much later.
     agent_kill_grace_s: float = Field(2.0, ge=0)
     #: The largest request an agent command may send to its gateway or its MCP relay
     #: (HTTP 413 past it).
     agent_max_request_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     #: Bytes of an agent command's answer file read as the final answer (the rest is cut).
     agent_max_answer_file_bytes: int = Field(1024 * 1024, ge=1)
+    #: Bytes of an agent command's output kept in its log: past them, a marker
+    #: line, then only its last 64 KiB (at most half of this), written at its end.
+    agent_max_log_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    #: How an agent command's processes are contained: "namespace", a PID
+    #: namespace of its own (ended whole; fleetroll's and its siblings' /proc out
+    #: of its reach), "subreaper", its orphans kept and ended by its init, "auto"
+    #: (the namespace where one can be made, else the subreaper with a warning).
+    agent_sandbox: Literal["auto", "namespace", "subreaper"] = "auto"
 
     @field_validator("base_urls")
     @classmethod

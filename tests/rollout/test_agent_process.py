@@ -194,7 +194,11 @@ async def test_a_later_start_on_the_same_records_ends_an_agent_an_earlier_proces
         ended = await anyio.to_thread.run_sync(later.open)
         with anyio.fail_after(30):
             await process.wait()
-        assert ended >= 3 and marked(mark) == []
+            # SIGKILL is sent, not yet done: on a loaded machine a killed process
+            # still shows its command line for a moment.
+            while marked(mark):
+                await anyio.sleep(0.05)
+        assert ended >= 3
         assert [p.name for p in folder.iterdir()] == [f"{later.tag}.lock"]
         later.close()
         assert not folder.exists()

@@ -134,3 +134,33 @@ def test_eval_errors_are_one_line_and_exit_code_2(
     assert done.returncode == 2, done.stderr
     assert says in done.stderr and "Traceback" not in done.stderr
     assert len([line for line in done.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_rescore_of_a_results_file_with_a_line_that_is_not_a_result_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    """A journal resumes past a corrupt line (its rollout runs again), but rescore
+    read as leniently would write --out without that line: a result lost unseen.
+    It is one error line naming the file and line, and no --out."""
+    tasks, _ = task_file(tmp_path / "tasks.jsonl")
+    one = {
+        "rollout_id": "r",
+        "batch_id": "b",
+        "task_key": "ledger-001",
+        "env_key": "ledger",
+        "modality": "tool_use",
+        "status": "completed",
+        "reward": 1.0,
+    }
+    results = tmp_path / "results.jsonl"
+    results.write_text(json.dumps(one) + "\n" + '{"rollout_id": "r2", "cut short\n')
+    out = tmp_path / "rescored.jsonl"
+
+    done = fleetroll(
+        "rescore", str(results), "--tasks", str(tasks), "--out", str(out), tmp_path=tmp_path
+    )
+
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and f"{results}:2: not a rollout result" in lines[0], lines
+    assert not out.exists()

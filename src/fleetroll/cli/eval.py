@@ -162,7 +162,7 @@ def _compare(
         if not path.exists():
             raise Failed(f"{path}: no such results file")
         try:
-            results = read_journal(path)
+            results = read_journal(path, strict=True)
         except ValueError as exc:  # its first line names the file and line
             raise Failed(
                 f"{str(exc).splitlines()[0]} (a results file holds one rollout result a line,"

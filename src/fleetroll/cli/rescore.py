@@ -56,7 +56,7 @@ def rescore(
         raise Failed(f"--out {out} is RESULTS itself: rescore never changes its input")
     try:
         tasks = {t.key: t for t in load_task_paths(tasks_paths, settings.modalities)}
-        results = read_journal(results_path)
+        results = read_journal(results_path, strict=True)
     except (FleetrollError, ValueError) as exc:
         raise Failed(str(exc)) from None
     unknown = next((r for r in results if r.task_key not in tasks), None)

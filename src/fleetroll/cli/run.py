@@ -489,7 +489,7 @@ class _Drive:
             foreground.start_soon(
                 _show_progress, batch, self.console, time.monotonic(), self.settings
             )
-            if self.journal_failed is not None:
+            if self.journal is not None and self.journal_failed is not None:
                 foreground.start_soon(self._stop_when_the_journal_fails, batch)
             async for result in batch:
                 if step is not None:

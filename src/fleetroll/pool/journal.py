@@ -81,19 +81,24 @@ _META_FORMAT = 1
 _STEP = "-step"
 
 
-def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
+def read_journal(
+    path: Path, *, latest: bool = True, strict: bool = False
+) -> list[RolloutResult]:
     """The results in ``path`` (none when it does not exist).
 
     With ``latest`` (the default), one result per rollout id: its last line,
     in the order of those last lines. Otherwise every line, in file order.
     A last line without a newline (a write cut short) is ignored; a complete
-    line that is not a result is skipped with a warning (:func:`read_lines`).
+    line that is not a result is skipped with a warning (:func:`read_lines`),
+    or, with ``strict`` (a results file read as input: ``eval``, ``rescore``,
+    which would otherwise drop it unseen), an error.
 
     Raises:
-        ValueError: ``path`` is not a regular file.
+        ValueError: ``path`` is not a regular file; with ``strict``, a line is
+            not a result (the message names the file and line first).
         OSError: ``path`` cannot be read.
     """
-    results = [r for r in read_lines(path) if r is not None]
+    results = [r for r in read_lines(path, strict=strict) if r is not None]
     if not latest:
         return results
     last: dict[str, RolloutResult] = {}
@@ -103,7 +108,7 @@ def read_journal(path: Path, *, latest: bool = True) -> list[RolloutResult]:
     return list(last.values())
 
 
-def read_lines(path: Path) -> list[RolloutResult | None]:
+def read_lines(path: Path, *, strict: bool = False) -> list[RolloutResult | None]:
     """Every complete line of the journal at ``path``, in file order: its result,
     or None for a line that is not one (logged as a warning naming the file and
     line; its rollout counts as not done). Blank lines are left out, as is a
@@ -111,7 +116,8 @@ def read_lines(path: Path) -> list[RolloutResult | None]:
     not exist.
 
     Raises:
-        ValueError: ``path`` is not a regular file.
+        ValueError: ``path`` is not a regular file; with ``strict``, a line is
+            not a result.
         OSError: ``path`` cannot be read.
     """
     try:
@@ -130,6 +136,8 @@ def read_lines(path: Path) -> list[RolloutResult | None]:
             results.append(RolloutResult.model_validate_json(line))
         except ValueError as exc:
             why = " ".join(str(exc).split())[:200]
+            if strict:
+                raise ValueError(f"{path}:{number}: not a rollout result: {why}") from None
             _log.warning(
                 "%s:%d: not a rollout result, skipped (its rollout counts as not done): %s",
                 path,

@@ -930,6 +930,13 @@ def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -
             "structuredContent": None,
             "resultType": "complete",
         },
+        {  # what the SDK's own servers send: their serverInfo in every result
+            "content": [{"type": "text", "text": "x"}],
+            "isError": False,
+            "resultType": "complete",
+            "_meta": {"io.modelcontextprotocol/serverInfo": {"name": "s", "version": ""}},
+        },
+        {"content": [], "resultType": "complete", "_meta": {"k": [1, {"n": None}]}},
     ]
     for raw in plain:
         built = mcp_thin._plain_result(raw)
@@ -943,7 +950,8 @@ def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -
         {"content": [{"type": "text", "text": 3}]},
         {"content": "ok"},
         {"content": [], "isError": "no"},
-        {"content": [], "_meta": {"k": 1}},
+        {"content": [], "_meta": {"k": 1}},  # no resultType
+        {"content": [], "resultType": "complete", "_meta": 5},
         {"content": [], "ttlMs": -5},
         {"content": [], "resultType": "input_required"},
         {"structuredContent": {}},
@@ -951,6 +959,11 @@ def test_a_result_of_the_usual_shape_is_the_model_the_sdk_s_validation_makes() -
     ]
     for raw in others:
         assert mcp_thin._plain_result(raw) is None, raw
+    # Every version's surface takes what the fast path builds without it.
+    for (method, version), _ in mcp_thin._methods.SERVER_RESULTS.items():
+        if method == "tools/call":
+            for raw in plain:
+                mcp_thin._check_surface(method, version, raw)
 
 
 @pytest.mark.slow

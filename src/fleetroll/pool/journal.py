@@ -81,9 +81,7 @@ _META_FORMAT = 1
 _STEP = "-step"
 
 
-def read_journal(
-    path: Path, *, latest: bool = True, strict: bool = False
-) -> list[RolloutResult]:
+def read_journal(path: Path, *, latest: bool = True, strict: bool = False) -> list[RolloutResult]:
     """The results in ``path`` (none when it does not exist).
 
     With ``latest`` (the default), one result per rollout id: its last line,

@@ -555,7 +555,7 @@ def _check_surface(method: str, version: str, raw: dict[str, Any]) -> None:
         adapter.validate_python(raw, by_name=False)
 
 
-_PLAIN_KEYS: Final = frozenset({"content", "structuredContent", "isError", "resultType"})
+_PLAIN_KEYS: Final = frozenset({"content", "structuredContent", "isError", "resultType", "_meta"})
 _TEXT_KEYS: Final = frozenset({"type", "text"})
 
 
@@ -564,10 +564,12 @@ def _plain_result(raw: dict[str, Any]) -> CallToolResult | None:
 
     The usual shape: ``resultType: "complete"`` (which the modern surface
     requires), ``content`` (a list of bare text blocks), and at most
-    ``structuredContent`` (any JSON value) and ``isError`` (a bool) besides.
+    ``structuredContent`` (any JSON value), ``isError`` (a bool) and ``_meta``
+    (an object: every surface takes any; the SDK's servers put their
+    ``serverInfo`` in every result's) besides.
     Such a result passes the version's surface and the result model as it
     stands, so the model is made from it directly; any other shape (images,
-    annotations, ``_meta``, a ttl, no ``resultType``...) is None, and is
+    annotations, a ttl, no ``resultType``...) is None, and is
     validated as the SDK does.
     """
     if not raw.keys() <= _PLAIN_KEYS or raw.get("resultType") != "complete":
@@ -575,6 +577,9 @@ def _plain_result(raw: dict[str, Any]) -> CallToolResult | None:
     is_error = raw.get("isError", False)
     content = raw.get("content")
     if type(is_error) is not bool or type(content) is not list:
+        return None
+    meta = raw.get("_meta", _ABSENT)
+    if meta is not _ABSENT and type(meta) is not dict:
         return None
     blocks: list[ContentBlock] = []
     for block in content:
@@ -591,6 +596,8 @@ def _plain_result(raw: dict[str, Any]) -> CallToolResult | None:
         fields["structured_content"] = raw["structuredContent"]
     if "isError" in raw:
         fields["is_error"] = is_error
+    if meta is not _ABSENT:
+        fields["meta"] = meta
     fields["result_type"] = "complete"
     return CallToolResult.model_construct(**fields)
 

@@ -65,6 +65,25 @@ def fleetroll(
     )
 
 
+def test_a_socks_proxy_in_the_environment_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
+    """The HTTP clients go through http(s) proxies only: a SOCKS one was refused deep
+    in the pool, a traceback with exit 1; now before anything starts, naming the
+    variable and never its password."""
+    done = fleetroll(
+        "run",
+        str(LEDGER),
+        "--out",
+        str(tmp_path / "r.jsonl"),
+        tmp_path=tmp_path,
+        env={"ALL_PROXY": "socks5://user:hunter2@127.0.0.1:1080"},
+    )
+
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "ALL_PROXY names a socks5:// proxy" in lines[0], lines
+    assert "hunter2" not in done.stderr and not (tmp_path / "r.jsonl").exists()
+
+
 def test_a_fleet_url_without_a_key_is_one_line_and_exit_code_2(tmp_path: Path) -> None:
     done = fleetroll(
         "run",

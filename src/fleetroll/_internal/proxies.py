@@ -68,9 +68,11 @@ class Proxies:
             if url is not None:
                 scheme = httpx.URL(url).scheme
                 if scheme not in _SCHEMES:
+                    variable = f"{key.removesuffix('://').upper()}_PROXY"
                     raise ValueError(
-                        f"a {scheme}:// proxy is set in the environment ({key}); fleetroll's"
-                        " HTTP clients go through http:// or https:// proxies only"
+                        f"{variable} names a {scheme}:// proxy; fleetroll's HTTP clients go"
+                        " through http:// or https:// proxies only (unset it, or name an"
+                        " http:// proxy)"
                     )
             rules.append((URLPattern(key), url))
         # As httpx mounts them: the most specific pattern first (port, host, scheme).

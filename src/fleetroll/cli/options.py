@@ -43,6 +43,7 @@ def load_command_settings(config_file: Path | None, **overrides: Any) -> Setting
     Raises:
         Failed: the configuration is bad (its one-line message says where).
     """
+    from fleetroll._internal.proxies import Proxies
     from fleetroll.errors import FleetrollError
     from fleetroll.settings import load_settings
     from fleetroll.telemetry.console import configure_console_logging
@@ -50,6 +51,10 @@ def load_command_settings(config_file: Path | None, **overrides: Any) -> Setting
     try:
         settings = load_settings(config_file, **overrides)
     except FleetrollError as exc:
+        raise Failed(str(exc)) from None
+    try:  # a proxy the HTTP clients cannot use: said once, before anything starts
+        Proxies.from_environment()
+    except ValueError as exc:
         raise Failed(str(exc)) from None
     configure_console_logging(settings.telemetry.console_level)
     return settings

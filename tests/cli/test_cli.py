@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -82,6 +83,29 @@ def test_a_socks_proxy_in_the_environment_is_one_line_and_exit_code_2(tmp_path: 
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "ALL_PROXY names a socks5:// proxy" in lines[0], lines
     assert "hunter2" not in done.stderr and not (tmp_path / "r.jsonl").exists()
+
+
+def test_a_proxy_that_cannot_be_reached_is_named_in_the_pre_flight_s_one_line(
+    tmp_path: Path,
+) -> None:
+    """The environment's proxy applies to the control plane (as httpx applies it):
+    when nothing answers there, the one line says the request went through it
+    (it named only an address, and the advice was about FLEET_BASE_URL)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the test starts fleetroll
+    done = fleetroll(
+        "run",
+        str(LEDGER),
+        tmp_path=tmp_path,
+        env={"HTTP_PROXY": f"http://user:hunter2@127.0.0.1:{port}"},
+    )
+
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    assert f"through the proxy http://127.0.0.1:{port}" in lines[0], lines
+    assert "hunter2" not in done.stderr
 
 
 def test_a_fleet_url_without_a_key_is_one_line_and_exit_code_2(tmp_path: Path) -> None:

@@ -84,6 +84,13 @@ class Proxies:
         """Every URL through ``proxy`` (a client's ``proxy=``)."""
         return cls(((URLPattern("all://"), proxy),))
 
+    def shown_for(self, url: _Url | str) -> str | None:
+        """The proxy for ``url`` as messages may show it (no credentials), or ``None``."""
+        proxy = self.for_url(url)
+        if proxy is None:
+            return None
+        return str(httpx.URL(proxy).copy_with(username=None, password=None))
+
     def for_url(self, url: _Url | str) -> str | None:
         """The proxy URL for a request to ``url`` (with its credentials, if any), or ``None``."""
         if not self.rules:

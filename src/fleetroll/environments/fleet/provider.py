@@ -47,6 +47,7 @@ import httpx2
 from anyio.abc import TaskGroup
 from fleet._async import exceptions as fleet_errors
 from fleet._async.client import AsyncEnv
+from fleet.config import GLOBAL_BASE_URL
 from fleet.runner_auth import RunnerTokenProvider
 
 import fleetroll._internal.retrying as retrying
@@ -173,6 +174,9 @@ class FleetProvider:
             self._proxies = Proxies.from_environment()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        proxy = self._proxies.shown_for(base_url or GLOBAL_BASE_URL)
+        if proxy is not None:  # a pre-flight problem names the way it went
+            self._where = f"{self._where} (through the proxy {proxy} the environment names)"
         self._clients, self._lanes = sdk_lanes(
             settings, api_key=api_key, base_url=base_url, tls=self._mcp_tls, proxies=self._proxies
         )

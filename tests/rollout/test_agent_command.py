@@ -548,6 +548,27 @@ async def test_a_context_length_error_behind_the_gateway_reaches_the_agent_and_i
     assert vllm_said in (result.error or "")
 
 
+async def test_a_call_over_max_context_tokens_is_refused_unsent_and_ends_as_context_overflow() -> (
+    None
+):
+    # The first call fits; the second adds about 150 tokens of text (600 characters)
+    # to the server's count of the first: over 50, refused before it is sent.
+    agent_script = CALLS + (
+        "first = ask('hi')\n"
+        "history = [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]\n"
+        "more = [{'role': 'user', 'content': 'abc ' * 150}]\n"
+        "call('/chat/completions', {'messages': history + more})\n"
+    )
+    command = [sys.executable, "-c", agent_script]
+    async with agent_rollout(command, policy={"max_context_tokens": 50}) as (eng, agent, server):
+        result = await run(eng, agent)
+
+    assert (result.status, result.failure_reason) == ("failed", FailureReason.CONTEXT_OVERFLOW)
+    assert result.reward is not None
+    assert "over policy.max_context_tokens = 50" in (result.error or "")
+    assert len(server.requests) == len(result.turns) == 1
+
+
 def sse_mcp_server(stop: anyio.Event) -> Starlette:
     """An MCP server (streamable HTTP) that answers the ``note`` tool as Server-Sent
     Events and keeps that stream open after the answer, as the spec allows; every

@@ -283,12 +283,15 @@ class AgentLink:
         """About how many tokens the prompt of ``messages`` holds, as the built-in
         loop estimates its next prompt: the server's count of the last recorded
         call's prompt and completion, plus the text the agent added after its last
-        assistant message (images not counted). A request with no assistant
-        message (the first, or a history the agent started over) is all text."""
-        added = _after_last_assistant(messages)
-        base = self._context_tokens or 0
-        if not any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages):
-            added, base = [m for m in messages if isinstance(m, dict)], 0
+        assistant message (images not counted). Without a count (the first call, a
+        server that sends no usage) or an assistant message (a history the agent
+        started over), all of the request's text."""
+        base = self._context_tokens
+        has_assistant = any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+        if base is not None and has_assistant:
+            added = _after_last_assistant(messages)
+        else:
+            base, added = 0, [m for m in messages if isinstance(m, dict)]
         chars = sum(_text_chars(m) for m in added)
         return base + -(-chars // CHARS_PER_TOKEN)
 

@@ -39,6 +39,7 @@ from fleetroll.testing.fake_openai import (
     Script,
     VllmShape,
     completion,
+    context_length_error,
     tool_call,
 )
 from fleetroll.testing.fake_provider import FakeProvider
@@ -98,6 +99,7 @@ async def agent_rollout(
     gate: PolicyGate | None = None,
     script: Script | None = None,
     token_ids: bool = False,
+    kill_grace_s: float = 0.5,
     **overrides: Any,
 ) -> AsyncIterator[tuple[RolloutEngine, CommandAgent, FakeChatServer]]:
     settings = load_settings(**overrides)
@@ -116,7 +118,7 @@ async def agent_rollout(
                 temperature=0.3,
                 extra_body={"top_k": 5},
             ),
-            kill_grace_s=0.5,
+            kill_grace_s=kill_grace_s,
             max_answer_file_bytes=answer_bytes,
             owns_policy=True,
         ) as agent,
@@ -518,6 +520,53 @@ async def test_a_policy_failure_behind_the_gateway_fails_the_rollout_whatever_th
     assert (result.failure_reason, result.reward) == (FailureReason.POLICY_ERROR, None)
     assert "the server refused the request" in (result.error or "")
     assert result.turns == []
+
+
+async def test_a_context_length_error_behind_the_gateway_reaches_the_agent_and_is_scored(
+    tmp_path: Path,
+) -> None:
+    seen = tmp_path / "seen.json"
+    # An agent that outlives the rollout's end (SIGTERM ignored, within kill_grace_s)
+    # long enough to keep what it was answered.
+    agent_script = (
+        "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        + CALLS
+        + f"open({str(seen)!r}, 'w').write(json.dumps(ask('hi')))\n"
+    )
+    script = [context_length_error(16, 40, 8)]
+    command = [sys.executable, "-c", agent_script]
+    async with agent_rollout(command, script=script, kill_grace_s=30.0) as (eng, agent, _):
+        result = await run(eng, agent)
+
+    assert (result.status, result.failure_reason) == ("failed", FailureReason.CONTEXT_OVERFLOW)
+    assert result.reward is not None  # scored, as the built-in loop's
+    assert result.turns == []
+    status, text = json.loads(seen.read_text())
+    assert status == 400
+    vllm_said = "This model's maximum context length is 16 tokens"
+    assert vllm_said in json.loads(text)["error"]["message"]  # the server's error, as it said it
+    assert vllm_said in (result.error or "")
+
+
+async def test_a_call_over_max_context_tokens_is_refused_unsent_and_ends_as_context_overflow() -> (
+    None
+):
+    # The first call fits; the second adds about 150 tokens of text (600 characters)
+    # to the server's count of the first: over 50, refused before it is sent.
+    agent_script = CALLS + (
+        "first = ask('hi')\n"
+        "history = [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]\n"
+        "more = [{'role': 'user', 'content': 'abc ' * 150}]\n"
+        "call('/chat/completions', {'messages': history + more})\n"
+    )
+    command = [sys.executable, "-c", agent_script]
+    async with agent_rollout(command, policy={"max_context_tokens": 50}) as (eng, agent, server):
+        result = await run(eng, agent)
+
+    assert (result.status, result.failure_reason) == ("failed", FailureReason.CONTEXT_OVERFLOW)
+    assert result.reward is not None
+    assert "over policy.max_context_tokens = 50" in (result.error or "")
+    assert len(server.requests) == len(result.turns) == 1
 
 
 def sse_mcp_server(stop: anyio.Event) -> Starlette:

@@ -29,7 +29,14 @@ from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink
-from fleetroll.testing.fake_openai import FakeChatServer, FakeError, Script, VllmShape
+from fleetroll.testing.fake_openai import (
+    FakeChatServer,
+    FakeError,
+    Reply,
+    Script,
+    VllmShape,
+    context_length_error,
+)
 from training_helpers import AGENT, solving
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
@@ -136,17 +143,24 @@ async def test_a_rollout_deadline_shorter_than_the_platform_hangs_gives_no_fake_
 
 
 async def built_in_and_agent(
-    profile: FaultProfile, timeouts: dict[str, float], script: Script
+    profile: FaultProfile,
+    timeouts: dict[str, float],
+    script: Script,
+    *,
+    vllm: VllmShape | None = None,
+    policy_settings: dict[str, Any] | None = None,
 ) -> dict[str, RolloutResult]:
     """One rollout of ``TOOL_USE`` by the built-in loop and one by the example agent
     (plain ``openai`` and ``mcp``, through the gateway and its MCP relay), side by
-    side on the emulator with ``profile``, the policy server playing ``script``."""
+    side on the emulator with ``profile``, the policy server playing ``script``
+    shaped as ``vllm``, the policy's settings ``policy_settings`` on top."""
     results: dict[str, RolloutResult] = {}
     async with (
         Emulator(profile) as emu,
-        FakeChatServer(script, vllm=VllmShape()) as server,
+        FakeChatServer(script, vllm=vllm or VllmShape()) as server,
     ):
         policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
+        policy |= policy_settings or {}
         settings = load_settings(timeouts=timeouts, provisioning=PROVISIONING, policy=policy)
         events = Events([MemorySink()])
         provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
@@ -207,3 +221,57 @@ async def test_a_policy_failure_fails_an_agent_s_rollout_as_the_built_in_loop_s(
 
     assert outcome(results["built_in"]) == ("failed", FailureReason.POLICY_ERROR, None)
     assert outcome(results["agent"]) == outcome(results["built_in"])
+
+
+#: The task's reward with none of its solution played (the verifier's, on the
+#: untouched instance): what a rollout that overflowed at its first call scores.
+UNSOLVED = 0.0
+
+
+@pytest.mark.timeout(300)
+async def test_a_context_length_error_ends_an_agent_s_rollout_as_the_built_in_loop_s() -> None:
+    # vLLM's HTTP 400 ("This model's maximum context length is 8 tokens...") on every call.
+    results = await built_in_and_agent(
+        FaultProfile(), TIMEOUTS, solving([TOOL_USE]), vllm=VllmShape(max_context=8)
+    )
+
+    assert outcome(results["built_in"]) == ("failed", FailureReason.CONTEXT_OVERFLOW, UNSOLVED)
+    assert outcome(results["agent"]) == outcome(results["built_in"])
+    # The server's own words, which the agent got as its answer too.
+    assert "maximum context length is 8 tokens" in (results["agent"].error or "")
+    assert results["agent"].cost.policy_calls == 0
+
+
+@pytest.mark.timeout(300)
+async def test_a_context_length_error_mid_rollout_keeps_the_agent_s_turns_and_is_scored() -> None:
+    solve = solving([TOOL_USE])
+
+    def script(body: dict[str, Any]) -> Reply:
+        # The third call's prompt no longer fits: the two tool calls before it stand.
+        if sum(1 for m in body["messages"] if m["role"] == "assistant") >= 2:
+            return context_length_error(4096, 4000, 512)
+        return solve(body)
+
+    results = await built_in_and_agent(FaultProfile(), TIMEOUTS, script)
+
+    built_in, agent = results["built_in"], results["agent"]
+    assert (built_in.status, built_in.failure_reason) == ("failed", FailureReason.CONTEXT_OVERFLOW)
+    assert built_in.reward is not None  # the verifier's, on what the two steps did
+    assert outcome(agent) == outcome(built_in)
+    assert len(agent.turns) == len(built_in.turns) == 2
+    assert agent.cost.tool_calls == built_in.cost.tool_calls == 2
+
+
+@pytest.mark.timeout(300)
+async def test_max_context_tokens_ends_an_agent_s_rollout_before_a_call_as_the_built_in_s() -> None:
+    results = await built_in_and_agent(
+        FaultProfile(),
+        TIMEOUTS,
+        solving([TOOL_USE]),
+        policy_settings={"max_context_tokens": 5},
+    )
+
+    assert outcome(results["built_in"]) == ("failed", FailureReason.CONTEXT_OVERFLOW, UNSOLVED)
+    assert outcome(results["agent"]) == outcome(results["built_in"])
+    assert "policy.max_context_tokens = 5" in (results["agent"].error or "")
+    assert results["agent"].cost.policy_calls == 0

@@ -10,7 +10,10 @@ ends as the built-in loop's would on the same faults:
   count: past ``max_steps`` a call is refused and the rollout ends as
   ``max_steps``); its turn is recorded only once the agent received the answer;
   a policy failure (the server's error, its deadline) ends the rollout as
-  ``policy_error``, whatever the agent does next;
+  ``policy_error``, whatever the agent does next; a prompt longer than the
+  model's context (the server's context-length error, which the agent still
+  gets, or an estimate over ``policy.max_context_tokens`` before the call, as
+  the built-in loop's) ends it as ``context_overflow``, scored;
 - the agent's MCP requests go through the rollout's relay, which forwards each
   to the instance's endpoint (streaming) and knows which are in flight: a
   ``tools/call`` has ``timeouts.call_tool_s`` (other requests
@@ -42,6 +45,7 @@ from fleetroll.results import FailureReason
 from fleetroll.rollout.dispatch import tool_call_failed
 from fleetroll.rollout.machine import Rollout
 from fleetroll.rollout.tools import describe
+from fleetroll.rollout.transcript import CHARS_PER_TOKEN, _text_chars
 
 __all__ = ["AgentLink"]
 
@@ -163,6 +167,9 @@ class AgentLink:
         self._scopes: set[anyio.CancelScope] = set()
         #: The relayed requests waiting on the instance: what, and since when (``now()``).
         self._waits: dict[int, tuple[str, float]] = {}
+        #: The prompt+completion tokens of the last recorded call, as the server
+        #: counted them (``policy.max_context_tokens``); None before any count.
+        self._context_tokens: int | None = None
 
     def end(self) -> None:
         """The acting phase is over: refuse calls from now on, and cancel those in flight.
@@ -197,6 +204,16 @@ class AgentLink:
             rollout.fail(FailureReason.MAX_STEPS, f"the step budget of {limit} ran out")
             self.end()
             raise GatewayRefusal(409, f"the step budget of {limit} ran out")
+        max_context = rollout.engine.settings.policy.max_context_tokens
+        if max_context is not None:
+            estimate = self._context_estimate(body["messages"])
+            if estimate > max_context:
+                error = (
+                    f"the next prompt would hold about {estimate} tokens, over"
+                    f" policy.max_context_tokens = {max_context}"
+                )
+                self._overflowed(error)
+                raise GatewayRefusal(400, error)
         self._reserved += 1
         try:
             with anyio.CancelScope() as scope:
@@ -219,6 +236,11 @@ class AgentLink:
                     observations=observed,
                     others=turns[1:],
                 )
+                usage = turns[0].usage
+                if usage is not None and "prompt_tokens" in usage:
+                    self._context_tokens = usage["prompt_tokens"] + usage.get(
+                        "completion_tokens", 0
+                    )
         finally:
             self._reserved -= 1
 
@@ -230,7 +252,8 @@ class AgentLink:
         try:
             answer, turns = await self.policy.forward(body, affinity=self.affinity)
         except ContextOverflowError as exc:
-            raise GatewayRefusal(400, str(exc)) from None
+            self._overflowed(str(exc))
+            raise GatewayRefusal(400, str(exc)) from None  # the server's answer, as it said it
         except PolicyError as exc:
             self._policy_failed(str(exc))
             raise GatewayRefusal(502, str(exc), kind="api_error") from None
@@ -248,6 +271,29 @@ class AgentLink:
         if not self.ended.is_set():
             self.rollout.fail(FailureReason.POLICY_ERROR, error)
             self.end()
+
+    def _overflowed(self, error: str) -> None:
+        """The built-in loop's end on a prompt too long for the model's context:
+        ``context_overflow``, scored (the agent's next move changes nothing)."""
+        if not self.ended.is_set():
+            self.rollout.fail(FailureReason.CONTEXT_OVERFLOW, error)
+            self.end()
+
+    def _context_estimate(self, messages: Sequence[Any]) -> int:
+        """About how many tokens the prompt of ``messages`` holds, as the built-in
+        loop estimates its next prompt: the server's count of the last recorded
+        call's prompt and completion, plus the text the agent added after its last
+        assistant message (images not counted). Without a count (the first call, a
+        server that sends no usage) or an assistant message (a history the agent
+        started over), all of the request's text."""
+        base = self._context_tokens
+        has_assistant = any(isinstance(m, dict) and m.get("role") == "assistant" for m in messages)
+        if base is not None and has_assistant:
+            added = _after_last_assistant(messages)
+        else:
+            base, added = 0, [m for m in messages if isinstance(m, dict)]
+        chars = sum(_text_chars(m) for m in added)
+        return base + -(-chars // CHARS_PER_TOKEN)
 
     # -- the MCP relay ------------------------------------------------------
 

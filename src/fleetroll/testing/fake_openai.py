@@ -24,8 +24,9 @@ top level and the completion's on the choice, when the request says
 ``return_token_ids``), logprobs (and ``top_logprobs``) when asked, a usage
 that counts those tokens, ``finish_reason`` and the requested model's name.
 Knobs make it end completions with ``length``, refuse prompts over a context
-length (HTTP 400, vLLM's message) or leave token ids out (an OpenAI-like
-server). :attr:`FakeChatServer.replies` holds every completion it sent.
+length (HTTP 400, vLLM's message; :func:`context_length_error` for a script
+to send it when it likes) or leave token ids out (an OpenAI-like server).
+:attr:`FakeChatServer.replies` holds every completion it sent.
 
 ``VllmShape(drift=True)`` is a chat template that re-renders history: every
 completion starts with a thinking token (:data:`THINK`) that the rendering of
@@ -69,6 +70,7 @@ __all__ = [
     "Script",
     "VllmShape",
     "completion",
+    "context_length_error",
     "tool_call",
     "tool_calling_script",
     "toy_tokenize",
@@ -190,6 +192,18 @@ def _prompt_ids(body: Mapping[str, Any], *, generation_prompt: bool = True) -> l
     return [*ids, _START, *toy_tokenize("assistant")] if generation_prompt else ids
 
 
+def context_length_error(max_context: int, prompt_tokens: int, max_tokens: int = 0) -> FakeError:
+    """vLLM's answer to a prompt of ``prompt_tokens`` (asking for ``max_tokens``
+    more) that does not fit a context of ``max_context`` tokens: HTTP 400."""
+    return FakeError(
+        400,
+        f"This model's maximum context length is {max_context} tokens. However,"
+        f" you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages,"
+        f" {max_tokens} in the completion). Please reduce the length of the messages"
+        " or completion.",
+    )
+
+
 def _vllm_answer(
     shape: VllmShape,
     body: Mapping[str, Any],
@@ -201,13 +215,7 @@ def _vllm_answer(
     prompt = _prompt_ids(body) if prompt is None else prompt
     max_tokens = body.get("max_tokens") or 0
     if shape.max_context is not None and len(prompt) + max_tokens > shape.max_context:
-        return FakeError(
-            400,
-            f"This model's maximum context length is {shape.max_context} tokens. However,"
-            f" you requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages,"
-            f" {max_tokens} in the completion). Please reduce the length of the messages"
-            " or completion.",
-        )
+        return context_length_error(shape.max_context, len(prompt), max_tokens)
     answer: dict[str, Any] = json.loads(json.dumps(reply))  # a deep copy we may change
     answer["model"] = body.get("model", answer.get("model"))
     wants_ids = shape.token_ids and body.get("return_token_ids") is True

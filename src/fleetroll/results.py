@@ -22,6 +22,8 @@ __all__ = [
     "TrajectorySegment",
     "Turn",
     "VerifierOutcome",
+    "utf8_safe",
+    "writable_result",
 ]
 
 
@@ -273,3 +275,92 @@ class RolloutResult(BaseModel):
         default=None,
         description="The turns as one token sequence, with policy.trajectory; else null",
     )
+
+
+def writable_result(result: RolloutResult) -> RolloutResult:
+    """``result``, or its stand-in when it cannot be written as JSON.
+
+    A string holding a lone surrogate (a model's text, a tool's answer naming
+    a file whose name is not UTF-8), which UTF-8 cannot encode, or a value
+    JSON has no form for, would crash every view that serialises the result
+    (the journal, the results stream, the events' ``end``, the dashboard).
+    Its stand-in is its rollout's failure, ``result_error`` with reward null,
+    its ids, counts, timings and costs kept, ``error`` naming the field and
+    what the rollout had ended as; its transcript, turns and verifier output
+    are left out. A rollout's machine keeps this as its result, so every view
+    serves what the journal holds.
+    """
+    try:
+        result.model_dump_json()
+    except (ValueError, TypeError) as exc:  # pydantic's serialisation error is a ValueError
+        where = _unwritable(result.model_dump(), "") or utf8_safe(" ".join(str(exc).split())[:200])
+    else:
+        return result
+    ended = result.status if result.failure_reason is None else result.failure_reason.value
+    error = (
+        f"its result could not be written as JSON: {where}; it had ended {utf8_safe(ended)}"
+        + (f" with reward {result.reward:g}" if result.reward is not None else "")
+        + " (its transcript, turns and verifier output are left out)"
+    )
+    return RolloutResult(
+        rollout_id=utf8_safe(result.rollout_id),
+        batch_id=utf8_safe(result.batch_id),
+        task_key=utf8_safe(result.task_key),
+        sample_index=result.sample_index,
+        group_id=None if result.group_id is None else utf8_safe(result.group_id),
+        policy_version=result.policy_version,
+        step=result.step,
+        env_key=utf8_safe(result.env_key),
+        env_version=None if result.env_version is None else utf8_safe(result.env_version),
+        modality=utf8_safe(result.modality),
+        instance_id=None if result.instance_id is None else utf8_safe(result.instance_id),
+        instance_uses=result.instance_uses,
+        status="failed",
+        failure_reason=FailureReason.RESULT_ERROR,
+        error=error,
+        reward=None,
+        steps=result.steps,
+        tool_errors=result.tool_errors,
+        tool_failures=result.tool_failures,
+        timings=Timings.model_validate(result.timings.model_dump()),
+        cost=Cost.model_validate(result.cost.model_dump()),
+    )
+
+
+def utf8_safe(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode (lone surrogates) written as escapes
+    (``\\udc80``); ``text`` itself when it has none."""
+    if text.isascii():
+        return text
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _unwritable(value: object, path: str) -> str | None:
+    """Where in ``value`` (a result's fields, as Python values) JSON cannot go, and why."""
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError as exc:
+            code = ord(value[exc.start])
+            where = path or "a field"
+            return f"{where} holds a lone surrogate (U+{code:04X}), which UTF-8 cannot encode"
+        return None
+    if value is None or isinstance(value, bool | int | float):
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = utf8_safe(str(key))
+            where = f"{path}.{name}" if path else name
+            if isinstance(key, str) and (
+                found := _unwritable(key, f"a key of {path or 'the result'}")
+            ):
+                return found
+            if found := _unwritable(item, where):
+                return found
+        return None
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            if found := _unwritable(item, f"{path}[{i}]"):
+                return found
+        return None
+    return f"{path or 'a field'} holds a {type(value).__name__}, which JSON cannot hold"

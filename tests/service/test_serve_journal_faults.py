@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import resource
+import sqlite3
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import httpx
 import pytest
 from service_helpers import TOKEN, free_port, serving, task_record
 
+from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.pool.journal import read_journal
 from fleetroll.pool.rollout_pool import RolloutPool, rollout_id
@@ -32,6 +34,7 @@ from fleetroll.service import Service, create_app, serve_app
 from fleetroll.service.state import StoredRequest, open_store
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
+from fleetroll.telemetry import open_telemetry, queries
 from fleetroll.testing.fake_openai import FakeChatServer, FakeRawResponse, Reply, completion
 
 pytestmark = pytest.mark.slow
@@ -48,6 +51,11 @@ BODY: dict[str, Any] = {
     "samples_per_task": SAMPLES,
     "batch_id": BATCH,
 }
+
+
+def cut(text: str, chars: int) -> str:
+    """``text`` as an event's preview holds it (``pool.events_preview_chars``)."""
+    return text if len(text) <= chars else text[:chars] + "…"
 
 
 async def read_stream(
@@ -200,7 +208,7 @@ async def test_a_result_json_cannot_hold_is_result_error_and_the_batch_goes_on(
         ):
             created = await http.post("/v1/batches", json=body)
             assert created.status_code == 201, created.text
-            with caplog.at_level(logging.WARNING, logger="fleetroll.pool.journal"):
+            with caplog.at_level(logging.WARNING, logger="fleetroll.rollout.machine"):
                 seen, last = await read_stream(http, 0)
             groups = await http.get(f"/v1/batches/{BATCH}/groups")
     assert last == {"type": "end", "cursor": len(TASKS), "status": "finished"}
@@ -208,10 +216,100 @@ async def test_a_result_json_cannot_hold_is_result_error_and_the_batch_goes_on(
     bad = [r for _, r in seen if r.task_key == TASKS[2].key]
     assert [(r.failure_reason, r.reward) for r in bad] == [(FailureReason.RESULT_ERROR, None)]
     assert "content holds a lone surrogate (U+DC80)" in (bad[0].error or "")
-    assert [m for rec in caplog.records if "journaled as result_error" in (m := rec.getMessage())]
+    # Said once, where the stand-in is made (the rollout's machine: every view serves it).
+    said = [m for rec in caplog.records if "as result_error" in (m := rec.getMessage())]
+    assert len(said) == 1 and "kept as result_error" in said[0], said
     assert groups.status_code == 200 and groups.text.count('"type":"group"') == len(TASKS)
     # The journal holds them as streamed, and reads back after a restart.
     assert [r for _, r in seen] == read_journal(store.journal_path(BATCH), latest=False)
+
+
+async def test_every_view_of_a_result_json_cannot_hold_serves_the_journal_s_stand_in(
+    emulator: Emulator, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The model's text holds a lone surrogate: the journal keeps result_error. Its
+    # events (the route and FleetrollClient.follow), its batch's state and its
+    # telemetry say the same, and nothing answers 500 or loses a record.
+    bad_task = TASKS[2]
+    bad_id = rollout_id(BATCH, bad_task.key, 0)
+
+    def script(body: dict[str, Any]) -> Reply:
+        prompt = next(m["content"] for m in body["messages"] if m["role"] == "user")
+        if prompt == bad_task.prompt:  # a file name that is not UTF-8, in the model's text
+            return FakeRawResponse(json.dumps(completion("found a\udc80b.txt")))
+        return completion("done")
+
+    db = tmp_path / "telemetry" / "telemetry.db"
+    settings = load_settings(
+        service={"state_dir": tmp_path / "state"},
+        service_token=TOKEN,
+        telemetry={"db_path": str(db), "send_to_logfire": False},
+    )
+    async with (
+        FakeChatServer(script) as server,
+        open_telemetry(settings) as events,
+        open_store(tmp_path / "state") as store,
+        RolloutPool(
+            settings, api_key=emulator.api_key, base_url=emulator.base_url, events=events
+        ) as pool,
+    ):
+        service = Service(pool, settings, store=store)
+        policy = {"kind": "openai", "base_url": server.base_url, "model": "fake"}
+        body = {**BODY, "policy": policy, "samples_per_task": 1}
+        async with serve_app(create_app(service), "127.0.0.1", 0) as url:
+            async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30) as http:
+                created = await http.post("/v1/batches", json=body)
+                assert created.status_code == 201, created.text
+                seen, last = await read_stream(http, 0)
+                with anyio.fail_after(30), caplog.at_level(logging.ERROR):
+                    answer = await http.get(f"/v1/rollouts/{bad_id}/events?after=0")
+                state = await http.get(f"/v1/batches/{BATCH}")
+            async with FleetrollClient(url, token=TOKEN, max_retries=0) as client:
+                with anyio.fail_after(30):
+                    followed = [e async for e in client.follow(bad_id)]
+    assert last["type"] == "end" and len(seen) == len(TASKS)
+    journaled = {r.rollout_id: r for r in read_journal(store.journal_path(BATCH))}
+    stand_in = journaled[bad_id]
+    assert (stand_in.failure_reason, stand_in.reward) == (FailureReason.RESULT_ERROR, None)
+    assert [r for _, r in seen if r.rollout_id == bad_id] == [stand_in]
+    # The events route: 200, every line JSON, the model's text with its surrogate
+    # escaped as the journal escapes it, and an end that is the journal's.
+    assert answer.status_code == 200, answer.text
+    lines = [json.loads(line) for line in answer.text.splitlines()]
+    kinds = [m["event"] for m in lines if m["type"] == "event"]
+    assert [e["preview"] for e in kinds if e["kind"] == "turn"] == ["found a\\udc80b.txt"]
+    end = {k: kinds[-1][k] for k in ("kind", "status", "failure_reason", "reward", "error")}
+    expected = {
+        "kind": "end",
+        "status": "failed",
+        "failure_reason": "result_error",
+        "reward": None,
+        "error": cut(stand_in.error or "", settings.pool.events_preview_chars),
+    }
+    assert end == expected
+    assert "content holds a lone surrogate (U+DC80)" in (stand_in.error or "")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    # FleetrollClient.follow hears the same, at once.
+    assert [e.kind for e in followed] == [e["kind"] for e in kinds]
+    assert {k: followed[-1].data[k] for k in end if k != "kind"} == {
+        k: v for k, v in expected.items() if k != "kind"
+    }
+    # The batch's state counts it as the journal does.
+    assert state.status_code == 200 and state.json()["status"] == "finished"
+    # Telemetry: one completed row per rollout, the bad one's the stand-in's.
+    completed = queries.batch_costs(db, BATCH)
+    assert [(b["batch_id"], b["completed"]) for b in completed] == [(BATCH, len(TASKS))]
+    check = queries.check(db, BATCH)
+    assert check.ok and check.rollouts == len(TASKS), check
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute(
+            "SELECT attributes FROM records WHERE message = 'fleet_rollout_completed'"
+        ).fetchall()
+    attributes = [json.loads(a) for (a,) in rows]
+    bad = [a for a in attributes if a["task_key"] == bad_task.key]
+    assert [(a["status"], a["failure_reason"], a["error_message"]) for a in bad] == [
+        ("failed", "result_error", stand_in.error)
+    ]
 
 
 async def test_a_request_that_cannot_be_kept_is_refused_and_the_service_says_why(

@@ -54,7 +54,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from fleetroll.errors import ConfigError, JournalError
-from fleetroll.results import Cost, FailureReason, RolloutResult, Timings
+from fleetroll.results import FailureReason, RolloutResult, writable_result
 from fleetroll.tasks import TaskSpec
 from fleetroll.training.sampler import SamplerState
 
@@ -642,83 +642,16 @@ class Journal:
 def journal_line(result: RolloutResult) -> tuple[RolloutResult, bytes]:
     """The journal line of ``result``, and the result that line holds.
 
-    That is ``result`` itself, unless it cannot be written as JSON (a string
-    holding a lone surrogate, which UTF-8 cannot encode, or a value JSON has
-    no form for): then its rollout's failure, ``result_error`` with reward
-    null, its ids, counts, timings and costs kept, ``error`` naming the field
-    and what the rollout had ended as; its transcript, turns and verifier
-    output are left out.
+    That is ``result`` itself, unless it cannot be written as JSON: then its
+    stand-in, :func:`~fleetroll.results.writable_result` (``result_error``).
+    A rollout's machine already hands out that stand-in, so every view of the
+    rollout agrees with its line; this is the net for a result made elsewhere.
     """
     try:
         return result, result.model_dump_json().encode() + b"\n"
-    except (ValueError, TypeError) as exc:  # pydantic's serialisation error is a ValueError
-        where = _unwritable(result.model_dump(), "") or _safe(" ".join(str(exc).split())[:200])
-    ended = result.status if result.failure_reason is None else result.failure_reason.value
-    error = (
-        f"its result could not be written as JSON: {where}; it had ended {_safe(ended)}"
-        + (f" with reward {result.reward:g}" if result.reward is not None else "")
-        + " (its transcript, turns and verifier output are left out)"
-    )
-    stand_in = RolloutResult(
-        rollout_id=_safe(result.rollout_id),
-        batch_id=_safe(result.batch_id),
-        task_key=_safe(result.task_key),
-        sample_index=result.sample_index,
-        group_id=None if result.group_id is None else _safe(result.group_id),
-        policy_version=result.policy_version,
-        step=result.step,
-        env_key=_safe(result.env_key),
-        env_version=None if result.env_version is None else _safe(result.env_version),
-        modality=_safe(result.modality),
-        instance_id=None if result.instance_id is None else _safe(result.instance_id),
-        instance_uses=result.instance_uses,
-        status="failed",
-        failure_reason=FailureReason.RESULT_ERROR,
-        error=error,
-        reward=None,
-        steps=result.steps,
-        tool_errors=result.tool_errors,
-        tool_failures=result.tool_failures,
-        timings=Timings.model_validate(result.timings.model_dump()),
-        cost=Cost.model_validate(result.cost.model_dump()),
-    )
+    except (ValueError, TypeError):  # pydantic's serialisation error is a ValueError
+        stand_in = writable_result(result)
     return stand_in, _encode((stand_in,))
-
-
-def _unwritable(value: object, path: str) -> str | None:
-    """Where in ``value`` (a result's fields, as Python values) JSON cannot go, and why."""
-    if isinstance(value, str):
-        try:
-            value.encode()
-        except UnicodeEncodeError as exc:
-            code = ord(value[exc.start])
-            where = path or "a field"
-            return f"{where} holds a lone surrogate (U+{code:04X}), which UTF-8 cannot encode"
-        return None
-    if value is None or isinstance(value, bool | int | float):
-        return None
-    if isinstance(value, dict):
-        for key, item in value.items():
-            name = _safe(str(key))
-            where = f"{path}.{name}" if path else name
-            if isinstance(key, str) and (
-                found := _unwritable(key, f"a key of {path or 'the result'}")
-            ):
-                return found
-            if found := _unwritable(item, where):
-                return found
-        return None
-    if isinstance(value, list | tuple):
-        for i, item in enumerate(value):
-            if found := _unwritable(item, f"{path}[{i}]"):
-                return found
-        return None
-    return f"{path or 'a field'} holds a {type(value).__name__}, which JSON cannot hold"
-
-
-def _safe(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode (lone surrogates) written as escapes."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _encode(results: Iterable[RolloutResult]) -> bytes:

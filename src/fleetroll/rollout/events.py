@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 from fleetroll.policies import AssistantTurn, ToolCall
-from fleetroll.results import RolloutResult
+from fleetroll.results import RolloutResult, utf8_safe
 from fleetroll.rollout.tools import ToolResult
 
 __all__ = ["EventPage", "RolloutEvent", "RolloutEventLog", "ended_page", "ndjson_lines"]
@@ -117,7 +117,7 @@ class RolloutEventLog:
             {
                 "latency_s": round(latency_s, 6),
                 "policy_version": policy_version,
-                "tool_calls": [c.name for c in turn.tool_calls],
+                "tool_calls": [utf8_safe(c.name) for c in turn.tool_calls],
                 "preview": self._preview(turn.content or ""),
             },
         )
@@ -126,7 +126,7 @@ class RolloutEventLog:
         self._add(
             "tool_call",
             {
-                "name": call.name,
+                "name": utf8_safe(call.name),
                 "duration_s": round(duration_s, 6),
                 "is_error": result.is_error,
                 "arguments": self._preview(json.dumps(call.arguments, default=str)),
@@ -152,7 +152,9 @@ class RolloutEventLog:
         # redactor. Only the head is redacted (a tool's answer may be a large page,
         # and redaction runs on the loop): any secret that starts inside the
         # preview ends inside the head, and the patterns mask a value cut short.
-        clean = self._redact(text[: self._preview_chars + _SECRET_SPAN])
+        # A lone surrogate (a file name that is not UTF-8) is written as its escape,
+        # as the journal writes it: the events' NDJSON must encode.
+        clean = utf8_safe(self._redact(text[: self._preview_chars + _SECRET_SPAN]))
         if len(clean) <= self._preview_chars:
             return clean
         return clean[: self._preview_chars] + "…"

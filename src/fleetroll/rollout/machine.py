@@ -32,6 +32,7 @@ what it means is :mod:`fleetroll.rollout.dispatch`; the mutable state and the
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import (
@@ -52,7 +53,7 @@ from fleetroll._internal.retrying import reporting as report_retries
 from fleetroll.environments.provider import Instance
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.policies.servers import sticky
-from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.results import FailureReason, RolloutResult, writable_result
 from fleetroll.rollout.events import EventPage, RolloutEventLog
 from fleetroll.rollout.phases import NEXT, Phase, RolloutView, crash_reason, view_of
 from fleetroll.rollout.progress import Progress, RolloutIds
@@ -65,6 +66,7 @@ from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 @runtime_checkable
@@ -559,6 +561,17 @@ class Rollout:
             keep_images=self.engine.settings.pool.transcript_images,
             trajectory=self.engine.settings.policy.trajectory,
         )
+        # One result every view serves: one JSON cannot hold is its stand-in
+        # (result_error), here, before its group, the stream, the events, telemetry
+        # and the journal see it.
+        if (kept := writable_result(result)) is not result:
+            _log.warning(
+                "rollout %s: %s; kept as %s",
+                kept.rollout_id,
+                kept.error,
+                FailureReason.RESULT_ERROR.value,
+            )
+            result = kept
         self.result = result if self.settle is None else self.settle(result)
         self.live.end(self.result)
         self._let_go()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, Protocol
 
+from fleetroll.results import utf8_safe
+
 __all__ = [
     "BASE_ATTRIBUTES",
     "EVENT_NAMES",
@@ -217,9 +219,12 @@ class Redactor:
         return "".join(pieces)
 
     def value(self, value: Any) -> Any:
-        """``value`` with every string inside it redacted (mappings and sequences too)."""
+        """``value`` with every string inside it redacted (mappings and sequences too),
+        a lone surrogate written as its escape (:func:`~fleetroll.results.utf8_safe`):
+        UTF-8 cannot encode it, so the store would lose the event (and its batch of
+        rows) and Logfire its export."""
         if isinstance(value, str):
-            return self(value)
+            return utf8_safe(self(value))
         if isinstance(value, Mapping):
             return self.attributes(value)
         if isinstance(value, list | tuple | set | frozenset):
@@ -227,11 +232,13 @@ class Redactor:
         return value
 
     def attributes(self, attributes: Mapping[str, Any]) -> dict[str, Any]:
-        """A redacted copy; a credential-named key keeps only the mask (or None)."""
+        """A redacted copy; a credential-named key keeps only the mask (or None).
+
+        Strings as :meth:`value` makes them (a lone surrogate escaped)."""
         out: dict[str, Any] = {}
         for key, value in attributes.items():
             if isinstance(value, str):
-                out[key] = self.MASK if _sensitive_name(str(key)) else self(value)
+                out[key] = self.MASK if _sensitive_name(str(key)) else utf8_safe(self(value))
             elif value is None or isinstance(value, int | float):
                 out[key] = value
             else:

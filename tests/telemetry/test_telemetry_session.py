@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sqlite3
 from collections.abc import Sequence
@@ -62,6 +63,38 @@ async def test_open_telemetry_flushes_everything_on_exit_even_when_cancelled(
             await anyio.sleep(3600)
     assert scope.cancelled_caught
     assert len(messages(db)) == 200
+
+
+async def test_an_attribute_with_a_lone_surrogate_is_stored_escaped_and_costs_no_record(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A tool's error naming a file whose name is not UTF-8: UTF-8 cannot encode it,
+    # and the store lost the event with every record of its flush.
+    db = tmp_path / "t.db"
+    name = "a\udc80b.txt"
+    with caplog.at_level(logging.ERROR, logger="fleetroll.telemetry"):
+        async with open_telemetry(local_settings(db)) as events:
+            events.emit("fleet_make_retry", i=0)
+            events.emit(
+                "fleet_rollout_completed",
+                level="warn",
+                status="failed",
+                error_message=f"cannot open {name}",
+                files=[name, {"name": name}],
+            )
+            events.emit("fleet_make_retry", i=1)
+    assert not caplog.records, caplog.text
+    conn = connect(db, readonly=True)
+    try:
+        rows = conn.execute("SELECT message, attributes FROM records ORDER BY rowid").fetchall()
+    finally:
+        conn.close()
+    names = [m for m, _ in rows]
+    assert names == ["fleet_make_retry", "fleet_rollout_completed", "fleet_make_retry"]
+    completed = json.loads(rows[1][1])
+    escaped = "a\\udc80b.txt"  # as the journal writes it
+    assert completed["error_message"] == f"cannot open {escaped}"
+    assert completed["files"] == [escaped, {"name": escaped}]
 
 
 def test_the_console_shows_batches_and_failures_but_not_every_rollout(

@@ -23,6 +23,7 @@ __all__ = [
     "Turn",
     "VerifierOutcome",
     "utf8_safe",
+    "utf8_safe_value",
     "writable_result",
 ]
 
@@ -332,7 +333,28 @@ def utf8_safe(text: str) -> str:
     (``\\udc80``); ``text`` itself when it has none."""
     if text.isascii():
         return text
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def utf8_safe_value(value: Any) -> Any:
+    """``value`` (JSON-shaped: mappings, lists, strings, numbers) with every string in
+    it, keys too, as :func:`utf8_safe` makes it; ``value`` itself when none needs it."""
+    if isinstance(value, str):
+        return utf8_safe(value)
+    if isinstance(value, dict):
+        out = {
+            utf8_safe(k) if isinstance(k, str) else k: utf8_safe_value(v) for k, v in value.items()
+        }
+        same = all(a is b for a, b in zip(out.values(), value.values(), strict=True))
+        return value if same and list(out) == list(value) else out
+    if isinstance(value, list | tuple):
+        items = [utf8_safe_value(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
+    return value
 
 
 def _unwritable(value: object, path: str) -> str | None:

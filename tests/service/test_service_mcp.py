@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -9,11 +10,18 @@ from typing import Any
 import anyio
 import pytest
 from mcp import Client
-from service_helpers import LEDGER, Running, task_record
+from service_helpers import LEDGER, Running, running_service, task_record
 
 from fleetroll import tasks
-from fleetroll.emulator import Emulator
+from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.rollout.transcript import Transcript
+from fleetroll.testing.fake_openai import (
+    FakeChatServer,
+    FakeRawResponse,
+    Reply,
+    completion,
+    tool_call,
+)
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -131,3 +139,85 @@ async def test_a_task_given_to_start_rollout_or_a_session_is_checked_off_the_eve
     assert session.status_code == 422
     assert session.json()["detail"][0]["loc"] == ["body", "task", "verifier_func"]
     assert len(threads) == 2 and threading.get_ident() not in threads
+
+
+async def test_a_model_s_text_json_cannot_hold_is_served_as_its_result_error(
+    served: Running,
+) -> None:
+    # The model names a file that is not UTF-8 (JSON's \udc80 escape): the rollout's
+    # result is the journal's stand-in (result_error), for finalize_rollout,
+    # get_state and get_messages alike, never an error of the tool.
+    async def script(body: dict[str, Any]) -> Reply:
+        return FakeRawResponse(json.dumps(completion("found a\udc80b.txt")))
+
+    async with FakeChatServer(script) as server:
+        policy = {"kind": "openai", "base_url": server.base_url, "model": "fake"}
+        with anyio.fail_after(60):
+            async with Client(f"{served.url}/mcp") as mcp:
+                started = structured(
+                    await mcp.call_tool(
+                        "start_rollout", {"task": task_record(LEDGER[6]), "policy": policy}
+                    )
+                )
+                rollout_id = started["rollout_id"]
+                final = structured(
+                    await mcp.call_tool("finalize_rollout", {"rollout_id": rollout_id})
+                )
+                state = structured(await mcp.call_tool("get_state", {"rollout_id": rollout_id}))
+                messages = structured(
+                    await mcp.call_tool("get_messages", {"rollout_id": rollout_id})
+                )
+    assert (final["status"], final["failure_reason"], final["reward"]) == (
+        "failed",
+        "result_error",
+        None,
+    )
+    assert "content holds a lone surrogate (U+DC80)" in final["error"]
+    assert final["transcript"] == []
+    assert messages == {"rollout_id": rollout_id, "messages": [], "next": 0, "done": True}
+    assert (state["done"], state["failure_reason"], state["reward"]) == (True, "result_error", None)
+
+
+async def test_a_running_rollout_s_messages_serve_a_model_s_text_json_cannot_hold_escaped() -> None:
+    # The model names a file that is not UTF-8 and calls a tool, which hangs: while
+    # it does, get_messages serves the text escaped as the journal escapes it.
+    task = LEDGER[6]
+    assert task.solution
+    step = task.solution[0]
+
+    def script(body: dict[str, Any]) -> Reply:
+        call = tool_call(step.name, dict(step.arguments), id="call_0")
+        return FakeRawResponse(json.dumps(completion("found a\udc80b.txt", [call])))
+
+    async with (
+        Emulator(FaultProfile(p_tool_hang=1.0)) as emu,
+        running_service(emu) as served,
+        FakeChatServer(script) as server,
+        served.http() as http,
+    ):
+        policy = {"kind": "openai", "base_url": server.base_url, "model": "fake"}
+        with anyio.fail_after(60):
+            async with Client(f"{served.url}/mcp") as mcp:
+                started = structured(
+                    await mcp.call_tool(
+                        "start_rollout", {"task": task_record(task), "policy": policy}
+                    )
+                )
+                rollout_id = started["rollout_id"]
+                # Its turn is in its live events: its transcript holds the text.
+                path = f"/v1/rollouts/{rollout_id}/events?after=0"
+                async with http.stream("GET", path) as events:
+                    async for line in events.aiter_lines():
+                        message = json.loads(line)
+                        if message["type"] == "event" and message["event"]["kind"] == "turn":
+                            break
+                live = await mcp.call_tool("get_messages", {"rollout_id": rollout_id})
+                await mcp.call_tool("abort_rollout", {"rollout_id": rollout_id})
+                final = structured(
+                    await mcp.call_tool("finalize_rollout", {"rollout_id": rollout_id})
+                )
+    assert message["event"]["preview"] == "found a\\udc80b.txt"
+    texts = [m.get("content") for m in structured(live)["messages"] if m["role"] == "assistant"]
+    assert texts == ["found a\\udc80b.txt"]
+    assert (final["failure_reason"], final["reward"]) == ("result_error", None)
+    assert "it had ended cancelled" in final["error"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.results import FailureReason, RolloutResult, utf8_safe_value
 from fleetroll.rollout.progress import Progress, RolloutIds
 from fleetroll.rollout.stages import RolloutContext
 
@@ -96,6 +96,9 @@ def view_of(
     elif messages:
         keep_images = engine.settings.pool.transcript_images
         exported = progress.transcript.export(engine.redactor, keep_images=keep_images)
-        transcript = tuple(exported)
+        # A lone surrogate (a model's text naming a file that is not UTF-8) escaped as
+        # the journal escapes it: a reader's JSON must encode (the result, once built,
+        # is result_error without a transcript: results.writable_result).
+        transcript = tuple(utf8_safe_value(m) for m in exported)
     steps = progress.steps if result is None else result.steps
     return RolloutView(ids, task_key, phase, steps, transcript, result)

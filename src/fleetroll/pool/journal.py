@@ -12,11 +12,12 @@ as not done, so a resume runs it again.
 No one result can stop the journal: a result JSON cannot hold (a string with
 a lone surrogate, from a tool, a verifier or a policy) is journaled as its
 rollout's failure, ``result_error``, whose ``error`` names the field
-(:func:`journal_line`). A write that fails (a full disk) is final: the
-journal cuts the file back to its last whole write, writes nothing more, and
-tells its owner (``on_failed``), who stops the batch; what was not written
-is never reported written, so a reader is never shown a result the disk does
-not hold.
+(:func:`~fleetroll.results.writable_result`; a rollout's machine makes it as
+the rollout ends, so every view serves it; :func:`journal_line` is the net).
+A write that fails (a full disk) is final: the journal cuts the file back to
+its last whole write, writes nothing more, and tells its owner
+(``on_failed``), who stops the batch; what was not written is never reported
+written, so a reader is never shown a result the disk does not hold.
 
 A rollout may have several lines (a resumed batch re-runs the rollouts it
 had cancelled): the last one is its result.

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleetroll._internal.utf8 import utf8_safe
+
 __all__ = [
     "Cost",
     "FailureReason",
@@ -22,8 +24,6 @@ __all__ = [
     "TrajectorySegment",
     "Turn",
     "VerifierOutcome",
-    "utf8_safe",
-    "utf8_safe_value",
     "writable_result",
 ]
 
@@ -326,35 +326,6 @@ def writable_result(result: RolloutResult) -> RolloutResult:
         timings=Timings.model_validate(result.timings.model_dump()),
         cost=Cost.model_validate(result.cost.model_dump()),
     )
-
-
-def utf8_safe(text: str) -> str:
-    """``text`` with what UTF-8 cannot encode (lone surrogates) written as escapes
-    (``\\udc80``); ``text`` itself when it has none."""
-    if text.isascii():
-        return text
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return text.encode("utf-8", "backslashreplace").decode("utf-8")
-    return text
-
-
-def utf8_safe_value(value: Any) -> Any:
-    """``value`` (JSON-shaped: mappings, lists, strings, numbers) with every string in
-    it, keys too, as :func:`utf8_safe` makes it; ``value`` itself when none needs it."""
-    if isinstance(value, str):
-        return utf8_safe(value)
-    if isinstance(value, dict):
-        out = {
-            utf8_safe(k) if isinstance(k, str) else k: utf8_safe_value(v) for k, v in value.items()
-        }
-        same = all(a is b for a, b in zip(out.values(), value.values(), strict=True))
-        return value if same and list(out) == list(value) else out
-    if isinstance(value, list | tuple):
-        items = [utf8_safe_value(v) for v in value]
-        return value if all(a is b for a, b in zip(items, value, strict=True)) else items
-    return value
 
 
 def _unwritable(value: object, path: str) -> str | None:

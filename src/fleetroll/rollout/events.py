@@ -29,8 +29,9 @@ from typing import Any
 
 import anyio
 
+from fleetroll._internal.utf8 import utf8_safe
 from fleetroll.policies import AssistantTurn, ToolCall
-from fleetroll.results import RolloutResult, utf8_safe
+from fleetroll.results import RolloutResult
 from fleetroll.rollout.tools import ToolResult
 
 __all__ = ["EventPage", "RolloutEvent", "RolloutEventLog", "ended_page", "ndjson_lines"]

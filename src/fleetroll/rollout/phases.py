@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from fleetroll.results import FailureReason, RolloutResult, utf8_safe_value
+from fleetroll._internal.utf8 import utf8_safe_value
+from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.progress import Progress, RolloutIds
 from fleetroll.rollout.stages import RolloutContext
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Final, Literal, Protocol
 
-from fleetroll.results import utf8_safe
+from fleetroll._internal.utf8 import utf8_safe
 
 __all__ = [
     "BASE_ATTRIBUTES",
@@ -220,7 +220,7 @@ class Redactor:
 
     def value(self, value: Any) -> Any:
         """``value`` with every string inside it redacted (mappings and sequences too),
-        a lone surrogate written as its escape (:func:`~fleetroll.results.utf8_safe`):
+        a lone surrogate written as its escape (:func:`~fleetroll._internal.utf8.utf8_safe`):
         UTF-8 cannot encode it, so the store would lose the event (and its batch of
         rows) and Logfire its export."""
         if isinstance(value, str):

@@ -131,6 +131,12 @@ class AccessLog:
                 await self._changed.wait()
 
 
+async def _pipe_chunks(fd: int) -> AsyncIterator[bytes]:
+    """The bytes of a pipe's read end, as they come, to its end (read in a thread)."""
+    while chunk := await anyio.to_thread.run_sync(os.read, fd, 65536, abandon_on_cancel=True):
+        yield chunk
+
+
 async def _read_lines(stream: AsyncIterator[bytes], each: Callable[[str], None]) -> None:
     tail = ""
     async for chunk in stream:
@@ -164,9 +170,18 @@ async def _program(
     Raises :class:`NotUp` with its last lines if it ended first (e.g. its port was
     taken) or was not up in time.
     """
-    process = await anyio.open_process(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    # A real pipe, not the event loop's: uvloop's subprocess pipes are socket pairs,
+    # and nginx cannot open /dev/stderr on a socket (its access log goes there).
+    read_fd, write_fd = os.pipe()
+    try:
+        process = await anyio.open_process(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=write_fd
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
     started = _Started(process)
 
     def line(text: str) -> None:
@@ -177,8 +192,7 @@ async def _program(
             on_line(text)
 
     async def read() -> None:
-        assert process.stderr is not None
-        await _read_lines(process.stderr, line)
+        await _read_lines(_pipe_chunks(read_fd), line)
         started.ended.set()
         started.up.set()  # whoever waits sees it ended
 
@@ -203,6 +217,8 @@ async def _program(
         with anyio.CancelScope(shield=True):
             await _stop(process)
             await process.aclose()
+        if started.ended.is_set():  # else a reading thread may still hold it
+            os.close(read_fd)
     if not up:
         said = "\n".join(started.said[-20:])
         raise NotUp(f"{argv[0]} was not up within {START_S:g} s:\n{said}")

@@ -180,6 +180,9 @@ async def test_an_agent_s_call_waits_while_the_policy_is_paused_and_carries_the_
             tg.start_soon(rollout)
             with anyio.fail_after(30):
                 await gate.waiting.wait()
+            # The pause lasts a time a clock can show: uvloop's is read once per loop
+            # iteration, in whole milliseconds (a pause ended in the same one is 0 s).
+            await anyio.sleep(0.01)
             held = len(server.requests)
             gate.version = 8  # the trainer swapped the weights during the pause
 

@@ -108,6 +108,10 @@ async def test_a_deadline_passing_inside_a_wait_is_its_overrun_even_when_the_wai
     # loop): the clock decides whose time ran out, not the await it lands on.
     progress = Progress()
     with progress.platform_wait("the tool call note"):
+        # Time goes on inside the wait first: uvloop's clock is read once per loop
+        # iteration, in whole milliseconds, so a deadline set at once would be the
+        # wait's own start (nothing passed inside it).
+        await anyio.sleep(0.002)
         progress.deadline = anyio.current_time()  # passes now, inside the wait
     assert progress.overrun is not None and progress.overrun[0] == "the tool call note"
 

@@ -8,6 +8,7 @@ import anyio
 import click
 
 from fleetroll.bench.scenarios import BASELINES, SCENARIOS
+from fleetroll.cli.options import CONFIG_OPTION
 from fleetroll.errors import FleetrollError
 from fleetroll.settings import load_settings
 
@@ -120,12 +121,7 @@ def _has_matplotlib() -> bool:
     ),
 )
 @click.option("--no-plot", is_flag=True, help="Skip the PNG plot.")
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="A TOML file merged over the shipped defaults.",
-)
+@CONFIG_OPTION
 def bench(
     scenario_names: tuple[str, ...],
     list_only: bool,

@@ -14,6 +14,7 @@ import anyio
 import click
 
 from fleetroll._internal.guard import check_bind
+from fleetroll.cli.options import CONFIG_OPTION
 from fleetroll.errors import FleetrollError
 from fleetroll.pool.batch_pool import ray_options
 from fleetroll.service.security import token_from_file
@@ -36,12 +37,7 @@ class _Refused(click.ClickException):
     default=None,
     help="Port (default from config; 0 = a free one).",
 )
-@click.option(
-    "--config",
-    "config_file",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="A TOML file merged over the shipped defaults.",
-)
+@CONFIG_OPTION
 @click.option(
     "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
 )

@@ -665,6 +665,7 @@ class Wire:
         self._keepalive_s = keepalive_s
         self._connect_timeout_s = connect_timeout_s
         self._verify = verify
+        self._system_tls: ssl.SSLContext | None = None  # made once, on first use
         self._max_idle = max_idle
         if proxy is not None:
             _parse_proxy(proxy)  # refused here, not at the first request
@@ -897,19 +898,26 @@ class Wire:
             raise ConnectFailed(f"cannot connect to {where}: {exc}") from exc
         return conn
 
+    def _system_trust(self) -> ssl.SSLContext:
+        """The system's TLS context, built once: loading the CA bundle is ~30 ms of
+        blocking work, which every new connection would otherwise pay on the loop."""
+        if self._system_tls is None:
+            self._system_tls = ssl.create_default_context()
+        return self._system_tls
+
     def _context(self, tls: bool, proxy: _Proxy | None) -> ssl.SSLContext | None:
         if not tls:
             return None
         if proxy is not None and proxy.tls:
-            return ssl.create_default_context()  # to the proxy itself: the system's trust
-        return self._verify or ssl.create_default_context()
+            return self._system_trust()  # to the proxy itself: the system's trust
+        return self._verify or self._system_trust()
 
     async def _open_tunnel(self, route: _Route) -> _Connection:
         """A connection to ``route`` inside a proxy's ``CONNECT`` tunnel, TLS to the target."""
         proxy = route.proxy
         assert proxy is not None
         loop = asyncio.get_running_loop()
-        to_proxy = ssl.create_default_context() if proxy.tls else None
+        to_proxy = self._system_trust() if proxy.tls else None
         transport, tunnel = await loop.create_connection(
             _Tunnel,
             proxy.host,
@@ -939,7 +947,7 @@ class Wire:
             tls = await loop.start_tls(
                 transport,
                 conn,
-                self._verify or ssl.create_default_context(),
+                self._verify or self._system_trust(),
                 server_hostname=route.host,
             )
             if tls is None:  # pragma: no cover - the loop closed the transport

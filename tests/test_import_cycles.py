@@ -59,92 +59,41 @@ def _reachable(start: str, graph: dict[str, set[str]]) -> set[str]:
     return seen
 
 
-#: The layers of the package, bottom first: a module imports only from its own
-#: layer and the ones before it. A name stands for that module and every module
-#: under it; the longest name that matches a module gives its layer. The
-#: subpackages are the layers; the few modules named apart are the data a lower
-#: layer shares (a turn, a group, a journal line), kept beside their owner.
+#: The layers of the package, bottom first: its folders (and top-level modules),
+#: each in one layer. A module imports only from its own layer and the ones
+#: before it; there are no exceptions, module by module: what a lower layer
+#: needs lives in a lower folder. The README's map draws the same order.
 LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     (
-        "foundations: data, errors, settings and plumbing every layer uses",
-        frozenset(
-            {
-                "_internal",
-                "_lazy",
-                "cli.options",  # what every command shares, the emulator's too
-                "errors",
-                "evaluation",  # pass@k and its statistics: the results alone
-                "examples_mcp",
-                "environments.mcp.leases",
-                "policies.gate",
-                "policies.turns",
-                "pool.journal",
-                "pool.preflight_cache",
-                "results",
-                "service.models",  # the HTTP API's wire format: the client's too
-                "settings",
-                "tasks",
-                "telemetry.console",
-                "telemetry.events",
-                "training",
-            }
-        ),
-    ),
-    ("the emulator: a Fleet of its own, on the foundations alone", frozenset({"emulator"})),
-    (
-        "telemetry: the store, its queries and the dashboard",
-        frozenset({"telemetry"}),
+        "foundations: errors, settings and plumbing",
+        frozenset({"errors", "_lazy", "settings", "_internal"}),
     ),
     (
-        "policies, tools and the environment protocol",
-        frozenset(
-            {
-                "environments.provider",
-                "policies",
-                "rollout.events",
-                "rollout.progress",
-                "rollout.routing",
-                "rollout.mcp_common",
-                "rollout.mcp_thin",
-                "rollout.tools",
-                "rollout.transcript",
-                "scoring",  # reward components: checks and the judge (an HTTP adapter)
-            }
-        ),
+        "data: tasks, results, turns, their statistics, and telemetry's events and store",
+        frozenset({"tasks", "results", "evaluation", "training", "telemetry", "examples_mcp"}),
     ),
-    (
-        "the rollout and the environment providers",
-        frozenset({"environments", "rollout", "testing"}),
-    ),
-    (
-        "the pool, its executors (local, Ray), and the client of a remote pool",
-        frozenset(
-            {
-                "",  # the package: its public API
-                "client",
-                "pool",
-                "testing.fake_executor",  # the pool's executor double
-            }
-        ),
-    ),
+    ("the emulator: a Fleet of its own", frozenset({"emulator"})),
+    ("policies and reward components", frozenset({"policies", "scoring"})),
+    ("the agent's tools: sessions, MCP clients, routing", frozenset({"tools"})),
+    ("the environment providers", frozenset({"environments"})),
+    ("the rollout", frozenset({"rollout"})),
+    ("the pool and its executors (local, Ray)", frozenset({"pool"})),
+    ("test doubles", frozenset({"testing"})),
     ("the HTTP service", frozenset({"service"})),
-    ("the commands", frozenset({"bench", "cli"})),
-    ("the entry point", frozenset({"cli.main", "__main__"})),
+    ("the client of a remote pool", frozenset({"client"})),
+    ("the package's public API", frozenset({""})),
+    ("the commands and the bench", frozenset({"bench", "cli"})),
+    ("the entry point", frozenset({"__main__"})),
 )
 
 
 def _layer(module: str) -> int:
-    """The index in LAYERS of ``module`` (a full name); KeyError when none holds it."""
-    name = module.removeprefix("fleetroll").removeprefix(".")
-    holding = [
-        (len(held), index)
-        for index, (_, names) in enumerate(LAYERS)
-        for held in names
-        if name == held or (held != "" and name.startswith(f"{held}."))
-    ]
-    if not holding:
-        raise KeyError(module)
-    return max(holding)[1]
+    """The index in LAYERS of ``module``'s folder (a full name); KeyError when none holds it."""
+    folder = module.removeprefix("fleetroll").removeprefix(".").partition(".")[0]
+    for index, (_, names) in enumerate(LAYERS):
+        if folder in names:
+            return index
+    raise KeyError(module)
 
 
 def test_every_module_belongs_to_one_layer() -> None:

@@ -8,9 +8,9 @@ import anyio
 import pytest
 
 from fleetroll.policies import ToolCall
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.rollout.transcript import LARGE_TEXT, Transcript
 from fleetroll.telemetry.events import Redactor
+from fleetroll.tools.session import ToolResult
 
 REDACT = Redactor(["sk-live-0123456789abcdef"])
 #: What texts are made of: credentials in every shape the redactor knows, and the

@@ -43,9 +43,9 @@ if _typing.TYPE_CHECKING:
     from fleetroll.results import FailureReason, RolloutResult, Timings, VerifierOutcome
     from fleetroll.rollout.agent_command import CommandAgent
     from fleetroll.rollout.env_session import EnvSession, StepResult
-    from fleetroll.rollout.tools import ToolResult
     from fleetroll.settings import Settings, load_settings
     from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
+    from fleetroll.tools.session import ToolResult
     from fleetroll.training.groups import Group
     from fleetroll.training.trajectory import training_rows
 
@@ -78,7 +78,7 @@ _WHERE: dict[str, str] = {
     "TaskSpec": "fleetroll.tasks",
     "Timings": "fleetroll.results",
     "ToolCall": "fleetroll.policies",
-    "ToolResult": "fleetroll.rollout.tools",
+    "ToolResult": "fleetroll.tools.session",
     "ToolSpec": "fleetroll.policies",
     "ToolsError": "fleetroll.errors",
     "VerifierOutcome": "fleetroll.results",

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleetroll._internal.utf8 import utf8_safe
 
 __all__ = [
+    "REWARD_ERROR_SEPARATOR",
     "Cost",
     "FailureReason",
     "RolloutResult",
@@ -26,6 +27,10 @@ __all__ = [
     "VerifierOutcome",
     "writable_result",
 ]
+
+#: Between a rollout's own error and why its reward could not be computed,
+#: when it had ended otherwise than well (``fleetroll rescore`` splits there).
+REWARD_ERROR_SEPARATOR = "; not scored: "
 
 
 class FailureReason(StrEnum):

@@ -17,7 +17,7 @@ from anyio.abc import SocketStream
 
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.http_transport import AiohttpTransport, SdkAiohttpTransport
-from fleetroll.rollout.tools import RetryRefusedConnections
+from fleetroll.tools.session import RetryRefusedConnections
 
 BIG = 1_000_000
 

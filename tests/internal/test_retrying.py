@@ -34,11 +34,11 @@ from fleetroll.client import FleetrollClient
 from fleetroll.environments.fleet import verification
 from fleetroll.errors import PolicyError, ProvisionError, ServiceError, ToolsError
 from fleetroll.policies import OpenAIChatPolicy
-from fleetroll.rollout.tools import open_tool_session
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink, Redactor, Telemetry
 from fleetroll.telemetry.retries import retry_emitter
+from fleetroll.tools.session import open_tool_session
 
 NOW = datetime(2026, 11, 23, 12, 0, 0, tzinfo=UTC)
 

@@ -20,7 +20,6 @@ from fleetroll.policies import (
     ToolCall,
     ToolSpec,
 )
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.rollout.transcript import Transcript, assistant_message
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
@@ -33,6 +32,7 @@ from fleetroll.testing.fake_openai import (
     tool_call,
     tool_calling_script,
 )
+from fleetroll.tools.session import ToolResult
 
 API_KEY = "sk-test-5f3a9c1e7b2d4068"
 #: Bounds every test's waiting; the policies' own deadlines are shorter.

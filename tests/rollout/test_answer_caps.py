@@ -22,11 +22,11 @@ from fleetroll.errors import ToolCallFailed, ToolsError
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
-from fleetroll.rollout.tools import ANSWER_TOO_LARGE, AnswerLimits, BoundedAnswers, ToolSession
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.tools.session import ANSWER_TOO_LARGE, AnswerLimits, BoundedAnswers, ToolSession
 
 LIMITS = AnswerLimits(answer_bytes=64 * 1024, listing_bytes=16 * 1024)
 URL = "http://mcp.test/mcp"

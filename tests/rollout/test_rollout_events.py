@@ -12,11 +12,11 @@ from fleetroll.results import RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.events import RolloutEvent, RolloutEventLog, ndjson_lines
 from fleetroll.rollout.machine import Rollout, RolloutIds
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events, MemorySink, Redactor
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.tools.session import ToolResult
 
 TASK = TaskSpec(
     key="note-done",

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fleetroll.policies import AssistantTurn, ToolCall
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.rollout.transcript import Transcript
+from fleetroll.tools.session import ToolResult
 
 IMAGE = "data:image/png;base64," + "A" * 64
 

@@ -17,11 +17,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.errors import PreflightError, ServiceError
 from fleetroll.pool.preflight import check_endpoint
-from fleetroll.pool.preflight_cache import PreflightCache
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.service import Service, create_app, serve_app
 from fleetroll.settings import load_settings

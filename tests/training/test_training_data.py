@@ -18,7 +18,6 @@ import pytest
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies import AssistantTurn, OpenAIChatPolicy, ToolCall, ToolSpec, TurnData
 from fleetroll.rollout.progress import Progress
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.rollout.transcript import Transcript
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
@@ -29,6 +28,7 @@ from fleetroll.testing.fake_openai import (
     tool_call,
     toy_tokenize,
 )
+from fleetroll.tools.session import ToolResult
 
 TEST_DEADLINE_S = 10.0
 TASK = TaskSpec(key="t", prompt="Pay the rent.", env_key="ledger")

@@ -14,7 +14,6 @@ from fleetroll.errors import PolicyError
 from fleetroll.policies import OpenAIChatPolicy, ToolSpec
 from fleetroll.results import RolloutResult, Trajectory, TrajectorySegment, Turn
 from fleetroll.rollout.progress import Progress
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.fake_openai import (
@@ -24,6 +23,7 @@ from fleetroll.testing.fake_openai import (
     tool_calling_script,
     toy_tokenize,
 )
+from fleetroll.tools.session import ToolResult
 from fleetroll.training.groups import Group
 from fleetroll.training.trajectory import stitch, training_rows
 

@@ -15,7 +15,7 @@ Contracts kept from httpcore:
 * The request's own timeouts (``extensions["timeout"]``: pool, connect,
   read) bound getting a connection and each read. Only a connection that
   could not be had raises ``ConnectError`` / ``ConnectTimeout`` (the request
-  never left: the one case :class:`fleetroll.rollout.tools.RetryRefusedConnections`
+  never left: the one case :class:`fleetroll.tools.session.RetryRefusedConnections`
   sends again); a failure after that is ``ReadError``, ``ReadTimeout`` or
   ``RemoteProtocolError``.
 * A response not read to its end is closed with its connection, never reused.

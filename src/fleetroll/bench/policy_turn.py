@@ -34,10 +34,10 @@ import httpx
 
 from fleetroll.bench.records import PolicyTurnRecord, PolicyTurnRow
 from fleetroll.policies import AssistantTurn, OpenAIChatPolicy, ToolCall, ToolSpec
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.rollout.transcript import Transcript
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.fake_openai import completion, tool_call
+from fleetroll.tools.session import ToolResult
 
 __all__ = ["policy_turn_bench"]
 

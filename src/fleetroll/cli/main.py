@@ -40,7 +40,7 @@ class _LazyGroup(click.Group):
             "Serve the live dashboard of the telemetry store until Ctrl-C.",
         ),
         "emulator": (
-            "fleetroll.emulator.cli:emulator",
+            "fleetroll.cli.emulator:emulator",
             "Run the Fleet-compatible emulator until interrupted.",
         ),
         "eval": (

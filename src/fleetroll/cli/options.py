@@ -9,7 +9,6 @@ imported at load time, so that building the command line (``fleetroll
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -19,7 +18,7 @@ import click
 if TYPE_CHECKING:
     from fleetroll.settings import Settings
 
-__all__ = ["CONFIG_OPTION", "Failed", "load_command_settings", "ray_options", "until_signalled"]
+__all__ = ["CONFIG_OPTION", "Failed", "load_command_settings", "ray_options"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -58,15 +57,6 @@ def load_command_settings(config_file: Path | None, **overrides: Any) -> Setting
         raise Failed(str(exc)) from None
     configure_console_logging(settings.telemetry.console_level)
     return settings
-
-
-async def until_signalled() -> None:
-    """Return on SIGINT or SIGTERM, so servers stop cleanly either way."""
-    import anyio
-
-    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for _ in signals:
-            return
 
 
 def ray_options(command: F) -> F:

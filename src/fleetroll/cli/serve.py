@@ -14,9 +14,8 @@ import anyio
 import click
 
 from fleetroll._internal.guard import check_bind
-from fleetroll.cli.options import CONFIG_OPTION
+from fleetroll.cli.options import CONFIG_OPTION, ray_options
 from fleetroll.errors import FleetrollError
-from fleetroll.pool.batch_pool import ray_options
 from fleetroll.service.security import token_from_file
 from fleetroll.settings import Settings, load_settings
 

@@ -18,7 +18,8 @@ from typing import Any, Final
 
 import click
 
-from fleetroll.cli.options import CONFIG_OPTION, Failed, load_command_settings, until_signalled
+from fleetroll._internal.signals import until_signalled
+from fleetroll.cli.options import CONFIG_OPTION, Failed, load_command_settings
 from fleetroll.errors import FleetrollError
 from fleetroll.telemetry.store import StoreError
 

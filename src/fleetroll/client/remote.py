@@ -24,8 +24,8 @@ from fleetroll.errors import InstanceLostError, ServiceError, ServicePreflightEr
 from fleetroll.policies.turns import ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.env_session import StepResult
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.service.models import BatchState
+from fleetroll.tools.session import ToolResult
 from fleetroll.training.groups import Group
 
 __all__ = [

@@ -48,15 +48,16 @@ class _Zygote:
     _process: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def fork(cls, args: list[str], env: dict[str, str], output: int) -> int:
-        """A new ``fleetroll emulator ARGS`` child (blocking); its stdout and stderr go to
-        the ``output`` descriptor. Returns its pid."""
-        request = json.dumps({"args": args, "env": env, "cwd": os.getcwd()}).encode() + b"\n"
+    def fork(cls, profile: FaultProfile, env: dict[str, str], output: int) -> int:
+        """A new emulator child (blocking) injecting ``profile``; its stdout and stderr
+        go to the ``output`` descriptor. Returns its pid."""
+        request = {"profile": profile.model_dump_json(), "env": env, "cwd": os.getcwd()}
+        request_line = json.dumps(request).encode() + b"\n"
         with cls._lock:
             if cls._process is None or cls._process.poll() is not None:
                 cls._start()
             assert cls._socket is not None
-            socket.send_fds(cls._socket, [request], [output])
+            socket.send_fds(cls._socket, [request_line], [output])
             reply = _read_line(cls._socket, [])
         if not reply:
             raise EmulatorError("the emulator's zygote process exited")
@@ -89,10 +90,12 @@ def _read_line(sock: socket.socket, fds: list[int]) -> bytes:
 
 def _zygote(fd: int) -> None:
     """The zygote's loop: one forked emulator per request on the socket ``fd``."""
-    # What the ``emulator`` command imports, once for every child, as it imports it.
+    # What an emulator imports, once for every child, as the command imports it.
     from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
 
     skip_unused_pydantic_plugins(os.environ)
+    import fleetroll.emulator.main
+    import fleetroll.emulator.server  # noqa: F401
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the children
     requests = socket.socket(fileno=fd)
@@ -111,7 +114,7 @@ def _zygote(fd: int) -> None:
 
 
 def _emulator(request: dict[str, Any], output: int) -> int:
-    """A forked child: ``fleetroll emulator``, as its own process would run it."""
+    """A forked child: an emulator, as ``fleetroll emulator --port 0`` runs one."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the emulator waits for its verifiers
     os.dup2(output, 1)
     os.dup2(output, 2)
@@ -123,17 +126,31 @@ def _emulator(request: dict[str, Any], output: int) -> int:
     os.environ.clear()
     os.environ.update(request["env"])
     from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
-    from fleetroll.emulator.cli import emulator
+    from fleetroll.emulator.main import serve_until_signalled
+    from fleetroll.errors import FleetrollError
+    from fleetroll.settings import load_settings
     from fleetroll.telemetry.console import configure_console_logging
 
-    # As the ``fleetroll`` group does before it runs the command.
+    # As the ``fleetroll`` group and the command do before the emulator starts.
     skip_unused_pydantic_plugins(os.environ)
-    configure_console_logging("info")
     code = 0
     try:
-        emulator.main(request["args"], prog_name="fleetroll emulator")
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        settings = load_settings()
+        configure_console_logging(settings.telemetry.console_level)
+        key = settings.emulator_api_key
+        serve_until_signalled(
+            FaultProfile.model_validate_json(request["profile"]),
+            settings.emulator,
+            profile_name="custom",
+            host=settings.emulator.host,
+            port=0,
+            api_key=key.get_secret_value() if key else None,
+            public_url=None,
+            say=lambda line: print(line, flush=True),
+        )
+    except FleetrollError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        code = 1
     except BaseException:  # never unwind into the zygote's loop: print, exit 1 (as Python would)
         import traceback
 
@@ -166,7 +183,6 @@ class EmulatorProcess:
         self.pid: int | None = None
 
     async def __aenter__(self) -> Self:
-        args = ["--port", "0", "--profile-json", self.profile.model_dump_json()]
         # The key goes through the environment, never the command line (ps shows that).
         env = {**os.environ, "FLEETROLL_EMULATOR_API_KEY": self.api_key}
         self._output, writer = os.pipe()
@@ -174,7 +190,7 @@ class EmulatorProcess:
         try:
             try:
                 # Blocking, and seconds long the first time (the zygote imports the emulator).
-                self.pid = await anyio.to_thread.run_sync(_Zygote.fork, args, env, writer)
+                self.pid = await anyio.to_thread.run_sync(_Zygote.fork, self.profile, env, writer)
             finally:
                 os.close(writer)
             with anyio.fail_after(self._startup_timeout_s):

@@ -23,11 +23,11 @@ from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.mcp.provider import McpHandle, McpProvider
 from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import ConfigError
-from fleetroll.rollout.routing import Route
-from fleetroll.rollout.tools import ToolSession
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
+from fleetroll.tools.routing import Route
+from fleetroll.tools.session import ToolSession
 
 __all__ = ["MixedProvider", "require_fleet_key"]
 

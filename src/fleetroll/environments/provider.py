@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Protocol
 from fleetroll.results import VerifierOutcome
 
 if TYPE_CHECKING:
-    from fleetroll.rollout.routing import Route
-    from fleetroll.rollout.tools import ToolSession
     from fleetroll.tasks import TaskSpec
+    from fleetroll.tools.routing import Route
+    from fleetroll.tools.session import ToolSession
 
 __all__ = ["Instance", "Provider", "Verdict"]
 

@@ -1,8 +1,8 @@
 """The pool batches run on: one RolloutPool, its rollouts in this process or on Ray actors.
 
 ``fleetroll run`` and ``fleetroll serve`` take the same ``--ray [ADDRESS]``
-and ``--ray-actors N`` options (:func:`ray_options`) and open the pool they
-ask for with :func:`open_batch_pool` (``serve`` too: one pool, its env sessions
+and ``--ray-actors N`` options (:func:`fleetroll.cli.options.ray_options`) and
+open the pool they ask for with :func:`open_batch_pool` (``serve`` too: one pool, its env sessions
 in this process under the pool's admission, gate and limits).
 What a caller needs of a pool is a :class:`BatchPool`, and of its batches a
 :class:`RunningBatch`.
@@ -10,14 +10,13 @@ What a caller needs of a pool is a :class:`BatchPool`, and of its batches a
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol
 
 import anyio
 
-from fleetroll.cli.options import ray_options
 from fleetroll.environments.fleet.admission import Admission
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import Policy
@@ -34,11 +33,8 @@ __all__ = [
     "FleetTarget",
     "RunningBatch",
     "open_batch_pool",
-    "ray_options",
     "release_run",
 ]
-
-F = TypeVar("F", bound=Callable[..., object])
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ no line holds a key. ``fleetroll run --no-preflight`` skips all of this.
 
 ``fleetroll serve`` runs the same checks on every batch it is sent
 (:mod:`fleetroll.service.preflight`), reusing the answers that are cheap to
-keep (:class:`~fleetroll.pool.preflight_cache.PreflightCache`).
+keep (:class:`~fleetroll._internal.preflight_cache.PreflightCache`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import anyio
 import httpx
 from pydantic import SecretStr
 
+from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll.errors import PreflightError
-from fleetroll.pool.preflight_cache import PreflightCache
 from fleetroll.tasks.names import missing_environments
 
 if TYPE_CHECKING:

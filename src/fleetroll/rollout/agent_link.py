@@ -44,8 +44,8 @@ from fleetroll.policies.servers import Affinity
 from fleetroll.results import FailureReason
 from fleetroll.rollout.dispatch import tool_call_failed
 from fleetroll.rollout.machine import Rollout
-from fleetroll.rollout.tools import describe
 from fleetroll.rollout.transcript import CHARS_PER_TOKEN, _text_chars
+from fleetroll.tools.session import describe
 
 __all__ = ["AgentLink"]
 

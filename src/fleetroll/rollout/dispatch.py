@@ -26,10 +26,10 @@ from fleetroll.policies import ToolCall, ToolSpec
 from fleetroll.results import FailureReason
 from fleetroll.rollout.events import RolloutEventLog
 from fleetroll.rollout.progress import Progress
-from fleetroll.rollout.routing import SUBMIT_FINAL_ANSWER, Route
 from fleetroll.rollout.stages import RolloutContext
-from fleetroll.rollout.tools import ToolCallFailed, ToolResult, ToolSession
 from fleetroll.telemetry.events import Events
+from fleetroll.tools.routing import SUBMIT_FINAL_ANSWER, Route
+from fleetroll.tools.session import ToolCallFailed, ToolResult, ToolSession
 
 __all__ = ["StepResult", "dispatch", "tool_call_failed"]
 

@@ -17,7 +17,7 @@ from fleetroll.policies import AssistantTurn, ToolCall, ToolSpec
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.dispatch import StepResult
 from fleetroll.rollout.machine import Rollout
-from fleetroll.rollout.tools import ToolResult
+from fleetroll.tools.session import ToolResult
 
 __all__ = ["EnvSession", "StepResult"]
 

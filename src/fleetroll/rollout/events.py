@@ -32,7 +32,7 @@ import anyio
 from fleetroll._internal.utf8 import utf8_safe
 from fleetroll.policies import AssistantTurn, ToolCall
 from fleetroll.results import RolloutResult
-from fleetroll.rollout.tools import ToolResult
+from fleetroll.tools.session import ToolResult
 
 __all__ = ["EventPage", "RolloutEvent", "RolloutEventLog", "ended_page", "ndjson_lines"]
 

@@ -57,13 +57,13 @@ from fleetroll.results import FailureReason, RolloutResult, writable_result
 from fleetroll.rollout.events import EventPage, RolloutEventLog
 from fleetroll.rollout.phases import NEXT, Phase, RolloutView, crash_reason, view_of
 from fleetroll.rollout.progress import Progress, RolloutIds
-from fleetroll.rollout.routing import Route
 from fleetroll.rollout.stages import RolloutContext, SetupFailure
-from fleetroll.rollout.tools import ToolResult, ToolSession, describe
 from fleetroll.rollout.transcript import Transcript
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
+from fleetroll.tools.routing import Route
+from fleetroll.tools.session import ToolResult, ToolSession, describe
 
 T = TypeVar("T")
 _log = logging.getLogger(__name__)

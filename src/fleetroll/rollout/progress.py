@@ -17,6 +17,7 @@ from typing import TypeVar
 from fleetroll._internal.deadlines import now
 from fleetroll.policies import AssistantTurn
 from fleetroll.results import (
+    REWARD_ERROR_SEPARATOR,
     SCORED_REASONS,
     Cost,
     FailureReason,
@@ -29,11 +30,7 @@ from fleetroll.rollout.transcript import CHARS_PER_TOKEN, Transcript
 from fleetroll.tasks import TaskSpec
 from fleetroll.training.trajectory import stitch
 
-__all__ = ["REWARD_ERROR_SEPARATOR", "Progress", "RolloutIds"]
-
-#: Between a rollout's own error and why its reward could not be computed,
-#: when it had ended otherwise than well (``fleetroll rescore`` splits there).
-REWARD_ERROR_SEPARATOR = "; not scored: "
+__all__ = ["Progress", "RolloutIds"]
 
 T = TypeVar("T")
 

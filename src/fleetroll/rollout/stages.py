@@ -35,12 +35,12 @@ from fleetroll.policies import AssistantTurn, Policy, ToolSpec
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult
 from fleetroll.rollout.progress import Progress, RolloutIds
-from fleetroll.rollout.routing import COMPUTER_TOOL, ComputerToolMissing, Route
-from fleetroll.rollout.tools import ToolCallFailed, ToolSession, describe
 from fleetroll.scoring import ScoreInputs, Scorer
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
+from fleetroll.tools.routing import COMPUTER_TOOL, ComputerToolMissing, Route
+from fleetroll.tools.session import ToolCallFailed, ToolSession, describe
 
 __all__ = [
     "RolloutContext",

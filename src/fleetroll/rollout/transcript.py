@@ -36,9 +36,9 @@ import anyio
 
 from fleetroll.policies import AssistantTurn, ToolCall
 from fleetroll.policies.turns import TokenTurn
-from fleetroll.rollout.routing import COMPUTER_TOOL
-from fleetroll.rollout.tools import ToolResult
 from fleetroll.telemetry.events import Redactor
+from fleetroll.tools.routing import COMPUTER_TOOL
+from fleetroll.tools.session import ToolResult
 
 __all__ = ["LARGE_TEXT", "Messages", "Transcript", "assistant_message"]
 

@@ -15,8 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import anyio
 
-from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult
-from fleetroll.rollout.progress import REWARD_ERROR_SEPARATOR
+from fleetroll.results import REWARD_ERROR_SEPARATOR, SCORED_REASONS, FailureReason, RolloutResult
 from fleetroll.scoring.checks import ScoreInputs
 from fleetroll.scoring.components import Scorer
 from fleetroll.tasks import TaskSpec

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 
 import anyio
 
+from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll.errors import PreflightError
 from fleetroll.pool.preflight import check_endpoint, preflight
-from fleetroll.pool.preflight_cache import PreflightCache
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.scoring.judge import missing_judge
 from fleetroll.service.errors import ApiError

@@ -30,12 +30,12 @@ from fleetroll.errors import InstanceLostError, ProvisionError
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.env_session import EnvSession, StepResult
-from fleetroll.rollout.tools import describe
 from fleetroll.service.errors import ApiError
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import Observation, SessionOpened, ToolInfo
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.tools.session import describe
 
 __all__ = ["SessionRegistry"]
 

@@ -23,10 +23,10 @@ from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ToolSpec
 from fleetroll.results import VerifierOutcome
-from fleetroll.rollout.routing import Route, route, wants_final_answer
-from fleetroll.rollout.tools import ToolSession
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.tools.routing import Route, route, wants_final_answer
+from fleetroll.tools.session import ToolSession
 
 __all__ = ["FakeProvider", "FakeState", "Operation"]
 

@@ -23,10 +23,10 @@ from fleet._async.client import AsyncFleet
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.http_transport import SdkAiohttpTransport
+from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.retrying import Decision, Report, decide, retry_after_s, transient_status
 from fleetroll.errors import ProvisionError
-from fleetroll.pool.preflight_cache import PreflightCache
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.names import missing_environments

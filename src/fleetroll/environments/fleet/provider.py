@@ -53,6 +53,7 @@ from fleet.runner_auth import RunnerTokenProvider
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.http_transport import AiohttpTransport
+from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.retrying import Decision, Retry
 from fleetroll._internal.wire import Wire
@@ -80,19 +81,18 @@ from fleetroll.environments.fleet.heartbeats import Heartbeats
 from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.environments.provider import Instance, Verdict
 from fleetroll.errors import ConfigError, EnvUnavailableError, ProvisionError, RolloutError
-from fleetroll.pool.preflight_cache import PreflightCache
-from fleetroll.rollout.routing import Route, route, wants_final_answer
-from fleetroll.rollout.tools import (
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Events
+from fleetroll.telemetry.retries import retry_emitter
+from fleetroll.tools.routing import Route, route, wants_final_answer
+from fleetroll.tools.session import (
     AnswerLimits,
     BoundedAnswers,
     RetryRefusedConnections,
     ToolSession,
     open_tool_session,
 )
-from fleetroll.settings import Settings
-from fleetroll.tasks import TaskSpec
-from fleetroll.telemetry.events import Events
-from fleetroll.telemetry.retries import retry_emitter
 
 __all__ = [
     "Classification",

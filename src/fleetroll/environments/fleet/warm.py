@@ -50,11 +50,11 @@ from anyio.abc import TaskGroup
 
 from fleetroll._internal.deadlines import fail_after
 from fleetroll.environments.provider import Instance, Provider, Verdict
-from fleetroll.rollout.routing import Route
-from fleetroll.rollout.tools import ToolSession, describe
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
+from fleetroll.tools.routing import Route
+from fleetroll.tools.session import ToolSession, describe
 
 __all__ = ["ReuseLimits", "WarmPool", "open_warm_pool", "reuse_key"]
 

@@ -35,7 +35,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleetroll.environments.provider import Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.results import VerifierOutcome
-from fleetroll.rollout.tools import AnswerLimits, ToolResult
+from fleetroll.tools.session import AnswerLimits, ToolResult
 
 if TYPE_CHECKING:
     from mcp.shared.message import SessionMessage
@@ -218,10 +218,10 @@ class LineReader:
     newline arrives: joining the partial line to each new chunk copied it
     again per chunk, quadratic in the line's length (an 80 MB answer: 69 s).
 
-    A line is capped by :class:`~fleetroll.rollout.tools.AnswerLimits` (the listing
+    A line is capped by :class:`~fleetroll.tools.session.AnswerLimits` (the listing
     cap when it answers a ``tools/list`` request, see :meth:`sent`); past its
     cap the rest of the line is dropped unread, and the request it answers
-    gets an :data:`~fleetroll.rollout.tools.ANSWER_TOO_LARGE` error instead.
+    gets an :data:`~fleetroll.tools.session.ANSWER_TOO_LARGE` error instead.
     """
 
     def __init__(self, limits: AnswerLimits) -> None:

@@ -13,7 +13,7 @@ tasks that give ``environment`` instead of a Fleet ``env_key``:
   last lines of its stderr. Each MCP session (the rollout's tools, a
   ``verifier.tool``) is a client over the running process's pipes.
 * ``environment.url``: a streamable-HTTP server already running, connected
-  with retries (:func:`fleetroll.rollout.tools.open_tool_session`), reset before
+  with retries (:func:`fleetroll.tools.session.open_tool_session`), reset before
   each rollout when the task says how. Its state is shared, so provisioning
   waits for a lease on the URL (:mod:`fleetroll.environments.mcp.leases`, at most
   ``environment.max_concurrent_rollouts`` at once), held until release; and
@@ -73,20 +73,20 @@ from fleetroll.environments.mcp.process import (
 from fleetroll.environments.provider import Instance, Verdict
 from fleetroll.errors import ConfigError, OperationTimeout, ProvisionError, ToolsError
 from fleetroll.results import VerifierOutcome
-from fleetroll.rollout.mcp_common import unfollowed
-from fleetroll.rollout.routing import Route, route
-from fleetroll.rollout.tools import (
+from fleetroll.settings import Settings
+from fleetroll.tasks import TaskSpec
+from fleetroll.tasks.mcp import McpEnvironment, McpVerifier, ToolCallSpec
+from fleetroll.telemetry.events import Events, Redactor
+from fleetroll.telemetry.retries import retry_emitter
+from fleetroll.tools.mcp_common import unfollowed
+from fleetroll.tools.routing import Route, route
+from fleetroll.tools.session import (
     AnswerLimits,
     BoundedAnswers,
     ToolSession,
     describe,
     open_tool_session,
 )
-from fleetroll.settings import Settings
-from fleetroll.tasks import TaskSpec
-from fleetroll.tasks.mcp import McpEnvironment, McpVerifier, ToolCallSpec
-from fleetroll.telemetry.events import Events, Redactor
-from fleetroll.telemetry.retries import retry_emitter
 
 if TYPE_CHECKING:
     from mcp import Client

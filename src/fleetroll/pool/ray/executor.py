@@ -49,10 +49,10 @@ from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.events import EventPage, ended_page
 from fleetroll.rollout.phases import Phase, RolloutView
 from fleetroll.rollout.progress import RolloutIds
-from fleetroll.rollout.tools import describe
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Event, Events, Redactor
+from fleetroll.tools.session import describe
 
 __all__ = ["ExecutorWorker", "RayExecutor", "planned_actors", "ray_pool"]
 

@@ -16,7 +16,7 @@ from fleetroll._internal.retrying import Budget
 from fleetroll._internal.wire import Wire
 from fleetroll.emulator import Emulator
 from fleetroll.errors import ToolsError
-from fleetroll.rollout.tools import ToolSession, open_tool_session
+from fleetroll.tools.session import ToolSession, open_tool_session
 
 DEADLINES = {
     "connect_timeout_s": 10.0,

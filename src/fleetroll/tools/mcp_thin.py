@@ -39,11 +39,11 @@ It is the SDK client where it speaks at all (the SDK 2.3's wire behaviour,
   again by an SDK client on the same URL, whose answer is the answer;
 * a redirect is not followed here: a probe that meets one opens the SDK
   client, which follows it within the URL's origin (a trailing slash) and
-  fails at once on any other (:func:`fleetroll.rollout.mcp_common.unfollowed`).
+  fails at once on any other (:func:`fleetroll.tools.mcp_common.unfollowed`).
 
-Answers are read up to :class:`~fleetroll.rollout.mcp_common.AnswerLimits` (the
+Answers are read up to :class:`~fleetroll.tools.mcp_common.AnswerLimits` (the
 listing cap for ``tools/list``, the answer cap otherwise); past it the
-request fails with :data:`~fleetroll.rollout.mcp_common.ANSWER_TOO_LARGE`. A
+request fails with :data:`~fleetroll.tools.mcp_common.ANSWER_TOO_LARGE`. A
 request whose connection could not be opened is sent again
 (``retries.mcp_request_attempts``); one whose connection broke after it may
 have left never is.
@@ -102,7 +102,7 @@ from fleetroll._internal.wire import (
     WireError,
 )
 from fleetroll.policies import ToolSpec
-from fleetroll.rollout.mcp_common import (
+from fleetroll.tools.mcp_common import (
     ANSWER_TOO_LARGE,
     AnswerLimits,
     shared_spec,

@@ -8,7 +8,7 @@ import pytest
 
 from fleetroll._internal import retrying
 from fleetroll._internal.retrying import Retry
-from fleetroll.rollout.tools import RetryRefusedConnections
+from fleetroll.tools.session import RetryRefusedConnections
 
 BUDGET = retrying.Budget(3, 0.0, 0.0)
 

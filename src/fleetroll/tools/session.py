@@ -47,14 +47,14 @@ from fleetroll._internal.retrying import Decision
 from fleetroll._internal.wire import BodyTooLarge, ProxyError, Wire, WireError
 from fleetroll.errors import FleetrollError, OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
-from fleetroll.rollout.mcp_common import (
+from fleetroll.tools.mcp_common import (
     ANSWER_TOO_LARGE,
     AnswerLimits,
     shared_spec,
     shared_validator,
     unfollowed,
 )
-from fleetroll.rollout.mcp_thin import ThinClient, probe
+from fleetroll.tools.mcp_thin import ThinClient, probe
 
 if TYPE_CHECKING:
     pass
@@ -150,7 +150,7 @@ class _Listed(Protocol):
 
 class McpClient(Protocol):
     """What a :class:`ToolSession` asks of its MCP client: the mcp SDK's
-    ``Client``, or the thin one (:class:`fleetroll.rollout.mcp_thin.ThinClient`)."""
+    ``Client``, or the thin one (:class:`fleetroll.tools.mcp_thin.ThinClient`)."""
 
     async def list_tools(self) -> _Listed | ListToolsResult: ...
 
@@ -479,7 +479,7 @@ async def open_tool_session(
     """Connect to an MCP endpoint, retrying while its service starts.
 
     With a ``wire`` (``pool.mcp_client = "thin"``), the thin client
-    (:mod:`fleetroll.rollout.mcp_thin`) is tried first: a server of the
+    (:mod:`fleetroll.tools.mcp_thin`) is tried first: a server of the
     modern, stateless revision is spoken to with plain POSTs on that shared
     :class:`~fleetroll._internal.wire.Wire` (``request_budget``: the tries of
     a request whose connection was refused, ``retries.mcp_request_attempts``).

@@ -1,8 +1,8 @@
 """What both MCP clients share: answer caps, redirects, and tool specs and validators
 made once.
 
-The mcp SDK's client (:mod:`fleetroll.rollout.tools`) and the thin client
-(:mod:`fleetroll.rollout.mcp_thin`) read answers up to the same caps and fail
+The mcp SDK's client (:mod:`fleetroll.tools.session`) and the thin client
+(:mod:`fleetroll.tools.mcp_thin`) read answers up to the same caps and fail
 past them with the same error, follow the same redirects (:func:`unfollowed`
 says which they do not, in one line), and every session of either kind hands
 the agent the same :class:`~fleetroll.policies.ToolSpec` objects and checks

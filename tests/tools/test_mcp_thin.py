@@ -44,9 +44,9 @@ from fleetroll._internal.retrying import Budget, Retry
 from fleetroll._internal.serving import serve_asgi
 from fleetroll._internal.wire import Response, Wire
 from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
-from fleetroll.rollout import mcp_thin
-from fleetroll.rollout.mcp_thin import ThinClient
-from fleetroll.rollout.tools import (
+from fleetroll.tools import mcp_thin
+from fleetroll.tools.mcp_thin import ThinClient
+from fleetroll.tools.session import (
     AnswerLimits,
     BoundedAnswers,
     ToolResult,

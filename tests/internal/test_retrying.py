@@ -24,7 +24,6 @@ from fleetroll._internal.retrying import (
     Retry,
     attempts,
     backoff_s,
-    budget,
     decide,
     reporting,
     retry_after_s,
@@ -233,21 +232,16 @@ async def test_telemetry_and_retries_leave_stamina_s_process_wide_hooks_as_they_
     assert [e.attributes["operation"] for e in sink.named("fleet_retry")] == ["verify"]
 
 
-@pytest.mark.parametrize(
-    ("operation", "expected"),
-    [
-        ("make", Budget(5, 2.0, 60.0)),
-        ("mcp_connect", Budget(None, 0.05, 2.0)),
-        ("verify", Budget(3, 0.2, 2.0)),
-        ("policy", Budget(3, 0.5, 30.0)),
-        ("client", Budget(6, 0.1, 5.0)),
-        ("client_stream", Budget(6, 0.1, 5.0)),
-    ],
-)
-def test_every_operation_reads_its_budget_from_settings_with_the_old_defaults(
-    operation: Operation, expected: Budget
-) -> None:
-    assert budget(load_settings(), operation) == expected
+def test_every_section_gives_its_operations_budgets_with_the_old_defaults() -> None:
+    settings = load_settings()
+    retries = settings.retries
+
+    assert settings.provisioning.budget == Budget(5, 2.0, 60.0)  # creates and pre-flights
+    assert retries.mcp_connect_budget == Budget(None, 0.05, 2.0)
+    assert retries.list_tools_budget == Budget(3, 0.05, 2.0)
+    assert retries.mcp_request_budget == Budget(3, 0.05, 2.0)
+    assert retries.verify_budget == Budget(3, 0.2, 2.0)
+    assert retries.judge_budget == Budget(3, 0.5, 10.0)
 
 
 def test_fleet_retry_carries_the_operation_the_rollout_and_no_secret() -> None:

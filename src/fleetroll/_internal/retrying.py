@@ -7,8 +7,9 @@ the server's wish with :func:`retry_after_s`. The Fleet SDK's typed
 exceptions are mapped onto this table in :mod:`fleetroll.environments.fleet.provider`, the
 only module that knows them.
 
-Every retry loop is :func:`attempts`, its budget (:class:`Budget`) read from
-Settings by :func:`budget`::
+Every retry loop is :func:`attempts`, spending the budget (:class:`Budget`) its
+caller was given from the caller's own settings section
+(``ProvisioningSettings.budget``, ``RetrySettings.verify_budget``, ...)::
 
     async for attempt in retrying.attempts("policy", budget, deadline=scope.deadline):
         with attempt:
@@ -38,16 +39,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal, Self
+from typing import Literal, Self
 
 import anyio
 import httpx
 import httpx2
 
 from fleetroll._internal.wire import BadResponse, ConnectFailed, ConnectionLost
-
-if TYPE_CHECKING:
-    from fleetroll.settings import Settings
+from fleetroll.settings.sections import Budget
 
 __all__ = [
     "Attempt",
@@ -58,7 +57,6 @@ __all__ = [
     "Retry",
     "attempts",
     "backoff_s",
-    "budget",
     "decide",
     "reporting",
     "retry_after_s",
@@ -175,45 +173,6 @@ def backoff_s(
 
 
 # ------------------------------------------------------------------ attempts
-
-
-@dataclass(frozen=True, slots=True)
-class Budget:
-    """How often, and with what waits, one operation is tried (from Settings).
-
-    ``attempts`` counts the first try; None tries until the caller's deadline.
-    """
-
-    attempts: int | None
-    backoff_initial_s: float
-    backoff_max_s: float
-
-
-def budget(settings: Settings, operation: Operation) -> Budget:
-    """The budget of ``operation`` in ``settings`` (docs/configuration.md, ``[retries]``)."""
-    r = settings.retries
-    if operation in ("make", "preflight"):  # both ask Fleet's control plane
-        p = settings.provisioning
-        return Budget(p.max_attempts, p.backoff_initial_s, p.backoff_max_s)
-    if operation == "mcp_connect":
-        initial, cap = r.mcp_connect_backoff_initial_s, r.mcp_connect_backoff_max_s
-        return Budget(r.mcp_connect_attempts, initial, cap)
-    if operation == "list_tools":  # idempotent: as many as fit in timeouts.list_tools_s
-        initial, cap = r.mcp_connect_backoff_initial_s, r.mcp_connect_backoff_max_s
-        return Budget(r.list_tools_attempts, initial, cap)
-    if operation == "mcp_request":  # a request whose connection could not be opened
-        initial, cap = r.mcp_connect_backoff_initial_s, r.mcp_connect_backoff_max_s
-        return Budget(r.mcp_request_attempts, initial, cap)
-    if operation == "verify":
-        initial, cap = r.verifier_backoff_initial_s, r.verifier_backoff_max_s
-        return Budget(r.verifier_attempts, initial, cap)
-    if operation == "policy":
-        initial, cap = r.policy_backoff_initial_s, r.policy_backoff_max_s
-        return Budget(settings.policy.max_retries + 1, initial, cap)
-    if operation == "judge":
-        return Budget(r.judge_attempts, r.judge_backoff_initial_s, r.judge_backoff_max_s)
-    # "client" and "client_stream": the HTTP client of `fleetroll serve`.
-    return Budget(r.client_max_retries + 1, r.client_backoff_initial_s, r.client_backoff_max_s)
 
 
 @dataclass(frozen=True, slots=True)

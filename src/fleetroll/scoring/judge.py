@@ -103,7 +103,7 @@ class JudgeConfig:
             cache_entries=j.cache_entries,
             max_input_chars=j.max_input_chars,
             max_answer_bytes=j.max_answer_bytes,
-            budget=retrying.budget(settings, "judge"),
+            budget=settings.retries.judge_budget,
         )
 
 

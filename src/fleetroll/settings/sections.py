@@ -36,6 +36,21 @@ __all__ = [
 ]
 
 
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """How often, and with what waits, one operation is tried.
+
+    ``attempts`` counts the first try; None tries until the caller's deadline.
+    Each section that retries something says its budget (``ProvisioningSettings.budget``,
+    ``RetrySettings.verify_budget``, ...); :func:`fleetroll._internal.retrying.attempts`
+    spends it.
+    """
+
+    attempts: int | None
+    backoff_initial_s: float
+    backoff_max_s: float
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -130,6 +145,11 @@ class ProvisioningSettings(_Section):
     #: An idle instance is released after this long unused.
     warm_idle_s: float = Field(60.0, gt=0)
 
+    @property
+    def budget(self) -> Budget:
+        """A create's, and a pre-flight's: both ask Fleet's control plane."""
+        return Budget(self.max_attempts, self.backoff_initial_s, self.backoff_max_s)
+
 
 class EnvAdmissionSettings(_Section):
     """Admission of one environment version (``[admission.env."ledger:v1"]``)."""
@@ -205,6 +225,35 @@ class RetrySettings(_Section):
     client_max_retries: int = Field(5, ge=0)
     client_backoff_initial_s: float = Field(0.1, ge=0)
     client_backoff_max_s: float = Field(5.0, ge=0)
+
+    @property
+    def mcp_connect_budget(self) -> Budget:
+        """Opening an MCP session."""
+        initial, cap = self.mcp_connect_backoff_initial_s, self.mcp_connect_backoff_max_s
+        return Budget(self.mcp_connect_attempts, initial, cap)
+
+    @property
+    def list_tools_budget(self) -> Budget:
+        """An MCP session's tools/list (idempotent), with the mcp_connect backoffs."""
+        initial, cap = self.mcp_connect_backoff_initial_s, self.mcp_connect_backoff_max_s
+        return Budget(self.list_tools_attempts, initial, cap)
+
+    @property
+    def mcp_request_budget(self) -> Budget:
+        """An MCP request whose connection could not be opened, with the mcp_connect backoffs."""
+        initial, cap = self.mcp_connect_backoff_initial_s, self.mcp_connect_backoff_max_s
+        return Budget(self.mcp_request_attempts, initial, cap)
+
+    @property
+    def verify_budget(self) -> Budget:
+        """A verifier call."""
+        initial, cap = self.verifier_backoff_initial_s, self.verifier_backoff_max_s
+        return Budget(self.verifier_attempts, initial, cap)
+
+    @property
+    def judge_budget(self) -> Budget:
+        """A judge call (a task's ``rewards``)."""
+        return Budget(self.judge_attempts, self.judge_backoff_initial_s, self.judge_backoff_max_s)
 
 
 class ModalitySettings(_Section):

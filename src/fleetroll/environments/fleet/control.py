@@ -352,7 +352,7 @@ async def _listing(
         with fail_after(timeout) as scope:
             async for attempt in retrying.attempts(
                 "preflight",
-                retrying.budget(settings, "preflight"),
+                settings.provisioning.budget,
                 deadline=scope.deadline,
                 classify=decision,
                 report=report,

@@ -197,7 +197,7 @@ class FleetProvider:
         self._verifier = Verifier(
             timeout_s=t.verifier_s,
             max_source_bytes=settings.pool.max_verifier_bytes,
-            budget=retrying.budget(settings, "verify"),
+            budget=settings.retries.verify_budget,
             report=retry_emitter(events),
         )
         #: One shared connection pool for the hot path's requests without the
@@ -220,9 +220,7 @@ class FleetProvider:
         # Built once too, for every rollout's MCP session (fewer objects per rollout).
         self._mcp_report = retry_emitter(events)
         self._mcp_limits = AnswerLimits.from_settings(settings)
-        self._mcp_budgets = {
-            op: retrying.budget(settings, op) for op in ("mcp_connect", "list_tools", "mcp_request")
-        }
+        self._retries = settings.retries
         #: Browser leases by instance id (modalities with ``browser_lease``).
         self._leases: dict[str, Lease] = {}
         #: Keeps the instances this provider holds alive (once its loop is started).
@@ -311,19 +309,19 @@ class FleetProvider:
         thousands of connections costs a scan of all of them on every request.
         """
         t = self._settings.timeouts
-        budgets = self._mcp_budgets
+        retries = self._retries
         return open_tool_session(
             route.url,
             self.mcp_client,
             connect_timeout_s=t.mcp_connect_s,
             call_timeout_s=t.call_tool_s,
             list_timeout_s=t.list_tools_s,
-            budget=budgets["mcp_connect"],
-            list_budget=budgets["list_tools"],
+            budget=retries.mcp_connect_budget,
+            list_budget=retries.list_tools_budget,
             report=self._mcp_report,
             limits=self._mcp_limits,
             wire=self._mcp_wire,
-            request_budget=budgets["mcp_request"],
+            request_budget=retries.mcp_request_budget,
         )
 
     def mcp_client(self) -> httpx2.AsyncClient:
@@ -343,7 +341,7 @@ class FleetProvider:
             # Answers are read up to pool.max_tool_*_bytes, counted while read.
             transport=BoundedAnswers(
                 RetryRefusedConnections(
-                    transport, self._mcp_budgets["mcp_request"], self._mcp_report
+                    transport, self._retries.mcp_request_budget, self._mcp_report
                 ),
                 self._mcp_limits,
             ),
@@ -406,7 +404,7 @@ class FleetProvider:
                 ticket = await self._admit(task)
                 async for retry in retrying.attempts(
                     "make",
-                    retrying.budget(self._settings, "make"),
+                    self._settings.provisioning.budget,
                     deadline=scope.deadline,
                     classify=decision,
                     report=report,

@@ -49,7 +49,6 @@ import httpx
 import httpx2
 from anyio.abc import Process
 
-import fleetroll._internal.retrying as retrying
 import fleetroll.examples_mcp
 from fleetroll._internal.deadlines import fail_after
 from fleetroll._internal.proxies import Proxies
@@ -427,11 +426,11 @@ class McpProvider:
                 connect_timeout_s=t.mcp_connect_s,
                 call_timeout_s=t.call_tool_s,
                 list_timeout_s=t.list_tools_s,
-                budget=retrying.budget(self._settings, "mcp_connect"),
+                budget=self._settings.retries.mcp_connect_budget,
                 report=retry_emitter(self._events),
                 limits=AnswerLimits.from_settings(self._settings),
                 wire=self._wire,
-                request_budget=retrying.budget(self._settings, "mcp_request"),
+                request_budget=self._settings.retries.mcp_request_budget,
             ) as session:
                 yield session
             return

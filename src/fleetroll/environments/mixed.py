@@ -18,7 +18,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import anyio
 from anyio.abc import TaskGroup
 
-from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.admission import Admission
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.mcp.provider import McpHandle, McpProvider
 from fleetroll.environments.provider import Instance, Provider, Verdict

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import anyio
 
-from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.admission import Admission
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import Policy
 from fleetroll.pool.rollout_pool import BatchCounts, RolloutPool

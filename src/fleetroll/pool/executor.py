@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import anyio
 
-from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.admission import Admission
 from fleetroll.environments.fleet.warm import open_warm_pool
 from fleetroll.environments.mixed import MixedProvider, require_fleet_key
 from fleetroll.environments.provider import Provider

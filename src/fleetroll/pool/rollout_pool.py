@@ -31,7 +31,7 @@ Limits, each a ``CapacityLimiter`` named for what it protects:
   agent clock starts when it gets its slot;
 * creates (concurrency and rate), instance caps, Fleet's account limit and
   per-environment circuit breakers: :attr:`RolloutPool.admission`
-  (:mod:`fleetroll.environments.fleet.admission`), shared by every batch of the pool;
+  (:mod:`fleetroll.environments.admission`), shared by every batch of the pool;
 * ``pool.max_queued_rollouts``: rollouts not yet finished across batches; a
   batch that would pass it is refused with :class:`~fleetroll.errors.PoolFullError`.
 
@@ -60,7 +60,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from fleetroll._internal.exit_stack import exit_transparently
-from fleetroll.environments.fleet.admission import Admission, AdmissionController
+from fleetroll.environments.admission import Admission, AdmissionController, CreateLimits
 from fleetroll.environments.fleet.traces import TraceUploader, open_trace_uploader
 from fleetroll.environments.provider import Provider
 from fleetroll.errors import ConfigError
@@ -165,7 +165,9 @@ class RolloutPool:
         #: Create limits, instance caps, Fleet's account limit, per-environment
         #: breakers: this pool's own, or ``admission`` (a Ray cluster's,
         #: :mod:`fleetroll.pool.ray.admission`).
-        self.admission: Admission = admission or AdmissionController(settings, self.events)
+        self.admission: Admission = admission or AdmissionController(
+            settings.admission, CreateLimits.from_settings(settings.provisioning), self.events
+        )
         #: The policy version recorded on turns, and the trainer's pause on policy calls.
         self.policy_gate = PolicyGate()
         #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.

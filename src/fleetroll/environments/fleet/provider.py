@@ -17,7 +17,7 @@ the ``fleet`` SDK.
   each attempt has its own hard deadline.
 * Creates have their own concurrency limit and rate (a token bucket), apart
   from running rollouts, so a slow Fleet queue never starves them; with an
-  :class:`~fleetroll.environments.fleet.admission.AdmissionController`, each instance also holds
+  :class:`~fleetroll.environments.admission.AdmissionController`, each instance also holds
   a place from before its create to its release (instance caps, Fleet's
   account limit, a 403 ``instance_limit_exceeded`` waits for a release,
   per-environment breakers).
@@ -57,13 +57,15 @@ from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.retrying import Decision, Retry
 from fleetroll._internal.wire import Wire
-from fleetroll.environments.fleet.admission import (
+from fleetroll.environments.admission import (
     Admission,
     CreateLimits,
     CreateSlots,
+    ReadFailure,
     Ticket,
     TokenBucket,
 )
+from fleetroll.environments.fleet.admission import read_create_error
 from fleetroll.environments.fleet.control import (
     Classification,
     Known,
@@ -117,8 +119,9 @@ class CreateGate(Protocol):
         """A 429 is the gate's to answer (it waits and slows down), not an attempt's."""
         ...
 
-    def slot(self) -> AbstractAsyncContextManager[None]:
-        """Held for the duration of one create request (it learns from its answer)."""
+    def slot(self, read: ReadFailure) -> AbstractAsyncContextManager[None]:
+        """Held for the duration of one create request (it learns from its answer,
+        an error as ``read`` says: Fleet's is ``read_create_error``)."""
         ...
 
 
@@ -192,7 +195,7 @@ class FleetProvider:
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
         self._runner_lock = anyio.Lock()
         self._gate: CreateGate = admission or CreateSlots(
-            CreateLimits.from_settings(settings), events
+            CreateLimits.from_settings(settings.provisioning), events
         )
         self._verifier = Verifier(
             timeout_s=t.verifier_s,
@@ -646,7 +649,7 @@ class FleetProvider:
         """
         try:
             with create.scope:
-                async with self._gate.slot():
+                async with self._gate.slot(read_create_error):
                     create.sent, create.began = True, time.monotonic()
                     create.env = await make()
                 await self._share_runner_token(create.env)

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 from fleetroll._internal.excerpts import shorten
-from fleetroll.environments.fleet.admission import CreateLimits
+from fleetroll.environments.admission import CreateLimits
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.fleet.traces import redacted
 from fleetroll.environments.mixed import require_fleet_key
@@ -80,7 +80,7 @@ class ExecutorWorker:
             limiter,
             holder(index),
             settings.timeouts.ray_call_s,
-            limits=CreateLimits.from_settings(settings),
+            limits=CreateLimits.from_settings(settings.provisioning),
         )
         self._gate = PolicyGate()
         self._pause: AsyncExitStack | None = None
@@ -730,7 +730,7 @@ async def ray_pool(
             limiter,
             "driver",
             settings.timeouts.ray_call_s,
-            limits=CreateLimits.from_settings(settings),
+            limits=CreateLimits.from_settings(settings.provisioning),
         )
         events = events or Events()
         await stack.enter_async_context(admission.followed(events))

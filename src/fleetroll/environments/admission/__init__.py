@@ -3,18 +3,20 @@
 * :mod:`~fleetroll.environments.admission.creates`: the create gate (how many
   create requests at once and how many a second, learnt from the provider's
   answers);
+* :mod:`~fleetroll.environments.admission.breakers`: a circuit breaker per
+  environment version;
 * :mod:`~fleetroll.environments.admission.controller`: the pool's admission
   controller (the create gate, instance caps, the provider's account limit,
-  a circuit breaker per environment version) and :class:`Admission`, what
-  pools, providers and rollouts ask of it.
+  the breakers) and :class:`Admission`, what pools, providers and rollouts
+  ask of it.
 
 Nothing here knows a provider or imports an SDK: a provider reads its own
 answers into the controller's signals (Fleet's:
 :mod:`fleetroll.environments.fleet.admission`).
 """
 
+from fleetroll.environments.admission.breakers import INFRASTRUCTURE_FAILURES, Breakers
 from fleetroll.environments.admission.controller import (
-    INFRASTRUCTURE_FAILURES,
     Admission,
     AdmissionController,
     AdmissionState,
@@ -35,6 +37,7 @@ __all__ = [
     "Admission",
     "AdmissionController",
     "AdmissionState",
+    "Breakers",
     "CreateAnswer",
     "CreateLimits",
     "CreateRate",

@@ -16,7 +16,8 @@ in the limiter actor: :mod:`fleetroll.pool.ray.admission`) decides, in one place
 * **a circuit breaker per environment version**: when the share of
   infrastructure failures of its last ``breaker.window`` rollouts reaches
   ``breaker.failure_share``, new rollouts of it wait (or end at once as
-  ``env_unavailable``) while one probe rollout at a time tests recovery.
+  ``env_unavailable``) while one probe rollout at a time tests recovery:
+  :class:`~fleetroll.environments.admission.breakers.Breakers`.
 
 It knows no provider: the provider reads its own answers into these signals
 (Fleet's: :mod:`fleetroll.environments.fleet.admission`). What pools, providers
@@ -30,42 +31,25 @@ change; the counts are only ever changed on the event loop.
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import anyio
 
+from fleetroll.environments.admission.breakers import Breakers
 from fleetroll.environments.admission.creates import CreateLimits, CreateSlots, ReadFailure
-from fleetroll.errors import EnvUnavailableError
 from fleetroll.results import FailureReason
 from fleetroll.settings import AdmissionSettings, EnvAdmissionSettings
 from fleetroll.telemetry.events import Events
 
 __all__ = [
-    "INFRASTRUCTURE_FAILURES",
     "Admission",
     "AdmissionController",
     "AdmissionState",
     "Ticket",
 ]
-
-#: Failures that say the environment, not the agent, went wrong (the breaker's input).
-INFRASTRUCTURE_FAILURES = frozenset(
-    {
-        FailureReason.INIT_ERROR,
-        FailureReason.TOOLS_ERROR,
-        FailureReason.INSTANCE_LOST,
-        FailureReason.VERIFIER_ERROR,
-        FailureReason.RESET_FAILED,
-    }
-)
-#: Ends that say nothing of the environment's health: not counted in the window.
-_NO_VERDICT = frozenset(
-    {FailureReason.CANCELLED, FailureReason.SUPERSEDED, FailureReason.ENV_UNAVAILABLE}
-)
 
 
 @dataclass(eq=False, slots=True)
@@ -149,14 +133,6 @@ class Admission(Protocol):
 
 
 @dataclass(slots=True)
-class _Breaker:
-    outcomes: deque[bool]  # True: an infrastructure failure
-    open: bool = False
-    next_probe: float = 0.0
-    probing: bool = False
-
-
-@dataclass(slots=True)
 class _Counts:
     total: int = 0
     by_env: dict[str, int] = field(default_factory=dict)
@@ -181,9 +157,11 @@ class AdmissionController:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
-        self._events = events
         self._clock = clock
+        #: The create gate (concurrency and rate).
         self.creates = CreateSlots(limits, events)
+        #: A circuit breaker per environment version.
+        self.breakers = Breakers(settings.breaker, events, clock=clock)
         self._account_limit: int | None = None
         #: Instances of other clients on the account, as last seen (a 403, account()).
         self._others = 0
@@ -191,7 +169,6 @@ class AdmissionController:
         self._held = _Counts()
         self._running = 0
         self._queued = 0
-        self._breakers: dict[str, _Breaker] = {}
         self._changed = anyio.Event()
         self.creates.cap(self.limit)
 
@@ -273,19 +250,10 @@ class AdmissionController:
 
     def _admissible(self, env: str, again: Ticket | None) -> Ticket | float | None:
         """A ticket, or None to wait for a change, or seconds to wait at most."""
-        probe = False
-        breaker = self._breakers.get(env)
-        if breaker is not None and breaker.open:
-            due = breaker.next_probe - self._clock()
-            if breaker.probing or due > 0:
-                if self._settings.breaker.on_open == "fail":
-                    raise EnvUnavailableError(
-                        f"environment {env} is quarantined: too many infrastructure "
-                        "failures (admission.breaker); a probe rollout tests its recovery",
-                        env=env,
-                    )
-                return None if breaker.probing else max(due, 0.0)
-            probe = True
+        wait = self.breakers.wait_s(env)
+        if wait is None or wait > 0:
+            return wait
+        probe = self.breakers.is_open(env)  # and its probe is due
         recheck = self._others_recheck()
         limit = self.limit
         if limit is not None and self._held.total >= limit:
@@ -294,8 +262,7 @@ class AdmissionController:
         if env_cap is not None and self._held.by_env.get(env, 0) >= env_cap:
             return None
         if probe:
-            assert breaker is not None
-            breaker.probing = True
+            self.breakers.probing(env)
         self._held.total += 1
         self._held.by_env[env] = self._held.by_env.get(env, 0) + 1
         if again is None:
@@ -323,11 +290,8 @@ class AdmissionController:
             self._running -= 1
         self._held.total -= 1
         self._held.by_env[ticket.env] -= 1
-        breaker = self._breakers.get(ticket.env)
-        if ticket.probe and breaker is not None and breaker.open:
-            # The next probe, if this one's rollout does not close the breaker.
-            breaker.probing = False
-            breaker.next_probe = self._clock() + self._settings.breaker.probe_interval_s
+        if ticket.probe:
+            self.breakers.probe_released(ticket.env)
         self._wake()
 
     async def limit_reached(
@@ -353,48 +317,12 @@ class AdmissionController:
 
     def record(self, env: str, reason: FailureReason | None) -> None:
         """One rollout of ``env`` ended with ``reason`` (None: completed)."""
-        b = self._settings.breaker
-        if not b.enabled or reason in _NO_VERDICT:
-            return
-        failed = reason in INFRASTRUCTURE_FAILURES
-        breaker = self._breakers.get(env)
-        if breaker is None:
-            breaker = self._breakers[env] = _Breaker(deque(maxlen=b.window))
-        breaker.outcomes.append(failed)
-        if breaker.open:
-            # A success (the probe's, typically) says it serves again; a
-            # failure changes nothing (the probe's release set the next one).
-            if not failed:
-                breaker.open = breaker.probing = False
-                self._events.emit("fleet_env_recovered", **self._attributes(env, breaker))
-                breaker.outcomes.clear()
-                self._wake()
-            return
-        if len(breaker.outcomes) >= b.min_rollouts and self._share(breaker) >= b.failure_share:
-            breaker.open = True
-            breaker.probing = False
-            breaker.next_probe = self._clock() + b.probe_interval_s
-            self._events.emit(
-                "fleet_env_quarantined", level="warn", **self._attributes(env, breaker)
-            )
-
-    @staticmethod
-    def _share(breaker: _Breaker) -> float:
-        n = len(breaker.outcomes)
-        return sum(breaker.outcomes) / n if n else 0.0
-
-    def _attributes(self, env: str, breaker: _Breaker) -> dict[str, Any]:
-        key, _, version = env.partition(":")
-        return {
-            "env_key": key,
-            "env_version": version or None,
-            "failure_share": round(self._share(breaker), 4),
-            "window": len(breaker.outcomes),
-        }
+        if self.breakers.record(env, reason):
+            self._wake()  # its breaker closed: its rollouts waiting may go
 
     def quarantined(self) -> list[str]:
         """Environment versions whose breaker is open."""
-        return sorted(env for env, b in self._breakers.items() if b.open)
+        return self.breakers.quarantined()
 
     # -- state --------------------------------------------------------------
 

@@ -27,7 +27,6 @@ from typing import Any
 import anyio
 import httpx2
 import pytest
-from mcp import Client
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 from mcp.shared.exceptions import MCPDeprecationWarning, MCPError
@@ -45,6 +44,7 @@ from fleetroll._internal.serving import serve_asgi
 from fleetroll._internal.wire import Response, Wire
 from fleetroll.errors import OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.tools import mcp_thin
+from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.mcp_thin import ThinClient
 from fleetroll.tools.session import (
     AnswerLimits,
@@ -414,7 +414,7 @@ async def test_the_thin_client_lists_and_answers_as_the_sdk_client_does(
     with anyio.fail_after(60):
         async with serving(json_response=json_response) as (url, front), both(url) as (thin, sdk):
             assert isinstance(thin._client, ThinClient)
-            assert isinstance(sdk._client, Client)
+            assert isinstance(sdk._client, SdkClient)
             assert await thin.list_tools() == await sdk.list_tools()
             for name, arguments in CALLS:
                 mine, theirs = (
@@ -492,7 +492,7 @@ async def test_a_legacy_only_server_gets_the_sdk_client_and_its_session_id_back(
             serving(json_response=True, stateless=stateless, legacy_only=True) as (url, front),
             both(url) as (thin, sdk),
         ):
-            assert isinstance(thin._client, Client) and isinstance(sdk._client, Client)
+            assert isinstance(thin._client, SdkClient) and isinstance(sdk._client, SdkClient)
             assert thin._client.protocol_version == "2025-11-25"
             assert await thin.list_tools() == await sdk.list_tools()
             for name, arguments in CALLS[:7]:
@@ -513,7 +513,7 @@ async def test_a_server_advertising_only_handshake_versions_gets_the_sdk_client(
         serving(json_response=True, discover_versions=["2025-06-18", "2025-11-25"]) as (url, front),
         both(url) as (thin, sdk),
     ):
-        assert isinstance(thin._client, Client)
+        assert isinstance(thin._client, SdkClient)
         assert thin._client.protocol_version == sdk._client.protocol_version == "2025-11-25"  # type: ignore[attr-defined]
         assert await thin.call("echo", {"text": "a"}) == await sdk.call("echo", {"text": "a"})
     assert front.seen.methods.count("initialize") == 2
@@ -593,7 +593,7 @@ async def test_a_stream_kept_open_after_its_response_is_answered_at_the_response
             async with open_tool_session(
                 url, _sdk_http, wire=wire if client == "thin" else None, **deadlines
             ) as session:
-                assert isinstance(session._client, ThinClient if client == "thin" else Client)
+                assert isinstance(session._client, ThinClient if client == "thin" else SdkClient)
                 for _ in range(2):
                     assert (await session.call("lingering", {})).text == "here already"
                     assert await front.departures.receive() == "lingering"  # it left
@@ -669,7 +669,7 @@ async def test_a_server_keeping_every_stream_open_serves_a_whole_session(client:
             async with open_tool_session(
                 f"{base}/mcp", _sdk_http, wire=wire if client == "thin" else None, **deadlines
             ) as session:
-                assert isinstance(session._client, ThinClient if client == "thin" else Client)
+                assert isinstance(session._client, ThinClient if client == "thin" else SdkClient)
                 assert "echo" in {spec.name for spec in await session.list_tools()}
                 for text in ("one", "two"):
                     assert (await session.call("echo", {"text": text})).text == text

@@ -15,7 +15,7 @@ It is the SDK client where it speaks at all (the SDK 2.3's wire behaviour,
 * open: ``server/discover`` at the newest modern version, once more at a
   mutual version on ``-32022`` (as ``negotiate_auto``); adopted only for a
   valid ``DiscoverResult`` naming a modern version we speak.
-  :func:`probe` answers :data:`FALLBACK` for anything else (a legacy server,
+  :func:`probe` answers None for anything else (a legacy server,
   a session id, a JSON-RPC error, a 4xx), and the caller opens the SDK
   client instead; a bare 404, 5xx or a refused connection is the service
   still starting (retried by the caller, as for the SDK client);
@@ -61,7 +61,6 @@ from typing import Any, Final, TypeVar, cast
 from urllib.parse import urlsplit
 
 import anyio
-import httpx2
 from jsonschema import SchemaError
 from jsonschema import exceptions as jsonschema_exceptions
 from jsonschema.protocols import Validator
@@ -105,17 +104,15 @@ from fleetroll.policies import ToolSpec
 from fleetroll.tools.mcp_common import (
     ANSWER_TOO_LARGE,
     AnswerLimits,
+    OpenHttp,
     shared_spec,
     shared_validator,
 )
 
-__all__ = ["FALLBACK", "ThinClient", "probe"]
+__all__ = ["ThinClient", "probe"]
 
 _log = logging.getLogger("fleetroll.mcp_thin")
 _T = TypeVar("_T")
-
-#: What :func:`probe` answers when the endpoint needs the SDK client.
-FALLBACK: Final = "fallback"
 
 _ACCEPT = "application/json, text/event-stream"
 _CONTENT_TYPE = "application/json"
@@ -648,14 +645,16 @@ def _check_structured(
 
 class ThinClient:
     """One endpoint's MCP tools over plain POSTs: ``list_tools`` and ``call_tool``
-    as the SDK's ``Client`` has them (same results, same errors)."""
+    as the SDK's ``Client`` has them (same results, same errors), an
+    :class:`~fleetroll.tools.mcp_client.McpClient` as it stands (no adapter:
+    it is the hot path)."""
 
     __slots__ = (
         "_budget",
-        "_http",
         "_limits",
         "_listing",
         "_next_id",
+        "_open_http",
         "_read_timeout_s",
         "_report",
         "_version",
@@ -669,7 +668,7 @@ class ThinClient:
         wire: Wire,
         *,
         version: str,
-        http: httpx2.AsyncClient | Callable[[], httpx2.AsyncClient],
+        open_http: OpenHttp,
         read_timeout_s: float,
         limits: AnswerLimits | None,
         budget: retrying.Budget,
@@ -678,7 +677,7 @@ class ThinClient:
         self.url = url
         self._wire = wire
         self._version = version
-        self._http = http
+        self._open_http = open_http
         self._read_timeout_s = read_timeout_s
         self._limits = limits
         self._budget = budget
@@ -801,9 +800,7 @@ class ThinClient:
         limits = self._limits or _NO_LIMITS
         events = max(limits.answer_bytes, limits.listing_bytes)
         async with AsyncExitStack() as stack:
-            http = self._http
-            if not isinstance(http, httpx2.AsyncClient):
-                http = await stack.enter_async_context(http())
+            http = await stack.enter_async_context(self._open_http())
             client = await stack.enter_async_context(
                 Client(
                     streamable_http_client(self.url, http_client=http, max_sse_event_size=events),
@@ -921,13 +918,14 @@ async def probe(
     url: str,
     wire: Wire,
     *,
-    http: httpx2.AsyncClient | Callable[[], httpx2.AsyncClient],
+    open_http: OpenHttp,
     read_timeout_s: float,
     limits: AnswerLimits | None,
     budget: retrying.Budget,
     report: retrying.Report | None,
-) -> ThinClient | str:
-    """A :class:`ThinClient` when ``url`` speaks the modern revision; :data:`FALLBACK` otherwise.
+) -> ThinClient | None:
+    """A :class:`ThinClient` when ``url`` speaks the modern revision; None when it
+    needs the SDK's client.
 
     Raises:
         MCPError: a bare 404 or 5xx (the SDK transport's stand-in): the
@@ -951,9 +949,9 @@ async def probe(
                 wire, url, "server/discover", body, headers, limits, budget, report, heard.read
             )
         except _NeedsSdk:
-            return FALLBACK
+            return None
         except _Stateful:
-            return FALLBACK  # a stateful server: the SDK client keeps its session
+            return None  # a stateful server: the SDK client keeps its session
         except WireError:
             raise  # no answer (refused, broken, a proxy's refusal): the caller decides
         except Exception as exc:
@@ -964,26 +962,26 @@ async def probe(
                 if mutual is not None:
                     version = mutual
                     continue
-            return FALLBACK
+            return None
         _clamp_ttl(raw)
         try:
             result = DiscoverResult.model_validate(raw)
         except ValidationError:
-            return FALLBACK
+            return None
         mutual_versions = [v for v in MODERN_PROTOCOL_VERSIONS if v in result.supported_versions]
         if not mutual_versions:
-            return FALLBACK
+            return None
         return ThinClient(
             url,
             wire,
             version=mutual_versions[-1],
-            http=http,
+            open_http=open_http,
             read_timeout_s=read_timeout_s,
             limits=limits,
             budget=budget,
             report=report,
         )
-    return FALLBACK
+    return None
 
 
 class _Stateful(Exception):

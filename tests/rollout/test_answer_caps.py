@@ -26,6 +26,7 @@ from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.session import ANSWER_TOO_LARGE, AnswerLimits, BoundedAnswers, ToolSession
 
 LIMITS = AnswerLimits(answer_bytes=64 * 1024, listing_bytes=16 * 1024)
@@ -82,7 +83,7 @@ async def session_on(served: Served) -> AsyncIterator[ToolSession]:
             read_timeout_seconds=10,
         ) as client,
     ):
-        yield ToolSession(client, URL, call_timeout_s=10, list_timeout_s=10)
+        yield ToolSession(SdkClient(client), URL, call_timeout_s=10, list_timeout_s=10)
 
 
 async def call(served: Served, name: str) -> Any:

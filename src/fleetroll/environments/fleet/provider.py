@@ -222,7 +222,7 @@ class FleetProvider:
         self._mcp_wire = self._wire if thin else None
         # Built once too, for every rollout's MCP session (fewer objects per rollout).
         self._mcp_report = retry_emitter(events)
-        self._mcp_limits = AnswerLimits.from_settings(settings)
+        self._mcp_limits = AnswerLimits.from_pool(settings.pool)
         self._retries = settings.retries
         #: Browser leases by instance id (modalities with ``browser_lease``).
         self._leases: dict[str, Lease] = {}

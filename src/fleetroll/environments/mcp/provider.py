@@ -77,6 +77,7 @@ from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.mcp import McpEnvironment, McpVerifier, ToolCallSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
+from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.mcp_common import unfollowed
 from fleetroll.tools.routing import Route, route
 from fleetroll.tools.session import (
@@ -428,7 +429,7 @@ class McpProvider:
                 list_timeout_s=t.list_tools_s,
                 budget=self._settings.retries.mcp_connect_budget,
                 report=retry_emitter(self._events),
-                limits=AnswerLimits.from_settings(self._settings),
+                limits=AnswerLimits.from_pool(self._settings.pool),
                 wire=self._wire,
                 request_budget=self._settings.retries.mcp_request_budget,
             ) as session:
@@ -441,7 +442,7 @@ class McpProvider:
                     connected = True
                     scope.deadline = math.inf
                     yield ToolSession(
-                        client,
+                        SdkClient(client),
                         handle.label,
                         call_timeout_s=t.call_tool_s,
                         list_timeout_s=t.list_tools_s,
@@ -469,14 +470,14 @@ class McpProvider:
             process_transport(
                 handle.process,
                 handle.stdout_closed,
-                AnswerLimits.from_settings(self._settings),
+                AnswerLimits.from_pool(self._settings.pool),
             ),
             read_timeout_seconds=self._settings.timeouts.call_tool_s,
         )
 
     def _http(self) -> httpx2.AsyncClient:
         t = self._settings.timeouts
-        limits = AnswerLimits.from_settings(self._settings)
+        limits = AnswerLimits.from_pool(self._settings.pool)
         return httpx2.AsyncClient(
             timeout=httpx2.Timeout(
                 max(t.call_tool_s, t.list_tools_s) + t.mcp_connect_s, connect=t.mcp_connect_s

@@ -50,6 +50,18 @@ async def never_answer(server: Server, stream: SocketStream, head: bytes) -> boo
     return False
 
 
+async def _read_head(stream: Any, buffer: bytes) -> tuple[bytes, bytes] | None:
+    """A request head (without its blank line) and the bytes after it, or None if
+    the peer left first."""
+    while b"\r\n\r\n" not in buffer:
+        try:
+            buffer += await stream.receive()
+        except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            return None
+    head, _, rest = buffer.partition(b"\r\n\r\n")
+    return head, rest
+
+
 @asynccontextmanager
 async def serving(handler: Handler, *, tls: ssl.SSLContext | None = None) -> AsyncIterator[Server]:
     """A server answering each request with ``handler`` (over TLS with ``tls``)."""
@@ -60,12 +72,10 @@ async def serving(handler: Handler, *, tls: ssl.SSLContext | None = None) -> Asy
         buffer = b""
         async with stream:
             while True:
-                while b"\r\n\r\n" not in buffer:
-                    try:
-                        buffer += await stream.receive()
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                        return
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
+                read = await _read_head(stream, buffer)
+                if read is None:
+                    return
+                head, buffer = read
                 length = next(
                     (
                         int(line.split(b":", 1)[1])
@@ -129,13 +139,10 @@ async def proxying(*, credentials: tuple[str, str] | None = None) -> AsyncIterat
 
     async def handle(client: SocketStream) -> None:
         async with client:
-            buffer = b""
-            while b"\r\n\r\n" not in buffer:
-                try:
-                    buffer += await client.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    return
-            head, _, rest = buffer.partition(b"\r\n\r\n")
+            read = await _read_head(client, b"")
+            if read is None:
+                return
+            head, rest = read
             text = head.decode("latin-1")
             proxy.heads.append(text)
             method, target, _ = text.split("\r\n", 1)[0].split(" ", 2)

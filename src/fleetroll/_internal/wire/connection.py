@@ -54,9 +54,9 @@ class Connection(asyncio.Protocol):
     """One HTTP/1.1 connection: a request, then its answer, in turn.
 
     The reader waits on ``_waiter``, which is only ever resolved with None:
-    the state (``_error``, ``_complete``, ``_body``) says what happened. An
-    exchange (``exchange``) is woken once, at the answer's end or failure; a
-    stream also at its head and at each piece of body.
+    the state (``_error``, ``_complete``, ``_body``) says what happened. A
+    request read whole is woken once, at the answer's end or failure; a
+    stream also at its head and at each piece of body (:meth:`next_chunk`).
     """
 
     __slots__ = (

@@ -62,12 +62,12 @@ Contracts:
   early, was cancelled, or the answer failed).
 
 The modules, by idea: :mod:`~fleetroll._internal.wire.client` (the Wire:
-connections pooled per route, URLs split, the retry loop),
+connections pooled per route, URLs split, the retry loop, a stream's context),
 :mod:`~fleetroll._internal.wire.connection` (one connection: the request
 out, the answer parsed), :mod:`~fleetroll._internal.wire.decoding`
 (content encodings), :mod:`~fleetroll._internal.wire.proxy` (proxy URLs and
-``CONNECT`` tunnels), :mod:`~fleetroll._internal.wire.stream` (answers read
-as they arrive), :mod:`~fleetroll._internal.wire.errors`.
+``CONNECT`` tunnels), :mod:`~fleetroll._internal.wire.stream` (the answer
+whose body is read as it arrives), :mod:`~fleetroll._internal.wire.errors`.
 """
 
 from fleetroll._internal.wire.client import Wire

@@ -4,7 +4,8 @@ A URL is split once (:meth:`Wire._split`: its route, the start of its
 request head, its proxy); each request is encoded into bytes, sent on an
 idle connection of its route or a new one, and sent again on a new one only
 as the module :mod:`fleetroll._internal.wire` says (:meth:`Wire._send`, the
-one retry loop of :meth:`Wire.request` and :meth:`Wire.stream`).
+one retry loop of :meth:`Wire.request` and :meth:`Wire.stream`). A stream's
+context (:class:`Stream`) lives here too: it uses the pool on entry and exit.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.wire.connection import Connection, Response
 from fleetroll._internal.wire.errors import ConnectFailed, ConnectionLost
 from fleetroll._internal.wire.proxy import Proxy, basic_auth, bracketed, open_tunnel, parse_proxy
-from fleetroll._internal.wire.stream import Stream
+from fleetroll._internal.wire.stream import StreamResponse
 
-__all__ = ["Route", "Target", "Wire"]
+__all__ = ["Route", "Stream", "Target", "Wire"]
 
 #: Methods that may be sent twice (RFC 9110's idempotent ones).
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
@@ -365,6 +366,62 @@ class Wire:
         if proxy is not None and proxy.tls:
             return self._system_trust()  # to the proxy itself: the system's trust
         return self._verify or self._system_trust()
+
+
+class Stream:
+    """``Wire.stream``'s context: the exchange's head on entry, its connection settled on exit."""
+
+    __slots__ = (
+        "_body",
+        "_conn",
+        "_headers",
+        "_max_bytes",
+        "_method",
+        "_response",
+        "_route",
+        "_url",
+        "_wire",
+    )
+
+    def __init__(
+        self,
+        wire: Wire,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: Mapping[str, str] | None,
+        max_bytes: int,
+    ) -> None:
+        self._wire = wire
+        self._method = method
+        self._url = url
+        self._body = body
+        self._headers = headers
+        self._max_bytes = max_bytes
+        self._conn: Connection | None = None
+        self._route: Route | None = None
+        self._response: StreamResponse | None = None
+
+    async def __aenter__(self) -> StreamResponse:
+        wire = self._wire
+        target, data = wire._encode(self._method, self._url, self._body, self._headers)
+        self._route = target.route
+        conn = await wire._send(target, data, self._method, self._max_bytes, False, True)
+        self._conn = conn
+        self._response = StreamResponse(conn, conn._status, conn._headers)
+        return self._response
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._response is not None:
+            self._response._conn = None
+        if conn.reusable():
+            assert self._route is not None
+            self._wire._put_back(self._route, conn)
+        else:
+            conn.close()
 
 
 def _without_userinfo(url: str) -> str:

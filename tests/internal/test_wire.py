@@ -215,6 +215,28 @@ async def test_a_stream_left_early_or_cancelled_closes_its_connection() -> None:
     assert server.connections == 2
 
 
+async def test_a_stream_left_unread_after_its_answer_arrived_leaves_a_working_connection() -> None:
+    """The answer's last bytes arrive in the read that fills the stream's buffer
+    (reading pauses there), and the caller leaves without reading the body: the
+    connection goes back to the pool and the next request on it is answered
+    (it hung until its deadline while reading stayed paused)."""
+    body = b"x" * (300 * 1024)  # over the stream's 256 KiB buffer, within two reads
+
+    async def whole_at_once(server: Server, stream: SocketStream, head: bytes) -> bool:
+        await stream.send(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        return True
+
+    async with serving(whole_at_once) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/big"
+        with anyio.fail_after(10):
+            for _ in range(5):
+                async with wire.stream("GET", url) as response:
+                    assert response.status == 200
+                    await anyio.sleep(0.05)  # the whole body arrives, unread
+            answer = await wire.request("GET", url)
+        assert answer.body == body
+
+
 async def test_a_stream_over_its_cap_fails_while_reading_and_closes_the_connection() -> None:
     async with serving(answer_big) as server, Wire() as wire:
         url = f"http://127.0.0.1:{server.port}/big"

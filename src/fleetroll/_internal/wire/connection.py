@@ -370,6 +370,17 @@ class Connection(asyncio.Protocol):
                 self._waiter = None
 
     def reusable(self) -> bool:
-        """After a stream: whether the whole answer arrived on a connection that stays open."""
+        """After a stream: whether the whole answer arrived on a connection that stays open.
+
+        Reading resumes if it was paused: the read that filled the stream's
+        buffer may have brought the answer's last bytes, and the next request
+        on this connection must be read.
+        """
         self._active = False
+        self._body = []
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            if not self.closed and self.transport is not None:
+                self.transport.resume_reading()
         return self._complete and self._error is None and self._keep_alive and not self.closed

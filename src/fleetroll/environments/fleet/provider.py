@@ -3,7 +3,9 @@
 :class:`FleetProvider` implements :class:`fleetroll.environments.provider.Provider`
 for Fleet (and the embedded emulator): with the modules it owns
 (:mod:`fleetroll.environments.fleet.control`: failure classification, the SDK's clients,
-browser leases, the pre-flight listing; :mod:`fleetroll.environments.fleet.verification`;
+browser leases, the pre-flight listing; :mod:`fleetroll.environments.fleet.control_client`:
+creates and status checks, directly or through the SDK, chosen once here;
+:mod:`fleetroll.environments.fleet.verification`;
 :mod:`fleetroll.environments.fleet.traces`) it is the only code of the core that talks to
 the ``fleet`` SDK.
 
@@ -34,7 +36,6 @@ the ``fleet`` SDK.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -76,7 +77,8 @@ from fleetroll.environments.fleet.control import (
     provisioning_failed,
     sdk_lanes,
 )
-from fleetroll.environments.fleet.direct import DirectControl, DirectEnv, FleetEnv, new_request_id
+from fleetroll.environments.fleet.control_client import ControlClient, control_client
+from fleetroll.environments.fleet.direct import FleetEnv, new_request_id
 from fleetroll.environments.fleet.heartbeats import Heartbeats
 from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.environments.provider import Instance, Verdict
@@ -180,7 +182,6 @@ class FleetProvider:
         self._clients, self._lanes = sdk_lanes(
             settings, api_key=api_key, base_url=base_url, tls=self._mcp_tls, proxies=self._proxies
         )
-        self._lane = itertools.cycle(self._lanes)
         #: For calls that belong to no instance (listing, sweeping).
         self.fleet = self._lanes[0]
         #: The environment listing, reused by pre-flights within its time to live
@@ -190,7 +191,6 @@ class FleetProvider:
         # time building a new HTTP client (~20 ms of blocking TLS set-up on
         # the loop). One provider, resolved once, is shared by every instance.
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
-        self._runner_lock = anyio.Lock()
         self._gate: CreateGate = admission or CreateSlots(
             CreateLimits.from_settings(settings), events
         )
@@ -212,10 +212,13 @@ class FleetProvider:
                 connect_timeout_s=t.mcp_connect_s,
                 verify=self._mcp_tls,
             )
-        self._direct: DirectControl | None = None
-        if direct:
-            assert self._wire is not None
-            self._direct = DirectControl(self._wire, self.fleet.client, self._runner_tokens)
+        #: Creates and status checks: the direct client or the SDK's, chosen here once.
+        self._control: ControlClient = control_client(
+            settings.provisioning.control_client,
+            lanes=self._lanes,
+            runner_tokens=self._runner_tokens,
+            wire=self._wire,
+        )
         self._mcp_wire = self._wire if thin else None
         # Built once too, for every rollout's MCP session (fewer objects per rollout).
         self._mcp_report = retry_emitter(events)
@@ -260,11 +263,8 @@ class FleetProvider:
         if self._wire is not None:
             await self._wire.aclose()
 
-    @staticmethod
-    def _env(instance: Instance) -> FleetEnv:
-        env = instance.handle
-        assert isinstance(env, AsyncEnv | DirectEnv), "an instance of another provider"
-        return env
+    def _env(self, instance: Instance) -> FleetEnv:
+        return self._control.env_of(instance.handle)
 
     async def reset(self, instance: Instance) -> None:
         """Reset the instance to its seed state (``timeouts.reset_s``).
@@ -608,17 +608,10 @@ class FleetProvider:
         }
 
         async def make() -> FleetEnv:
-            env: FleetEnv
             with fail_after(create_timeout):
-                if self._direct is not None:
-                    env = await self._direct.make(
-                        task.env_spec,
-                        **made,
-                        create_timeout_s=create_timeout,
-                        request_id=request_id,
-                    )
-                else:
-                    env = await next(self._lane).make(task.env_spec, **made, timeout=create_timeout)
+                env = await self._control.make(
+                    task.env_spec, **made, create_timeout_s=create_timeout, request_id=request_id
+                )
             return env
 
         tg = self._background
@@ -734,13 +727,8 @@ class FleetProvider:
         """The instance-router token, resolved once (bounded) for every instance."""
         if not getattr(self._runner_tokens, "_resolved", False):  # resolved: nothing to wait for
             with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
-                if self._direct is not None:  # over the Wire: no HTTP client to build
-                    await self._direct.runner_token()
-                else:
-                    async with self._runner_lock:
-                        await self._runner_tokens.token_async()
-        if isinstance(env, AsyncEnv):  # the direct path reads the shared provider itself
-            env._runner_token_provider = self._runner_tokens
+                await self._control.runner_token()
+        self._control.adopt(env)
 
     async def is_alive(self, instance: Instance) -> bool:
         """Whether Fleet still reports the instance running.
@@ -750,10 +738,7 @@ class FleetProvider:
         """
         with anyio.move_on_after(min(10.0, self._settings.timeouts.release_s)):
             try:
-                if self._direct is not None:
-                    current: FleetEnv = await self._direct.instance(instance.instance_id)
-                else:
-                    current = await self.fleet.instance(instance.instance_id)
+                current = await self._control.instance(instance.instance_id)
             except fleet_errors.FleetAPIError as exc:
                 return bool(exc.status_code != 404)  # 404: gone; anything else: presume alive
             except Exception:

@@ -1,13 +1,15 @@
-"""Fleet as an environment provider: instances through the real SDK.
+"""Fleet as an environment provider: instances through Fleet's control plane.
 
 :class:`FleetProvider` implements :class:`fleetroll.environments.provider.Provider`
 for Fleet (and the embedded emulator): with the modules it owns
 (:mod:`fleetroll.environments.fleet.control`: failure classification, the SDK's clients,
 browser leases, the pre-flight listing; :mod:`fleetroll.environments.fleet.control_client`:
-creates and status checks, directly or through the SDK, chosen once here;
+creates and status checks, over :mod:`fleetroll.environments.fleet.direct` or the SDK
+(``provisioning.control_client``), chosen once when the provider is built;
 :mod:`fleetroll.environments.fleet.verification`;
 :mod:`fleetroll.environments.fleet.traces`) it is the only code of the core that talks to
-the ``fleet`` SDK.
+Fleet. It takes a :class:`FleetConfig`, what it reads of the settings
+(:func:`fleetroll.pool.assembly.fleet_provider` builds one from ``Settings``).
 
 * ``AsyncFleet(max_retries=0)``: the SDK's own transport retries (which would
   re-POST creates) are off, so every retry decision is made here, once.

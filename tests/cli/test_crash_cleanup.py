@@ -20,8 +20,8 @@ import pytest
 
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.instances import MISSED_HEARTBEATS, Instance
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
@@ -151,7 +151,7 @@ async def test_gc_and_resume_release_what_a_killed_run_left(tmp_path: Path, how:
 async def test_a_sweep_and_a_collect_leave_alone_what_this_process_holds() -> None:
     task = LEDGER[0]
     async with Emulator() as emu:
-        provider = FleetProvider(
+        provider = fleet_provider(
             load_settings(), Events(), api_key=emu.api_key, base_url=emu.base_url
         )
         held = await provider.provision(task, run_id="r")

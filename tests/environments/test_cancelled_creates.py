@@ -11,7 +11,7 @@ import pytest
 
 from fleetroll.emulator import Emulator
 from fleetroll.environments.admission import AdmissionController, AdmissionState, CreateLimits
-from fleetroll.environments.mixed import MixedProvider
+from fleetroll.pool.assembly import mixed_provider
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.settings.fault_profiles import FaultProfile, Latency
 from fleetroll.tasks import load_tasks
@@ -67,7 +67,7 @@ async def test_a_create_in_flight_at_a_cancel_holds_its_place_until_it_ends(
         admission = AdmissionController(
             settings.admission, CreateLimits.from_settings(settings.provisioning), events
         )
-        provider = MixedProvider(
+        provider = mixed_provider(
             settings, events, api_key=emu.api_key, base_url=emu.base_url, admission=admission
         )
         async with provider.running():
@@ -107,7 +107,7 @@ async def test_a_pool_closing_waits_for_its_creates_in_flight_then_cuts_them() -
         admission = AdmissionController(
             settings.admission, CreateLimits.from_settings(settings.provisioning), events
         )
-        provider = MixedProvider(
+        provider = mixed_provider(
             settings, events, api_key=emu.api_key, base_url=emu.base_url, admission=admission
         )
         with anyio.fail_after(30):

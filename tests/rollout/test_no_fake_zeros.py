@@ -19,8 +19,8 @@ import pytest
 from test_rollout_deadlines import assert_timings_add_up
 
 from fleetroll.emulator import Emulator, FaultProfile
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
@@ -163,7 +163,7 @@ async def built_in_and_agent(
         policy |= policy_settings or {}
         settings = load_settings(timeouts=timeouts, provisioning=PROVISIONING, policy=policy)
         events = Events([MemorySink()])
-        provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
+        provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
         async with (
             RolloutEngine.open(settings, events, provider) as eng,
             OpenAIChatPolicy.from_settings(settings) as model,

@@ -12,9 +12,8 @@ import anyio
 import pytest
 
 from fleetroll.emulator import Emulator
-from fleetroll.environments.fleet.provider import FleetProvider
-from fleetroll.environments.mcp.provider import McpProvider
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import fleet_provider, mcp_provider
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
@@ -59,7 +58,7 @@ async def test_composite_rewards_on_the_emulator_equal_the_weighted_sum_and_resc
     async with FakeJudge() as judge:
         settings = load_settings(judge={"base_url": judge.base_url})
         events = Events([MemorySink()])
-        provider = FleetProvider(
+        provider = fleet_provider(
             settings, events, api_key=emulator.api_key, base_url=emulator.base_url
         )
         results: list[RolloutResult] = []
@@ -100,7 +99,7 @@ async def test_an_mcp_task_scored_by_checks_alone_runs_no_verifier(tmp_path: Pat
     task = parse_task(record, source="t", modalities=("tool_use",))
     settings = load_settings(mcp={"workdir_root": str(tmp_path)})
     events = Events([MemorySink()])
-    async with RolloutEngine.open(settings, events, McpProvider(settings, events)) as eng:
+    async with RolloutEngine.open(settings, events, mcp_provider(settings, events)) as eng:
         with anyio.fail_after(60):
             result = await eng.rollout(task, RolloutIds("b", "r")).run(ScriptedPolicy())
 

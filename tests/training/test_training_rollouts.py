@@ -21,8 +21,8 @@ import anyio
 import pytest
 
 from fleetroll.emulator import Emulator
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import OpenAIChatPolicy
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.journal import read_journal
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
@@ -55,7 +55,7 @@ async def engine(
     overrides["policy"].update(policy.pop("policy", {}))
     settings = load_settings(**overrides, **policy)
     events = Events([MemorySink()])
-    provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
+    provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
     async with (
         RolloutEngine.open(settings, events, provider) as eng,
         OpenAIChatPolicy.from_settings(settings) as model,

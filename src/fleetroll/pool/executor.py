@@ -29,10 +29,11 @@ import anyio
 
 from fleetroll.environments.admission import Admission
 from fleetroll.environments.fleet.warm import open_warm_pool
-from fleetroll.environments.mixed import MixedProvider, require_fleet_key
+from fleetroll.environments.mixed import require_fleet_key
 from fleetroll.environments.provider import Provider
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
+from fleetroll.pool.assembly import mixed_provider
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
@@ -190,7 +191,7 @@ class LocalExecutor:
 
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
-        ours = MixedProvider(
+        ours = mixed_provider(
             self.settings,
             context.events,
             api_key=self._api_key,
@@ -202,7 +203,13 @@ class LocalExecutor:
             if self.settings.provisioning.reuse:
                 # Instances go from one rollout to the next (and the next batch's).
                 provider = await stack.enter_async_context(
-                    open_warm_pool(provider, self.settings, context.events)
+                    open_warm_pool(
+                        provider,
+                        context.events,
+                        provisioning=self.settings.provisioning,
+                        timeouts=self.settings.timeouts,
+                        modalities=self.settings.modalities,
+                    )
                 )
             self._engine = await stack.enter_async_context(
                 RolloutEngine.open(

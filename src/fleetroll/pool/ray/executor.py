@@ -38,6 +38,7 @@ from fleetroll.errors import OperationTimeout
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import PolicyRecipe
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.executor import ExecutorContext, LocalExecutor, RolloutHandle
 from fleetroll.pool.ray.actors import PolicyHost, _Buffer, default_num_actors, holder, load_ray
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
@@ -491,7 +492,7 @@ class RayExecutor:
         self._events, self._closing = context.events, False
         self._gate = context.policy_gate
         if self._api_key is not None:
-            self._fleet = FleetProvider(
+            self._fleet = fleet_provider(
                 self.settings, context.events, api_key=self._api_key, base_url=self._base_url
             )
         async with AsyncExitStack() as stack:

@@ -20,13 +20,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleetroll._internal.serving import serve_asgi
-from fleetroll.cli.run import SameFailures
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.mcp.provider import McpProvider
 from fleetroll.environments.mixed import MixedProvider
 from fleetroll.errors import PreflightError
+from fleetroll.jobs.same_failures import SameFailures
 from fleetroll.pool.journal import read_journal
 from fleetroll.pool.preflight import check_policy, missing_environments, preflight
 from fleetroll.results import FailureReason, RolloutResult

@@ -22,8 +22,8 @@ class JobOutput(Protocol):
         ...
 
     async def watch(self, batch: RunningBatch, started: float) -> None:
-        """Show ``batch``'s progress until it has finished (``started``: the
-        job's start, ``time.monotonic()``). Cancelled when the batch is driven to its end."""
+        """Show ``batch``'s progress until it has finished (``started``: when its
+        drive began, ``time.monotonic()``). Cancelled once the batch is driven to its end."""
         ...
 
 

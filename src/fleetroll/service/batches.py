@@ -1,7 +1,9 @@
-"""Batches submitted over HTTP: validation, idempotency, and their results in order.
+"""Batches submitted over HTTP: the registry that checks, starts, re-runs,
+cancels and keeps them (idempotency, their results in order, the store).
 
 Each batch's own iterator is consumed by exactly one server-side task, which
-appends every result to the batch's :class:`BatchRecord` (a list in arrival
+appends every result to the batch's
+:class:`~fleetroll.service.batch_record.BatchRecord` (a list in arrival
 order; a result's cursor is its 1-based index) and wakes whoever waits.
 Readers stream from that list, each at its own pace: a slow reader costs
 nothing but the list itself (bounded by the batch's size) and never holds a

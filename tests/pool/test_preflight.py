@@ -20,10 +20,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleetroll._internal.serving import serve_asgi
-from fleetroll.cli.run import SameFailures
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.errors import PreflightError
+from fleetroll.jobs.same_failures import SameFailures
 from fleetroll.pool.assembly import fleet_provider, mcp_provider, mixed_provider
 from fleetroll.pool.journal import read_journal
 from fleetroll.pool.preflight import check_policy, missing_environments, preflight

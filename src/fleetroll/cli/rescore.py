@@ -70,7 +70,7 @@ def rescore(
     from fleetroll.scoring import Judge, JudgeConfig, Scorer
     from fleetroll.scoring.judge import missing_judge
 
-    problem = missing_judge(tasks.values(), settings)
+    problem = missing_judge(tasks.values(), settings.judge)
     if problem is not None:
         raise Failed(problem)
     from fleetroll.scoring.rescore import rescorable, rescore_all

@@ -42,7 +42,7 @@ import fleetroll._internal.retrying as retrying
 from fleetroll._internal.excerpts import error_excerpt, shorten
 from fleetroll._internal.retrying import retry_after_s, transient_status
 from fleetroll.errors import JudgeError
-from fleetroll.settings import Settings
+from fleetroll.settings import JudgeSettings, Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.rewards import Target
 
@@ -118,10 +118,10 @@ class Judgement:
     cached: bool = False
 
 
-def missing_judge(tasks: Iterable[TaskSpec], settings: Settings) -> str | None:
+def missing_judge(tasks: Iterable[TaskSpec], judge: JudgeSettings) -> str | None:
     """Why ``tasks`` cannot be scored here: one has a judge component and
     ``judge.base_url`` is not set (a line for people); None when they can."""
-    if settings.judge.base_url:
+    if judge.base_url:
         return None
     judged = next((task for task in tasks if task.judged), None)
     if judged is None:

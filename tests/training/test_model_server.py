@@ -1,0 +1,254 @@
+"""The tiny model and its vLLM-shaped server: a real model's ids and logprobs over HTTP.
+
+The model is built here from a config and a seed (no download); the server
+samples from it on the CPU. The tests recompute the server's logprobs with one
+forward pass of the same model, as a trainer would. Skipped without the
+``train`` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from fleetroll.testing.model_server import ModelServer, parse_hermes_tool_calls  # noqa: E402
+from fleetroll.testing.tiny_model import (  # noqa: E402
+    TinyModelSpec,
+    build_tiny_model,
+    load_tiny_model,
+    save_tiny_model,
+)
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_balance",
+            "description": "Read an account's balance",
+            "parameters": {
+                "type": "object",
+                "properties": {"account": {"type": "string"}},
+                "required": ["account"],
+            },
+        },
+    }
+]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the balance of account acme-001?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {"name": "get_balance", "arguments": '{"account": "acme-001"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_0", "content": '{"balance": 1250.0}'},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2", seed=0)
+
+
+@pytest.fixture(scope="module")
+def other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-qwen2-seed1", seed=1)
+
+
+def recomputed_logprobs(model: Any, prompt: list[int], completion: list[int]) -> list[float]:
+    """Each completion token's raw logprob from one forward pass over prompt + completion."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    raw = torch.log_softmax(logits, dim=-1)
+    start = len(prompt) - 1
+    return [float(raw[start + i, token]) for i, token in enumerate(completion)]
+
+
+def test_the_tiny_model_and_tokenizer_build_the_same_from_the_same_seed(tmp_path: Path) -> None:
+    model_a, tokenizer_a = build_tiny_model(seed=3)
+    model_b, tokenizer_b = build_tiny_model(seed=3)
+    model_c, _ = build_tiny_model(seed=4)
+    a, b, c = model_a.state_dict(), model_b.state_dict(), model_c.state_dict()
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    assert not all(torch.equal(a[name], c[name]) for name in a)
+    assert tokenizer_a.get_vocab() == tokenizer_b.get_vocab()
+    assert tokenizer_a.backend_tokenizer.to_str() == tokenizer_b.backend_tokenizer.to_str()
+    assert model_a.config.vocab_size == len(tokenizer_a)
+    assert model_a.config.num_hidden_layers == TinyModelSpec().num_hidden_layers
+
+    # Saved and loaded back: the same weights, tokenizer and chat template.
+    loaded, tokenizer = load_tiny_model(save_tiny_model(tmp_path / "m", seed=3))
+    assert all(torch.equal(a[name], loaded.state_dict()[name]) for name in a)
+    assert tokenizer.get_vocab() == tokenizer_a.get_vocab()
+    assert tokenizer.chat_template == tokenizer_a.chat_template
+
+
+def test_the_chat_template_renders_tools_calls_and_answers_qwen_style() -> None:
+    _, tokenizer = build_tiny_model(seed=0)
+    messages = json.loads(json.dumps(MESSAGES))
+    call = messages[2]["tool_calls"][0]["function"]
+    call["arguments"] = json.loads(call["arguments"])
+    text = tokenizer.apply_chat_template(
+        messages, tools=TOOLS, tokenize=False, add_generation_prompt=True
+    )
+    assert text.startswith("<|im_start|>system\nYou are a helpful assistant.\n\n# Tools\n")
+    assert json.dumps(TOOLS[0]) in text
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_balance", "arguments":'
+        ' {"account": "acme-001"}}\n</tool_call><|im_end|>\n'
+    ) in text
+    assert (
+        '<|im_start|>user\n<tool_response>\n{"balance": 1250.0}\n</tool_response><|im_end|>\n'
+        in text
+    )
+    assert text.endswith("<|im_start|>assistant\n")
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text  # byte-level: any text round-trips
+    for token in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"):
+        assert len(tokenizer.encode(token, add_special_tokens=False)) == 1
+
+
+def test_hermes_tool_calls_are_parsed_as_vllm_does() -> None:
+    content, calls = parse_hermes_tool_calls(
+        'Let me look.<tool_call>\n{"name": "get_balance", "arguments": {"account": "x"}}\n'
+        '</tool_call><tool_call>{"name": "noop"}'
+    )
+    assert content == "Let me look."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_balance", {"account": "x"}),
+        ("noop", {}),
+    ]
+    assert parse_hermes_tool_calls("<tool_call>{not json}</tool_call>") == (
+        "<tool_call>{not json}</tool_call>",
+        [],
+    )
+    assert parse_hermes_tool_calls("plain") == ("plain", [])
+
+
+async def test_a_chat_completion_returns_the_models_own_ids_and_logprobs(
+    model_dir: Path,
+) -> None:
+    async with ModelServer(model_dir) as server, httpx.AsyncClient(timeout=30) as client:
+        models = (await client.get(f"{server.base_url}/models")).json()
+        assert models["data"][0]["id"] == "tiny-qwen2"
+        assert models["data"][0]["version"] == 0
+        body = {
+            "model": "tiny-qwen2",
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "temperature": 0.7,
+            "top_p": 0.95,
+            "max_tokens": 24,
+            "seed": 11,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "return_token_ids": True,
+        }
+        answer = (await client.post(f"{server.base_url}/chat/completions", json=body)).json()
+        again = (await client.post(f"{server.base_url}/chat/completions", json=body)).json()
+        tokenized = (await client.post(f"{server.root_url}/tokenize", json=body)).json()
+        model = server.model
+    prompt, choice = answer["prompt_token_ids"], answer["choices"][0]
+    completion = choice["token_ids"]
+    assert prompt == tokenized["tokens"]
+    assert 0 < len(completion) <= 24
+    assert choice["finish_reason"] in {"stop", "length", "tool_calls"}
+    assert again["choices"][0]["token_ids"] == completion  # the same seed, the same sample
+    served = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+    assert served == pytest.approx(recomputed_logprobs(model, prompt, completion), abs=1e-5)
+    for entry in choice["logprobs"]["content"]:
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["logprob"] <= entry["top_logprobs"][0]["logprob"] + 1e-6
+    assert answer["usage"]["completion_tokens"] == len(completion)
+
+
+async def test_a_token_prompt_on_v1_completions_answers_ids_that_decode_to_its_text(
+    model_dir: Path,
+) -> None:
+    async with ModelServer(model_dir, token_route=False) as server:
+        tokenizer = server.tokenizer
+        prompt = tokenizer.encode(
+            tokenizer.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True),
+            add_special_tokens=False,
+        )
+        body = {
+            "model": "tiny-qwen2",
+            "prompt": prompt,
+            "max_tokens": 16,
+            "temperature": 1.0,
+            "seed": 5,
+            "logprobs": 2,
+            "return_token_ids": True,
+        }
+        async with httpx.AsyncClient(timeout=30) as client:
+            answer = (await client.post(f"{server.base_url}/completions", json=body)).json()
+            as_text = {**body, "prompt": tokenizer.decode(prompt)}
+            from_text = (await client.post(f"{server.base_url}/completions", json=as_text)).json()
+            no_route = await client.post(
+                f"{server.base_url}/chat/completions/tokens", json={**body, "tokens": prompt}
+            )
+        model = server.model
+    choice = answer["choices"][0]
+    assert choice["prompt_token_ids"] == prompt
+    ids = choice["token_ids"]
+    assert 0 < len(ids) <= 16
+    assert tokenizer.decode(ids, skip_special_tokens=True) == choice["text"]
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        recomputed_logprobs(model, prompt, ids), abs=1e-5
+    )
+    assert len(choice["logprobs"]["tokens"]) == len(ids)
+    # The same prompt as text tokenizes to the same ids: the same sample.
+    assert from_text["choices"][0]["prompt_token_ids"] == prompt
+    assert from_text["choices"][0]["token_ids"] == ids
+    assert no_route.status_code == 404  # a plain vllm serve has no token route
+
+
+@pytest.mark.parametrize("route", ["collective_rpc", "update_weights_from_disk"])
+async def test_a_weight_update_changes_the_logprobs_and_the_version(
+    model_dir: Path, other_weights: Path, route: str
+) -> None:
+    body = {
+        "model": "tiny-qwen2",
+        "messages": MESSAGES[:2],
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    async with ModelServer(model_dir) as server, httpx.AsyncClient(timeout=30) as client:
+        before = await client.post(f"{server.base_url}/chat/completions", json=body)
+        if route == "collective_rpc":
+            update = {"method": "reload_weights", "kwargs": {"weights_path": str(other_weights)}}
+        else:
+            update = {"model_path": str(other_weights), "weight_version": "step-1"}
+        answer = await client.post(f"{server.root_url}/{route}", json=update)
+        assert answer.status_code == 200, answer.text
+        after = await client.post(f"{server.base_url}/chat/completions", json=body)
+        models = (await client.get(f"{server.base_url}/models")).json()
+        version = (await client.get(f"{server.root_url}/get_weight_version")).json()
+        model = server.model
+    assert before.headers["x-weight-version"] == "0"
+    assert after.headers["x-weight-version"] == "1"
+    assert models["data"][0]["version"] == 1
+    assert version["weight_version"] == ("1" if route == "collective_rpc" else "step-1")
+    old = [e["logprob"] for e in before.json()["choices"][0]["logprobs"]["content"]]
+    new_choice = after.json()["choices"][0]
+    new = [e["logprob"] for e in new_choice["logprobs"]["content"]]
+    assert old != new
+    prompt = after.json()["prompt_token_ids"]
+    assert new == pytest.approx(
+        recomputed_logprobs(model, prompt, new_choice["token_ids"]), abs=1e-5
+    )

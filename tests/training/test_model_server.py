@@ -252,3 +252,40 @@ async def test_a_weight_update_changes_the_logprobs_and_the_version(
     assert new == pytest.approx(
         recomputed_logprobs(model, prompt, new_choice["token_ids"]), abs=1e-5
     )
+
+
+async def test_fleetrolls_policy_reads_the_servers_ids_and_logprobs(model_dir: Path) -> None:
+    from fleetroll.policies import OpenAIChatPolicy, ToolSpec
+    from fleetroll.tasks import TaskSpec
+
+    task = TaskSpec(key="t", prompt="What is the balance of account acme-001?", env_key="ledger")
+    tools = (ToolSpec(name="get_balance", description="Read.", input_schema={"type": "object"}),)
+    messages = [{"role": "user", "content": task.prompt}]
+    async with (
+        ModelServer(model_dir, default_max_tokens=12) as server,
+        OpenAIChatPolicy(
+            base_url=server.base_url,
+            model=server.model_name,
+            return_token_ids=True,
+            logprobs=True,
+            temperature=1.0,
+            timeout_s=30,
+        ) as policy,
+    ):
+        turn = await policy.act(task, messages, tools)
+        (path, body), model = server.requests[-1], server.model
+    assert path == "/v1/chat/completions"
+    data = turn.data
+    assert data is not None and data.training_data_error is None
+    assert data.prompt_token_ids is not None and data.completion_token_ids is not None
+    assert data.logprobs is not None
+    assert list(data.prompt_token_ids) == server.tokenizer.encode(
+        server.tokenizer.apply_chat_template(
+            body["messages"], tools=body["tools"], tokenize=False, add_generation_prompt=True
+        ),
+        add_special_tokens=False,
+    )
+    recomputed = recomputed_logprobs(
+        model, list(data.prompt_token_ids), list(data.completion_token_ids)
+    )
+    assert list(data.logprobs) == pytest.approx(recomputed, abs=1e-5)

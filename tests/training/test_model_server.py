@@ -289,3 +289,30 @@ async def test_fleetrolls_policy_reads_the_servers_ids_and_logprobs(model_dir: P
         model, list(data.prompt_token_ids), list(data.completion_token_ids)
     )
     assert list(data.logprobs) == pytest.approx(recomputed, abs=1e-5)
+
+
+async def test_processed_logprobs_are_those_of_the_temperature_scaled_distribution(
+    model_dir: Path,
+) -> None:
+    body = {
+        "model": "tiny-qwen2",
+        "messages": MESSAGES[:2],
+        "max_tokens": 12,
+        "temperature": 0.5,
+        "seed": 2,
+        "logprobs": True,
+        "return_token_ids": True,
+    }
+    async with (
+        ModelServer(model_dir, logprobs_mode="processed_logprobs") as server,
+        httpx.AsyncClient(timeout=30) as client,
+    ):
+        answer = (await client.post(f"{server.base_url}/chat/completions", json=body)).json()
+        model = server.model
+    prompt, ids = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0].float() / 0.5
+    scaled = torch.log_softmax(logits, dim=-1)
+    expected = [float(scaled[len(prompt) - 1 + i, t]) for i, t in enumerate(ids)]
+    served = [e["logprob"] for e in answer["choices"][0]["logprobs"]["content"]]
+    assert served == pytest.approx(expected, abs=1e-5)

@@ -43,14 +43,19 @@ Every answer carries the header ``X-Weight-Version``: for a completion, the
 version of the weights that generated all of it (a generation keeps the
 weights it started with; an update applies to the next one).
 
-**Logprobs** are the raw model's: ``log_softmax(logits)`` of the sampled
-token, in float32, on the logits the model gives for that position *before*
-temperature, top-k or top-p (vLLM's default ``raw_logprobs``). Sampling draws
-from ``softmax(logits / temperature)`` restricted by ``top_k`` and ``top_p``
-(temperature 0: the argmax). A trainer recomputes them with one forward pass
-of the model over prompt + completion and ``log_softmax`` of the logits, no
-temperature (the tests check within 1e-5). ``top_logprobs`` are the k largest
-of the same distribution.
+**Logprobs** are by default the raw model's: ``log_softmax(logits)`` of the
+sampled token, in float32, on the logits the model gives for that position,
+the input of the temperature (before temperature, top-k or top-p: vLLM's
+default ``--logprobs-mode raw_logprobs``). A trainer recomputes them with one
+forward pass of the model over prompt + completion and ``log_softmax`` of the
+logits, no temperature (the tests check within 1e-5). Sampling draws from
+``softmax(logits / temperature)`` with the tokens outside ``top_k`` and
+``top_p`` removed (temperature 0: the argmax). With
+``logprobs_mode="processed_logprobs"`` the logprobs are those of that
+processed distribution, ``log_softmax(logits / temperature)`` after the cuts
+(vLLM's ``processed_logprobs``; TRL's ``GRPOTrainer`` computes
+``log_softmax(logits / temperature)`` on its side). ``top_logprobs`` are the k
+largest of the same distribution as ``logprobs``.
 
 A completion ends at ``<|im_end|>`` or ``<|endoftext|>`` (the tokenizer's and
 the generation config's end tokens), which is in ``token_ids`` and has a
@@ -76,7 +81,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import anyio
 import anyio.to_thread
@@ -135,6 +140,8 @@ class ModelServer:
         seed: seeds the sampling of requests that give no ``seed``.
         default_max_tokens: the chat route's ``max_tokens`` when a request sets
             none (vLLM's is the rest of the context; this keeps tests quick).
+        logprobs_mode: vLLM's ``--logprobs-mode``: ``raw_logprobs`` (its
+            default) or ``processed_logprobs`` (what TRL's trainer computes).
         host: the address to bind (a free port is chosen).
 
     Attributes:
@@ -152,12 +159,14 @@ class ModelServer:
         token_route: bool = True,
         seed: int = 0,
         default_max_tokens: int = 64,
+        logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
         host: str = "127.0.0.1",
     ) -> None:
         self.model_path = Path(model_path)
         self.model_name = model_name or self.model_path.name
         self.token_route = token_route
         self.default_max_tokens = default_max_tokens
+        self.logprobs_mode = logprobs_mode
         self.base_url = ""
         self.root_url = ""
         self.version = 0
@@ -262,6 +271,7 @@ class ModelServer:
 
         with self._swap:
             model, version = self._model, self.version
+        processed_logprobs = self.logprobs_mode == "processed_logprobs"
         if seed is None:
             seed = self._seed * 1_000_003 + next(self._sampling_seeds)
         generator = torch.Generator().manual_seed(seed)
@@ -275,12 +285,12 @@ class ModelServer:
             out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True)
             for _ in range(max_tokens):
                 logits = out.logits[0, -1].float()
-                raw = torch.log_softmax(logits, dim=-1)
-                token = _sample(logits, temperature, top_p, top_k, generator)
+                token, processed = _sample(logits, temperature, top_p, top_k, generator)
+                shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
                 ids.append(token)
-                logprobs.append(float(raw[token]))
+                logprobs.append(float(shown[token]))
                 if top_logprobs:
-                    values, indices = torch.topk(raw, top_logprobs)
+                    values, indices = torch.topk(shown, top_logprobs)
                     tops.append(tuple(zip(indices.tolist(), values.tolist(), strict=True)))
                 if token in self._end_ids:
                     finish = "stop"
@@ -658,24 +668,30 @@ def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
     return prepared
 
 
-def _sample(logits: Any, temperature: float, top_p: float, top_k: int, generator: Any) -> int:
-    """A token from ``softmax(logits / temperature)`` cut to ``top_k`` and ``top_p``
-    (temperature 0: the argmax)."""
+def _sample(
+    logits: Any, temperature: float, top_p: float, top_k: int, generator: Any
+) -> tuple[int, Any]:
+    """A token drawn from the processed distribution, and that distribution's
+    log-probabilities: ``log_softmax(logits / temperature)`` with the tokens
+    outside ``top_k`` and ``top_p`` at -inf (temperature 0: the argmax, and the
+    raw log-softmax, as vLLM's processed logprobs for greedy sampling)."""
     import torch
 
     if temperature <= 0:
-        return int(torch.argmax(logits))
+        return int(torch.argmax(logits)), torch.log_softmax(logits, dim=-1)
     scaled = logits / temperature
     if 0 < top_k < scaled.numel():
         kth = torch.topk(scaled, top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
+        probs = torch.softmax(scaled, dim=-1)
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+        removed = torch.zeros_like(scaled, dtype=torch.bool).scatter(0, order, before >= top_p)
+        scaled = scaled.masked_fill(removed, float("-inf"))
+    processed = torch.log_softmax(scaled, dim=-1)
+    token = int(torch.multinomial(processed.exp(), 1, generator=generator))
+    return token, processed
 
 
 def _load_model(path: Path) -> Any:

@@ -316,3 +316,37 @@ async def test_processed_logprobs_are_those_of_the_temperature_scaled_distributi
     expected = [float(scaled[len(prompt) - 1 + i, t]) for i, t in enumerate(ids)]
     served = [e["logprob"] for e in answer["choices"][0]["logprobs"]["content"]]
     assert served == pytest.approx(expected, abs=1e-5)
+
+
+async def test_trls_vllm_client_generates_through_v1_completions(model_dir: Path) -> None:
+    """TRL's own client (its parsing of a batch of token prompts, ``n`` completions
+    each, tokens as ``token_id:N``) reads the server's ids and logprobs."""
+    import anyio
+    import requests
+
+    vllm_client = pytest.importorskip("trl.generation.vllm_client")
+
+    async with ModelServer(model_dir, token_route=False) as server:
+        client = object.__new__(vllm_client.VLLMClient)  # its __init__ wants vLLM installed
+        client.session, client.base_url, client.model = requests.Session(), server.root_url, "m"
+        tokenizer = server.tokenizer
+        prompts = [
+            tokenizer.encode(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+                ),
+                add_special_tokens=False,
+            )
+            for text in ("Pay the rent.", "What is the balance?")
+        ]
+        out = await anyio.to_thread.run_sync(
+            lambda: client.generate(prompts, n=2, max_tokens=6, generation_kwargs={"seed": 1})
+        )
+        model = server.model
+    assert out["prompt_ids"] == prompts
+    assert len(out["completion_ids"]) == 4  # prompt-major: 2 per prompt
+    for row, completion in enumerate(out["completion_ids"]):
+        assert [ids[0] for ids in out["logprob_token_ids"][row]] == completion
+        served = [lp[0] for lp in out["logprobs"][row]]
+        expected = recomputed_logprobs(model, prompts[row // 2], completion)
+        assert served == pytest.approx(expected, abs=1e-5)

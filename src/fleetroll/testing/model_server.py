@@ -27,10 +27,15 @@ fleetroll's policy reads:
   ``token_route=False``): the same, the prompt being the body's ``tokens``;
 - ``POST /tokenize``: vLLM's, for ``messages`` (with ``tools`` and
   ``add_generation_prompt``) or a ``prompt`` text → ``tokens``;
-- ``POST /v1/completions``: ``prompt`` as text or as a list of token ids;
-  ``text``, and with ``return_token_ids`` each choice's ``prompt_token_ids``
-  and ``token_ids``; ``logprobs: k`` answers OpenAI's legacy shape
-  (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``);
+- ``POST /v1/completions``: ``prompt`` as text or as a list of token ids, or
+  a batch of either (choices prompt-major, ``n`` per prompt); ``text``, and
+  with ``return_token_ids`` each choice's ``prompt_token_ids`` and
+  ``token_ids``; ``logprobs: k`` answers OpenAI's legacy shape (``tokens``,
+  ``token_logprobs``, ``top_logprobs``, ``text_offset``). This is the route
+  TRL's ``VLLMClient.generate`` uses (a batch of token prompts,
+  ``return_tokens_as_token_ids``: tokens shown as ``token_id:N``, in the chat
+  route's logprobs too);
+- ``GET /health``: 200;
 - weight updates, each loading a ``save_pretrained`` directory, swapping the
   model and bumping the version: vLLM's ``POST /collective_rpc`` with
   ``{"method": "reload_weights"}`` (from the served path, or from
@@ -206,6 +211,7 @@ class ModelServer:
     async def _running(self) -> AsyncIterator[None]:
         app = Starlette(
             routes=[
+                Route("/health", self._health, methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/v1/chat/completions/tokens", self._chat_tokens, methods=["POST"]),
@@ -264,13 +270,15 @@ class ModelServer:
         top_k: int = -1,
         seed: int | None = None,
         top_logprobs: int = 0,
+        weights: tuple[Any, int] | None = None,
     ) -> Generation:
         """Sample one completion of ``prompt_ids`` (blocking; the routes call it
-        in a worker thread, one at a time)."""
+        in a worker thread, one at a time) with the weights now served, or with
+        ``weights`` (a model and its version: a request's completions all use
+        the weights it started with)."""
         import torch
 
-        with self._swap:
-            model, version = self._model, self.version
+        model, version = weights or self._weights()
         processed_logprobs = self.logprobs_mode == "processed_logprobs"
         if seed is None:
             seed = self._seed * 1_000_003 + next(self._sampling_seeds)
@@ -303,6 +311,11 @@ class ModelServer:
                 )
         return Generation(tuple(ids), tuple(logprobs), tuple(tops), finish, version)
 
+    def _weights(self) -> tuple[Any, int]:
+        """The model now served and its version, read together."""
+        with self._swap:
+            return self._model, self.version
+
     async def update_weights(self, path: str | Path, *, weight_version: str | None = None) -> int:
         """Load the model saved in ``path`` and serve it from the next generation
         on; return the new version."""
@@ -328,6 +341,9 @@ class ModelServer:
             "weight_version": self.weight_version,
         }
         return self._json({"object": "list", "data": [model]})
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200)
 
     async def _get_weight_version(self, request: Request) -> Response:
         return self._json({"weight_version": self.weight_version})
@@ -361,13 +377,15 @@ class ModelServer:
             self._check_context(len(prompt), sampling["max_tokens"])
             top = _int(body.get("top_logprobs"), "top_logprobs", default=0)
             want_logprobs = body.get("logprobs") is True
+            weights = self._weights()
             generations = await self._generate_n(
-                prompt, body, sampling, top if want_logprobs else 0
+                prompt, body, sampling, top if want_logprobs else 0, weights
             )
         except _BadRequest as exc:
             return _error(400, str(exc))
         parse_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
         wants_ids = body.get("return_token_ids") is True
+        as_ids = body.get("return_tokens_as_token_ids") is True
         choices = []
         for index, generation in enumerate(generations):
             text = self._decode(generation.token_ids)
@@ -384,7 +402,9 @@ class ModelServer:
                     "index": index,
                     "message": message,
                     "logprobs": (
-                        {"content": self._chat_logprobs(generation)} if want_logprobs else None
+                        {"content": self._chat_logprobs(generation, as_ids)}
+                        if want_logprobs
+                        else None
                     ),
                     "finish_reason": finish,
                     "stop_reason": None,
@@ -406,39 +426,50 @@ class ModelServer:
             "prompt_logprobs": None,
             "prompt_token_ids": prompt if wants_ids else None,
         }
-        return self._json(answer, version=generations[0].version)
+        return self._json(answer, version=weights[1])
 
     async def _completions(self, request: Request) -> Response:
         try:
             body = await self._body(request)
-            raw_prompt = body.get("prompt")
-            if isinstance(raw_prompt, str):
-                prompt = self._encode(raw_prompt)
-            else:
-                prompt = _token_list(raw_prompt, "prompt")
+            prompts = [
+                self._encode(item) if isinstance(item, str) else _token_list(item, "prompt")
+                for item in _prompt_batch(body.get("prompt"))
+            ]
             sampling = self._sampling(body, default_max_tokens=_COMPLETIONS_DEFAULT_MAX_TOKENS)
-            self._check_context(len(prompt), sampling["max_tokens"])
+            for prompt in prompts:
+                self._check_context(len(prompt), sampling["max_tokens"])
             logprobs = body.get("logprobs")
             top = None if logprobs is None else _int(logprobs, "logprobs", default=0)
-            generations = await self._generate_n(prompt, body, sampling, top or 0)
+            weights = self._weights()
+            batches = [
+                await self._generate_n(prompt, body, sampling, top or 0, weights)
+                for prompt in prompts
+            ]
         except _BadRequest as exc:
             return _error(400, str(exc))
         wants_ids = body.get("return_token_ids") is True
-        choices = []
-        for index, generation in enumerate(generations):
-            choices.append(
-                {
-                    "index": index,
-                    "text": self._decode(generation.token_ids),
-                    "logprobs": None if top is None else self._legacy_logprobs(generation),
-                    "finish_reason": generation.finish_reason,
-                    "stop_reason": None,
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": prompt if wants_ids else None,
-                    "token_ids": list(generation.token_ids) if wants_ids else None,
-                }
-            )
-        completion_tokens = sum(len(g.token_ids) for g in generations)
+        as_ids = body.get("return_tokens_as_token_ids") is True
+        choices: list[dict[str, Any]] = []
+        for prompt, generations in zip(prompts, batches, strict=True):  # prompt-major, as vLLM
+            for generation in generations:
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": self._decode(generation.token_ids),
+                        "logprobs": (
+                            None if top is None else self._legacy_logprobs(generation, as_ids)
+                        ),
+                        "finish_reason": generation.finish_reason,
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": prompt if wants_ids else None,
+                        "token_ids": list(generation.token_ids) if wants_ids else None,
+                    }
+                )
+        prompt_tokens = sum(
+            len(prompt) * len(g) for prompt, g in zip(prompts, batches, strict=True)
+        )
+        completion_tokens = sum(len(g.token_ids) for batch in batches for g in batch)
         answer = {
             "id": f"cmpl-{next(self._ids)}",
             "object": "text_completion",
@@ -446,12 +477,12 @@ class ModelServer:
             "model": body.get("model") or self.model_name,
             "choices": choices,
             "usage": {
-                "prompt_tokens": len(prompt),
+                "prompt_tokens": prompt_tokens,
                 "completion_tokens": completion_tokens,
-                "total_tokens": len(prompt) + completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
             },
         }
-        return self._json(answer, version=generations[0].version)
+        return self._json(answer, version=weights[1])
 
     async def _collective_rpc(self, request: Request) -> Response:
         """vLLM's dev-mode ``/collective_rpc``: only ``reload_weights`` is known."""
@@ -547,7 +578,12 @@ class ModelServer:
             )
 
     async def _generate_n(
-        self, prompt: list[int], body: Mapping[str, Any], sampling: dict[str, Any], top: int
+        self,
+        prompt: list[int],
+        body: Mapping[str, Any],
+        sampling: dict[str, Any],
+        top: int,
+        weights: tuple[Any, int],
     ) -> list[Generation]:
         n = _int(body.get("n"), "n", default=1)
         seed = body.get("seed")
@@ -559,22 +595,29 @@ class ModelServer:
             generations.append(
                 await anyio.to_thread.run_sync(
                     functools.partial(
-                        self.generate, prompt, seed=choice_seed, top_logprobs=top, **sampling
+                        self.generate,
+                        prompt,
+                        seed=choice_seed,
+                        top_logprobs=top,
+                        weights=weights,
+                        **sampling,
                     ),
                     limiter=self._generating,
                 )
             )
         return generations
 
-    def _token_text(self, token_id: int) -> str:
-        return str(self._tokenizer.decode([token_id]))
+    def _token_text(self, token_id: int, as_ids: bool = False) -> str:
+        """A token as vLLM shows it in logprobs (``token_id:N`` with
+        ``return_tokens_as_token_ids``)."""
+        return f"token_id:{token_id}" if as_ids else str(self._tokenizer.decode([token_id]))
 
-    def _chat_logprobs(self, generation: Generation) -> list[dict[str, Any]]:
+    def _chat_logprobs(self, generation: Generation, as_ids: bool) -> list[dict[str, Any]]:
         entries = []
         for position, (token_id, logprob) in enumerate(
             zip(generation.token_ids, generation.logprobs, strict=True)
         ):
-            text = self._token_text(token_id)
+            text = self._token_text(token_id, as_ids)
             alternatives = generation.top_logprobs[position] if generation.top_logprobs else ()
             entries.append(
                 {
@@ -583,7 +626,7 @@ class ModelServer:
                     "bytes": list(text.encode()),
                     "top_logprobs": [
                         {
-                            "token": (alt := self._token_text(i)),
+                            "token": (alt := self._token_text(i, as_ids)),
                             "logprob": value,
                             "bytes": list(alt.encode()),
                         }
@@ -593,21 +636,25 @@ class ModelServer:
             )
         return entries
 
-    def _legacy_logprobs(self, generation: Generation) -> dict[str, Any]:
-        tokens = [self._token_text(i) for i in generation.token_ids]
+    def _legacy_logprobs(self, generation: Generation, as_ids: bool) -> dict[str, Any]:
+        """OpenAI's legacy completion logprobs; each position's ``top_logprobs``
+        holds the k likeliest tokens and the sampled one (k + 1 at most, as vLLM)."""
+        tokens = [self._token_text(i, as_ids) for i in generation.token_ids]
         offsets, offset = [], 0
         for token in tokens:
             offsets.append(offset)
             offset += len(token)
-        top = [
-            {self._token_text(i): value for i, value in alternatives}
-            for alternatives in generation.top_logprobs
-        ]
+        top = []
+        for position, (token, logprob) in enumerate(zip(tokens, generation.logprobs, strict=True)):
+            alternatives = generation.top_logprobs[position] if generation.top_logprobs else ()
+            entry = {self._token_text(i, as_ids): value for i, value in alternatives}
+            entry.setdefault(token, logprob)
+            top.append(entry)
         return {
             "text_offset": offsets,
             "token_logprobs": list(generation.logprobs),
             "tokens": tokens,
-            "top_logprobs": top or None,
+            "top_logprobs": top,
         }
 
 
@@ -701,6 +748,13 @@ def _load_model(path: Path) -> Any:
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     return model
+
+
+def _prompt_batch(value: object) -> list[object]:
+    """``/v1/completions``' ``prompt``: one (a text, a list of ids) or a batch of them."""
+    if isinstance(value, list) and value and all(isinstance(i, str | list) for i in value):
+        return list(value)
+    return [value]
 
 
 def _token_list(value: object, name: str) -> list[int]:

@@ -350,3 +350,45 @@ async def test_trls_vllm_client_generates_through_v1_completions(model_dir: Path
         served = [lp[0] for lp in out["logprobs"][row]]
         expected = recomputed_logprobs(model, prompts[row // 2], completion)
         assert served == pytest.approx(expected, abs=1e-5)
+
+
+async def test_a_generation_keeps_the_weights_it_started_with_across_an_update(
+    model_dir: Path, other_weights: Path
+) -> None:
+    import anyio
+
+    body = {
+        "model": "tiny-qwen2",
+        "prompt": "The quick brown fox",
+        "max_tokens": 300,  # long enough for the update to land mid-generation
+        "temperature": 1.0,
+        "seed": 3,
+        "logprobs": 0,
+        "return_token_ids": True,
+    }
+    answers: list[httpx.Response] = []
+    order: list[str] = []
+    async with ModelServer(model_dir) as server, httpx.AsyncClient(timeout=30) as client:
+        old_model = server.model
+
+        async def complete() -> None:
+            answers.append(await client.post(f"{server.base_url}/completions", json=body))
+            order.append("answered")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(complete)
+            while not server.requests:  # the generation has begun
+                await anyio.sleep(0.001)
+            update = {"model_path": str(other_weights)}
+            await client.post(f"{server.root_url}/update_weights_from_disk", json=update)
+            order.append("updated")
+        assert server.version == 1 and server.model is not old_model
+    (answer,) = answers
+    choice = answer.json()["choices"][0]
+    assert order == ["updated", "answered"]  # the update landed mid-generation
+    assert answer.headers["x-weight-version"] == "0"
+    assert choice["logprobs"]["token_logprobs"] == pytest.approx(
+        # 300 tokens: the KV cache's float32 sums drift from one full pass by ~1e-5
+        recomputed_logprobs(old_model, choice["prompt_token_ids"], choice["token_ids"]),
+        abs=1e-4,
+    )

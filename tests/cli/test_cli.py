@@ -25,9 +25,8 @@ from anyio.streams.text import TextReceiveStream
 from fleetroll.cli.run import Progress, _describe, _Watch
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
-from fleetroll.policies import policy_from_settings
 from fleetroll.pool.journal import read_journal
-from fleetroll.pool.rollout_pool import RolloutPool
+from fleetroll.pool.rollout_pool import RolloutPool, policy_from_settings
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks

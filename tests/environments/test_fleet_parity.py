@@ -17,6 +17,7 @@ import anyio
 import pytest
 from mcp.server.mcpserver import Context, MCPServer
 
+from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.emulator.computer import Screen
 from fleetroll.emulator.envs.base import ToolGate
@@ -87,7 +88,7 @@ class FailingJsonEnv(LedgerEnv):
 async def engine(emu: Emulator, sink: MemorySink, **overrides: Any) -> AsyncIterator[RolloutEngine]:
     settings = load_settings(**overrides)
     provider = FleetProvider(settings, Events([sink]), api_key=emu.api_key, base_url=emu.base_url)
-    async with RolloutEngine.open(settings, Events([sink]), provider) as eng:
+    async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as eng:
         yield eng
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import pytest
 
+from engine_helpers import rollout_config
 from fleetroll.environments.mcp.leases import ServerLeases
 from fleetroll.environments.mcp.provider import McpHandle, McpProvider
 from fleetroll.environments.provider import Instance
@@ -60,8 +61,8 @@ async def waits(leases: ServerLeases, work: Callable[[], Awaitable[object]]) -> 
 async def run_on_fake(provider_options: dict[str, Any]) -> tuple[RolloutResult, MemorySink]:
     settings = load_settings()
     sink = MemorySink()
-    provider = FakeProvider(settings, **provider_options)
-    async with RolloutEngine.open(settings, Events([sink]), provider) as engine:
+    provider = FakeProvider(settings.modalities, timeouts=settings.timeouts, **provider_options)
+    async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as engine:
         with anyio.fail_after(10):
             result = await engine.rollout(DONE, RolloutIds("b", "r")).run(ScriptedPolicy())
     assert provider.running == 0  # released, whatever the outcome

@@ -17,6 +17,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 from mcp_types import JSONRPCError, JSONRPCRequest, JSONRPCResponse
 
+from engine_helpers import rollout_config
 from fleetroll.environments.mcp.process import LineReader
 from fleetroll.errors import ToolCallFailed, ToolsError
 from fleetroll.policies import ScriptedPolicy
@@ -232,7 +233,11 @@ async def test_a_finished_rollout_lets_go_of_its_tool_listing_and_session() -> N
         verifier_func="def verify(env):\n    return 1.0\n",
         solution=(SolutionStep(name="note", arguments={"word": "done"}),),
     )
-    async with RolloutEngine.open(settings, Events([]), FakeProvider(settings)) as engine:
+    async with RolloutEngine.open(
+        rollout_config(settings),
+        Events([]),
+        FakeProvider(settings.modalities, timeouts=settings.timeouts),
+    ) as engine:
         rollout = engine.rollout(task, RolloutIds("b", "r"))
         seen: list[int] = []
         rollout.observers.append(lambda r: seen.append(len(r.tools)))

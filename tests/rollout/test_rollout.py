@@ -14,6 +14,7 @@ import anyio
 import pytest
 from mcp.server.mcpserver import MCPServer
 
+from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.emulator.computer import Screen
 from fleetroll.emulator.envs.base import ToolGate
@@ -49,7 +50,7 @@ async def engine(
     settings = load_settings(**overrides)
     events = Events([sink or MemorySink()])
     provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
-    async with RolloutEngine.open(settings, events, provider) as eng:
+    async with RolloutEngine.open(rollout_config(settings), events, provider) as eng:
         yield eng
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import pytest
 
+from engine_helpers import rollout_config
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import FailureReason, RolloutResult
@@ -44,8 +45,10 @@ async def engine(
     sink: MemorySink, provider_options: dict[str, Any] | None = None, **overrides: Any
 ) -> AsyncIterator[tuple[RolloutEngine, FakeProvider]]:
     settings = load_settings(**overrides)
-    provider = FakeProvider(settings, **(provider_options or {}))
-    async with RolloutEngine.open(settings, Events([sink]), provider) as eng:
+    provider = FakeProvider(
+        settings.modalities, timeouts=settings.timeouts, **(provider_options or {})
+    )
+    async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as eng:
         yield eng, provider
 
 

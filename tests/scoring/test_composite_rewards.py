@@ -16,6 +16,7 @@ import anyio
 import pytest
 from click.testing import CliRunner
 
+from engine_helpers import rollout_config
 from fleetroll.cli.main import main
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool.journal import read_journal, write_results
@@ -68,8 +69,10 @@ def judge_settings(base_url: str, **judge: Any) -> Settings:
 async def engine(
     settings: Settings, sink: MemorySink | None = None, **provider: Any
 ) -> AsyncIterator[RolloutEngine]:
-    fake = FakeProvider(settings, **provider)
-    async with RolloutEngine.open(settings, Events([sink or MemorySink()]), fake) as eng:
+    fake = FakeProvider(settings.modalities, timeouts=settings.timeouts, **provider)
+    async with RolloutEngine.open(
+        rollout_config(settings), Events([sink or MemorySink()]), fake
+    ) as eng:
         yield eng
 
 
@@ -189,7 +192,11 @@ TASKS = [task(r["key"], r.get("rewards")) for r in RECORDS]
 async def rescored(
     results: list[RolloutResult], settings: Settings, tasks: Sequence[TaskSpec] = TASKS
 ) -> list[RolloutResult]:
-    async with Judge(JudgeConfig.from_settings(settings)) as judge:
+    async with Judge(
+        JudgeConfig.from_section(
+            settings.judge, api_key=settings.judge_api_key, budget=settings.retries.judge_budget
+        )
+    ) as judge:
         with anyio.fail_after(20):
             return await rescore_all(
                 results,

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
+from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.mcp.provider import McpProvider
@@ -63,12 +64,16 @@ async def test_composite_rewards_on_the_emulator_equal_the_weighted_sum_and_resc
             settings, events, api_key=emulator.api_key, base_url=emulator.base_url
         )
         results: list[RolloutResult] = []
-        async with RolloutEngine.open(settings, events, provider) as eng:
+        async with RolloutEngine.open(rollout_config(settings), events, provider) as eng:
             with anyio.fail_after(120):
                 for n, task in enumerate(tasks):
                     ids = RolloutIds("b", f"r{n}")
                     results.append(await eng.rollout(task, ids).run(ScriptedPolicy()))
-        async with Judge(JudgeConfig.from_settings(settings)) as fresh:
+        async with Judge(
+            JudgeConfig.from_section(
+                settings.judge, api_key=settings.judge_api_key, budget=settings.retries.judge_budget
+            )
+        ) as fresh:
             again = await rescore_all(
                 results,
                 {t.key: t for t in tasks},
@@ -100,7 +105,9 @@ async def test_an_mcp_task_scored_by_checks_alone_runs_no_verifier(tmp_path: Pat
     task = parse_task(record, source="t", modalities=("tool_use",))
     settings = load_settings(mcp={"workdir_root": str(tmp_path)})
     events = Events([MemorySink()])
-    async with RolloutEngine.open(settings, events, McpProvider(settings, events)) as eng:
+    async with RolloutEngine.open(
+        rollout_config(settings), events, McpProvider(settings, events)
+    ) as eng:
         with anyio.fail_after(60):
             result = await eng.rollout(task, RolloutIds("b", "r")).run(ScriptedPolicy())
 

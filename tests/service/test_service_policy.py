@@ -6,6 +6,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.pool.rollout_pool import chat_policy_config
 from fleetroll.service.models import BatchRequest, PolicyConfig
 from fleetroll.service.requests import batch_fingerprint, build_policy, policy_endpoint
 from fleetroll.settings import load_settings
@@ -78,11 +79,13 @@ async def test_a_batch_s_policy_takes_every_other_policy_setting_from_the_server
         retries={"policy_backoff_initial_s": 0.25, "policy_backoff_max_s": 3.0},
     )
     policy = build_policy(PolicyConfig(model="mine", logprobs=True), settings)
-    cli = OpenAIChatPolicy.from_settings(
-        settings.model_copy(
-            update={
-                "policy": settings.policy.model_copy(update={"model": "mine", "logprobs": True})
-            }
+    cli = OpenAIChatPolicy.from_config(
+        chat_policy_config(
+            settings.model_copy(
+                update={
+                    "policy": settings.policy.model_copy(update={"model": "mine", "logprobs": True})
+                }
+            )
         )
     )
     try:

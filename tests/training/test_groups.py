@@ -40,7 +40,9 @@ OTHER = TASK.model_copy(update={"key": "note-done-too"})
 
 def fake_pool(sink: MemorySink, provider_options: dict[str, Any] | None = None, **overrides: Any):
     settings = load_settings(**overrides)
-    provider = FakeProvider(settings, **(provider_options or {}))
+    provider = FakeProvider(
+        settings.modalities, timeouts=settings.timeouts, **(provider_options or {})
+    )
     pool = RolloutPool(settings, api_key="unused", events=Events([sink]), provider=provider)
     return pool, provider
 

@@ -20,10 +20,12 @@ from typing import Any
 import anyio
 import pytest
 
+from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import OpenAIChatPolicy
 from fleetroll.pool.journal import read_journal
+from fleetroll.pool.rollout_pool import chat_policy_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
@@ -57,8 +59,8 @@ async def engine(
     events = Events([MemorySink()])
     provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
     async with (
-        RolloutEngine.open(settings, events, provider) as eng,
-        OpenAIChatPolicy.from_settings(settings) as model,
+        RolloutEngine.open(rollout_config(settings), events, provider) as eng,
+        OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model,
     ):
         yield eng, model
 

@@ -118,7 +118,7 @@ def job_tasks(
     from fleetroll.tasks import load_task_paths
 
     tasks = load_task_paths(tasks_paths, settings.modalities)
-    problem = missing_judge(tasks, settings)
+    problem = missing_judge(tasks, settings.judge)
     if problem is not None:
         raise Failed(problem)
     # A user's mistakes are said before the slow imports and before anything starts.

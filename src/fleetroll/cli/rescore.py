@@ -70,14 +70,18 @@ def rescore(
     from fleetroll.scoring import Judge, JudgeConfig, Scorer
     from fleetroll.scoring.judge import missing_judge
 
-    problem = missing_judge(tasks.values(), settings)
+    problem = missing_judge(tasks.values(), settings.judge)
     if problem is not None:
         raise Failed(problem)
     from fleetroll.scoring.rescore import rescorable, rescore_all
     from fleetroll.telemetry.events import Redactor
 
     async def job() -> list[RolloutResult]:
-        async with Judge(JudgeConfig.from_settings(settings)) as judge:
+        async with Judge(
+            JudgeConfig.from_section(
+                settings.judge, api_key=settings.judge_api_key, budget=settings.retries.judge_budget
+            )
+        ) as judge:
             return await rescore_all(
                 results,
                 tasks,

@@ -15,7 +15,7 @@ import re
 import secrets
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, NamedTuple, Self
 
@@ -45,10 +45,10 @@ from fleetroll.policies.turns import (
     ToolSpec,
     TurnData,
 )
-from fleetroll.settings import Settings
+from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskSpec
 
-__all__ = ["OpenAIChatPolicy", "PolicyRecipe"]
+__all__ = ["ChatPolicyConfig", "OpenAIChatPolicy", "PolicyRecipe"]
 
 _OPERATION = "policy"
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
@@ -68,6 +68,25 @@ _CONTEXT_OVERFLOW = re.compile(
 _log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, slots=True)
+class ChatPolicyConfig:
+    """What an :class:`OpenAIChatPolicy` made from configuration reads: the
+    ``[policy]`` section, the key, and its deadlines and waits (from
+    ``[timeouts]`` and ``[retries]``), built where things are assembled
+    (:func:`fleetroll.pool.rollout_pool.chat_policy_config`)."""
+
+    policy: PolicySettings
+    #: ``OPENAI_API_KEY``, sent as ``Authorization: Bearer``.
+    api_key: SecretStr | None = field(default=None, repr=False)
+    #: ``timeouts.policy_s``: the deadline of one call, retries included.
+    timeout_s: float = 300.0
+    #: ``timeouts.policy_connect_s``.
+    connect_timeout_s: float = 10.0
+    #: ``retries.policy_backoff_initial_s`` and ``policy_backoff_max_s``.
+    backoff_initial_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+
 class PolicyRecipe(NamedTuple):
     """What makes an :class:`OpenAIChatPolicy` in another process (a Ray actor):
     pickled in its place. ``key`` is the policy's own, so a process makes one
@@ -75,12 +94,12 @@ class PolicyRecipe(NamedTuple):
     ``kind`` is the class that made it (a subclass travels as itself)."""
 
     key: str
-    settings: Settings
+    config: ChatPolicyConfig
     kind: type[OpenAIChatPolicy]
 
     def make(self) -> OpenAIChatPolicy:
-        """The policy, made in this process from the settings."""
-        made = self.kind.from_settings(self.settings)
+        """The policy, made in this process from its configuration."""
+        made = self.kind.from_config(self.config)
         made._recipe = self  # the same key in every process
         return made
 
@@ -218,17 +237,17 @@ class OpenAIChatPolicy:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
         )
         #: What makes this policy in another process (:class:`PolicyRecipe`): set
-        #: by :meth:`from_settings`.
+        #: by :meth:`from_config`.
         self._recipe: PolicyRecipe | None = None
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Self:
-        """A policy configured by ``settings.policy``, ``settings.openai_api_key``,
-        ``settings.timeouts.policy_s`` and ``settings.retries.policy_backoff_*``;
-        its servers are ``policy.servers`` (``base_urls``, or else ``base_url``).
+    def from_config(cls, config: ChatPolicyConfig) -> Self:
+        """A policy configured by ``config.policy`` (its servers are
+        ``policy.servers``: ``base_urls``, or else ``base_url``), with
+        ``config``'s key, deadlines and backoffs.
 
-        Pickled (to a Ray actor), it travels as its settings (:class:`PolicyRecipe`)."""
-        policy = settings.policy
+        Pickled (to a Ray actor), it travels as its configuration (:class:`PolicyRecipe`)."""
+        policy = config.policy
         limits = ServerLimits(
             max_calls=policy.max_calls_per_server,
             eject_after_failures=policy.eject_after_failures,
@@ -237,24 +256,24 @@ class OpenAIChatPolicy:
         made = cls(
             servers=PolicyServers(policy.servers, limits),
             model=policy.model,
-            api_key=settings.openai_api_key,
+            api_key=config.api_key,
             temperature=policy.temperature,
             top_p=policy.top_p,
             max_tokens=policy.max_tokens,
             extra_body=policy.extra_body,
             system_prompt=policy.system_prompt,
-            timeout_s=settings.timeouts.policy_s,
-            connect_timeout_s=settings.timeouts.policy_connect_s,
+            timeout_s=config.timeout_s,
+            connect_timeout_s=config.connect_timeout_s,
             max_retries=policy.max_retries,
-            backoff_initial_s=settings.retries.policy_backoff_initial_s,
-            backoff_max_s=settings.retries.policy_backoff_max_s,
+            backoff_initial_s=config.backoff_initial_s,
+            backoff_max_s=config.backoff_max_s,
             return_token_ids=policy.return_token_ids or policy.trajectory,
             logprobs=policy.logprobs,
             top_logprobs=policy.top_logprobs,
             max_answer_bytes=policy.max_answer_bytes,
             token_in=policy.token_in,
         )
-        made._recipe = PolicyRecipe(uuid.uuid4().hex, settings, cls)
+        made._recipe = PolicyRecipe(uuid.uuid4().hex, config, cls)
         return made
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -262,12 +281,12 @@ class OpenAIChatPolicy:
         its HTTP client cannot, and each process needs its own.
 
         Raises:
-            TypeError: the policy was not made with :meth:`from_settings`.
+            TypeError: the policy was not made with :meth:`from_config`.
         """
         if self._recipe is None:
             raise TypeError(
                 "an OpenAIChatPolicy runs in another process (Ray) only when made with"
-                " OpenAIChatPolicy.from_settings: it is made again there from the settings"
+                " OpenAIChatPolicy.from_config: it is made again there from its configuration"
             )
         return (PolicyRecipe, tuple(self._recipe))
 

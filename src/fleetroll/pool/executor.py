@@ -34,11 +34,12 @@ from fleetroll.environments.provider import Provider
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout.engine import RolloutEngine
+from fleetroll.rollout.engine import RolloutConfig, RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.events import EventPage
 from fleetroll.rollout.phases import Phase, RolloutView
 from fleetroll.rollout.progress import RolloutIds
+from fleetroll.scoring import JudgeConfig
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
@@ -206,7 +207,17 @@ class LocalExecutor:
                 )
             self._engine = await stack.enter_async_context(
                 RolloutEngine.open(
-                    self.settings,
+                    RolloutConfig(
+                        timeouts=self.settings.timeouts,
+                        pool=self.settings.pool,
+                        policy=self.settings.policy,
+                        judge=JudgeConfig.from_section(
+                            self.settings.judge,
+                            api_key=self.settings.judge_api_key,
+                            budget=self.settings.retries.judge_budget,
+                        ),
+                        secrets=self.settings.secrets(),
+                    ),
                     context.events,
                     provider,
                     context.admission,

@@ -65,7 +65,13 @@ from fleetroll.environments.fleet.traces import TraceUploader, open_trace_upload
 from fleetroll.environments.provider import Provider
 from fleetroll.errors import ConfigError
 from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, EvalReport, eval_batch, evaluate
-from fleetroll.policies import Policy
+from fleetroll.policies import (
+    ChatPolicyConfig,
+    OpenAIChatPolicy,
+    Policy,
+    ScriptedPolicy,
+    policy_from_config,
+)
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.pool.batch import (
     Batch,
@@ -94,9 +100,11 @@ __all__ = [
     "Group",
     "ResultStream",
     "RolloutPool",
+    "chat_policy_config",
     "check_capacity",
     "check_unique_keys",
     "group_id",
+    "policy_from_settings",
     "rollout_id",
 ]
 
@@ -576,3 +584,22 @@ async def _acquire(limiter: anyio.CapacityLimiter, rollout: RolloutHandle) -> No
         limiter.acquire_on_behalf_of_nowait(rollout)
     except anyio.WouldBlock:
         await limiter.acquire_on_behalf_of(rollout)
+
+
+def chat_policy_config(settings: Settings) -> ChatPolicyConfig:
+    """What a policy made from ``settings`` reads: ``[policy]``, ``openai_api_key``,
+    ``timeouts.policy_s`` and ``policy_connect_s``, ``retries.policy_backoff_*``
+    (for :meth:`OpenAIChatPolicy.from_config` and ``CommandAgent.from_config``)."""
+    return ChatPolicyConfig(
+        policy=settings.policy,
+        api_key=settings.openai_api_key,
+        timeout_s=settings.timeouts.policy_s,
+        connect_timeout_s=settings.timeouts.policy_connect_s,
+        backoff_initial_s=settings.retries.policy_backoff_initial_s,
+        backoff_max_s=settings.retries.policy_backoff_max_s,
+    )
+
+
+def policy_from_settings(settings: Settings) -> ScriptedPolicy | OpenAIChatPolicy:
+    """The policy ``settings.policy.kind`` names, configured from ``settings``."""
+    return policy_from_config(chat_policy_config(settings))

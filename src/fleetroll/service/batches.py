@@ -50,7 +50,7 @@ from fleetroll.policies.gateway import Gateway
 from fleetroll.pool.batch import BatchCounts as PoolCounts
 from fleetroll.pool.batch_pool import BatchPool, RunningBatch
 from fleetroll.pool.journal import Journal, journal_line
-from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
+from fleetroll.pool.rollout_pool import RolloutPool, chat_policy_config, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.rollout.agent_process import AgentRecords
@@ -780,8 +780,11 @@ class BatchRegistry:
         if self.gateway is None:
             raise RuntimeError("agent commands are allowed but the service serves no gateway")
         settings = request_settings(plan.policy, self._settings)
-        return CommandAgent.from_settings(
-            plan.agent_command, settings, gateway=self.gateway, records=self.agent_records
+        return CommandAgent.from_config(
+            plan.agent_command,
+            chat_policy_config(settings),
+            gateway=self.gateway,
+            records=self.agent_records,
         )
 
     def _consume_soon(self, record: BatchRecord, policy: Policy) -> None:

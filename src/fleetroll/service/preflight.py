@@ -59,7 +59,7 @@ class BatchPreflight:
             ApiError: 422 with the pre-flight's message, at ``loc``.
         """
         # Not a remote check: a judged task here would never get a reward.
-        problem = missing_judge(tasks, self._settings)
+        problem = missing_judge(tasks, self._settings.judge)
         if problem is not None:
             raise ApiError(422, problem, loc=loc, type="preflight_error")
         if not self._settings.service.preflight:

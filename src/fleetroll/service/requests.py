@@ -18,7 +18,8 @@ from typing import Any
 from pydantic import SecretStr
 
 from fleetroll.errors import TaskFileError
-from fleetroll.policies import Policy, policy_from_settings
+from fleetroll.policies import Policy
+from fleetroll.pool.rollout_pool import policy_from_settings
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import Settings
@@ -198,5 +199,5 @@ def request_settings(config: PolicyConfig | None, settings: Settings) -> Setting
 
 def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
     """The policy a request asks for (:func:`request_settings`), built as
-    ``fleetroll run`` builds its own (:func:`~fleetroll.policies.policy_from_settings`)."""
+    ``fleetroll run`` builds its own (:func:`~fleetroll.pool.rollout_pool.policy_from_settings`)."""
     return policy_from_settings(request_settings(config, settings))

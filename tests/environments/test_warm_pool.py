@@ -40,7 +40,7 @@ class Watched(FakeProvider):
     """Counts releases and sweeps, and sets :attr:`released_one` at each release."""
 
     def __init__(self, settings: Any, **options: Any) -> None:
-        super().__init__(settings, **options)
+        super().__init__(settings.modalities, timeouts=settings.timeouts, **options)
         self.released_one = anyio.Event()
         self.swept: list[str] = []
 

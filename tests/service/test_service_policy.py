@@ -92,7 +92,8 @@ async def test_a_batch_s_policy_takes_every_other_policy_setting_from_the_server
         assert isinstance(policy, OpenAIChatPolicy)
         assert policy.token_in and policy.model == "mine"
         assert policy._training == cli._training == {"return_token_ids": True, "logprobs": True}
-        assert (policy._backoff_initial_s, policy._backoff_max_s) == (0.25, 3.0)
+        budget = policy._http.budget
+        assert (budget.backoff_initial_s, budget.backoff_max_s) == (0.25, 3.0)
     finally:
         await policy.aclose()
         await cli.aclose()

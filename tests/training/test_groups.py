@@ -330,7 +330,7 @@ class HeldReleases(FakeProvider):
     :attr:`holding`; :attr:`all_held` is set once ``expect`` of them wait."""
 
     def __init__(self, settings: Any, expect: int) -> None:
-        super().__init__(settings)
+        super().__init__(settings.modalities, timeouts=settings.timeouts)
         self.holding = False
         self.open = anyio.Event()
         self.all_held = anyio.Event()

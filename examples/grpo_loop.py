@@ -52,7 +52,7 @@ import anyio
 
 from fleetroll import OpenAIChatPolicy, RolloutPool, TaskSpec, load_settings, load_tasks
 from fleetroll.emulator import Emulator
-from fleetroll.pool.rollout_pool import chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.settings import config_dir
 from fleetroll.testing.fake_openai import (
     FakeChatServer,

@@ -78,6 +78,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("the environment providers", frozenset({"environments"})),
     ("the rollout", frozenset({"rollout"})),
     ("the pool and its executors (local, Ray)", frozenset({"pool"})),
+    ("the job engine: steps and drives that the CLI and the service call", frozenset({"jobs"})),
     ("test doubles", frozenset({"testing"})),
     ("the HTTP service", frozenset({"service"})),
     ("the client of a remote pool", frozenset({"client"})),

@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 from pydantic import SecretStr
 
-from engine_helpers import rollout_config
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.service.app import Service

@@ -22,11 +22,13 @@ import pytest
 from anyio.abc import ByteReceiveStream, Process
 from anyio.streams.text import TextReceiveStream
 
-from fleetroll.cli.run import Progress, _describe, _Watch
+from fleetroll.cli.run import _describe
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
+from fleetroll.jobs.progress import Progress, Watch
+from fleetroll.pool.assembly import policy_from_settings
 from fleetroll.pool.journal import read_journal
-from fleetroll.pool.rollout_pool import RolloutPool, policy_from_settings
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
@@ -528,7 +530,7 @@ async def test_no_more_rollouts_count_as_acting_than_the_concurrency_allows(
     looks: list[Progress] = []
     async with RolloutPool(settings, api_key=emulator.api_key, base_url=emulator.base_url) as pool:
         batch = pool.run_batch(tasks, policy, samples_per_task=3)
-        watch = _Watch(batch, settings.pool.concurrency)
+        watch = Watch(batch, settings.pool.concurrency)
         with anyio.fail_after(120):
             async for _ in batch:
                 looks.append(watch.look(time.monotonic()))

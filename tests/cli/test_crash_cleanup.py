@@ -8,7 +8,6 @@ act; the emulator stops instances whose heartbeats stopped
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -21,12 +20,13 @@ import pytest
 
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.instances import MISSED_HEARTBEATS, Instance
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import Events, MemorySink
+from fleetroll_children import child_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 
@@ -56,21 +56,6 @@ async def test_heartbeats_keep_instances_alive_while_rollouts_use_them(reuse: bo
     assert max(r.timings.total_s for r in results) > MISSED_HEARTBEATS * 1
     assert made and all(inst.heartbeat_interval == 1 for inst in made)
     assert all(inst.last_heartbeat_mono is not None for inst in made)
-
-
-def child_env(emu: Emulator, **settings: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_", "OTEL_"))
-    }
-    return env | {
-        "FLEET_BASE_URL": emu.base_url,
-        "FLEET_API_KEY": emu.api_key,
-        "FLEETROLL_TELEMETRY__DB_PATH": os.devnull,
-        "FLEETROLL_POOL__CONCURRENCY": "4",
-        **settings,
-    }
 
 
 async def fleetroll(
@@ -166,7 +151,7 @@ async def test_gc_and_resume_release_what_a_killed_run_left(tmp_path: Path, how:
 async def test_a_sweep_and_a_collect_leave_alone_what_this_process_holds() -> None:
     task = LEDGER[0]
     async with Emulator() as emu:
-        provider = FleetProvider(
+        provider = fleet_provider(
             load_settings(), Events(), api_key=emu.api_key, base_url=emu.base_url
         )
         held = await provider.provision(task, run_id="r")

@@ -11,7 +11,6 @@ loopback, as a model's text (JSON's ``\\udc80`` escape, which ``json`` accepts).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections import Counter
@@ -26,6 +25,7 @@ from fleetroll.pool.journal import read_journal
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir
 from fleetroll.testing.fake_openai import FakeChatServer, FakeRawResponse, Reply, completion
+from fleetroll_children import child_env
 
 pytestmark = pytest.mark.slow
 
@@ -36,21 +36,6 @@ LIMITED = (
     " resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]), resource.RLIM_INFINITY));"
     " os.execv(sys.executable, [sys.executable, '-m', 'fleetroll', *sys.argv[2:]])"
 )
-
-
-def child_env(emu: Emulator, **settings: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_", "OTEL_"))
-    }
-    return env | {
-        "FLEET_BASE_URL": emu.base_url,
-        "FLEET_API_KEY": emu.api_key,
-        "FLEETROLL_TELEMETRY__DB_PATH": os.devnull,
-        "FLEETROLL_POOL__CONCURRENCY": "4",
-        **settings,
-    }
 
 
 async def fleetroll(

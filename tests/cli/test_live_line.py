@@ -7,7 +7,8 @@ import statistics
 
 import pytest
 
-from fleetroll.cli.run import Progress, _describe, _eta_s
+from fleetroll.cli.run import _describe
+from fleetroll.jobs.progress import Progress, eta_s
 
 BUSY = Progress(
     total=1000,
@@ -82,12 +83,12 @@ def test_the_early_eta_of_a_full_batch_is_within_2x_of_the_time_it_really_takes(
     spans, makespan = _simulate(1000, 100, seed)
     first = min(end for _, end in spans)
     for t in [first + 0.5, first + 1, 7.0, 10.0, 15.0, 30.0, 60.0, makespan * 0.8]:
-        eta = _eta_s(_look(spans, 100, t), t)
+        eta = eta_s(_look(spans, 100, t), t)
         truth = makespan - t
         assert eta is not None and truth / 2 <= eta <= truth * 2, (t, eta, truth)
 
 
 def test_the_eta_is_unknown_until_a_rollout_finishes_and_zero_when_all_have() -> None:
     spans, makespan = _simulate(50, 10, 7)
-    assert _eta_s(_look(spans, 10, 1.0), 1.0) is None
-    assert _eta_s(_look(spans, 10, makespan), makespan) == 0.0
+    assert eta_s(_look(spans, 10, 1.0), 1.0) is None
+    assert eta_s(_look(spans, 10, makespan), makespan) == 0.0

@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from fleetroll.cli.main import main
-from fleetroll.cli.run import open_sampler
 from fleetroll.errors import ConfigError
+from fleetroll.jobs.steps import open_sampler
 from fleetroll.pool.journal import write_sampler_state
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks

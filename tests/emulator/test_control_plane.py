@@ -14,8 +14,8 @@ from fleet._async.exceptions import (
 from fleet.models import InstanceResponse
 
 from fleetroll.emulator import Emulator, FaultProfile
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.errors import RolloutError
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events
@@ -198,7 +198,7 @@ async def test_a_reset_leaves_nothing_a_query_made_in_the_connection(sdk) -> Non
 async def test_a_reset_fault_answers_no_success_and_the_fleet_provider_raises(sdk) -> None:
     settings = load_settings()
     async with Emulator(FaultProfile(p_reset_error=1.0)) as emu:
-        provider = FleetProvider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
+        provider = fleet_provider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
         task = TaskSpec(key="t", prompt="p", env_key="ledger", data_key="seed")
         instance = await provider.provision(task)
         with pytest.raises(RolloutError, match="could not be reset") as caught:

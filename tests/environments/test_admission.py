@@ -7,7 +7,7 @@ from typing import Any
 import anyio
 import pytest
 
-from fleetroll.environments.fleet.admission import AdmissionController, Ticket
+from fleetroll.environments.admission import AdmissionController, CreateLimits, Ticket
 from fleetroll.errors import EnvUnavailableError
 from fleetroll.results import FailureReason
 from fleetroll.service.metrics import Metrics
@@ -31,7 +31,8 @@ def controller(**admission: Any) -> tuple[AdmissionController, MemorySink, Clock
     sink = MemorySink()
     clock = Clock()
     settings = load_settings(admission=admission)
-    return AdmissionController(settings, Events([sink]), clock=clock), sink, clock
+    limits = CreateLimits.from_settings(settings.provisioning)
+    return AdmissionController(settings.admission, limits, Events([sink]), clock=clock), sink, clock
 
 
 async def admitted_later(ctl: AdmissionController, env: str, into: list[Ticket]) -> None:

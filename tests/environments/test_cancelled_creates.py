@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from fleetroll.emulator import Emulator
-from fleetroll.environments.fleet.admission import AdmissionController, AdmissionState
-from fleetroll.environments.mixed import MixedProvider
+from fleetroll.environments.admission import AdmissionController, AdmissionState, CreateLimits
+from fleetroll.pool.assembly import mixed_provider
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.settings.fault_profiles import FaultProfile, Latency
 from fleetroll.tasks import load_tasks
@@ -64,8 +64,10 @@ async def test_a_create_in_flight_at_a_cancel_holds_its_place_until_it_ends(
     async with Emulator(profile) as emu:
         changes = Changes(emu.ledger)
         events = Events([sink, changes])
-        admission = AdmissionController(settings, events)
-        provider = MixedProvider(
+        admission = AdmissionController(
+            settings.admission, CreateLimits.from_settings(settings.provisioning), events
+        )
+        provider = mixed_provider(
             settings, events, api_key=emu.api_key, base_url=emu.base_url, admission=admission
         )
         async with provider.running():
@@ -102,8 +104,10 @@ async def test_a_pool_closing_waits_for_its_creates_in_flight_then_cuts_them() -
     async with Emulator(FaultProfile(create_latency=Latency(min_s=3600))) as emu:
         changes = Changes(emu.ledger)
         events = Events([sink, changes])
-        admission = AdmissionController(settings, events)
-        provider = MixedProvider(
+        admission = AdmissionController(
+            settings.admission, CreateLimits.from_settings(settings.provisioning), events
+        )
+        provider = mixed_provider(
             settings, events, api_key=emu.api_key, base_url=emu.base_url, admission=admission
         )
         with anyio.fail_after(30):

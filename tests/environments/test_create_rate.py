@@ -1,4 +1,5 @@
-"""The learnt create rate: AIMD over Fleet's answers (fleetroll.environments.fleet.admission)."""
+"""The learnt create rate: AIMD over Fleet's answers (fleetroll.environments.admission.creates,
+Fleet's answers read by fleetroll.environments.fleet.admission)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ import anyio
 import pytest
 from fleet._async import exceptions as fe
 
-from fleetroll.environments.fleet.admission import (
+from fleetroll.environments.admission import (
     AdmissionController,
     CreateAnswer,
     CreateLimits,
     CreateSlots,
 )
+from fleetroll.environments.fleet.admission import read_create_error
 from fleetroll.settings import load_settings
 from fleetroll.telemetry import Events, MemorySink
 
@@ -95,24 +97,27 @@ def test_the_instance_cap_bounds_the_creates_in_flight() -> None:
 
 def test_the_account_limit_caps_the_creates_in_flight_through_admission() -> None:
     settings = load_settings(provisioning={"start_concurrent_creates": 16})
-    admission = AdmissionController(settings, Events())
+    admission = AdmissionController(
+        settings.admission, CreateLimits.from_settings(settings.provisioning), Events()
+    )
     admission.learn_account(instance_limit=3, instance_count=0)
     assert admission.state().creates_in_flight_limit == 3
 
 
 def test_without_a_start_of_their_own_the_learner_starts_at_a_quarter_of_the_ceilings() -> None:
     settings = load_settings(provisioning={"creates_per_second": 8.0, "max_concurrent_creates": 32})
-    state = AdmissionController(settings, Events()).state()
+    limits = CreateLimits.from_settings(settings.provisioning)
+    state = AdmissionController(settings.admission, limits, Events()).state()
     assert (state.creates_per_second, state.creates_in_flight_limit) == (2.0, 8)
 
 
 async def test_retry_after_holds_every_create_until_it_passed() -> None:
     gate = CreateSlots(LIMITS)
-    async with gate.slot():
+    async with gate.slot(read_create_error):
         pass
     gate.learn(CreateAnswer(0.1, "throttled", 3600.0))
     with anyio.move_on_after(0.2) as scope:
-        async with gate.slot():
+        async with gate.slot(read_create_error):
             pass
     assert scope.cancelled_caught
 
@@ -121,7 +126,7 @@ async def test_a_slot_reads_the_answer_of_the_create_it_held() -> None:
     sink = MemorySink()
     gate = CreateSlots(LIMITS, Events([sink]))
     with pytest.raises(fe.FleetRateLimitError):
-        async with gate.slot():
+        async with gate.slot(read_create_error):
             raise fe.FleetRateLimitError("slow down")
     [event] = sink.named("fleet_create_rate")
     assert event.attributes["reason"] == "throttled"
@@ -145,9 +150,20 @@ async def test_a_slot_reads_the_answer_of_the_create_it_held() -> None:
 def test_what_each_answer_says_of_fleets_load(
     exc: BaseException | None, pressure: str | None, neutral: bool
 ) -> None:
-    answer = CreateAnswer.of(exc, 1.0, slow_s=60.0)
+    answer = CreateAnswer.of(exc, 1.0, slow_s=60.0, read=read_create_error)
     assert (answer.pressure, answer.neutral) == (pressure, neutral)
 
 
 def test_a_success_slower_than_slow_create_s_is_pressure() -> None:
-    assert CreateAnswer.of(None, 61.0, slow_s=60.0).pressure == "slow"
+    assert CreateAnswer.of(None, 61.0, slow_s=60.0, read=read_create_error).pressure == "slow"
+
+
+async def test_a_slot_learns_what_any_provider_s_reader_says_of_its_error() -> None:
+    def read(exc: Exception, elapsed_s: float) -> CreateAnswer:  # a provider of its own
+        return CreateAnswer(elapsed_s, "throttled", 0.0)
+
+    gate = CreateSlots(LIMITS)
+    with pytest.raises(ValueError):
+        async with gate.slot(read):
+            raise ValueError("this provider's way of saying 429")
+    assert gate.state().per_second == LIMITS.start_per_second / 2

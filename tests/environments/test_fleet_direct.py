@@ -39,6 +39,7 @@ from fleetroll.environments.fleet.direct import DirectControl, DirectEnv, new_re
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.provider import Instance
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings, config_dir, load_settings
@@ -69,7 +70,7 @@ def settings_for(mode: str, **provisioning: Any) -> Settings:
 async def provider_for(
     emu: Emulator, mode: str, **provisioning: Any
 ) -> AsyncIterator[FleetProvider]:
-    provider = FleetProvider(
+    provider = fleet_provider(
         settings_for(mode, **provisioning), Events(), api_key=emu.api_key, base_url=emu.base_url
     )
     try:

@@ -17,14 +17,13 @@ import anyio
 import pytest
 from mcp.server.mcpserver import Context, MCPServer
 
-from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.emulator.computer import Screen
 from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.errors import TaskFileError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
+from fleetroll.pool.assembly import fleet_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
@@ -87,7 +86,7 @@ class FailingJsonEnv(LedgerEnv):
 @asynccontextmanager
 async def engine(emu: Emulator, sink: MemorySink, **overrides: Any) -> AsyncIterator[RolloutEngine]:
     settings = load_settings(**overrides)
-    provider = FleetProvider(settings, Events([sink]), api_key=emu.api_key, base_url=emu.base_url)
+    provider = fleet_provider(settings, Events([sink]), api_key=emu.api_key, base_url=emu.base_url)
     async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as eng:
         yield eng
 

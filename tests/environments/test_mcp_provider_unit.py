@@ -10,10 +10,10 @@ import anyio
 import pytest
 
 from fleetroll.environments.mcp.process import reward_number
-from fleetroll.environments.mcp.provider import WORKDIR_PREFIX, McpProvider
-from fleetroll.environments.mixed import MixedProvider
+from fleetroll.environments.mcp.provider import WORKDIR_PREFIX
 from fleetroll.errors import ConfigError
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import mcp_provider, mixed_provider
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
@@ -38,7 +38,7 @@ def test_release_refuses_to_delete_a_folder_it_did_not_make(tmp_path: Path, name
     root.mkdir()
     outside = (tmp_path if name.startswith(WORKDIR_PREFIX) else root) / name
     (outside / "work").mkdir(parents=True)
-    provider = McpProvider(load_settings(mcp={"workdir_root": str(root)}), Events())
+    provider = mcp_provider(load_settings(mcp={"workdir_root": str(root)}), Events())
 
     with pytest.raises(OSError, match="not a folder fleetroll made"):
         provider._remove(outside)
@@ -65,7 +65,7 @@ async def test_a_pool_without_a_fleet_key_refuses_a_batch_with_a_fleet_task_in_o
 
 
 async def test_without_a_fleet_key_only_a_fleet_task_fails_pre_flight_and_provisioning() -> None:
-    provider = MixedProvider(load_settings(), Events())
+    provider = mixed_provider(load_settings(), Events())
     try:
         with pytest.raises(ConfigError, match=NO_KEY):
             await provider.preflight([MCP_TASK, FLEET_TASK])

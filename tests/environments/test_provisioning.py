@@ -10,6 +10,7 @@ from fleet._async import exceptions as fe
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.environments.fleet.provider import FleetProvider, TokenBucket, classify
 from fleetroll.errors import ProvisionError
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Events, MemorySink
@@ -76,7 +77,7 @@ def test_the_instance_limit_is_transient_only_when_configured() -> None:
 
 async def provider(emu: Emulator, sink: MemorySink, **provisioning: object) -> FleetProvider:
     settings = load_settings(provisioning={**FAST, **provisioning})
-    return FleetProvider(settings, Events([sink]), api_key=emu.api_key, base_url=emu.base_url)
+    return fleet_provider(settings, Events([sink]), api_key=emu.api_key, base_url=emu.base_url)
 
 
 async def test_retry_after_from_a_429_sets_the_backoff() -> None:
@@ -122,7 +123,7 @@ async def test_transient_failures_are_retried_until_a_create_succeeds() -> None:
 async def test_the_total_budget_bounds_provisioning() -> None:
     async with Emulator(FaultProfile(create_latency=Latency(min_s=3600))) as emu:
         settings = load_settings(timeouts={"provision_total_s": 0.3})
-        p = FleetProvider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
+        p = fleet_provider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
         with anyio.fail_after(10), pytest.raises(ProvisionError) as err:
             await p.provision(TASK)
         await p.aclose()
@@ -186,7 +187,7 @@ async def test_error_messages_never_carry_the_api_key() -> None:
         settings = load_settings(provisioning=FAST)
         from fleetroll.telemetry import Redactor
 
-        p = FleetProvider(
+        p = fleet_provider(
             settings, Events([sink], Redactor([secret])), api_key=secret, base_url=emu.base_url
         )
         with pytest.raises(ProvisionError) as err:
@@ -201,7 +202,7 @@ async def test_a_create_that_never_answers_says_which_deadline_it_passed() -> No
         settings = load_settings(
             provisioning={**FAST, "max_attempts": 2}, timeouts={"provision_create_s": 0.2}
         )
-        p = FleetProvider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
+        p = fleet_provider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
         with pytest.raises(ProvisionError) as err:
             await p.provision(TASK)
         await p.aclose()

@@ -13,12 +13,12 @@ from typing import Any
 import anyio
 import pytest
 
-from engine_helpers import rollout_config
 from fleetroll.environments.mcp.leases import ServerLeases
 from fleetroll.environments.mcp.provider import McpHandle, McpProvider
 from fleetroll.environments.provider import Instance
 from fleetroll.errors import ToolsError
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import mcp_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
@@ -160,7 +160,7 @@ def url_task(key: str = "shared", **environment: Any) -> TaskSpec:
 
 
 def provider_in(root: Path) -> McpProvider:
-    return McpProvider(load_settings(mcp={"workdir_root": str(root)}), Events())
+    return mcp_provider(load_settings(mcp={"workdir_root": str(root)}), Events())
 
 
 def workdirs(root: Path) -> list[Path]:
@@ -235,7 +235,7 @@ async def test_a_url_server_s_failed_reset_names_where_without_its_secrets(
         timeouts={"mcp_connect_s": 2.0, "reset_s": 5.0},
         retries={"mcp_connect_attempts": 1},
     )
-    provider = McpProvider(settings, Events())
+    provider = mcp_provider(settings, Events())
     task = url_task(reset=reset)
     with anyio.fail_after(10):
         instance = await provider.provision(task)

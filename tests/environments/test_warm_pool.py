@@ -15,7 +15,7 @@ from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.progress import Progress
 from fleetroll.rollout.stages import instance_reusable
-from fleetroll.settings import load_settings
+from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.testing.fake_provider import FakeProvider
@@ -53,6 +53,15 @@ class Watched(FakeProvider):
     async def sweep(self, run_id: str) -> int:
         self.swept.append(run_id)
         return 0
+
+
+def _sections(settings: Settings) -> dict[str, Any]:
+    """What the warm pool takes of the settings."""
+    return {
+        "provisioning": settings.provisioning,
+        "timeouts": settings.timeouts,
+        "modalities": settings.modalities,
+    }
 
 
 def settings_with(**provisioning: Any) -> Any:
@@ -115,7 +124,7 @@ async def test_max_reuses_bounds_the_rollouts_of_one_instance() -> None:
 async def test_an_idle_instance_is_released_after_warm_idle_s() -> None:
     settings = settings_with(warm_idle_s=0.05)
     provider = Watched(settings)
-    async with open_warm_pool(provider, settings, Events()) as warm:
+    async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
         instance = await warm.provision(TASK)
         released = provider.released_one
         await warm.release(instance, reuse=True)
@@ -128,7 +137,7 @@ async def test_an_idle_instance_is_released_after_warm_idle_s() -> None:
 async def test_closing_the_pool_releases_every_idle_instance_and_runs_the_sweeps_put_off() -> None:
     settings = settings_with(warm_instances=4, warm_idle_s=600, reuse_wait_s=0)
     provider = Watched(settings)
-    async with open_warm_pool(provider, settings, Events()) as warm:
+    async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
         lent = [await warm.provision(TASK, run_id="batch-1") for _ in range(3)]
         for instance in lent:
             await warm.release(instance, reuse=True)
@@ -145,7 +154,7 @@ async def test_closing_the_pool_releases_every_idle_instance_and_runs_the_sweeps
 async def test_more_idle_instances_than_warm_instances_are_released_at_once() -> None:
     settings = settings_with(warm_instances=1, warm_idle_s=600, reuse_wait_s=0)
     provider = Watched(settings)
-    async with open_warm_pool(provider, settings, Events()) as warm:
+    async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
         lent = [await warm.provision(TASK) for _ in range(3)]
         for instance in lent:
             await warm.release(instance, reuse=True)
@@ -161,7 +170,7 @@ async def second_while_first_is_given_back(*, reuse: bool) -> tuple[Instance, In
     first gives its instance back (``reuse``). Both instances, and the provider."""
     settings = settings_with(reuse_wait_s=600)
     provider = Watched(settings)
-    async with open_warm_pool(provider, settings, Events()) as warm:
+    async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
         first = await warm.provision(TASK)
         got: list[Instance] = []
         async with anyio.create_task_group() as tg:
@@ -192,7 +201,7 @@ async def test_a_waiting_rollout_creates_its_own_once_nothing_of_its_kind_may_co
 async def test_a_reused_instance_is_not_reset_twice() -> None:
     settings = settings_with()
     provider = FakeProvider(settings.modalities, timeouts=settings.timeouts)
-    async with open_warm_pool(provider, settings, Events()) as warm:
+    async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
         first = await warm.provision(TASK)
         await warm.reset(first)  # a fresh one's own reset goes through
         await warm.release(first, reuse=True)
@@ -208,15 +217,15 @@ async def test_a_reused_instance_is_not_reset_twice() -> None:
 
 
 def test_only_api_tool_fleet_tasks_are_reused_and_kinds_follow_what_a_create_asks_for() -> None:
-    settings = load_settings()
-    assert reuse_key(TASK, settings) == reuse_key(IDLE_HANDS, settings)
-    assert reuse_key(TASK, settings) != reuse_key(
-        TASK.model_copy(update={"env_variables": {"TZ": "UTC"}}), settings
+    modalities = load_settings().modalities
+    assert reuse_key(TASK, modalities) == reuse_key(IDLE_HANDS, modalities)
+    assert reuse_key(TASK, modalities) != reuse_key(
+        TASK.model_copy(update={"env_variables": {"TZ": "UTC"}}), modalities
     )
-    assert reuse_key(TASK, settings) != reuse_key(
-        TASK.model_copy(update={"data_key": "other"}), settings
+    assert reuse_key(TASK, modalities) != reuse_key(
+        TASK.model_copy(update={"data_key": "other"}), modalities
     )
-    assert reuse_key(TASK.model_copy(update={"modality": "computer_use"}), settings) is None
+    assert reuse_key(TASK.model_copy(update={"modality": "computer_use"}), modalities) is None
 
 
 @pytest.mark.parametrize(

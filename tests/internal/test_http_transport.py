@@ -1,13 +1,10 @@
 """The aiohttp-backed httpx transports keep httpcore's contracts.
 
-A small HTTP/1.1 server on loopback (raw sockets, so each test decides how it
-answers) counts connections and requests.
+A small HTTP/1.1 server on loopback (tests/http_servers.py: raw sockets, so
+each test decides how it answers) counts connections and requests.
 """
 
 from __future__ import annotations
-
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 
 import anyio
 import httpx
@@ -18,75 +15,7 @@ from anyio.abc import SocketStream
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.http_transport import AiohttpTransport, SdkAiohttpTransport
 from fleetroll.tools.session import RetryRefusedConnections
-
-BIG = 1_000_000
-
-
-class Server:
-    def __init__(self) -> None:
-        self.connections = 0
-        self.requests: list[bytes] = []
-        self.port = 0
-
-
-Handler = Callable[[Server, SocketStream, bytes], Awaitable[bool]]
-
-
-async def answer_ok(server: Server, stream: SocketStream, head: bytes) -> bool:
-    await stream.send(b'HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{"ok":true}')
-    return True
-
-
-async def answer_big(server: Server, stream: SocketStream, head: bytes) -> bool:
-    await stream.send(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % BIG)
-    await stream.send(b"x" * BIG)
-    return True
-
-
-async def never_answer(server: Server, stream: SocketStream, head: bytes) -> bool:
-    await anyio.sleep_forever()
-    return False
-
-
-@asynccontextmanager
-async def serving(handler: Handler) -> AsyncIterator[Server]:
-    server = Server()
-
-    async def serve(stream: SocketStream) -> None:
-        server.connections += 1
-        buffer = b""
-        async with stream:
-            while True:
-                while b"\r\n\r\n" not in buffer:
-                    try:
-                        buffer += await stream.receive()
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                        return
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                length = next(
-                    (
-                        int(line.split(b":", 1)[1])
-                        for line in head.lower().split(b"\r\n")
-                        if line.startswith(b"content-length:")
-                    ),
-                    0,
-                )
-                while len(buffer) < length:
-                    buffer += await stream.receive()
-                buffer = buffer[length:]
-                server.requests.append(head)
-                try:
-                    if not await handler(server, stream, head):
-                        return
-                except (anyio.BrokenResourceError, OSError):
-                    return
-
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    server.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, serve)
-        yield server
-        tg.cancel_scope.cancel()
+from http_servers import BIG, Server, answer_big, answer_ok, never_answer, serving
 
 
 def client(**timeouts: float) -> httpx2.AsyncClient:

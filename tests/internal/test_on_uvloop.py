@@ -9,11 +9,10 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 import trustme
-from test_http_transport import answer_ok, serving
-from test_wire import proxying, serving_tls, trusting
 
 from fleetroll._internal.wire import Wire
 from fleetroll.environments.mcp.process import open_program
+from http_servers import answer_ok, proxying, serving, serving_tls, trusting
 
 uvloop = pytest.importorskip("uvloop")
 

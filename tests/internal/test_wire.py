@@ -1,6 +1,6 @@
 """The hot path's HTTP/1.1 client keeps its contracts (see fleetroll._internal.wire).
 
-The raw-socket server of test_http_transport decides how each test is answered.
+The raw-socket servers of tests/http_servers.py decide how each test is answered.
 """
 
 from __future__ import annotations
@@ -8,12 +8,8 @@ from __future__ import annotations
 import base64
 import gzip
 import os
-import ssl
 import zlib
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any
-from urllib.parse import urlsplit
+from collections.abc import Callable
 
 import anyio
 import httpx
@@ -21,16 +17,6 @@ import httpx._utils as httpx_utils
 import pytest
 import trustme
 from anyio.abc import SocketStream
-from anyio.streams.tls import TLSListener
-from test_http_transport import (
-    BIG,
-    Handler,
-    Server,
-    answer_big,
-    answer_ok,
-    never_answer,
-    serving,
-)
 
 from fleetroll._internal.wire import (
     BadResponse,
@@ -39,6 +25,18 @@ from fleetroll._internal.wire import (
     ConnectionLost,
     ProxyError,
     Wire,
+)
+from http_servers import (
+    BIG,
+    Handler,
+    Server,
+    answer_big,
+    answer_ok,
+    never_answer,
+    proxying,
+    serving,
+    serving_tls,
+    trusting,
 )
 
 
@@ -215,6 +213,28 @@ async def test_a_stream_left_early_or_cancelled_closes_its_connection() -> None:
                         scope.cancel()  # cancelled while reading
             assert not any(wire._idle.values())
     assert server.connections == 2
+
+
+async def test_a_stream_left_unread_after_its_answer_arrived_leaves_a_working_connection() -> None:
+    """The answer's last bytes arrive in the read that fills the stream's buffer
+    (reading pauses there), and the caller leaves without reading the body: the
+    connection goes back to the pool and the next request on it is answered
+    (it hung until its deadline while reading stayed paused)."""
+    body = b"x" * (300 * 1024)  # over the stream's 256 KiB buffer, within two reads
+
+    async def whole_at_once(server: Server, stream: SocketStream, head: bytes) -> bool:
+        await stream.send(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        return True
+
+    async with serving(whole_at_once) as server, Wire() as wire:
+        url = f"http://127.0.0.1:{server.port}/big"
+        with anyio.fail_after(10):
+            for _ in range(5):
+                async with wire.stream("GET", url) as response:
+                    assert response.status == 200
+                    await anyio.sleep(0.05)  # the whole body arrives, unread
+            answer = await wire.request("GET", url)
+        assert answer.body == body
 
 
 async def test_a_stream_over_its_cap_fails_while_reading_and_closes_the_connection() -> None:
@@ -466,110 +486,6 @@ async def test_user_info_never_reaches_an_error_message() -> None:
 
 
 # -- proxies (issue 37, case 1) --------------------------------------------------------
-
-
-class Proxy:
-    def __init__(self) -> None:
-        self.heads: list[str] = []  # the first request head of every connection
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-
-@asynccontextmanager
-async def proxying(*, credentials: tuple[str, str] | None = None) -> AsyncIterator[Proxy]:
-    """A forward proxy on loopback: absolute-form requests and CONNECT tunnels."""
-    proxy = Proxy()
-    wanted = None
-    if credentials is not None:
-        token = base64.b64encode(":".join(credentials).encode()).decode()
-        wanted = f"proxy-authorization: basic {token}".lower()
-
-    async def handle(client: SocketStream) -> None:
-        async with client:
-            buffer = b""
-            while b"\r\n\r\n" not in buffer:
-                try:
-                    buffer += await client.receive()
-                except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                    return
-            head, _, rest = buffer.partition(b"\r\n\r\n")
-            text = head.decode("latin-1")
-            proxy.heads.append(text)
-            method, target, _ = text.split("\r\n", 1)[0].split(" ", 2)
-            if wanted is not None and wanted not in text.lower():
-                await client.send(  # with a page, as squid's
-                    b"HTTP/1.1 407 Proxy Authentication Required\r\nContent-Length: 6\r\n"
-                    b"Proxy-Authenticate: Basic realm=x\r\n\r\ndenied"
-                )
-                return
-            if method == "CONNECT":
-                host, _, port = target.rpartition(":")
-                upstream = await anyio.connect_tcp(host.strip("[]"), int(port))
-                await client.send(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:
-                parts = urlsplit(target)
-                assert parts.hostname is not None, "not an absolute-form request"
-                upstream = await anyio.connect_tcp(parts.hostname, parts.port or 80)
-                await upstream.send(head + b"\r\n\r\n" + rest)
-            async with upstream, anyio.create_task_group() as tg:
-
-                async def copy(source: SocketStream, sink: SocketStream) -> None:
-                    try:
-                        async for data in source:
-                            await sink.send(data)
-                    except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(copy, client, upstream)
-                tg.start_soon(copy, upstream, client)
-
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    proxy.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    async with listener, anyio.create_task_group() as tg:
-        tg.start_soon(listener.serve, handle)
-        yield proxy
-        tg.cancel_scope.cancel()
-
-
-@asynccontextmanager
-async def serving_tls(handler: Handler, ca: trustme.CA) -> AsyncIterator[Server]:
-    """test_http_transport's server, behind TLS with a certificate for 127.0.0.1."""
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert("127.0.0.1").configure_cert(context)
-    server = Server()
-
-    async def serve(stream: Any) -> None:
-        server.connections += 1
-        buffer = b""
-        async with stream:
-            while True:
-                while b"\r\n\r\n" not in buffer:
-                    try:
-                        buffer += await stream.receive()
-                    except (anyio.EndOfStream, anyio.BrokenResourceError, OSError):
-                        return
-                head, _, buffer = buffer.partition(b"\r\n\r\n")
-                server.requests.append(head)
-                if not await handler(server, stream, head):
-                    return
-
-    listener = await anyio.create_tcp_listener(local_host="127.0.0.1")
-    server.port = listener.extra(anyio.abc.SocketAttribute.local_port)
-    tls = TLSListener(listener, context, standard_compatible=False)
-    async with tls, anyio.create_task_group() as tg:
-        tg.start_soon(tls.serve, serve)
-        yield server
-        tg.cancel_scope.cancel()
-
-
-def trusting(ca: trustme.CA) -> ssl.SSLContext:
-    context = ssl.create_default_context()
-    ca.configure_trust(context)
-    return context
 
 
 @pytest.fixture

@@ -36,7 +36,7 @@ from anyio.abc import SocketAttribute, SocketStream
 
 from fleetroll._internal.http_transport import SdkAiohttpTransport
 from fleetroll._internal.wire import ConnectFailed, Wire, WireError
-from fleetroll.environments.mcp.provider import McpProvider
+from fleetroll.pool.assembly import mcp_provider
 from fleetroll.settings import load_settings
 from fleetroll.telemetry import Events
 from wire_infra import (
@@ -417,7 +417,7 @@ async def test_the_sdk_mcp_client_of_a_url_environment_goes_through_the_forward_
     no_proxies.setenv("HTTP_PROXY", proxy.url)
     settings = load_settings(pool={"mcp_client": "sdk"}, mcp={"workdir_root": str(tmp_path)})
     path = _path("json", "mcp-sdk")
-    async with McpProvider(settings, Events())._http() as http:
+    async with mcp_provider(settings, Events())._http() as http:
         with anyio.fail_after(REQUEST_S):
             got = await http.get(f"http://127.0.0.1:{server.port}{path}")
     assert got.status_code == 200

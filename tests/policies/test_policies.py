@@ -20,7 +20,7 @@ from fleetroll.policies import (
     ToolCall,
     ToolSpec,
 )
-from fleetroll.pool.rollout_pool import chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.rollout.transcript import Transcript, assistant_message
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec

@@ -7,9 +7,9 @@ from typing import Any
 import anyio
 import pytest
 
-from engine_helpers import rollout_config
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.policies.gate import PolicyGate
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, RolloutIds

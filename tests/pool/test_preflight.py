@@ -20,13 +20,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from fleetroll._internal.serving import serve_asgi
-from fleetroll.cli.run import SameFailures
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
-from fleetroll.environments.fleet.provider import FleetProvider
-from fleetroll.environments.mcp.provider import McpProvider
-from fleetroll.environments.mixed import MixedProvider
 from fleetroll.errors import PreflightError
+from fleetroll.jobs.same_failures import SameFailures
+from fleetroll.pool.assembly import fleet_provider, mcp_provider, mixed_provider
 from fleetroll.pool.journal import read_journal
 from fleetroll.pool.preflight import check_policy, missing_environments, preflight
 from fleetroll.results import FailureReason, RolloutResult
@@ -158,7 +156,7 @@ async def test_a_policy_url_s_password_never_appears_in_the_problem() -> None:
 async def test_fleet_s_preflight_finds_unknown_envs_and_versions_in_the_listing(
     emulator: Emulator,
 ) -> None:
-    provider = FleetProvider(
+    provider = fleet_provider(
         load_settings(), Events(), api_key=emulator.api_key, base_url=emulator.base_url
     )
     try:
@@ -176,7 +174,7 @@ async def test_fleet_s_preflight_says_a_key_was_refused_and_never_shows_it(
     emulator: Emulator,
 ) -> None:
     wrong = "sk-wrong-key-1234"
-    provider = FleetProvider(load_settings(), Events(), api_key=wrong, base_url=emulator.base_url)
+    provider = fleet_provider(load_settings(), Events(), api_key=wrong, base_url=emulator.base_url)
     try:
         problems = await provider.preflight([task("ledger")])
     finally:
@@ -189,7 +187,7 @@ async def test_fleet_s_preflight_says_a_key_was_refused_and_never_shows_it(
 
 async def test_fleet_s_preflight_says_when_nothing_answers_at_the_base_url() -> None:
     url = dead_url()
-    provider = FleetProvider(load_settings(), Events(), api_key="k", base_url=url)
+    provider = fleet_provider(load_settings(), Events(), api_key="k", base_url=url)
     try:
         problems = await provider.preflight([task("ledger")])
     finally:
@@ -214,7 +212,7 @@ async def test_fleet_s_preflight_asks_a_busy_control_plane_again(emulator: Emula
     app = Starlette(routes=[Route("/v1/env/", envs)])
     settings = load_settings(provisioning={"backoff_initial_s": 0.01, "backoff_max_s": 0.01})
     async with serve_app(app, "127.0.0.1", 0) as url:
-        provider = FleetProvider(settings, Events(), api_key="k", base_url=url)
+        provider = fleet_provider(settings, Events(), api_key="k", base_url=url)
         try:
             with anyio.fail_after(30):
                 problems = await provider.preflight([task("ledger")])
@@ -228,7 +226,7 @@ async def test_fleet_s_preflight_asks_a_busy_control_plane_again(emulator: Emula
 async def test_fleet_s_preflight_says_when_the_base_url_is_not_a_fleet() -> None:
     async with FakeChatServer() as server:  # answers HTTP, but not Fleet's routes
         url = server.base_url.removesuffix("/v1")
-        provider = FleetProvider(load_settings(), Events(), api_key="k", base_url=url)
+        provider = fleet_provider(load_settings(), Events(), api_key="k", base_url=url)
         try:
             problems = await provider.preflight([task("ledger")])
         finally:
@@ -438,7 +436,7 @@ async def test_an_mcp_command_not_on_path_and_a_dead_url_are_problems_and_python
         mcp_task("typo", command=["no-such-mcp-server-xyz", "--stdio"]),
         mcp_task("dead", url=url),
     ]
-    provider = MixedProvider(load_settings(), Events())
+    provider = mixed_provider(load_settings(), Events())
     try:
         problems = await provider.preflight(tasks)
     finally:
@@ -452,7 +450,7 @@ async def test_an_mcp_command_not_on_path_and_a_dead_url_are_problems_and_python
 
 async def test_an_mcp_url_that_answers_any_status_passes() -> None:
     async with FakeChatServer() as server:  # 404 on this path: it answers all the same
-        problems = await McpProvider(load_settings(), Events()).preflight(
+        problems = await mcp_provider(load_settings(), Events()).preflight(
             [mcp_task("up", url=f"{server.base_url}/mcp")]
         )
 
@@ -500,7 +498,7 @@ async def test_an_mcp_url_whose_get_is_an_endless_event_stream_passes_without_re
     app = AwkwardMcpUrls()
     settings = load_settings(pool={"mcp_client": client}, timeouts={"preflight_s": 10})
     async with serve_asgi(app, lifespan="off") as base:
-        provider = McpProvider(settings, Events())
+        provider = mcp_provider(settings, Events())
         with anyio.fail_after(20):
             problems = await provider.preflight([mcp_task("sse", url=f"{base}/mcp")])
             await app.streams_left.wait()  # it left the stream: nothing kept reading
@@ -519,7 +517,7 @@ async def test_an_mcp_url_redirecting_to_another_host_is_one_problem_naming_both
     settings = load_settings(pool={"mcp_client": client}, timeouts={"preflight_s": 10})
     async with serve_asgi(app, lifespan="off") as base:
         app.base = base
-        provider = McpProvider(settings, Events())
+        provider = mcp_provider(settings, Events())
         with anyio.fail_after(20):
             problems = await provider.preflight(
                 [mcp_task("away", url=f"{base}/elsewhere"), mcp_task("near", url=f"{base}/moved")]

@@ -10,9 +10,9 @@ import pytest
 
 from fleetroll.policies import OpenAIChatPolicy
 from fleetroll.policies.openai import PolicyRecipe
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.ray.actors import PolicyHost
 from fleetroll.pool.ray.executor import ExecutorWorker
-from fleetroll.pool.rollout_pool import chat_policy_config
 from fleetroll.settings import load_settings
 from fleetroll.telemetry.events import Event
 

@@ -16,7 +16,8 @@ import pytest
 from fleetroll.emulator import FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool.rollout_pool import Batch, RolloutPool, chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config
+from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.settings import config_dir, load_settings

@@ -13,7 +13,6 @@ logprobs) and the emulator are shared too.
 
 from __future__ import annotations
 
-import io
 import operator
 import sys
 from collections.abc import AsyncIterator
@@ -25,13 +24,12 @@ from typing import Any
 import anyio
 import httpx
 import pytest
-from rich.console import Console
 
 ray = pytest.importorskip("ray")
 
-from fleetroll.cli.run import run_job  # noqa: E402
 from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import Emulator  # noqa: E402
+from fleetroll.jobs.job import run_job  # noqa: E402
 from fleetroll.policies import (  # noqa: E402
     OpenAIChatPolicy,
     Policy,
@@ -214,7 +212,6 @@ async def test_run_on_ray_with_the_openai_policy_journals_every_rollout_scored(
                 out=out,
                 ray_address="local",
                 ray_actors=1,
-                console=Console(file=io.StringIO()),
             )
     journaled = read_journal(out)
     assert not report.interrupted and report.stopped is None

@@ -12,7 +12,8 @@ import pytest
 from anyio.abc import TaskGroup
 from fleet._async.exceptions import FleetRateLimitError
 
-from fleetroll.environments.fleet.admission import CreateLimits, Ticket
+from fleetroll.environments.admission import CreateLimits, Ticket
+from fleetroll.environments.fleet.admission import read_create_error
 from fleetroll.errors import EnvUnavailableError, ProvisionError
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.results import FailureReason
@@ -222,7 +223,7 @@ async def test_a_limiter_that_cannot_be_read_is_logged_once_per_streak(
 
 async def test_each_actors_create_answers_teach_the_clusters_one_create_rate() -> None:
     settings = load_settings()
-    limits = CreateLimits.from_settings(settings)
+    limits = CreateLimits.from_settings(settings.provisioning)
     host = AdmissionHost(settings)
     async with anyio.create_task_group() as tg:
         handle = InProcess(host, tg)
@@ -232,9 +233,10 @@ async def test_each_actors_create_answers_teach_the_clusters_one_create_rate() -
         with anyio.fail_after(10):
             start = (await host.follow(0.0))[0]
             with pytest.raises(FleetRateLimitError):
-                async with one.slot():  # a 429 read in the actor, learnt by the host
+                # A 429 read in the actor, learnt by the host.
+                async with one.slot(read_create_error):
                     raise FleetRateLimitError("slow down")
-            async with two.slot():
+            async with two.slot(read_create_error):
                 pass
             await anyio.wait_all_tasks_blocked()
             state, events = await host.follow(0.0)

@@ -10,7 +10,7 @@ import pytest
 from test_remote_admission import InProcess
 
 from fleetroll.emulator import Emulator
-from fleetroll.environments.fleet.admission import CreateLimits
+from fleetroll.environments.admission import CreateLimits
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
 from fleetroll.pool.rollout_pool import RolloutPool
@@ -48,7 +48,7 @@ async def test_cancels_mid_provisioning_give_the_clusters_places_and_slots_back(
             InProcess(host, calls),
             "worker-0",
             call_s=30,
-            limits=CreateLimits.from_settings(SETTINGS),
+            limits=CreateLimits.from_settings(SETTINGS.provisioning),
         )
         async with RolloutPool(
             SETTINGS,

@@ -22,10 +22,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agent_helpers import end_marked, marked, new_mark
-from engine_helpers import rollout_config
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
-from fleetroll.pool.rollout_pool import RolloutPool, chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config, rollout_config
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import AgentHost, AgentRecipe, CommandAgent
 from fleetroll.rollout.engine import RolloutEngine

@@ -16,9 +16,9 @@ import anyio
 import pytest
 
 from agent_helpers import end_marked, leaving_descendants, marked, new_mark
-from engine_helpers import rollout_config
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.rollout.agent_process import AgentLimits, AgentRecords, Sandbox, start_agent

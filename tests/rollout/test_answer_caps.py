@@ -17,16 +17,17 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.message import SessionMessage
 from mcp_types import JSONRPCError, JSONRPCRequest, JSONRPCResponse
 
-from engine_helpers import rollout_config
 from fleetroll.environments.mcp.process import LineReader
 from fleetroll.errors import ToolCallFailed, ToolsError
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.testing.fake_provider import FakeProvider
+from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.session import ANSWER_TOO_LARGE, AnswerLimits, BoundedAnswers, ToolSession
 
 LIMITS = AnswerLimits(answer_bytes=64 * 1024, listing_bytes=16 * 1024)
@@ -83,7 +84,7 @@ async def session_on(served: Served) -> AsyncIterator[ToolSession]:
             read_timeout_seconds=10,
         ) as client,
     ):
-        yield ToolSession(client, URL, call_timeout_s=10, list_timeout_s=10)
+        yield ToolSession(SdkClient(client), URL, call_timeout_s=10, list_timeout_s=10)
 
 
 async def call(served: Served, name: str) -> Any:

@@ -18,11 +18,10 @@ import anyio
 import pytest
 from test_rollout_deadlines import assert_timings_add_up
 
-from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator, FaultProfile
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
-from fleetroll.pool.rollout_pool import RolloutPool, chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config, fleet_provider, rollout_config
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.rollout.engine import RolloutEngine
@@ -164,7 +163,7 @@ async def built_in_and_agent(
         policy |= policy_settings or {}
         settings = load_settings(timeouts=timeouts, provisioning=PROVISIONING, policy=policy)
         events = Events([MemorySink()])
-        provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
+        provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
         async with (
             RolloutEngine.open(rollout_config(settings), events, provider) as eng,
             OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model,

@@ -14,14 +14,13 @@ import anyio
 import pytest
 from mcp.server.mcpserver import MCPServer
 
-from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.emulator.computer import Screen
 from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.errors import PolicyError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolCall, ToolSpec
+from fleetroll.pool.assembly import fleet_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, Rollout, RolloutIds
@@ -49,7 +48,7 @@ async def engine(
 ) -> AsyncIterator[RolloutEngine]:
     settings = load_settings(**overrides)
     events = Events([sink or MemorySink()])
-    provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
+    provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
     async with RolloutEngine.open(rollout_config(settings), events, provider) as eng:
         yield eng
 

@@ -21,8 +21,8 @@ import anyio
 import pytest
 from test_state_machine import HANGING, TASK
 
-from engine_helpers import rollout_config
 from fleetroll.policies import ScriptedPolicy, ToolCall
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason, RolloutResult, Timings
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, RolloutIds

@@ -7,8 +7,8 @@ from typing import Any
 
 import anyio
 
-from engine_helpers import rollout_config
 from fleetroll.policies import ScriptedPolicy, ToolCall
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.events import RolloutEvent, RolloutEventLog, ndjson_lines

@@ -15,9 +15,9 @@ from typing import Any
 import anyio
 import pytest
 
-from engine_helpers import rollout_config
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, RolloutIds

@@ -16,14 +16,14 @@ import anyio
 import pytest
 from click.testing import CliRunner
 
-from engine_helpers import rollout_config
 from fleetroll.cli.main import main
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import judge_config, rollout_config
 from fleetroll.pool.journal import read_journal, write_results
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
-from fleetroll.scoring import Judge, JudgeConfig, Scorer
+from fleetroll.scoring import Judge, Scorer
 from fleetroll.scoring.checks import render
 from fleetroll.scoring.rescore import rescore_all
 from fleetroll.settings import Settings, load_settings
@@ -192,11 +192,7 @@ TASKS = [task(r["key"], r.get("rewards")) for r in RECORDS]
 async def rescored(
     results: list[RolloutResult], settings: Settings, tasks: Sequence[TaskSpec] = TASKS
 ) -> list[RolloutResult]:
-    async with Judge(
-        JudgeConfig.from_section(
-            settings.judge, api_key=settings.judge_api_key, budget=settings.retries.judge_budget
-        )
-    ) as judge:
+    async with Judge(judge_config(settings)) as judge:
         with anyio.fail_after(20):
             return await rescore_all(
                 results,

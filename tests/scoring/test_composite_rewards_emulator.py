@@ -11,15 +11,13 @@ from typing import Any
 import anyio
 import pytest
 
-from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator
-from fleetroll.environments.fleet.provider import FleetProvider
-from fleetroll.environments.mcp.provider import McpProvider
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import fleet_provider, judge_config, mcp_provider, rollout_config
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
-from fleetroll.scoring import Judge, JudgeConfig, Scorer
+from fleetroll.scoring import Judge, Scorer
 from fleetroll.scoring.checks import render
 from fleetroll.scoring.rescore import rescore_all
 from fleetroll.settings import config_dir, load_settings
@@ -60,7 +58,7 @@ async def test_composite_rewards_on_the_emulator_equal_the_weighted_sum_and_resc
     async with FakeJudge() as judge:
         settings = load_settings(judge={"base_url": judge.base_url})
         events = Events([MemorySink()])
-        provider = FleetProvider(
+        provider = fleet_provider(
             settings, events, api_key=emulator.api_key, base_url=emulator.base_url
         )
         results: list[RolloutResult] = []
@@ -69,11 +67,7 @@ async def test_composite_rewards_on_the_emulator_equal_the_weighted_sum_and_resc
                 for n, task in enumerate(tasks):
                     ids = RolloutIds("b", f"r{n}")
                     results.append(await eng.rollout(task, ids).run(ScriptedPolicy()))
-        async with Judge(
-            JudgeConfig.from_section(
-                settings.judge, api_key=settings.judge_api_key, budget=settings.retries.judge_budget
-            )
-        ) as fresh:
+        async with Judge(judge_config(settings)) as fresh:
             again = await rescore_all(
                 results,
                 {t.key: t for t in tasks},
@@ -106,7 +100,7 @@ async def test_an_mcp_task_scored_by_checks_alone_runs_no_verifier(tmp_path: Pat
     settings = load_settings(mcp={"workdir_root": str(tmp_path)})
     events = Events([MemorySink()])
     async with RolloutEngine.open(
-        rollout_config(settings), events, McpProvider(settings, events)
+        rollout_config(settings), events, mcp_provider(settings, events)
     ) as eng:
         with anyio.fail_after(60):
             result = await eng.rollout(task, RolloutIds("b", "r")).run(ScriptedPolicy())

@@ -18,6 +18,7 @@ from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.results import FailureReason
+from fleetroll.service import app as service_app
 from fleetroll.service import batches as service_batches
 from ledger_watch import Changes
 
@@ -92,7 +93,7 @@ async def test_a_stream_cut_mid_way_resumes_with_nothing_lost_or_twice(
 ) -> None:
     tasks = LEDGER[:4]
     policy = GatedPolicy(held={t.key for t in tasks[2:]})
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
     async with FleetrollClient(proxy.url, backoff_initial_s=0.01) as client:
         batch = client.run_batch(tasks, samples_per_task=2)
         results = []
@@ -223,7 +224,7 @@ async def test_a_batch_resubmitted_after_a_cancel_reruns_its_cancelled_rollouts(
 ) -> None:
     tasks = LEDGER[:3]
     policy = GatedPolicy(held={tasks[2].key})
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
     body = {"tasks": [task_record(t) for t in tasks], "samples_per_task": 2, "batch_id": "rerun-7"}
     async with FleetrollClient(served.url) as client, served.http() as http:
         first = []
@@ -256,7 +257,7 @@ async def test_the_client_resubmitting_a_cancelled_batch_gets_every_rollout_run_
 ) -> None:
     tasks = LEDGER[3:5]
     policy = GatedPolicy(held={tasks[1].key})
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
     async with FleetrollClient(served.url) as client:
         with anyio.fail_after(60):
             batch = client.run_batch(tasks, samples_per_task=2, batch_id="step-8")
@@ -297,7 +298,7 @@ async def test_a_batch_past_the_pools_queue_cap_gets_503_with_retry_after(
     emulator: Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     policy = GatedPolicy(held={t.key for t in LEDGER})
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
     async with (
         running_service(emulator, pool={"max_queued_rollouts": 2}) as served,
         served.http() as http,
@@ -373,7 +374,7 @@ async def test_two_resubmissions_racing_after_a_cancel_rerun_the_batch_once(
 ) -> None:
     tasks = LEDGER[5:7]
     policy = GatedPolicy(held={t.key for t in tasks})
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
     body = {"tasks": [task_record(t) for t in tasks], "batch_id": "race-1"}
     answers = []
     async with served.http() as http, FleetrollClient(served.url) as client:

@@ -20,7 +20,7 @@ from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.service import Service, create_app, serve_app
-from fleetroll.service import batches as service_batches
+from fleetroll.service import app as service_app
 from fleetroll.settings import load_settings
 from fleetroll.settings.fault_profiles import FaultProfile, Latency
 from fleetroll.tasks import TaskSpec
@@ -178,7 +178,7 @@ async def test_a_batch_after_sixteen_cancels_mid_provisioning_runs_on_its_whole_
             # Every rollout holds its instance until CAP of them hold one at once.
             tasks = LEDGER[: CAP // 2]
             policy = Gathering(CAP)
-            monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+            monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
             async with FleetrollClient(url) as client:
                 batch = client.run_batch(tasks, samples_per_task=2, batch_id="whole-cap")
                 results = []

@@ -6,10 +6,10 @@ import anyio
 import pytest
 from service_helpers import LEDGER, Running, task_record
 
-import fleetroll.service.batches as service_batches
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.evaluation import evaluate
+from fleetroll.service import app as service_app
 from fleetroll.testing.planned_policy import PlannedPolicy
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ SOLVED = {TASKS[0].key, TASKS[3].key}
 
 def plan(monkeypatch: pytest.MonkeyPatch, policy: PlannedPolicy) -> None:
     """Every batch of the service plays ``policy``."""
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
 
 
 async def test_run_eval_over_http_reports_exactly_the_tasks_the_policy_solves(

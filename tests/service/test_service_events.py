@@ -15,7 +15,7 @@ from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
 from fleetroll.pool.rollout_pool import rollout_id
-from fleetroll.service import batches as service_batches
+from fleetroll.service import app as service_app
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ async def test_the_client_follows_a_rollout_across_a_cut_with_nothing_lost_or_tw
 ) -> None:
     task = LEDGER[6]
     policy = GatedPolicy(held={task.key})
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
     async with FleetrollClient(proxy.url, backoff_initial_s=0.01) as client:
         batch = await client.run_batch([task]).submit()
         events = []

@@ -6,9 +6,10 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from fleetroll.policies.openai import OpenAIChatPolicy
-from fleetroll.pool.rollout_pool import chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config
+from fleetroll.service.app import build_policy
 from fleetroll.service.models import BatchRequest, PolicyConfig
-from fleetroll.service.requests import batch_fingerprint, build_policy, policy_endpoint
+from fleetroll.service.requests import batch_fingerprint, policy_endpoint
 from fleetroll.settings import load_settings
 
 A, B, C = "http://127.0.0.1:8001/v1", "http://127.0.0.1:8002/v1", "http://127.0.0.1:8003/v1"
@@ -46,9 +47,17 @@ def test_the_services_key_goes_only_to_requests_naming_its_own_servers() -> None
     settings = load_settings(
         policy={"kind": "openai", "base_urls": [A, B]}, openai_api_key="sk-server"
     )
-    own = policy_endpoint(PolicyConfig(base_urls=[B, A + "/"]), settings)
-    mixed = policy_endpoint(PolicyConfig(base_urls=[A, C]), settings)
-    brought = policy_endpoint(PolicyConfig(base_urls=[C], api_key=SecretStr("sk-mine")), settings)
+    own = policy_endpoint(
+        PolicyConfig(base_urls=[B, A + "/"]), settings.policy, settings.openai_api_key
+    )
+    mixed = policy_endpoint(
+        PolicyConfig(base_urls=[A, C]), settings.policy, settings.openai_api_key
+    )
+    brought = policy_endpoint(
+        PolicyConfig(base_urls=[C], api_key=SecretStr("sk-mine")),
+        settings.policy,
+        settings.openai_api_key,
+    )
     assert own is not None and own[1] is not None
     assert own[1].get_secret_value() == "sk-server"
     assert mixed == ([A, C], None)

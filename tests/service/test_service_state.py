@@ -18,7 +18,7 @@ from fleetroll.pool.journal import meta_path
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service import Service, create_app, serve_app
-from fleetroll.service.batches import BatchRecord
+from fleetroll.service.batch_record import BatchRecord
 from fleetroll.service.models import PolicyConfig
 from fleetroll.service.state import StoredBatch, StoredRequest, open_store
 from fleetroll.settings import config_dir, load_settings

@@ -10,13 +10,13 @@ import anyio
 import pytest
 from service_helpers import LEDGER, Running, running_service
 
-import fleetroll.service.batches as service_batches
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.errors import PolicyError, ServiceError
 from fleetroll.policies.turns import AssistantTurn, Message, ToolSpec
 from fleetroll.results import FailureReason
 from fleetroll.rollout.machine import Phase
+from fleetroll.service import app as service_app
 from fleetroll.tasks import TaskSpec
 from fleetroll.testing.planned_policy import PlannedPolicy
 from gate_watch import paused_arrival
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 def plan(monkeypatch: pytest.MonkeyPatch, policy: PlannedPolicy) -> None:
     """Every batch of the service plays ``policy``."""
-    monkeypatch.setattr(service_batches, "build_policy", lambda config, settings: policy)
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
 
 
 async def test_groups_stream_in_completion_order_and_oversampled_extras_are_superseded(

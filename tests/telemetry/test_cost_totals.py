@@ -22,7 +22,8 @@ from fleetroll.cli.main import main
 from fleetroll.cli.run import cost_table
 from fleetroll.emulator import Emulator
 from fleetroll.policies import OpenAIChatPolicy
-from fleetroll.pool.rollout_pool import RolloutPool, chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config
+from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.service.query import run_stats
 from fleetroll.settings import config_dir

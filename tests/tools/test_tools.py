@@ -16,6 +16,7 @@ from fleetroll._internal.retrying import Budget
 from fleetroll._internal.wire import Wire
 from fleetroll.emulator import Emulator
 from fleetroll.errors import ToolsError
+from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.session import ToolSession, open_tool_session
 
 DEADLINES = {
@@ -27,7 +28,9 @@ DEADLINES = {
 
 
 def _validators(session: ToolSession) -> dict[str, object]:
-    return session._client.session._tool_output_validators  # type: ignore[no-any-return]
+    client = session._client
+    assert isinstance(client, SdkClient)
+    return client.client.session._tool_output_validators  # type: ignore[no-any-return]
 
 
 async def test_sessions_of_one_environment_share_compiled_output_validators() -> None:
@@ -80,7 +83,9 @@ async def test_an_answer_that_breaks_its_output_schema_is_still_rejected() -> No
         return _Balance(account="Savings", balance=2.0)
 
     async with Client(server) as client:
-        session = ToolSession(client, "memory://bank", call_timeout_s=5, list_timeout_s=5)
+        session = ToolSession(
+            SdkClient(client), "memory://bank", call_timeout_s=5, list_timeout_s=5
+        )
         await session.list_tools()
         validators = _validators(session)
         # Tools with the same schema share one compiled validator.

@@ -8,20 +8,19 @@ telemetry invariant (one started and one completed event per rollout id).
 
 from __future__ import annotations
 
-import io
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
-from rich.console import Console
 
-from fleetroll.cli.run import run_job
 from fleetroll.emulator import Emulator, FaultProfile, Latency
+from fleetroll.jobs.job import run_job
 from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal, read_journal
-from fleetroll.pool.rollout_pool import RolloutPool, chat_policy_config, group_id, rollout_id
+from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import load_tasks
@@ -253,7 +252,6 @@ async def test_a_resumed_oversampled_run_only_runs_what_its_groups_still_lack(
             out=out,
             resume=True,
             batch_id="b",
-            console=Console(file=io.StringIO()),
         )
     final = {r.sample_index: r for r in read_journal(out)}
     assert report.resumed == 1 and sorted(final) == [0, 1, 2]

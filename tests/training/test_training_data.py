@@ -17,7 +17,7 @@ import pytest
 
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies import AssistantTurn, OpenAIChatPolicy, ToolCall, ToolSpec, TurnData
-from fleetroll.pool.rollout_pool import chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.rollout.progress import Progress
 from fleetroll.rollout.transcript import Transcript
 from fleetroll.settings import load_settings
@@ -356,7 +356,7 @@ async def test_the_vllm_shaped_fake_refuses_a_prompt_over_its_context_like_vllm(
 
 
 async def test_a_batch_over_http_asks_for_token_data_as_the_server_or_the_request_says() -> None:
-    from fleetroll.service.batches import build_policy
+    from fleetroll.service.app import build_policy
     from fleetroll.service.models import PolicyConfig
 
     settings = load_settings(policy={"kind": "openai", "return_token_ids": True})

@@ -20,12 +20,10 @@ from typing import Any
 import anyio
 import pytest
 
-from engine_helpers import rollout_config
 from fleetroll.emulator import Emulator
-from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.policies import OpenAIChatPolicy
+from fleetroll.pool.assembly import chat_policy_config, fleet_provider, rollout_config
 from fleetroll.pool.journal import read_journal
-from fleetroll.pool.rollout_pool import chat_policy_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
@@ -57,7 +55,7 @@ async def engine(
     overrides["policy"].update(policy.pop("policy", {}))
     settings = load_settings(**overrides, **policy)
     events = Events([MemorySink()])
-    provider = FleetProvider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
+    provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
     async with (
         RolloutEngine.open(rollout_config(settings), events, provider) as eng,
         OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model,

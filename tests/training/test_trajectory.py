@@ -12,7 +12,7 @@ import pytest
 import fleetroll
 from fleetroll.errors import PolicyError
 from fleetroll.policies import OpenAIChatPolicy, ToolSpec
-from fleetroll.pool.rollout_pool import chat_policy_config
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.results import RolloutResult, Trajectory, TrajectorySegment, Turn
 from fleetroll.rollout.progress import Progress
 from fleetroll.settings import load_settings

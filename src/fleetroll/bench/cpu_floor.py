@@ -215,58 +215,84 @@ class _Mcp:
 
 async def run_cpu_floor(ctx: RunContext) -> Outcome:
     """fleetroll's requests per rollout, over one keep-alive connection each."""
-    t = ctx.settings.timeouts
-    rollouts = anyio.CapacityLimiter(ctx.concurrency)
-    policy = ctx.policy()
-    auth = {"authorization": f"Bearer {ctx.api_key}"}
-    run_id = uuid.uuid4().hex[:12]
-    bundles = {task.key: _bundle(task.verifier_func or "") for task in ctx.tasks}
-    samples: list[Sample] = []
-    interval = ctx.settings.provisioning.heartbeat_s
-    held: dict[str, str | None] = {}  # instance id -> its heartbeat region
+    run = _Rollouts(ctx)
+    with anyio.move_on_after(ctx.scenario.wall_limit_s) as scope:
+        async with anyio.create_task_group() as beats:
+            if run.interval is not None:
+                beats.start_soon(run.beat_held, run.interval / 2)
+            async with anyio.create_task_group() as tg:
+                for task in ctx.tasks:
+                    for _ in range(ctx.samples_per_task):
+                        tg.start_soon(run.one, task)
+            beats.cancel_scope.cancel()
+    return Outcome(
+        samples=run.samples,
+        returned=len(run.samples),
+        finished_on_its_own=not scope.cancelled_caught,
+        notes=["one keep-alive HTTP/1.1 connection per rollout, hand-written requests"],
+    )
 
-    async def beat(conn: Connection, instance_id: str) -> None:
-        assert interval is not None
-        region = held.get(instance_id)
+
+class _Rollouts:
+    """One run's rollouts and what they share: the deadlines, the credentials, the
+    verifier bundles, the instances holding heartbeats, the samples."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.t = ctx.settings.timeouts
+        self.limiter = anyio.CapacityLimiter(ctx.concurrency)
+        self.policy = ctx.policy()
+        self.auth = {"authorization": f"Bearer {ctx.api_key}"}
+        self.run_id = uuid.uuid4().hex[:12]
+        self.bundles = {task.key: _bundle(task.verifier_func or "") for task in ctx.tasks}
+        self.samples: list[Sample] = []
+        self.interval = ctx.settings.provisioning.heartbeat_s
+        self.held: dict[str, str | None] = {}  # instance id -> its heartbeat region
+
+    async def beat(self, conn: Connection, instance_id: str) -> None:
+        assert self.interval is not None
+        region = self.held.get(instance_id)
         body = {"region": region} if region else {}
         # fleetroll's deadline of one beat (FleetProvider's Heartbeats).
-        with anyio.fail_after(min(t.release_s, interval / 2)):
-            await conn.request("POST", f"/v1/env/instances/{instance_id}/heartbeat", body, auth)
+        with anyio.fail_after(min(self.t.release_s, self.interval / 2)):
+            await conn.request(
+                "POST", f"/v1/env/instances/{instance_id}/heartbeat", body, self.auth
+            )
 
-    async def beat_held(period: float) -> None:
-        conn = Connection(ctx.base_url)
+    async def beat_held(self, period: float) -> None:
+        conn = Connection(self.ctx.base_url)
         try:
             while True:
                 await anyio.sleep(period)
-                for instance_id in list(held):
-                    if instance_id in held:  # not released meanwhile
+                for instance_id in list(self.held):
+                    if instance_id in self.held:  # not released meanwhile
                         with contextlib.suppress(Exception):
-                            await beat(conn, instance_id)
+                            await self.beat(conn, instance_id)
         finally:
             with anyio.CancelScope(shield=True):
                 await conn.aclose()
 
-    async def create(conn: Connection, task: TaskSpec) -> Any:
-        ttl = task.ttl_seconds or ctx.settings.modalities[task.modality].ttl_s
+    async def create(self, conn: Connection, task: TaskSpec) -> Any:
+        ttl = task.ttl_seconds or self.ctx.settings.modalities[task.modality].ttl_s
         body = {
             "env_key": task.env_key,
             "env_version": task.env_version,
             "data_key": task.data_key,
             "data_version": task.data_version,
-            "run_id": run_id,
+            "run_id": self.run_id,
             "created_from": "sdk",
             "ttl_seconds": ttl,
-            "heartbeat_interval": interval,
-            "max_wait_seconds": max(0, int(t.provision_create_s) - 30),
+            "heartbeat_interval": self.interval,
+            "max_wait_seconds": max(0, int(self.t.provision_create_s) - 30),
         }
-        with anyio.fail_after(t.provision_create_s):
-            return await conn.request("POST", "/v1/env/instances", body, auth)
+        with anyio.fail_after(self.t.provision_create_s):
+            return await conn.request("POST", "/v1/env/instances", body, self.auth)
 
-    async def play(conn: Connection, task: TaskSpec, root: str, timings: Timings) -> None:
+    async def play(self, conn: Connection, task: TaskSpec, root: str, timings: Timings) -> None:
         mcp = _Mcp(conn, f"{root}mcp")
-        with anyio.fail_after(t.mcp_connect_s):
+        with anyio.fail_after(self.t.mcp_connect_s):
             await mcp.call("server/discover")
-        with anyio.fail_after(t.list_tools_s):
+        with anyio.fail_after(self.t.list_tools_s):
             listed = await mcp.call("tools/list")
         tools = [
             ToolSpec(
@@ -279,8 +305,8 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
         messages: list[dict[str, Any]] = [{"role": "user", "content": task.prompt}]
         for _ in range((task.max_steps or 30) + 1):
             began = time.perf_counter()
-            with anyio.fail_after(t.policy_s):
-                turn = await policy.act(task, messages, tools)
+            with anyio.fail_after(self.t.policy_s):
+                turn = await self.policy.act(task, messages, tools)
             timings.policy_s += time.perf_counter() - began
             messages.append({"role": "assistant", "content": turn.content})
             if not turn.tool_calls:
@@ -288,7 +314,7 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
             for call in turn.tool_calls:
                 began = time.perf_counter()
                 try:
-                    with anyio.fail_after(t.call_tool_s):
+                    with anyio.fail_after(self.t.call_tool_s):
                         params = {"name": call.name, "arguments": dict(call.arguments)}
                         result = await mcp.call("tools/call", params)
                     text = "Error" if result.get("isError") else "ok"
@@ -297,10 +323,10 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
                 timings.tools_s += time.perf_counter() - began
                 messages.append({"role": "tool", "tool_call_id": call.id, "content": text})
 
-    async def verify(conn: Connection, task: TaskSpec, instance_id: str) -> float | None:
-        sha, bundle = bundles[task.key]
-        with anyio.fail_after(t.verifier_s):
-            known = await conn.request("GET", f"/v1/verifiers/check?sha256={sha}", None, auth)
+    async def verify(self, conn: Connection, task: TaskSpec, instance_id: str) -> float | None:
+        sha, bundle = self.bundles[task.key]
+        with anyio.fail_after(self.t.verifier_s):
+            known = await conn.request("GET", f"/v1/verifiers/check?sha256={sha}", None, self.auth)
             args = {"args": (None, {"env": instance_id}), "kwargs": {"final_answer": None}}
             body: dict[str, Any] = {
                 "key": task.key,
@@ -308,42 +334,42 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
                 "args": base64.b64encode(pickle.dumps(args)).decode(),
                 "args_array": [{"env": instance_id}],
                 "function_name": "verify",
-                "timeout": int(t.verifier_s),
-                "region": ctx.settings.provisioning.region or "us-west-1",
+                "timeout": int(self.t.verifier_s),
+                "region": self.ctx.settings.provisioning.region or "us-west-1",
             }
             if not (known or {}).get("success"):
                 body["bundle"] = bundle
-            answer = await conn.request("POST", "/v1/verifiers/execute", body, auth)
+            answer = await conn.request("POST", "/v1/verifiers/execute", body, self.auth)
         result = answer.get("result") if answer.get("success") else None
         return float(result) if isinstance(result, int | float) else None
 
-    async def one(task: TaskSpec) -> None:
-        async with rollouts:
+    async def one(self, task: TaskSpec) -> None:
+        async with self.limiter:
             began = time.perf_counter()
             timings = Timings()
             reward: float | None = None
             failure: str | None = None
             instance_id: str | None = None
-            conn = Connection(ctx.base_url)
+            conn = Connection(self.ctx.base_url)
             try:
-                instance = await create(conn, task)
+                instance = await self.create(conn, task)
                 timings.provision_s = time.perf_counter() - began
                 instance_id = str(instance["instance_id"])
                 root = urlsplit(instance["urls"]["root"]).path
                 if instance.get("heartbeat_interval"):
-                    held[instance_id] = instance.get("heartbeat_region")
+                    self.held[instance_id] = instance.get("heartbeat_region")
                     with contextlib.suppress(Exception):  # as fleetroll: a lost beat is no failure
-                        await beat(conn, instance_id)
+                        await self.beat(conn, instance_id)
                 mark = time.perf_counter()
-                with anyio.fail_after(t.reset_s):
+                with anyio.fail_after(self.t.reset_s):
                     await conn.request(
                         "POST", f"{root}api/v1/env/reset", {"timestamp": None, "seed": None}
                     )
                 timings.reset_s = time.perf_counter() - mark
-                with anyio.fail_after(t.rollout_s):
-                    await play(conn, task, root, timings)
+                with anyio.fail_after(self.t.rollout_s):
+                    await self.play(conn, task, root, timings)
                 mark = time.perf_counter()
-                reward = await verify(conn, task, instance_id)
+                reward = await self.verify(conn, task, instance_id)
                 timings.verify_s = time.perf_counter() - mark
                 if reward is None:
                     failure = "verifier_error"
@@ -351,27 +377,11 @@ async def run_cpu_floor(ctx: RunContext) -> Outcome:
                 failure = type(exc).__name__
             finally:
                 if instance_id is not None:
-                    held.pop(instance_id, None)
-                with anyio.CancelScope(shield=True), anyio.move_on_after(t.release_s):
-                    await _release(conn, instance_id, auth)
+                    self.held.pop(instance_id, None)
+                with anyio.CancelScope(shield=True), anyio.move_on_after(self.t.release_s):
+                    await _release(conn, instance_id, self.auth)
                 timings.total_s = time.perf_counter() - began
-                samples.append(Sample(reward=reward, failure=failure, timings=timings))
-
-    with anyio.move_on_after(ctx.scenario.wall_limit_s) as scope:
-        async with anyio.create_task_group() as beats:
-            if interval is not None:
-                beats.start_soon(beat_held, interval / 2)
-            async with anyio.create_task_group() as tg:
-                for task in ctx.tasks:
-                    for _ in range(ctx.samples_per_task):
-                        tg.start_soon(one, task)
-            beats.cancel_scope.cancel()
-    return Outcome(
-        samples=samples,
-        returned=len(samples),
-        finished_on_its_own=not scope.cancelled_caught,
-        notes=["one keep-alive HTTP/1.1 connection per rollout, hand-written requests"],
-    )
+                self.samples.append(Sample(reward=reward, failure=failure, timings=timings))
 
 
 async def _release(conn: Connection, instance_id: str | None, auth: Mapping[str, str]) -> None:

@@ -24,6 +24,7 @@ from fleetroll.bench.records import ToolCallRecord, ToolCallStats, load_average
 from fleetroll.bench.scenarios import Scenario, bench_tasks
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.settings import Settings
 from fleetroll.settings.fault_profiles import FaultProfile
 from fleetroll.telemetry.events import Events
@@ -66,7 +67,7 @@ class _Series:
 
 @asynccontextmanager
 async def _fleet(settings: Settings, emu: EmulatorProcess) -> AsyncIterator[FleetProvider]:
-    provider = FleetProvider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
+    provider = fleet_provider(settings, Events(), api_key=emu.api_key, base_url=emu.base_url)
     try:
         yield provider
     finally:

@@ -8,7 +8,7 @@ import anyio
 import click
 
 from fleetroll.bench.scenarios import BASELINES, SCENARIOS
-from fleetroll.cli.options import CONFIG_OPTION
+from fleetroll.cli.options import CONFIG_OPTION, Failed
 from fleetroll.errors import FleetrollError
 from fleetroll.settings import load_settings
 
@@ -17,10 +17,6 @@ __all__ = ["bench"]
 
 #: Where reports go without --out (relative to the working directory).
 _DEFAULT_OUT = Path(".fleetroll") / "bench"
-
-
-class _Failed(click.ClickException):
-    exit_code = 2
 
 
 def _concurrency(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int]:
@@ -172,7 +168,7 @@ def bench(
             for name in scenario_names or ("smoke",)
         ]
     except FleetrollError as exc:
-        raise _Failed(str(exc)) from None
+        raise Failed(str(exc)) from None
     plots = not no_plot
     if plots and not _has_matplotlib():
         click.echo(PLOT_HINT + "; writing JSON and markdown only.", err=True)
@@ -197,4 +193,4 @@ def bench(
         with quiet_libraries(), gc_policy(settings.pool.gc_policy):
             anyio.run(main)
     except FleetrollError as exc:
-        raise _Failed(str(exc)) from None
+        raise Failed(str(exc)) from None

@@ -127,7 +127,7 @@ def eval_command(
         tasks = job_tasks(settings, tasks_paths, profile=profile, out=out, samples=k, resume=False)
     from rich.console import Console
 
-    from fleetroll.cli.run import print_report, run_command
+    from fleetroll.cli.run import exit_as_ended, print_report, run_command
     from fleetroll.evaluation import evaluate, report_markdown
 
     console = Console(stderr=True, soft_wrap=True)
@@ -148,7 +148,7 @@ def eval_command(
         )
         click.echo(json.dumps(report.to_json(), indent=2) if as_json else report_markdown(report))
         print_report(job, console, settings, tables=False)
-    job.exit()
+    exit_as_ended(job)
 
 
 def _compare(

@@ -233,7 +233,8 @@ def run(
     from rich.console import Console
 
     from fleetroll._internal.gc_policy import gc_policy
-    from fleetroll.cli.run import Steps, print_report, run_command
+    from fleetroll.cli.run import exit_as_ended, print_report, run_command
+    from fleetroll.jobs.steps import Steps
 
     plan = Steps(steps, sampling) if steps is not None and sampling is not None else None
     console = Console(stderr=True, soft_wrap=True)
@@ -255,7 +256,7 @@ def run(
             steps=plan,
         )
         print_report(report, console, settings)
-    report.exit()
+    exit_as_ended(report)
 
 
 def _check_agent_command(command: str, settings: Any) -> None:

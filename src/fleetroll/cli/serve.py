@@ -14,18 +14,12 @@ import anyio
 import click
 
 from fleetroll._internal.guard import check_bind
-from fleetroll.cli.options import CONFIG_OPTION, ray_options
+from fleetroll.cli.options import CONFIG_OPTION, Failed, ray_options
 from fleetroll.errors import FleetrollError
 from fleetroll.service.security import token_from_file
 from fleetroll.settings import Settings, load_settings
 
 __all__ = ["serve"]
-
-
-class _Refused(click.ClickException):
-    """Bad input or configuration: a clear message and exit code 2."""
-
-    exit_code = 2
 
 
 @click.command()
@@ -76,11 +70,11 @@ def serve(
             token_file = settings.service.token_file.expanduser()
             made = "made now" if new else "kept from an earlier start"
     except FleetrollError as exc:
-        raise _Refused(str(exc)) from None
+        raise Failed(str(exc)) from None
     try:
         anyio.run(_serve, settings, host, port, profile, ray_address, ray_actors, token_file, made)
     except FleetrollError as exc:
-        raise _Refused(str(exc)) from None
+        raise Failed(str(exc)) from None
 
 
 async def _serve(
@@ -94,7 +88,7 @@ async def _serve(
     made: str,
 ) -> None:
     from fleetroll._internal.gc_policy import gc_policy
-    from fleetroll.cli.run import open_fleet
+    from fleetroll.jobs.fleet import open_fleet
     from fleetroll.pool.batch_pool import open_batch_pool, release_run
     from fleetroll.rollout.agent_process import AgentRecords
     from fleetroll.service.app import Service

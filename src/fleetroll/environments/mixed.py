@@ -18,12 +18,11 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 import anyio
 from anyio.abc import TaskGroup
 
-from fleetroll.environments.fleet.admission import Admission
-from fleetroll.environments.fleet.provider import FleetProvider
-from fleetroll.environments.mcp.provider import McpHandle, McpProvider
+from fleetroll.environments.admission import Admission
+from fleetroll.environments.fleet.provider import FleetConfig, FleetProvider
+from fleetroll.environments.mcp.provider import McpConfig, McpHandle, McpProvider
 from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import ConfigError
-from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.tools.routing import Route
@@ -53,20 +52,22 @@ def require_fleet_key(tasks: Sequence[TaskSpec], api_key: str | None) -> None:
 class MixedProvider:
     """Fleet for Fleet tasks, :class:`McpProvider` for tasks with an ``environment``.
 
-    Takes :class:`FleetProvider`'s arguments; ``api_key`` may be None when
-    no task is a Fleet task.
+    Takes each one's config (``fleet``, ``mcp``) and :class:`FleetProvider`'s
+    other arguments; ``api_key`` may be None when no task is a Fleet task.
     """
 
     def __init__(
         self,
-        settings: Settings,
         events: Events,
         *,
+        fleet: FleetConfig,
+        mcp: McpConfig,
         api_key: str | None = None,
         base_url: str | None = None,
         admission: Admission | None = None,
     ) -> None:
-        self._settings = settings
+        self._fleet_config = fleet
+        self._mcp_config = mcp
         self._events = events
         self._api_key = api_key
         self._base_url = base_url
@@ -88,7 +89,7 @@ class MixedProvider:
                     "a Fleet task needs a Fleet api_key (FLEET_API_KEY); this pool has none"
                 )
             self._fleet = FleetProvider(
-                self._settings,
+                self._fleet_config,
                 self._events,
                 api_key=self._api_key,
                 base_url=self._base_url,
@@ -120,7 +121,7 @@ class MixedProvider:
     def mcp(self) -> McpProvider:
         """The mcp provider (built on first use)."""
         if self._mcp is None:
-            self._mcp = McpProvider(self._settings, self._events)
+            self._mcp = McpProvider(self._mcp_config, self._events)
         return self._mcp
 
     def _for(self, instance: Instance) -> Provider:
@@ -176,5 +177,5 @@ class MixedProvider:
                 await provider.aclose()
 
 
-def _type_check(settings: Settings) -> Provider:
-    return MixedProvider(settings, Events())  # mypy: it satisfies the protocol
+def _type_check(fleet: FleetConfig, mcp: McpConfig) -> Provider:
+    return MixedProvider(Events(), fleet=fleet, mcp=mcp)  # mypy: it satisfies the protocol

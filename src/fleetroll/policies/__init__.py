@@ -69,7 +69,7 @@ class Policy(Protocol):
 
 def policy_from_config(config: ChatPolicyConfig) -> ScriptedPolicy | OpenAIChatPolicy:
     """The policy ``config.policy.kind`` names, configured from ``config``
-    (:func:`fleetroll.pool.rollout_pool.policy_from_settings` builds it from settings)."""
+    (:func:`fleetroll.pool.assembly.policy_from_settings` builds it from settings)."""
     if config.policy.kind == "openai":
         return OpenAIChatPolicy.from_config(config)
     return ScriptedPolicy(think_time_s=config.policy.think_time_s)

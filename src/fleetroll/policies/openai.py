@@ -63,7 +63,7 @@ class ChatPolicyConfig:
     """What an :class:`OpenAIChatPolicy` made from configuration reads: the
     ``[policy]`` section, the key, and its deadlines and waits (from
     ``[timeouts]`` and ``[retries]``), built where things are assembled
-    (:func:`fleetroll.pool.rollout_pool.chat_policy_config`)."""
+    (:func:`fleetroll.pool.assembly.chat_policy_config`)."""
 
     policy: PolicySettings
     #: ``OPENAI_API_KEY``, sent as ``Authorization: Bearer``.

@@ -17,9 +17,9 @@ from typing import Protocol
 
 import anyio
 
-from fleetroll.environments.fleet.admission import Admission
-from fleetroll.environments.fleet.provider import FleetProvider
+from fleetroll.environments.admission import Admission
 from fleetroll.policies import Policy
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.rollout_pool import BatchCounts, RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.events import EventPage
@@ -125,7 +125,7 @@ async def release_run(
     For a process's start-up (``run --resume``, ``serve``), before its pool
     holds anything, and for ``fleetroll gc``.
     """
-    provider = FleetProvider(settings, events, api_key=fleet.api_key, base_url=fleet.base_url)
+    provider = fleet_provider(settings, events, api_key=fleet.api_key, base_url=fleet.base_url)
     try:
         return await provider.collect(run_id)
     finally:

@@ -27,19 +27,19 @@ from typing import Any, Protocol
 
 import anyio
 
-from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.admission import Admission
 from fleetroll.environments.fleet.warm import open_warm_pool
-from fleetroll.environments.mixed import MixedProvider, require_fleet_key
+from fleetroll.environments.mixed import require_fleet_key
 from fleetroll.environments.provider import Provider
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
+from fleetroll.pool.assembly import mixed_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout.engine import RolloutConfig, RolloutEngine
+from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.events import EventPage
 from fleetroll.rollout.phases import Phase, RolloutView
 from fleetroll.rollout.progress import RolloutIds
-from fleetroll.scoring import JudgeConfig
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
@@ -191,7 +191,7 @@ class LocalExecutor:
 
     @asynccontextmanager
     async def open(self, context: ExecutorContext) -> AsyncIterator[None]:
-        ours = MixedProvider(
+        ours = mixed_provider(
             self.settings,
             context.events,
             api_key=self._api_key,
@@ -203,21 +203,17 @@ class LocalExecutor:
             if self.settings.provisioning.reuse:
                 # Instances go from one rollout to the next (and the next batch's).
                 provider = await stack.enter_async_context(
-                    open_warm_pool(provider, self.settings, context.events)
+                    open_warm_pool(
+                        provider,
+                        context.events,
+                        provisioning=self.settings.provisioning,
+                        timeouts=self.settings.timeouts,
+                        modalities=self.settings.modalities,
+                    )
                 )
             self._engine = await stack.enter_async_context(
                 RolloutEngine.open(
-                    RolloutConfig(
-                        timeouts=self.settings.timeouts,
-                        pool=self.settings.pool,
-                        policy=self.settings.policy,
-                        judge=JudgeConfig.from_section(
-                            self.settings.judge,
-                            api_key=self.settings.judge_api_key,
-                            budget=self.settings.retries.judge_budget,
-                        ),
-                        secrets=self.settings.secrets(),
-                    ),
+                    rollout_config(self.settings),
                     context.events,
                     provider,
                     context.admission,

@@ -220,11 +220,11 @@ async def preflight_fleet(
     Raises:
         PreflightError: any check found a problem.
     """
-    from fleetroll.environments.mixed import MixedProvider
+    from fleetroll.pool.assembly import mixed_provider
     from fleetroll.telemetry.events import Events
 
     # The provider the pool builds: Fleet for Fleet tasks, the mcp one for the others.
-    provider = MixedProvider(settings, Events(), api_key=fleet.api_key, base_url=fleet.base_url)
+    provider = mixed_provider(settings, Events(), api_key=fleet.api_key, base_url=fleet.base_url)
     try:
         await preflight(provider, tasks, lambda: check_policy(settings))
     finally:

@@ -31,7 +31,7 @@ Limits, each a ``CapacityLimiter`` named for what it protects:
   agent clock starts when it gets its slot;
 * creates (concurrency and rate), instance caps, Fleet's account limit and
   per-environment circuit breakers: :attr:`RolloutPool.admission`
-  (:mod:`fleetroll.environments.fleet.admission`), shared by every batch of the pool;
+  (:mod:`fleetroll.environments.admission`), shared by every batch of the pool;
 * ``pool.max_queued_rollouts``: rollouts not yet finished across batches; a
   batch that would pass it is refused with :class:`~fleetroll.errors.PoolFullError`.
 
@@ -60,18 +60,12 @@ import anyio
 from anyio.abc import TaskGroup
 
 from fleetroll._internal.exit_stack import exit_transparently
-from fleetroll.environments.fleet.admission import Admission, AdmissionController
+from fleetroll.environments.admission import Admission, AdmissionController, CreateLimits
 from fleetroll.environments.fleet.traces import TraceUploader, open_trace_uploader
 from fleetroll.environments.provider import Provider
 from fleetroll.errors import ConfigError
 from fleetroll.evaluation import DEFAULT_SUCCESS_THRESHOLD, EvalReport, eval_batch, evaluate
-from fleetroll.policies import (
-    ChatPolicyConfig,
-    OpenAIChatPolicy,
-    Policy,
-    ScriptedPolicy,
-    policy_from_config,
-)
+from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.pool.batch import (
     Batch,
@@ -100,11 +94,9 @@ __all__ = [
     "Group",
     "ResultStream",
     "RolloutPool",
-    "chat_policy_config",
     "check_capacity",
     "check_unique_keys",
     "group_id",
-    "policy_from_settings",
     "rollout_id",
 ]
 
@@ -173,7 +165,9 @@ class RolloutPool:
         #: Create limits, instance caps, Fleet's account limit, per-environment
         #: breakers: this pool's own, or ``admission`` (a Ray cluster's,
         #: :mod:`fleetroll.pool.ray.admission`).
-        self.admission: Admission = admission or AdmissionController(settings, self.events)
+        self.admission: Admission = admission or AdmissionController(
+            settings.admission, CreateLimits.from_settings(settings.provisioning), self.events
+        )
         #: The policy version recorded on turns, and the trainer's pause on policy calls.
         self.policy_gate = PolicyGate()
         #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
@@ -584,22 +578,3 @@ async def _acquire(limiter: anyio.CapacityLimiter, rollout: RolloutHandle) -> No
         limiter.acquire_on_behalf_of_nowait(rollout)
     except anyio.WouldBlock:
         await limiter.acquire_on_behalf_of(rollout)
-
-
-def chat_policy_config(settings: Settings) -> ChatPolicyConfig:
-    """What a policy made from ``settings`` reads: ``[policy]``, ``openai_api_key``,
-    ``timeouts.policy_s`` and ``policy_connect_s``, ``retries.policy_backoff_*``
-    (for :meth:`OpenAIChatPolicy.from_config` and ``CommandAgent.from_config``)."""
-    return ChatPolicyConfig(
-        policy=settings.policy,
-        api_key=settings.openai_api_key,
-        timeout_s=settings.timeouts.policy_s,
-        connect_timeout_s=settings.timeouts.policy_connect_s,
-        backoff_initial_s=settings.retries.policy_backoff_initial_s,
-        backoff_max_s=settings.retries.policy_backoff_max_s,
-    )
-
-
-def policy_from_settings(settings: Settings) -> ScriptedPolicy | OpenAIChatPolicy:
-    """The policy ``settings.policy.kind`` names, configured from ``settings``."""
-    return policy_from_config(chat_policy_config(settings))

@@ -15,7 +15,7 @@ from typing import Any
 
 import anyio
 
-from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.admission import Admission
 from fleetroll.environments.provider import Provider
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.rollout.config import RolloutConfig

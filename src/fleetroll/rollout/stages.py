@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import anyio
 
 from fleetroll._internal.deadlines import fail_after
-from fleetroll.environments.fleet.admission import Admission
+from fleetroll.environments.admission import Admission
 from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import (
     ContextOverflowError,

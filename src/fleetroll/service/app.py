@@ -33,17 +33,23 @@ from typing import Any
 import anyio
 
 from fleetroll.errors import OperationTimeout
+from fleetroll.policies import Policy
 from fleetroll.policies.gateway import Gateway
+from fleetroll.pool.assembly import chat_policy_config, policy_from_settings
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
+from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.rollout.agent_process import AgentRecords
 from fleetroll.rollout.events import EventPage
 from fleetroll.rollout.machine import RolloutIds, RolloutView
-from fleetroll.service.batches import BatchRecord, BatchRegistry, parse_one
+from fleetroll.service.batch_record import BatchRecord
+from fleetroll.service.batches import BatchRegistry
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import PolicyConfig, PolicyState
+from fleetroll.service.preflight import BatchPreflight
+from fleetroll.service.requests import parse_one, request_policy
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.service.state import BatchStore
 from fleetroll.service.training import PauseLeases
@@ -51,7 +57,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Redactor
 
-__all__ = ["Service"]
+__all__ = ["ServerPolicies", "Service", "build_policy", "request_settings"]
 
 #: Slack over ``timeouts.release_s`` for cancelling every batch at shutdown, and
 #: over the sum of a rollout's deadlines for waiting on its result. Not
@@ -88,9 +94,28 @@ class Service:
         self.settings = settings
         self.metrics = Metrics()
         self.redact = Redactor(settings.secrets())
-        self.batches = BatchRegistry(pool, settings, self.metrics, preflight_pool=pool, store=store)
+        self.batches = BatchRegistry(
+            pool,
+            self.metrics,
+            preflight=BatchPreflight(
+                pool,
+                service=settings.service,
+                timeouts=settings.timeouts,
+                judge=settings.judge,
+                policy=settings.policy,
+                openai_api_key=settings.openai_api_key,
+            ),
+            policies=ServerPolicies(settings),
+            service=settings.service,
+            pool_settings=settings.pool,
+            timeouts=settings.timeouts,
+            modalities=settings.modalities,
+            store=store,
+        )
         self.batches.agent_records = agent_records
-        self.sessions = SessionRegistry(pool, settings, self.metrics, self.redact)
+        self.sessions = SessionRegistry(
+            pool, self.metrics, self.redact, service=settings.service, timeouts=settings.timeouts
+        )
         #: MCP rollouts: rollout id → the id of its one-rollout batch, and back.
         self.rollouts: dict[str, str] = {}
         self._rollout_of: dict[str, str] = {}
@@ -254,3 +279,43 @@ class Service:
         rid = self._rollout_of.pop(record.batch_id, None)
         if rid is not None:
             self.rollouts.pop(rid, None)
+
+
+def request_settings(config: PolicyConfig | None, settings: Settings) -> Settings:
+    """``settings`` with a request's policy in place of the server's ``[policy]``
+    (:func:`fleetroll.service.requests.request_policy`)."""
+    policy, api_key = request_policy(config, settings.policy, settings.openai_api_key)
+    return settings.model_copy(update={"policy": policy, "openai_api_key": api_key})
+
+
+def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
+    """The policy a request asks for (:func:`request_settings`), built as
+    ``fleetroll run`` builds its own (:func:`~fleetroll.pool.assembly.policy_from_settings`)."""
+    return policy_from_settings(request_settings(config, settings))
+
+
+class ServerPolicies:
+    """The service's :class:`~fleetroll.service.batches.RequestPolicies`: a
+    request's policy over the server's settings."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+
+    def kind(self, config: PolicyConfig | None) -> str:
+        return request_settings(config, self._settings).policy.kind
+
+    def build(self, config: PolicyConfig | None) -> Policy:
+        return build_policy(config, self._settings)
+
+    def agent(
+        self,
+        command: Sequence[str],
+        config: PolicyConfig | None,
+        *,
+        gateway: Gateway,
+        records: AgentRecords | None,
+    ) -> Policy:
+        settings = request_settings(config, self._settings)
+        return CommandAgent.from_config(
+            command, chat_policy_config(settings), gateway=gateway, records=records
+        )

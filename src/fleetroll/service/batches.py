@@ -1,7 +1,9 @@
-"""Batches submitted over HTTP: validation, idempotency, and their results in order.
+"""Batches submitted over HTTP: the registry that checks, starts, re-runs,
+cancels and keeps them (idempotency, their results in order, the store).
 
 Each batch's own iterator is consumed by exactly one server-side task, which
-appends every result to the batch's :class:`BatchRecord` (a list in arrival
+appends every result to the batch's
+:class:`~fleetroll.service.batch_record.BatchRecord` (a list in arrival
 order; a result's cursor is its 1-based index) and wakes whoever waits.
 Readers stream from that list, each at its own pace: a slow reader costs
 nothing but the list itself (bounded by the batch's size) and never holds a
@@ -32,14 +34,14 @@ resubmission runs the rest and nothing is delivered twice.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, suppress
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -47,413 +49,60 @@ from anyio.abc import TaskGroup
 from fleetroll.errors import ConfigError, JournalError, PoolFullError, TaskFileError
 from fleetroll.policies import Policy
 from fleetroll.policies.gateway import Gateway
-from fleetroll.pool.batch import BatchCounts as PoolCounts
 from fleetroll.pool.batch_pool import BatchPool, RunningBatch
 from fleetroll.pool.journal import Journal, journal_line
-from fleetroll.pool.rollout_pool import RolloutPool, chat_policy_config, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
-from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.rollout.agent_process import AgentRecords
-from fleetroll.rollout.events import EventPage, ended_page
-from fleetroll.rollout.phases import Phase, RolloutView
-from fleetroll.rollout.progress import RolloutIds
+from fleetroll.service.batch_record import BatchPlan, BatchRecord
 from fleetroll.service.errors import ApiError
 from fleetroll.service.guards import refuse_host_commands
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import (
-    BatchCounts,
     BatchRequest,
-    BatchState,
-    BatchStatus,
     PolicyConfig,
 )
 from fleetroll.service.preflight import BatchPreflight
 from fleetroll.service.requests import (
-    batch_fingerprint,
-    build_policy,
-    parse_one,
     parse_records,
-    request_settings,
     task_path,
 )
-from fleetroll.service.state import BatchStore, StoredBatch, StoredRequest, rerun_starts
-from fleetroll.service.training import GroupLog
-from fleetroll.settings import Settings
+from fleetroll.service.state import BatchStore
+from fleetroll.settings import ModalitySettings, PoolSettings, ServiceSettings, TimeoutSettings
 from fleetroll.tasks import TaskLimits, TaskSpec, load_task_paths
 
-__all__ = ["BatchRecord", "BatchRegistry", "build_policy", "parse_one", "parse_records"]
+__all__ = ["BatchRegistry", "RequestPolicies"]
 
 _log = logging.getLogger(__name__)
-#: A results chunk holds at most this many lines (fewer, larger writes).
-_LINES_PER_CHUNK = 64
 #: Closing a batch's policy (an HTTP client) after the batch: bounded, shielded.
 #: Not a setting: closing a client does no I/O worth waiting for longer.
 _POLICY_CLOSE_S = 5.0
-#: Stands in, in a batch read back, for a journal line that is not a result: it keeps
-#: its cursor, and streams skip it as they skip a superseded result.
-_UNREADABLE = RolloutResult(
-    rollout_id="",
-    batch_id="",
-    task_key="",
-    env_key="",
-    modality="",
-    status="failed",
-    error="a journal line that is not a result",
-)
 #: How long a resubmission waits for a cancelled batch's last results before re-running it.
 #: Not a setting: a margin over ``timeouts.release_s``, which is one.
 _CANCEL_SETTLE_SLACK_S = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """What a batch runs: enough to run its cancelled rollouts again."""
+class RequestPolicies(Protocol):
+    """What plays a batch's rollouts, as its request asks (built where the
+    service is assembled: :class:`fleetroll.service.app.ServerPolicies`)."""
 
-    tasks: Sequence[TaskSpec]
-    policy: PolicyConfig | None
-    samples_per_task: int
-    deadline_s: float | None
-    oversample: int = 0
-    #: The command each rollout runs as its agent (``agent_command``), or None.
-    agent_command: tuple[str, ...] | None = None
-    #: Once this many groups are complete, the others are cut (``groups_target``).
-    groups_target: int | None = None
-    #: At most this many of its rollouts at once (its share of the pool), or None.
-    max_in_flight: int | None = None
-    #: The tag on every result (an evaluation's policy version), or None.
-    policy_version: int | None = None
+    def kind(self, config: PolicyConfig | None) -> str:
+        """The policy kind the request's policy comes to (``scripted``, ``openai``)."""
+        ...
 
-    def rollout_ids(self, batch_id: str) -> set[str]:
-        return {
-            rollout_id(batch_id, task.key, sample)
-            for task in self.tasks
-            for sample in range(self.samples_per_task + self.oversample)
-        }
+    def build(self, config: PolicyConfig | None) -> Policy:
+        """The request's policy, built as ``fleetroll run`` builds its own."""
+        ...
 
-    def stored(self, batch_id: str, fingerprint: str) -> StoredRequest:
-        """The plan as it is kept on disk (its policy without the api_key)."""
-        policy = self.policy.model_copy(update={"api_key": None}) if self.policy else None
-        return StoredRequest(
-            batch_id=batch_id,
-            fingerprint=fingerprint,
-            tasks=list(self.tasks),
-            policy=policy,
-            samples_per_task=self.samples_per_task,
-            deadline_s=self.deadline_s,
-            oversample=self.oversample,
-            agent_command=None if self.agent_command is None else list(self.agent_command),
-            groups_target=self.groups_target,
-            max_in_flight=self.max_in_flight,
-            policy_version=self.policy_version,
-        )
-
-    def fingerprint(self) -> str:
-        """The request's identity (:func:`fleetroll.service.requests.batch_fingerprint`)."""
-        return batch_fingerprint(
-            self.tasks,
-            self.policy,
-            self.samples_per_task,
-            self.deadline_s,
-            self.oversample,
-            self.agent_command,
-            self.groups_target,
-            max_in_flight=self.max_in_flight,
-            policy_version=self.policy_version,
-        )
-
-    @classmethod
-    def of(cls, request: StoredRequest) -> _Plan:
-        return cls(
-            request.tasks,
-            request.policy,
-            request.samples_per_task,
-            request.deadline_s,
-            request.oversample,
-            None if request.agent_command is None else tuple(request.agent_command),
-            request.groups_target,
-            request.max_in_flight,
-            request.policy_version,
-        )
-
-
-class _Stored:
-    """The :class:`RunningBatch` of a batch read back from disk: nothing runs, results only."""
-
-    def __init__(self, batch_id: str, plan: _Plan, newest: Callable[[str], RolloutResult | None]):
-        self._batch_id = batch_id
-        self._rollouts = {
-            rollout_id(batch_id, task.key, n): (task.key, n)
-            for task in plan.tasks
-            for n in range(plan.samples_per_task + plan.oversample)
-        }
-        self._newest = newest
-        self._finished = anyio.Event()
-        self._finished.set()
-
-    @property
-    def batch_id(self) -> str:
-        return self._batch_id
-
-    @property
-    def total(self) -> int:
-        return len(self._rollouts)
-
-    @property
-    def finished(self) -> anyio.Event:
-        return self._finished
-
-    def counts(self) -> PoolCounts:
-        return PoolCounts(self.total, 0, 0, 0, 0, 0)
-
-    async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
-        key, sample = self._rollouts[rollout_id]
-        ids = RolloutIds(self._batch_id, rollout_id, sample, group_id(self._batch_id, key))
-        result = self._newest(rollout_id)
-        if result is None:
-            return RolloutView(ids, key, Phase.PENDING, 0, (), None)
-        transcript = tuple(result.transcript) if messages else ()
-        return RolloutView(ids, key, Phase.DONE, result.steps, transcript, result)
-
-    async def events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
-        self._rollouts[rollout_id]  # KeyError: not this batch's
-        result = self._newest(rollout_id)
-        if result is None:
-            return EventPage((), missed=0, ended=True)
-        return ended_page(after, result)
-
-    def cancel(self) -> None:
-        pass  # nothing runs
-
-    async def aclose(self) -> None:
-        pass
-
-    def __aiter__(self) -> AsyncIterator[RolloutResult]:
-        return _no_results()
-
-
-async def _no_results() -> AsyncIterator[RolloutResult]:
-    return
-    yield  # an async generator that yields nothing
-
-
-class BatchRecord:
-    """One batch and its results so far, in arrival order.
-
-    ``results`` only grows (a result's cursor is its index + 1); a result
-    replaced by a re-run of its rollout is ``superseded`` and skipped by streams.
-    """
-
-    def __init__(self, batch: RunningBatch, fingerprint: str, plan: _Plan) -> None:
-        self.batch = batch
-        self.fingerprint = fingerprint
-        self.plan = plan
-        self.total = batch.total
-        self.results: list[RolloutResult] = []
-        self.done = False  # every result is in (or, once interrupted, will not come)
-        self.cancel_requested = False
-        #: The service is stopping: the ``cancelled`` results of its rollouts are not kept.
-        self.interrupting = False
-        #: Set once its request is on disk (at once without a store).
-        self.saved = anyio.Event()
-        #: Why it stopped early: its results could not be kept (a full disk), or None.
-        self.error: str | None = None
-        self._latest: dict[str, int] = {}  # rollout id → index of its newest result
-        self._superseded: set[int] = set()
-        self._pending: set[str] = set()  # re-run rollouts whose new result is not in yet
-        self._changed = anyio.Event()
-        #: Its complete groups, streamed by ``GET /v1/batches/{id}/groups``.
-        self.groups = GroupLog(
-            batch.batch_id,
-            plan.tasks,
-            plan.samples_per_task,
-            plan.oversample,
-            groups_target=plan.groups_target,
-        )
-
-    def changed(self) -> anyio.Event:
-        """Set at the next change (a result, the end, a re-run)."""
-        return self._changed
-
-    @property
-    def batch_id(self) -> str:
-        return self.batch.batch_id
-
-    @property
-    def status(self) -> BatchStatus:
-        if not self.done:
-            return "running"
-        if self.interrupted:
-            return "interrupted"
-        cancelled = self.cancel_requested or bool(self.cancelled_ids())
-        return "cancelled" if cancelled else "finished"
-
-    @property
-    def interrupted(self) -> bool:
-        """Over without a result for every rollout: the service stopped while it ran,
-        or could not keep its results (``error``)."""
-        return self.done and (self.error is not None or self.results_in() < self.total)
-
-    @classmethod
-    def restored(cls, stored: StoredBatch) -> BatchRecord:
-        """A batch read back from disk: its results in their stored order (the same cursors),
-        re-runs replayed where they began, every result in."""
-        request = stored.request
-        plan = _Plan.of(request)
-        stand_in = _Stored(request.batch_id, plan, lambda rid: None)
-        record = cls(stand_in, request.fingerprint, plan)
-        stand_in._newest = record.newest_of
-        starts = dict(rerun_starts(stored.results, plan.rollout_ids(request.batch_id)))
-        for i, result in enumerate(stored.results):
-            if i in starts:
-                record.rerun(record.batch, set(starts[i]))
-            if result is None:  # its cursor is kept; its rollout has no result from it
-                record.results.append(_UNREADABLE)
-                record._superseded.add(len(record.results) - 1)
-            else:
-                record.append(result)
-        record.saved.set()
-        record.finish()
-        return record
-
-    def newest_of(self, rollout_id: str) -> RolloutResult | None:
-        """The newest result of a rollout (None: none yet, or it runs again)."""
-        index = self._latest.get(rollout_id)
-        if index is None or index in self._superseded:
-            return None
-        return self.results[index]
-
-    def newest(self) -> list[RolloutResult]:
-        """The newest result of each rollout, in arrival order."""
-        return [r for i, r in enumerate(self.results) if i not in self._superseded]
-
-    def cancelled_ids(self) -> set[str]:
-        """Rollouts whose newest result is ``cancelled``."""
-        return {
-            rid
-            for rid, i in self._latest.items()
-            if self.results[i].failure_reason is FailureReason.CANCELLED
-        }
-
-    def results_in(self) -> int:
-        """Rollouts with a result that is not waiting to be replaced by a re-run."""
-        return len(self._latest) - len(self._pending)
-
-    def state(self) -> BatchState:
-        c = self.batch.counts()
-        newest = [r for r in self.newest() if r.rollout_id not in self._pending]
-        failed = sum(1 for r in newest if r.status == "failed")
-        done = len(newest) - failed
-        return BatchState(
-            batch_id=self.batch_id,
-            status=self.status,
-            cancel_requested=self.cancel_requested,
-            counts=BatchCounts(
-                total=self.total,
-                queued=c.queued,
-                provisioning=c.provisioning,
-                running=max(0, self.total - c.queued - c.provisioning - done - failed),
-                done=done,
-                failed=failed,
-            ),
-            results=len(self.results),
-            error=self.error,
-        )
-
-    def append_all(self, results: Iterable[RolloutResult]) -> None:
-        for result in results:
-            self.append(result)
-
-    def append(self, result: RolloutResult) -> None:
-        self.results.append(result)
-        self._latest[result.rollout_id] = len(self.results) - 1
-        self._pending.discard(result.rollout_id)
-        self.groups.add(result)
-        self.notify()
-
-    def rerun(self, batch: RunningBatch, rollout_ids: set[str]) -> None:
-        """``batch`` runs ``rollout_ids`` again: their results so far are superseded."""
-        for rid in rollout_ids:
-            index = self._latest.get(rid)
-            if index is not None:
-                self._superseded.add(index)
-        self._pending = set(rollout_ids)
-        self.groups.rerun(rollout_ids, self.newest())
-        self.batch = batch
-        self.done = False
-        self.cancel_requested = False
-        self.notify()
-
-    async def wait_done(self) -> None:
-        """Wait until every result is in (bound it with a deadline of your own)."""
-        while not self.done:
-            await self._changed.wait()
-
-    async def wait_cancelled(self) -> None:
-        """Wait until a requested cancel has settled (every result in, or a re-run started)."""
-        while self.cancel_requested and not self.done:
-            await self._changed.wait()
-
-    def finish(self) -> None:
-        self.done = True
-        self.notify()
-
-    def fail(self, error: str) -> None:
-        """Its results can no longer be kept: it ends here, ``interrupted`` with ``error``
-        (the results still to come are dropped, never shown)."""
-        if self.error is None:
-            self.error = error
-        self.finish()
-
-    def notify(self) -> None:
-        """Wake every waiting reader (each then re-checks what it waits for)."""
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def last_line(self, cursor: int) -> bytes:
-        """A stream's last line once the batch is over: ``end``, or ``interrupted``
-        when rollouts have no result (the batch runs them when resubmitted)."""
-        last: dict[str, object]
-        if self.interrupted:
-            missing = self.total - self.results_in()
-            last = {"type": "interrupted", "cursor": cursor, "missing": missing}
-            if self.error is not None:
-                last["error"] = self.error
-        else:
-            last = {"type": "end", "cursor": cursor, "status": self.status}
-        return (json.dumps(last, separators=(",", ":")) + "\n").encode()
-
-    async def lines(
-        self, after: int, *, heartbeat_s: float, stopping: Callable[[], bool]
-    ) -> AsyncIterator[bytes]:
-        """NDJSON chunks: the results after cursor ``after``, then an end (or interrupted) line.
-
-        Heartbeat lines go out while nothing happens for ``heartbeat_s``.
-        ``stopping()`` true (the server is shutting down) ends the stream
-        without an end line, so the client knows to reconnect.
-        """
-        cursor = after
-        while True:
-            while cursor < len(self.results):
-                upto = min(len(self.results), cursor + _LINES_PER_CHUNK)
-                chunk = []
-                for i in range(cursor, upto):
-                    if i in self._superseded:
-                        continue  # its rollout ran again: the newer result follows
-                    body = self.results[i].model_dump_json()
-                    chunk.append(f'{{"type":"result","cursor":{i + 1},"result":{body}}}\n')
-                cursor = upto
-                if chunk:
-                    yield "".join(chunk).encode()
-            if self.done:
-                yield self.last_line(cursor)
-                return
-            if stopping():
-                return
-            changed = self._changed
-            with anyio.move_on_after(heartbeat_s) as idle:
-                await changed.wait()
-            if idle.cancelled_caught:
-                yield f'{{"type":"heartbeat","cursor":{cursor}}}\n'.encode()
+    def agent(
+        self,
+        command: Sequence[str],
+        config: PolicyConfig | None,
+        *,
+        gateway: Gateway,
+        records: AgentRecords | None,
+    ) -> Policy:
+        """The agent ``command`` over the request's policy, through ``gateway``."""
+        ...
 
 
 class BatchRegistry:
@@ -466,16 +115,24 @@ class BatchRegistry:
     def __init__(
         self,
         pool: BatchPool,
-        settings: Settings,
         metrics: Metrics,
         *,
-        preflight_pool: RolloutPool,
+        preflight: BatchPreflight,
+        policies: RequestPolicies,
+        service: ServiceSettings,
+        pool_settings: PoolSettings,
+        timeouts: TimeoutSettings,
+        modalities: Mapping[str, ModalitySettings],
         store: BatchStore | None = None,
     ) -> None:
         self._pool = pool
         #: Checks new batches first, with the pool of this process (``pool`` may be Ray's).
-        self._preflight = BatchPreflight(preflight_pool, settings)
-        self._settings = settings
+        self._preflight = preflight
+        self._policies = policies
+        self._service = service
+        self._pool_settings = pool_settings
+        self._timeouts = timeouts
+        self._modalities = modalities
         self._metrics = metrics
         self._records: dict[str, BatchRecord] = {}
         self._finished: deque[str] = deque()
@@ -535,7 +192,7 @@ class BatchRegistry:
         tasks = await self._resolve_tasks(request)
         refuse_host_commands(
             tasks,
-            allowed=self._settings.service.allow_command_tasks,
+            allowed=self._service.allow_command_tasks,
             loc=["body", "tasks" if request.tasks is not None else "tasks_file"],
             indexed=request.tasks is not None,
         )
@@ -546,9 +203,9 @@ class BatchRegistry:
                 " give at most as many as the tasks",
                 loc=["body", "groups_target"],
             )
-        limit = self._settings.service.max_batch_rollouts
+        limit = self._service.max_batch_rollouts
         oversample = (
-            self._settings.pool.oversample if request.oversample is None else request.oversample
+            self._pool_settings.oversample if request.oversample is None else request.oversample
         )
         total = len(tasks) * (request.samples_per_task + oversample)
         if total > limit:
@@ -582,14 +239,14 @@ class BatchRegistry:
                 batch's policy is not an OpenAI-compatible one.
         """
         loc = ["body", "agent_command"]
-        if not self._settings.service.allow_command_tasks:
+        if not self._service.allow_command_tasks:
             raise ApiError(
                 422,
                 "an agent command runs on the service's host; this service refuses it"
                 " (service.allow_command_tasks = false)",
                 loc=loc,
             )
-        if request_settings(policy, self._settings).policy.kind != "openai":
+        if self._policies.kind(policy) != "openai":
             raise ApiError(
                 422,
                 "an agent command needs an openai policy (its gateway forwards the agent's"
@@ -624,7 +281,7 @@ class BatchRegistry:
                 taken by a different request), 503 (the pool is full, or a
                 cancel of the identical batch is still settling).
         """
-        plan = _Plan(
+        plan = BatchPlan(
             tasks,
             policy_config,
             samples_per_task,
@@ -672,7 +329,7 @@ class BatchRegistry:
             ApiError: 503 (the cancel has not settled, or the pool is full).
         """
         if not record.done and record.cancel_requested:
-            wait_s = self._settings.timeouts.release_s + _CANCEL_SETTLE_SLACK_S
+            wait_s = self._timeouts.release_s + _CANCEL_SETTLE_SLACK_S
             with anyio.move_on_after(wait_s):
                 await record.wait_cancelled()
             if not record.done and record.cancel_requested:
@@ -700,7 +357,7 @@ class BatchRegistry:
 
     def _run(
         self,
-        plan: _Plan,
+        plan: BatchPlan,
         batch_id: str,
         *,
         skip: set[str] | None = None,
@@ -773,18 +430,14 @@ class BatchRegistry:
         record.fail(error)
         record.batch.cancel()
 
-    def _policy(self, plan: _Plan) -> Policy:
+    def _policy(self, plan: BatchPlan) -> Policy:
         """What plays ``plan``'s rollouts: its policy, or its agent command over it."""
         if plan.agent_command is None:
-            return build_policy(plan.policy, self._settings)
+            return self._policies.build(plan.policy)
         if self.gateway is None:
             raise RuntimeError("agent commands are allowed but the service serves no gateway")
-        settings = request_settings(plan.policy, self._settings)
-        return CommandAgent.from_config(
-            plan.agent_command,
-            chat_policy_config(settings),
-            gateway=self.gateway,
-            records=self.agent_records,
+        return self._policies.agent(
+            plan.agent_command, plan.policy, gateway=self.gateway, records=self.agent_records
         )
 
     def _consume_soon(self, record: BatchRecord, policy: Policy) -> None:
@@ -891,7 +544,7 @@ class BatchRegistry:
 
     def _retire(self, record: BatchRecord) -> None:
         self._finished.append(record.batch_id)
-        while len(self._finished) > self._settings.service.keep_finished_batches:
+        while len(self._finished) > self._service.keep_finished_batches:
             old = self._records.pop(self._finished.popleft(), None)
             if old is None:
                 continue
@@ -921,26 +574,26 @@ class BatchRegistry:
         Raises:
             ApiError: 422 naming the item (or the file, line) and field.
         """
-        s = self._settings
+        service = self._service
         limits = TaskLimits(
-            max_file_bytes=s.service.max_tasks_file_bytes,
-            max_tasks=s.service.max_batch_rollouts,
-            max_verifier_bytes=s.pool.max_verifier_bytes,
+            max_file_bytes=service.max_tasks_file_bytes,
+            max_tasks=service.max_batch_rollouts,
+            max_verifier_bytes=self._pool_settings.max_verifier_bytes,
         )
         if request.tasks is not None:
             records = [t.record() for t in request.tasks]
             return await anyio.to_thread.run_sync(
-                parse_records, records, s.modalities, limits, limiter=self._parsing
+                parse_records, records, self._modalities, limits, limiter=self._parsing
             )
         assert request.tasks_file is not None
-        path = task_path(request.tasks_file, s.service.tasks_root)
+        path = task_path(request.tasks_file, service.tasks_root)
         try:
             return await anyio.to_thread.run_sync(
-                load_task_paths, [path], s.modalities, limits, limiter=self._parsing
+                load_task_paths, [path], self._modalities, limits, limiter=self._parsing
             )
         except TaskFileError as exc:
             # Paths as the client gave them: relative to tasks_root, not the server's layout.
-            reason = str(exc).replace(f"{s.service.tasks_root.resolve()}{os.sep}", "")
+            reason = str(exc).replace(f"{service.tasks_root.resolve()}{os.sep}", "")
             raise ApiError(422, reason, loc=["body", "tasks_file"], type="task_error") from None
 
 

@@ -10,7 +10,7 @@ import bisect
 from collections import Counter
 from collections.abc import Mapping
 
-from fleetroll.environments.fleet.admission import AdmissionState
+from fleetroll.environments.admission import AdmissionState
 from fleetroll.results import RolloutResult
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
@@ -89,7 +89,7 @@ class Metrics:
 
 
 def _admission_gauges(state: AdmissionState) -> list[str]:
-    """The admission controller's state (``fleetroll.environments.fleet.admission``) as gauges."""
+    """The admission controller's state (``fleetroll.environments.admission``) as gauges."""
     gauges = [
         (
             "fleetroll_admission_limit",

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import anyio
+from pydantic import SecretStr
 
 from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll.errors import PreflightError
@@ -28,7 +29,7 @@ from fleetroll.scoring.judge import missing_judge
 from fleetroll.service.errors import ApiError
 from fleetroll.service.models import PolicyConfig
 from fleetroll.service.requests import policy_endpoint
-from fleetroll.settings import Settings
+from fleetroll.settings import JudgeSettings, PolicySettings, ServiceSettings, TimeoutSettings
 from fleetroll.tasks import TaskSpec
 
 __all__ = ["BatchPreflight"]
@@ -45,10 +46,23 @@ class BatchPreflight:
             ``serve --ray`` batches run elsewhere, but are checked here).
     """
 
-    def __init__(self, pool: RolloutPool, settings: Settings) -> None:
+    def __init__(
+        self,
+        pool: RolloutPool,
+        *,
+        service: ServiceSettings,
+        timeouts: TimeoutSettings,
+        judge: JudgeSettings,
+        policy: PolicySettings,
+        openai_api_key: SecretStr | None,
+    ) -> None:
         self._pool = pool
-        self._settings = settings
-        self._policies = PreflightCache[bool](settings.service.preflight_cache_s)
+        self._service = service
+        self._timeouts = timeouts
+        self._judge = judge
+        self._policy = policy
+        self._openai_api_key = openai_api_key
+        self._policies = PreflightCache[bool](service.preflight_cache_s)
 
     async def check(
         self, tasks: Sequence[TaskSpec], policy: PolicyConfig | None, *, loc: Sequence[str]
@@ -59,13 +73,13 @@ class BatchPreflight:
             ApiError: 422 with the pre-flight's message, at ``loc``.
         """
         # Not a remote check: a judged task here would never get a reward.
-        problem = missing_judge(tasks, self._settings.judge)
+        problem = missing_judge(tasks, self._judge)
         if problem is not None:
             raise ApiError(422, problem, loc=loc, type="preflight_error")
-        if not self._settings.service.preflight:
+        if not self._service.preflight:
             return
-        endpoint = policy_endpoint(policy, self._settings)
-        timeout = self._settings.timeouts.preflight_s
+        endpoint = policy_endpoint(policy, self._policy, self._openai_api_key)
+        timeout = self._timeouts.preflight_s
 
         async def policy_problems() -> list[str]:
             if endpoint is None:  # scripted: nothing to ask

@@ -18,20 +18,17 @@ from typing import Any
 from pydantic import SecretStr
 
 from fleetroll.errors import TaskFileError
-from fleetroll.policies import Policy
-from fleetroll.pool.rollout_pool import policy_from_settings
 from fleetroll.service.errors import ApiError, loc_of
 from fleetroll.service.models import PolicyConfig
-from fleetroll.settings import Settings
+from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskLimits, TaskSpec, parse_task
 
 __all__ = [
     "batch_fingerprint",
-    "build_policy",
     "parse_one",
     "parse_records",
     "policy_endpoint",
-    "request_settings",
+    "request_policy",
     "task_path",
 ]
 
@@ -155,49 +152,41 @@ def _identity(policy: PolicyConfig) -> dict[str, Any]:
 
 
 def policy_endpoint(
-    config: PolicyConfig | None, settings: Settings
+    config: PolicyConfig | None, policy: PolicySettings, openai_api_key: SecretStr | None
 ) -> tuple[list[str], SecretStr | None] | None:
     """The servers (API roots) and key a request's policy calls (None: scripted).
 
     The request's ``base_urls``, else its ``base_url``, else the server's
     ``policy.servers`` (``policy.base_urls``, or else ``policy.base_url``).
-    The server's own ``OPENAI_API_KEY`` goes only to the server's configured
-    servers: a request naming any other must bring its own key.
+    The server's own ``OPENAI_API_KEY`` (``openai_api_key``) goes only to the
+    server's configured servers: a request naming any other must bring its own key.
     """
-    base = settings.policy
     cfg = config or PolicyConfig()
-    if (cfg.kind or base.kind) == "scripted":
+    if (cfg.kind or policy.kind) == "scripted":
         return None
-    servers = list(cfg.base_urls or ([cfg.base_url] if cfg.base_url else base.servers))
+    servers = list(cfg.base_urls or ([cfg.base_url] if cfg.base_url else policy.servers))
     api_key = cfg.api_key
-    own = {url.rstrip("/") for url in base.servers}
+    own = {url.rstrip("/") for url in policy.servers}
     if api_key is None and all(url.rstrip("/") in own for url in servers):
-        api_key = settings.openai_api_key
+        api_key = openai_api_key
     return servers, api_key
 
 
-def request_settings(config: PolicyConfig | None, settings: Settings) -> Settings:
-    """``settings`` with a request's policy in place of the server's ``[policy]``.
+def request_policy(
+    config: PolicyConfig | None, policy: PolicySettings, openai_api_key: SecretStr | None
+) -> tuple[PolicySettings, SecretStr | None]:
+    """The server's ``[policy]`` and key with a request's policy in their place.
 
     The request's fields that are set replace the server's of the same name;
     its servers and key are :func:`policy_endpoint`'s. Everything else
     (``trajectory``, ``token_in``, the retries' backoff, ``max_calls_per_server``...)
     is the server's, so a batch's policy is built exactly as ``fleetroll run``
-    builds its own.
+    builds its own (:func:`fleetroll.service.app.build_policy`).
     """
     cfg = config or PolicyConfig()
     update = cfg.model_dump(exclude_none=True, exclude={"api_key", "base_url", "base_urls"})
-    top: dict[str, Any] = {}
-    endpoint = policy_endpoint(config, settings)
+    endpoint = policy_endpoint(config, policy, openai_api_key)
     if endpoint is not None:
-        servers, api_key = endpoint
+        servers, openai_api_key = endpoint
         update |= {"base_url": servers[0], "base_urls": servers}
-        top["openai_api_key"] = api_key
-    policy = settings.policy.model_copy(update=update)
-    return settings.model_copy(update={"policy": policy, **top})
-
-
-def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
-    """The policy a request asks for (:func:`request_settings`), built as
-    ``fleetroll run`` builds its own (:func:`~fleetroll.pool.rollout_pool.policy_from_settings`)."""
-    return policy_from_settings(request_settings(config, settings))
+    return policy.model_copy(update=update), openai_api_key

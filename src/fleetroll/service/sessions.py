@@ -33,7 +33,7 @@ from fleetroll.rollout.env_session import EnvSession, StepResult
 from fleetroll.service.errors import ApiError
 from fleetroll.service.metrics import Metrics
 from fleetroll.service.models import Observation, SessionOpened, ToolInfo
-from fleetroll.settings import Settings
+from fleetroll.settings import ServiceSettings, TimeoutSettings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools.session import describe
 
@@ -73,18 +73,20 @@ class SessionRegistry:
     def __init__(
         self,
         pool: RolloutPool,
-        settings: Settings,
         metrics: Metrics,
         redact: Callable[[str], str],
+        *,
+        service: ServiceSettings,
+        timeouts: TimeoutSettings,
     ) -> None:
         self._pool = pool
-        self._settings = settings
+        self._service = service
         self._metrics = metrics
         self._redact = redact
         self._live: dict[str, _Session] = {}
         self._ended: OrderedDict[str, _Session] = OrderedDict()
         self.tg: TaskGroup | None = None
-        t = settings.timeouts
+        t = timeouts
         self._open_s = t.provision_total_s + t.reset_s + t.mcp_connect_s + t.list_tools_s + _SLACK_S
         self._step_s = 2 * t.call_tool_s + t.release_s + _SLACK_S
         self._close_s = t.call_tool_s + t.verifier_s + t.release_s + _SLACK_S
@@ -290,7 +292,7 @@ class SessionRegistry:
         self, session: _Session, env: EnvSession, inbox: MemoryObjectReceiveStream[_Ask]
     ) -> _Ask | None:
         """Answer requests until a close (returned, answered once scored) or idleness."""
-        idle_s = self._settings.service.session_idle_s
+        idle_s = self._service.session_idle_s
         while True:
             ask: _Ask | None = None
             with anyio.move_on_after(idle_s):
@@ -325,7 +327,7 @@ class SessionRegistry:
 
     def _remember(self, session: _Session) -> None:
         self._ended[session.session_id] = session
-        while len(self._ended) > self._settings.service.keep_ended_sessions:
+        while len(self._ended) > self._service.keep_ended_sessions:
             self._ended.popitem(last=False)
 
     def _setup_failure(self, exc: Exception) -> ApiError:

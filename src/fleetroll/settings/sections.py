@@ -178,7 +178,7 @@ class BreakerSettings(_Section):
 
 
 class AdmissionSettings(_Section):
-    """Which instances may be created now (fleetroll.environments.fleet.admission)."""
+    """Which instances may be created now (fleetroll.environments.admission)."""
 
     #: Instances provisioned and not released yet, starting ones counted. None: no cap
     #: but Fleet's account limit.

@@ -25,6 +25,7 @@ from fleetroll.policies import ToolSpec
 from fleetroll.results import VerifierOutcome
 from fleetroll.settings import ModalitySettings, TimeoutSettings
 from fleetroll.tasks import TaskSpec
+from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.routing import Route, route, wants_final_answer
 from fleetroll.tools.session import ToolSession
 
@@ -153,7 +154,10 @@ class FakeProvider:
         async with Client(self._server(instance.handle)) as client:
             session = _HangingListing if "list_tools" in self.hangs else ToolSession
             yield session(
-                client, route.url, call_timeout_s=t.call_tool_s, list_timeout_s=t.list_tools_s
+                SdkClient(client),
+                route.url,
+                call_timeout_s=t.call_tool_s,
+                list_timeout_s=t.list_tools_s,
             )
 
     async def verify(self, instance: Instance, task: TaskSpec, final_answer: str | None) -> Verdict:

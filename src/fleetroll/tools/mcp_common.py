@@ -1,5 +1,5 @@
-"""What both MCP clients share: answer caps, redirects, and tool specs and validators
-made once.
+"""What both MCP clients share: answer caps, redirects, the SDK client's HTTP client,
+and tool specs and validators made once.
 
 The mcp SDK's client (:mod:`fleetroll.tools.session`) and the thin client
 (:mod:`fleetroll.tools.mcp_thin`) read answers up to the same caps and fail
@@ -12,10 +12,14 @@ structured answers with the same compiled validators.
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urljoin, urlsplit
 
+import httpx2
 from jsonschema import SchemaError
 from jsonschema.protocols import Validator
 from jsonschema.validators import validator_for
@@ -25,11 +29,14 @@ from referencing import Registry
 from fleetroll.policies import ToolSpec
 
 if TYPE_CHECKING:
-    from fleetroll.settings import Settings
+    from fleetroll.settings import PoolSettings
 
 __all__ = [
     "ANSWER_TOO_LARGE",
     "AnswerLimits",
+    "HttpClients",
+    "OpenHttp",
+    "http_opener",
     "shared_spec",
     "shared_validator",
     "unfollowed",
@@ -49,8 +56,8 @@ class AnswerLimits:
     listing_bytes: int  # a tools/list answer
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> AnswerLimits:
-        pool = settings.pool
+    def from_pool(cls, pool: PoolSettings) -> AnswerLimits:
+        """The caps ``pool`` sets."""
         return cls(pool.max_tool_answer_bytes, pool.max_tool_listing_bytes)
 
     def cap(self, method: str | None) -> tuple[int, str]:
@@ -71,6 +78,27 @@ class AnswerLimits:
         """The JSON-RPC error the session gets instead of an answer over its cap."""
         error = ErrorData(code=ANSWER_TOO_LARGE, message=self.too_large(method))
         return JSONRPCError(jsonrpc="2.0", id=request_id, error=error)
+
+
+#: An HTTP client for the mcp SDK's client, or how to make one when needed.
+HttpClients = httpx2.AsyncClient | Callable[[], httpx2.AsyncClient]
+
+#: How an SDK client's HTTP client is had: entered for the client's life, and left
+#: after it (a made client is closed then; a shared one is only borrowed).
+OpenHttp = Callable[[], AbstractAsyncContextManager[httpx2.AsyncClient]]
+
+
+def http_opener(http: HttpClients) -> OpenHttp:
+    """How to have ``http`` for one SDK client: a function making a client is
+    itself one (its client is closed after use); a client is borrowed, never closed."""
+    if isinstance(http, httpx2.AsyncClient):
+        return partial(_borrowed, http)
+    return http
+
+
+@asynccontextmanager
+async def _borrowed(http: httpx2.AsyncClient) -> AsyncIterator[httpx2.AsyncClient]:
+    yield http
 
 
 #: Tools as the agent sees them, by what their listing says, shared by every

@@ -23,10 +23,10 @@ import binascii
 import json
 import math
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import httpx2
@@ -36,9 +36,7 @@ from mcp_types import (
     CallToolResult,
     ErrorData,
     ImageContent,
-    ListToolsResult,
     TextContent,
-    Tool,
 )
 
 import fleetroll._internal.retrying as retrying
@@ -47,17 +45,15 @@ from fleetroll._internal.retrying import Decision
 from fleetroll._internal.wire import BodyTooLarge, ProxyError, Wire, WireError
 from fleetroll.errors import FleetrollError, OperationTimeout, ToolCallFailed, ToolsError
 from fleetroll.policies import ToolSpec
+from fleetroll.tools.mcp_client import McpClient, SdkClient
 from fleetroll.tools.mcp_common import (
     ANSWER_TOO_LARGE,
     AnswerLimits,
-    shared_spec,
-    shared_validator,
+    HttpClients,
+    http_opener,
     unfollowed,
 )
-from fleetroll.tools.mcp_thin import ThinClient, probe
-
-if TYPE_CHECKING:
-    pass
+from fleetroll.tools.mcp_thin import probe
 
 _T = TypeVar("_T")
 
@@ -143,31 +139,13 @@ def _connect_transient(exc: BaseException) -> bool:
     return True
 
 
-class _Listed(Protocol):
-    @property
-    def tools(self) -> Sequence[Tool]: ...
-
-
-class McpClient(Protocol):
-    """What a :class:`ToolSession` asks of its MCP client: the mcp SDK's
-    ``Client``, or the thin one (:class:`fleetroll.tools.mcp_thin.ThinClient`)."""
-
-    async def list_tools(self) -> _Listed | ListToolsResult: ...
-
-    async def call_tool(
-        self,
-        name: str,
-        arguments: dict[str, Any] | None = None,
-        read_timeout_seconds: float | None = None,
-    ) -> CallToolResult: ...
-
-
-#: An HTTP client for the mcp SDK's client, or how to make one when needed.
-HttpClients = httpx2.AsyncClient | Callable[[], httpx2.AsyncClient]
-
-
 class ToolSession:
-    """An open MCP session on one endpoint, and the tools it lists."""
+    """An open MCP session on one endpoint, and the tools it lists.
+
+    Its ``client`` is either kind of :class:`~fleetroll.tools.mcp_client.McpClient`
+    (the thin one, or the SDK's in an :class:`~fleetroll.tools.mcp_client.SdkClient`),
+    chosen where the session is opened; the session never asks which.
+    """
 
     def __init__(
         self,
@@ -220,11 +198,7 @@ class ToolSession:
                 operation="list_tools",
                 transient=too_large is None,
             ) from exc
-        specs: Sequence[ToolSpec] | None = getattr(listed, "specs", None)
-        if specs is not None:  # the thin client's listing, shared and made once
-            return list(specs)
-        _share_output_validators(self._client, listed.tools)
-        return [shared_spec(t) for t in listed.tools]
+        return list(listed.specs)
 
     async def call(self, name: str, arguments: Mapping[str, Any]) -> ToolResult:
         """Call a tool; an error *answer* is a result with ``is_error``.
@@ -233,19 +207,10 @@ class ToolSession:
             ToolCallFailed: the call raised or passed its deadline.
         """
         timeout = self._call_timeout_s
-        client = self._client
         try:
-            if isinstance(client, ThinClient):
-                # It bounds the whole call by the read timeout itself (one cancel
-                # scope per call, not two: it is the hot path).
-                result = await client.call_tool(name, dict(arguments), timeout)
-            else:
-                # The MCP read timeout ends the request cleanly; the outer deadline
-                # (a little later) is the hard bound if anything else hangs.
-                with fail_after(timeout + 1.0):
-                    result = await client.call_tool(
-                        name, dict(arguments), read_timeout_seconds=timeout
-                    )
+            # The client bounds the whole call by the timeout itself (one cancel
+            # scope per call on the thin client, not two: it is the hot path).
+            result = await self._client.call_tool(name, dict(arguments), timeout)
         except TimeoutError as exc:
             # Chained from the TimeoutError: `error_type` in telemetry says so.
             raise ToolCallFailed(
@@ -435,32 +400,6 @@ def _timed_out(exc: BaseException) -> bool:
     return "timed out" in describe(exc).lower()
 
 
-def _share_output_validators(client: McpClient, tools: Sequence[Tool]) -> None:
-    """Give a session the compiled validators of its tools' output schemas.
-
-    The mcp client validates every structured tool answer against the tool's
-    output schema, compiling a validator once per tool *per session*: a
-    compile costs ~60x a validation, and with one session per rollout it was
-    ~5 % of fleetroll's CPU at 1,000 concurrent rollouts. Sessions of the
-    same environment list the same schemas, so one compiled validator serves
-    them all (validators are immutable). This fills the session's own cache
-    (``ClientSession._tool_output_validators``, mcp 2.x), which it keys by
-    tool name and clears when a listing changes a schema; if a later mcp
-    drops that attribute, sessions simply compile their own again. (The thin
-    client has no such cache: it asks :func:`shared_validator` itself.)
-    """
-    cache = getattr(getattr(client, "session", None), "_tool_output_validators", None)
-    if not isinstance(cache, dict):
-        return
-    for tool in tools:
-        schema = tool.output_schema
-        if schema is None or tool.name in cache:
-            continue
-        validator = shared_validator(schema)
-        if validator is not None:  # else the session reports it, on the call, as it always has
-            cache[tool.name] = validator
-
-
 @asynccontextmanager
 async def open_tool_session(
     url: str,
@@ -502,13 +441,14 @@ async def open_tool_session(
             the budget's attempts ran out first.
     """
     deadline = anyio.current_time() + connect_timeout_s
+    open_http = http_opener(http)
     if wire is not None:
         opened = await _connect(
             url,
             lambda: probe(
                 url,
                 wire,
-                http=http,
+                open_http=open_http,
                 read_timeout_s=call_timeout_s,
                 limits=limits,
                 budget=request_budget or retrying.Budget(1, 0.0, 0.0),
@@ -519,7 +459,7 @@ async def open_tool_session(
             budget=budget,
             report=report,
         )
-        if isinstance(opened, ThinClient):
+        if opened is not None:  # a modern server: the thin client speaks to it
             yield ToolSession(
                 opened,
                 url,
@@ -530,12 +470,11 @@ async def open_tool_session(
             )
             return
     async with AsyncExitStack() as stack:
-        if not isinstance(http, httpx2.AsyncClient):
-            http = await stack.enter_async_context(http())
+        client = await stack.enter_async_context(open_http())
         yield await stack.enter_async_context(
             _sdk_session(
                 url,
-                http,
+                client,
                 deadline=deadline,
                 connect_timeout_s=connect_timeout_s,
                 call_timeout_s=call_timeout_s,
@@ -666,7 +605,7 @@ async def _sdk_session(
                             connected = True
                             scope.deadline = math.inf
                             yield ToolSession(
-                                client,
+                                SdkClient(client),
                                 url,
                                 call_timeout_s=call_timeout_s,
                                 list_timeout_s=list_timeout_s,

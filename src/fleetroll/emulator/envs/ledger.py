@@ -234,6 +234,13 @@ class LedgerEnv(SampleEnv):
         return LedgerScreen()
 
     def register_tools(self, server: MCPServer, gate: ToolGate) -> None:
+        self._register_account_tools(server, gate)
+        self._register_transaction_tools(server, gate)
+        self._register_invoice_tools(server, gate)
+
+    def _register_account_tools(self, server: MCPServer, gate: ToolGate) -> None:
+        """The chart of accounts: list, one balance, a new account."""
+
         @server.tool(description="List every account with its kind and balance in dollars.")
         async def list_accounts(ctx: Context) -> list[dict[str, Any]]:
             conn = (await gate.enter(ctx)).conn
@@ -261,6 +268,9 @@ class LedgerEnv(SampleEnv):
             except sqlite3.IntegrityError:
                 raise ToolError(f"an account named {name!r} already exists") from None
             return {"account": name, "kind": kind, "balance": 0.0}
+
+    def _register_transaction_tools(self, server: MCPServer, gate: ToolGate) -> None:
+        """Money moving between accounts: record one, search them."""
 
         @server.tool(
             description=(
@@ -335,6 +345,9 @@ class LedgerEnv(SampleEnv):
                 }
                 for r in conn.execute(sql, params)
             ]
+
+    def _register_invoice_tools(self, server: MCPServer, gate: ToolGate) -> None:
+        """Invoices: create, list, mark paid (a deposit booked as Sales), void."""
 
         @server.tool(description="Create an open invoice for a customer (due_date YYYY-MM-DD).")
         async def create_invoice(

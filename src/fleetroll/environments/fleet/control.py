@@ -27,7 +27,7 @@ from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.retrying import Decision, Report, decide, retry_after_s, transient_status
 from fleetroll.errors import ProvisionError
-from fleetroll.settings import Settings
+from fleetroll.settings import ProvisioningSettings, TimeoutSettings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.names import missing_environments
 from fleetroll.telemetry.events import Events
@@ -119,13 +119,14 @@ def classify(exc: BaseException, *, retry_instance_limit: bool = False) -> Class
 
 
 def provisioning_failed(
-    settings: Settings,
     events: Events,
     task: TaskSpec,
     exc: Exception,
     last: BaseException | None,
     attempt: int,
     *,
+    provisioning: ProvisioningSettings,
+    timeouts: TimeoutSettings,
     waited_for_admission: bool,
 ) -> ProvisionError:
     """The error a failed provisioning raises, after ``fleet_make_failed``.
@@ -133,9 +134,9 @@ def provisioning_failed(
     ``exc`` ended it; ``last`` is the last attempt's error, the cause when the
     total budget ran out; ``waited_for_admission``: it never got a place.
     """
-    p = settings.provisioning
-    budget = settings.timeouts.provision_total_s
-    p_create_s = settings.timeouts.provision_create_s
+    p = provisioning
+    budget = timeouts.provision_total_s
+    p_create_s = timeouts.provision_create_s
     failure = last if isinstance(exc, TimeoutError) and last is not None else exc
     verdict = classify(failure, retry_instance_limit=p.retry_instance_limit)
     if isinstance(exc, TimeoutError) and waited_for_admission:
@@ -193,8 +194,10 @@ _CONNECTIONS_PER_LANE = 64
 
 
 def sdk_lanes(
-    settings: Settings,
+    provisioning: ProvisioningSettings,
+    timeouts: TimeoutSettings,
     *,
+    concurrency: int,
     api_key: str,
     base_url: str | None,
     tls: ssl.SSLContext | None = None,
@@ -210,10 +213,11 @@ def sdk_lanes(
     not scan; the lanes stay, as a bound on connections per client. An
     instance stays on the lane that made it (reset, verify, delete). The
     SDK's own retries are off (``max_retries=0``): every retry is decided
-    once, by fleetroll.
+    once, by fleetroll. ``concurrency`` is the pool's (``pool.concurrency``): the
+    instances held at once, besides those being created.
     """
-    p, t = settings.provisioning, settings.timeouts
-    held = settings.pool.concurrency + p.max_concurrent_creates
+    t = timeouts
+    held = concurrency + provisioning.max_concurrent_creates
     lanes = max(1, math.ceil(held / _CONNECTIONS_PER_LANE))
     # One TLS context for every lane (the caller's, if given): building one costs
     # ~50 ms of CPU (loading the CA bundle), a second and a half at 1,000 rollouts.
@@ -302,31 +306,33 @@ async def delete_lease(fleet: AsyncFleet, lease_id: str, *, timeout_s: float) ->
 async def listing_problems(
     fleet: AsyncFleet,
     tasks: Sequence[TaskSpec],
-    settings: Settings,
     *,
+    timeout_s: float,
+    budget: retrying.Budget,
     where: str,
     report: Report,
     cache: PreflightCache[Known] | None = None,
 ) -> list[str]:
     """The control plane answers, the key is accepted, every env version exists.
 
-    One environment listing (``GET /v1/env/``), under ``timeouts.preflight_s``;
-    a 429 or 5xx answer is asked again (the ``make`` budget) within that
-    time, while an address that does not answer is reported at once.
+    One environment listing (``GET /v1/env/``), under ``timeout_s``
+    (``timeouts.preflight_s``); a 429 or 5xx answer is asked again (``budget``:
+    ``provisioning.budget``) within that time, while an address that does not
+    answer is reported at once.
 
     With a ``cache``, a listing fetched within its time to live is used
     instead, unless it lacks something the tasks name (then it is fetched
     again: a version published since is found, a typo costs one listing).
     """
     if cache is None:
-        known = await _listing(fleet, settings, where=where, report=report)
+        known = await _listing(fleet, timeout_s, budget, where=where, report=report)
         return known if isinstance(known, list) else missing_environments(tasks, known)
     key = f"listing {where}"
     async with cache.lock(key):
         kept = cache.get(key)
         if kept is not None and not missing_environments(tasks, kept):
             return []
-        known = await _listing(fleet, settings, where=where, report=report)
+        known = await _listing(fleet, timeout_s, budget, where=where, report=report)
         if isinstance(known, list):
             return known
         cache.put(key, known)
@@ -338,10 +344,10 @@ Known = dict[str, set[str]]
 
 
 async def _listing(
-    fleet: AsyncFleet, settings: Settings, *, where: str, report: Report
+    fleet: AsyncFleet, timeout_s: float, budget: retrying.Budget, *, where: str, report: Report
 ) -> Known | list[str]:
     """The environment listing as :data:`Known`, or the problem lines of not getting it."""
-    timeout = settings.timeouts.preflight_s
+    timeout = timeout_s
 
     def decision(exc: BaseException) -> Decision:
         verdict = classify(exc)
@@ -352,7 +358,7 @@ async def _listing(
         with fail_after(timeout) as scope:
             async for attempt in retrying.attempts(
                 "preflight",
-                settings.provisioning.budget,
+                budget,
                 deadline=scope.deadline,
                 classify=decision,
                 report=report,

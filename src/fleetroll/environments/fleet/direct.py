@@ -397,6 +397,14 @@ class DirectControl:
             return Reset(answer["success"], answer["message"])
         return ResetResponse(**answer)  # type: ignore[no-any-return]  # raises as the SDK does
 
+    def adopt(self, env: FleetEnv) -> None:
+        """Nothing to hand on: a :class:`DirectEnv` reads the shared token through its control."""
+
+    def env_of(self, handle: object) -> DirectEnv:
+        """An instance's handle, as a :class:`DirectEnv` (one this control made)."""
+        assert isinstance(handle, DirectEnv), "an instance of another provider"
+        return handle
+
     async def runner_token(self) -> str | None:
         """The instance-router token: ``RunnerTokenProvider.token_async`` over the
         Wire (the same GET; no HTTP client and TLS set-up of its own), resolved

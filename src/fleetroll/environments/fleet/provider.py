@@ -1,11 +1,15 @@
-"""Fleet as an environment provider: instances through the real SDK.
+"""Fleet as an environment provider: instances through Fleet's control plane.
 
 :class:`FleetProvider` implements :class:`fleetroll.environments.provider.Provider`
 for Fleet (and the embedded emulator): with the modules it owns
 (:mod:`fleetroll.environments.fleet.control`: failure classification, the SDK's clients,
-browser leases, the pre-flight listing; :mod:`fleetroll.environments.fleet.verification`;
+browser leases, the pre-flight listing; :mod:`fleetroll.environments.fleet.control_client`:
+creates and status checks, over :mod:`fleetroll.environments.fleet.direct` or the SDK
+(``provisioning.control_client``), chosen once when the provider is built;
+:mod:`fleetroll.environments.fleet.verification`;
 :mod:`fleetroll.environments.fleet.traces`) it is the only code of the core that talks to
-the ``fleet`` SDK.
+Fleet. It takes a :class:`FleetConfig`, what it reads of the settings
+(:func:`fleetroll.pool.assembly.fleet_provider` builds one from ``Settings``).
 
 * ``AsyncFleet(max_retries=0)``: the SDK's own transport retries (which would
   re-POST creates) are off, so every retry decision is made here, once.
@@ -17,7 +21,7 @@ the ``fleet`` SDK.
   each attempt has its own hard deadline.
 * Creates have their own concurrency limit and rate (a token bucket), apart
   from running rollouts, so a slow Fleet queue never starves them; with an
-  :class:`~fleetroll.environments.fleet.admission.AdmissionController`, each instance also holds
+  :class:`~fleetroll.environments.admission.AdmissionController`, each instance also holds
   a place from before its create to its release (instance caps, Fleet's
   account limit, a 403 ``instance_limit_exceeded`` waits for a release,
   per-environment breakers).
@@ -34,7 +38,6 @@ the ``fleet`` SDK.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -57,13 +60,15 @@ from fleetroll._internal.preflight_cache import PreflightCache
 from fleetroll._internal.proxies import Proxies
 from fleetroll._internal.retrying import Decision, Retry
 from fleetroll._internal.wire import Wire
-from fleetroll.environments.fleet.admission import (
+from fleetroll.environments.admission import (
     Admission,
     CreateLimits,
     CreateSlots,
+    ReadFailure,
     Ticket,
     TokenBucket,
 )
+from fleetroll.environments.fleet.admission import read_create_error
 from fleetroll.environments.fleet.control import (
     Classification,
     Known,
@@ -76,12 +81,19 @@ from fleetroll.environments.fleet.control import (
     provisioning_failed,
     sdk_lanes,
 )
-from fleetroll.environments.fleet.direct import DirectControl, DirectEnv, FleetEnv, new_request_id
+from fleetroll.environments.fleet.control_client import ControlClient, control_client
+from fleetroll.environments.fleet.direct import FleetEnv, new_request_id
 from fleetroll.environments.fleet.heartbeats import Heartbeats
 from fleetroll.environments.fleet.verification import Verifier
 from fleetroll.environments.provider import Instance, Verdict
 from fleetroll.errors import ConfigError, EnvUnavailableError, ProvisionError, RolloutError
-from fleetroll.settings import Settings
+from fleetroll.settings import (
+    ModalitySettings,
+    PoolSettings,
+    ProvisioningSettings,
+    RetrySettings,
+    TimeoutSettings,
+)
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.telemetry.retries import retry_emitter
@@ -97,6 +109,7 @@ from fleetroll.tools.session import (
 __all__ = [
     "Classification",
     "CreateGate",
+    "FleetConfig",
     "FleetProvider",
     "TokenBucket",
     "classify",
@@ -117,9 +130,30 @@ class CreateGate(Protocol):
         """A 429 is the gate's to answer (it waits and slows down), not an attempt's."""
         ...
 
-    def slot(self) -> AbstractAsyncContextManager[None]:
-        """Held for the duration of one create request (it learns from its answer)."""
+    def slot(self, read: ReadFailure) -> AbstractAsyncContextManager[None]:
+        """Held for the duration of one create request (it learns from its answer,
+        an error as ``read`` says: Fleet's is ``read_create_error``)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """What :class:`FleetProvider` reads of the settings, split out of them where
+    the provider is built (:func:`fleetroll.pool.assembly.fleet_config`)."""
+
+    provisioning: ProvisioningSettings
+    timeouts: TimeoutSettings
+    retries: RetrySettings
+    #: ``concurrency`` (sizes the SDK's lanes), ``max_verifier_bytes``,
+    #: ``mcp_client`` and the MCP answers' caps (``max_tool_*_bytes``).
+    pool: PoolSettings
+    modalities: dict[str, ModalitySettings]
+    #: This process's own create gate, used without an admission controller.
+    create_limits: CreateLimits
+    #: ``service.preflight_cache_s``: how long an environment listing is reused.
+    preflight_cache_s: float
+    #: ``admission.account_limit``: read Fleet's account instance limit first.
+    account_limit: bool
 
 
 @dataclass(eq=False, slots=True)
@@ -144,18 +178,19 @@ class _Create:
 
 
 class FleetProvider:
-    """Makes and releases instances through ``AsyncFleet``."""
+    """Makes and releases instances on Fleet's control plane (its control client:
+    :mod:`fleetroll.environments.fleet.control_client`)."""
 
     def __init__(
         self,
-        settings: Settings,
+        config: FleetConfig,
         events: Events,
         *,
         api_key: str,
         base_url: str | None = None,
         admission: Admission | None = None,
     ) -> None:
-        self._settings = settings
+        self._config = config
         self._events = events
         self._where = base_url or "Fleet"
         self._admission = admission
@@ -163,7 +198,7 @@ class FleetProvider:
         self._tickets: dict[str, Ticket] = {}
         self._account_read = False
         self._account_lock = anyio.Lock()
-        t = settings.timeouts
+        t = config.timeouts
         # Built once, for the SDK's lanes, the Wire and the MCP clients: building
         # a TLS context (loading the CA bundle) costs ~30 ms of blocking work.
         # (It trusts SSL_CERT_FILE / SSL_CERT_DIR when set, as httpx does.)
@@ -178,33 +213,35 @@ class FleetProvider:
         if proxy is not None:  # a pre-flight problem names the way it went
             self._where = f"{self._where} (through the proxy {proxy} the environment names)"
         self._clients, self._lanes = sdk_lanes(
-            settings, api_key=api_key, base_url=base_url, tls=self._mcp_tls, proxies=self._proxies
+            config.provisioning,
+            t,
+            concurrency=config.pool.concurrency,
+            api_key=api_key,
+            base_url=base_url,
+            tls=self._mcp_tls,
+            proxies=self._proxies,
         )
-        self._lane = itertools.cycle(self._lanes)
         #: For calls that belong to no instance (listing, sweeping).
         self.fleet = self._lanes[0]
         #: The environment listing, reused by pre-flights within its time to live
         #: (a service checks every batch on this one provider).
-        self._listings = PreflightCache[Known](settings.service.preflight_cache_s)
+        self._listings = PreflightCache[Known](config.preflight_cache_s)
         # The SDK resolves the instance-router token once per *instance*, each
         # time building a new HTTP client (~20 ms of blocking TLS set-up on
         # the loop). One provider, resolved once, is shared by every instance.
         self._runner_tokens = RunnerTokenProvider(self.fleet.client)
-        self._runner_lock = anyio.Lock()
-        self._gate: CreateGate = admission or CreateSlots(
-            CreateLimits.from_settings(settings), events
-        )
+        self._gate: CreateGate = admission or CreateSlots(config.create_limits, events)
         self._verifier = Verifier(
             timeout_s=t.verifier_s,
-            max_source_bytes=settings.pool.max_verifier_bytes,
-            budget=settings.retries.verify_budget,
+            max_source_bytes=config.pool.max_verifier_bytes,
+            budget=config.retries.verify_budget,
             report=retry_emitter(events),
         )
         #: One shared connection pool for the hot path's requests without the
         #: SDKs: the control plane's (``provisioning.control_client = "direct"``)
         #: and the thin MCP client's (``pool.mcp_client = "thin"``).
-        direct = settings.provisioning.control_client == "direct"
-        thin = settings.pool.mcp_client == "thin"
+        direct = config.provisioning.control_client == "direct"
+        thin = config.pool.mcp_client == "thin"
         self._wire: Wire | None = None
         if direct or thin:
             self._wire = Wire(
@@ -212,19 +249,22 @@ class FleetProvider:
                 connect_timeout_s=t.mcp_connect_s,
                 verify=self._mcp_tls,
             )
-        self._direct: DirectControl | None = None
-        if direct:
-            assert self._wire is not None
-            self._direct = DirectControl(self._wire, self.fleet.client, self._runner_tokens)
+        #: Creates and status checks: the direct client or the SDK's, chosen here once.
+        self._control: ControlClient = control_client(
+            config.provisioning.control_client,
+            lanes=self._lanes,
+            runner_tokens=self._runner_tokens,
+            wire=self._wire,
+        )
         self._mcp_wire = self._wire if thin else None
         # Built once too, for every rollout's MCP session (fewer objects per rollout).
         self._mcp_report = retry_emitter(events)
-        self._mcp_limits = AnswerLimits.from_settings(settings)
-        self._retries = settings.retries
+        self._mcp_limits = AnswerLimits.from_pool(config.pool)
+        self._retries = config.retries
         #: Browser leases by instance id (modalities with ``browser_lease``).
         self._leases: dict[str, Lease] = {}
         #: Keeps the instances this provider holds alive (once its loop is started).
-        self.heartbeats = Heartbeats(settings.provisioning.heartbeat_s, timeout_s=t.release_s)
+        self.heartbeats = Heartbeats(config.provisioning.heartbeat_s, timeout_s=t.release_s)
         #: Instances provisioned and not released: a sweep leaves them alone.
         self._live: set[str] = set()
         #: Where create requests run (:meth:`start`); None: in their rollout's task.
@@ -249,7 +289,7 @@ class FleetProvider:
         (which cuts those left; their instances, if any, carry the run's tag for
         the next start's collection). Creates from now on run in their rollout's task."""
         self._background = None
-        with anyio.CancelScope(shield=True), anyio.move_on_after(self._settings.timeouts.release_s):
+        with anyio.CancelScope(shield=True), anyio.move_on_after(self._config.timeouts.release_s):
             while self._creates:
                 ended = self._create_ended = anyio.Event()
                 await ended.wait()
@@ -260,11 +300,8 @@ class FleetProvider:
         if self._wire is not None:
             await self._wire.aclose()
 
-    @staticmethod
-    def _env(instance: Instance) -> FleetEnv:
-        env = instance.handle
-        assert isinstance(env, AsyncEnv | DirectEnv), "an instance of another provider"
-        return env
+    def _env(self, instance: Instance) -> FleetEnv:
+        return self._control.env_of(instance.handle)
 
     async def reset(self, instance: Instance) -> None:
         """Reset the instance to its seed state (``timeouts.reset_s``).
@@ -272,7 +309,7 @@ class FleetProvider:
         Raises:
             RolloutError: Fleet answered that the reset did not succeed.
         """
-        with fail_after(self._settings.timeouts.reset_s):
+        with fail_after(self._config.timeouts.reset_s):
             answer = await self._env(instance).reset()
         if not answer.success:  # the instance's state is not its seed's
             raise RolloutError(
@@ -285,7 +322,7 @@ class FleetProvider:
         assert urls is not None  # provision() hands out running instances only
         chosen = route(
             task.modality,
-            self._settings.modalities,
+            self._config.modalities,
             urls.root,
             final_answer=wants_final_answer(
                 requires=task.requires_final_answer,
@@ -308,7 +345,7 @@ class FleetProvider:
         Fleet instance is its own host anyway, and one shared pool of
         thousands of connections costs a scan of all of them on every request.
         """
-        t = self._settings.timeouts
+        t = self._config.timeouts
         retries = self._retries
         return open_tool_session(
             route.url,
@@ -326,7 +363,7 @@ class FleetProvider:
 
     def mcp_client(self) -> httpx2.AsyncClient:
         """An HTTP client for one rollout's MCP session (also used by the benchmarks)."""
-        t = self._settings.timeouts
+        t = self._config.timeouts
         transport = AiohttpTransport(
             verify=self._mcp_tls,
             keepalive_s=t.http_keepalive_s,
@@ -358,7 +395,8 @@ class FleetProvider:
         return await listing_problems(
             self.fleet,
             tasks,
-            self._settings,
+            timeout_s=self._config.timeouts.preflight_s,
+            budget=self._config.provisioning.budget,
             where=self._where,
             report=report,
             cache=self._listings,
@@ -371,8 +409,8 @@ class FleetProvider:
             ProvisionError: permanent failure, or the attempts or the total
                 budget ran out; ``transient`` says which.
         """
-        p = self._settings.provisioning
-        budget = self._settings.timeouts.provision_total_s
+        p = self._config.provisioning
+        budget = self._config.timeouts.provision_total_s
         started = time.monotonic()
         attempt = 0
         last: BaseException | None = None
@@ -404,7 +442,7 @@ class FleetProvider:
                 ticket = await self._admit(task)
                 async for retry in retrying.attempts(
                     "make",
-                    self._settings.provisioning.budget,
+                    self._config.provisioning.budget,
                     deadline=scope.deadline,
                     classify=decision,
                     report=report,
@@ -429,14 +467,21 @@ class FleetProvider:
             self._give_back(ticket)
             waited = ticket is None and self._admission is not None
             raise provisioning_failed(
-                self._settings, self._events, task, exc, last, attempt, waited_for_admission=waited
+                self._events,
+                task,
+                exc,
+                last,
+                attempt,
+                provisioning=p,
+                timeouts=self._config.timeouts,
+                waited_for_admission=waited,
             ) from exc
         if ticket is not None and self._admission is not None:
             self._admission.started(ticket)
             self._tickets[env.instance_id] = ticket
         self.heartbeats.hold(env)
         self._live.add(env.instance_id)
-        if self._settings.modalities[task.modality].browser_lease:
+        if self._config.modalities[task.modality].browser_lease:
             try:
                 await self._lease_browser(env, task, attempt)
             except anyio.get_cancelled_exc_class():  # nobody will hold it: released now
@@ -481,7 +526,7 @@ class FleetProvider:
         admission = self._admission
         if admission is None:
             return None
-        if not self._account_read and self._settings.admission.account_limit:
+        if not self._account_read and self._config.account_limit:
             async with self._account_lock:  # every create waits for the limit, read once
                 if not self._account_read:
                     await self._read_account()
@@ -491,7 +536,7 @@ class FleetProvider:
     async def _read_account(self) -> None:
         """Fleet's account instance limit, into admission; unknown if it cannot be read."""
         assert self._admission is not None
-        with anyio.move_on_after(self._settings.timeouts.provision_create_s):
+        with anyio.move_on_after(self._config.timeouts.provision_create_s):
             try:
                 account = await self.fleet.account()
             except Exception as exc:  # no limit known: a 403 will teach it
@@ -539,8 +584,8 @@ class FleetProvider:
         Raises:
             ProvisionError: the lease could not be set up.
         """
-        t = self._settings.timeouts
-        ttl_s = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
+        t = self._config.timeouts
+        ttl_s = task.ttl_seconds or self._config.modalities[task.modality].ttl_s
         try:
             with fail_after(t.browser_lease_s):
                 assert env.urls is not None
@@ -576,7 +621,7 @@ class FleetProvider:
 
     async def _delete_lease(self, lease_id: str, instance_id: str) -> bool:
         """Give a browser lease back; shielded and bounded, never raises."""
-        timeout = self._settings.timeouts.release_s
+        timeout = self._config.timeouts.release_s
         error = await delete_lease(self.fleet, lease_id, timeout_s=timeout)
         if error is not None:
             self._events.emit(
@@ -595,11 +640,11 @@ class FleetProvider:
         In :meth:`start`'s task group when there is one: a cancel of the caller
         then leaves a request already sent to end there (:meth:`_run_create`).
         """
-        modality = self._settings.modalities[task.modality]
-        create_timeout = self._settings.timeouts.provision_create_s
+        modality = self._config.modalities[task.modality]
+        create_timeout = self._config.timeouts.provision_create_s
         made: dict[str, Any] = {
             "data_key": task.data_spec,
-            "region": self._settings.provisioning.region,
+            "region": self._config.provisioning.region,
             "env_variables": task.env_variables or None,
             "image_type": modality.image_type,
             "ttl_seconds": task.ttl_seconds or modality.ttl_s,
@@ -608,17 +653,10 @@ class FleetProvider:
         }
 
         async def make() -> FleetEnv:
-            env: FleetEnv
             with fail_after(create_timeout):
-                if self._direct is not None:
-                    env = await self._direct.make(
-                        task.env_spec,
-                        **made,
-                        create_timeout_s=create_timeout,
-                        request_id=request_id,
-                    )
-                else:
-                    env = await next(self._lane).make(task.env_spec, **made, timeout=create_timeout)
+                env = await self._control.make(
+                    task.env_spec, **made, create_timeout_s=create_timeout, request_id=request_id
+                )
             return env
 
         tg = self._background
@@ -646,7 +684,7 @@ class FleetProvider:
         """
         try:
             with create.scope:
-                async with self._gate.slot():
+                async with self._gate.slot(read_create_error):
                     create.sent, create.began = True, time.monotonic()
                     create.env = await make()
                 await self._share_runner_token(create.env)
@@ -733,14 +771,9 @@ class FleetProvider:
     async def _share_runner_token(self, env: FleetEnv) -> None:
         """The instance-router token, resolved once (bounded) for every instance."""
         if not getattr(self._runner_tokens, "_resolved", False):  # resolved: nothing to wait for
-            with anyio.move_on_after(self._settings.timeouts.mcp_connect_s):
-                if self._direct is not None:  # over the Wire: no HTTP client to build
-                    await self._direct.runner_token()
-                else:
-                    async with self._runner_lock:
-                        await self._runner_tokens.token_async()
-        if isinstance(env, AsyncEnv):  # the direct path reads the shared provider itself
-            env._runner_token_provider = self._runner_tokens
+            with anyio.move_on_after(self._config.timeouts.mcp_connect_s):
+                await self._control.runner_token()
+        self._control.adopt(env)
 
     async def is_alive(self, instance: Instance) -> bool:
         """Whether Fleet still reports the instance running.
@@ -748,12 +781,9 @@ class FleetProvider:
         Used to tell "the instance died" from "a call failed". When the control
         plane cannot be asked in time, the instance is presumed alive.
         """
-        with anyio.move_on_after(min(10.0, self._settings.timeouts.release_s)):
+        with anyio.move_on_after(min(10.0, self._config.timeouts.release_s)):
             try:
-                if self._direct is not None:
-                    current: FleetEnv = await self._direct.instance(instance.instance_id)
-                else:
-                    current = await self.fleet.instance(instance.instance_id)
+                current = await self._control.instance(instance.instance_id)
             except fleet_errors.FleetAPIError as exc:
                 return bool(exc.status_code != 404)  # 404: gone; anything else: presume alive
             except Exception:
@@ -781,7 +811,7 @@ class FleetProvider:
         lease = self._leases.pop(instance.instance_id, None)
         if lease is not None:  # the browser first: it shows the instance
             await self._delete_lease(lease.lease_id, instance.instance_id)
-        timeout = self._settings.timeouts.release_s
+        timeout = self._config.timeouts.release_s
         error: str | None = None
         error_type = "TimeoutError"
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
@@ -838,7 +868,7 @@ class FleetProvider:
         A process's start-up (``run --resume``, ``serve``) and ``fleetroll gc``:
         what a killed process of the same run id left behind.
         """
-        with anyio.move_on_after(self._settings.timeouts.release_s):
+        with anyio.move_on_after(self._config.timeouts.release_s):
             try:
                 runs = await self.fleet.list_runs(status="active")
             except Exception as exc:  # best effort: report it
@@ -857,7 +887,7 @@ class FleetProvider:
         released: list[str] = []
         with (
             anyio.CancelScope(shield=True),
-            anyio.move_on_after(self._settings.timeouts.release_s * 2),
+            anyio.move_on_after(self._config.timeouts.release_s * 2),
         ):
             orphans: list[AsyncEnv] = []
             try:
@@ -892,7 +922,7 @@ class FleetProvider:
     async def _close(self, env: FleetEnv) -> None:
         self.heartbeats.drop(env.instance_id)
         self._live.discard(env.instance_id)
-        timeout = self._settings.timeouts.release_s
+        timeout = self._config.timeouts.release_s
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout):
             try:
                 await env.close()

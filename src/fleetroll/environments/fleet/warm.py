@@ -40,7 +40,7 @@ import dataclasses
 import json
 import time
 from collections import defaultdict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,7 +50,7 @@ from anyio.abc import TaskGroup
 
 from fleetroll._internal.deadlines import fail_after
 from fleetroll.environments.provider import Instance, Provider, Verdict
-from fleetroll.settings import Settings
+from fleetroll.settings import ModalitySettings, ProvisioningSettings, TimeoutSettings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.tools.routing import Route
@@ -71,8 +71,8 @@ class ReuseLimits:
     release_s: float
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> ReuseLimits:
-        p, t = settings.provisioning, settings.timeouts
+    def of(cls, provisioning: ProvisioningSettings, timeouts: TimeoutSettings) -> ReuseLimits:
+        p, t = provisioning, timeouts
         return cls(
             max_reuses=p.max_reuses,
             wait_s=p.reuse_wait_s,
@@ -83,12 +83,13 @@ class ReuseLimits:
         )
 
 
-def reuse_key(task: TaskSpec, settings: Settings) -> Hashable | None:
+def reuse_key(task: TaskSpec, modalities: Mapping[str, ModalitySettings]) -> Hashable | None:
     """What an instance for ``task`` was created with: instances with the same
-    key are interchangeable once reset. None: ``task``'s instances are never reused."""
+    key are interchangeable once reset. None: ``task``'s instances are never reused
+    (``modalities``: the ``[modalities]`` table)."""
     if task.environment is not None:
         return None  # an mcp task: its own server, not a Fleet instance
-    modality = settings.modalities.get(task.modality)
+    modality = modalities.get(task.modality)
     if modality is None or modality.tools != "api" or modality.browser_lease:
         return None
     variables = json.dumps(task.env_variables, sort_keys=True, default=str)
@@ -158,11 +159,19 @@ class WarmPool:
     instance it holds, then closes ``inner``.
     """
 
-    def __init__(self, inner: Provider, settings: Settings, events: Events) -> None:
+    def __init__(
+        self,
+        inner: Provider,
+        events: Events,
+        *,
+        provisioning: ProvisioningSettings,
+        timeouts: TimeoutSettings,
+        modalities: Mapping[str, ModalitySettings],
+    ) -> None:
         self._inner = inner
-        self._settings = settings
+        self._modalities = modalities
         self._events = events
-        self._limits = ReuseLimits.from_settings(settings)
+        self._limits = ReuseLimits.of(provisioning, timeouts)
         self._kinds: defaultdict[Hashable, _Kind] = defaultdict(_Kind)
         self._held: dict[str, _Held] = {}
         #: Reset when given back, untouched since: the next rollout's reset is done.
@@ -211,7 +220,7 @@ class WarmPool:
         Raises:
             ProvisionError: creating one failed (as :meth:`Provider.provision`).
         """
-        key = None if self._closing else reuse_key(task, self._settings)
+        key = None if self._closing else reuse_key(task, self._modalities)
         if key is None:
             return await self._inner.provision(task, run_id=run_id)
         kind = self._kinds[key]
@@ -283,7 +292,7 @@ class WarmPool:
                 self._wake_if_none_out(kind)
         kind.came_back()
         self._shed(kind)
-        ttl = task.ttl_seconds or self._settings.modalities[task.modality].ttl_s
+        ttl = task.ttl_seconds or self._modalities[task.modality].ttl_s
         self._held[instance.instance_id] = _Held(
             instance, key, run_id, reuse_until=instance.created_mono + ttl / 2
         )
@@ -504,12 +513,20 @@ class WarmPool:
 
 @asynccontextmanager
 async def open_warm_pool(
-    inner: Provider, settings: Settings, events: Events
+    inner: Provider,
+    events: Events,
+    *,
+    provisioning: ProvisioningSettings,
+    timeouts: TimeoutSettings,
+    modalities: Mapping[str, ModalitySettings],
 ) -> AsyncIterator[WarmPool]:
     """A :class:`WarmPool` over ``inner``, its background work running until exit;
     on exit every instance it holds is released (``inner`` is closed by
-    :meth:`WarmPool.aclose`, as any provider's owner closes it)."""
-    pool = WarmPool(inner, settings, events)
+    :meth:`WarmPool.aclose`, as any provider's owner closes it). Its limits are
+    ``[provisioning]``'s and ``[timeouts]``'s (:class:`ReuseLimits`)."""
+    pool = WarmPool(
+        inner, events, provisioning=provisioning, timeouts=timeouts, modalities=modalities
+    )
     async with anyio.create_task_group() as tg:
         pool._tg = tg
         await tg.start(pool._expire)
@@ -520,5 +537,8 @@ async def open_warm_pool(
             tg.cancel_scope.cancel()
 
 
-def _type_check(inner: Provider, settings: Settings) -> Provider:
-    return WarmPool(inner, settings, Events())  # mypy: it satisfies the protocol
+def _type_check(
+    inner: Provider, p: ProvisioningSettings, t: TimeoutSettings, m: dict[str, ModalitySettings]
+) -> Provider:
+    # mypy: it satisfies the protocol
+    return WarmPool(inner, Events(), provisioning=p, timeouts=t, modalities=m)

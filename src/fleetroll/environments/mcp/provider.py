@@ -72,11 +72,18 @@ from fleetroll.environments.mcp.process import (
 from fleetroll.environments.provider import Instance, Verdict
 from fleetroll.errors import ConfigError, OperationTimeout, ProvisionError, ToolsError
 from fleetroll.results import VerifierOutcome
-from fleetroll.settings import Settings
+from fleetroll.settings import (
+    McpSettings,
+    ModalitySettings,
+    PoolSettings,
+    RetrySettings,
+    TimeoutSettings,
+)
 from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.mcp import McpEnvironment, McpVerifier, ToolCallSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
+from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.mcp_common import unfollowed
 from fleetroll.tools.routing import Route, route
 from fleetroll.tools.session import (
@@ -90,7 +97,7 @@ from fleetroll.tools.session import (
 if TYPE_CHECKING:
     from mcp import Client
 
-__all__ = ["WORKDIR_PREFIX", "McpHandle", "McpProvider", "public_url"]
+__all__ = ["WORKDIR_PREFIX", "McpConfig", "McpHandle", "McpProvider", "public_url"]
 
 
 @dataclass(eq=False)
@@ -121,17 +128,32 @@ class McpHandle:
         return self.environment.url or f"stdio://{self.instance_id}"
 
 
+@dataclass(frozen=True, slots=True)
+class McpConfig:
+    """What :class:`McpProvider` reads of the settings, split out of them where
+    the provider is built (:func:`fleetroll.pool.assembly.mcp_config`)."""
+
+    timeouts: TimeoutSettings
+    retries: RetrySettings
+    mcp: McpSettings
+    #: ``mcp_client`` and the MCP answers' caps (``max_tool_*_bytes``).
+    pool: PoolSettings
+    modalities: dict[str, ModalitySettings]
+
+
 class McpProvider:
     """Environments that are MCP servers: a command started per rollout, or a URL."""
 
-    def __init__(self, settings: Settings, events: Events) -> None:
-        self._settings = settings
+    def __init__(self, config: McpConfig, events: Events) -> None:
+        self._config = config
         self._events = events
         self._live: dict[str, McpHandle] = {}
         #: Who may use each url server now (its rollouts' states must not mix).
         self.leases = ServerLeases()
         self._examples = str(Path(fleetroll.examples_mcp.__file__).resolve().parent)
-        t = settings.timeouts
+        t = config.timeouts
+        #: How many bytes of an MCP answer are read (``pool.max_tool_*_bytes``).
+        self._limits = AnswerLimits.from_pool(config.pool)
         try:
             self._proxies = Proxies.from_environment()
         except ValueError as exc:
@@ -139,7 +161,7 @@ class McpProvider:
         #: The thin MCP client's connections to url servers (pool.mcp_client).
         self._wire = (
             Wire(keepalive_s=t.http_keepalive_s, connect_timeout_s=t.mcp_connect_s)
-            if settings.pool.mcp_client == "thin"
+            if config.pool.mcp_client == "thin"
             else None
         )
 
@@ -185,7 +207,7 @@ class McpProvider:
     async def _url_answers(self, url: str, count: int) -> list[str]:
         """One problem line when ``url`` gives no HTTP answer, or redirects where no
         MCP client follows (another host: every session would fail the same way)."""
-        timeout = self._settings.timeouts.preflight_s
+        timeout = self._config.timeouts.preflight_s
         try:
             with fail_after(timeout):
                 async with (
@@ -224,7 +246,7 @@ class McpProvider:
         ready = False
         try:
             folder = await anyio.to_thread.run_sync(
-                make_workdir, self._settings.mcp.workdir_root, environment.files, made
+                make_workdir, self._config.mcp.workdir_root, environment.files, made
             )
             handle = McpHandle(
                 instance_id=f"mcp-{uuid.uuid4().hex[:12]}",
@@ -257,10 +279,10 @@ class McpProvider:
         finally:
             if not ready and handle is not None:
                 await self._release(handle)  # shielded and bounded, even when cancelled
-            elif not ready and made and not self._settings.mcp.keep_workdirs:
+            elif not ready and made and not self._config.mcp.keep_workdirs:
                 with (
                     anyio.CancelScope(shield=True),
-                    anyio.move_on_after(self._settings.timeouts.release_s),
+                    anyio.move_on_after(self._config.timeouts.release_s),
                     suppress(OSError),  # best effort: the original error is the news
                 ):
                     await anyio.to_thread.run_sync(self._remove, made[0])
@@ -285,7 +307,7 @@ class McpProvider:
     def _provision_error(self, exc: BaseException, handle: McpHandle | None) -> ProvisionError:
         what = "starting the MCP server" if handle and handle.process else "setting up the server"
         if isinstance(exc, TimeoutError):
-            why = f"no MCP handshake within {self._settings.timeouts.mcp_connect_s:g} s"
+            why = f"no MCP handshake within {self._config.timeouts.mcp_connect_s:g} s"
         else:
             why = f"{type(exc).__name__}: {exc}"
         return ProvisionError(f"{what} failed: {why}{self._stderr_tail(handle)}", transient=False)
@@ -312,7 +334,7 @@ class McpProvider:
         setup = handle.environment.setup
         if setup is None:
             return
-        timeout = self._settings.mcp.setup_s
+        timeout = self._config.mcp.setup_s
         ran = await self._run(self._argv(setup, handle), handle, timeout)
         if ran.timed_out or ran.returncode != 0:
             why = (
@@ -340,7 +362,7 @@ class McpProvider:
         finally:
             stderr.close()  # the child holds its own descriptor
         try:
-            with fail_after(self._settings.timeouts.mcp_connect_s):
+            with fail_after(self._config.timeouts.mcp_connect_s):
                 async with self._stdio_client(handle):
                     pass
         except Exception as exc:  # whatever the handshake raised (MCPError...): it cannot start
@@ -362,7 +384,7 @@ class McpProvider:
         reset = handle.environment.reset
         if reset is None:
             return
-        timeout = self._settings.timeouts.reset_s
+        timeout = self._config.timeouts.reset_s
         url = reset.http.url if reset.http is not None else handle.label
         if reset.http is not None:
             target = f"{reset.http.method} {public_url(url)}"
@@ -401,7 +423,7 @@ class McpProvider:
         """The task's modality's tool filter, on the server itself."""
         handle = _handle(instance)
         row = route(
-            task.modality, self._settings.modalities, "", final_answer=task.requires_final_answer
+            task.modality, self._config.modalities, "", final_answer=task.requires_final_answer
         )
         return replace(row, url=handle.label)
 
@@ -418,7 +440,7 @@ class McpProvider:
 
     @asynccontextmanager
     async def _session(self, handle: McpHandle) -> AsyncIterator[ToolSession]:
-        t = self._settings.timeouts
+        t = self._config.timeouts
         if handle.environment.url is not None:
             async with open_tool_session(
                 handle.environment.url,
@@ -426,11 +448,11 @@ class McpProvider:
                 connect_timeout_s=t.mcp_connect_s,
                 call_timeout_s=t.call_tool_s,
                 list_timeout_s=t.list_tools_s,
-                budget=self._settings.retries.mcp_connect_budget,
+                budget=self._config.retries.mcp_connect_budget,
                 report=retry_emitter(self._events),
-                limits=AnswerLimits.from_settings(self._settings),
+                limits=self._limits,
                 wire=self._wire,
-                request_budget=self._settings.retries.mcp_request_budget,
+                request_budget=self._config.retries.mcp_request_budget,
             ) as session:
                 yield session
             return
@@ -441,7 +463,7 @@ class McpProvider:
                     connected = True
                     scope.deadline = math.inf
                     yield ToolSession(
-                        client,
+                        SdkClient(client),
                         handle.label,
                         call_timeout_s=t.call_tool_s,
                         list_timeout_s=t.list_tools_s,
@@ -469,14 +491,14 @@ class McpProvider:
             process_transport(
                 handle.process,
                 handle.stdout_closed,
-                AnswerLimits.from_settings(self._settings),
+                self._limits,
             ),
-            read_timeout_seconds=self._settings.timeouts.call_tool_s,
+            read_timeout_seconds=self._config.timeouts.call_tool_s,
         )
 
     def _http(self) -> httpx2.AsyncClient:
-        t = self._settings.timeouts
-        limits = AnswerLimits.from_settings(self._settings)
+        t = self._config.timeouts
+        limits = self._limits
         return httpx2.AsyncClient(
             timeout=httpx2.Timeout(
                 max(t.call_tool_s, t.list_tools_s) + t.mcp_connect_s, connect=t.mcp_connect_s
@@ -518,7 +540,7 @@ class McpProvider:
         redact: Redactor,
     ) -> Verdict:
         assert verifier.command is not None
-        timeout = self._settings.timeouts.verifier_s
+        timeout = self._config.timeouts.verifier_s
         env = None if final_answer is None else {**handle.env, "FINAL_ANSWER": final_answer}
         ran = await self._run(self._argv(verifier.command, handle), handle, timeout, env=env)
         stdout = redact(ran.stdout[-OUTPUT_KEPT:])
@@ -558,7 +580,7 @@ class McpProvider:
     async def _verify_tool(
         self, handle: McpHandle, tool: ToolCallSpec, redact: Redactor
     ) -> Verdict:
-        timeout = self._settings.timeouts.verifier_s
+        timeout = self._config.timeouts.verifier_s
         try:
             with fail_after(timeout):
                 async with self._session(handle) as session:
@@ -583,7 +605,7 @@ class McpProvider:
         env: dict[str, str] | None = None,
     ) -> Ran:
         """:func:`run_command` in the workdir, with the handle's environment by default."""
-        grace, wait = self._settings.mcp.kill_grace_s, self._settings.timeouts.release_s
+        grace, wait = self._config.mcp.kill_grace_s, self._config.timeouts.release_s
         return await run_command(
             argv, handle.workdir, env or handle.env, limit_s, grace_s=grace, wait_s=wait
         )
@@ -598,7 +620,7 @@ class McpProvider:
             return handle.environment.url is not None and not handle.released
         if process.returncode is None and handle.stdout_closed.is_set():
             # Its stdout ended: it is exiting; give the loop the time to see it.
-            with anyio.move_on_after(self._settings.mcp.kill_grace_s):
+            with anyio.move_on_after(self._config.mcp.kill_grace_s):
                 await process.wait()
         return process.returncode is None
 
@@ -617,14 +639,14 @@ class McpProvider:
         if handle.leased and handle.environment.url is not None:
             handle.leased = False
             self.leases.release(handle.environment.url, handle)  # the next in line may go
-        timeout, grace = self._settings.timeouts.release_s, self._settings.mcp.kill_grace_s
+        timeout, grace = self._config.timeouts.release_s, self._config.mcp.kill_grace_s
         error: str | None = None
         began = time.monotonic()
         with anyio.CancelScope(shield=True), anyio.move_on_after(timeout) as scope:
             try:
                 if handle.process is not None:
                     await stop_process(handle.process, grace_s=grace, wait_s=timeout)
-                if not self._settings.mcp.keep_workdirs:
+                if not self._config.mcp.keep_workdirs:
                     await anyio.to_thread.run_sync(self._remove, handle.folder)
             except Exception as exc:  # a failed release is reported, never raised
                 error = f"{type(exc).__name__}: {exc}"
@@ -643,7 +665,7 @@ class McpProvider:
         return False
 
     def _remove(self, folder: Path) -> None:
-        remove_workdir(folder, self._settings.mcp.workdir_root)
+        remove_workdir(folder, self._config.mcp.workdir_root)
 
     async def sweep(self, run_id: str) -> int:
         """Release every environment of ``run_id`` still held; never raises."""
@@ -675,7 +697,7 @@ class McpProvider:
         return self._tail(text, self._redactor(handle))
 
     def _tail(self, text: str, redact: Redactor) -> str:
-        keep = self._settings.mcp.stderr_lines
+        keep = self._config.mcp.stderr_lines
         lines = deque((line for line in text.splitlines() if line.strip()), maxlen=keep or 1)
         if not keep or not lines:
             return ""

@@ -1,5 +1,5 @@
 """Admission on Ray: one
-:class:`~fleetroll.environments.fleet.admission.AdmissionController` for the cluster.
+:class:`~fleetroll.environments.admission.AdmissionController` for the cluster.
 
 * :class:`AdmissionHost`: the Ray pool's limiter actor (``RayExecutor.limiter``).
   It holds the cluster's one controller: create concurrency and rate, the
@@ -9,7 +9,7 @@
   Callers are named by a *holder* (an actor's name, or the driver's); what a
   holder has (instance places, create slots, waits) is given back by
   :meth:`AdmissionHost.release_all` when it dies.
-* :class:`RemoteAdmission`: the :class:`~fleetroll.environments.fleet.admission.Admission`
+* :class:`RemoteAdmission`: the :class:`~fleetroll.environments.admission.Admission`
   protocol over that actor, for each actor's pools (and the driver's view of
   the state). Calls that only tell the host something (``started``,
   ``release``, ``record``, ``learn_account``) are sent without waiting for an
@@ -39,11 +39,12 @@ from typing import Any
 
 import anyio
 
-from fleetroll.environments.fleet.admission import (
+from fleetroll.environments.admission import (
     AdmissionController,
     AdmissionState,
     CreateAnswer,
     CreateLimits,
+    ReadFailure,
     Ticket,
     answered,
 )
@@ -113,7 +114,11 @@ class AdmissionHost:
         # Made on the actor's event loop, at the first call (anyio's events need one).
         if self._controller is None:
             self._held = _Held()
-            self._controller = AdmissionController(self._settings, Events([self._held]))
+            self._controller = AdmissionController(
+                self._settings.admission,
+                CreateLimits.from_settings(self._settings.provisioning),
+                Events([self._held]),
+            )
         return self._controller
 
     async def _wait(self, holder: str, rid: str, admit: Callable[[], Awaitable[Ticket]]) -> Answer:
@@ -187,7 +192,7 @@ class AdmissionHost:
         return False
 
     async def release_slot(self, holder: str, rid: str, answer: CreateAnswer | None = None) -> None:
-        """Give a create slot back; ``answer``: what its create said of Fleet's load."""
+        """Give a create slot back; ``answer``: what its create said of the provider's load."""
         key = (holder, rid)
         if key in self._slots:
             self._slots.remove(key)
@@ -225,7 +230,7 @@ class AdmissionHost:
 
 
 class RemoteAdmission:
-    """The fleet provider's ``Admission`` over an :class:`AdmissionHost` actor.
+    """A provider's ``Admission`` over an :class:`AdmissionHost` actor.
 
     Args:
         host: the actor's handle (each method has ``.remote(...)``).
@@ -277,18 +282,20 @@ class RemoteAdmission:
     def adaptive(self) -> bool:
         return self._adaptive
 
-    def slot(self) -> AbstractAsyncContextManager[None]:
-        return self._slot()
+    def slot(self, read: ReadFailure) -> AbstractAsyncContextManager[None]:
+        return self._slot(read)
 
     @asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
+    async def _slot(self, read: ReadFailure) -> AsyncIterator[None]:
         rid = self._new_id()
         if not await self._ask(self._host.acquire_slot, rid):
             raise self._refused("a create slot")
-        # The create's answer is read here (the SDK's errors stay in this
-        # process) and sent with the slot: the host learns the cluster's rate.
+        # The create's answer is read here, by the provider's ``read`` (the
+        # SDK's errors stay in this process), and sent with the slot: the host
+        # learns the cluster's rate.
         with answered(
             self._slow_s,
+            read,
             lambda answer: self._host.release_slot.remote(
                 self._holder, rid, answer if self._adaptive else None
             ),

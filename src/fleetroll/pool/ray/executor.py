@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 
 from fleetroll._internal.excerpts import shorten
-from fleetroll.environments.fleet.admission import CreateLimits
+from fleetroll.environments.admission import CreateLimits
 from fleetroll.environments.fleet.provider import FleetProvider
 from fleetroll.environments.fleet.traces import redacted
 from fleetroll.environments.mixed import require_fleet_key
@@ -38,6 +38,7 @@ from fleetroll.errors import OperationTimeout
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import PolicyRecipe
+from fleetroll.pool.assembly import fleet_provider
 from fleetroll.pool.executor import ExecutorContext, LocalExecutor, RolloutHandle
 from fleetroll.pool.ray.actors import PolicyHost, _Buffer, default_num_actors, holder, load_ray
 from fleetroll.pool.ray.admission import AdmissionHost, RemoteAdmission
@@ -80,7 +81,7 @@ class ExecutorWorker:
             limiter,
             holder(index),
             settings.timeouts.ray_call_s,
-            limits=CreateLimits.from_settings(settings),
+            limits=CreateLimits.from_settings(settings.provisioning),
         )
         self._gate = PolicyGate()
         self._pause: AsyncExitStack | None = None
@@ -491,7 +492,7 @@ class RayExecutor:
         self._events, self._closing = context.events, False
         self._gate = context.policy_gate
         if self._api_key is not None:
-            self._fleet = FleetProvider(
+            self._fleet = fleet_provider(
                 self.settings, context.events, api_key=self._api_key, base_url=self._base_url
             )
         async with AsyncExitStack() as stack:
@@ -730,7 +731,7 @@ async def ray_pool(
             limiter,
             "driver",
             settings.timeouts.ray_call_s,
-            limits=CreateLimits.from_settings(settings),
+            limits=CreateLimits.from_settings(settings.provisioning),
         )
         events = events or Events()
         await stack.enter_async_context(admission.followed(events))

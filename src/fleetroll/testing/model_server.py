@@ -1,0 +1,791 @@
+"""A vLLM-shaped inference server on loopback that runs a real (tiny) model, for tests.
+
+Where :class:`fleetroll.testing.fake_openai.FakeChatServer` answers from a
+script, this server samples from a Hugging Face causal LM on the CPU (the
+tiny model of :mod:`fleetroll.testing.tiny_model`, or any model saved with
+``save_pretrained``), so token ids and logprobs are the model's own and a
+trainer can recompute them::
+
+    path = save_tiny_model(tmp_path / "tiny", seed=0)
+    async with ModelServer(path) as server:
+        policy = OpenAIChatPolicy(base_url=server.base_url, model=server.model_name, ...)
+
+It answers as vLLM does (``vllm serve --enable-auto-tool-choice
+--tool-call-parser hermes``, with its dev-mode routes), in the shapes
+fleetroll's policy reads:
+
+- ``GET /v1/models``: the one model, with ``max_model_len`` and the weights'
+  ``version`` (an int, 0 at start, +1 per weight update);
+- ``POST /v1/chat/completions``: the chat template applied on the server
+  (``tools``, ``add_generation_prompt``), sampling with ``temperature``,
+  ``top_p``, ``top_k``, ``max_tokens``, ``seed`` and ``n``; the assistant's
+  ``<tool_call>{json}</tool_call>`` parsed hermes-style into ``tool_calls``
+  (when the request has ``tools``); with ``return_token_ids``, the prompt's ids
+  at the top level (``prompt_token_ids``) and each choice's ``token_ids``; with
+  ``logprobs`` (and ``top_logprobs``), ``choices[].logprobs.content``;
+- ``POST /v1/chat/completions/tokens`` (prime-rl's token-in route, unless
+  ``token_route=False``): the same, the prompt being the body's ``tokens``;
+- ``POST /tokenize``: vLLM's, for ``messages`` (with ``tools`` and
+  ``add_generation_prompt``) or a ``prompt`` text → ``tokens``;
+- ``POST /v1/completions``: ``prompt`` as text or as a list of token ids, or
+  a batch of either (choices prompt-major, ``n`` per prompt); ``text``, and
+  with ``return_token_ids`` each choice's ``prompt_token_ids`` and
+  ``token_ids``; ``logprobs: k`` answers OpenAI's legacy shape (``tokens``,
+  ``token_logprobs``, ``top_logprobs``, ``text_offset``). This is the route
+  TRL's ``VLLMClient.generate`` uses (a batch of token prompts,
+  ``return_tokens_as_token_ids``: tokens shown as ``token_id:N``, in the chat
+  route's logprobs too);
+- ``GET /health``: 200;
+- weight updates, each loading a ``save_pretrained`` directory, swapping the
+  model and bumping the version: vLLM's ``POST /collective_rpc`` with
+  ``{"method": "reload_weights"}`` (from the served path, or from
+  ``kwargs.weights_path``/``model_path``) and SGLang's ``POST
+  /update_weights_from_disk`` (``{"model_path": ..., "weight_version": ...}``,
+  answered ``{"success": true, ...}``); ``GET /get_weight_version`` answers
+  SGLang's ``{"weight_version": ...}``.
+
+Every answer carries the header ``X-Weight-Version``: for a completion, the
+version of the weights that generated all of it (a generation keeps the
+weights it started with; an update applies to the next one).
+
+**Logprobs** are by default the raw model's: ``log_softmax(logits)`` of the
+sampled token, in float32, on the logits the model gives for that position,
+the input of the temperature (before temperature, top-k or top-p: vLLM's
+default ``--logprobs-mode raw_logprobs``). A trainer recomputes them with one
+forward pass of the model over prompt + completion and ``log_softmax`` of the
+logits, no temperature: within 1e-5 for a few dozen tokens (the tests
+check), up to ~1e-5 apart after a few hundred (the KV cache's float32 sums).
+Sampling draws from ``softmax(logits / temperature)`` with the tokens outside
+``top_k`` and
+``top_p`` removed (temperature 0: the argmax). With
+``logprobs_mode="processed_logprobs"`` the logprobs are those of that
+processed distribution, ``log_softmax(logits / temperature)`` after the cuts
+(vLLM's ``processed_logprobs``; TRL's ``GRPOTrainer`` computes
+``log_softmax(logits / temperature)`` on its side). ``top_logprobs`` are the k
+largest of the same distribution as ``logprobs``.
+
+A completion ends at ``<|im_end|>`` or ``<|endoftext|>`` (the tokenizer's and
+the generation config's end tokens), which is in ``token_ids`` and has a
+logprob (as vLLM), but not in the text; or after ``max_tokens`` tokens
+(``finish_reason: "length"``). A prompt that leaves no room for ``max_tokens``
+is answered HTTP 400 with vLLM's message. Generation runs one at a time (the
+machine has few cores) in a worker thread, incrementally with the KV cache.
+
+Needs the ``train`` extra (torch, transformers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import itertools
+import json
+import re
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import anyio
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from fleetroll._internal.exit_stack import exit_transparently
+from fleetroll._internal.serving import serve_asgi
+
+__all__ = ["Generation", "ModelServer", "parse_hermes_tool_calls"]
+
+_STARTUP_TIMEOUT_S = 10.0
+_SHUTDOWN_TIMEOUT_S = 5.0
+#: vLLM's ``max_tokens`` for ``/v1/completions`` when the request sets none.
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One sampled completion.
+
+    Attributes:
+        token_ids: the generated ids, the end token included when it ended on one.
+        logprobs: each generated token's raw logprob (see the module's docstring).
+        top_logprobs: per token, the ``(id, logprob)`` of the k likeliest tokens.
+        finish_reason: ``"stop"`` (an end token) or ``"length"``.
+        version: the version of the weights that generated it.
+    """
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
+    finish_reason: str
+    version: int
+
+
+class _BadRequest(Exception):
+    """Answered HTTP 400 with this message (vLLM's error shape)."""
+
+
+class ModelServer:
+    """A vLLM-shaped server for the model saved in ``model_path``, on loopback.
+
+    Use it as an async context manager.
+
+    Args:
+        model_path: a ``save_pretrained`` directory holding a causal LM and its
+            tokenizer (with a chat template).
+        model_name: the served model's name (default: the directory's name).
+            Requests may name any model.
+        token_route: serve ``/v1/chat/completions/tokens`` (False: a plain
+            ``vllm serve``, which has no such route).
+        seed: seeds the sampling of requests that give no ``seed``.
+        default_max_tokens: the chat route's ``max_tokens`` when a request sets
+            none (vLLM's is the rest of the context; this keeps tests quick).
+        logprobs_mode: vLLM's ``--logprobs-mode``: ``raw_logprobs`` (its
+            default) or ``processed_logprobs`` (what TRL's trainer computes).
+        host: the address to bind (a free port is chosen).
+
+    Attributes:
+        base_url: ``http://127.0.0.1:<port>/v1``, set once started.
+        root_url: the same without ``/v1`` (``/tokenize``, weight updates).
+        version: the weights' version: 0, then +1 per update.
+        requests: ``(path, body)`` of every POST received, in order.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        model_name: str | None = None,
+        token_route: bool = True,
+        seed: int = 0,
+        default_max_tokens: int = 64,
+        logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.model_path = Path(model_path)
+        self.model_name = model_name or self.model_path.name
+        self.token_route = token_route
+        self.default_max_tokens = default_max_tokens
+        self.logprobs_mode = logprobs_mode
+        self.base_url = ""
+        self.root_url = ""
+        self.version = 0
+        self.weight_version = "0"
+        self.requests: list[tuple[str, dict[str, Any]]] = []
+        self._host = host
+        self._seed = seed
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self._end_ids: frozenset[int] = frozenset()
+        self._max_model_len = 0
+        self._sampling_seeds = itertools.count()
+        self._generating = anyio.CapacityLimiter(1)  # one generation at a time
+        self._loading = anyio.Lock()  # one weight update at a time
+        self._swap = threading.Lock()  # the model and its version change together
+        self._ids = itertools.count()
+        self._stack = contextlib.AsyncExitStack()
+
+    # -- lifecycle
+
+    async def __aenter__(self) -> Self:
+        await anyio.to_thread.run_sync(self._load_all)
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self._running())
+            self._stack = stack.pop_all()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await exit_transparently(self._stack, exc_type, exc, tb)
+
+    @contextlib.asynccontextmanager
+    async def _running(self) -> AsyncIterator[None]:
+        app = Starlette(
+            routes=[
+                Route("/health", self._health, methods=["GET"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/v1/chat/completions/tokens", self._chat_tokens, methods=["POST"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
+                Route("/collective_rpc", self._collective_rpc, methods=["POST"]),
+                Route("/update_weights_from_disk", self._update_from_disk, methods=["POST"]),
+                Route("/get_weight_version", self._get_weight_version, methods=["GET"]),
+            ]
+        )
+        try:
+            async with serve_asgi(
+                app,
+                host=self._host,
+                lifespan="off",
+                startup_timeout_s=_STARTUP_TIMEOUT_S,
+                shutdown_timeout_s=_SHUTDOWN_TIMEOUT_S,
+            ) as url:
+                self.root_url = url
+                self.base_url = f"{url}/v1"
+                yield
+        except OSError as exc:
+            raise RuntimeError(f"the model server could not start: {exc}") from exc
+
+    def _load_all(self) -> None:
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        self._model = _load_model(self.model_path)
+        config = self._model.config
+        self._max_model_len = int(getattr(config, "max_position_embeddings", 4096))
+        ends = {self._tokenizer.eos_token_id}
+        for source in (config.eos_token_id, self._model.generation_config.eos_token_id):
+            ends.update(source if isinstance(source, list) else [source])
+        self._end_ids = frozenset(i for i in ends if isinstance(i, int))
+
+    # -- the model
+
+    @property
+    def model(self) -> Any:
+        """The model now served (a ``transformers`` causal LM, eval mode)."""
+        return self._model
+
+    @property
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer."""
+        return self._tokenizer
+
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        seed: int | None = None,
+        top_logprobs: int = 0,
+        weights: tuple[Any, int] | None = None,
+    ) -> Generation:
+        """Sample one completion of ``prompt_ids`` (blocking; the routes call it
+        in a worker thread, one at a time) with the weights now served, or with
+        ``weights`` (a model and its version: a request's completions all use
+        the weights it started with)."""
+        import torch
+
+        model, version = weights or self._weights()
+        processed_logprobs = self.logprobs_mode == "processed_logprobs"
+        if seed is None:
+            seed = self._seed * 1_000_003 + next(self._sampling_seeds)
+        generator = torch.Generator().manual_seed(seed)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        tops: list[tuple[tuple[int, float], ...]] = []
+        finish = "length"
+        # transformers 5 names the KV cache ``cache`` (``past_key_values`` before).
+        name = "cache" if "cache" in inspect.signature(model.forward).parameters else None
+        with torch.inference_mode():
+            out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True)
+            for _ in range(max_tokens):
+                logits = out.logits[0, -1].float()
+                token, processed = _sample(logits, temperature, top_p, top_k, generator)
+                shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
+                ids.append(token)
+                logprobs.append(float(shown[token]))
+                if top_logprobs:
+                    values, indices = torch.topk(shown, top_logprobs)
+                    tops.append(tuple(zip(indices.tolist(), values.tolist(), strict=True)))
+                if token in self._end_ids:
+                    finish = "stop"
+                    break
+                cache = out.cache if name else out.past_key_values
+                out = model(
+                    input_ids=torch.tensor([[token]]),
+                    use_cache=True,
+                    **{name or "past_key_values": cache},
+                )
+        return Generation(tuple(ids), tuple(logprobs), tuple(tops), finish, version)
+
+    def _weights(self) -> tuple[Any, int]:
+        """The model now served and its version, read together."""
+        with self._swap:
+            return self._model, self.version
+
+    async def update_weights(self, path: str | Path, *, weight_version: str | None = None) -> int:
+        """Load the model saved in ``path`` and serve it from the next generation
+        on; return the new version."""
+        async with self._loading:
+            model = await anyio.to_thread.run_sync(_load_model, Path(path))
+            with self._swap:
+                self._model = model
+                self.version += 1
+                self.weight_version = weight_version or str(self.version)
+            return self.version
+
+    # -- routes
+
+    async def _models(self, request: Request) -> Response:
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "fleetroll",
+            "root": str(self.model_path),
+            "max_model_len": self._max_model_len,
+            "version": self.version,
+            "weight_version": self.weight_version,
+        }
+        return self._json({"object": "list", "data": [model]})
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def _get_weight_version(self, request: Request) -> Response:
+        return self._json({"weight_version": self.weight_version})
+
+    async def _tokenize(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            if "messages" in body:
+                ids = self._chat_prompt(body, generation=body.get("add_generation_prompt", True))
+            elif isinstance(body.get("prompt"), str):
+                ids = self._encode(body["prompt"])
+            else:
+                raise _BadRequest("either 'messages' or 'prompt' (a string) is required")
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        return self._json({"count": len(ids), "max_model_len": self._max_model_len, "tokens": ids})
+
+    async def _chat_tokens(self, request: Request) -> Response:
+        if not self.token_route:
+            return _error(404, "Not Found")
+        return await self._chat(request)
+
+    async def _chat(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            if request.url.path.endswith("/tokens"):
+                prompt = _token_list(body.get("tokens"), "tokens")
+            else:
+                prompt = self._chat_prompt(body, generation=body.get("add_generation_prompt", True))
+            sampling = self._sampling(body, default_max_tokens=self.default_max_tokens)
+            self._check_context(len(prompt), sampling["max_tokens"])
+            top = _int(body.get("top_logprobs"), "top_logprobs", default=0)
+            want_logprobs = body.get("logprobs") is True
+            weights = self._weights()
+            generations = await self._generate_n(
+                prompt, body, sampling, top if want_logprobs else 0, weights
+            )
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        parse_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        wants_ids = body.get("return_token_ids") is True
+        as_ids = body.get("return_tokens_as_token_ids") is True
+        choices = []
+        for index, generation in enumerate(generations):
+            text = self._decode(generation.token_ids)
+            content: str | None = text
+            calls: list[dict[str, Any]] = []
+            if parse_tools:
+                content, calls = parse_hermes_tool_calls(text)
+            finish = generation.finish_reason
+            if calls and finish == "stop":
+                finish = "tool_calls"
+            message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
+            choices.append(
+                {
+                    "index": index,
+                    "message": message,
+                    "logprobs": (
+                        {"content": self._chat_logprobs(generation, as_ids)}
+                        if want_logprobs
+                        else None
+                    ),
+                    "finish_reason": finish,
+                    "stop_reason": None,
+                    "token_ids": list(generation.token_ids) if wants_ids else None,
+                }
+            )
+        completion_tokens = sum(len(g.token_ids) for g in generations)
+        answer = {
+            "id": f"chatcmpl-{next(self._ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": completion_tokens,
+                "total_tokens": len(prompt) + completion_tokens,
+            },
+            "prompt_logprobs": None,
+            "prompt_token_ids": prompt if wants_ids else None,
+        }
+        return self._json(answer, version=weights[1])
+
+    async def _completions(self, request: Request) -> Response:
+        try:
+            body = await self._body(request)
+            prompts = [
+                self._encode(item) if isinstance(item, str) else _token_list(item, "prompt")
+                for item in _prompt_batch(body.get("prompt"))
+            ]
+            sampling = self._sampling(body, default_max_tokens=_COMPLETIONS_DEFAULT_MAX_TOKENS)
+            for prompt in prompts:
+                self._check_context(len(prompt), sampling["max_tokens"])
+            logprobs = body.get("logprobs")
+            top = None if logprobs is None else _int(logprobs, "logprobs", default=0)
+            weights = self._weights()
+            batches = [
+                await self._generate_n(prompt, body, sampling, top or 0, weights)
+                for prompt in prompts
+            ]
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        wants_ids = body.get("return_token_ids") is True
+        as_ids = body.get("return_tokens_as_token_ids") is True
+        choices: list[dict[str, Any]] = []
+        for prompt, generations in zip(prompts, batches, strict=True):  # prompt-major, as vLLM
+            for generation in generations:
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": self._decode(generation.token_ids),
+                        "logprobs": (
+                            None if top is None else self._legacy_logprobs(generation, as_ids)
+                        ),
+                        "finish_reason": generation.finish_reason,
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": prompt if wants_ids else None,
+                        "token_ids": list(generation.token_ids) if wants_ids else None,
+                    }
+                )
+        prompt_tokens = sum(
+            len(prompt) * len(g) for prompt, g in zip(prompts, batches, strict=True)
+        )
+        completion_tokens = sum(len(g.token_ids) for batch in batches for g in batch)
+        answer = {
+            "id": f"cmpl-{next(self._ids)}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": body.get("model") or self.model_name,
+            "choices": choices,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
+        return self._json(answer, version=weights[1])
+
+    async def _collective_rpc(self, request: Request) -> Response:
+        """vLLM's dev-mode ``/collective_rpc``: only ``reload_weights`` is known."""
+        try:
+            body = await self._body(request)
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        if body.get("method") != "reload_weights":
+            return _error(
+                400, f"unknown method {body.get('method')!r} (this server: reload_weights)"
+            )
+        kwargs = body.get("kwargs") or {}
+        args = body.get("args") or []
+        path = kwargs.get("weights_path") or kwargs.get("model_path") or (args[0] if args else None)
+        await self.update_weights(path or self.model_path)
+        return self._json({"results": [None]})
+
+    async def _update_from_disk(self, request: Request) -> Response:
+        """SGLang's ``/update_weights_from_disk``."""
+        try:
+            body = await self._body(request)
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        path = body.get("model_path")
+        if not isinstance(path, str):
+            return self._json({"success": False, "message": "'model_path' is required"}, 400)
+        try:
+            await self.update_weights(path, weight_version=body.get("weight_version"))
+        except (OSError, ValueError) as exc:
+            message = f"Failed to update weights: {exc}"
+            return self._json({"success": False, "message": message}, 400)
+        message = "Succeeded to update model weights."
+        return self._json({"success": True, "message": message, "num_paused_requests": 0})
+
+    # -- helpers
+
+    async def _body(self, request: Request) -> dict[str, Any]:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except ValueError as exc:
+            raise _BadRequest(f"the request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise _BadRequest("the request body is not a JSON object")
+        self.requests.append((request.url.path, body))
+        return body
+
+    def _json(
+        self, body: Mapping[str, Any], status: int = 200, *, version: int | None = None
+    ) -> Response:
+        shown = self.weight_version if version is None else str(version)
+        return JSONResponse(dict(body), status_code=status, headers={"X-Weight-Version": shown})
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def _chat_prompt(self, body: Mapping[str, Any], *, generation: bool) -> list[int]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _BadRequest("'messages' (a non-empty list) is required")
+        tools = body.get("tools") or None
+        try:
+            text = self._tokenizer.apply_chat_template(
+                _template_messages(messages),
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=generation,
+            )
+        except Exception as exc:  # a template error: the request's fault, as in vLLM
+            raise _BadRequest(f"the chat template failed: {exc}") from None
+        return self._encode(str(text))
+
+    def _sampling(self, body: Mapping[str, Any], *, default_max_tokens: int) -> dict[str, Any]:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        return {
+            "max_tokens": _int(max_tokens, "max_tokens", default=default_max_tokens),
+            "temperature": _float(body.get("temperature"), "temperature", default=1.0),
+            "top_p": _float(body.get("top_p"), "top_p", default=1.0),
+            "top_k": _int(body.get("top_k"), "top_k", default=-1),
+        }
+
+    def _check_context(self, prompt_tokens: int, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise _BadRequest("max_tokens must be at least 1")
+        if prompt_tokens + max_tokens > self._max_model_len:
+            raise _BadRequest(
+                f"This model's maximum context length is {self._max_model_len} tokens. However,"
+                f" you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the"
+                f" messages, {max_tokens} in the completion). Please reduce the length of the"
+                " messages or completion."
+            )
+
+    async def _generate_n(
+        self,
+        prompt: list[int],
+        body: Mapping[str, Any],
+        sampling: dict[str, Any],
+        top: int,
+        weights: tuple[Any, int],
+    ) -> list[Generation]:
+        n = _int(body.get("n"), "n", default=1)
+        seed = body.get("seed")
+        if seed is not None:
+            seed = _int(seed, "seed", default=0)
+        generations = []
+        for index in range(n):
+            choice_seed = None if seed is None else seed + index
+            generations.append(
+                await anyio.to_thread.run_sync(
+                    functools.partial(
+                        self.generate,
+                        prompt,
+                        seed=choice_seed,
+                        top_logprobs=top,
+                        weights=weights,
+                        **sampling,
+                    ),
+                    limiter=self._generating,
+                )
+            )
+        return generations
+
+    def _token_text(self, token_id: int, as_ids: bool = False) -> str:
+        """A token as vLLM shows it in logprobs (``token_id:N`` with
+        ``return_tokens_as_token_ids``)."""
+        return f"token_id:{token_id}" if as_ids else str(self._tokenizer.decode([token_id]))
+
+    def _chat_logprobs(self, generation: Generation, as_ids: bool) -> list[dict[str, Any]]:
+        entries = []
+        for position, (token_id, logprob) in enumerate(
+            zip(generation.token_ids, generation.logprobs, strict=True)
+        ):
+            text = self._token_text(token_id, as_ids)
+            alternatives = generation.top_logprobs[position] if generation.top_logprobs else ()
+            entries.append(
+                {
+                    "token": text,
+                    "logprob": logprob,
+                    "bytes": list(text.encode()),
+                    "top_logprobs": [
+                        {
+                            "token": (alt := self._token_text(i, as_ids)),
+                            "logprob": value,
+                            "bytes": list(alt.encode()),
+                        }
+                        for i, value in alternatives
+                    ],
+                }
+            )
+        return entries
+
+    def _legacy_logprobs(self, generation: Generation, as_ids: bool) -> dict[str, Any]:
+        """OpenAI's legacy completion logprobs; each position's ``top_logprobs``
+        holds the k likeliest tokens and the sampled one (k + 1 at most, as vLLM)."""
+        tokens = [self._token_text(i, as_ids) for i in generation.token_ids]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        top = []
+        for position, (token, logprob) in enumerate(zip(tokens, generation.logprobs, strict=True)):
+            alternatives = generation.top_logprobs[position] if generation.top_logprobs else ()
+            entry = {self._token_text(i, as_ids): value for i, value in alternatives}
+            entry.setdefault(token, logprob)
+            top.append(entry)
+        return {
+            "text_offset": offsets,
+            "token_logprobs": list(generation.logprobs),
+            "tokens": tokens,
+            "top_logprobs": top,
+        }
+
+
+def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """vLLM's hermes tool parser: the text before the first ``<tool_call>`` (None
+    when empty) and OpenAI ``tool_calls`` for each ``<tool_call>{json}</tool_call>``
+    (an unclosed last one included). Any call that is not a JSON object with a
+    ``name`` leaves the whole text as content and no calls, as vLLM does."""
+    if "<tool_call>" not in text:
+        return text, []
+    calls: list[dict[str, Any]] = []
+    try:
+        for closed, unclosed in _TOOL_CALL.findall(text):
+            parsed = json.loads(closed or unclosed)
+            if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+                return text, []
+            arguments = parsed.get("arguments", {})
+            calls.append(
+                {
+                    "id": f"chatcmpl-tool-{len(calls)}",
+                    "type": "function",
+                    "function": {
+                        "name": parsed["name"],
+                        "arguments": json.dumps(arguments, ensure_ascii=False),
+                    },
+                }
+            )
+    except ValueError:
+        return text, []
+    content = text[: text.find("<tool_call>")]
+    return (content or None), calls
+
+
+def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+    """Messages as a Hugging Face template takes them (as vLLM prepares them): tool
+    calls' JSON ``arguments`` decoded to objects, content parts joined into text."""
+    prepared = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise _BadRequest("each message must be a JSON object")
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            message["content"] = "\n".join(
+                str(part.get("text", "")) for part in content if isinstance(part, dict)
+            )
+        calls = []
+        for call in message.get("tool_calls") or ():
+            call = json.loads(json.dumps(call))
+            function = call.get("function") or {}
+            if isinstance(function.get("arguments"), str):
+                with contextlib.suppress(ValueError):  # else rendered as the string it is
+                    function["arguments"] = json.loads(function["arguments"])
+            calls.append(call)
+        if calls:
+            message["tool_calls"] = calls
+        prepared.append(message)
+    return prepared
+
+
+def _sample(
+    logits: Any, temperature: float, top_p: float, top_k: int, generator: Any
+) -> tuple[int, Any]:
+    """A token drawn from the processed distribution, and that distribution's
+    log-probabilities: ``log_softmax(logits / temperature)`` with the tokens
+    outside ``top_k`` and ``top_p`` at -inf (temperature 0: the argmax, and the
+    raw log-softmax, as vLLM's processed logprobs for greedy sampling)."""
+    import torch
+
+    if temperature <= 0:
+        return int(torch.argmax(logits)), torch.log_softmax(logits, dim=-1)
+    scaled = logits / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    if top_p < 1.0:
+        probs = torch.softmax(scaled, dim=-1)
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        removed = torch.zeros_like(scaled, dtype=torch.bool).scatter(0, order, before >= top_p)
+        scaled = scaled.masked_fill(removed, float("-inf"))
+    processed = torch.log_softmax(scaled, dim=-1)
+    token = int(torch.multinomial(processed.exp(), 1, generator=generator))
+    return token, processed
+
+
+def _load_model(path: Path) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def _prompt_batch(value: object) -> list[object]:
+    """``/v1/completions``' ``prompt``: one (a text, a list of ids) or a batch of them."""
+    if isinstance(value, list) and value and all(isinstance(i, str | list) for i in value):
+        return list(value)
+    return [value]
+
+
+def _token_list(value: object, name: str) -> list[int]:
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+    ):
+        raise _BadRequest(f"'{name}' must be a non-empty list of token ids")
+    return list(value)
+
+
+def _int(value: object, name: str, *, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise _BadRequest(f"'{name}' must be an integer")
+    return value
+
+
+def _float(value: object, name: str, *, default: float) -> float:
+    if value is None:
+        return default
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise _BadRequest(f"'{name}' must be a number")
+    return float(value)
+
+
+def _error(status: int, message: str) -> Response:
+    kind = "BadRequestError" if status == 400 else "NotFoundError"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return JSONResponse(body, status_code=status)

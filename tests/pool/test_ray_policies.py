@@ -35,14 +35,11 @@ from fleetroll.policies import (  # noqa: E402
     Policy,
     ScriptedPolicy,
 )
+from fleetroll.pool.assembly import chat_policy_config, policy_from_settings  # noqa: E402
 from fleetroll.pool.batch_pool import FleetTarget, open_batch_pool  # noqa: E402
 from fleetroll.pool.journal import read_journal  # noqa: E402
 from fleetroll.pool.ray.executor import RayExecutor  # noqa: E402
-from fleetroll.pool.rollout_pool import (  # noqa: E402
-    RolloutPool,
-    chat_policy_config,
-    policy_from_settings,
-)
+from fleetroll.pool.rollout_pool import RolloutPool  # noqa: E402
 from fleetroll.results import FailureReason, RolloutResult  # noqa: E402
 from fleetroll.rollout.agent_command import CommandAgent  # noqa: E402
 from fleetroll.service import Service, create_app, serve_app  # noqa: E402

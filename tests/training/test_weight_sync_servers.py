@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from fleetroll.emulator import Emulator  # noqa: E402
 from fleetroll.errors import WeightSyncError  # noqa: E402
 from fleetroll.policies import OpenAIChatPolicy  # noqa: E402
+from fleetroll.pool.assembly import chat_policy_config  # noqa: E402
 from fleetroll.pool.rollout_pool import RolloutPool  # noqa: E402
 from fleetroll.settings import load_settings  # noqa: E402
 from fleetroll.settings.sections import Budget  # noqa: E402
@@ -188,7 +189,7 @@ async def test_rollouts_after_a_sync_carry_the_new_version_and_the_new_weights(
         )
         events = Events([MemorySink()])
         pool = RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events)
-        async with pool, OpenAIChatPolicy.from_settings(settings) as policy:
+        async with pool, OpenAIChatPolicy.from_config(chat_policy_config(settings)) as policy:
             with anyio.fail_after(120):
                 before = await pool.run_batch(tasks, policy).results()
             held = paused_arrival(pool.policy_gate, monkeypatch)

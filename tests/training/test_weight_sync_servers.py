@@ -109,7 +109,12 @@ async def test_both_servers_take_the_saved_weights_and_answer_their_exact_logpro
             await kind([s.base_url for s in servers], budget=FAST).push(perturbed, version=1)
         after = [await greedy(client, s) for s in servers]
         reported = [(await client.get(f"{s.root_url}/get_weight_version")).json() for s in servers]
+        routes = [[path for path, _ in s.requests if not path.startswith("/v1/")] for s in servers]
     expected_version = "1"  # SGLang's is the one sent; the test server counts vLLM's reloads
+    if kind is VLLMReloadSync:
+        assert routes == [["/collective_rpc", "/reset_prefix_cache"]] * 2
+    else:
+        assert routes == [["/update_weights_from_disk"]] * 2
     assert reported == [{"weight_version": expected_version}] * 2
     for old, new in zip(before, after, strict=True):
         assert (old["version"], new["version"]) == ("0", "1")

@@ -28,7 +28,7 @@ all within ``timeouts.weight_sync_s``:
 - :class:`VLLMReloadSync`: vLLM's ``POST /collective_rpc``
   ``{"method": "reload_weights", "kwargs": {"weights_path": ...}}`` (a route
   of ``VLLM_SERVER_DEV_MODE=1`` only), answered ``{"results": [...]}`` or an
-  empty 200;
+  empty 200, then ``POST /reset_prefix_cache``;
 - :class:`CallableSync`: the user's own function (sync or async), called once
   per sync with the source and the new version.
 
@@ -252,6 +252,10 @@ class _HttpSync:
         other than before."""
         return None
 
+    def followups(self) -> tuple[str, ...]:
+        """Routes POSTed (no body) after a server took the weights."""
+        return ()
+
     # The push.
 
     async def push(self, source: Any, *, version: int) -> None:
@@ -313,6 +317,15 @@ class _HttpSync:
             return answer
 
         answer = await self._retried(post, deadline)
+        for followup in self.followups():
+
+            async def after_update(route: str = followup) -> None:
+                done = await client.post(f"{root}{route}")
+                if not done.is_success:
+                    why = f"{route} after the update: {error_excerpt(done.content)}"
+                    raise _Refused(done.status_code, why)
+
+            await self._retried(after_update, deadline)
         after = await self._retried(lambda: self._version_of(client, root), deadline)
         if after is None:
             after = answer.headers.get("x-weight-version")
@@ -406,10 +419,13 @@ class VLLMReloadSync(_HttpSync):
     """vLLM's ``POST /collective_rpc`` calling ``reload_weights`` on every server.
 
     The body is ``{"method": "reload_weights", "kwargs": {"weights_path":
-    <source>}}``: each worker reloads the checkpoint in that directory. The
-    route exists only on a server started with ``VLLM_SERVER_DEV_MODE=1``
-    (a 404 says it was not). vLLM reports no weight version; a server that
-    does (``/get_weight_version``, ``X-Weight-Version``) must report a new one.
+    <source>}}``: each worker reloads the checkpoint in that directory (vLLM's
+    ``LLM.collective_rpc("reload_weights", kwargs={"weights_path": ...})``).
+    Then ``POST /reset_prefix_cache``: the cached prefixes were computed with
+    the old weights. Both routes exist only on a server started with
+    ``VLLM_SERVER_DEV_MODE=1`` (a 404 says it was not). vLLM reports no weight
+    version; a server that does (``/get_weight_version``, ``X-Weight-Version``)
+    must report a new one.
 
     Args:
         base_urls: the servers (``policy.servers``; a trailing ``/v1`` is dropped).
@@ -417,6 +433,7 @@ class VLLMReloadSync(_HttpSync):
         timeout_s: the whole push (default ``timeouts.weight_sync_s``).
         budget: each server's tries (default ``retries.weight_sync_*``).
         path_kwarg: the name of ``reload_weights``' path argument.
+        reset_prefix_cache: POST ``/reset_prefix_cache`` after the reload.
         transport: an httpx transport (tests).
     """
 
@@ -428,15 +445,20 @@ class VLLMReloadSync(_HttpSync):
         timeout_s: float | None = None,
         budget: Budget | None = None,
         path_kwarg: str = "weights_path",
+        reset_prefix_cache: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(
             base_urls, api_key=api_key, timeout_s=timeout_s, budget=budget, transport=transport
         )
         self.path_kwarg = path_kwarg
+        self.reset_prefix_cache = reset_prefix_cache
 
     def request(self, path: str, version: int) -> tuple[str, dict[str, Any]]:
         return "/collective_rpc", {"method": "reload_weights", "kwargs": {self.path_kwarg: path}}
+
+    def followups(self) -> tuple[str, ...]:
+        return ("/reset_prefix_cache",) if self.reset_prefix_cache else ()
 
 
 # ---------------------------------------------------------------- a callable

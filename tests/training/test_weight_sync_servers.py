@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from fleetroll.emulator import Emulator  # noqa: E402
+from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
 from fleetroll.errors import WeightSyncError  # noqa: E402
 from fleetroll.policies import OpenAIChatPolicy  # noqa: E402
 from fleetroll.pool.assembly import chat_policy_config  # noqa: E402
@@ -228,3 +229,51 @@ async def test_rollouts_after_a_sync_carry_the_new_version_and_the_new_weights(
             assert turn.logprobs == pytest.approx(
                 recomputed(model, turn.prompt_token_ids, turn.completion_token_ids), abs=1e-4
             )
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("executor", ["local", "ray"])
+async def test_after_a_sync_every_executors_policy_calls_carry_the_new_version_and_weights(
+    model_dir: Path, perturbed: Path, executor: str, request: pytest.FixtureRequest
+) -> None:
+    new_model, _ = load_tiny_model(perturbed)
+    tasks = [t for t in TASKS.values() if t.env_key == "ledger"][:3]
+    async with (
+        two_servers(model_dir, default_max_tokens=8) as servers,
+        EmulatorProcess() as emu,
+        AsyncExitStack() as stack,
+    ):
+        settings = load_settings(
+            policy={
+                "kind": "openai",
+                "base_urls": [s.base_url for s in servers],
+                "model": servers[0].model_name,
+                "max_tokens": 8,
+                "return_token_ids": True,
+                "logprobs": True,
+            },
+        )
+        if executor == "ray":
+            pytest.importorskip("ray")
+            request.getfixturevalue("local_ray")
+            from fleetroll.pool.ray.executor import ray_pool
+
+            opened = ray_pool(settings, api_key=emu.api_key, base_url=emu.base_url, num_actors=2)
+        else:
+            opened = RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url)
+        pool = await stack.enter_async_context(opened)
+        policy = OpenAIChatPolicy.from_config(chat_policy_config(settings))
+        await stack.enter_async_context(policy)
+        sync = SGLangDiskSync.from_settings(settings.policy, settings.timeouts, settings.retries)
+        with anyio.fail_after(300):
+            assert await sync_weights(pool, sync, perturbed) == 1
+            results = await pool.run_batch(tasks, policy).results()
+    assert [s.weight_version for s in servers] == ["1", "1"]
+    turns = [turn for r in results for turn in r.turns]
+    assert len(results) == len(tasks) and len(turns) >= len(tasks)
+    for turn in turns:
+        assert turn.policy_version == 1
+        assert turn.prompt_token_ids and turn.completion_token_ids and turn.logprobs
+        assert turn.logprobs == pytest.approx(
+            recomputed(new_model, turn.prompt_token_ids, turn.completion_token_ids), abs=1e-4
+        )

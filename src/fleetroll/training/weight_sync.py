@@ -71,6 +71,7 @@ __all__ = [
     "CallableSync",
     "SGLangDiskSync",
     "SupportsPolicyUpdate",
+    "SupportsRemotePolicyUpdate",
     "VLLMReloadSync",
     "WeightSync",
     "sync_weights",
@@ -99,13 +100,27 @@ class SupportsPolicyUpdate(Protocol):
     @property
     def policy_version(self) -> int: ...
 
-    async def set_policy_version(self, value: int) -> None: ...
+    async def set_policy_version(self, value: int, /) -> None: ...
+
+    def policy_paused(self) -> AbstractAsyncContextManager[None]: ...
+
+
+class SupportsRemotePolicyUpdate(Protocol):
+    """The same, over HTTP (:class:`fleetroll.FleetrollClient` of ``fleetroll serve``)."""
+
+    async def policy_version(self) -> int: ...
+
+    async def set_policy_version(self, value: int, /) -> None: ...
 
     def policy_paused(self) -> AbstractAsyncContextManager[None]: ...
 
 
 async def sync_weights(
-    pool: SupportsPolicyUpdate, sync: WeightSync, source: Any, *, version: int | None = None
+    pool: SupportsPolicyUpdate | SupportsRemotePolicyUpdate,
+    sync: WeightSync,
+    source: Any,
+    *,
+    version: int | None = None,
 ) -> int:
     """Push new weights with ``sync`` while ``pool`` holds new policy calls,
     then set its policy version; return that version.
@@ -115,7 +130,8 @@ async def sync_weights(
     push fails the version stays, the pause ends, and the error is raised.
 
     Args:
-        pool: the pool whose policy calls go to the servers (a ``RolloutPool``).
+        pool: the pool whose policy calls go to the servers (a ``RolloutPool``),
+            or a ``FleetrollClient`` of the service that runs them.
         sync: how to push (:class:`SGLangDiskSync`, :class:`VLLMReloadSync`,
             :class:`CallableSync` or your own :class:`WeightSync`).
         source: where the weights are (a ``save_pretrained`` directory the
@@ -128,7 +144,8 @@ async def sync_weights(
         ValueError: ``version`` is not greater than the pool's.
         TypeError: ``version`` is not an int.
     """
-    current = pool.policy_version
+    reading = pool.policy_version
+    current = await reading() if callable(reading) else reading
     new = current + 1 if version is None else version
     if isinstance(new, bool) or not isinstance(new, int):
         raise TypeError(f"a policy version is an int, not {type(new).__name__}")

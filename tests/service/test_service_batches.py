@@ -88,6 +88,21 @@ async def test_the_client_gets_exactly_one_result_per_rollout(
     assert emulator.ledger.running == 0
 
 
+async def test_a_task_s_seed_and_timestamp_go_over_http_to_every_reset(
+    served: Running, emulator: Emulator
+) -> None:
+    seeded = LEDGER[0].model_copy(update={"seed": 5, "timestamp": 1_767_225_600})
+    before = emulator.ledger.snapshot()
+    async with FleetrollClient(served.url) as client:
+        with anyio.fail_after(60):
+            results = await client.run_batch([seeded], ScriptedPolicy()).results()
+    after = emulator.ledger.snapshot()
+
+    assert [r.reward for r in results] == [1.0]
+    assert after["resets_seeded"] - before["resets_seeded"] >= 1
+    assert after["resets_time_pinned"] - before["resets_time_pinned"] >= 1
+
+
 async def test_a_stream_cut_mid_way_resumes_with_nothing_lost_or_twice(
     proxy: DroppingProxy, emulator: Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

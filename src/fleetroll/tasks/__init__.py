@@ -61,7 +61,7 @@ _KNOWN_FIELDS: Final = frozenset(
         "key", "prompt", "env_id", "version", "env_key", "data_id", "data_version", "data_key",
         "modality", "task_modality", "verifier_func", "max_steps", "env_variables", "solution",
         "requires_final_answer", "metadata", "environment", "verifier",
-        "verifier_code", "ttl_seconds", "rewards",
+        "verifier_code", "ttl_seconds", "rewards", "seed", "timestamp",
     }
 )  # fmt: skip
 _T = TypeVar("_T")
@@ -103,6 +103,10 @@ class TaskSpec(BaseModel):
     #: Composite rewards: the components whose weighted sum is the reward
     #: (:mod:`fleetroll.tasks.rewards`); None: the verifier's reward, as it is.
     rewards: tuple[RewardSpec, ...] | None = None
+    #: The seed and the point in time (Unix seconds) every reset of the task's
+    #: instance asks for (Fleet's ``reset(seed, timestamp)``); None: the platform's.
+    seed: int | None = Field(default=None, ge=0)
+    timestamp: int | None = Field(default=None, ge=0)
 
     @property
     def judged(self) -> bool:
@@ -476,6 +480,20 @@ def _parse(
     ttl = record.get("ttl_seconds")
     if ttl is not None and (type(ttl) is not int or ttl < 1):
         raise where.error(f"must be a whole number ≥ 1, got {_describe(ttl)}", "ttl_seconds")
+    # Fleet's exports carry them in metadata; the short form at the top level.
+    seed = _agreed(
+        {"seed": record.get("seed"), "metadata.seed": metadata.get("seed")}, where, _whole
+    )
+    timestamp = _agreed(
+        {"timestamp": record.get("timestamp"), "metadata.timestamp": metadata.get("timestamp")},
+        where,
+        _whole,
+    )
+    if mcp is not None and (seed is not None or timestamp is not None):
+        given = "seed" if seed is not None else "timestamp"
+        at = given if record.get(given) is not None else f"metadata.{given}"
+        reason = "is sent with a Fleet instance's reset; a task with an 'environment' has none"
+        raise where.error(reason, at)
     verifier = record.get("verifier_func")
     if verifier is not None and record.get("verifier_code") is not None:
         raise where.error("give 'verifier_func' or 'verifier_code', not both", "verifier_code")
@@ -507,6 +525,8 @@ def _parse(
         verifier=None if mcp is None else mcp[1],
         ttl_seconds=ttl,
         rewards=rewards,
+        seed=seed,
+        timestamp=timestamp,
     )
 
 
@@ -557,6 +577,13 @@ def _string(value: object, field: str, where: Where) -> str:
 def _boolean(value: object, field: str, where: Where) -> bool:
     if not isinstance(value, bool):
         raise where.error(f"must be true or false, got {_describe(value)}", field)
+    return value
+
+
+def _whole(value: object, field: str, where: Where) -> int:
+    if type(value) is not int or value < 0:
+        what = "of seconds since 1970 (Unix time)" if field.endswith("timestamp") else "≥ 0"
+        raise where.error(f"must be a whole number {what}, got {_describe(value)}", field)
     return value
 
 

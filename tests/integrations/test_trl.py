@@ -87,7 +87,9 @@ def token_mean(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
     return [sum(ids) / len(ids) / 1000 for ids in completion_ids]
 
 
-def recomputed(weights: dict[str, Any], model: Any, prompt: list[int], completion: list[int]) -> Any:
+def recomputed(
+    weights: dict[str, Any], model: Any, prompt: list[int], completion: list[int]
+) -> Any:
     """Each completion token's logprob, from one forward pass of ``model`` with ``weights``."""
     model.load_state_dict(weights)
     with torch.inference_mode():
@@ -158,16 +160,15 @@ def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_ver
             assert len(mask) == len(out["completion_ids"][i]) == len(out["logprobs"][i])
             assert out["fleetroll_status"][i] == "completed"
             assert out["fleetroll_reward"][i] is not None
-            generated = [v for v, m in zip(out["fleetroll_policy_versions"][i], mask) if m]
+            versions = out["fleetroll_policy_versions"][i]
+            generated = [v for v, m in zip(versions, mask, strict=True) if m]
             assert generated and set(generated) == {step}  # turns after step 1: version 1
             ours = recomputed(weights, fresh, out["prompt_ids"][i], out["completion_ids"][i])
             served_logprobs = torch.tensor(out["logprobs"][i])
             on = torch.tensor(mask, dtype=torch.bool)
             assert torch.allclose(ours[on], served_logprobs[on], atol=1e-4)
     # The trainer moved: the two steps' weights differ.
-    assert any(
-        not torch.equal(calls[0][0][name], calls[1][0][name]) for name in calls[0][0]
-    )
+    assert any(not torch.equal(calls[0][0][name], calls[1][0][name]) for name in calls[0][0])
 
 
 def _records() -> list[dict[str, Any]]:

@@ -34,12 +34,15 @@ What each piece does:
   the model's tokens: tool answers get no loss), and ``fleetroll_reward``,
   ``fleetroll_rollout_id``, ``fleetroll_status`` and
   ``fleetroll_policy_versions`` (per completion token, None where the mask is
-  0), which reach the reward functions as keyword arguments. It hosts fleetroll's event loop on a thread of its own, opens on
-  its first call (or ``with``), and closes on ``close()``, at the end of a
-  ``with`` block, or at interpreter exit.
+  0), which reach the reward functions as keyword arguments. It hosts
+  fleetroll's event loop on a thread of its own, opens on its first call (or
+  ``with``), and closes on ``close()``, at the end of a ``with`` block, or at
+  interpreter exit.
 - :func:`reward`: the verifier's reward of each row's rollout; ``None`` for a
   failed rollout (an infrastructure failure, no reward). TRL 1.16 counts a
-  row whose every reward function says ``None`` as unscorable: NaN in
+  row whose every reward function says ``None`` as unscorable (so a reward
+  function of your own beside it should say ``None`` where
+  ``fleetroll_reward`` is ``None``): NaN in
   ``nanmean``/``nanstd``, so the group's baseline is its scored samples', and
   its advantage is 0. With its mask all 0 too, a failed rollout neither moves
   the policy nor biases its group. (A 0.0 instead would count the failure as

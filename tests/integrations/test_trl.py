@@ -80,11 +80,16 @@ def settings_for(server: ModelServer, **policy: Any) -> Settings:
     )
 
 
-def token_mean(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+def token_mean(
+    completion_ids: list[list[int]], fleetroll_reward: list[float | None], **kwargs: Any
+) -> list[float | None]:
     """A reward function of the trainer's own beside fleetroll's: the random
     model never solves a task, and this one differs between samples, so the
-    advantages are not all 0 and the weights move."""
-    return [sum(ids) / len(ids) / 1000 for ids in completion_ids]
+    advantages are not all 0 and the weights move. None where fleetroll's is."""
+    return [
+        None if r is None else sum(ids) / len(ids) / 1000
+        for ids, r in zip(completion_ids, fleetroll_reward, strict=True)
+    ]
 
 
 def recomputed(

@@ -290,10 +290,11 @@ class Rollouts:
             KeyError: a request names a task the core was not given.
             ValueError: a task's sample index is asked twice, or is negative.
             PoolFullError: the pool has no room for the batch.
+            RuntimeError: the core is not open.
         """
+        wanted = _by_task(requests, self.tasks)
         pool = self.pool
         assert self._policy is not None  # open with the pool
-        wanted = _by_task(requests, self.tasks)
         # One batch per distinct set of sample indices (usually one: 0 .. G-1 for every task).
         plans: dict[tuple[int, ...], list[TaskSpec]] = defaultdict(list)
         for key, indices in wanted.items():

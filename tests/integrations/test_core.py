@@ -200,3 +200,50 @@ def test_blocking_rollouts_refuse_to_reopen_once_closed() -> None:
     rollouts.close()  # never opened: nothing to close
     with pytest.raises(RuntimeError, match="closed"):
         rollouts.open()
+
+
+@pytest.mark.slow
+async def test_the_async_grpo_worker_puts_trls_samples_of_scored_rollouts_with_their_version(
+    emulator: Emulator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRL's AsyncGRPOTrainer needs CUDA; its worker protocol and samples are checked here."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    async_grpo = pytest.importorskip("trl.experimental.async_grpo.async_grpo_trainer")
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+    from fleetroll.integrations.trl import RolloutWorker
+
+    protocol = async_grpo.RolloutWorkerProtocol
+    methods = {"start", "stop", "update_model_version", "check_health"}
+    assert all(callable(getattr(protocol, name, None)) for name in methods)  # as installed
+    async with FakeChatServer(lambda body: completion("done"), vllm=VllmShape()) as server:
+        worker = RolloutWorker(
+            RECORDS[:2], settings_for(server.base_url, emulator), num_generations=2
+        )
+        assert all(hasattr(worker, name) for name in [*methods, *protocol.__annotations__])
+
+        def drain() -> list[Any]:
+            worker.start()
+            first = [worker.rollout_buffer.get(timeout=60) for _ in range(4)]
+            worker.update_model_version(3)
+            later = first[-1]
+            while later.model_version != 3:
+                later = worker.rollout_buffer.get(timeout=60)
+            worker.check_health(60)
+            worker.stop()
+            return [*first, later]
+
+        samples = await anyio.to_thread.run_sync(drain)
+
+    for sample in samples:
+        assert isinstance(sample, RolloutSample)
+        n = len(sample.input_ids)
+        assert len(sample.completion_mask) == len(sample.old_log_probs) == n
+        assert sample.completion_mask.sum() > 0 and sample.completion_mask[0] == 0
+        assert (sample.old_log_probs[sample.completion_mask == 0] == 0).all()
+        assert sample.metrics["reward"] is not None
+    # Two groups of two (one task each) first, then version 3 once it is set.
+    assert sorted(s.group_id for s in samples[:4]) == [0, 0, 1, 1]
+    assert [s.model_version for s in samples[:4]] == [0, 0, 0, 0]
+    assert samples[-1].model_version == 3
+    assert emulator.ledger.running == 0

@@ -66,7 +66,8 @@ from anyio.from_thread import BlockingPortal
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll.errors import ConfigError
 from fleetroll.jobs.fleet import open_fleet
-from fleetroll.policies import Policy, policy_from_settings
+from fleetroll.policies import Policy
+from fleetroll.pool.assembly import policy_from_settings
 from fleetroll.pool.batch import rollout_id
 from fleetroll.pool.batch_pool import open_batch_pool
 from fleetroll.pool.preflight import preflight_fleet
@@ -242,7 +243,13 @@ class Rollouts:
             if events is None:
                 from fleetroll.telemetry import open_telemetry
 
-                events = await stack.enter_async_context(open_telemetry(settings))
+                events = await stack.enter_async_context(
+                    open_telemetry(
+                        settings.telemetry,
+                        secrets=settings.secrets(),
+                        logfire_token=settings.logfire_token,
+                    )
+                )
             fleet = await open_fleet(stack, settings, self._profile)
             if self._preflight:
                 await preflight_fleet(settings, fleet, list(self.tasks.values()))

@@ -58,7 +58,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, Protocol, Self, TypeVar
+from typing import Any, Literal, NamedTuple, Self, TypeVar
 
 import anyio
 from anyio.from_thread import BlockingPortal
@@ -77,6 +77,7 @@ from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
 from fleetroll.telemetry.events import Events
 from fleetroll.training.trajectory import ADVANTAGE_EPS, stitch
+from fleetroll.training.weight_sync import WeightSync, sync_weights
 
 __all__ = [
     "BlockingRollouts",
@@ -84,7 +85,6 @@ __all__ = [
     "Request",
     "Rollouts",
     "Row",
-    "WeightSync",
     "fill_empty_row",
     "load_task_list",
     "prompt_messages",
@@ -104,12 +104,6 @@ class Request(NamedTuple):
 
     task_key: str
     sample_index: int
-
-
-class WeightSync(Protocol):
-    """Pushes new weights to the policy servers (``fleetroll.training.weight_sync``'s)."""
-
-    async def push(self, source: Any, *, version: int) -> None: ...
 
 
 def load_task_list(
@@ -347,21 +341,13 @@ class Rollouts:
 
     async def sync_weights(self, sync: WeightSync, source: Any) -> int:
         """Push the weights in ``source`` with ``sync`` while new policy calls
-        wait, then bump the policy version; return the new version.
+        wait, then bump the policy version; return the new version
+        (:func:`fleetroll.training.weight_sync.sync_weights`).
 
         Raises:
             WeightSyncError: a server did not take them (the version stays).
         """
-        return await _sync_weights(self.pool, sync, source)
-
-
-async def _sync_weights(pool: RolloutPool, sync: WeightSync, source: Any) -> int:
-    # TODO(t39-weights): fleetroll.training.weight_sync.sync_weights, once merged.
-    new = pool.policy_version + 1
-    async with pool.policy_paused():
-        await sync.push(source, version=new)
-        await pool.set_policy_version(new)
-    return new
+        return await sync_weights(self.pool, sync, source)
 
 
 def _by_task(

@@ -85,13 +85,13 @@ from fleetroll.integrations.core import (
     BlockingRollouts,
     Request,
     Row,
-    WeightSync,
     fill_empty_row,
     load_task_list,
     prompt_messages,
 )
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.training.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from datasets import Dataset

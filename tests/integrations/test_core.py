@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -79,6 +80,28 @@ def test_a_prompt_maps_to_its_task_by_its_key_and_shared_texts_are_refused() -> 
         func._key_of([{"role": "user", "content": "something else"}])
     with pytest.raises(ConfigError, match="not among the tasks"):
         func._key_of([{"role": "user", "content": prompt, "task_key": "gone"}])
+
+
+def test_trls_dataset_carries_each_tasks_key_in_its_prompt_message_and_a_column() -> None:
+    pytest.importorskip("datasets")
+    from fleetroll.integrations.trl import dataset
+
+    rows = dataset(RECORDS[:2]).to_list()
+
+    assert [r["task_key"] for r in rows] == [RECORDS[0]["key"], RECORDS[1]["key"]]
+    assert rows[0]["prompt"] == [
+        {"role": "user", "content": RECORDS[0]["prompt"], "task_key": RECORDS[0]["key"]}
+    ]
+
+
+def test_a_trainer_sampling_at_another_temperature_than_fleetroll_is_refused() -> None:
+    func = RolloutFunc(RECORDS[:1], load_settings(policy={**OPENAI, "temperature": 0.7}))
+    trainer = SimpleNamespace(temperature=1.0)
+
+    with pytest.raises(
+        ConfigError, match="temperature 1 but fleetroll's policy.temperature is 0.7"
+    ):
+        func([RECORDS[0]["prompt"]], trainer)
 
 
 def test_trls_reward_is_fleetrolls_and_none_for_a_failed_rollout() -> None:

@@ -98,9 +98,8 @@ def test_a_trainer_sampling_at_another_temperature_than_fleetroll_is_refused() -
     func = RolloutFunc(RECORDS[:1], load_settings(policy={**OPENAI, "temperature": 0.7}))
     trainer = SimpleNamespace(temperature=1.0)
 
-    with pytest.raises(
-        ConfigError, match="temperature 1 but fleetroll's policy.temperature is 0.7"
-    ):
+    shown = r"temperature 1 but fleetroll's policy\.temperature is 0\.7"
+    with pytest.raises(ConfigError, match=shown):
         func([RECORDS[0]["prompt"]], trainer)
 
 

@@ -101,6 +101,9 @@ def test_a_trainer_sampling_at_another_temperature_than_fleetroll_is_refused() -
     shown = r"temperature 1 but fleetroll's policy\.temperature is 0\.7"
     with pytest.raises(ConfigError, match=shown):
         func([RECORDS[0]["prompt"]], trainer)
+    unset = RolloutFunc(RECORDS[:1], load_settings(policy=OPENAI))
+    with pytest.raises(ConfigError, match=r"set policy\.temperature to the trainer's \(1\)"):
+        unset([RECORDS[0]["prompt"]], trainer)
 
 
 def test_trls_reward_is_fleetrolls_and_none_for_a_failed_rollout() -> None:

@@ -61,8 +61,10 @@ What TRL does not do for a rollout function, and fleetroll does instead:
 ``max_completion_length`` does not bound a rollout (``policy.max_tokens``
 bounds each model call, a task's ``max_steps`` its turns, and
 ``policy.max_context_tokens`` its whole sequence); the sampling temperature
-is fleetroll's ``policy.temperature``, and must be the trainer's
-(``GRPOConfig.temperature``): a mismatch is refused at the first call.
+is fleetroll's ``policy.temperature``, and must be set to the trainer's
+(``GRPOConfig.temperature``): a mismatch, or no ``policy.temperature`` (the
+server's default, e.g. the model's ``generation_config`` on vLLM), is refused
+at the first call.
 """
 
 from __future__ import annotations
@@ -267,6 +269,12 @@ class RolloutFunc:
     def _check_temperature(self, trainer: Any) -> None:
         wanted = getattr(trainer, "temperature", None)
         ours = self.settings.policy.temperature
+        if wanted is not None and ours is None:
+            raise ConfigError(
+                f"set policy.temperature to the trainer's temperature ({wanted:g}): without"
+                " it the server samples at its own default (vLLM takes the model's"
+                " generation_config), and the trainer's logprobs would not be the sampler's"
+            )
         if wanted is not None and ours is not None and abs(float(wanted) - ours) > 1e-9:
             raise ConfigError(
                 f"the trainer samples at temperature {wanted:g} but fleetroll's"

@@ -102,7 +102,8 @@ def test_a_trainer_sampling_at_another_temperature_than_fleetroll_is_refused() -
     with pytest.raises(ConfigError, match=shown):
         func([RECORDS[0]["prompt"]], trainer)
     unset = RolloutFunc(RECORDS[:1], load_settings(policy=OPENAI))
-    with pytest.raises(ConfigError, match=r"set policy\.temperature to the trainer's \(1\)"):
+    unset_shown = r"set policy\.temperature to the trainer's temperature \(1\)"
+    with pytest.raises(ConfigError, match=unset_shown):
         unset([RECORDS[0]["prompt"]], trainer)
 
 

@@ -71,7 +71,7 @@ from fleetroll.pool.assembly import policy_from_settings
 from fleetroll.pool.batch import rollout_id
 from fleetroll.pool.batch_pool import open_batch_pool
 from fleetroll.pool.preflight import preflight_fleet
-from fleetroll.pool.rollout_pool import RolloutPool
+from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason, RolloutResult, Trajectory, TrajectorySegment
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
@@ -301,33 +301,42 @@ class Rollouts:
         for key, indices in wanted.items():
             plans[tuple(sorted(indices))].append(self.tasks[key])
         base = batch_id or uuid.uuid4().hex[:12]
-        results: list[RolloutResult] = []
-
-        async def one(name: str, indices: tuple[int, ...], tasks: list[TaskSpec]) -> None:
-            assert self._policy is not None
-            count = max(indices) + 1
-            only = None
-            oversample = None
-            if indices != tuple(range(count)):
-                only = {rollout_id(name, t.key, i) for t in tasks for i in indices}
-                oversample = 0
-            batch = pool.run_batch(
-                tasks,
-                self._policy,
-                samples_per_task=count,
-                batch_id=name,
-                deadline_s=deadline_s,
-                only=only,
-                oversample=oversample,
-            )
-            async with batch:
-                results.extend(await batch.results())
-            pool.forget(name)
-
-        async with anyio.create_task_group() as tg:
+        policy = self._policy
+        # Every batch is started before any is waited for: a refused one
+        # (PoolFullError) is raised as itself, and the others are cancelled.
+        batches: list[Batch] = []
+        try:
             for number, (chosen, tasks) in enumerate(plans.items()):
                 name = base if len(plans) == 1 else f"{base}-{number}"
-                tg.start_soon(one, name, chosen, tasks)
+                count = max(chosen) + 1
+                only = None
+                if chosen != tuple(range(count)):  # e.g. samples 2 and 5: just those
+                    only = {rollout_id(name, t.key, i) for t in tasks for i in chosen}
+                batches.append(
+                    pool.run_batch(
+                        tasks,
+                        policy,
+                        samples_per_task=count,
+                        batch_id=name,
+                        deadline_s=deadline_s,
+                        only=only,
+                        oversample=None if only is None else 0,
+                    )
+                )
+        except Exception:
+            for started in batches:
+                started.cancel()
+            raise
+        results: list[RolloutResult] = []
+
+        async def collect(batch: Batch) -> None:
+            async with batch:
+                results.extend(await batch.results())
+            pool.forget(batch.batch_id)
+
+        async with anyio.create_task_group() as tg:
+            for batch in batches:
+                tg.start_soon(collect, batch)
         by_task: dict[str, list[RolloutResult]] = defaultdict(list)
         for result in results:
             by_task[result.task_key].append(result)

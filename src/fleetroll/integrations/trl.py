@@ -53,7 +53,9 @@ With ``weight_sync`` (a ``fleetroll.training.weight_sync`` sync, e.g.
 the trainer's ``global_step`` has moved since the last sync, it saves the
 trainer's model (``save_pretrained``, in ``weights_dir`` or a temporary
 folder the servers must be able to read) and pushes it to every policy
-server while new policy calls wait; turns after it carry the next policy
+server while new policy calls wait (with several trainer processes, the main
+one saves and pushes, the others wait for it and record the same version:
+not run here, on one CPU); turns after it carry the next policy
 version (1 after the first step). TRL's own vLLM weight sync is NCCL-only
 (CUDA); this one goes by disk.
 
@@ -287,17 +289,24 @@ class RolloutFunc:
         if step == self._synced_step:
             return
         assert self.weight_sync is not None
-        root = self._weights_dir or self._made_dir
-        if root is None:
-            root = self._made_dir = Path(tempfile.mkdtemp(prefix="fleetroll-weights-"))
-        path = root / f"step-{step}"
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        model.save_pretrained(path)
-        self.rollouts.sync_weights(self.weight_sync, str(path))
+        accelerator = trainer.accelerator
+        # Every process takes part in gathering the weights (sharded ones too);
+        # the main one saves and pushes them, the others set the same version.
+        state = accelerator.get_state_dict(trainer.model)
+        if accelerator.is_main_process:
+            root = self._weights_dir or self._made_dir
+            if root is None:
+                root = self._made_dir = Path(tempfile.mkdtemp(prefix="fleetroll-weights-"))
+            path = root / f"step-{step}"
+            accelerator.unwrap_model(trainer.model).save_pretrained(path, state_dict=state)
+            self.rollouts.sync_weights(self.weight_sync, str(path))
+            if self._last_weights is not None:  # the servers hold the new ones now
+                shutil.rmtree(self._last_weights, ignore_errors=True)
+            self._last_weights = path
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            self.rollouts.call(_next_version, self.rollouts)
         self._synced_step = step
-        if self._last_weights is not None:  # the servers hold the new ones now
-            shutil.rmtree(self._last_weights, ignore_errors=True)
-        self._last_weights = path
 
     def _filled(self, row: Row, tokenizer: Any) -> Row:
         if row["prompt_ids"] and row["completion_ids"]:
@@ -344,6 +353,12 @@ class RolloutFunc:
 
 async def _version(rollouts: BlockingRollouts) -> int:
     return rollouts.core.policy_version
+
+
+async def _next_version(rollouts: BlockingRollouts) -> None:
+    """A process other than the main one: the main one pushed the weights."""
+    pool = rollouts.core.pool
+    await pool.set_policy_version(pool.policy_version + 1)
 
 
 def _group_size(trainer: Any, count: int) -> int | None:

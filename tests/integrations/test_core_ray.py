@@ -10,13 +10,13 @@ from typing import Any
 import anyio
 import pytest
 
-TASKS = config_dir() / "tasks" / "ledger.jsonl"
-RECORDS = [json.loads(line) for line in TASKS.read_text(encoding="utf-8").splitlines() if line]
-
 from fleetroll.emulator import Emulator
 from fleetroll.integrations.core import Rollouts
-from fleetroll.settings import load_settings
+from fleetroll.settings import config_dir, load_settings
 from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion
+
+TASKS = config_dir() / "tasks" / "ledger.jsonl"
+RECORDS = [json.loads(line) for line in TASKS.read_text(encoding="utf-8").splitlines() if line]
 
 #: Integration tests (Ray, the emulator over loopback): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow

@@ -433,13 +433,26 @@ def _env_name(row: Mapping[str, Any]) -> str:
     return f"{row['env_key']}:{row['env_version']}" if row["env_version"] else str(row["env_key"])
 
 
+def _failed_pct(row: Mapping[str, Any]) -> float | None:
+    """The share of the rollouts that ran to their end that failed (cancelled ones
+    were not let finish: they are not in it)."""
+    ran = row["completed"] + row["failed"]
+    return round(100.0 * row["failed"] / ran, 1) if ran else None
+
+
 def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
-    reasons = sorted({reason for row in rows for reason in row["failure_reasons"]})
+    # Cancelled has a column of its own, apart from the failures and their reasons.
+    reasons = sorted(
+        {reason for row in rows for reason in row["failure_reasons"] if reason != "cancelled"}
+    )
     columns = [
         "env",
         "modality",
         "started",
         "completed",
+        "failed",
+        "failed %",
+        "cancelled",
         *reasons,
         "reward mean",
         "provision p50 s",
@@ -455,6 +468,9 @@ def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
                 row["modality"],
                 row["started"],
                 row["completed"],
+                row["failed"],
+                _failed_pct(row),
+                row["cancelled"],
                 *(row["failure_reasons"].get(reason, 0) for reason in reasons),
                 row["reward_mean"],
                 row["provisioning_p50_s"],

@@ -60,6 +60,7 @@ def run_command(
     groups_target: int | None = None,
     steps: Steps | None = None,
     policy_version: int | None = None,
+    command: Sequence[str] | None = None,
 ) -> JobReport:
     """A command's job (``run``, ``eval``): :func:`~fleetroll.jobs.command.run_policy_job`,
     its notices and progress on ``console``.
@@ -85,6 +86,7 @@ def run_command(
         groups_target=groups_target,
         steps=steps,
         policy_version=policy_version,
+        command=command,
     )
     return anyio.run(job)
 

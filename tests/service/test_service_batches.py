@@ -213,11 +213,18 @@ async def test_a_task_file_on_the_server_runs_and_its_errors_name_line_and_field
         with anyio.fail_after(60):
             ok = await http.post("/v1/batches", json={"tasks_file": "tasks.jsonl"})
             invalid = await http.post("/v1/batches", json={"tasks_file": "bad.jsonl"})
+            missing = await http.post("/v1/batches", json={"tasks_file": "tasks/none.jsonl"})
             await http.get(f"/v1/batches/{ok.json()['batch_id']}/results")
     assert ok.status_code == 201 and ok.json()["rollouts"] == 1
     problem = invalid.json()["detail"][0]
     assert invalid.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
     assert problem["msg"].startswith("bad.jsonl:2: field 'env_key'")
+    assert "tasks_root" not in problem["msg"]  # it was found: where is not the problem
+    # A path that is not there says where it was looked for, by the setting's name only.
+    problem = missing.json()["detail"][0]
+    assert missing.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
+    assert problem["msg"].startswith("tasks/none.jsonl: cannot read the file"), problem
+    assert "service.tasks_root" in problem["msg"] and str(tmp_path) not in problem["msg"]
 
 
 async def test_a_batch_resubmitted_after_a_cancel_reruns_its_cancelled_rollouts(

@@ -5,6 +5,7 @@ in-process emulator: one rollout completes, one fails, one is cancelled."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,9 @@ import anyio
 import pytest
 from click.testing import CliRunner
 from telemetry_helpers import local_settings
+from test_dashboard import browse
 
+from fleetroll._internal.serving import serve_asgi
 from fleetroll.cli.main import main
 from fleetroll.emulator import Emulator
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
@@ -23,7 +26,7 @@ from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
 from fleetroll.telemetry import Telemetry
-from fleetroll.telemetry.dashboard import snapshot
+from fleetroll.telemetry.dashboard import dashboard_app, snapshot
 from fleetroll.telemetry.queries import stats
 
 #: Integration tests (the emulator over loopback): outside `-m "not slow"`.
@@ -103,11 +106,23 @@ def test_the_dashboard_counts_the_cancelled_apart_and_leaves_them_out_of_the_fai
     assert (progress["done"], progress["failed"], progress["cancelled"]) == (3, 1, 1)
 
 
-def test_the_dashboard_page_shows_a_cancelled_count_beside_the_failed() -> None:
-    from importlib.resources import files
+async def test_the_dashboard_page_shows_the_cancelled_beside_the_failed_in_a_browser(
+    cancelled: Cancelled, chromium: str, tmp_path: Path
+) -> None:
+    async with serve_asgi(dashboard_app(cancelled.db)) as url:
+        html = await browse(chromium, f"{url}/dashboard", tmp_path / "profile", "--dump-dom")
+    assert "live · updated" in html
 
-    page = (files("fleetroll.telemetry") / "dashboard.html").read_text()
-    assert 'id="stat-cancelled"' in page and 'id="progress-cancelled"' in page
+    def shown(element: str) -> str:
+        found = re.search(f'id="{element}"[^>]*>([^<]*)<', html)
+        assert found is not None, f"{element} is not on the page"
+        return found.group(1)
+
+    assert shown("stat-failed") == "50.0%" and shown("stat-cancelled") == "1"
+    assert shown("stat-failed-sub") == "1 of 2 that ran to their end"
+    assert shown("progress-failed") == "1" and shown("progress-cancelled") == "1"
+    errors = html.split('id="errors-rows"')[1].split("</tbody>")[0]
+    assert "policy_error" in errors and "cancelled" not in errors
 
 
 def test_stats_shows_the_cancelled_in_a_column_of_their_own(cancelled: Cancelled) -> None:

@@ -142,9 +142,10 @@ def test_live_and_max_age_go_with_check_each_in_one_line(
 
 
 def test_lost_rollouts_are_grouped_by_batch_with_the_command_that_resumes_each() -> None:
-    lost = [("a-1", "a"), ("a-2", "a"), ("b-1", "run-step3"), ("c-1", "served")]
+    lost = [("a-1", "a"), ("a-2", "a"), ("b-1", "run-step3"), ("c-1", "served"), ("j-1", "j")]
     resumes = {
         "a": ("fleetroll run /t.jsonl --out /a.jsonl --resume", "/a.jsonl"),
+        "j": (None, "/j.jsonl"),  # a job with a journal but no command line (a library's)
         "run": ("fleetroll run /t.jsonl --out /r.jsonl --steps 5 --batch-tasks 2 --resume", None),
     }
     groups = {g.batch_id: g for g in _lost_batches(lost, resumes)}
@@ -152,5 +153,6 @@ def test_lost_rollouts_are_grouped_by_batch_with_the_command_that_resumes_each()
     assert groups["a"].resume == resumes["a"][0]
     assert groups["run-step3"].resume == resumes["run"][0]  # a step: its run resumes it
     assert "same batch_id" in groups["served"].resume  # no job: a service's batch
-    text = CheckResult(4, lost=lost, lost_batches=list(groups.values())).describe()
+    assert "--out /j.jsonl --resume" in groups["j"].resume
+    text = CheckResult(5, lost=lost, lost_batches=list(groups.values())).describe()
     assert "2 lost in batch a" in text and "    resume: fleetroll run /t.jsonl" in text

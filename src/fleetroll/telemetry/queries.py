@@ -674,7 +674,10 @@ def _lost_batches(
         if command is not None:
             resume = command
         elif journal is not None:
-            resume = f"fleetroll run <the same tasks and options> --out {journal} --resume"
+            resume = (
+                f"its journal is {journal}: `fleetroll run` with the same tasks and"
+                f" options, --out {journal} --resume, runs them"
+            )
         else:
             resume = (
                 "resubmit it with the same batch_id (fleetroll serve: POST /v1/batches, or"

@@ -25,14 +25,13 @@ from anyio.abc import TaskGroup
 
 from fleetroll.errors import ConfigError, JournalError
 from fleetroll.jobs.drive import Background, Current, Drive, watch_signals
-from fleetroll.jobs.fleet import open_fleet, release_leftovers
+from fleetroll.jobs.fleet import open_fleet, preflight_fleet, release_leftovers
 from fleetroll.jobs.output import JobOutput, Quiet
 from fleetroll.jobs.report import JobReport
 from fleetroll.jobs.steps import StepRun, Steps, open_sampler
 from fleetroll.policies import Policy
 from fleetroll.pool.batch_pool import open_batch_pool
 from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal
-from fleetroll.pool.preflight import preflight_fleet
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings

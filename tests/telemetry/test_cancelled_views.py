@@ -62,7 +62,9 @@ class Cancelled:
 
 async def run_and_cancel(db: Path) -> list[RolloutResult]:
     settings = local_settings(db)
-    with Telemetry(settings) as telemetry:
+    with Telemetry(
+        settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+    ) as telemetry:
         async with (
             Emulator() as emu,
             RolloutPool(

@@ -144,7 +144,7 @@ def _eta(p: Progress, elapsed: float) -> str:
 
 #: The live line's parts, most important first: on a narrow terminal the
 #: last ones go first (see :func:`_describe`).
-_KEEP_FIRST = ("done", "eta", "failed", "cancelled", "rate", "acting", "in_flight", "queued",
+_KEEP_FIRST = ("done", "eta", "failed", "rate", "cancelled", "acting", "in_flight", "queued",
                "provisioning", "waiting", "finishing")  # fmt: skip
 
 

@@ -363,7 +363,8 @@ def test_a_missing_or_unreadable_file_is_a_task_file_error(tmp_path: Path) -> No
     with pytest.raises(TaskFileError, match="cannot read the file") as caught:
         load_tasks(tmp_path / "nope.jsonl", modalities=MODALITIES)
     assert caught.value.path == str(tmp_path / "nope.jsonl")
-    with pytest.raises(TaskFileError, match="cannot read the file"):
+    # A folder is read as its task files (test_load_tasks_reads_a_folder_...): this one has none.
+    with pytest.raises(TaskFileError, match=r"no \.jsonl or \.json task file"):
         load_tasks(tmp_path, modalities=MODALITIES)
     binary = tmp_path / "t.jsonl"
     binary.write_bytes(b'{"key": "\xff"}\n')
@@ -448,6 +449,20 @@ def test_a_folder_is_read_one_level_deep_and_one_warning_names_subfolders_with_t
         "top",
         "mcp",
     ]
+
+
+def test_load_tasks_reads_a_folder_as_the_cli_and_tasks_file_do(tmp_path: Path) -> None:
+    for name in ("b", "a"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(short(key=name)) + "\n")
+
+    assert [t.key for t in load_tasks(tmp_path, modalities=MODALITIES)] == ["a", "b"]
+    assert load_tasks(str(tmp_path), modalities=MODALITIES) == load_task_paths(
+        [tmp_path], MODALITIES
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TaskFileError, match=r"no \.jsonl or \.json task file in this folder"):
+        load_tasks(empty, modalities=MODALITIES)
 
 
 def test_a_folder_whose_task_files_are_all_in_subfolders_says_so(tmp_path: Path) -> None:

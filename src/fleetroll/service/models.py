@@ -274,7 +274,11 @@ class BatchCounts(BaseModel):
     provisioning: int
     running: int
     done: int
-    failed: int
+    failed: int = Field(description="Rollouts that failed; cancelled ones are not counted here")
+    cancelled: int = Field(
+        default=0,
+        description="Rollouts cancelled (failure_reason cancelled): neither done nor failed",
+    )
 
 
 class BatchState(BaseModel):

@@ -269,22 +269,27 @@ def _holds_task_files(folder: Path) -> bool:
 def load_tasks(
     path: str | Path, *, modalities: Collection[str], limits: TaskLimits = _NO_LIMITS
 ) -> list[TaskSpec]:
-    """Read and validate every task of a file, before anything runs.
+    """Read and validate every task of a file (or a folder's), before anything runs.
 
     The file holds JSON Lines (one task per line, blank lines skipped) or a JSON
     array, recognised by its first non-blank character ``[`` whatever the
     extension. For an array, errors give the line the item starts on and say
-    which item it is. Blocking: async code calls it in a worker thread.
+    which item it is. A folder means its ``*.jsonl`` and ``*.json`` files, as
+    ``fleetroll run`` and ``tasks_file`` read one (:func:`load_task_paths`).
+    Blocking: async code calls it in a worker thread.
 
     Args:
-        path: the task file.
+        path: the task file, or a folder of them.
         modalities: the modality names routed here (``Settings.modalities``' keys).
         limits: sizes and counts refused before the work (default: none).
 
     Raises:
         TaskFileError: the file cannot be read, is over a limit, is not valid
-            JSON, holds no tasks, holds an invalid task, or uses one key twice.
+            JSON, holds no tasks, holds an invalid task, or uses one key twice;
+            a folder holds no task file.
     """
+    if Path(path).is_dir():
+        return load_task_paths([path], modalities, limits)
     return list(_load(Path(path), modalities, limits, _Verifiers(limits.max_verifier_bytes)))
 
 

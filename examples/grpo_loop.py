@@ -52,6 +52,7 @@ import anyio
 
 from fleetroll import OpenAIChatPolicy, RolloutPool, TaskSpec, load_settings, load_tasks
 from fleetroll.emulator import Emulator
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.settings import config_dir
 from fleetroll.testing.fake_openai import (
     FakeChatServer,
@@ -179,7 +180,7 @@ async def train(*, steps: int, tasks: int, samples: int, oversample: int) -> lis
         async with (
             Emulator() as emu,
             RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
-            OpenAIChatPolicy.from_settings(settings) as policy,
+            OpenAIChatPolicy.from_config(chat_policy_config(settings)) as policy,
         ):
             for _ in range(steps):
                 draw = sampler.draw()

@@ -9,6 +9,7 @@ from typing import get_args
 import pytest
 from pydantic import SecretStr
 
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.service.app import Service
@@ -36,7 +37,12 @@ def _settings_with_every_secret() -> tuple[Settings, dict[str, str]]:
 def _telemetry_event(settings: Settings) -> Callable[[str], str]:
     def redact(text: str) -> str:
         sink = MemorySink()
-        with Telemetry(settings, extra_sinks=[sink]) as telemetry:
+        with Telemetry(
+            settings.telemetry,
+            secrets=settings.secrets(),
+            logfire_token=settings.logfire_token,
+            extra_sinks=[sink],
+        ) as telemetry:
             telemetry.events.emit("fleet_tool_call_failed", level="debug", error_message=text)
         return str(sink.named("fleet_tool_call_failed")[0].attributes["error_message"])
 
@@ -48,7 +54,11 @@ def _service_error(settings: Settings) -> Callable[[str], str]:
 
 
 def _result(settings: Settings) -> Callable[[str], str]:
-    return RolloutEngine(settings, FakeProvider(settings), Events()).redactor
+    return RolloutEngine(
+        rollout_config(settings),
+        FakeProvider(settings.modalities, timeouts=settings.timeouts),
+        Events(),
+    ).redactor
 
 
 def test_the_settings_know_each_of_their_secret_fields() -> None:

@@ -11,6 +11,7 @@
     │   └── ServicePreflightError  the service's pre-flight refused it (also a ServiceError)
     ├── ServiceError             the HTTP service answered an error (fleetroll.client)
     ├── JournalError             a result journal could not be written (a full disk)
+    ├── WeightSyncError          a policy server did not take new weights (fleetroll.training)
     ├── StoreError               the local telemetry store could not be opened or read
     │   ├── NoSuchBatchError     a batch id the store has never seen
     │   └── QueryError           a query failed
@@ -39,7 +40,7 @@ nothing above that module needs to know which library failed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = [
     "ComputerToolMissing",
@@ -66,6 +67,7 @@ __all__ = [
     "TaskFileError",
     "ToolCallFailed",
     "ToolsError",
+    "WeightSyncError",
 ]
 
 
@@ -96,6 +98,31 @@ class JournalError(FleetrollError):
         self.written = written
         why = error.strerror or str(error)
         super().__init__(f"writing the journal {path} failed: {why}{hint}")
+
+
+class WeightSyncError(FleetrollError):
+    """New weights did not reach every policy server
+    (:mod:`fleetroll.training.weight_sync`): a server refused them, did not
+    answer in time, or still reports its old weight version.
+
+    Attributes:
+        failed: each server that did not take the weights (its URL, without
+            credentials) and why, one line each.
+        synced: the servers that did take them (the fleet serves mixed weights
+            until a sync succeeds everywhere).
+    """
+
+    def __init__(self, failed: Mapping[str, str], synced: Sequence[str] = ()) -> None:
+        self.failed = dict(failed)
+        self.synced = list(synced)
+        lines = "; ".join(f"{server}: {why}" for server, why in self.failed.items())
+        tail = ""
+        if self.synced:
+            tail = (
+                f" ({len(self.synced)} other server(s) took them: the servers now serve"
+                " different weights until a sync succeeds on all of them)"
+            )
+        super().__init__(f"the weight sync failed on {lines}{tail}")
 
 
 class PreflightError(FleetrollError):

@@ -26,7 +26,7 @@ from fleetroll.cli.run import _describe
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.jobs.progress import Progress, Watch
-from fleetroll.policies import policy_from_settings
+from fleetroll.pool.assembly import policy_from_settings
 from fleetroll.pool.journal import read_journal
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason

@@ -23,7 +23,7 @@ from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
 from fleetroll.errors import TaskFileError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
-from fleetroll.pool.assembly import fleet_provider
+from fleetroll.pool.assembly import fleet_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
@@ -87,7 +87,7 @@ class FailingJsonEnv(LedgerEnv):
 async def engine(emu: Emulator, sink: MemorySink, **overrides: Any) -> AsyncIterator[RolloutEngine]:
     settings = load_settings(**overrides)
     provider = fleet_provider(settings, Events([sink]), api_key=emu.api_key, base_url=emu.base_url)
-    async with RolloutEngine.open(settings, Events([sink]), provider) as eng:
+    async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as eng:
         yield eng
 
 

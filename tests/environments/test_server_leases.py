@@ -18,7 +18,7 @@ from fleetroll.environments.mcp.provider import McpHandle, McpProvider
 from fleetroll.environments.provider import Instance
 from fleetroll.errors import ToolsError
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool.assembly import mcp_provider
+from fleetroll.pool.assembly import mcp_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
@@ -61,8 +61,8 @@ async def waits(leases: ServerLeases, work: Callable[[], Awaitable[object]]) -> 
 async def run_on_fake(provider_options: dict[str, Any]) -> tuple[RolloutResult, MemorySink]:
     settings = load_settings()
     sink = MemorySink()
-    provider = FakeProvider(settings, **provider_options)
-    async with RolloutEngine.open(settings, Events([sink]), provider) as engine:
+    provider = FakeProvider(settings.modalities, timeouts=settings.timeouts, **provider_options)
+    async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as engine:
         with anyio.fail_after(10):
             result = await engine.rollout(DONE, RolloutIds("b", "r")).run(ScriptedPolicy())
     assert provider.running == 0  # released, whatever the outcome

@@ -40,7 +40,7 @@ class Watched(FakeProvider):
     """Counts releases and sweeps, and sets :attr:`released_one` at each release."""
 
     def __init__(self, settings: Any, **options: Any) -> None:
-        super().__init__(settings, **options)
+        super().__init__(settings.modalities, timeouts=settings.timeouts, **options)
         self.released_one = anyio.Event()
         self.swept: list[str] = []
 
@@ -81,7 +81,7 @@ async def run_in_sequence(
 
 
 async def test_a_reused_instance_s_verifier_sees_only_its_own_rollout_s_notes() -> None:
-    provider = FakeProvider(settings_with())
+    provider = FakeProvider(settings_with().modalities)
     results = await run_in_sequence([TASK, IDLE_HANDS, TASK], provider)
     assert [r.instance_uses for r in results] == [1, 2, 3]
     assert len({r.instance_id for r in results}) == 1
@@ -91,15 +91,15 @@ async def test_a_reused_instance_s_verifier_sees_only_its_own_rollout_s_notes() 
 
 async def test_rewards_are_the_same_with_and_without_reuse() -> None:
     tasks = [TASK, IDLE_HANDS, IDLE_HANDS, TASK, IDLE_HANDS]
-    fresh = await run_in_sequence(tasks, FakeProvider(settings_with()), reuse=False)
-    reused = await run_in_sequence(tasks, FakeProvider(settings_with()))
+    fresh = await run_in_sequence(tasks, FakeProvider(settings_with().modalities), reuse=False)
+    reused = await run_in_sequence(tasks, FakeProvider(settings_with().modalities))
     assert [r.reward for r in reused] == [r.reward for r in fresh] == [1.0, 0.0, 0.0, 1.0, 0.0]
     assert [r.instance_uses for r in fresh] == [1] * 5
     assert [r.instance_uses for r in reused] == [1, 2, 3, 4, 5]
 
 
 async def test_an_instance_whose_reset_fails_is_released_not_reused() -> None:
-    provider = FakeProvider(settings_with(), reset_error=RuntimeError("seed gone"))
+    provider = FakeProvider(settings_with().modalities, reset_error=RuntimeError("seed gone"))
     results = await run_in_sequence([TASK, TASK, TASK], provider)
     assert [r.instance_uses for r in results] == [1, 1, 1]
     assert len(provider.released) == 3 and provider.running == 0
@@ -107,7 +107,7 @@ async def test_an_instance_whose_reset_fails_is_released_not_reused() -> None:
 
 
 async def test_an_instance_whose_rollout_failed_for_infrastructure_reasons_is_not_reused() -> None:
-    provider = FakeProvider(settings_with(), verify_error="verifier runtime down")
+    provider = FakeProvider(settings_with().modalities, verify_error="verifier runtime down")
     results = await run_in_sequence([TASK, TASK], provider)
     assert [r.failure_reason and r.failure_reason.value for r in results] == ["verifier_error"] * 2
     assert [r.instance_uses for r in results] == [1, 1]
@@ -115,7 +115,7 @@ async def test_an_instance_whose_rollout_failed_for_infrastructure_reasons_is_no
 
 
 async def test_max_reuses_bounds_the_rollouts_of_one_instance() -> None:
-    provider = FakeProvider(settings_with())
+    provider = FakeProvider(settings_with().modalities)
     results = await run_in_sequence([TASK] * 5, provider, max_reuses=1)
     assert [r.instance_uses for r in results] == [1, 2, 1, 2, 1]
     assert len(provider.states) == 3 and provider.running == 0
@@ -200,7 +200,7 @@ async def test_a_waiting_rollout_creates_its_own_once_nothing_of_its_kind_may_co
 
 async def test_a_reused_instance_is_not_reset_twice() -> None:
     settings = settings_with()
-    provider = FakeProvider(settings)
+    provider = FakeProvider(settings.modalities, timeouts=settings.timeouts)
     async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
         first = await warm.provision(TASK)
         await warm.reset(first)  # a fresh one's own reset goes through
@@ -257,7 +257,9 @@ def test_an_instance_is_reusable_only_after_a_rollout_without_infrastructure_fai
 async def test_failed_creates_end_their_rollouts_and_leave_no_one_waiting() -> None:
     settings = load_settings(provisioning={"reuse": True}, pool={"concurrency": 4})
     failing = ProvisionError("no capacity", transient=False)
-    provider = FakeProvider(settings, provision_error=failing)
+    provider = FakeProvider(
+        settings.modalities, timeouts=settings.timeouts, provision_error=failing
+    )
     async with RolloutPool(settings, api_key="unused", provider=provider) as pool:
         with anyio.fail_after(10):
             results = await pool.run_batch([TASK], ScriptedPolicy(), samples_per_task=4).results()

@@ -18,7 +18,6 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
-import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -28,6 +27,7 @@ from fleetroll.integrations import trl as fleetroll_trl  # noqa: E402
 from fleetroll.settings import Settings, config_dir, load_settings  # noqa: E402
 from fleetroll.testing.model_server import ModelServer  # noqa: E402
 from fleetroll.testing.tiny_model import load_tiny_model, save_tiny_model  # noqa: E402
+from fleetroll.training.weight_sync import VLLMReloadSync  # noqa: E402
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = [
@@ -37,24 +37,6 @@ pytestmark = [
 ]
 
 TASKS = config_dir() / "tasks" / "ledger.jsonl"
-
-
-class ReloadWeights:
-    """vLLM's ``/collective_rpc reload_weights`` on the test server.
-
-    A stand-in for ``fleetroll.training.weight_sync.VLLMReloadSync`` until it lands.
-    """
-
-    def __init__(self, root_url: str) -> None:
-        self.root_url = root_url
-
-    async def push(self, source: Any, *, version: int) -> None:
-        async with httpx.AsyncClient(timeout=30) as client:
-            answer = await client.post(
-                f"{self.root_url}/collective_rpc",
-                json={"method": "reload_weights", "kwargs": {"weights_path": str(source)}},
-            )
-            answer.raise_for_status()
 
 
 @pytest.fixture
@@ -80,11 +62,16 @@ def settings_for(server: ModelServer, **policy: Any) -> Settings:
     )
 
 
-def token_mean(completion_ids: list[list[int]], **kwargs: Any) -> list[float]:
+def token_mean(
+    completion_ids: list[list[int]], fleetroll_reward: list[float | None], **kwargs: Any
+) -> list[float | None]:
     """A reward function of the trainer's own beside fleetroll's: the random
     model never solves a task, and this one differs between samples, so the
-    advantages are not all 0 and the weights move."""
-    return [sum(ids) / len(ids) / 1000 for ids in completion_ids]
+    advantages are not all 0 and the weights move. None where fleetroll's is."""
+    return [
+        None if r is None else sum(ids) / len(ids) / 1000
+        for ids, r in zip(completion_ids, fleetroll_reward, strict=True)
+    ]
 
 
 def recomputed(
@@ -114,7 +101,7 @@ def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_ver
     calls: list[tuple[dict[str, Any], list[Any], dict[str, Any]]] = []
 
     with fleetroll_trl.RolloutFunc(  # fleetroll
-        task_records, settings, weight_sync=ReloadWeights(server.root_url)
+        task_records, settings, weight_sync=VLLMReloadSync(settings.policy.servers)
     ) as rollouts:
 
         def recorded(prompts: list[Any], trainer: Any) -> dict[str, Any]:

@@ -31,7 +31,8 @@ _LIBRARY_USE = textwrap.dedent(
     async def main():
         settings = load_settings()
         assert settings.pool.gc_policy == "tuned"
-        async with RolloutPool(settings, provider=FakeProvider(settings)) as pool:
+        provider = FakeProvider(settings.modalities, timeouts=settings.timeouts)
+        async with RolloutPool(settings, provider=provider) as pool:
             results = await pool.run_batch([task], ScriptedPolicy(), samples_per_task=2).results()
             assert [r.reward for r in results] == [1.0, 1.0]
             return gc.get_threshold(), gc.get_freeze_count(), gc.isenabled()

@@ -49,7 +49,9 @@ async def test_mcp_connect_and_verifier_retries_are_fleet_retry_records_of_their
     # first request still meets it); every verifier run fails on the platform.
     faults = FaultProfile(mcp_warmup_s=2.0, p_verifier_error=1.0)
     async with (
-        open_telemetry(settings) as events,
+        open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as events,
         Emulator(faults) as emu,
         RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events) as p,
     ):

@@ -224,7 +224,12 @@ async def test_telemetry_and_retries_leave_stamina_s_process_wide_hooks_as_they_
     sink = MemorySink()
     settings = load_settings(telemetry={"db_path": os.devnull, "send_to_logfire": False})
     with (
-        Telemetry(settings, extra_sinks=[sink]) as telemetry,
+        Telemetry(
+            settings.telemetry,
+            secrets=settings.secrets(),
+            logfire_token=settings.logfire_token,
+            extra_sinks=[sink],
+        ) as telemetry,
         reporting(retry_emitter(telemetry.events)),
     ):
         assert await run("verify", [Later()]) == 2

@@ -20,6 +20,7 @@ from fleetroll.policies import (
     ToolCall,
     ToolSpec,
 )
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.rollout.transcript import Transcript, assistant_message
 from fleetroll.settings import load_settings
 from fleetroll.tasks import SolutionStep, TaskSpec
@@ -505,7 +506,7 @@ async def test_the_policy_is_built_from_the_settings(fake_openai: FakeChatServer
         timeouts={"policy_s": 42},
     )
 
-    async with OpenAIChatPolicy.from_settings(settings) as policy:
+    async with OpenAIChatPolicy.from_config(chat_policy_config(settings)) as policy:
         await act(policy)
 
     assert (policy.timeout_s, policy.max_retries) == (42, 4)
@@ -530,7 +531,7 @@ async def test_the_policy_opens_connections_within_timeouts_policy_connect_s() -
         policy={"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
         timeouts={"policy_connect_s": 2.5},
     )
-    async with OpenAIChatPolicy.from_settings(settings) as policy:
+    async with OpenAIChatPolicy.from_config(chat_policy_config(settings)) as policy:
         assert policy._client.timeout.connect == 2.5
         assert policy._client.timeout.read == settings.timeouts.policy_s
 
@@ -544,12 +545,12 @@ def test_a_policy_made_from_settings_pickles_as_its_recipe_and_one_made_by_hand_
         policy={"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"},
         openai_api_key=API_KEY,
     )
-    policy = OpenAIChatPolicy.from_settings(settings)
+    policy = OpenAIChatPolicy.from_config(chat_policy_config(settings))
     recipe = pickle.loads(pickle.dumps(policy))
-    assert isinstance(recipe, PolicyRecipe) and recipe.settings == settings
+    assert isinstance(recipe, PolicyRecipe) and recipe.config == chat_policy_config(settings)
     remade = recipe.make()
     assert type(remade) is OpenAIChatPolicy and remade.model == "m" and remade.url == policy.url
     # Made again elsewhere, it keeps its key: a process makes one per recipe.
     assert pickle.loads(pickle.dumps(remade)).key == recipe.key
-    with pytest.raises(TypeError, match=r"OpenAIChatPolicy\.from_settings"):
+    with pytest.raises(TypeError, match=r"OpenAIChatPolicy\.from_config"):
         pickle.dumps(OpenAIChatPolicy(base_url="http://127.0.0.1:9/v1", model="m"))

@@ -9,6 +9,7 @@ import pytest
 
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
 from fleetroll.policies.gate import PolicyGate
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, RolloutIds
@@ -113,8 +114,8 @@ async def engine(
     sink: MemorySink, **overrides: Any
 ) -> AsyncIterator[tuple[RolloutEngine, FakeProvider]]:
     settings = load_settings(**overrides)
-    provider = FakeProvider(settings)
-    async with RolloutEngine.open(settings, Events([sink]), provider) as eng:
+    provider = FakeProvider(settings.modalities, timeouts=settings.timeouts)
+    async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as eng:
         yield eng, provider
 
 

@@ -38,7 +38,10 @@ TASKS = [
 def fake_pool() -> RolloutPool:
     settings = load_settings(pool={"concurrency": 8})
     return RolloutPool(
-        settings, api_key="unused", events=Events([]), provider=FakeProvider(settings)
+        settings,
+        api_key="unused",
+        events=Events([]),
+        provider=FakeProvider(settings.modalities, timeouts=settings.timeouts),
     )
 
 

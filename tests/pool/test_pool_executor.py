@@ -248,7 +248,11 @@ async def test_the_live_view_and_events_of_a_rollout_come_from_its_executor() ->
 def test_a_pool_given_an_executor_refuses_a_provider_too() -> None:
     settings = load_settings()
     with pytest.raises(ValueError, match="provider= to the executor"):
-        RolloutPool(settings, executor=FakeExecutor(), provider=FakeProvider(settings))
+        RolloutPool(
+            settings,
+            executor=FakeExecutor(),
+            provider=FakeProvider(settings.modalities, timeouts=settings.timeouts),
+        )
 
 
 async def test_a_batch_starts_rollouts_only_as_the_executor_has_room_for_them() -> None:

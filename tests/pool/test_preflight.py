@@ -78,7 +78,9 @@ def test_an_unknown_version_lists_the_versions_and_a_task_without_one_takes_the_
 
 
 async def test_the_provider_s_problems_and_the_policy_s_come_in_one_error() -> None:
-    provider = FakeProvider(load_settings(), preflight_problems=["environment x is gone"])
+    provider = FakeProvider(
+        load_settings().modalities, preflight_problems=["environment x is gone"]
+    )
     settings = openai_settings(f"{dead_url()}/v1")
 
     with pytest.raises(PreflightError) as caught:
@@ -91,7 +93,7 @@ async def test_the_provider_s_problems_and_the_policy_s_come_in_one_error() -> N
 
 
 async def test_a_clean_provider_and_the_scripted_policy_pass() -> None:
-    provider = FakeProvider(load_settings())
+    provider = FakeProvider(load_settings().modalities)
 
     await preflight(provider, [task("ledger")], lambda: check_policy(load_settings()))
 

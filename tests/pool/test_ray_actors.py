@@ -10,6 +10,7 @@ import pytest
 
 from fleetroll.policies import OpenAIChatPolicy
 from fleetroll.policies.openai import PolicyRecipe
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.ray.actors import PolicyHost
 from fleetroll.pool.ray.executor import ExecutorWorker
 from fleetroll.settings import load_settings
@@ -53,7 +54,9 @@ def recipe() -> PolicyRecipe:
     settings = load_settings(
         policy={"kind": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"}
     )
-    travelled = pickle.loads(pickle.dumps(OpenAIChatPolicy.from_settings(settings)))
+    travelled = pickle.loads(
+        pickle.dumps(OpenAIChatPolicy.from_config(chat_policy_config(settings)))
+    )
     assert isinstance(travelled, PolicyRecipe)
     return travelled
 

@@ -16,6 +16,7 @@ import pytest
 from fleetroll.emulator import FaultProfile, Latency
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.rollout.agent_command import CommandAgent
@@ -284,7 +285,9 @@ async def test_an_agent_command_runs_on_the_actors_and_its_turns_hold_the_server
                 num_actors=2,
                 events=Events([sink]),
             ) as pool,
-            CommandAgent.from_settings([sys.executable, str(AGENT)], settings) as agent,
+            CommandAgent.from_config(
+                [sys.executable, str(AGENT)], chat_policy_config(settings)
+            ) as agent,
         ):
             with anyio.fail_after(300):
                 results = await pool.run_batch(tasks, agent, samples_per_task=2).results()

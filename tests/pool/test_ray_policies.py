@@ -34,8 +34,8 @@ from fleetroll.policies import (  # noqa: E402
     OpenAIChatPolicy,
     Policy,
     ScriptedPolicy,
-    policy_from_settings,
 )
+from fleetroll.pool.assembly import chat_policy_config, policy_from_settings  # noqa: E402
 from fleetroll.pool.batch_pool import FleetTarget, open_batch_pool  # noqa: E402
 from fleetroll.pool.journal import read_journal  # noqa: E402
 from fleetroll.pool.ray.executor import RayExecutor  # noqa: E402
@@ -147,11 +147,11 @@ async def policy_of(kind: str, shared: Shared) -> AsyncIterator[Policy]:
     if kind == "scripted":
         yield ScriptedPolicy()
     elif kind == "openai":
-        async with OpenAIChatPolicy.from_settings(shared.settings()) as policy:
+        async with OpenAIChatPolicy.from_config(chat_policy_config(shared.settings())) as policy:
             yield policy
     else:
         argv = [sys.executable, str(AGENT)]
-        async with CommandAgent.from_settings(argv, shared.settings()) as agent:
+        async with CommandAgent.from_config(argv, chat_policy_config(shared.settings())) as agent:
             yield agent
 
 
@@ -250,7 +250,7 @@ async def test_on_ray_a_policy_that_cannot_travel_or_load_fails_its_rollouts_not
         async with httpx.AsyncClient(base_url=shared.url, timeout=30) as http:
             health = await http.get("/v1/policy")
     for results, says in [
-        (unsent, "OpenAIChatPolicy.from_settings"),
+        (unsent, "OpenAIChatPolicy.from_config"),
         (locked, "it holds a lock"),
         (unloaded, "division by zero"),
     ]:

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from agent_helpers import end_marked, marked, new_mark
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.pool.assembly import chat_policy_config, rollout_config
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import AgentHost, AgentRecipe, CommandAgent
@@ -106,7 +107,12 @@ async def agent_rollout(
     events = Events([MemorySink()])
     async with (
         FakeChatServer(script or [completion("hello")] * 4, vllm=VllmShape()) as server,
-        RolloutEngine.open(settings, events, FakeProvider(settings), policy_gate=gate) as eng,
+        RolloutEngine.open(
+            rollout_config(settings),
+            events,
+            FakeProvider(settings.modalities, timeouts=settings.timeouts),
+            policy_gate=gate,
+        ) as eng,
         CommandAgent(
             command,
             OpenAIChatPolicy(
@@ -277,19 +283,25 @@ def test_an_agent_command_fleetroll_cannot_run_is_one_line_and_exit_code_2(
 
 async def test_an_agent_pickles_as_its_recipe_and_a_host_makes_it_once_while_in_use() -> None:
     settings = load_settings(policy={"kind": "openai", "base_url": "http://127.0.0.1:9/v1"})
-    agent = CommandAgent.from_settings("python agent.py --fast", settings)
+    agent = CommandAgent.from_config("python agent.py --fast", chat_policy_config(settings))
     recipe = pickle.loads(pickle.dumps(agent))
     assert isinstance(recipe, AgentRecipe)
-    assert recipe.argv == ("python", "agent.py", "--fast") and recipe.settings == settings
+    assert recipe.argv == ("python", "agent.py", "--fast") and recipe.config == chat_policy_config(
+        settings
+    )
     assert pickle.loads(pickle.dumps(agent)).key == recipe.key  # one key per agent
-    plain = CommandAgent("python agent.py", OpenAIChatPolicy.from_settings(settings))
-    with pytest.raises(TypeError, match=r"only when made with CommandAgent\.from_settings"):
+    plain = CommandAgent(
+        "python agent.py", OpenAIChatPolicy.from_config(chat_policy_config(settings))
+    )
+    with pytest.raises(TypeError, match=r"only when made with CommandAgent\.from_config"):
         pickle.dumps(plain)
     await plain.aclose()
     await agent.aclose()
 
     host = AgentHost()
-    other = pickle.loads(pickle.dumps(CommandAgent.from_settings("python b.py", settings)))
+    other = pickle.loads(
+        pickle.dumps(CommandAgent.from_config("python b.py", chat_policy_config(settings)))
+    )
     with anyio.fail_after(30):
         async with (
             host.agent(recipe) as first,

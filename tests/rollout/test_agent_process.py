@@ -18,6 +18,7 @@ import pytest
 from agent_helpers import end_marked, leaving_descendants, marked, new_mark
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.rollout.agent_process import AgentLimits, AgentRecords, Sandbox, start_agent
@@ -67,7 +68,10 @@ async def agent_rollout(
     async with (
         FakeChatServer([completion("hello")] * 4, vllm=VllmShape()) as server,
         RolloutEngine.open(
-            settings, Events([MemorySink()]), FakeProvider(settings), policy_gate=gate
+            rollout_config(settings),
+            Events([MemorySink()]),
+            FakeProvider(settings.modalities, timeouts=settings.timeouts),
+            policy_gate=gate,
         ) as eng,
         CommandAgent(
             command,

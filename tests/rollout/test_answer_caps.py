@@ -20,6 +20,7 @@ from mcp_types import JSONRPCError, JSONRPCRequest, JSONRPCResponse
 from fleetroll.environments.mcp.process import LineReader
 from fleetroll.errors import ToolCallFailed, ToolsError
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
 from fleetroll.settings import load_settings
@@ -233,7 +234,11 @@ async def test_a_finished_rollout_lets_go_of_its_tool_listing_and_session() -> N
         verifier_func="def verify(env):\n    return 1.0\n",
         solution=(SolutionStep(name="note", arguments={"word": "done"}),),
     )
-    async with RolloutEngine.open(settings, Events([]), FakeProvider(settings)) as engine:
+    async with RolloutEngine.open(
+        rollout_config(settings),
+        Events([]),
+        FakeProvider(settings.modalities, timeouts=settings.timeouts),
+    ) as engine:
         rollout = engine.rollout(task, RolloutIds("b", "r"))
         seen: list[int] = []
         rollout.observers.append(lambda r: seen.append(len(r.tools)))

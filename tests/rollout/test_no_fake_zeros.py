@@ -20,7 +20,7 @@ from test_rollout_deadlines import assert_timings_add_up
 
 from fleetroll.emulator import Emulator, FaultProfile
 from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
-from fleetroll.pool.assembly import fleet_provider
+from fleetroll.pool.assembly import chat_policy_config, fleet_provider, rollout_config
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
@@ -165,9 +165,11 @@ async def built_in_and_agent(
         events = Events([MemorySink()])
         provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
         async with (
-            RolloutEngine.open(settings, events, provider) as eng,
-            OpenAIChatPolicy.from_settings(settings) as model,
-            CommandAgent.from_settings([sys.executable, str(AGENT)], settings) as agent,
+            RolloutEngine.open(rollout_config(settings), events, provider) as eng,
+            OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model,
+            CommandAgent.from_config(
+                [sys.executable, str(AGENT)], chat_policy_config(settings)
+            ) as agent,
         ):
 
             async def one(name: str, actor: OpenAIChatPolicy | CommandAgent) -> None:

@@ -68,7 +68,9 @@ async def test_a_finished_rollout_keeps_its_result_and_read_model_not_its_machin
     kept: list[Batch] = []
     tracemalloc.start(1)
     try:
-        async with RolloutPool(s, provider=FakeProvider(s), events=Events()) as pool:
+        async with RolloutPool(
+            s, provider=FakeProvider(s.modalities, timeouts=s.timeouts), events=Events()
+        ) as pool:
             kept.append(await run(pool))  # warm-up: imports, caches, connections
             bytes_before, objects_before = measure()
             kept.append(await run(pool))
@@ -90,7 +92,9 @@ async def test_a_finished_rollout_keeps_its_result_and_read_model_not_its_machin
 async def test_rollouts_of_one_environment_share_their_tool_specs() -> None:
     # One copy of each listed schema for every rollout, not one per rollout.
     s = load_settings()
-    async with RolloutPool(s, provider=FakeProvider(s), events=Events()) as pool:
+    async with RolloutPool(
+        s, provider=FakeProvider(s.modalities, timeouts=s.timeouts), events=Events()
+    ) as pool:
         with anyio.fail_after(10):
             async with pool.session(TASKS[0], sample_index=0) as first:
                 tools = first.tools

@@ -20,7 +20,7 @@ from fleetroll.emulator.envs.base import ToolGate
 from fleetroll.emulator.envs.ledger import LedgerEnv, LedgerScreen
 from fleetroll.errors import PolicyError
 from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolCall, ToolSpec
-from fleetroll.pool.assembly import fleet_provider
+from fleetroll.pool.assembly import fleet_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, Rollout, RolloutIds
@@ -49,7 +49,7 @@ async def engine(
     settings = load_settings(**overrides)
     events = Events([sink or MemorySink()])
     provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
-    async with RolloutEngine.open(settings, events, provider) as eng:
+    async with RolloutEngine.open(rollout_config(settings), events, provider) as eng:
         yield eng
 
 

@@ -22,6 +22,7 @@ import pytest
 from test_state_machine import HANGING, TASK
 
 from fleetroll.policies import ScriptedPolicy, ToolCall
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason, RolloutResult, Timings
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, RolloutIds
@@ -40,8 +41,10 @@ async def engine(
     hangs: tuple[Operation, ...] = (), **overrides: Any
 ) -> AsyncIterator[tuple[RolloutEngine, FakeProvider]]:
     settings = load_settings(**overrides)
-    provider = FakeProvider(settings, hangs=hangs)
-    async with RolloutEngine.open(settings, Events([MemorySink()]), provider) as eng:
+    provider = FakeProvider(settings.modalities, timeouts=settings.timeouts, hangs=hangs)
+    async with RolloutEngine.open(
+        rollout_config(settings), Events([MemorySink()]), provider
+    ) as eng:
         yield eng, provider
     assert provider.running == 0
 

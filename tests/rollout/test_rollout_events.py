@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 
 from fleetroll.policies import ScriptedPolicy, ToolCall
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.events import RolloutEvent, RolloutEventLog, ndjson_lines
@@ -30,8 +31,10 @@ TASK = TaskSpec(
 
 async def run(task: TaskSpec = TASK, **overrides: Any) -> tuple[Rollout, RolloutResult]:
     settings = load_settings(**overrides)
-    provider = FakeProvider(settings)
-    async with RolloutEngine.open(settings, Events([MemorySink()]), provider) as eng:
+    provider = FakeProvider(settings.modalities, timeouts=settings.timeouts)
+    async with RolloutEngine.open(
+        rollout_config(settings), Events([MemorySink()]), provider
+    ) as eng:
         rollout = eng.rollout(task, RolloutIds("b", "r"))
         with anyio.fail_after(10):
             result = await rollout.run(ScriptedPolicy())

@@ -17,6 +17,7 @@ import pytest
 
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import Phase, RolloutIds
@@ -44,8 +45,10 @@ async def engine(
     sink: MemorySink, provider_options: dict[str, Any] | None = None, **overrides: Any
 ) -> AsyncIterator[tuple[RolloutEngine, FakeProvider]]:
     settings = load_settings(**overrides)
-    provider = FakeProvider(settings, **(provider_options or {}))
-    async with RolloutEngine.open(settings, Events([sink]), provider) as eng:
+    provider = FakeProvider(
+        settings.modalities, timeouts=settings.timeouts, **(provider_options or {})
+    )
+    async with RolloutEngine.open(rollout_config(settings), Events([sink]), provider) as eng:
         yield eng, provider
 
 

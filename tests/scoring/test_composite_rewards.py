@@ -18,11 +18,12 @@ from click.testing import CliRunner
 
 from fleetroll.cli.main import main
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import judge_config, rollout_config
 from fleetroll.pool.journal import read_journal, write_results
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
-from fleetroll.scoring import Judge, JudgeConfig, Scorer
+from fleetroll.scoring import Judge, Scorer
 from fleetroll.scoring.checks import render
 from fleetroll.scoring.rescore import rescore_all
 from fleetroll.settings import Settings, load_settings
@@ -68,8 +69,10 @@ def judge_settings(base_url: str, **judge: Any) -> Settings:
 async def engine(
     settings: Settings, sink: MemorySink | None = None, **provider: Any
 ) -> AsyncIterator[RolloutEngine]:
-    fake = FakeProvider(settings, **provider)
-    async with RolloutEngine.open(settings, Events([sink or MemorySink()]), fake) as eng:
+    fake = FakeProvider(settings.modalities, timeouts=settings.timeouts, **provider)
+    async with RolloutEngine.open(
+        rollout_config(settings), Events([sink or MemorySink()]), fake
+    ) as eng:
         yield eng
 
 
@@ -189,7 +192,7 @@ TASKS = [task(r["key"], r.get("rewards")) for r in RECORDS]
 async def rescored(
     results: list[RolloutResult], settings: Settings, tasks: Sequence[TaskSpec] = TASKS
 ) -> list[RolloutResult]:
-    async with Judge(JudgeConfig.from_settings(settings)) as judge:
+    async with Judge(judge_config(settings)) as judge:
         with anyio.fail_after(20):
             return await rescore_all(
                 results,

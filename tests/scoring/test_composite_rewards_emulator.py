@@ -13,11 +13,11 @@ import pytest
 
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.pool.assembly import fleet_provider, mcp_provider
+from fleetroll.pool.assembly import fleet_provider, judge_config, mcp_provider, rollout_config
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.machine import RolloutIds
-from fleetroll.scoring import Judge, JudgeConfig, Scorer
+from fleetroll.scoring import Judge, Scorer
 from fleetroll.scoring.checks import render
 from fleetroll.scoring.rescore import rescore_all
 from fleetroll.settings import config_dir, load_settings
@@ -62,12 +62,12 @@ async def test_composite_rewards_on_the_emulator_equal_the_weighted_sum_and_resc
             settings, events, api_key=emulator.api_key, base_url=emulator.base_url
         )
         results: list[RolloutResult] = []
-        async with RolloutEngine.open(settings, events, provider) as eng:
+        async with RolloutEngine.open(rollout_config(settings), events, provider) as eng:
             with anyio.fail_after(120):
                 for n, task in enumerate(tasks):
                     ids = RolloutIds("b", f"r{n}")
                     results.append(await eng.rollout(task, ids).run(ScriptedPolicy()))
-        async with Judge(JudgeConfig.from_settings(settings)) as fresh:
+        async with Judge(judge_config(settings)) as fresh:
             again = await rescore_all(
                 results,
                 {t.key: t for t in tasks},
@@ -99,7 +99,9 @@ async def test_an_mcp_task_scored_by_checks_alone_runs_no_verifier(tmp_path: Pat
     task = parse_task(record, source="t", modalities=("tool_use",))
     settings = load_settings(mcp={"workdir_root": str(tmp_path)})
     events = Events([MemorySink()])
-    async with RolloutEngine.open(settings, events, mcp_provider(settings, events)) as eng:
+    async with RolloutEngine.open(
+        rollout_config(settings), events, mcp_provider(settings, events)
+    ) as eng:
         with anyio.fail_after(60):
             result = await eng.rollout(task, RolloutIds("b", "r")).run(ScriptedPolicy())
 

@@ -247,7 +247,9 @@ async def test_every_view_of_a_result_json_cannot_hold_serves_the_journal_s_stan
     )
     async with (
         FakeChatServer(script) as server,
-        open_telemetry(settings) as events,
+        open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as events,
         open_store(tmp_path / "state") as store,
         RolloutPool(
             settings, api_key=emulator.api_key, base_url=emulator.base_url, events=events

@@ -6,6 +6,7 @@ import pytest
 from pydantic import SecretStr, ValidationError
 
 from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.service.app import build_policy
 from fleetroll.service.models import BatchRequest, PolicyConfig
 from fleetroll.service.requests import batch_fingerprint, policy_endpoint
@@ -87,18 +88,21 @@ async def test_a_batch_s_policy_takes_every_other_policy_setting_from_the_server
         retries={"policy_backoff_initial_s": 0.25, "policy_backoff_max_s": 3.0},
     )
     policy = build_policy(PolicyConfig(model="mine", logprobs=True), settings)
-    cli = OpenAIChatPolicy.from_settings(
-        settings.model_copy(
-            update={
-                "policy": settings.policy.model_copy(update={"model": "mine", "logprobs": True})
-            }
+    cli = OpenAIChatPolicy.from_config(
+        chat_policy_config(
+            settings.model_copy(
+                update={
+                    "policy": settings.policy.model_copy(update={"model": "mine", "logprobs": True})
+                }
+            )
         )
     )
     try:
         assert isinstance(policy, OpenAIChatPolicy)
         assert policy.token_in and policy.model == "mine"
         assert policy._training == cli._training == {"return_token_ids": True, "logprobs": True}
-        assert (policy._backoff_initial_s, policy._backoff_max_s) == (0.25, 3.0)
+        budget = policy._http.budget
+        assert (budget.backoff_initial_s, budget.backoff_max_s) == (0.25, 3.0)
     finally:
         await policy.aclose()
         await cli.aclose()

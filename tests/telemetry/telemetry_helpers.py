@@ -84,7 +84,7 @@ from fleetroll.telemetry.events import Events
 db, mode = sys.argv[1], sys.argv[2]
 telemetry = {"db_path": db, "send_to_logfire": False, "console_level": "error"}
 settings = load_settings(telemetry=telemetry)
-telemetry = Telemetry(settings)
+telemetry = Telemetry(settings.telemetry, secrets=settings.secrets())
 events = telemetry.events
 ids = ["doomed-0", "doomed-1", "doomed-2"]
 events.emit("fleet_batch_started", batch_id="doomed", rollouts=3, total=3, concurrency=3)

@@ -22,6 +22,7 @@ from fleetroll.cli.main import main
 from fleetroll.cli.run import cost_table
 from fleetroll.emulator import Emulator
 from fleetroll.policies import OpenAIChatPolicy
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.service.query import run_stats
@@ -78,12 +79,14 @@ async def run_two_batches(db: Path) -> list[RolloutResult]:
     async with FakeChatServer(solving([ledger, desktop]), vllm=VllmShape()) as server:
         settings = local_settings(db, policy={"kind": "openai", "base_url": server.base_url})
         async with (
-            open_telemetry(settings) as events,
+            open_telemetry(
+                settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+            ) as events,
             Emulator() as emu,
             RolloutPool(
                 settings, api_key=emu.api_key, base_url=emu.base_url, events=events
             ) as pool,
-            OpenAIChatPolicy.from_settings(settings) as policy,
+            OpenAIChatPolicy.from_config(chat_policy_config(settings)) as policy,
         ):
             with anyio.fail_after(120):
                 for batch_id, tasks in (("b1", [ledger, desktop]), ("b2", [ledger])):

@@ -86,7 +86,9 @@ class Batch:
 async def run_batch(db: Path) -> list[RolloutResult]:
     settings = local_settings(db, **BATCH_SETTINGS)
     async with (
-        open_telemetry(settings) as events,
+        open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as events,
         Emulator(FAULTS) as emu,
         RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events) as pool,
     ):
@@ -477,7 +479,9 @@ async def test_the_browser_logs_in_with_a_token_and_shows_a_live_batch_and_a_kil
                 eight_done.set()
         all_done.set()
 
-    with Telemetry(settings) as telemetry:
+    with Telemetry(
+        settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+    ) as telemetry:
         async with (
             Emulator() as emu,
             RolloutPool(

@@ -28,7 +28,9 @@ async def test_a_resumed_batch_s_progress_counts_against_its_whole_total(tmp_pat
     db = tmp_path / "telemetry.db"
     settings = local_settings(db)
     first = {rollout_id("resumed", TASKS[0].key, i) for i in range(2)}
-    with Telemetry(settings) as telemetry:
+    with Telemetry(
+        settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+    ) as telemetry:
         async with (
             Emulator() as emu,
             RolloutPool(

@@ -76,7 +76,9 @@ async def run_batches(db: Path) -> list[RolloutResult]:
     settings = local_settings(db, **BATCH_SETTINGS)
     results: list[RolloutResult] = []
     async with (
-        open_telemetry(settings) as events,
+        open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as events,
         Emulator(FAULTS) as emu,
         RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events) as pool,
     ):

@@ -182,7 +182,9 @@ async def test_the_readme_query_runs_after_a_run_with_one_row_per_env(tmp_path: 
     settings = local_settings(db)
     tasks = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=settings.modalities)[:2]
     async with (
-        open_telemetry(settings) as events,
+        open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as events,
         Emulator() as emu,
         RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events) as pool,
     ):

@@ -69,7 +69,9 @@ async def run_chaos_batch(db: Path) -> list[RolloutResult]:
     settings = local_settings(db, **CHAOS_SETTINGS)
     results: list[RolloutResult] = []
     async with (
-        open_telemetry(settings) as events,
+        open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as events,
         Emulator(CHAOS) as emu,
         RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events) as pool,
     ):

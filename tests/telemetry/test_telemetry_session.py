@@ -40,12 +40,12 @@ def messages(db: Path) -> list[str]:
 
 def test_two_set_ups_in_one_process_each_keep_exactly_their_own_records(tmp_path: Path) -> None:
     first, second = tmp_path / "first.db", tmp_path / "second.db"
-    with Telemetry(local_settings(first)) as one:
-        with Telemetry(local_settings(second)) as two:
+    with Telemetry(local_settings(first).telemetry) as one:
+        with Telemetry(local_settings(second).telemetry) as two:
             one.events.emit("fleet_make_retry")
             two.events.emit("fleet_make_failed")
         one.events.emit("fleet_env_reset_failed")  # closing one set-up leaves the other working
-    with Telemetry(local_settings(first)) as again:  # and setting up again is fine
+    with Telemetry(local_settings(first).telemetry) as again:  # and setting up again is fine
         again.events.emit("fleet_mcp_tool_error")
     assert messages(first) == ["fleet_make_retry", "fleet_env_reset_failed", "fleet_mcp_tool_error"]
     assert messages(second) == ["fleet_make_failed"]
@@ -56,7 +56,7 @@ async def test_open_telemetry_flushes_everything_on_exit_even_when_cancelled(
 ) -> None:
     db = tmp_path / "t.db"
     with anyio.move_on_after(30) as scope:
-        async with open_telemetry(local_settings(db)) as events:
+        async with open_telemetry(local_settings(db).telemetry) as events:
             for i in range(200):
                 events.emit("fleet_make_retry", i=i)
             scope.cancel()
@@ -73,7 +73,7 @@ async def test_an_attribute_with_a_lone_surrogate_is_stored_escaped_and_costs_no
     db = tmp_path / "t.db"
     name = "a\udc80b.txt"
     with caplog.at_level(logging.ERROR, logger="fleetroll.telemetry"):
-        async with open_telemetry(local_settings(db)) as events:
+        async with open_telemetry(local_settings(db).telemetry) as events:
             events.emit("fleet_make_retry", i=0)
             events.emit(
                 "fleet_rollout_completed",
@@ -100,7 +100,7 @@ async def test_an_attribute_with_a_lone_surrogate_is_stored_escaped_and_costs_no
 def test_the_console_shows_batches_and_failures_but_not_every_rollout(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with Telemetry(local_settings(tmp_path / "t.db")) as telemetry:
+    with Telemetry(local_settings(tmp_path / "t.db").telemetry) as telemetry:
         events = telemetry.events
         events.emit("fleet_batch_started", batch_id="b7", rollouts=2)
         with events.bind(batch_id="b7", rollout_id="r-ok", env_key="ledger"):
@@ -132,7 +132,12 @@ def test_console_level_debug_shows_every_event(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     settings = local_settings(tmp_path / "t.db", telemetry={"console_level": "debug"})
-    with Telemetry(settings) as telemetry, telemetry.events.bind(rollout_id="r1"):
+    with (
+        Telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as telemetry,
+        telemetry.events.bind(rollout_id="r1"),
+    ):
         telemetry.events.emit("fleet_rollout_started")
         telemetry.events.emit("fleet_rollout_completed", failure_reason=None)
     err = capsys.readouterr().err
@@ -209,7 +214,12 @@ async def test_no_secret_reaches_a_record_or_a_console_line_even_inside_errors(
     )
     memory = MemorySink()
     results = []
-    async with open_telemetry(settings, extra_sinks=[memory]) as events:
+    async with open_telemetry(
+        settings.telemetry,
+        secrets=settings.secrets(),
+        logfire_token=settings.logfire_token,
+        extra_sinks=[memory],
+    ) as events:
         # The emulator wants another key: every create fails authentication.
         async with (
             Emulator(api_key="some-other-key") as emu,

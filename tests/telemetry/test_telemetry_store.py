@@ -31,7 +31,9 @@ def rows(db: Path, sql: str, *params: object) -> list[sqlite3.Row]:
 def test_events_become_records_with_logfire_columns_and_json_attributes(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
     settings = local_settings(db, telemetry={"environment": "staging"})
-    with Telemetry(settings) as telemetry:
+    with Telemetry(
+        settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+    ) as telemetry:
         events = telemetry.events
         with events.bind(batch_id="b1", rollout_id="r1", env_key="ledger", modality="tool_use"):
             events.emit("fleet_rollout_started")
@@ -78,7 +80,7 @@ def test_without_logfire_cloud_an_event_s_row_is_the_row_of_logfire_s_log_of_it(
     every column but the ids and times, ``code.*`` where it was emitted, the current
     span as parent."""
     db = tmp_path / "t.db"
-    with Telemetry(local_settings(db)) as telemetry:
+    with Telemetry(local_settings(db).telemetry) as telemetry:
         assert telemetry.store is not None
         [through_store] = [s for s in telemetry.events.sinks if isinstance(s, StoreSink)]
         assert not any(isinstance(s, LogfireSink) for s in telemetry.events.sinks)
@@ -123,7 +125,7 @@ def test_without_logfire_cloud_an_event_s_row_is_the_row_of_logfire_s_log_of_it(
 
 def test_spans_and_exceptions_fill_the_span_columns(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    with Telemetry(local_settings(db)) as telemetry:
+    with Telemetry(local_settings(db).telemetry) as telemetry:
         lf = telemetry.logfire
         with lf.span("provision {env_key}", env_key="ledger"):
             try:
@@ -145,7 +147,7 @@ def test_spans_and_exceptions_fill_the_span_columns(tmp_path: Path) -> None:
 
 def test_the_store_is_a_wal_file_with_indexes_and_level_functions(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    with Telemetry(local_settings(db)) as telemetry:
+    with Telemetry(local_settings(db).telemetry) as telemetry:
         telemetry.events.emit("fleet_make_retry", level="debug")
         telemetry.events.emit("fleet_tool_call_failed", level="warn")
         telemetry.events.emit("fleet_verifier_failed", level="error")
@@ -194,7 +196,7 @@ def test_a_full_queue_drops_records_and_never_blocks_the_caller(tmp_path: Path) 
 
 def test_a_flush_is_a_commit_that_every_connection_sees_at_once(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    with Telemetry(local_settings(db, telemetry={"flush_interval_s": 3600})) as telemetry:
+    with Telemetry(local_settings(db, telemetry={"flush_interval_s": 3600}).telemetry) as telemetry:
         for i in range(10):
             telemetry.events.emit("fleet_make_retry", i=i)
         assert telemetry.flush(30)
@@ -203,7 +205,7 @@ def test_a_flush_is_a_commit_that_every_connection_sees_at_once(tmp_path: Path) 
 
 
 def test_a_dev_null_store_path_turns_the_store_off(tmp_path: Path) -> None:
-    with Telemetry(local_settings(Path("/dev/null"))) as telemetry:
+    with Telemetry(local_settings(Path("/dev/null")).telemetry) as telemetry:
         assert telemetry.store is None
         telemetry.events.emit("fleet_make_retry")
         assert telemetry.flush(5)
@@ -218,7 +220,7 @@ db, tag, count, then = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 settings = load_settings(telemetry={
     "db_path": db, "send_to_logfire": False, "console_level": "error", "flush_records": 100,
 })
-telemetry = Telemetry(settings)
+telemetry = Telemetry(settings.telemetry, secrets=settings.secrets())
 if then == "close":  # start together: wait for the parent's go
     print("ready", flush=True)
     sys.stdin.readline()
@@ -294,7 +296,7 @@ def test_records_flushed_before_a_kill_9_are_all_in_the_file(tmp_path: Path) -> 
 
 def test_force_flush_waits_for_a_batch_in_progress_in_another_thread(tmp_path: Path) -> None:
     db = tmp_path / "t.db"
-    with Telemetry(local_settings(db)) as telemetry:
+    with Telemetry(local_settings(db).telemetry) as telemetry:
         done = threading.Event()
 
         def emit_many() -> None:
@@ -314,5 +316,5 @@ def test_a_store_that_cannot_be_created_is_a_clear_fleetroll_error(tmp_path: Pat
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     with pytest.raises(StoreError, match="cannot open the telemetry store"):
-        Telemetry(local_settings(blocker / "telemetry.db"))
+        Telemetry(local_settings(blocker / "telemetry.db").telemetry)
     assert issubclass(StoreError, FleetrollError)  # so entry points exit 2 with one line

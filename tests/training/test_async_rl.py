@@ -18,6 +18,7 @@ import pytest
 from fleetroll.emulator import Emulator, FaultProfile, Latency
 from fleetroll.jobs.job import run_job
 from fleetroll.policies import OpenAIChatPolicy, ScriptedPolicy
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal, read_journal
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import FailureReason, RolloutResult
@@ -280,7 +281,7 @@ async def test_turns_carry_the_policy_version_they_were_admitted_under_across_a_
         openai = {"kind": "openai", "base_url": server.base_url}
         async with (
             pool_for(emulator, sink, policy=openai) as pool,
-            OpenAIChatPolicy.from_settings(pool.settings) as model,
+            OpenAIChatPolicy.from_config(chat_policy_config(pool.settings)) as model,
         ):
             with anyio.fail_after(60):
                 (result,) = await pool.run_batch([task], model).results()

@@ -40,7 +40,9 @@ OTHER = TASK.model_copy(update={"key": "note-done-too"})
 
 def fake_pool(sink: MemorySink, provider_options: dict[str, Any] | None = None, **overrides: Any):
     settings = load_settings(**overrides)
-    provider = FakeProvider(settings, **(provider_options or {}))
+    provider = FakeProvider(
+        settings.modalities, timeouts=settings.timeouts, **(provider_options or {})
+    )
     pool = RolloutPool(settings, api_key="unused", events=Events([sink]), provider=provider)
     return pool, provider
 
@@ -328,7 +330,7 @@ class HeldReleases(FakeProvider):
     :attr:`holding`; :attr:`all_held` is set once ``expect`` of them wait."""
 
     def __init__(self, settings: Any, expect: int) -> None:
-        super().__init__(settings)
+        super().__init__(settings.modalities, timeouts=settings.timeouts)
         self.holding = False
         self.open = anyio.Event()
         self.all_held = anyio.Event()

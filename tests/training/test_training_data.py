@@ -17,6 +17,7 @@ import pytest
 
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies import AssistantTurn, OpenAIChatPolicy, ToolCall, ToolSpec, TurnData
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.rollout.progress import Progress
 from fleetroll.rollout.transcript import Transcript
 from fleetroll.settings import load_settings
@@ -121,7 +122,7 @@ def test_the_settings_reach_the_policy() -> None:
     settings = load_settings(
         policy={"kind": "openai", "return_token_ids": True, "logprobs": True, "top_logprobs": 3}
     )
-    policy = OpenAIChatPolicy.from_settings(settings)
+    policy = OpenAIChatPolicy.from_config(chat_policy_config(settings))
     body = policy._body(PROMPT, TOOLS)
     assert (body["return_token_ids"], body["logprobs"], body["top_logprobs"]) == (True, True, 3)
 
@@ -484,4 +485,4 @@ async def test_a_chat_answer_over_max_answer_bytes_is_a_policy_error_read_no_fur
 
 def test_the_answer_cap_setting_reaches_the_policy() -> None:
     settings = load_settings(policy={"kind": "openai", "max_answer_bytes": 4096})
-    assert OpenAIChatPolicy.from_settings(settings).max_answer_bytes == 4096
+    assert OpenAIChatPolicy.from_config(chat_policy_config(settings)).max_answer_bytes == 4096

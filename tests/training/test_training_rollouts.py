@@ -22,7 +22,7 @@ import pytest
 
 from fleetroll.emulator import Emulator
 from fleetroll.policies import OpenAIChatPolicy
-from fleetroll.pool.assembly import fleet_provider
+from fleetroll.pool.assembly import chat_policy_config, fleet_provider, rollout_config
 from fleetroll.pool.journal import read_journal
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
@@ -57,8 +57,8 @@ async def engine(
     events = Events([MemorySink()])
     provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
     async with (
-        RolloutEngine.open(settings, events, provider) as eng,
-        OpenAIChatPolicy.from_settings(settings) as model,
+        RolloutEngine.open(rollout_config(settings), events, provider) as eng,
+        OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model,
     ):
         yield eng, model
 

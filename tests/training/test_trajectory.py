@@ -12,6 +12,7 @@ import pytest
 import fleetroll
 from fleetroll.errors import PolicyError
 from fleetroll.policies import OpenAIChatPolicy, ToolSpec
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.results import RolloutResult, Trajectory, TrajectorySegment, Turn
 from fleetroll.rollout.progress import Progress
 from fleetroll.settings import load_settings
@@ -298,7 +299,7 @@ async def test_the_settings_ask_for_token_ids_when_trajectories_or_token_in_are_
             settings = load_settings(
                 policy={"kind": "openai", "base_url": server.base_url, **policy}
             )
-            async with OpenAIChatPolicy.from_settings(settings) as model:
+            async with OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model:
                 with anyio.fail_after(TEST_DEADLINE_S):
                     await model.act(TASK, [{"role": "user", "content": "hi"}], TOOLS)
                 assert model.token_in is policy.get("token_in", False)

@@ -75,6 +75,7 @@ Operation = Literal[
     "judge",
     "client",
     "client_stream",
+    "weight_sync",
 ]
 
 _log = logging.getLogger("fleetroll.retries")

@@ -146,7 +146,12 @@ async def _telemetry(settings: Settings, *, on: bool) -> AsyncIterator[Events]:
     with tempfile.TemporaryDirectory(prefix="fleetroll-bench-") as folder:
         telemetry = settings.telemetry.model_copy(update={"db_path": Path(folder) / "t.db"})
         local = settings.model_copy(update={"telemetry": telemetry})
-        async with open_telemetry(local, console=_Discard()) as events:
+        async with open_telemetry(
+            local.telemetry,
+            secrets=local.secrets(),
+            logfire_token=local.logfire_token,
+            console=_Discard(),
+        ) as events:
             yield events
 
 

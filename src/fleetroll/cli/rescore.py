@@ -67,7 +67,8 @@ def rescore(
         )
     import anyio
 
-    from fleetroll.scoring import Judge, JudgeConfig, Scorer
+    from fleetroll.pool.assembly import judge_config
+    from fleetroll.scoring import Judge, Scorer
     from fleetroll.scoring.judge import missing_judge
 
     problem = missing_judge(tasks.values(), settings.judge)
@@ -77,7 +78,7 @@ def rescore(
     from fleetroll.telemetry.events import Redactor
 
     async def job() -> list[RolloutResult]:
-        async with Judge(JudgeConfig.from_settings(settings)) as judge:
+        async with Judge(judge_config(settings)) as judge:
             return await rescore_all(
                 results,
                 tasks,

@@ -105,7 +105,11 @@ async def _serve(
         records = AgentRecords(store.root / "agents")
         await anyio.to_thread.run_sync(records.open)
         stack.callback(records.close)
-        events = await stack.enter_async_context(open_telemetry(settings))
+        events = await stack.enter_async_context(
+            open_telemetry(
+                settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+            )
+        )
         fleet = await open_fleet(stack, settings, profile)
         # What a killed earlier start on this folder left running (its heartbeats
         # stop them too, later); nothing of this start runs yet.

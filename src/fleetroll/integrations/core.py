@@ -59,7 +59,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, Protocol, Self, TypeVar
+from typing import Any, Literal, NamedTuple, Self, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -68,16 +68,18 @@ from anyio.from_thread import BlockingPortal
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll.errors import ConfigError
 from fleetroll.jobs.fleet import open_fleet
-from fleetroll.policies import Policy, policy_from_settings
+from fleetroll.policies import Policy
+from fleetroll.pool.assembly import policy_from_settings
 from fleetroll.pool.batch import rollout_id
 from fleetroll.pool.batch_pool import open_batch_pool
 from fleetroll.pool.preflight import preflight_fleet
-from fleetroll.pool.rollout_pool import RolloutPool
+from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason, RolloutResult, Trajectory, TrajectorySegment
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
 from fleetroll.telemetry.events import Events
 from fleetroll.training.trajectory import ADVANTAGE_EPS, stitch
+from fleetroll.training.weight_sync import WeightSync, sync_weights
 
 __all__ = [
     "BlockingRollouts",
@@ -85,7 +87,6 @@ __all__ = [
     "Request",
     "Rollouts",
     "Row",
-    "WeightSync",
     "fill_empty_row",
     "load_task_list",
     "prompt_messages",
@@ -105,12 +106,6 @@ class Request(NamedTuple):
 
     task_key: str
     sample_index: int
-
-
-class WeightSync(Protocol):
-    """Pushes new weights to the policy servers (``fleetroll.training.weight_sync``'s)."""
-
-    async def push(self, source: Any, *, version: int) -> None: ...
 
 
 def load_task_list(
@@ -244,7 +239,13 @@ class Rollouts:
             if events is None:
                 from fleetroll.telemetry import open_telemetry
 
-                events = await stack.enter_async_context(open_telemetry(settings))
+                events = await stack.enter_async_context(
+                    open_telemetry(
+                        settings.telemetry,
+                        secrets=settings.secrets(),
+                        logfire_token=settings.logfire_token,
+                    )
+                )
             fleet = await open_fleet(stack, settings, self._profile)
             if self._preflight:
                 await preflight_fleet(settings, fleet, list(self.tasks.values()))
@@ -292,42 +293,52 @@ class Rollouts:
             KeyError: a request names a task the core was not given.
             ValueError: a task's sample index is asked twice, or is negative.
             PoolFullError: the pool has no room for the batch.
+            RuntimeError: the core is not open.
         """
+        wanted = _by_task(requests, self.tasks)
         pool = self.pool
         assert self._policy is not None  # open with the pool
-        wanted = _by_task(requests, self.tasks)
         # One batch per distinct set of sample indices (usually one: 0 .. G-1 for every task).
         plans: dict[tuple[int, ...], list[TaskSpec]] = defaultdict(list)
         for key, indices in wanted.items():
             plans[tuple(sorted(indices))].append(self.tasks[key])
         base = batch_id or uuid.uuid4().hex[:12]
-        results: list[RolloutResult] = []
-
-        async def one(name: str, indices: tuple[int, ...], tasks: list[TaskSpec]) -> None:
-            assert self._policy is not None
-            count = max(indices) + 1
-            only = None
-            oversample = None
-            if indices != tuple(range(count)):
-                only = {rollout_id(name, t.key, i) for t in tasks for i in indices}
-                oversample = 0
-            batch = pool.run_batch(
-                tasks,
-                self._policy,
-                samples_per_task=count,
-                batch_id=name,
-                deadline_s=deadline_s,
-                only=only,
-                oversample=oversample,
-            )
-            async with batch:
-                results.extend(await batch.results())
-            pool.forget(name)
-
-        async with anyio.create_task_group() as tg:
+        policy = self._policy
+        # Every batch is started before any is waited for: a refused one
+        # (PoolFullError) is raised as itself, and the others are cancelled.
+        batches: list[Batch] = []
+        try:
             for number, (chosen, tasks) in enumerate(plans.items()):
                 name = base if len(plans) == 1 else f"{base}-{number}"
-                tg.start_soon(one, name, chosen, tasks)
+                count = max(chosen) + 1
+                only = None
+                if chosen != tuple(range(count)):  # e.g. samples 2 and 5: just those
+                    only = {rollout_id(name, t.key, i) for t in tasks for i in chosen}
+                batches.append(
+                    pool.run_batch(
+                        tasks,
+                        policy,
+                        samples_per_task=count,
+                        batch_id=name,
+                        deadline_s=deadline_s,
+                        only=only,
+                        oversample=None if only is None else 0,
+                    )
+                )
+        except Exception:
+            for started in batches:
+                started.cancel()
+            raise
+        results: list[RolloutResult] = []
+
+        async def collect(batch: Batch) -> None:
+            async with batch:
+                results.extend(await batch.results())
+            pool.forget(batch.batch_id)
+
+        async with anyio.create_task_group() as tg:
+            for batch in batches:
+                tg.start_soon(collect, batch)
         by_task: dict[str, list[RolloutResult]] = defaultdict(list)
         for result in results:
             by_task[result.task_key].append(result)
@@ -341,21 +352,13 @@ class Rollouts:
 
     async def sync_weights(self, sync: WeightSync, source: Any) -> int:
         """Push the weights in ``source`` with ``sync`` while new policy calls
-        wait, then bump the policy version; return the new version.
+        wait, then bump the policy version; return the new version
+        (:func:`fleetroll.training.weight_sync.sync_weights`).
 
         Raises:
             WeightSyncError: a server did not take them (the version stays).
         """
-        return await _sync_weights(self.pool, sync, source)
-
-
-async def _sync_weights(pool: RolloutPool, sync: WeightSync, source: Any) -> int:
-    # TODO(t39-weights): fleetroll.training.weight_sync.sync_weights, once merged.
-    new = pool.policy_version + 1
-    async with pool.policy_paused():
-        await sync.push(source, version=new)
-        await pool.set_policy_version(new)
-    return new
+        return await sync_weights(self.pool, sync, source)
 
 
 def _by_task(

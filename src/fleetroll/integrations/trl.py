@@ -53,7 +53,9 @@ With ``weight_sync`` (a ``fleetroll.training.weight_sync`` sync, e.g.
 the trainer's ``global_step`` has moved since the last sync, it saves the
 trainer's model (``save_pretrained``, in ``weights_dir`` or a temporary
 folder the servers must be able to read) and pushes it to every policy
-server while new policy calls wait; turns after it carry the next policy
+server while new policy calls wait (with several trainer processes, the main
+one saves and pushes, the others wait for it and record the same version:
+not run here, on one CPU); turns after it carry the next policy
 version (1 after the first step). TRL's own vLLM weight sync is NCCL-only
 (CUDA); this one goes by disk.
 
@@ -61,15 +63,21 @@ What TRL does not do for a rollout function, and fleetroll does instead:
 ``max_completion_length`` does not bound a rollout (``policy.max_tokens``
 bounds each model call, a task's ``max_steps`` its turns, and
 ``policy.max_context_tokens`` its whole sequence); the sampling temperature
-is fleetroll's ``policy.temperature``, and must be the trainer's
-(``GRPOConfig.temperature``): a mismatch is refused at the first call.
+is fleetroll's ``policy.temperature``, and must be set to the trainer's
+(``GRPOConfig.temperature``): a mismatch, or no ``policy.temperature`` (the
+server's default, e.g. the model's ``generation_config`` on vLLM), is refused
+at the first call.
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import random
 import shutil
 import tempfile
+import threading
+import time
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -81,18 +89,18 @@ from fleetroll.integrations.core import (
     BlockingRollouts,
     Request,
     Row,
-    WeightSync,
     fill_empty_row,
     load_task_list,
     prompt_messages,
 )
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.training.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-__all__ = ["RolloutFunc", "dataset", "reward"]
+__all__ = ["RolloutFunc", "RolloutWorker", "dataset", "reward"]
 
 #: The key of the prompt message that names its task (and of the dataset's column).
 TASK_KEY = "task_key"
@@ -263,6 +271,12 @@ class RolloutFunc:
     def _check_temperature(self, trainer: Any) -> None:
         wanted = getattr(trainer, "temperature", None)
         ours = self.settings.policy.temperature
+        if wanted is not None and ours is None:
+            raise ConfigError(
+                f"set policy.temperature to the trainer's temperature ({wanted:g}): without"
+                " it the server samples at its own default (vLLM takes the model's"
+                " generation_config), and the trainer's logprobs would not be the sampler's"
+            )
         if wanted is not None and ours is not None and abs(float(wanted) - ours) > 1e-9:
             raise ConfigError(
                 f"the trainer samples at temperature {wanted:g} but fleetroll's"
@@ -275,17 +289,24 @@ class RolloutFunc:
         if step == self._synced_step:
             return
         assert self.weight_sync is not None
-        root = self._weights_dir or self._made_dir
-        if root is None:
-            root = self._made_dir = Path(tempfile.mkdtemp(prefix="fleetroll-weights-"))
-        path = root / f"step-{step}"
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        model.save_pretrained(path)
-        self.rollouts.sync_weights(self.weight_sync, str(path))
+        accelerator = trainer.accelerator
+        # Every process takes part in gathering the weights (sharded ones too);
+        # the main one saves and pushes them, the others set the same version.
+        state = accelerator.get_state_dict(trainer.model)
+        if accelerator.is_main_process:
+            root = self._weights_dir or self._made_dir
+            if root is None:
+                root = self._made_dir = Path(tempfile.mkdtemp(prefix="fleetroll-weights-"))
+            path = root / f"step-{step}"
+            accelerator.unwrap_model(trainer.model).save_pretrained(path, state_dict=state)
+            self.rollouts.sync_weights(self.weight_sync, str(path))
+            if self._last_weights is not None:  # the servers hold the new ones now
+                shutil.rmtree(self._last_weights, ignore_errors=True)
+            self._last_weights = path
+        accelerator.wait_for_everyone()
+        if not accelerator.is_main_process:
+            self.rollouts.call(_next_version, self.rollouts)
         self._synced_step = step
-        if self._last_weights is not None:  # the servers hold the new ones now
-            shutil.rmtree(self._last_weights, ignore_errors=True)
-        self._last_weights = path
 
     def _filled(self, row: Row, tokenizer: Any) -> Row:
         if row["prompt_ids"] and row["completion_ids"]:
@@ -334,6 +355,12 @@ async def _version(rollouts: BlockingRollouts) -> int:
     return rollouts.core.policy_version
 
 
+async def _next_version(rollouts: BlockingRollouts) -> None:
+    """A process other than the main one: the main one pushed the weights."""
+    pool = rollouts.core.pool
+    await pool.set_policy_version(pool.policy_version + 1)
+
+
 def _group_size(trainer: Any, count: int) -> int | None:
     """TRL's G for this call: ``num_generations`` (``num_generations_eval`` in
     evaluation); None when the batch is not a whole number of such groups."""
@@ -369,3 +396,156 @@ def _requests(keys: Sequence[str], size: int | None) -> list[Request]:
         requests += [Request(key, taken[key] + i) for i in range(len(group))]
         taken[key] += len(group)
     return requests
+
+
+class RolloutWorker:
+    """A rollout worker for TRL's asynchronous GRPO (``trl.experimental.async_grpo``):
+    ``AsyncGRPOTrainer(rollout_worker=RolloutWorker(...))``, its ``RolloutWorkerProtocol``.
+
+    Once started, a thread of its own runs fleetroll batches one after the
+    other, ``tasks_per_batch`` tasks at a time (every task once per pass, in a
+    seeded order) and ``num_generations`` samples each, and puts each scored
+    rollout on :attr:`rollout_buffer` as TRL's ``RolloutSample``: ``input_ids``
+    (prompt and completion), ``completion_mask`` (1 on the model's tokens
+    only), ``old_log_probs`` (the server's, 0 elsewhere), the row's group-normalised
+    ``advantage``, its ``group_id`` (an int per group) and ``model_version``
+    (the oldest policy version among its tokens, which the trainer's staleness
+    check reads). A failed rollout carries no signal (mask 0, advantage 0) and
+    is not put on the buffer. :meth:`update_model_version` sets the pool's
+    policy version: turns after it record it.
+
+    ``AsyncGRPOTrainer`` itself needs CUDA (flash-attention tree packing, NCCL
+    weight transfer): it was not run here; the worker is tested against its
+    ``RolloutSample`` and protocol on the CPU.
+
+    Args:
+        tasks, settings, **options: as :class:`RolloutFunc`.
+        num_generations: samples per task (the trainer's group size).
+        tasks_per_batch: tasks per fleetroll batch.
+        max_queued: samples the buffer holds; the worker waits while it is full.
+        seed: the order tasks are drawn in.
+    """
+
+    def __init__(
+        self,
+        tasks: Tasks,
+        settings: Settings | None = None,
+        *,
+        num_generations: int,
+        tasks_per_batch: int = 1,
+        max_queued: int = 256,
+        seed: int = 0,
+        **options: Any,
+    ) -> None:
+        if num_generations < 1 or tasks_per_batch < 1:
+            raise ValueError("num_generations and tasks_per_batch must be at least 1")
+        self.rollouts = BlockingRollouts(tasks, settings, **options)
+        self.num_generations = num_generations
+        self.tasks_per_batch = tasks_per_batch
+        #: Scored samples (``RolloutSample``), the trainer drains it.
+        self.rollout_buffer: queue.Queue[Any] = queue.Queue(maxsize=max_queued)
+        #: Metrics the worker measured: one ``{name: value}`` per batch.
+        self.metrics_queue: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._seed = seed
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self._last_progress = time.monotonic()
+
+    def start(self) -> None:
+        """Open fleetroll and start producing (once).
+
+        Raises:
+            As :class:`~fleetroll.integrations.core.Rollouts` on entering.
+        """
+        if self._thread is not None:
+            return
+        self.rollouts.open()
+        self._last_progress = time.monotonic()
+        self._thread = threading.Thread(target=self._produce, name="fleetroll-worker", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop producing, cancel what runs and close fleetroll (every instance released)."""
+        self._stopping.set()
+        try:
+            self.rollouts.close()  # cancels the batch in flight
+        finally:
+            if self._thread is not None:
+                self._thread.join(self.rollouts.close_timeout_s)
+
+    def update_model_version(self, model_version: int) -> None:
+        """The policy version now live: turns that start after this record it."""
+        self.rollouts.call(self.rollouts.core.pool.set_policy_version, int(model_version))
+
+    def check_health(self, stale_after_s: float) -> None:
+        """Raise when the worker failed, or has put nothing for ``stale_after_s``.
+
+        Raises:
+            RuntimeError: what stopped it (chained), or how long it has been silent.
+        """
+        if self._failure is not None:
+            raise RuntimeError(f"fleetroll's rollout worker failed: {self._failure}") from (
+                self._failure
+            )
+        quiet = time.monotonic() - self._last_progress
+        if self._thread is not None and not self._stopping.is_set() and quiet > stale_after_s:
+            raise RuntimeError(f"fleetroll's rollout worker has produced nothing for {quiet:.0f} s")
+
+    def _produce(self) -> None:
+        keys = list(self.rollouts.core.tasks)
+        order = random.Random(self._seed)
+        group = 0
+        try:
+            while not self._stopping.is_set():
+                order.shuffle(keys)
+                for start in range(0, len(keys), self.tasks_per_batch):
+                    chosen = keys[start : start + self.tasks_per_batch]
+                    requests = [Request(k, i) for k in chosen for i in range(self.num_generations)]
+                    rows = self.rollouts.run(requests)
+                    ids: dict[str, int] = {}
+                    for key in chosen:
+                        ids[key], group = group, group + 1
+                    scored = [r for r in rows if r["reward"] is not None]
+                    for row in scored:
+                        self._put(self._sample(row, ids[row["task_key"]]))
+                    self.metrics_queue.put(
+                        {"fleetroll/failed_rollouts": float(len(rows) - len(scored))}
+                    )
+                    self._last_progress = time.monotonic()
+                    if self._stopping.is_set():
+                        return
+        except Exception as exc:  # the trainer hears it through check_health
+            if not self._stopping.is_set():
+                self._failure = exc
+
+    def _put(self, sample: Any) -> None:
+        while not self._stopping.is_set():
+            try:
+                self.rollout_buffer.put(sample, timeout=0.5)
+            except queue.Full:
+                continue
+            self._last_progress = time.monotonic()
+            return
+
+    def _sample(self, row: Row, group_id: int) -> Any:
+        import numpy as np
+        from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
+
+        prompt, completion = row["prompt_ids"], row["completion_ids"]
+        mask = row["completion_mask"]
+        logprobs = [0.0 if lp is None else lp for lp in row["completion_logprobs"]]
+        versions = [v for v in row["completion_policy_versions"] if v is not None]
+        task = self.rollouts.core.tasks[row["task_key"]]
+        return RolloutSample(
+            prompt=prompt_messages(task, self.rollouts.core.settings.policy.system_prompt),
+            completion=[],
+            input_ids=np.asarray([*prompt, *completion], dtype=np.int64),
+            completion_mask=np.asarray([0] * len(prompt) + list(mask), dtype=np.int64),
+            old_log_probs=np.asarray([0.0] * len(prompt) + logprobs, dtype=np.float32),
+            advantage=float(row["advantage"]),
+            model_version=min(versions) if versions else 0,
+            group_id=group_id,
+            metrics={"reward": float(row["reward"])},
+            enqueued_at=time.time(),
+        )

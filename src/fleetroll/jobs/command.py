@@ -47,13 +47,15 @@ async def run_policy_job(
     Raises:
         FleetrollError: as :func:`run_job` (a failed pre-flight, a journal in use).
     """
-    from fleetroll.policies import policy_from_settings
+    from fleetroll.pool.assembly import chat_policy_config, policy_from_settings
     from fleetroll.telemetry import open_telemetry
 
     # Signals are ours until telemetry is flushed: a Ctrl-C during the
     # shutdown is then one more notice, never a KeyboardInterrupt half-way.
     with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_telemetry(settings) as events:
+        async with open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        ) as events:
             policy: Any
             records: AgentRecords | None = None
             if agent_command is not None:
@@ -66,7 +68,9 @@ async def run_policy_job(
                     records = AgentRecords(out.parent / f"{out.name}.agents")
                     await anyio.to_thread.run_sync(records.open)
                 # Its gateway serves while the batch runs; closing it closes its policy.
-                policy = CommandAgent.from_settings(agent_command, settings, records=records)
+                policy = CommandAgent.from_config(
+                    agent_command, chat_policy_config(settings), records=records
+                )
                 try:
                     await policy.__aenter__()
                 except BaseException:

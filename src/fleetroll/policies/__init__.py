@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 import anyio
 
 from fleetroll.errors import PolicyError
-from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.policies.openai import ChatPolicyConfig, OpenAIChatPolicy
 from fleetroll.policies.turns import (
     AssistantTurn,
     EncodedMessages,
@@ -30,11 +30,11 @@ from fleetroll.policies.turns import (
     ToolSpec,
     TurnData,
 )
-from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
 __all__ = [
     "AssistantTurn",
+    "ChatPolicyConfig",
     "EncodedMessages",
     "OpenAIChatPolicy",
     "Policy",
@@ -42,7 +42,7 @@ __all__ = [
     "ToolCall",
     "ToolSpec",
     "TurnData",
-    "policy_from_settings",
+    "policy_from_config",
 ]
 
 _OPERATION = "policy"
@@ -67,11 +67,12 @@ class Policy(Protocol):
         ...
 
 
-def policy_from_settings(settings: Settings) -> ScriptedPolicy | OpenAIChatPolicy:
-    """The policy ``settings.policy.kind`` names, configured from ``settings``."""
-    if settings.policy.kind == "openai":
-        return OpenAIChatPolicy.from_settings(settings)
-    return ScriptedPolicy(think_time_s=settings.policy.think_time_s)
+def policy_from_config(config: ChatPolicyConfig) -> ScriptedPolicy | OpenAIChatPolicy:
+    """The policy ``config.policy.kind`` names, configured from ``config``
+    (:func:`fleetroll.pool.assembly.policy_from_settings` builds it from settings)."""
+    if config.policy.kind == "openai":
+        return OpenAIChatPolicy.from_config(config)
+    return ScriptedPolicy(think_time_s=config.policy.think_time_s)
 
 
 class ScriptedPolicy:

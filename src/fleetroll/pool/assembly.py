@@ -1,6 +1,9 @@
-"""Where the environment providers are built from :class:`~fleetroll.settings.Settings`:
-each takes only what it reads (:class:`~fleetroll.environments.fleet.provider.FleetConfig`,
-:class:`~fleetroll.environments.mcp.provider.McpConfig`), split out of the settings here.
+"""Where the environment providers, the policy and the rollout engine's configuration
+are built from :class:`~fleetroll.settings.Settings`: each takes only what it reads
+(:class:`~fleetroll.environments.fleet.provider.FleetConfig`,
+:class:`~fleetroll.environments.mcp.provider.McpConfig`,
+:class:`~fleetroll.policies.ChatPolicyConfig`,
+:class:`~fleetroll.rollout.config.RolloutConfig`), split out of the settings here.
 
 An assembly module (issue 38's settings rule): the pool, its executors, the CLI,
 the service and the benchmarks build their providers through these.
@@ -12,10 +15,28 @@ from fleetroll.environments.admission import Admission, CreateLimits
 from fleetroll.environments.fleet.provider import FleetConfig, FleetProvider
 from fleetroll.environments.mcp.provider import McpConfig, McpProvider
 from fleetroll.environments.mixed import MixedProvider
+from fleetroll.policies import (
+    ChatPolicyConfig,
+    OpenAIChatPolicy,
+    ScriptedPolicy,
+    policy_from_config,
+)
+from fleetroll.rollout.config import RolloutConfig
+from fleetroll.scoring import JudgeConfig
 from fleetroll.settings import Settings
 from fleetroll.telemetry.events import Events
 
-__all__ = ["fleet_config", "fleet_provider", "mcp_config", "mcp_provider", "mixed_provider"]
+__all__ = [
+    "chat_policy_config",
+    "fleet_config",
+    "fleet_provider",
+    "judge_config",
+    "mcp_config",
+    "mcp_provider",
+    "mixed_provider",
+    "policy_from_settings",
+    "rollout_config",
+]
 
 
 def fleet_config(settings: Settings) -> FleetConfig:
@@ -78,4 +99,42 @@ def mixed_provider(
         api_key=api_key,
         base_url=base_url,
         admission=admission,
+    )
+
+
+def chat_policy_config(settings: Settings) -> ChatPolicyConfig:
+    """What a policy made from ``settings`` reads: ``[policy]``, ``openai_api_key``,
+    ``timeouts.policy_s`` and ``policy_connect_s``, ``retries.policy_backoff_*``
+    (for :meth:`OpenAIChatPolicy.from_config` and ``CommandAgent.from_config``)."""
+    return ChatPolicyConfig(
+        policy=settings.policy,
+        api_key=settings.openai_api_key,
+        timeout_s=settings.timeouts.policy_s,
+        connect_timeout_s=settings.timeouts.policy_connect_s,
+        backoff_initial_s=settings.retries.policy_backoff_initial_s,
+        backoff_max_s=settings.retries.policy_backoff_max_s,
+    )
+
+
+def policy_from_settings(settings: Settings) -> ScriptedPolicy | OpenAIChatPolicy:
+    """The policy ``settings.policy.kind`` names, configured from ``settings``."""
+    return policy_from_config(chat_policy_config(settings))
+
+
+def judge_config(settings: Settings) -> JudgeConfig:
+    """The judge of tasks' ``rewards``: ``[judge]``, ``judge_api_key`` and
+    ``retries.judge_budget``."""
+    return JudgeConfig.from_section(
+        settings.judge, api_key=settings.judge_api_key, budget=settings.retries.judge_budget
+    )
+
+
+def rollout_config(settings: Settings) -> RolloutConfig:
+    """What a :class:`~fleetroll.rollout.engine.RolloutEngine` reads of ``settings``."""
+    return RolloutConfig(
+        timeouts=settings.timeouts,
+        pool=settings.pool,
+        policy=settings.policy,
+        judge=judge_config(settings),
+        secrets=settings.secrets(),
     )

@@ -33,7 +33,7 @@ from fleetroll.environments.mixed import require_fleet_key
 from fleetroll.environments.provider import Provider
 from fleetroll.policies import Policy
 from fleetroll.policies.gate import PolicyGate
-from fleetroll.pool.assembly import mixed_provider
+from fleetroll.pool.assembly import mixed_provider, rollout_config
 from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
@@ -213,7 +213,7 @@ class LocalExecutor:
                 )
             self._engine = await stack.enter_async_context(
                 RolloutEngine.open(
-                    self.settings,
+                    rollout_config(self.settings),
                     context.events,
                     provider,
                     context.admission,

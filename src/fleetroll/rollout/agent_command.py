@@ -43,7 +43,7 @@ import anyio
 
 from fleetroll.errors import PolicyError
 from fleetroll.policies.gateway import Gateway
-from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.policies.openai import ChatPolicyConfig, OpenAIChatPolicy
 from fleetroll.policies.servers import current_affinity
 from fleetroll.policies.turns import AssistantTurn, Message, ToolSpec
 from fleetroll.rollout.agent_link import AgentLink
@@ -55,7 +55,6 @@ from fleetroll.rollout.agent_process import (
     start_agent,
 )
 from fleetroll.rollout.machine import Rollout
-from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 
 __all__ = ["AgentHost", "AgentRecipe", "CommandAgent"]
@@ -119,23 +118,24 @@ class CommandAgent:
         self._owns_gateway = gateway is None
         self._gateway = gateway or Gateway(max_request_bytes=max_request_bytes)
         #: What makes this agent in another process (:class:`AgentRecipe`): set by
-        #: :meth:`from_settings`, and one key per agent, so a process makes it once.
+        #: :meth:`from_config`, and one key per agent, so a process makes it once.
         self._recipe: AgentRecipe | None = None
 
     @classmethod
-    def from_settings(
+    def from_config(
         cls,
         command: str | Sequence[str],
-        settings: Settings,
+        config: ChatPolicyConfig,
         *,
         gateway: Gateway | None = None,
         records: AgentRecords | None = None,
     ) -> Self:
-        """An agent whose calls go to ``settings.policy``'s servers (it owns that policy)."""
-        p = settings.policy
+        """An agent whose calls go to ``config.policy``'s servers (it owns that
+        policy), with ``config.policy``'s ``agent_*`` limits."""
+        p = config.policy
         agent = cls(
             command,
-            OpenAIChatPolicy.from_settings(settings),
+            OpenAIChatPolicy.from_config(config),
             kill_grace_s=p.agent_kill_grace_s,
             max_request_bytes=p.agent_max_request_bytes,
             max_answer_file_bytes=p.agent_max_answer_file_bytes,
@@ -145,19 +145,19 @@ class CommandAgent:
             gateway=gateway,
             records=records,
         )
-        agent._recipe = AgentRecipe(uuid.uuid4().hex, tuple(agent.argv), settings)
+        agent._recipe = AgentRecipe(uuid.uuid4().hex, tuple(agent.argv), config)
         return agent
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (to a Ray actor), an agent travels as its :class:`AgentRecipe`.
 
         Raises:
-            TypeError: the agent was not made with :meth:`from_settings`.
+            TypeError: the agent was not made with :meth:`from_config`.
         """
         if self._recipe is None:
             raise TypeError(
                 "a CommandAgent runs in another process (Ray) only when made with"
-                " CommandAgent.from_settings: its policy is rebuilt there from the settings"
+                " CommandAgent.from_config: its policy is rebuilt there from its configuration"
             )
         return (AgentRecipe, tuple(self._recipe))
 
@@ -289,7 +289,7 @@ class AgentRecipe(NamedTuple):
 
     key: str
     argv: tuple[str, ...]
-    settings: Settings
+    config: ChatPolicyConfig
 
 
 class AgentHost:
@@ -318,13 +318,11 @@ class AgentHost:
             agent, users = self._agents.get(recipe.key, (None, 0))
             if agent is None:
                 if self._gateway is None:
-                    limit = recipe.settings.policy.agent_max_request_bytes
+                    limit = recipe.config.policy.agent_max_request_bytes
                     self._gateway = await self._stack.enter_async_context(
                         Gateway(max_request_bytes=limit)
                     )
-                agent = CommandAgent.from_settings(
-                    recipe.argv, recipe.settings, gateway=self._gateway
-                )
+                agent = CommandAgent.from_config(recipe.argv, recipe.config, gateway=self._gateway)
             self._agents[recipe.key] = (agent, users + 1)
         try:
             yield agent

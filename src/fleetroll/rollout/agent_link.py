@@ -204,7 +204,7 @@ class AgentLink:
             rollout.fail(FailureReason.MAX_STEPS, f"the step budget of {limit} ran out")
             self.end()
             raise GatewayRefusal(409, f"the step budget of {limit} ran out")
-        max_context = rollout.engine.settings.policy.max_context_tokens
+        max_context = rollout.engine.config.policy.max_context_tokens
         if max_context is not None:
             estimate = self._context_estimate(body["messages"])
             if estimate > max_context:
@@ -314,7 +314,7 @@ class AgentLink:
             await _refuse(send, 409, "this rollout has ended: its MCP relay is closed")
             return
         exchange = _requests(body) if method == "POST" else _Exchange(set(), {})
-        t = self.rollout.engine.settings.timeouts
+        t = self.rollout.engine.config.timeouts
         limit: float | None = t.call_tool_s if exchange.tools else t.list_tools_s
         if method == "GET":
             what, limit = None, None  # the server's own stream: as long as the rollout acts
@@ -404,18 +404,18 @@ class AgentLink:
             error = f"the MCP endpoint could not be reached: {describe(exc)}"
         rollout = self.rollout
         instance = rollout.instance
-        settings = rollout.engine.settings
+        config = rollout.engine.config
         for name in exchange.tools.values():
             assert instance is not None, "acting, so provisioned"
             # Recorded even if the agent leaves meanwhile; is_alive is one request.
-            with anyio.move_on_after(settings.timeouts.release_s, shield=True):
+            with anyio.move_on_after(config.timeouts.release_s, shield=True):
                 await tool_call_failed(
                     name,
                     ToolCallFailed(error, operation="call_tool"),
                     progress=rollout.progress,
                     provider=rollout.engine.provider,
                     events=rollout.engine.events,
-                    stop_on_failure=settings.pool.on_tool_failure == "fail",
+                    stop_on_failure=config.pool.on_tool_failure == "fail",
                     instance=instance,
                 )
         if rollout.progress.reason is not None:

@@ -169,7 +169,7 @@ async def call_tool(rollout: ToolCaller, call: ToolCall) -> ToolResult:
         progress=rollout.progress,
         provider=e.provider,
         events=e.events,
-        stop_on_failure=e.settings.pool.on_tool_failure == "fail",
+        stop_on_failure=e.config.pool.on_tool_failure == "fail",
         route=rollout.route,
         tools=rollout.tools,
         session=rollout.session,

@@ -1,8 +1,10 @@
-"""What rollouts share: settings, the environment provider, telemetry.
+"""What rollouts share: their configuration, the environment provider, telemetry.
 
 :class:`RolloutEngine` makes rollouts (:mod:`fleetroll.rollout.machine`) and
 env-style sessions (:mod:`fleetroll.rollout.env_session`) over one
-:class:`fleetroll.environments.provider.Provider`.
+:class:`fleetroll.environments.provider.Provider`. What they read of the
+settings is a :class:`~fleetroll.rollout.config.RolloutConfig`, built where
+things are assembled (the pool's executor).
 """
 
 from __future__ import annotations
@@ -16,29 +18,29 @@ import anyio
 from fleetroll.environments.admission import Admission
 from fleetroll.environments.provider import Provider
 from fleetroll.policies.gate import PolicyGate
+from fleetroll.rollout.config import RolloutConfig
 from fleetroll.rollout.env_session import EnvSession
 from fleetroll.rollout.machine import Rollout, RolloutIds
-from fleetroll.scoring import Judge, JudgeConfig, Scorer
-from fleetroll.settings import Settings
+from fleetroll.scoring import Judge, Scorer
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 
-__all__ = ["RolloutEngine"]
+__all__ = ["RolloutConfig", "RolloutEngine"]
 
 
 class RolloutEngine:
-    """What rollouts share: settings, the instance provider, telemetry, HTTP."""
+    """What rollouts share: their configuration, the instance provider, telemetry, HTTP."""
 
     def __init__(
         self,
-        settings: Settings,
+        config: RolloutConfig,
         provider: Provider,
         events: Events,
         admission: Admission | None = None,
         *,
         policy_gate: PolicyGate | None = None,
     ) -> None:
-        self.settings = settings
+        self.config = config
         self.provider = provider
         self.events = events
         #: Told how each rollout ended (its environment's circuit breaker).
@@ -46,18 +48,18 @@ class RolloutEngine:
         #: The policy version recorded on turns, and the trainer's pause on policy
         #: calls (a pool's, :mod:`fleetroll.pool.executor`).
         self.policy_gate = policy_gate or PolicyGate()
-        #: Telemetry's redactor, knowing every secret of ``settings`` too; results
-        #: go through it (an ``Events`` built without settings knows none).
-        self.redactor: Redactor = events.redactor.extended(settings.secrets())
+        #: Telemetry's redactor, knowing ``config.secrets`` too; results go
+        #: through it (an ``Events`` built without secrets knows none).
+        self.redactor: Redactor = events.redactor.extended(config.secrets)
         #: The reward components of tasks' ``rewards``: one judge (its HTTP client,
         #: cache and limit) for every rollout; closed by :meth:`open`'s exit.
-        self.scorer = Scorer(Judge(JudgeConfig.from_settings(settings)))
+        self.scorer = Scorer(Judge(config.judge))
 
     @classmethod
     @asynccontextmanager
     async def open(
         cls,
-        settings: Settings,
+        config: RolloutConfig,
         events: Events,
         provider: Provider,
         admission: Admission | None = None,
@@ -65,7 +67,7 @@ class RolloutEngine:
         policy_gate: PolicyGate | None = None,
     ) -> AsyncIterator[RolloutEngine]:
         """An engine over ``provider``, which it closes on exit."""
-        engine = cls(settings, provider, events, admission, policy_gate=policy_gate)
+        engine = cls(config, provider, events, admission, policy_gate=policy_gate)
         try:
             yield engine
         finally:
@@ -73,7 +75,7 @@ class RolloutEngine:
                 try:
                     await provider.aclose()
                 finally:
-                    with anyio.move_on_after(settings.timeouts.release_s):
+                    with anyio.move_on_after(config.timeouts.release_s):
                         await engine.scorer.aclose()
 
     def rollout(

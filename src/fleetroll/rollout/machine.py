@@ -106,8 +106,8 @@ class Rollout:
         self.observers: list[Callable[[Rollout], None]] = []
         #: What it does, live (``GET /v1/rollouts/{id}/events``): bounded, redacted.
         self.live = RolloutEventLog(
-            cap=engine.settings.pool.events_max,
-            preview_chars=engine.settings.pool.events_preview_chars,
+            cap=engine.config.pool.events_max,
+            preview_chars=engine.config.pool.events_preview_chars,
             redact=engine.redactor,
         )
         self.observers.append(self.live.observe)
@@ -122,7 +122,7 @@ class Rollout:
         #: The owner's last word on the result as it is built, before anyone
         #: sees it (a batch: whether it counts in its group, :mod:`fleetroll.training.groups`).
         self.settle: Callable[[RolloutResult], RolloutResult] | None = None
-        self.max_steps = task.max_steps or engine.settings.pool.max_steps
+        self.max_steps = task.max_steps or engine.config.pool.max_steps
         self._new_attempt(Progress())
 
     @property
@@ -146,7 +146,7 @@ class Rollout:
         self._closing_at: float | None = None
         #: The mutable state (only the rollout's own task, or its session, touches it).
         self.progress = progress
-        self.progress.transcript.max_images = self.engine.settings.policy.max_images
+        self.progress.transcript.max_images = self.engine.config.policy.max_images
 
     # -- the whole rollout --------------------------------------------------
 
@@ -159,7 +159,7 @@ class Rollout:
         "restart"`` runs again from scratch on a fresh instance, inside this
         one call: still one started and one completed event, one result.
         """
-        pool = self.engine.settings.pool
+        pool = self.engine.config.pool
         restarts = pool.max_stale_restarts if pool.staleness_action == "restart" else 0
         restarted = 0
         while True:
@@ -264,7 +264,7 @@ class Rollout:
                     self.time_out()
                 # Whether to restart a stale rollout (see fleetroll.rollout.staleness.check).
                 limit, now = (
-                    self.engine.settings.pool.max_staleness,
+                    self.engine.config.pool.max_staleness,
                     self.engine.policy_gate.version,
                 )
                 restart = staleness.check(self.progress, limit, now, may_restart=may_restart)
@@ -340,7 +340,7 @@ class Rollout:
                 await stack.enter_async_context(self._gate())
             finally:
                 self.progress.timings.slot_wait_s += time.monotonic() - began
-        self.deadline = anyio.current_time() + e.settings.timeouts.rollout_s
+        self.deadline = anyio.current_time() + e.config.timeouts.rollout_s
         self._deadline_scope = deadline
         if deadline is not None:
             deadline.deadline = self.deadline
@@ -385,9 +385,9 @@ class Rollout:
                 await self._act_turns(policy)
 
     async def _act_turns(self, policy: Policy) -> None:
-        settings = self.engine.settings
-        timeout = settings.timeouts.policy_s
-        max_context = settings.policy.max_context_tokens
+        config = self.engine.config
+        timeout = config.timeouts.policy_s
+        max_context = config.policy.max_context_tokens
         while not self.progress.finished and self.progress.reason is None:
             if self.progress.steps >= self.max_steps:
                 self.fail(FailureReason.MAX_STEPS, f"the step budget of {self.max_steps} ran out")
@@ -558,8 +558,8 @@ class Rollout:
             self.instance.instance_id if self.instance else None,
             instance_uses=self.instance.uses if self.instance else None,
             redact=self.engine.redactor,
-            keep_images=self.engine.settings.pool.transcript_images,
-            trajectory=self.engine.settings.policy.trajectory,
+            keep_images=self.engine.config.pool.transcript_images,
+            trajectory=self.engine.config.policy.trajectory,
         )
         # One result every view serves: one JSON cannot hold is its stand-in
         # (result_error), here, before its group, the stream, the events, telemetry
@@ -664,7 +664,7 @@ class Rollout:
         never scored (the agent could not act, and what a half-done platform
         operation left is unknown); otherwise the policy had the turn: ``timeout``.
         """
-        limit = self.engine.settings.timeouts.rollout_s
+        limit = self.engine.config.timeouts.rollout_s
         if (overrun := self.progress.overrun) is not None:
             what, waited = overrun
             self.fail(

@@ -95,7 +95,7 @@ def view_of(
     if messages and result is not None:
         transcript = tuple(result.transcript)
     elif messages:
-        keep_images = engine.settings.pool.transcript_images
+        keep_images = engine.config.pool.transcript_images
         exported = progress.transcript.export(engine.redactor, keep_images=keep_images)
         # A lone surrogate (a model's text naming a file that is not UTF-8) escaped as
         # the journal escapes it: a reader's JSON must encode (the result, once built,

@@ -34,9 +34,9 @@ from fleetroll.errors import (
 from fleetroll.policies import AssistantTurn, Policy, ToolSpec
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.results import SCORED_REASONS, FailureReason, RolloutResult
+from fleetroll.rollout.config import RolloutConfig
 from fleetroll.rollout.progress import Progress, RolloutIds
 from fleetroll.scoring import ScoreInputs, Scorer
-from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.tools.routing import COMPUTER_TOOL, ComputerToolMissing, Route
@@ -62,7 +62,8 @@ __all__ = [
 class RolloutContext(Protocol):
     """What a rollout needs of its engine (a :class:`~.engine.RolloutEngine` is one)."""
 
-    settings: Settings
+    #: What rollouts read of the settings.
+    config: RolloutConfig
     provider: Provider
     events: Events
     redactor: Redactor
@@ -115,7 +116,7 @@ async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> 
     (:attr:`~fleetroll.environments.provider.Instance.reset_required`, a shared server),
     it is why set-up stopped (``reset_failed``): never scored on a state left by
     another rollout."""
-    timeout = ctx.settings.timeouts.reset_s
+    timeout = ctx.config.timeouts.reset_s
     began = time.monotonic()
     try:
         await ctx.provider.reset(instance)
@@ -289,7 +290,7 @@ async def _components(
     inputs = ScoreInputs(
         prompt=task.prompt,
         transcript=progress.transcript.export(
-            redact, keep_images=ctx.settings.pool.transcript_images
+            redact, keep_images=ctx.config.pool.transcript_images
         ),
         final_answer=None if answer is None else redact(answer),
         steps=progress.steps,

@@ -42,7 +42,7 @@ import fleetroll._internal.retrying as retrying
 from fleetroll._internal.excerpts import error_excerpt, shorten
 from fleetroll._internal.retrying import retry_after_s, transient_status
 from fleetroll.errors import JudgeError
-from fleetroll.settings import JudgeSettings, Settings
+from fleetroll.settings import JudgeSettings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.rewards import Target
 
@@ -89,12 +89,15 @@ class JudgeConfig:
     budget: retrying.Budget = field(default_factory=lambda: retrying.Budget(3, 0.5, 10.0))
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Self:
-        j = settings.judge
+    def from_section(
+        cls, j: JudgeSettings, *, api_key: SecretStr | None, budget: retrying.Budget
+    ) -> Self:
+        """The judge that ``[judge]`` describes, with its key (``judge_api_key``)
+        and its retry budget (``RetrySettings.judge_budget``)."""
         return cls(
             base_url=j.base_url,
             model=j.model,
-            api_key=settings.judge_api_key,
+            api_key=api_key,
             timeout_s=j.timeout_s,
             connect_timeout_s=j.connect_timeout_s,
             max_tokens=j.max_tokens,
@@ -103,7 +106,7 @@ class JudgeConfig:
             cache_entries=j.cache_entries,
             max_input_chars=j.max_input_chars,
             max_answer_bytes=j.max_answer_bytes,
-            budget=settings.retries.judge_budget,
+            budget=budget,
         )
 
 

@@ -33,8 +33,9 @@ from typing import Any
 import anyio
 
 from fleetroll.errors import OperationTimeout
-from fleetroll.policies import Policy, policy_from_settings
+from fleetroll.policies import Policy
 from fleetroll.policies.gateway import Gateway
+from fleetroll.pool.assembly import chat_policy_config, policy_from_settings
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
@@ -289,7 +290,7 @@ def request_settings(config: PolicyConfig | None, settings: Settings) -> Setting
 
 def build_policy(config: PolicyConfig | None, settings: Settings) -> Policy:
     """The policy a request asks for (:func:`request_settings`), built as
-    ``fleetroll run`` builds its own (:func:`~fleetroll.policies.policy_from_settings`)."""
+    ``fleetroll run`` builds its own (:func:`~fleetroll.pool.assembly.policy_from_settings`)."""
     return policy_from_settings(request_settings(config, settings))
 
 
@@ -315,4 +316,6 @@ class ServerPolicies:
         records: AgentRecords | None,
     ) -> Policy:
         settings = request_settings(config, self._settings)
-        return CommandAgent.from_settings(command, settings, gateway=gateway, records=records)
+        return CommandAgent.from_config(
+            command, chat_policy_config(settings), gateway=gateway, records=records
+        )

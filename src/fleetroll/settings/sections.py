@@ -87,6 +87,9 @@ class TimeoutSettings(_Section):
     #: Each pre-flight check of ``fleetroll run`` (the environment listing,
     #: the policy endpoint's ``/models``).
     preflight_s: float = Field(30.0, gt=0)
+    #: A weight sync (:mod:`fleetroll.training.weight_sync`): pushing new weights
+    #: to every policy server, retries and the check of each server's version included.
+    weight_sync_s: float = Field(600.0, gt=0)
 
 
 class ProvisioningSettings(_Section):
@@ -221,6 +224,12 @@ class RetrySettings(_Section):
     judge_attempts: int = Field(3, ge=1)
     judge_backoff_initial_s: float = Field(0.5, ge=0)
     judge_backoff_max_s: float = Field(10.0, ge=0)
+    #: Tries in all of one server's weight update (fleetroll.training.weight_sync)
+    #: that failed transiently (connection error, 408/425/429/5xx), inside
+    #: timeouts.weight_sync_s.
+    weight_sync_attempts: int = Field(3, ge=1)
+    weight_sync_backoff_initial_s: float = Field(1.0, ge=0)
+    weight_sync_backoff_max_s: float = Field(10.0, ge=0)
     #: Defaults of fleetroll.client.FleetrollClient (a trainer's process).
     client_max_retries: int = Field(5, ge=0)
     client_backoff_initial_s: float = Field(0.1, ge=0)
@@ -254,6 +263,12 @@ class RetrySettings(_Section):
     def judge_budget(self) -> Budget:
         """A judge call (a task's ``rewards``)."""
         return Budget(self.judge_attempts, self.judge_backoff_initial_s, self.judge_backoff_max_s)
+
+    @property
+    def weight_sync_budget(self) -> Budget:
+        """One policy server's weight update."""
+        initial, cap = self.weight_sync_backoff_initial_s, self.weight_sync_backoff_max_s
+        return Budget(self.weight_sync_attempts, initial, cap)
 
 
 class ModalitySettings(_Section):

@@ -1,10 +1,11 @@
 """Setting telemetry up once, at the entry point, and tearing it down cleanly.
 
 :func:`open_telemetry` (async) and :class:`Telemetry` (sync) build, from the
-settings, an :class:`~fleetroll.telemetry.events.Events` whose sinks are
-Logfire (local store always, Logfire cloud when ``LOGFIRE_TOKEN`` is set) and
-the console, with a :class:`~fleetroll.telemetry.events.Redactor` that knows
-every secret in the settings. With no Logfire cloud, events go straight into
+``[telemetry]`` section, an :class:`~fleetroll.telemetry.events.Events` whose
+sinks are Logfire (local store always, Logfire cloud when a ``LOGFIRE_TOKEN``
+is given) and the console, with a :class:`~fleetroll.telemetry.events.Redactor`
+that knows the secrets it is given (the entry point passes every secret of its
+settings, ``Settings.secrets()``). With no Logfire cloud, events go straight into
 the local store as the rows Logfire's logs of them would make
 (:class:`~fleetroll.telemetry.sinks.StoreSink`: no span per event).
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import TracebackType
@@ -35,20 +36,16 @@ from typing import TextIO
 
 import anyio
 import logfire
+from pydantic import SecretStr
 
-from fleetroll.settings import Settings
+from fleetroll.settings import TelemetrySettings
 from fleetroll.telemetry.events import Events, EventSink, Redactor
 from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink, StoreSink
 from fleetroll.telemetry.store import SQLiteSpanProcessor, is_disabled
 
-__all__ = ["Telemetry", "open_telemetry", "redactor_for"]
+__all__ = ["Telemetry", "open_telemetry"]
 
 _log = logging.getLogger(__name__)
-
-
-def redactor_for(settings: Settings) -> Redactor:
-    """A redactor that knows every secret in ``settings``."""
-    return Redactor(settings.secrets())
 
 
 @functools.cache
@@ -76,8 +73,10 @@ class Telemetry:
 
     def __init__(
         self,
-        settings: Settings,
+        telemetry: TelemetrySettings,
         *,
+        secrets: Iterable[str | None] = (),
+        logfire_token: SecretStr | None = None,
         service_name: str = "fleetroll",
         console: TextIO | None = None,
         extra_sinks: Sequence[EventSink] = (),
@@ -85,8 +84,11 @@ class Telemetry:
         """Configure Logfire, open the store (unless its path is ``os.devnull``), wire the sinks.
 
         Args:
-            settings: ``settings.telemetry`` says where and how; the secrets in
-                ``settings`` are redacted from every event.
+            telemetry: where and how (``[telemetry]``).
+            secrets: redacted from every event (the entry point's
+                ``Settings.secrets()``).
+            logfire_token: ``LOGFIRE_TOKEN``: with it (and ``send_to_logfire``),
+                records also go to Logfire cloud.
             service_name: the ``service_name`` of every record.
             console: where console lines go (default: the current ``sys.stderr``).
             extra_sinks: more sinks for the same events (e.g. a ``MemorySink``).
@@ -95,9 +97,9 @@ class Telemetry:
             StoreError: the local store cannot be opened or created.
         """
         _mark_telemetry_frames_as_library_code()
-        t = settings.telemetry
-        self.settings = settings
-        self.redactor = redactor_for(settings)
+        t = telemetry
+        self.telemetry = telemetry
+        self.redactor = Redactor(secrets)
         self.store: SQLiteSpanProcessor | None = None
         if not is_disabled(t.db_path):
             self.store = SQLiteSpanProcessor(
@@ -107,7 +109,7 @@ class Telemetry:
                 max_queued=t.max_queued,
                 shutdown_timeout_s=t.shutdown_timeout_s,
             )
-        token = settings.logfire_token
+        token = logfire_token
         send = token is not None and t.send_to_logfire
         try:
             self.logfire = logfire.configure(
@@ -152,7 +154,7 @@ class Telemetry:
         Returns False when that took longer than ``timeout_s`` (default
         ``telemetry.shutdown_timeout_s``).
         """
-        timeout = self.settings.telemetry.shutdown_timeout_s if timeout_s is None else timeout_s
+        timeout = self.telemetry.shutdown_timeout_s if timeout_s is None else timeout_s
         return self.logfire.force_flush(timeout_millis=int(timeout * 1000))
 
     def close(self) -> None:
@@ -160,7 +162,7 @@ class Telemetry:
         if self._closed:
             return
         self._closed = True
-        timeout_ms = int(self.settings.telemetry.shutdown_timeout_s * 1000)
+        timeout_ms = int(self.telemetry.shutdown_timeout_s * 1000)
         try:
             self.logfire.shutdown(timeout_millis=timeout_ms, flush=True)
         except Exception:  # shutting down must not mask the job's own outcome
@@ -183,8 +185,10 @@ class Telemetry:
 
 @asynccontextmanager
 async def open_telemetry(
-    settings: Settings,
+    telemetry: TelemetrySettings,
     *,
+    secrets: Iterable[str | None] = (),
+    logfire_token: SecretStr | None = None,
     service_name: str = "fleetroll",
     console: TextIO | None = None,
     extra_sinks: Sequence[EventSink] = (),
@@ -194,26 +198,33 @@ async def open_telemetry(
     Set-up and teardown (Logfire configuration, opening the store, the final
     flush) run in a worker thread, never on the event loop. On exit every
     record is flushed and the processors shut down, shielded from
-    cancellation and bounded by ``telemetry.shutdown_timeout_s``.
+    cancellation and bounded by ``telemetry.shutdown_timeout_s``. The
+    arguments are :class:`Telemetry`'s::
+
+        open_telemetry(
+            settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+        )
 
     Raises:
         StoreError: the local store cannot be opened or created.
     """
-    telemetry = await anyio.to_thread.run_sync(
+    made = await anyio.to_thread.run_sync(
         functools.partial(
             Telemetry,
-            settings,
+            telemetry,
+            secrets=tuple(secrets),
+            logfire_token=logfire_token,
             service_name=service_name,
             console=console,
             extra_sinks=extra_sinks,
         )
     )
     try:
-        yield telemetry.events
+        yield made.events
     finally:
         # Two shutdowns in a row at most (the Logfire pipeline, then the store).
-        budget = 2 * settings.telemetry.shutdown_timeout_s + 1
+        budget = 2 * telemetry.shutdown_timeout_s + 1
         with anyio.CancelScope(shield=True), anyio.move_on_after(budget) as scope:
-            await anyio.to_thread.run_sync(telemetry.close, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(made.close, abandon_on_cancel=True)
         if scope.cancelled_caught:
             _log.warning("telemetry: shutdown took over %g s; some records may be lost", budget)

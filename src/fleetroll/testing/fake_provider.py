@@ -23,7 +23,7 @@ from fleetroll.environments.provider import Instance, Provider, Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.policies import ToolSpec
 from fleetroll.results import VerifierOutcome
-from fleetroll.settings import Settings
+from fleetroll.settings import ModalitySettings, TimeoutSettings
 from fleetroll.tasks import TaskSpec
 from fleetroll.tools.mcp_client import SdkClient
 from fleetroll.tools.routing import Route, route, wants_final_answer
@@ -51,12 +51,16 @@ class FakeProvider:
     ``"done"``, else 0.0. Knobs make each operation fail the way a real
     environment can; ``hangs`` names operations that never finish (a hung
     reset, an MCP service that never answers, a listing that never ends).
+
+    ``modalities`` is the routing table (``Settings.modalities``); ``timeouts``
+    bound its tool sessions' calls and listings (``call_tool_s``, ``list_tools_s``).
     """
 
     def __init__(
         self,
-        settings: Settings,
+        modalities: dict[str, ModalitySettings],
         *,
+        timeouts: TimeoutSettings | None = None,
         provision_error: ProvisionError | None = None,
         verify_error: str | None = None,
         preflight_problems: Sequence[str] = (),
@@ -64,7 +68,8 @@ class FakeProvider:
         reset_required: bool = False,
         hangs: Collection[Operation] = (),
     ) -> None:
-        self.settings = settings
+        self.modalities = modalities
+        self.timeouts = timeouts or TimeoutSettings()
         self.hangs = frozenset(hangs)
         self.preflight_problems = list(preflight_problems)
         self.preflights = 0
@@ -134,7 +139,7 @@ class FakeProvider:
     def route(self, instance: Instance, task: TaskSpec) -> Route:
         return route(
             task.modality,
-            self.settings.modalities,
+            self.modalities,
             f"memory://{instance.instance_id}/",
             final_answer=wants_final_answer(
                 requires=task.requires_final_answer, verifier=task.verifier_func, prompt=task.prompt
@@ -144,7 +149,7 @@ class FakeProvider:
     @asynccontextmanager
     async def open_tools(self, instance: Instance, route: Route) -> AsyncIterator[ToolSession]:
         assert isinstance(instance.handle, FakeState)
-        t = self.settings.timeouts
+        t = self.timeouts
         await self._maybe_hang("open_tools")
         async with Client(self._server(instance.handle)) as client:
             session = _HangingListing if "list_tools" in self.hangs else ToolSession
@@ -185,5 +190,5 @@ class _HangingListing(ToolSession):
         raise AssertionError("unreachable")
 
 
-def _type_check(settings: Settings) -> Provider:
-    return FakeProvider(settings)  # mypy: the double satisfies the protocol
+def _type_check(modalities: dict[str, ModalitySettings]) -> Provider:
+    return FakeProvider(modalities)  # mypy: the double satisfies the protocol

@@ -743,11 +743,18 @@ def _sample(
     return token, processed
 
 
+#: One ``from_pretrained`` at a time in this process: two servers loading at once
+#: (a weight sync pushes to both together) served logprobs no forward pass of the
+#: saved weights gives, different at every run; loaded one after the other, exact.
+_LOADING = threading.Lock()
+
+
 def _load_model(path: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with _LOADING:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     model.eval()
     return model
 

@@ -61,3 +61,17 @@ def assert_logprobs_are_the_models(
     on = torch.tensor(list(mask), dtype=torch.bool)
     assert bool(on.any())
     assert torch.allclose(ours[on], torch.tensor(list(logprobs))[on], atol=1e-4)
+
+
+def failing_for(prompt: str) -> Any:
+    """A fake chat server's script: ``prompt``'s rollouts fail (the server errs:
+    no reward, an infrastructure failure); the others answer "done"."""
+    from fleetroll.testing.fake_openai import completion
+
+    def script(body: dict[str, Any]) -> Any:
+        asked = next(m["content"] for m in body["messages"] if m["role"] == "user")
+        if asked == prompt:
+            raise RuntimeError("the policy server fails for this task")
+        return completion("done")
+
+    return script

@@ -15,6 +15,7 @@ classes tested are skyrl's own either way.
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 import typing
@@ -43,6 +44,7 @@ finally:
 from adapter_helpers import (  # noqa: E402
     TASKS,
     assert_logprobs_are_the_models,
+    failing_for,
     served_model,
     settings_overrides,
 )
@@ -130,3 +132,44 @@ async def test_a_batch_is_rollouts_answered_as_skyrls_generator_output(
         task_prompt = rows[i // 2]["prompt"][-1]["content"]
         assert key == batch["env_extras"][i]["task_key"]
         assert task_prompt in tokenizer.decode(output["prompt_token_ids"][i])
+
+
+@pytest.mark.slow
+async def test_a_failed_rollout_is_a_masked_entry_in_its_place(tmp_path: Path) -> None:
+    from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
+    from fleetroll.testing.tiny_model import save_tiny_model
+
+    _, tokenizer = load_tiny_model(save_tiny_model(tmp_path / "tiny", seed=0))
+    rows = fleetroll_skyrl.records(TASKS)[:2]
+    broken = rows[1]["prompt"][-1]["content"]
+    async with FakeChatServer(failing_for(broken), vllm=VllmShape()) as server:
+        settings = load_settings(
+            policy={"kind": "openai", "base_url": server.base_url, "max_retries": 0},
+            telemetry={"db_path": os.devnull},
+        )
+        generator = fleetroll_skyrl.FleetrollGenerator(TASKS, settings, tokenizer=tokenizer)
+        batch: dict[str, Any] = {
+            "prompts": [row["prompt"] for row in rows for _ in range(2)],
+            "env_classes": ["fleetroll"] * 4,
+            "env_extras": [{"task_key": row["task_key"]} for row in rows for _ in range(2)],
+            "sampling_params": None,
+            "trajectory_ids": None,
+            "batch_metadata": None,
+        }
+        try:
+            output = await generator.generate(batch)
+        finally:
+            await anyio.to_thread.run_sync(generator.close)
+    assert output["stop_reasons"][:2] == ["completed"] * 2
+    assert output["stop_reasons"][2:] == ["policy_error"] * 2
+    assert output["rollout_metrics"]["fleetroll/failed"] == 2
+    for i in (2, 3):  # in their places, masked, the prompt still the task's
+        assert output["loss_masks"][i] and not any(output["loss_masks"][i])
+        assert output["rewards"][i] == 0.0 and output["env_metrics"][i]["fleetroll_reward"] is None
+        assert broken in tokenizer.decode(output["prompt_token_ids"][i])
+        assert len(output["response_ids"][i]) == len(output["rollout_logprobs"][i])
+    for i in (0, 1):
+        assert (
+            any(output["loss_masks"][i])
+            and output["env_metrics"][i]["fleetroll_reward"] is not None
+        )

@@ -139,3 +139,33 @@ async def test_a_row_naming_no_task_is_refused_in_one_line() -> None:
 def test_settings_without_a_model_server_are_refused_in_one_line() -> None:
     with pytest.raises(ConfigError, match=r'policy\.kind = "openai"'):
         fleetroll_verifiers.load_environment(TASKS, {"policy": {"kind": "scripted"}})
+
+
+async def test_a_failed_rollout_is_an_infrastructure_error_with_nothing_under_the_mask() -> None:
+    from adapter_helpers import failing_for
+
+    probe = fleetroll_verifiers.load_environment(
+        TASKS, {"policy": {"kind": "openai", "base_url": "http://127.0.0.1:9/v1"}}
+    )
+    first = probe.get_dataset()[0]
+    broken = first["prompt"][-1]["content"]
+    async with FakeChatServer(failing_for(broken), vllm=VllmShape()) as server:
+        env = fleetroll_verifiers.load_environment(
+            TASKS,
+            {
+                "policy": {"kind": "openai", "base_url": server.base_url, "max_retries": 0},
+                "telemetry": {"db_path": os.devnull},
+            },
+        )
+        try:
+            client = vf.ClientConfig(api_base_url=server.base_url)
+            row = {"prompt": first["prompt"], "example_id": 0, "info": first["info"]}
+            (output,) = await env.run_group([row], client, "model", {})
+            state = await env.rollout(row, client, "model", {})
+        finally:
+            await anyio.to_thread.run_sync(env.close)
+    assert output["reward"] == 0.0 and output["error"] is not None
+    assert "InfraError" in output["error_chain"] and "policy_error" in output["error_chain"]
+    assert state["fleetroll_status"] == "policy_error" and state["fleetroll_reward"] is None
+    (step,) = state["trajectory"]
+    assert not any(step["tokens"]["completion_mask"])

@@ -8,6 +8,7 @@ sample a rollout on the embedded emulator. Skipped without the ``verl`` extra.
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ agent_loop = pytest.importorskip(
 from adapter_helpers import (  # noqa: E402
     TASKS,
     assert_logprobs_are_the_models,
+    failing_for,
     served_model,
     settings_overrides,
 )
@@ -128,3 +130,32 @@ async def test_each_sample_is_a_rollout_answered_as_verls_agent_loop_output(
             await loops[0].run({"temperature": 0.5}, **rows[0])
     finally:
         await anyio.to_thread.run_sync(loops[0].rollouts.close)
+
+
+@pytest.mark.slow
+async def test_a_failed_rollout_answers_a_masked_output(tmp_path: Path) -> None:
+    from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
+
+    _, tokenizer = load_tiny_model(save_tiny_model(tmp_path / "tiny", seed=0))
+    row = fleetroll_verl.records(TASKS)[0]
+    broken = row["prompt"][-1]["content"]
+    async with FakeChatServer(failing_for(broken), vllm=VllmShape()) as server:
+        fleetroll = {
+            "tasks": str(TASKS),
+            "settings": {
+                "policy": {"kind": "openai", "base_url": server.base_url, "max_retries": 0},
+                "telemetry": {"db_path": os.devnull},
+            },
+        }
+        loop = make_loop(tokenizer, fleetroll)
+        try:
+            output = await loop.run({}, **row)
+        finally:
+            await anyio.to_thread.run_sync(loop.rollouts.close)
+    assert type(output) is agent_loop.AgentLoopOutput
+    assert output.extra_fields["fleetroll_status"] == "policy_error"
+    assert output.extra_fields["fleetroll_reward"] is None and output.reward_score == 0.0
+    assert output.response_mask and not any(output.response_mask)
+    assert len(output.response_ids) == len(output.response_mask) == len(output.response_logprobs)
+    assert broken in tokenizer.decode(output.prompt_ids)  # the task's prompt, for verl's padding
+    assert output.num_turns == 1

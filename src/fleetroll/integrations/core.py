@@ -658,3 +658,29 @@ def turns_of(row: Row) -> int:
     if not any(row["completion_mask"]):
         return 0
     return runs
+
+
+def check_temperature(settings: Settings, wanted: float | None, *, trainer: str) -> None:
+    """Refuse a trainer's sampling temperature ``wanted`` that is not fleetroll's
+    ``policy.temperature`` (or a run without one): the trainer takes its logprobs
+    at its own temperature, the server samples at fleetroll's. None: the trainer
+    did not say, nothing to check.
+
+    Raises:
+        ConfigError: they differ, or ``policy.temperature`` is not set.
+    """
+    ours = settings.policy.temperature
+    if wanted is None:
+        return
+    if ours is None:
+        raise ConfigError(
+            f"set policy.temperature to {trainer}'s temperature ({wanted:g}): without"
+            " it the server samples at its own default (vLLM takes the model's"
+            f" generation_config), and {trainer}'s logprobs would not be the sampler's"
+        )
+    if abs(float(wanted) - ours) > 1e-9:
+        raise ConfigError(
+            f"{trainer} samples at temperature {wanted:g} but fleetroll's"
+            f" policy.temperature is {ours:g}: set them the same ({trainer}'s"
+            " logprobs are taken at its own temperature)"
+        )

@@ -42,6 +42,7 @@ from fleetroll.integrations.core import (
     BlockingRollouts,
     Request,
     Row,
+    check_temperature,
     fill_empty_row,
     load_task_list,
     prompt_messages,
@@ -122,12 +123,7 @@ class FleetrollGenerator(GeneratorInterface):  # type: ignore[misc]  # skyrl is 
         """
         core = self.rollouts.core
         sampling = input_batch.get("sampling_params") or {}
-        wanted, ours = sampling.get("temperature"), core.settings.policy.temperature
-        if wanted is not None and ours is not None and abs(float(wanted) - ours) > 1e-9:
-            raise ConfigError(
-                f"SkyRL samples at temperature {wanted:g} but fleetroll's policy.temperature"
-                f" is {ours:g}: set them the same"
-            )
+        check_temperature(core.settings, sampling.get("temperature"), trainer="SkyRL")
         requests = _requests(input_batch, core.tasks)
         rows = [self._filled(row) for row in await self.rollouts.run_from_loop(requests)]
         failed = sum(1 for row in rows if row["reward"] is None)

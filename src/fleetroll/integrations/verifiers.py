@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetroll.integrations.core import BlockingRollouts, prompt_messages
+from fleetroll.integrations.core import BlockingRollouts, check_temperature, prompt_messages
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
 
@@ -102,12 +102,19 @@ class FleetrollEnv(vf.Environment):  # type: ignore[misc]  # verifiers is untype
         model: str,
         sampling_args: dict[str, Any] | None = None,
     ) -> Any:
-        """Run the input's task as one fleetroll rollout; its state has the tokens."""
+        """Run the input's task as one fleetroll rollout; its state has the tokens.
+
+        Raises:
+            verifiers.Error: the row names no known task.
+            ConfigError: ``sampling_args``' temperature is not ``policy.temperature``.
+        """
         state = await self.init_state(input, client, model, sampling_args)
         info = state.get("info") or {}
         key = info.get("task_key") if isinstance(info, Mapping) else None
         if key is None or key not in self.rollouts.core.tasks:
             raise vf.Error(f"a row names task {key!r}, which is not among fleetroll's tasks")
+        wanted = (sampling_args or {}).get("temperature")
+        check_temperature(self.rollouts.core.settings, wanted, trainer="verifiers")
         (row,) = await self.rollouts.run_from_loop([(str(key), 0)])
         mask = list(row["completion_mask"])
         tokens = {

@@ -43,6 +43,7 @@ from fleetroll.errors import ConfigError
 from fleetroll.integrations.core import (
     BlockingRollouts,
     Row,
+    check_temperature,
     fill_empty_row,
     load_task_list,
     prompt_messages,
@@ -128,13 +129,7 @@ class FleetrollAgentLoop(AgentLoopBase):  # type: ignore[misc]  # verl is untype
         key = _task_key(kwargs.get("extra_info"))
         if key not in core.tasks:
             raise ConfigError(f"a verl row names task {key!r}, not in fleetroll.tasks")
-        wanted = sampling_params.get("temperature")
-        ours = core.settings.policy.temperature
-        if wanted is not None and ours is not None and abs(float(wanted) - ours) > 1e-9:
-            raise ConfigError(
-                f"verl samples at temperature {wanted:g} but fleetroll's policy.temperature"
-                f" is {ours:g}: set them the same"
-            )
+        check_temperature(core.settings, sampling_params.get("temperature"), trainer="verl")
         (row,) = await self.rollouts.run_from_loop([(key, 0)])
         row = self._filled(row)
         mask = list(row["completion_mask"])

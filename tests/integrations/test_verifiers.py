@@ -3,7 +3,7 @@
 verifiers 0.2.0 (the one release that accepts fleetroll's mcp) pins
 ``datasets<4.7``, which the ``train`` extra's TRL refuses, so it is not in
 ``dev``: this file is skipped there and runs in a venv of its own
-(``pip install -e '.[test,verifiers]'``; docs/training.md). The policy is the
+(``pip install -e '.[test,verifiers]'``; README.md, "verl, SkyRL and prime-rl"). The policy is the
 vLLM-shaped fake chat server (token ids, logprobs) playing each task's
 solution, so the verifier's reward is known; each rollout runs on the
 embedded emulator.

@@ -50,9 +50,15 @@ from typing import Any
 
 import anyio
 
-from fleetroll import OpenAIChatPolicy, RolloutPool, TaskSpec, load_settings, load_tasks
+from fleetroll import (
+    OpenAIChatPolicy,
+    RolloutPool,
+    TaskSpec,
+    chat_policy_config,
+    load_settings,
+    load_tasks,
+)
 from fleetroll.emulator import Emulator
-from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.settings import config_dir
 from fleetroll.testing.fake_openai import (
     FakeChatServer,

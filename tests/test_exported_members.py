@@ -47,7 +47,9 @@ def test_the_public_api_is_what_the_readme_promises() -> None:
         "ToolsError",
         "VerifierOutcome",
         "load_settings",
+        "chat_policy_config",
         "load_tasks",
+        "open_telemetry",
         "parse_tasks",
         "training_rows",
     }

@@ -39,6 +39,7 @@ if _typing.TYPE_CHECKING:
         ToolCall,
         ToolSpec,
     )
+    from fleetroll.pool.assembly import chat_policy_config, open_telemetry
     from fleetroll.pool.rollout_pool import Batch, BatchCounts, RolloutPool
     from fleetroll.results import FailureReason, RolloutResult, Timings, VerifierOutcome
     from fleetroll.rollout.agent_command import CommandAgent
@@ -82,8 +83,10 @@ _WHERE: dict[str, str] = {
     "ToolSpec": "fleetroll.policies",
     "ToolsError": "fleetroll.errors",
     "VerifierOutcome": "fleetroll.results",
+    "chat_policy_config": "fleetroll.pool.assembly",
     "load_settings": "fleetroll.settings",
     "load_tasks": "fleetroll.tasks",
+    "open_telemetry": "fleetroll.pool.assembly",
     "parse_tasks": "fleetroll.tasks",
     "training_rows": "fleetroll.training.trajectory",
 }
@@ -120,8 +123,10 @@ __all__ = [
     "ToolSpec",
     "ToolsError",
     "VerifierOutcome",
+    "chat_policy_config",
     "load_settings",
     "load_tasks",
+    "open_telemetry",
     "parse_tasks",
     "training_rows",
 ]

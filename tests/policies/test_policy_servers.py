@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Awaitable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,13 @@ from fleetroll.testing.fake_openai import completion
 A, B = "http://a.test/v1", "http://b.test/v1"
 TASK = TaskSpec(key="t", prompt="hi", env_key="ledger")
 PROMPT = [{"role": "user", "content": "hi"}]
+
+
+def check_policy_of(settings: Settings) -> Awaitable[list[str]]:
+    """The policy pre-flight as a job runs it, from ``settings``' sections."""
+    return check_policy(
+        settings.policy, api_key=settings.openai_api_key, timeout_s=settings.timeouts.preflight_s
+    )
 
 
 class Clock:
@@ -243,7 +251,7 @@ async def test_the_pre_flight_asks_every_server_and_names_each_dead_one() -> Non
         policy={"kind": "openai", "base_urls": [first, second]}, timeouts={"preflight_s": 5}
     )
 
-    problems = await check_policy(settings)
+    problems = await check_policy_of(settings)
 
     assert len(problems) == 2
     assert first in problems[0] and second in problems[1]

@@ -7,7 +7,7 @@ import os
 import socket
 import sys
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,14 @@ from fleetroll.tasks.mcp import McpEnvironment
 from fleetroll.telemetry import Events
 from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
 from fleetroll.testing.fake_provider import FakeProvider
+
+
+def check_policy_of(settings: Settings) -> Awaitable[list[str]]:
+    """The policy pre-flight as a job runs it, from ``settings``' sections."""
+    return check_policy(
+        settings.policy, api_key=settings.openai_api_key, timeout_s=settings.timeouts.preflight_s
+    )
+
 
 LEDGER = config_dir() / "tasks" / "ledger.jsonl"
 
@@ -84,7 +92,7 @@ async def test_the_provider_s_problems_and_the_policy_s_come_in_one_error() -> N
     settings = openai_settings(f"{dead_url()}/v1")
 
     with pytest.raises(PreflightError) as caught:
-        await preflight(provider, [task("x")], lambda: check_policy(settings))
+        await preflight(provider, [task("x")], lambda: check_policy_of(settings))
 
     assert provider.preflights == 1
     assert caught.value.problems[0] == "environment x is gone"
@@ -95,7 +103,7 @@ async def test_the_provider_s_problems_and_the_policy_s_come_in_one_error() -> N
 async def test_a_clean_provider_and_the_scripted_policy_pass() -> None:
     provider = FakeProvider(load_settings().modalities)
 
-    await preflight(provider, [task("ledger")], lambda: check_policy(load_settings()))
+    await preflight(provider, [task("ledger")], lambda: check_policy_of(load_settings()))
 
     assert provider.preflights == 1
 
@@ -105,14 +113,14 @@ async def test_a_clean_provider_and_the_scripted_policy_pass() -> None:
 
 async def test_a_policy_endpoint_that_answers_its_model_listing_passes() -> None:
     async with FakeChatServer() as server:
-        assert await check_policy(openai_settings(server.base_url)) == []
+        assert await check_policy_of(openai_settings(server.base_url)) == []
         assert server.requests == []  # no chat completion was spent on it
 
 
 async def test_a_policy_base_url_missing_its_v1_is_a_problem_with_the_url() -> None:
     async with FakeChatServer() as server:
         base = server.base_url.removesuffix("/v1")
-        problems = await check_policy(openai_settings(base))
+        problems = await check_policy_of(openai_settings(base))
 
     assert problems == [
         f"the policy endpoint answered 404 to GET {base}/models"
@@ -124,7 +132,7 @@ async def test_token_in_against_a_server_without_its_routes_is_a_problem_before_
     async with FakeChatServer(vllm=VllmShape()) as server:
         policy = {"kind": "openai", "token_in": True, "base_url": server.base_url}
         settings = load_settings(policy=policy)
-        problems = await check_policy(settings)
+        problems = await check_policy_of(settings)
         root = server.base_url.removesuffix("/v1")
 
     assert [p.split(",")[0] for p in problems] == [
@@ -138,14 +146,14 @@ async def test_token_in_against_a_server_with_its_routes_passes_without_generati
     async with FakeChatServer(vllm=VllmShape(token_in=True)) as server:
         policy = {"kind": "openai", "token_in": True, "base_url": server.base_url}
         settings = load_settings(policy=policy)
-        assert await check_policy(settings) == []
+        assert await check_policy_of(settings) == []
         assert server.requests == [] and server.replies == []
 
 
 async def test_a_policy_url_s_password_never_appears_in_the_problem() -> None:
     url = dead_url().replace("http://", "http://user:s3cret@") + "/v1"
 
-    problems = await check_policy(openai_settings(url))
+    problems = await check_policy_of(openai_settings(url))
 
     assert len(problems) == 1 and "s3cret" not in problems[0], problems
 

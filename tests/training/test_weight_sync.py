@@ -88,11 +88,13 @@ async def test_vllm_sync_calls_reload_weights_with_the_path() -> None:
 
     sync = VLLMReloadSync("http://v.test:8000/v1", budget=FAST, transport=answering(server, seen))
     await sync.push(Path("/ckpt/step-2"), version=2)
-    (post,) = [r for r in seen if r.method == "POST"]
-    assert str(post.url) == "http://v.test:8000/collective_rpc"
-    body = json.loads(post.content)
+    reload, reset = [r for r in seen if r.method == "POST"]
+    assert str(reload.url) == "http://v.test:8000/collective_rpc"
+    body = json.loads(reload.content)
     assert body == {"method": "reload_weights", "kwargs": {"weights_path": "/ckpt/step-2"}}
-    assert "authorization" not in post.headers
+    assert "authorization" not in reload.headers
+    # The prefixes vLLM cached were computed with the old weights.
+    assert str(reset.url) == "http://v.test:8000/reset_prefix_cache"
 
 
 async def test_a_server_that_answers_500_then_succeeds_is_retried() -> None:
@@ -107,7 +109,8 @@ async def test_a_server_that_answers_500_then_succeeds_is_retried() -> None:
 
     sync = VLLMReloadSync("http://v.test", budget=FAST, transport=answering(server, seen))
     await sync.push("/ckpt", version=1)
-    assert [r.url.path for r in seen if r.method == "POST"] == ["/collective_rpc"] * 3
+    posts = [r.url.path for r in seen if r.method == "POST"]
+    assert posts == ["/collective_rpc"] * 3 + ["/reset_prefix_cache"]
 
 
 async def test_a_refusal_names_the_server_and_says_why_without_credentials() -> None:

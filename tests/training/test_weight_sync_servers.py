@@ -19,11 +19,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from fleetroll.client import FleetrollClient  # noqa: E402
 from fleetroll.emulator import Emulator  # noqa: E402
+from fleetroll.emulator.process import EmulatorProcess  # noqa: E402
 from fleetroll.errors import WeightSyncError  # noqa: E402
 from fleetroll.policies import OpenAIChatPolicy  # noqa: E402
 from fleetroll.pool.assembly import chat_policy_config  # noqa: E402
 from fleetroll.pool.rollout_pool import RolloutPool  # noqa: E402
+from fleetroll.service import Service, create_app, serve_app  # noqa: E402
 from fleetroll.settings import load_settings  # noqa: E402
 from fleetroll.settings.sections import Budget  # noqa: E402
 from fleetroll.telemetry import Events, MemorySink  # noqa: E402
@@ -109,7 +112,12 @@ async def test_both_servers_take_the_saved_weights_and_answer_their_exact_logpro
             await kind([s.base_url for s in servers], budget=FAST).push(perturbed, version=1)
         after = [await greedy(client, s) for s in servers]
         reported = [(await client.get(f"{s.root_url}/get_weight_version")).json() for s in servers]
+        routes = [[path for path, _ in s.requests if not path.startswith("/v1/")] for s in servers]
     expected_version = "1"  # SGLang's is the one sent; the test server counts vLLM's reloads
+    if kind is VLLMReloadSync:
+        assert routes == [["/collective_rpc", "/reset_prefix_cache"]] * 2
+    else:
+        assert routes == [["/update_weights_from_disk"]] * 2
     assert reported == [{"weight_version": expected_version}] * 2
     for old, new in zip(before, after, strict=True):
         assert (old["version"], new["version"]) == ("0", "1")
@@ -223,3 +231,91 @@ async def test_rollouts_after_a_sync_carry_the_new_version_and_the_new_weights(
             assert turn.logprobs == pytest.approx(
                 recomputed(model, turn.prompt_token_ids, turn.completion_token_ids), abs=1e-4
             )
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("executor", ["local", "ray"])
+async def test_after_a_sync_every_executors_policy_calls_carry_the_new_version_and_weights(
+    model_dir: Path, perturbed: Path, executor: str, request: pytest.FixtureRequest
+) -> None:
+    new_model, _ = load_tiny_model(perturbed)
+    tasks = [t for t in TASKS.values() if t.env_key == "ledger"][:3]
+    async with (
+        two_servers(model_dir, default_max_tokens=8) as servers,
+        EmulatorProcess() as emu,
+        AsyncExitStack() as stack,
+    ):
+        settings = load_settings(
+            policy={
+                "kind": "openai",
+                "base_urls": [s.base_url for s in servers],
+                "model": servers[0].model_name,
+                "max_tokens": 8,
+                "return_token_ids": True,
+                "logprobs": True,
+            },
+        )
+        if executor == "ray":
+            pytest.importorskip("ray")
+            request.getfixturevalue("local_ray")
+            from fleetroll.pool.ray.executor import ray_pool
+
+            opened = ray_pool(settings, api_key=emu.api_key, base_url=emu.base_url, num_actors=2)
+        else:
+            opened = RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url)
+        pool = await stack.enter_async_context(opened)
+        policy = OpenAIChatPolicy.from_config(chat_policy_config(settings))
+        await stack.enter_async_context(policy)
+        sync = SGLangDiskSync.from_settings(settings.policy, settings.timeouts, settings.retries)
+        with anyio.fail_after(300):
+            assert await sync_weights(pool, sync, perturbed) == 1
+            results = await pool.run_batch(tasks, policy).results()
+    assert [s.weight_version for s in servers] == ["1", "1"]
+    turns = [turn for r in results for turn in r.turns]
+    assert len(results) == len(tasks) and len(turns) >= len(tasks)
+    for turn in turns:
+        assert turn.policy_version == 1
+        assert turn.prompt_token_ids and turn.completion_token_ids and turn.logprobs
+        assert turn.logprobs == pytest.approx(
+            recomputed(new_model, turn.prompt_token_ids, turn.completion_token_ids), abs=1e-4
+        )
+
+
+async def test_a_trainer_of_the_service_syncs_through_its_client(
+    model_dir: Path, perturbed: Path
+) -> None:
+    new_model, _ = load_tiny_model(perturbed)
+    tasks = [t for t in TASKS.values() if t.env_key == "ledger"][:2]
+    async with two_servers(model_dir, default_max_tokens=8) as servers, Emulator() as emu:
+        settings = load_settings(
+            policy={
+                "kind": "openai",
+                "base_urls": [s.base_url for s in servers],
+                "model": servers[0].model_name,
+                "max_tokens": 8,
+                "return_token_ids": True,
+                "logprobs": True,
+            },
+        )
+        async with RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool:
+            service = Service(pool, settings)
+            async with (
+                serve_app(create_app(service), "127.0.0.1", 0, before_stop=service.stop) as url,
+                FleetrollClient(url) as client,
+            ):
+                sync = VLLMReloadSync.from_settings(
+                    settings.policy, settings.timeouts, settings.retries
+                )
+                with anyio.fail_after(120):
+                    await client.set_policy_version(4)
+                    assert await sync_weights(client, sync, perturbed) == 5
+                    assert await client.policy_version() == 5
+                    results = await client.run_batch(tasks).results()
+    assert [s.version for s in servers] == [1, 1]
+    turns = [turn for r in results for turn in r.turns]
+    assert turns and all(turn.policy_version == 5 for turn in turns)
+    for turn in turns:
+        assert turn.prompt_token_ids and turn.completion_token_ids and turn.logprobs
+        assert turn.logprobs == pytest.approx(
+            recomputed(new_model, turn.prompt_token_ids, turn.completion_token_ids), abs=1e-4
+        )

@@ -67,12 +67,11 @@ from anyio.from_thread import BlockingPortal
 
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll.errors import ConfigError
-from fleetroll.jobs.fleet import open_fleet
+from fleetroll.jobs.fleet import open_fleet, preflight_fleet
 from fleetroll.policies import Policy
 from fleetroll.pool.assembly import policy_from_settings
 from fleetroll.pool.batch import rollout_id
 from fleetroll.pool.batch_pool import open_batch_pool
-from fleetroll.pool.preflight import preflight_fleet
 from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason, RolloutResult, Trajectory, TrajectorySegment
 from fleetroll.settings import Settings, load_settings

@@ -11,6 +11,7 @@ returns every result of the batch.
 from __future__ import annotations
 
 import functools
+import shlex
 import signal
 import time
 import uuid
@@ -24,14 +25,13 @@ from anyio.abc import TaskGroup
 
 from fleetroll.errors import ConfigError, JournalError
 from fleetroll.jobs.drive import Background, Current, Drive, watch_signals
-from fleetroll.jobs.fleet import open_fleet, release_leftovers
+from fleetroll.jobs.fleet import open_fleet, preflight_fleet, release_leftovers
 from fleetroll.jobs.output import JobOutput, Quiet
 from fleetroll.jobs.report import JobReport
 from fleetroll.jobs.steps import StepRun, Steps, open_sampler
 from fleetroll.policies import Policy
 from fleetroll.pool.batch_pool import open_batch_pool
 from fleetroll.pool.journal import BatchIdentity, Journal, claim_journal
-from fleetroll.pool.preflight import preflight_fleet
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings
@@ -60,6 +60,7 @@ async def run_job(
     groups_target: int | None = None,
     steps: Steps | None = None,
     policy_version: int | None = None,
+    command: Sequence[str] | None = None,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
 
@@ -88,6 +89,11 @@ async def run_job(
     again, with those never journaled; the others are kept.
 
     ``policy_version`` tags every result of the batch (an evaluation's).
+
+    ``command`` is the command line that resumes the job (the CLI's, with
+    ``--resume``): once the batch is claimed, ``fleet_job_started`` records it
+    with the journal, so ``fleetroll stats --check`` can say how to run the
+    rollouts a killed run lost.
 
     The first SIGINT or SIGTERM cancels the batch: every rollout still gets
     its result, every instance is released. Later ones change nothing but say
@@ -127,6 +133,14 @@ async def run_job(
             claimed = await _claim(stack, settings, plan, out, claimed.batch_id, resume=resume)
             if resume and not settings.uses_emulator:
                 await release_leftovers(settings, fleet, claimed.batch_id, events, output)
+        journal = None if out is None else str(await anyio.Path(out).absolute())
+        events.emit(
+            "fleet_job_started",
+            batch_id=claimed.batch_id,
+            journal=journal,
+            # Without a journal there is nothing to resume: the batch runs again whole.
+            resume_command=None if command is None or out is None else shlex.join(command),
+        )
         sampler = None
         if steps is not None:
             sampler = await anyio.to_thread.run_sync(

@@ -11,6 +11,9 @@ the service and the benchmarks build their providers through these.
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
 from fleetroll.environments.admission import Admission, CreateLimits
 from fleetroll.environments.fleet.provider import FleetConfig, FleetProvider
 from fleetroll.environments.mcp.provider import McpConfig, McpProvider
@@ -34,6 +37,7 @@ __all__ = [
     "mcp_config",
     "mcp_provider",
     "mixed_provider",
+    "open_telemetry",
     "policy_from_settings",
     "rollout_config",
 ]
@@ -137,4 +141,22 @@ def rollout_config(settings: Settings) -> RolloutConfig:
         policy=settings.policy,
         judge=judge_config(settings),
         secrets=settings.secrets(),
+    )
+
+
+def open_telemetry(settings: Settings, **options: Any) -> AbstractAsyncContextManager[Events]:
+    """:func:`fleetroll.telemetry.open_telemetry` configured by ``settings``: its
+    ``[telemetry]`` section, the secrets to redact and the Logfire token.
+
+    Exported as ``fleetroll.open_telemetry``; ``options`` are the rest of
+    :func:`fleetroll.telemetry.open_telemetry`'s (``service_name``, ``console``,
+    ``extra_sinks``).
+    """
+    from fleetroll.telemetry import session
+
+    return session.open_telemetry(
+        settings.telemetry,
+        secrets=settings.secrets(),
+        logfire_token=settings.logfire_token,
+        **options,
     )

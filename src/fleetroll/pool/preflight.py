@@ -34,8 +34,7 @@ from fleetroll.tasks.names import missing_environments
 
 if TYPE_CHECKING:
     from fleetroll.environments.provider import Provider
-    from fleetroll.pool.batch_pool import FleetTarget
-    from fleetroll.settings import Settings
+    from fleetroll.settings.sections import PolicySettings
     from fleetroll.tasks import TaskSpec
 
 __all__ = [
@@ -45,7 +44,6 @@ __all__ = [
     "check_token_in",
     "missing_environments",
     "preflight",
-    "preflight_fleet",
 ]
 
 
@@ -58,8 +56,11 @@ def _shown(url: str) -> str:
     return str(parsed.copy_with(userinfo=b"")) if parsed.userinfo else url
 
 
-async def check_policy(settings: Settings) -> list[str]:
-    """For ``policy.kind = "openai"``: every server answers ``GET {base_url}/models``.
+async def check_policy(
+    policy: PolicySettings, *, api_key: SecretStr | None, timeout_s: float
+) -> list[str]:
+    """For ``policy.kind = "openai"``: every server answers ``GET {base_url}/models``
+    (with ``api_key``), each check bounded by ``timeout_s`` (``timeouts.preflight_s``).
 
     One problem line per server that does not (no answer, a refused key, an
     error status: likely a wrong ``--base-url``); empty otherwise, and always
@@ -67,26 +68,18 @@ async def check_policy(settings: Settings) -> list[str]:
     server at the start fails the pre-flight too: a batch starts on the
     servers it was given; a server that dies later is ejected instead.
     """
-    if settings.policy.kind != "openai":
+    if policy.kind != "openai":
         return []
     problems: dict[int, list[str]] = {}
 
     async def check(index: int, base_url: str) -> None:
-        found = await check_endpoint(
-            base_url, settings.openai_api_key, settings.timeouts.preflight_s
-        )
-        if not found and settings.policy.token_in:
-            found = await check_token_in(
-                base_url,
-                settings.policy.model,
-                settings.openai_api_key,
-                settings.timeouts.preflight_s,
-            )
+        found = await check_endpoint(base_url, api_key, timeout_s)
+        if not found and policy.token_in:
+            found = await check_token_in(base_url, policy.model, api_key, timeout_s)
         problems[index] = found
 
-    # Each check is bounded by timeouts.preflight_s.
     async with anyio.create_task_group() as tg:
-        for index, base_url in enumerate(settings.policy.servers):
+        for index, base_url in enumerate(policy.servers):
             tg.start_soon(check, index, base_url)
     return [line for index in sorted(problems) for line in problems[index]]
 
@@ -210,23 +203,3 @@ async def preflight(
     problems = found["provider"] + found["policy"]
     if problems:
         raise PreflightError(problems, skip=skip)
-
-
-async def preflight_fleet(
-    settings: Settings, fleet: FleetTarget, tasks: Sequence[TaskSpec]
-) -> None:
-    """:func:`preflight` with a provider of its own for ``fleet`` (and mcp tasks), closed after.
-
-    Raises:
-        PreflightError: any check found a problem.
-    """
-    from fleetroll.pool.assembly import mixed_provider
-    from fleetroll.telemetry.events import Events
-
-    # The provider the pool builds: Fleet for Fleet tasks, the mcp one for the others.
-    provider = mixed_provider(settings, Events(), api_key=fleet.api_key, base_url=fleet.base_url)
-    try:
-        await preflight(provider, tasks, lambda: check_policy(settings))
-    finally:
-        with anyio.CancelScope(shield=True), anyio.move_on_after(settings.timeouts.release_s):
-            await provider.aclose()

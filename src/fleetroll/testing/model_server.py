@@ -42,7 +42,8 @@ fleetroll's policy reads:
   ``kwargs.weights_path``/``model_path``) and SGLang's ``POST
   /update_weights_from_disk`` (``{"model_path": ..., "weight_version": ...}``,
   answered ``{"success": true, ...}``); ``GET /get_weight_version`` answers
-  SGLang's ``{"weight_version": ...}``.
+  SGLang's ``{"weight_version": ...}``; ``POST /reset_prefix_cache`` (vLLM's,
+  after a reload) answers 200 (nothing is cached across requests here).
 
 Every answer carries the header ``X-Weight-Version``: for a completion, the
 version of the weights that generated all of it (a generation keeps the
@@ -222,6 +223,7 @@ class ModelServer:
                 Route("/collective_rpc", self._collective_rpc, methods=["POST"]),
                 Route("/update_weights_from_disk", self._update_from_disk, methods=["POST"]),
                 Route("/get_weight_version", self._get_weight_version, methods=["GET"]),
+                Route("/reset_prefix_cache", self._reset_prefix_cache, methods=["POST"]),
             ]
         )
         try:
@@ -345,6 +347,11 @@ class ModelServer:
         return self._json({"object": "list", "data": [model]})
 
     async def _health(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def _reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's dev-mode route: nothing is cached across requests here."""
+        self.requests.append((request.url.path, {}))
         return Response(status_code=200)
 
     async def _get_weight_version(self, request: Request) -> Response:

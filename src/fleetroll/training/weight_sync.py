@@ -28,7 +28,7 @@ all within ``timeouts.weight_sync_s``:
 - :class:`VLLMReloadSync`: vLLM's ``POST /collective_rpc``
   ``{"method": "reload_weights", "kwargs": {"weights_path": ...}}`` (a route
   of ``VLLM_SERVER_DEV_MODE=1`` only), answered ``{"results": [...]}`` or an
-  empty 200;
+  empty 200, then ``POST /reset_prefix_cache``;
 - :class:`CallableSync`: the user's own function (sync or async), called once
   per sync with the source and the new version.
 
@@ -71,6 +71,7 @@ __all__ = [
     "CallableSync",
     "SGLangDiskSync",
     "SupportsPolicyUpdate",
+    "SupportsRemotePolicyUpdate",
     "VLLMReloadSync",
     "WeightSync",
     "sync_weights",
@@ -99,13 +100,27 @@ class SupportsPolicyUpdate(Protocol):
     @property
     def policy_version(self) -> int: ...
 
-    async def set_policy_version(self, value: int) -> None: ...
+    async def set_policy_version(self, value: int, /) -> None: ...
+
+    def policy_paused(self) -> AbstractAsyncContextManager[None]: ...
+
+
+class SupportsRemotePolicyUpdate(Protocol):
+    """The same, over HTTP (:class:`fleetroll.FleetrollClient` of ``fleetroll serve``)."""
+
+    async def policy_version(self) -> int: ...
+
+    async def set_policy_version(self, value: int, /) -> None: ...
 
     def policy_paused(self) -> AbstractAsyncContextManager[None]: ...
 
 
 async def sync_weights(
-    pool: SupportsPolicyUpdate, sync: WeightSync, source: Any, *, version: int | None = None
+    pool: SupportsPolicyUpdate | SupportsRemotePolicyUpdate,
+    sync: WeightSync,
+    source: Any,
+    *,
+    version: int | None = None,
 ) -> int:
     """Push new weights with ``sync`` while ``pool`` holds new policy calls,
     then set its policy version; return that version.
@@ -115,7 +130,8 @@ async def sync_weights(
     push fails the version stays, the pause ends, and the error is raised.
 
     Args:
-        pool: the pool whose policy calls go to the servers (a ``RolloutPool``).
+        pool: the pool whose policy calls go to the servers (a ``RolloutPool``),
+            or a ``FleetrollClient`` of the service that runs them.
         sync: how to push (:class:`SGLangDiskSync`, :class:`VLLMReloadSync`,
             :class:`CallableSync` or your own :class:`WeightSync`).
         source: where the weights are (a ``save_pretrained`` directory the
@@ -128,7 +144,8 @@ async def sync_weights(
         ValueError: ``version`` is not greater than the pool's.
         TypeError: ``version`` is not an int.
     """
-    current = pool.policy_version
+    reading = pool.policy_version
+    current = await reading() if callable(reading) else reading
     new = current + 1 if version is None else version
     if isinstance(new, bool) or not isinstance(new, int):
         raise TypeError(f"a policy version is an int, not {type(new).__name__}")
@@ -252,6 +269,10 @@ class _HttpSync:
         other than before."""
         return None
 
+    def followups(self) -> tuple[str, ...]:
+        """Routes POSTed (no body) after a server took the weights."""
+        return ()
+
     # The push.
 
     async def push(self, source: Any, *, version: int) -> None:
@@ -313,6 +334,15 @@ class _HttpSync:
             return answer
 
         answer = await self._retried(post, deadline)
+        for followup in self.followups():
+
+            async def after_update(route: str = followup) -> None:
+                done = await client.post(f"{root}{route}")
+                if not done.is_success:
+                    why = f"{route} after the update: {error_excerpt(done.content)}"
+                    raise _Refused(done.status_code, why)
+
+            await self._retried(after_update, deadline)
         after = await self._retried(lambda: self._version_of(client, root), deadline)
         if after is None:
             after = answer.headers.get("x-weight-version")
@@ -406,10 +436,13 @@ class VLLMReloadSync(_HttpSync):
     """vLLM's ``POST /collective_rpc`` calling ``reload_weights`` on every server.
 
     The body is ``{"method": "reload_weights", "kwargs": {"weights_path":
-    <source>}}``: each worker reloads the checkpoint in that directory. The
-    route exists only on a server started with ``VLLM_SERVER_DEV_MODE=1``
-    (a 404 says it was not). vLLM reports no weight version; a server that
-    does (``/get_weight_version``, ``X-Weight-Version``) must report a new one.
+    <source>}}``: each worker reloads the checkpoint in that directory (vLLM's
+    ``LLM.collective_rpc("reload_weights", kwargs={"weights_path": ...})``).
+    Then ``POST /reset_prefix_cache``: the cached prefixes were computed with
+    the old weights. Both routes exist only on a server started with
+    ``VLLM_SERVER_DEV_MODE=1`` (a 404 says it was not). vLLM reports no weight
+    version; a server that does (``/get_weight_version``, ``X-Weight-Version``)
+    must report a new one.
 
     Args:
         base_urls: the servers (``policy.servers``; a trailing ``/v1`` is dropped).
@@ -417,6 +450,7 @@ class VLLMReloadSync(_HttpSync):
         timeout_s: the whole push (default ``timeouts.weight_sync_s``).
         budget: each server's tries (default ``retries.weight_sync_*``).
         path_kwarg: the name of ``reload_weights``' path argument.
+        reset_prefix_cache: POST ``/reset_prefix_cache`` after the reload.
         transport: an httpx transport (tests).
     """
 
@@ -428,15 +462,20 @@ class VLLMReloadSync(_HttpSync):
         timeout_s: float | None = None,
         budget: Budget | None = None,
         path_kwarg: str = "weights_path",
+        reset_prefix_cache: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         super().__init__(
             base_urls, api_key=api_key, timeout_s=timeout_s, budget=budget, transport=transport
         )
         self.path_kwarg = path_kwarg
+        self.reset_prefix_cache = reset_prefix_cache
 
     def request(self, path: str, version: int) -> tuple[str, dict[str, Any]]:
         return "/collective_rpc", {"method": "reload_weights", "kwargs": {self.path_kwarg: path}}
+
+    def followups(self) -> tuple[str, ...]:
+        return ("/reset_prefix_cache",) if self.reset_prefix_cache else ()
 
 
 # ---------------------------------------------------------------- a callable

@@ -8,7 +8,11 @@
   or from synchronous code, on a loop of its own
   (:class:`~fleetroll.integrations.core.BlockingRollouts`).
 - :mod:`fleetroll.integrations.trl`: TRL's ``GRPOTrainer(rollout_func=...)``.
+- :mod:`fleetroll.integrations.verl`: verl's ``AgentLoopBase`` (``@register("fleetroll")``).
+- :mod:`fleetroll.integrations.skyrl`: SkyRL's ``GeneratorInterface`` (Python 3.12).
+- :mod:`fleetroll.integrations.verifiers`: a verifiers ``Environment`` (prime-rl's).
 
-Each adapter needs its trainer installed (the ``train`` extra for TRL);
+Each adapter needs its trainer installed (the ``train`` extra for TRL; the
+``verl``, ``skyrl`` and ``verifiers`` extras for the others);
 importing this package imports none of them.
 """

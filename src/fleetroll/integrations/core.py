@@ -45,6 +45,7 @@ them with the trainer's tokenizer (the prompt, and one end token).
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import math
@@ -61,6 +62,7 @@ from types import TracebackType
 from typing import Any, Literal, NamedTuple, Self, TypeVar
 
 import anyio
+import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from fleetroll._internal.exit_stack import exit_transparently
@@ -552,6 +554,29 @@ class BlockingRollouts:
 
         return self.call(run)
 
+    async def run_from_loop(
+        self,
+        requests: Sequence[tuple[str, int]],
+        *,
+        batch_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> list[Row]:
+        """:meth:`Rollouts.run`, awaited from another asyncio loop (a trainer's:
+        verl's agent-loop worker, SkyRL's generator, a verifiers environment)
+        without blocking it; cancelling the awaiting task cancels the rollouts.
+        The core opens on the first call (in a thread, so that loop goes on)."""
+        if self._portal is None:
+            await anyio.to_thread.run_sync(self.open)
+        portal = self._portal
+        if portal is None:
+            raise RuntimeError("this BlockingRollouts is closed")
+
+        async def run() -> list[Row]:
+            return await self.core.run(requests, batch_id=batch_id, deadline_s=deadline_s)
+
+        # The rows come back on the caller's loop; its cancellation reaches ours.
+        return await asyncio.wrap_future(portal.start_task_soon(run))
+
     def sync_weights(self, sync: WeightSync, source: Any) -> int:
         """:meth:`Rollouts.sync_weights`, blocking."""
         return self.call(self.core.sync_weights, sync, source)
@@ -590,3 +615,71 @@ class BlockingRollouts:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+_SHARED: dict[str, BlockingRollouts] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared_rollouts(
+    tasks: str | os.PathLike[str],
+    settings: Settings | None = None,
+    **options: Any,
+) -> BlockingRollouts:
+    """The process's one :class:`BlockingRollouts` for this task file, settings
+    and options: for trainers that build their rollout object per sample (verl
+    instantiates an agent loop per sample; verifiers calls an environment's
+    ``rollout`` per sample), so every sample of a worker process shares one
+    pool. It opens on its first call and closes at interpreter exit.
+
+    Raises:
+        As :class:`Rollouts` (on construction).
+    """
+    settings = settings or load_settings()
+    key = "\0".join((os.fspath(tasks), settings.model_dump_json(), repr(sorted(options.items()))))
+    with _SHARED_LOCK:
+        found = _SHARED.get(key)
+        if found is None or found._closed.is_set():
+            found = _SHARED[key] = BlockingRollouts(tasks, settings, **options)
+        return found
+
+
+def turns_of(row: Row) -> int:
+    """How many messages the row's conversation had after the prompt: each run
+    of the model's tokens (mask 1) is an assistant message, each run of other
+    tokens between them a tool answer (0 for a row with nothing under the mask)."""
+    runs = 0
+    previous = None
+    for bit in row["completion_mask"]:
+        if bit != previous:
+            runs += 1
+            previous = bit
+    if not any(row["completion_mask"]):
+        return 0
+    return runs
+
+
+def check_temperature(settings: Settings, wanted: float | None, *, trainer: str) -> None:
+    """Refuse a trainer's sampling temperature ``wanted`` that is not fleetroll's
+    ``policy.temperature`` (or a run without one): the trainer takes its logprobs
+    at its own temperature, the server samples at fleetroll's. None: the trainer
+    did not say, nothing to check.
+
+    Raises:
+        ConfigError: they differ, or ``policy.temperature`` is not set.
+    """
+    ours = settings.policy.temperature
+    if wanted is None:
+        return
+    if ours is None:
+        raise ConfigError(
+            f"set policy.temperature to {trainer}'s temperature ({wanted:g}): without"
+            " it the server samples at its own default (vLLM takes the model's"
+            f" generation_config), and {trainer}'s logprobs would not be the sampler's"
+        )
+    if abs(float(wanted) - ours) > 1e-9:
+        raise ConfigError(
+            f"{trainer} samples at temperature {wanted:g} but fleetroll's"
+            f" policy.temperature is {ours:g}: set them the same ({trainer}'s"
+            " logprobs are taken at its own temperature)"
+        )

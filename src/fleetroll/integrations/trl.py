@@ -89,6 +89,7 @@ from fleetroll.integrations.core import (
     BlockingRollouts,
     Request,
     Row,
+    check_temperature,
     fill_empty_row,
     load_task_list,
     prompt_messages,
@@ -269,20 +270,9 @@ class RolloutFunc:
         )
 
     def _check_temperature(self, trainer: Any) -> None:
-        wanted = getattr(trainer, "temperature", None)
-        ours = self.settings.policy.temperature
-        if wanted is not None and ours is None:
-            raise ConfigError(
-                f"set policy.temperature to the trainer's temperature ({wanted:g}): without"
-                " it the server samples at its own default (vLLM takes the model's"
-                " generation_config), and the trainer's logprobs would not be the sampler's"
-            )
-        if wanted is not None and ours is not None and abs(float(wanted) - ours) > 1e-9:
-            raise ConfigError(
-                f"the trainer samples at temperature {wanted:g} but fleetroll's"
-                f" policy.temperature is {ours:g}: set them the same (the trainer's"
-                " logprobs are taken at its own temperature)"
-            )
+        check_temperature(
+            self.settings, getattr(trainer, "temperature", None), trainer="the trainer"
+        )
 
     def _sync(self, trainer: Any) -> None:
         step = int(trainer.state.global_step)

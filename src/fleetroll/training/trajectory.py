@@ -287,8 +287,9 @@ def _row(
     prompt: Sequence[int] = (),
     completion: TrajectorySegment | None = None,
 ) -> dict[str, Any]:
-    """A row: ``completion`` is a sequence whose ids before its first model token
-    are ``prompt``'s (the rest is the completion); None: no completion."""
+    """A row of ``result`` (None: padding): ``completion``, a sequence, split at
+    its first model token into the prompt and the completion; without one,
+    ``prompt`` and no completion. Reward None and advantage 0.0 until scored."""
     ids: list[int] = []
     mask: list[int] = []
     logprobs: list[float | None] = []

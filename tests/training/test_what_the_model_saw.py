@@ -26,6 +26,7 @@ from fleetroll.results import RolloutResult
 from fleetroll.settings import load_settings
 from fleetroll.testing.model_server import ModelServer
 from fleetroll.testing.tiny_model import load_tiny_model, save_tiny_model
+from fleetroll.training.trajectory import training_rows
 from training_helpers import TASKS
 
 #: Integration tests (a model server, the emulator over loopback): outside `-m "not slow"`.
@@ -104,6 +105,17 @@ async def test_turn_0_re_renders_exactly_from_each_result_alone(
     assert all(r.tools == first_tools for r in results)  # the ledger's tools, as sent
     exact = [rendered(tokenizer, r) == r.turns[0].prompt_token_ids for r in results]
     assert exact == [True] * 16
+    # In the trainer's shape, each row's prompt is what re-renders: turn 0's prompt ids.
+    groups: dict[str | None, list[RolloutResult]] = {}
+    for r in results:
+        groups.setdefault(r.group_id, []).append(r)
+    rows = training_rows(groups.values(), group_size=4)
+    assert len(rows) == 16
+    for row in rows:
+        (r,) = [r for r in results if r.rollout_id == row["rollout_id"]]
+        assert row["prompt_ids"] == rendered(tokenizer, r)
+        generated = sum(len(t.completion_token_ids or ()) for t in r.turns)
+        assert sum(row["completion_mask"]) + row["dropped_tokens"] == generated
     # Without what the model saw, no result re-renders (as before these fields).
     assert not any(
         rendered(tokenizer, r, shown=False) == r.turns[0].prompt_token_ids for r in results

@@ -83,6 +83,7 @@ LAYERS: tuple[tuple[str, frozenset[str]], ...] = (
     ("the HTTP service", frozenset({"service"})),
     ("the client of a remote pool", frozenset({"client"})),
     ("the package's public API", frozenset({""})),
+    ("the trainers' adapters: an assembly point", frozenset({"integrations"})),
     ("the commands and the bench", frozenset({"bench", "cli"})),
     ("the entry point", frozenset({"__main__"})),
 )

@@ -363,7 +363,8 @@ def test_a_missing_or_unreadable_file_is_a_task_file_error(tmp_path: Path) -> No
     with pytest.raises(TaskFileError, match="cannot read the file") as caught:
         load_tasks(tmp_path / "nope.jsonl", modalities=MODALITIES)
     assert caught.value.path == str(tmp_path / "nope.jsonl")
-    with pytest.raises(TaskFileError, match="cannot read the file"):
+    # A folder is read as its task files (test_load_tasks_reads_a_folder_...): this one has none.
+    with pytest.raises(TaskFileError, match=r"no \.jsonl or \.json task file"):
         load_tasks(tmp_path, modalities=MODALITIES)
     binary = tmp_path / "t.jsonl"
     binary.write_bytes(b'{"key": "\xff"}\n')
@@ -450,6 +451,20 @@ def test_a_folder_is_read_one_level_deep_and_one_warning_names_subfolders_with_t
     ]
 
 
+def test_load_tasks_reads_a_folder_as_the_cli_and_tasks_file_do(tmp_path: Path) -> None:
+    for name in ("b", "a"):
+        (tmp_path / f"{name}.jsonl").write_text(json.dumps(short(key=name)) + "\n")
+
+    assert [t.key for t in load_tasks(tmp_path, modalities=MODALITIES)] == ["a", "b"]
+    assert load_tasks(str(tmp_path), modalities=MODALITIES) == load_task_paths(
+        [tmp_path], MODALITIES
+    )
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TaskFileError, match=r"no \.jsonl or \.json task file in this folder"):
+        load_tasks(empty, modalities=MODALITIES)
+
+
 def test_a_folder_whose_task_files_are_all_in_subfolders_says_so(tmp_path: Path) -> None:
     (tmp_path / "mcp").mkdir()
     (tmp_path / "mcp" / "t.jsonl").write_text(json.dumps(short()) + "\n")
@@ -510,3 +525,54 @@ def test_tasks_sharing_a_verifier_share_one_string(tmp_path: Path) -> None:
     tasks = load_tasks(path, modalities=MODALITIES)
 
     assert len({id(t.verifier_func) for t in tasks}) == 1
+
+
+def test_a_task_s_seed_and_timestamp_are_read_at_the_top_level_or_in_metadata() -> None:
+    top = parse(short(seed=7, timestamp=1_767_225_600))
+    assert (top.seed, top.timestamp) == (7, 1_767_225_600)
+    # Fleet's exports carry them in metadata.
+    exported = parse(short(metadata={"seed": 7, "timestamp": 1_767_225_600}))
+    assert (exported.seed, exported.timestamp) == (7, 1_767_225_600)
+    both = parse(short(seed=0, metadata={"seed": 0}))
+    assert (both.seed, both.timestamp) == (0, None)
+    assert (parse(short()).seed, parse(short()).timestamp) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "reason"),
+    [
+        ({"seed": "7"}, "seed", "must be a whole number ≥ 0, got the string '7'"),
+        ({"seed": -1}, "seed", "must be a whole number ≥ 0, got -1"),
+        ({"seed": 1.5}, "seed", "must be a whole number ≥ 0, got 1.5"),
+        ({"seed": True}, "seed", "must be a whole number ≥ 0, got true"),
+        (
+            {"timestamp": "2026-01-01"},
+            "timestamp",
+            "must be a whole number of seconds since 1970 (Unix time), got the string '2026-01-01'",
+        ),
+        (
+            {"metadata": {"timestamp": 1.5}},
+            "metadata.timestamp",
+            "must be a whole number of seconds since 1970 (Unix time), got 1.5",
+        ),
+        ({"seed": 7, "metadata": {"seed": 8}}, "metadata.seed", "is 8 but 'seed' is 7"),
+    ],
+)
+def test_a_bad_seed_or_timestamp_is_refused_in_one_line_naming_it(
+    fields: dict[str, Any], field: str, reason: str
+) -> None:
+    error = rejected(short(**fields))
+    assert (error.field, error.reason) == (field, reason)
+
+
+def test_a_task_on_an_mcp_server_refuses_a_seed_it_could_not_send() -> None:
+    record = {
+        "key": "notes-001",
+        "prompt": "Write a note.",
+        "environment": {"command": ["{python}", "-c", "pass"]},
+        "verifier": {"command": ["echo", "1"]},
+        "metadata": {"seed": 3},
+    }
+    error = rejected(record)
+    assert error.field == "metadata.seed"
+    assert "is sent with a Fleet instance's reset" in error.reason

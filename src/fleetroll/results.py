@@ -19,6 +19,7 @@ __all__ = [
     "REWARD_ERROR_SEPARATOR",
     "Cost",
     "FailureReason",
+    "Outcome",
     "RolloutResult",
     "Timings",
     "Trajectory",
@@ -76,6 +77,12 @@ class FailureReason(StrEnum):
     #: lone surrogate, which UTF-8 cannot encode): journaled and streamed as
     #: this failure instead, not scored; ``error`` names the field.
     RESULT_ERROR = "result_error"
+
+
+#: How a rollout ended, as every count of rollouts splits them: ``cancelled``
+#: (a cancel, Ctrl-C, an early stop: it was not let finish) is neither
+#: completed nor failed, and failure rates leave it out.
+Outcome = Literal["completed", "failed", "cancelled"]
 
 
 #: Reasons after which the verifier still scores the rollout (docs/results.md);
@@ -289,6 +296,14 @@ class RolloutResult(BaseModel):
         default=None,
         description="The turns as one token sequence, with policy.trajectory; else null",
     )
+
+    @property
+    def outcome(self) -> Outcome:
+        """``cancelled`` when its failure reason is, else its ``status``: what counts
+        (batch counts, ``/metrics``, the dashboard, ``stats``) count it as."""
+        if self.failure_reason is FailureReason.CANCELLED:
+            return "cancelled"
+        return self.status
 
 
 def writable_result(result: RolloutResult) -> RolloutResult:

@@ -104,6 +104,11 @@ def test_the_scenario_list_names_every_scenario(tmp_path: Path) -> None:
         "tool-call",
         "policy-turn",
     ]
+    # Its columns line up, whatever the length of a name or of its concurrency levels.
+    lines = done.stdout.splitlines()
+    assert len({line.index(" x C=") for line in lines}) == 1, done.stdout
+    descriptions = {line.index(SCENARIOS[line.split()[0]].description) for line in lines}
+    assert len(descriptions) == 1, done.stdout
 
 
 def test_the_policy_turn_scenario_reports_cpu_per_turn_for_every_turn_index(

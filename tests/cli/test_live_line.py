@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
+from collections.abc import Sequence
+from typing import Any
 
+import anyio
 import pytest
 
 from fleetroll.cli.run import _describe
-from fleetroll.jobs.progress import Progress, eta_s
+from fleetroll.emulator import Emulator
+from fleetroll.jobs.progress import Progress, Watch, eta_s
+from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
+from fleetroll.pool.rollout_pool import RolloutPool
+from fleetroll.settings import config_dir, load_settings
+from fleetroll.tasks import TaskSpec, load_tasks
 
 BUSY = Progress(
     total=1000,
@@ -92,3 +101,41 @@ def test_the_eta_is_unknown_until_a_rollout_finishes_and_zero_when_all_have() ->
     spans, makespan = _simulate(50, 10, 7)
     assert eta_s(_look(spans, 10, 1.0), 1.0) is None
     assert eta_s(_look(spans, 10, makespan), makespan) == 0.0
+
+
+class _HeldPolicy(ScriptedPolicy):
+    """Plays solutions, but the task ``held`` waits for ever (until cancelled)."""
+
+    def __init__(self, held: str) -> None:
+        super().__init__()
+        self.held = held
+
+    async def act(
+        self, task: TaskSpec, messages: Sequence[Any], tools: Sequence[ToolSpec]
+    ) -> AssistantTurn:
+        if task.key == self.held:
+            await anyio.sleep_forever()
+        return await super().act(task, messages, tools)
+
+
+@pytest.mark.slow
+async def test_after_a_cancel_the_live_line_counts_the_cancelled_apart_from_the_failed() -> None:
+    settings = load_settings(telemetry={"db_path": os.devnull, "send_to_logfire": False})
+    ledger = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=settings.modalities)
+    # One completes, one fails (no solution to play: policy_error), one is cancelled.
+    tasks = [ledger[0], ledger[1].model_copy(update={"solution": None}), ledger[2]]
+    async with (
+        Emulator() as emu,
+        RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
+    ):
+        batch = pool.run_batch(tasks, _HeldPolicy(tasks[2].key))
+        ended = 0
+        with anyio.fail_after(60):
+            async for _ in batch:
+                ended += 1
+                if ended == 2:
+                    batch.cancel()
+        progress = Watch(batch, 4).look(0.0)
+    assert (progress.done, progress.failed, progress.cancelled) == (1, 1, 1)
+    line = _describe(progress, 10.0)
+    assert "3/3 done" in line and "1 failed" in line and "1 cancelled" in line, line

@@ -81,6 +81,10 @@ async def test_a_ctrl_c_mid_provisioning_leaves_no_instance_running(tmp_path: Pa
     assert ledger["created"] == ledger["deleted"] == ROLLOUTS, ledger
     results = read_journal(out)
     assert [r.failure_reason for r in results] == [FailureReason.CANCELLED] * ROLLOUTS
+    # The last progress line counts them as cancelled: none failed.
+    last = [line for line in stderr.splitlines() if f"/{ROLLOUTS} done" in line][-1]
+    assert f"{ROLLOUTS}/{ROLLOUTS} done" in last and "0 failed" in last, last
+    assert f"{ROLLOUTS} cancelled" in last, last
     events = abandoned(db)
     assert {outcome for _, outcome, _ in events} == {"released"}
     assert len({instance for instance, _, _ in events}) == ROLLOUTS

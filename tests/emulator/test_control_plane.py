@@ -202,7 +202,7 @@ async def test_a_reset_fault_answers_no_success_and_the_fleet_provider_raises(sd
         task = TaskSpec(key="t", prompt="p", env_key="ledger", data_key="seed")
         instance = await provider.provision(task)
         with pytest.raises(RolloutError, match="could not be reset") as caught:
-            await provider.reset(instance)
+            await provider.reset(instance, task)
         assert caught.value.operation == "reset"
         assert await provider.release(instance)
         await provider.aclose()

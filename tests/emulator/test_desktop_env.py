@@ -18,6 +18,7 @@ from PIL import Image
 from fleetroll.emulator import Emulator
 from fleetroll.emulator.envs.desktop import DesktopEnv
 from fleetroll.emulator.envs.desktop_screen import DesktopScreen
+from fleetroll.emulator.instances import bind_clock
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
 pytestmark = pytest.mark.slow
@@ -42,6 +43,7 @@ def screen() -> DesktopScreen:
 
 def seeded(data_key: str) -> sqlite3.Connection:
     conn = sqlite3.connect(":memory:", isolation_level=None)
+    bind_clock(conn)  # fleet_now(), as an instance's connection has
     DesktopEnv().seed(conn, data_key)
     return conn
 

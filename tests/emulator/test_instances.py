@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import httpx
 import pytest
 from fleet._async.exceptions import FleetAPIError
 
@@ -149,3 +150,38 @@ def test_every_instance_and_every_reseed_starts_from_the_seed_not_from_another_i
     # The verifier reads the file, not our connection: the copy is on disk.
     assert first.db_path.stat().st_size > 0
     store.close()
+
+
+def test_a_seeded_time_pinned_reseed_gives_the_same_random_draws_and_clock_every_time(
+    tmp_path: Path,
+) -> None:
+    store = InstanceStore(tmp_path, Ledger())
+    inst = make(store, ttl_s=None)
+
+    def after_reset(**point: int | None) -> tuple[list[int], str, str]:
+        store.reseed(inst, **point)
+        [(now,)] = inst.conn.execute("SELECT fleet_now()").fetchall()
+        return [inst.rng.getrandbits(32) for _ in range(3)], inst.now().isoformat(), now
+
+    pinned = after_reset(seed=7, timestamp=1_767_225_600)
+    assert after_reset(seed=7, timestamp=1_767_225_600) == pinned
+    assert pinned[1:] == ("2026-01-01T00:00:00+00:00", "2026-01-01T00:00:00+00:00")
+    assert (inst.seed, inst.timestamp) == (7, 1_767_225_600)
+    assert after_reset(seed=8, timestamp=1_767_225_600)[0] != pinned[0]
+    unpinned = after_reset()
+    assert (inst.seed, inst.timestamp) == (None, None) and unpinned[1] != pinned[1]
+    store.close()
+
+
+async def test_a_reset_request_that_is_not_fleet_s_reset_request_is_refused(sdk) -> None:
+    async with Emulator() as emu:
+        env = await sdk(emu).make("ledger")
+        url = f"{env.urls.manager.api}/reset"
+        async with httpx.AsyncClient() as client:
+            bad = await client.post(url, json={"seed": "seven", "timestamp": None})
+            none = await client.post(url)  # no body: neither a seed nor a time
+        assert bad.status_code == 422 and "Invalid reset request" in bad.text
+        assert none.json()["success"] is True
+        assert (await env.reset(seed=3, timestamp=1_767_225_600)).success
+        assert emu.ledger.resets == 2 and emu.ledger.resets_seeded == 1
+        await env.close()

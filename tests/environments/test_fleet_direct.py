@@ -138,7 +138,7 @@ async def one_rollout_s_calls(emu: Emulator, mode: str) -> list[RecordedRequest]
     async with provider_for(emu, mode, heartbeat_s=60) as provider:
         with anyio.fail_after(60):
             instance = await provider.provision(TASK, run_id="contract")
-            await provider.reset(instance)
+            await provider.reset(instance, TASK)
             first = await provider.verify(instance, TASK, None)
             second = await provider.verify(instance, TASK, None)
             assert first.reward is not None and first.reward == second.reward
@@ -432,7 +432,7 @@ async def test_a_dead_instance_s_reset_heartbeat_and_status_fail_alike_on_both_p
                 await provider.release(instance)
                 env = instance.handle
                 failures[mode] = []
-                for call in (provider.reset(instance), env.heartbeat()):  # type: ignore[attr-defined]
+                for call in (provider.reset(instance, TASK), env.heartbeat()):  # type: ignore[attr-defined]
                     try:
                         await call
                     except Exception as exc:

@@ -228,7 +228,7 @@ async def test_a_hanging_tool_call_is_a_tool_failure_within_its_deadline(tmp_pat
     [
         ({"command": ["{python}", "-c", "import sys; print(1); sys.exit(3)"]}, "status 3"),
         ({"command": ["{python}", "-c", "import time; time.sleep(60)"]}, "took over 1 s"),
-        ({"command": ["{python}", "-c", "print('all good')"]}, "no number"),
+        ({"command": ["{python}", "-c", "print('all good')"]}, "printed no reward"),
         ({"command": ["{python}", "-c", "print(1)"], "reward_file": "reward.txt"}, "reward.txt"),
         ({"tool": {"name": "read_file", "arguments": {"path": "nope.txt"}}}, "failed"),
     ],
@@ -247,6 +247,40 @@ async def test_a_verifier_that_crashes_hangs_or_gives_no_number_is_a_verifier_er
 
     assert result.failure_reason is FailureReason.VERIFIER_ERROR and result.reward is None
     assert words in (result.verifier.error if result.verifier else "")
+    assert_nothing_left(root)
+
+
+@pytest.mark.parametrize(
+    ("verifier", "written", "reward"),
+    [
+        ({"command": ["{python}", "-c", "print('checked'); print(0.25)"]}, "x", 0.25),
+        ({"command": ["{python}", "-c", "print('{\"score\": 0.5}')"]}, "x", 0.5),
+        ({"command": ["{python}", "-c", "print(True)"]}, "x", 1.0),
+        ({"command": ["{python}", "-c", "print(1.5)"]}, "x", 1.5),
+        (
+            {
+                "command": ["{python}", "-c", "open('r.txt', 'w').write('{\"value\": 0.125}')"],
+                "reward_file": "r.txt",
+            },
+            "x",
+            0.125,
+        ),
+        ({"tool": {"name": "read_file", "arguments": {"path": "a.txt"}}}, '{"reward": 0.75}', 0.75),
+        ({"tool": {"name": "read_file", "arguments": {"path": "a.txt"}}}, "abc", None),
+    ],
+    ids=["number", "score", "true", "unclamped", "value-file", "reward-tool", "text-tool"],
+)
+async def test_an_mcp_verifier_s_answer_reads_as_fleet_s_verifiers_do(
+    tmp_path: Path, verifier: dict[str, Any], written: str, reward: float | None
+) -> None:
+    root = tmp_path / "workdirs"
+
+    [result] = await run([task("t", verifier=verifier, solution=write("a.txt", written))], root)
+
+    assert result.reward == reward, result.error
+    if reward is None:
+        assert result.failure_reason is FailureReason.VERIFIER_ERROR
+        assert "answered 'abc', not a reward" in (result.verifier.error if result.verifier else "")
     assert_nothing_left(root)
 
 

@@ -241,7 +241,7 @@ async def test_a_url_server_s_failed_reset_names_where_without_its_secrets(
         instance = await provider.provision(task)
         try:
             with pytest.raises(ToolsError) as caught:
-                await provider.reset(instance)
+                await provider.reset(instance, task)
         finally:
             await provider.release(instance)
     message = str(caught.value)

@@ -203,17 +203,43 @@ async def test_a_reused_instance_is_not_reset_twice() -> None:
     provider = FakeProvider(settings.modalities, timeouts=settings.timeouts)
     async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
         first = await warm.provision(TASK)
-        await warm.reset(first)  # a fresh one's own reset goes through
+        await warm.reset(first, TASK)  # a fresh one's own reset goes through
         await warm.release(first, reuse=True)
         with anyio.fail_after(5):
             while warm.idle < 1:
                 await anyio.sleep(0)
         again = await warm.provision(TASK)
-        await warm.reset(again)  # reset when it was given back: nothing to do
+        await warm.reset(again, TASK)  # reset when it was given back: nothing to do
         assert again.uses == 2 and provider.resets == 2
-        await warm.reset(again)  # asked again: it may have been touched since
+        await warm.reset(again, TASK)  # asked again: it may have been touched since
         assert provider.resets == 3
         await warm.release(again)
+
+
+async def test_a_reused_instance_is_reset_again_for_a_task_with_another_seed_or_time() -> None:
+    seeded = TASK.model_copy(update={"key": "seeded", "seed": 7, "timestamp": 1_767_225_600})
+    other = seeded.model_copy(update={"key": "other", "seed": 8})
+    settings = settings_with()
+    provider = FakeProvider(settings)
+    async with open_warm_pool(provider, Events(), **_sections(settings)) as warm:
+
+        async def given_back(instance: Instance) -> None:
+            await warm.release(instance, reuse=True)
+            with anyio.fail_after(5):
+                while warm.idle < 1:
+                    await anyio.sleep(0)
+
+        first = await warm.provision(seeded)
+        await warm.reset(first, seeded)
+        await given_back(first)  # reset for reuse to the seed of the task it served
+        again = await warm.provision(seeded)
+        await warm.reset(again, seeded)  # the same seed and time: nothing left to do
+        await given_back(again)
+        third = await warm.provision(other)
+        await warm.reset(third, other)  # another seed: reset again, to its own
+        assert third.instance_id == first.instance_id
+        assert provider.reset_points == [(7, 1_767_225_600)] * 3 + [(8, 1_767_225_600)]
+        await warm.release(third)
 
 
 def test_only_api_tool_fleet_tasks_are_reused_and_kinds_follow_what_a_create_asks_for() -> None:

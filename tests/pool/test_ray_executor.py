@@ -21,7 +21,7 @@ from fleetroll.pool.rollout_pool import Batch, RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.settings import config_dir, load_settings
-from fleetroll.tasks import load_tasks
+from fleetroll.tasks import SolutionStep, TaskSpec, load_tasks
 from fleetroll.telemetry.events import Events, MemorySink
 from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
 from training_helpers import AGENT, sent_and_recorded, solving
@@ -92,6 +92,39 @@ async def test_oversampled_groups_on_a_paused_swapped_policy_then_a_resume_run_n
     assert versions == {2}
     assert [len(g.results) for g in batch.complete_groups] == [2, 2, 2]
     assert rerun == [] and [len(g.results) for g in again.complete_groups] == [2, 2, 2]
+
+
+async def test_a_task_s_seed_and_timestamp_reach_every_reset_on_either_executor(
+    pool: RolloutPool, fleet: EmulatorProcess
+) -> None:
+    # The verifier prints the transaction the rollout added: its date (the
+    # instance's pinned day) and its reference (drawn from the seed).
+    verifier = (
+        "def verify(env, final_answer=None):\n"
+        "    rows = env.db('current').query(\n"
+        "        'SELECT date, reference FROM transactions WHERE id > 5').rows\n"
+        "    print(json.dumps(rows))\n"
+        "    return {'reward': 1.0 if rows and rows[0][0] == '2026-01-01' else 0.0}\n"
+    )
+    step = SolutionStep(
+        name="record_transaction",
+        arguments={"from_account": "Checking", "to_account": "Rent", "amount": 3.5,
+                   "description": "Desk"},
+    )  # fmt: skip
+    task = TaskSpec(
+        key="seeded", prompt="Record it.", env_key="ledger", data_key="seed",
+        verifier_func=verifier, solution=(step,), seed=11, timestamp=1_767_225_600,
+    )  # fmt: skip
+    before = await fleet.ledger()
+    with anyio.fail_after(300):
+        results = await pool.run_batch([task], ScriptedPolicy(), samples_per_task=3).results()
+    after = await fleet.ledger()
+
+    assert [r.reward for r in results] == [1.0] * 3
+    states = {r.verifier.stdout for r in results if r.verifier is not None}
+    assert len(states) == 1  # three rollouts, one state: the seed's and the day's
+    assert after["resets_seeded"] - before["resets_seeded"] >= 3
+    assert after["resets_time_pinned"] - before["resets_time_pinned"] >= 3
 
 
 async def test_a_killed_actor_s_rollouts_run_again_once_on_the_other(
@@ -266,8 +299,13 @@ async def test_on_ray_every_rollout_s_trace_is_posted_with_its_transcript_redact
     assert Redactor.MASK in str(by_rollout[with_secret.rollout_id].messages)
 
 
+#: The example agents: on OpenAI's chat completions, and on Anthropic's Messages API.
+AGENTS = {"openai": AGENT, "anthropic": AGENT.with_name("agent_anthropic_mcp.py")}
+
+
+@pytest.mark.parametrize("dialect", sorted(AGENTS))
 async def test_an_agent_command_runs_on_the_actors_and_its_turns_hold_the_server_s_ids(
-    local_ray: None, fleet: EmulatorProcess
+    local_ray: None, fleet: EmulatorProcess, dialect: str
 ) -> None:
     from fleetroll.pool.ray.executor import ray_pool
 
@@ -286,7 +324,7 @@ async def test_an_agent_command_runs_on_the_actors_and_its_turns_hold_the_server
                 events=Events([sink]),
             ) as pool,
             CommandAgent.from_config(
-                [sys.executable, str(AGENT)], chat_policy_config(settings)
+                [sys.executable, str(AGENTS[dialect])], chat_policy_config(settings)
             ) as agent,
         ):
             with anyio.fail_after(300):

@@ -60,6 +60,8 @@ def mark() -> Iterator[str]:
 TASK = TaskSpec(key="t1", prompt="note done", env_key="fake", metadata={"level": 3})
 #: The variables an agent is given (LC_CTYPE: Python's own locale coercion may add it).
 GIVEN = {"PATH", "HOME", "LANG", "LC_CTYPE", "OPENAI_BASE_URL", "OPENAI_API_KEY"} | {
+    "ANTHROPIC_BASE_URL",
+    "ANTHROPIC_API_KEY",
     "FLEETROLL_MCP_URL",
     "FLEETROLL_TASK_FILE",
     "FLEETROLL_ANSWER_FILE",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -243,6 +244,20 @@ async def test_rescore_scores_results_whose_judge_was_down_once_it_is_back() -> 
     assert (fixed.status, fixed.failure_reason, fixed.error) == ("completed", None, None)
     clear = toy_score(RUBRIC, render(failed.transcript))
     assert fixed.reward == pytest.approx(expected(clear))
+
+
+async def test_rescore_reads_a_stored_verifier_value_as_the_rollout_read_it() -> None:
+    async with FakeJudge() as judge:
+        settings = judge_settings(judge.base_url)
+        async with engine(settings) as eng:
+            (scored,) = await run(eng, [task()])
+        assert scored.rewards is not None
+        corrupted = scored.model_copy(update={"rewards": {**scored.rewards, "solved": math.nan}})
+        (again,) = await rescored([corrupted], settings)
+
+    assert again.reward is None and again.failure_reason is FailureReason.REWARD_ERROR
+    assert again.rewards is not None and again.rewards["solved"] is None
+    assert "'solved' (verifier) could not be computed" in (again.error or "")
 
 
 @pytest.mark.slow  # a second Python process

@@ -17,9 +17,10 @@ from service_helpers import LEDGER, GatedPolicy, Running, running_service, task_
 from fleetroll.client import FleetrollClient
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
-from fleetroll.results import FailureReason
+from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.service import app as service_app
 from fleetroll.service import batches as service_batches
+from fleetroll.service.models import BatchState
 from ledger_watch import Changes
 
 #: Integration tests (the emulator over loopback, real processes): outside `-m "not slow"`.
@@ -86,6 +87,21 @@ async def test_the_client_gets_exactly_one_result_per_rollout(
     assert all(r.reward == 1.0 for r in results)
     assert status.status == "finished" and status.results == 6
     assert emulator.ledger.running == 0
+
+
+async def test_a_task_s_seed_and_timestamp_go_over_http_to_every_reset(
+    served: Running, emulator: Emulator
+) -> None:
+    seeded = LEDGER[0].model_copy(update={"seed": 5, "timestamp": 1_767_225_600})
+    before = emulator.ledger.snapshot()
+    async with FleetrollClient(served.url) as client:
+        with anyio.fail_after(60):
+            results = await client.run_batch([seeded], ScriptedPolicy()).results()
+    after = emulator.ledger.snapshot()
+
+    assert [r.reward for r in results] == [1.0]
+    assert after["resets_seeded"] - before["resets_seeded"] >= 1
+    assert after["resets_time_pinned"] - before["resets_time_pinned"] >= 1
 
 
 async def test_a_stream_cut_mid_way_resumes_with_nothing_lost_or_twice(
@@ -212,11 +228,18 @@ async def test_a_task_file_on_the_server_runs_and_its_errors_name_line_and_field
         with anyio.fail_after(60):
             ok = await http.post("/v1/batches", json={"tasks_file": "tasks.jsonl"})
             invalid = await http.post("/v1/batches", json={"tasks_file": "bad.jsonl"})
+            missing = await http.post("/v1/batches", json={"tasks_file": "tasks/none.jsonl"})
             await http.get(f"/v1/batches/{ok.json()['batch_id']}/results")
     assert ok.status_code == 201 and ok.json()["rollouts"] == 1
     problem = invalid.json()["detail"][0]
     assert invalid.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
     assert problem["msg"].startswith("bad.jsonl:2: field 'env_key'")
+    assert "tasks_root" not in problem["msg"]  # it was found: where is not the problem
+    # A path that is not there says where it was looked for, by the setting's name only.
+    problem = missing.json()["detail"][0]
+    assert missing.status_code == 422 and problem["loc"] == ["body", "tasks_file"]
+    assert problem["msg"].startswith("tasks/none.jsonl: cannot read the file"), problem
+    assert "service.tasks_root" in problem["msg"] and str(tmp_path) not in problem["msg"]
 
 
 async def test_a_batch_resubmitted_after_a_cancel_reruns_its_cancelled_rollouts(
@@ -393,3 +416,81 @@ async def test_two_resubmissions_racing_after_a_cancel_rerun_the_batch_once(
     assert sorted(answers) == [0, 2]
     assert len(results) == 2 and all(r.reward == 1.0 for r in results)
     assert emulator.ledger.running == 0
+
+
+async def cancel_a_mixed_batch(
+    served: Running, monkeypatch: pytest.MonkeyPatch, batch_id: str
+) -> tuple[list[RolloutResult], BatchState, dict[str, Any]]:
+    """A batch of three: one completes, one fails (its task has no solution for the
+    scripted policy: ``policy_error``), one is held until the batch is cancelled.
+    Its results, its status as the client reads it, and the raw JSON of that status."""
+    tasks = LEDGER[:3]
+    policy = GatedPolicy(held={tasks[2].key})
+    monkeypatch.setattr(service_app, "build_policy", lambda config, settings: policy)
+    unsolvable = {k: v for k, v in task_record(tasks[1]).items() if k != "solution"}
+    records = [task_record(tasks[0]), unsolvable, task_record(tasks[2])]
+    async with FleetrollClient(served.url) as client, served.http() as http:
+        results = []
+        with anyio.fail_after(60):
+            created = await http.post("/v1/batches", json={"tasks": records, "batch_id": batch_id})
+            assert created.status_code == 201, created.text
+            batch = client.batch(batch_id)
+            async for result in batch:
+                results.append(result)
+                if len(results) == 2:  # the free ones; the held one waits
+                    await batch.cancel()
+            policy.release.set()
+            status = await batch.status()
+            raw = (await http.get(f"/v1/batches/{batch_id}")).json()
+    outcomes = Counter(r.failure_reason for r in results)
+    assert outcomes == {None: 1, FailureReason.POLICY_ERROR: 1, FailureReason.CANCELLED: 1}
+    return results, status, raw
+
+
+async def test_a_cancelled_batch_counts_its_cancelled_rollouts_apart_from_the_failed(
+    served: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, status, raw = await cancel_a_mixed_batch(served, monkeypatch, "mixed-counts")
+    assert status.status == "cancelled"
+    counts = status.counts
+    assert (counts.done, counts.failed, counts.cancelled) == (1, 1, 1)
+    assert (counts.queued, counts.provisioning, counts.running) == (0, 0, 0)
+    # Over HTTP: every key of before, and cancelled beside them.
+    assert raw["counts"] == {
+        "total": 3,
+        "queued": 0,
+        "provisioning": 0,
+        "running": 0,
+        "done": 1,
+        "failed": 1,
+        "cancelled": 1,
+    }
+
+
+def rollout_counters(text: str) -> Counter[str]:
+    """``fleetroll_rollouts_total``'s samples of a ``/metrics`` answer, by labels."""
+    prefix = "fleetroll_rollouts_total"
+    return Counter(
+        {
+            labels.removeprefix(prefix): int(value)
+            for labels, value in (line.rsplit(" ", 1) for line in text.splitlines())
+            if labels.startswith(prefix + "{")
+        }
+    )
+
+
+async def test_metrics_count_a_cancelled_rollout_as_cancelled_not_failed(
+    served: Running, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with served.http() as http:
+        before = rollout_counters((await http.get("/metrics")).text)
+    await cancel_a_mixed_batch(served, monkeypatch, "mixed-metrics")
+    async with served.http() as http:
+        after = rollout_counters((await http.get("/metrics")).text)
+    after.subtract(before)
+    assert +after == {
+        '{status="completed",reason=""}': 1,
+        '{status="failed",reason="policy_error"}': 1,
+        '{status="cancelled",reason="cancelled"}': 1,
+    }
+    assert '{status="failed",reason="cancelled"}' not in after

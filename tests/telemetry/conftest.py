@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,3 +32,14 @@ def store(tmp_path: Path) -> Iterator[tuple[Path, sqlite3.Connection]]:
         yield db, conn
     finally:
         conn.close()
+
+
+@pytest.fixture(scope="module")
+def chromium() -> str:
+    """Debian's chromium; skipped where it is missing, except in CI (which installs it)."""
+    path = shutil.which("chromium")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed, and CI must run the browser tests")
+        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run does)")
+    return path

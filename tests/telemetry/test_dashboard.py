@@ -314,17 +314,6 @@ async def test_fleetroll_dashboard_without_a_token_answers_only_loopback_host_na
 # -- a real browser ----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def chromium() -> str:
-    """Debian's chromium; skipped where it is missing, except in CI (which installs it)."""
-    path = shutil.which("chromium")
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is not installed, and CI must run the browser tests")
-        pytest.skip("chromium is not installed (apt-get install chromium; .ci/run does)")
-    return path
-
-
 async def browse(chromium: str, url: str, profile: Path, *args: str) -> str:
     """Load ``url`` in headless chromium, let the page poll a few times, return stdout."""
     command = [

@@ -140,9 +140,7 @@ def bench(
     scenario's wall limit. Loopback only.
     """
     if list_only:
-        for s in SCENARIOS.values():
-            levels = ",".join(str(c) for c in s.concurrency)
-            click.echo(f"{s.name:<11} {s.rollouts:>6} x C={levels:<16} {s.description}")
+        click.echo(_scenario_table())
         return
     # Imported here: `fleetroll --help` and `--list` should not pay for the SDK and MCP imports.
     from fleetroll._internal.gc_policy import gc_policy
@@ -194,3 +192,13 @@ def bench(
             anyio.run(main)
     except FleetrollError as exc:
         raise Failed(str(exc)) from None
+
+
+def _scenario_table() -> str:
+    """One line per scenario, its columns as wide as their widest entry."""
+    rows = [
+        (s.name, str(s.rollouts), ",".join(str(c) for c in s.concurrency), s.description)
+        for s in SCENARIOS.values()
+    ]
+    name, rollouts, levels = (max(len(row[i]) for row in rows) for i in range(3))
+    return "\n".join(f"{n:<{name}}  {r:>{rollouts}} x C={c:<{levels}}  {d}" for n, r, c, d in rows)

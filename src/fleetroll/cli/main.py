@@ -16,7 +16,7 @@ import click
 
 from fleetroll._internal.pydantic_plugins import skip_unused_pydantic_plugins
 from fleetroll.cli.jobs import job_options, job_settings, job_tasks, reported
-from fleetroll.cli.options import CONFIG_OPTION, Failed, ray_options
+from fleetroll.cli.options import CONFIG_OPTION, Failed, ray_options, resume_command
 from fleetroll.telemetry.console import configure_console_logging
 
 __all__ = ["main"]
@@ -254,6 +254,7 @@ def run(
             ray_actors=ray_actors,
             groups_target=groups_target,
             steps=plan,
+            command=resume_command(click.get_current_context()),
         )
         print_report(report, console, settings)
     exit_as_ended(report)

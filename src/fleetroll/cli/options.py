@@ -18,7 +18,7 @@ import click
 if TYPE_CHECKING:
     from fleetroll.settings import Settings
 
-__all__ = ["CONFIG_OPTION", "Failed", "load_command_settings", "ray_options"]
+__all__ = ["CONFIG_OPTION", "Failed", "load_command_settings", "ray_options", "resume_command"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,6 +28,45 @@ CONFIG_OPTION = click.option(
     type=click.Path(dir_okay=False, path_type=Path),
     help="A TOML file merged over the shipped defaults.",
 )
+
+
+def resume_command(ctx: click.Context) -> list[str]:
+    """The command line that resumes the job of the command ``ctx`` runs: its arguments
+    and the options given (paths made absolute, so it runs from anywhere), and
+    ``--resume``. ``fleetroll stats --check`` shows it for the batch's lost rollouts."""
+    from click.core import ParameterSource
+
+    words = ["fleetroll", ctx.info_name or ctx.command.name or "run"]
+
+    def word(param: click.Parameter, value: Any) -> str:
+        if isinstance(param.type, click.Path) and value is not None:
+            return str(Path(value).absolute())
+        return str(value)
+
+    for param in ctx.command.params:
+        name = param.name or ""
+        value = ctx.params.get(name)
+        if name == "resume" or value is None:
+            continue
+        if isinstance(param, click.Argument):
+            words += [
+                word(param, v) for v in (value if param.multiple or param.nargs != 1 else [value])
+            ]
+            continue
+        if not isinstance(param, click.Option) or ctx.get_parameter_source(name) in (
+            ParameterSource.DEFAULT,
+            ParameterSource.DEFAULT_MAP,
+        ):
+            continue
+        if param.is_flag:
+            if value:
+                words.append(param.opts[0])
+        elif param.multiple:
+            for v in value:
+                words += [param.opts[0], word(param, v)]
+        else:
+            words += [param.opts[0], word(param, value)]
+    return [*words, "--resume"]
 
 
 class Failed(click.ClickException):

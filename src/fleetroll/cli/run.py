@@ -60,6 +60,7 @@ def run_command(
     groups_target: int | None = None,
     steps: Steps | None = None,
     policy_version: int | None = None,
+    command: Sequence[str] | None = None,
 ) -> JobReport:
     """A command's job (``run``, ``eval``): :func:`~fleetroll.jobs.command.run_policy_job`,
     its notices and progress on ``console``.
@@ -85,6 +86,7 @@ def run_command(
         groups_target=groups_target,
         steps=steps,
         policy_version=policy_version,
+        command=command,
     )
     return anyio.run(job)
 
@@ -142,7 +144,7 @@ def _eta(p: Progress, elapsed: float) -> str:
 
 #: The live line's parts, most important first: on a narrow terminal the
 #: last ones go first (see :func:`_describe`).
-_KEEP_FIRST = ("done", "eta", "failed", "rate", "acting", "in_flight", "queued",
+_KEEP_FIRST = ("done", "eta", "failed", "rate", "cancelled", "acting", "in_flight", "queued",
                "provisioning", "waiting", "finishing")  # fmt: skip
 
 
@@ -160,7 +162,10 @@ def _describe(p: Progress, elapsed: float, width: int | None = None) -> str:
             "waiting": f"{p.waiting} waiting for a slot",
             "queued": f"{p.queued} queued",
         }
-    parts |= {"failed": f"{p.failed} failed", "rate": f"{rate:.1f}/s", "eta": _eta(p, elapsed)}
+    parts["failed"] = f"{p.failed} failed"
+    if p.cancelled:  # after a Ctrl-C or an early stop: they did not fail
+        parts["cancelled"] = f"{p.cancelled} cancelled"
+    parts |= {"rate": f"{rate:.1f}/s", "eta": _eta(p, elapsed)}
     shown = list(parts)
     line = " · ".join(parts.values())
     for name in reversed(_KEEP_FIRST):

@@ -331,12 +331,31 @@ def _query_logfire(sql: str, since: str) -> tuple[list[str], list[tuple[Any, ...
     is_flag=True,
     help="Check that every rollout started once and completed once; exit 1 if not.",
 )
+@click.option(
+    "--live",
+    is_flag=True,
+    help="With --check, on a running service or run: rollouts started and not completed"
+    " whose process is alive are running, not offences, unless their batch ended or"
+    " they started more than --max-age ago.",
+)
+@click.option(
+    "--max-age",
+    "max_age_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    metavar="SECONDS",
+    help="With --live: the oldest a running rollout's start may be (default: the"
+    " timeouts a rollout runs under, provision_total_s + rollout_s + verifier_s +"
+    " release_s).",
+)
 @click.option("--json", "as_json", is_flag=True, help="JSON instead of a table.")
 @_DB_OPTION
 @CONFIG_OPTION
 def stats(
     batch_id: str | None,
     run_check: bool,
+    live: bool,
+    max_age_s: float | None,
     as_json: bool,
     db_path: Path | None,
     config_file: Path | None,
@@ -346,15 +365,24 @@ def stats(
     With --check, verify instead that every rollout id has exactly one
     fleet_rollout_started and one fleet_rollout_completed event (exit code 1,
     with the offending ids, if not). Rollouts whose process is gone (killed
-    before they completed) are listed as lost, with their batch ids, and do
-    not fail the check.
+    before they completed) are listed as lost, grouped by batch with the
+    command that resumes each, and do not fail the check. With --live (a
+    health probe of a running service), rollouts still running do not fail
+    it either.
     """
     from fleetroll.telemetry import queries
 
+    if (live or max_age_s is not None) and not run_check:
+        raise Failed("--live and --max-age go with --check")
+    if max_age_s is not None and not live:
+        raise Failed("--max-age goes with --live")
     db = _db(db_path, config_file)
+    if live and max_age_s is None:
+        t = load_command_settings(config_file).timeouts
+        max_age_s = t.provision_total_s + t.rollout_s + t.verifier_s + t.release_s
     try:
         if run_check:
-            result = queries.check(db, batch_id)
+            result = queries.check(db, batch_id, live_max_age_s=max_age_s if live else None)
         else:
             rows = queries.stats(db, batch_id)
             batches = [] if as_json or batch_id else queries.batch_costs(db)
@@ -372,6 +400,15 @@ def stats(
                         "completed_without_start": result.completed_without_start,
                         "rerun": result.rerun,
                         "lost": [{"rollout_id": r, "batch_id": b} for r, b in result.lost],
+                        "lost_batches": [
+                            {
+                                "batch_id": g.batch_id,
+                                "rollouts": len(g.rollout_ids),
+                                "resume": g.resume,
+                            }
+                            for g in result.lost_batches
+                        ],
+                        "running": result.running,
                     },
                     indent=2,
                 )
@@ -433,13 +470,26 @@ def _env_name(row: Mapping[str, Any]) -> str:
     return f"{row['env_key']}:{row['env_version']}" if row["env_version"] else str(row["env_key"])
 
 
+def _failed_pct(row: Mapping[str, Any]) -> float | None:
+    """The share of the rollouts that ran to their end that failed (cancelled ones
+    were not let finish: they are not in it)."""
+    ran = row["completed"] + row["failed"]
+    return round(100.0 * row["failed"] / ran, 1) if ran else None
+
+
 def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
-    reasons = sorted({reason for row in rows for reason in row["failure_reasons"]})
+    # Cancelled has a column of its own, apart from the failures and their reasons.
+    reasons = sorted(
+        {reason for row in rows for reason in row["failure_reasons"] if reason != "cancelled"}
+    )
     columns = [
         "env",
         "modality",
         "started",
         "completed",
+        "failed",
+        "failed %",
+        "cancelled",
         *reasons,
         "reward mean",
         "provision p50 s",
@@ -455,6 +505,9 @@ def _print_stats(rows: Sequence[dict[str, Any]], batch_id: str | None) -> None:
                 row["modality"],
                 row["started"],
                 row["completed"],
+                row["failed"],
+                _failed_pct(row),
+                row["cancelled"],
                 *(row["failure_reasons"].get(reason, 0) for reason in reasons),
                 row["reward_mean"],
                 row["provisioning_p50_s"],

@@ -499,6 +499,8 @@ def _task_record(task: TaskSpec | Mapping[str, Any]) -> dict[str, Any]:
         "requires_final_answer": task.requires_final_answer or None,
         "metadata": task.metadata or None,
         "ttl_seconds": task.ttl_seconds,
+        "seed": task.seed,
+        "timestamp": task.timestamp,
     }
     return {k: v for k, v in record.items() if v is not None}
 

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import anyio
+from fleet.instance.models import ResetRequest
 from fleet.models import InstanceRequest
 from pydantic import ValidationError
 from starlette.applications import Starlette
@@ -678,11 +679,17 @@ class EmulatorApp:
         if self.faults.chance(self.faults.profile.p_reset_hang):
             await hang(request, self.faults.profile.reset_hang_s)
             return _error(504, "Reset timed out")
+        # The SDK's ResetRequest (``AsyncEnv.reset(seed, timestamp)``); no body: neither.
+        try:
+            raw = await request.body()
+            body = ResetRequest.model_validate(json.loads(raw) if raw.strip() else {})
+        except (ValueError, ValidationError) as exc:
+            return _error(422, f"Invalid reset request: {exc}")
         if self.faults.chance(self.faults.profile.p_reset_error):
             message = f"Instance {inst.instance_id} could not be reset (injected fault)"
             return JSONResponse({"success": False, "message": message})
-        self.store.reseed(inst)
-        self.ledger.resets += 1
+        self.store.reseed(inst, seed=body.seed, timestamp=body.timestamp)
+        self.ledger.reset(seed=body.seed, timestamp=body.timestamp)
         return JSONResponse({"success": True, "message": f"Instance {inst.instance_id} reset"})
 
     async def health(self, request: Request) -> Response:

@@ -4,6 +4,14 @@ Each instance owns one SQLite file (its ``current`` database), seeded by its
 environment from the create's ``data_key``. The file is what tools change and
 what the verifier subprocess reads, so scoring always sees the real state.
 
+A reset (Fleet's ``ResetRequest``) may name a ``seed`` and a ``timestamp``:
+the instance's random source (:attr:`Instance.rng`, what environments draw
+their random values from) starts from the seed (seed 0 when none is given), and
+its clock (:meth:`Instance.now`, and ``fleet_now()`` in its database's SQL)
+stands still at the timestamp (the wall clock when none is given). So a
+seeded, time-pinned reset followed by the same tool calls gives the same
+state every time.
+
 Time-based ends (TTL, missed heartbeats, injected death) are kept in a heap of
 deadlines, so the reaper wakes only when one is due, and looks only at that
 instance. Ended instances are kept for late reads (a ``GET`` or ``DELETE``
@@ -14,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 import secrets
 import sqlite3
 import time
@@ -30,7 +39,14 @@ from fleetroll.emulator.ledger import Ledger
 if TYPE_CHECKING:
     from fleetroll.emulator.envs.base import SampleEnv
 
-__all__ = ["MISSED_HEARTBEATS", "Instance", "InstanceStatus", "InstanceStore", "NewDatabase"]
+__all__ = [
+    "MISSED_HEARTBEATS",
+    "Instance",
+    "InstanceStatus",
+    "InstanceStore",
+    "NewDatabase",
+    "bind_clock",
+]
 
 TEAM_ID = "team-emulator"
 #: An instance made with a heartbeat interval stops once its last heartbeat is
@@ -78,6 +94,17 @@ class Instance:
     terminated_at: str | None = None
     last_heartbeat_mono: float | None = None
     last_heartbeat_at: str | None = None
+    #: The last reset's seed and timestamp (Unix seconds); None: not given.
+    seed: int | None = None
+    timestamp: int | None = None
+    #: What the environment draws its random values from (see the module's docstring).
+    rng: random.Random = field(default_factory=lambda: random.Random(0))
+
+    def now(self) -> datetime:
+        """The instance's time: its reset's ``timestamp`` (standing still), else now (UTC)."""
+        if self.timestamp is None:
+            return datetime.now(UTC)
+        return datetime.fromtimestamp(self.timestamp, UTC)
 
     @property
     def alive(self) -> bool:
@@ -154,13 +181,22 @@ def _only_this_file(action: int, *_: object) -> int:
     return sqlite3.SQLITE_DENY if action == sqlite3.SQLITE_ATTACH else sqlite3.SQLITE_OK
 
 
-def open_db(path: Path) -> sqlite3.Connection:
+def open_db(path: Path, now: Callable[[], datetime] | None = None) -> sqlite3.Connection:
+    """The instance's connection; ``fleet_now()`` in its SQL is ``now()`` in ISO
+    form, to the second (the wall clock when ``now`` is None)."""
     # The emulator is a test double: durability buys nothing, speed does.
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     conn.execute("PRAGMA journal_mode=MEMORY")
     conn.execute("PRAGMA synchronous=OFF")
     conn.set_authorizer(_only_this_file)
+    bind_clock(conn, now)
     return conn
+
+
+def bind_clock(conn: sqlite3.Connection, now: Callable[[], datetime] | None = None) -> None:
+    """Give ``conn``'s SQL ``fleet_now()``: ``now()`` (else the wall clock, UTC) in ISO form."""
+    clock = now or (lambda: datetime.now(UTC))
+    conn.create_function("fleet_now", 0, lambda: clock().isoformat(timespec="seconds"))
 
 
 class InstanceStore:
@@ -363,16 +399,22 @@ class InstanceStore:
         if inst.alive:
             self._end(inst, InstanceStatus.ERROR, "died")
 
-    def reseed(self, inst: Instance) -> None:
-        """Restore the instance's seed: the file's pages, and a new connection.
+    def reseed(
+        self, inst: Instance, *, seed: int | None = None, timestamp: int | None = None
+    ) -> None:
+        """Restore the instance's seed: the file's pages, and a new connection;
+        its random source from ``seed`` and its clock at ``timestamp`` (see the
+        module's docstring).
 
         TEMP tables and triggers, and pragmas, made through the manager API's
         query live in the connection, not the file: a backup alone would leave
         them for the next rollout (a TEMP trigger would change its writes).
         Closing the old connection also rolls back a transaction left open.
         """
+        inst.seed, inst.timestamp = seed, timestamp
+        inst.rng = random.Random(0 if seed is None else seed)
         inst.conn.close()
-        inst.conn = open_db(inst.db_path)
+        inst.conn = open_db(inst.db_path, inst.now)
         self._seeded(inst.env, inst.data_key).backup(inst.conn)
         inst.updated_at = _now_iso()
 

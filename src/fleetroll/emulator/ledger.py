@@ -31,6 +31,9 @@ class Ledger:
     tool_calls: int = 0
     tool_calls_by_outcome: Counter[str] = field(default_factory=Counter)
     resets: int = 0
+    #: Resets that named a seed, a timestamp (Fleet's ``ResetRequest``).
+    resets_seeded: int = 0
+    resets_time_pinned: int = 0
     verifier_runs: int = 0
     verifier_runs_by_outcome: Counter[str] = field(default_factory=Counter)
     mcp_rejected_warming: int = 0
@@ -64,6 +67,11 @@ class Ledger:
         self.tool_calls += 1
         self.tool_calls_by_outcome[outcome] += 1
 
+    def reset(self, *, seed: int | None, timestamp: int | None) -> None:
+        self.resets += 1
+        self.resets_seeded += seed is not None
+        self.resets_time_pinned += timestamp is not None
+
     def verifier_ran(self, outcome: str) -> None:
         self.verifier_runs += 1
         self.verifier_runs_by_outcome[outcome] += 1
@@ -85,6 +93,8 @@ class Ledger:
             "tool_calls": self.tool_calls,
             "tool_calls_by_outcome": dict(self.tool_calls_by_outcome),
             "resets": self.resets,
+            "resets_seeded": self.resets_seeded,
+            "resets_time_pinned": self.resets_time_pinned,
             "verifier_runs": self.verifier_runs,
             "verifier_runs_by_outcome": dict(self.verifier_runs_by_outcome),
             "mcp_rejected_warming": self.mcp_rejected_warming,

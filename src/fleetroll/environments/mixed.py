@@ -144,8 +144,8 @@ class MixedProvider:
         provider: Provider = self.mcp if task.environment is not None else self.fleet
         return await provider.provision(task, run_id=run_id)
 
-    async def reset(self, instance: Instance) -> None:
-        await self._for(instance).reset(instance)
+    async def reset(self, instance: Instance, task: TaskSpec) -> None:
+        await self._for(instance).reset(instance, task)
 
     def route(self, instance: Instance, task: TaskSpec) -> Route:
         return self._for(instance).route(instance, task)

@@ -100,8 +100,9 @@ class Provider(Protocol):
         """
         ...
 
-    async def reset(self, instance: Instance) -> None:
-        """Bring the instance back to the task's start state (may raise; whether a
+    async def reset(self, instance: Instance, task: TaskSpec) -> None:
+        """Bring the instance back to ``task``'s start state, at the task's ``seed``
+        and ``timestamp`` where the platform takes them (may raise; whether a
         failure is fatal is the instance's :attr:`Instance.reset_required`)."""
         ...
 

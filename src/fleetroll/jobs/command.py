@@ -40,6 +40,7 @@ async def run_policy_job(
     groups_target: int | None = None,
     steps: Steps | None = None,
     policy_version: int | None = None,
+    command: Sequence[str] | None = None,
 ) -> JobReport:
     """:func:`run_job` with telemetry, the policy of the settings (or
     ``agent_command``'s gateway) and the signals.
@@ -97,6 +98,7 @@ async def run_policy_job(
                     groups_target=groups_target,
                     steps=steps,
                     policy_version=policy_version,
+                    command=command,
                 )
             finally:
                 if agent_command is not None:

@@ -11,6 +11,7 @@ returns every result of the batch.
 from __future__ import annotations
 
 import functools
+import shlex
 import signal
 import time
 import uuid
@@ -59,6 +60,7 @@ async def run_job(
     groups_target: int | None = None,
     steps: Steps | None = None,
     policy_version: int | None = None,
+    command: Sequence[str] | None = None,
 ) -> JobReport:
     """Run one batch to its end (or to an interrupt), journaling every result.
 
@@ -87,6 +89,11 @@ async def run_job(
     again, with those never journaled; the others are kept.
 
     ``policy_version`` tags every result of the batch (an evaluation's).
+
+    ``command`` is the command line that resumes the job (the CLI's, with
+    ``--resume``): once the batch is claimed, ``fleet_job_started`` records it
+    with the journal, so ``fleetroll stats --check`` can say how to run the
+    rollouts a killed run lost.
 
     The first SIGINT or SIGTERM cancels the batch: every rollout still gets
     its result, every instance is released. Later ones change nothing but say
@@ -126,6 +133,14 @@ async def run_job(
             claimed = await _claim(stack, settings, plan, out, claimed.batch_id, resume=resume)
             if resume and not settings.uses_emulator:
                 await release_leftovers(settings, fleet, claimed.batch_id, events, output)
+        journal = None if out is None else str(await anyio.Path(out).absolute())
+        events.emit(
+            "fleet_job_started",
+            batch_id=claimed.batch_id,
+            journal=journal,
+            # Without a journal there is nothing to resume: the batch runs again whole.
+            resume_command=None if command is None or out is None else shlex.join(command),
+        )
         sampler = None
         if steps is not None:
             sampler = await anyio.to_thread.run_sync(

@@ -33,7 +33,8 @@ class Progress:
 
     total: int
     done: int
-    failed: int
+    failed: int  # cancelled ones apart: they were not let finish
+    cancelled: int = 0
     in_flight: int = 0  # started and not finished: every phase below
     queued: int = 0  # not started
     provisioning: int = 0  # creating an instance
@@ -48,7 +49,7 @@ class Progress:
 
     @property
     def finished(self) -> int:
-        return self.done + self.failed
+        return self.done + self.failed + self.cancelled
 
 
 class Watch:
@@ -69,19 +70,20 @@ class Watch:
                 total=c.total,
                 done=c.done,
                 failed=c.failed,
+                cancelled=c.cancelled,
                 in_flight=c.running,
                 queued=c.queued,
-                first_done_s=self._first_seen(now, c.done + c.failed),
+                first_done_s=self._first_seen(now, c.finished),
             )
         phases: Counter[Phase] = Counter()
         durations: list[float] = []
         ages: list[float] = []
-        failed = 0
+        outcomes: Counter[str] = Counter()
         for rollout in batch.rollouts:
             result = rollout.result
             if result is not None:
                 durations.append(result.timings.total_s)
-                failed += result.status == "failed"
+                outcomes[result.outcome] += 1
                 continue
             phases[rollout.phase] += 1
             if rollout.phase is not Phase.PENDING:
@@ -91,8 +93,9 @@ class Watch:
             age_s=statistics.fmean(ages) if ages else None,
             first_done_s=self._first_seen(now, len(durations)),
             total=batch.total,
-            done=len(durations) - failed,
-            failed=failed,
+            done=outcomes["completed"],
+            failed=outcomes["failed"],
+            cancelled=outcomes["cancelled"],
             in_flight=len(ages),
             queued=phases[Phase.PENDING],
             provisioning=phases[Phase.PROVISIONING],

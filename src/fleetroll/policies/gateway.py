@@ -4,17 +4,24 @@ One loopback HTTP server per :class:`Gateway` (one per process in practice),
 serving each rollout that acts through a command under its own root::
 
     POST /r/{token}/v1/chat/completions   (streaming and not)
+    POST /r/{token}/v1/messages           (Anthropic's Messages API, streaming and not)
     GET  /r/{token}/v1/models
     *    /r/{token}/mcp                   (the rollout's MCP relay)
 
 ``token`` is the rollout's: it is in the URL and is the only API key the
-gateway accepts for it (``Authorization: Bearer {token}``); it is never the
-real server's key. The MCP relay is reached by its URL alone (an MCP client
+gateway accepts for it (``Authorization: Bearer {token}``, or ``x-api-key:
+{token}`` as the ``anthropic`` SDK sends it); it is never the real server's key.
+A Messages call is translated to a chat completion and back
+(:mod:`fleetroll.policies.anthropic_messages`), so it is recorded exactly as one;
+its errors, an untranslatable request included (400), have Anthropic's shape
+(``{"type": "error", "error": {"type", "message"}}``). The MCP relay is reached
+by its URL alone (an MCP client
 sends no key), and hands the request to the :class:`Link`, which forwards it to
 the instance. What a call does is the link's business (the rollout's: hold
 while the policy is paused, forward, record the turn); the gateway only
 routes, checks the key and speaks HTTP. Every error, an unknown route
-included, has OpenAI's shape (``{"error": {"message", "type", "code"}}``).
+included, has OpenAI's shape (``{"error": {"message", "type", "code"}}``)
+(Anthropic's under ``/v1/messages``).
 
 A call's turn is recorded only once its answer was sent whole to the agent
 (:meth:`Pending.received`): an agent that disconnects before (it gave up, its
@@ -31,7 +38,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, contextmanager
 from typing import Any, NamedTuple, Protocol
 
@@ -45,6 +52,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from fleetroll._internal.serving import serve_asgi
+from fleetroll.policies import anthropic_messages as anthropic
 
 __all__ = ["Gateway", "GatewayRefusal", "Link", "Opened", "Pending"]
 
@@ -102,6 +110,12 @@ class Opened(NamedTuple):
     key: str
     mcp_url: str
 
+    @property
+    def anthropic_base_url(self) -> str:
+        """The root an ``anthropic`` client takes (``ANTHROPIC_BASE_URL``; the client
+        adds ``/v1/messages``)."""
+        return self.base_url.removesuffix("/v1")
+
 
 class Gateway:
     """A loopback OpenAI-compatible server routing ``/r/{token}/...`` to links.
@@ -120,6 +134,7 @@ class Gateway:
         self._app = Starlette(
             routes=[
                 Route("/r/{token}/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/r/{token}/v1/messages", self._messages, methods=["POST"]),
                 Route("/r/{token}/v1/models", self._models, methods=["GET"]),
                 Route("/r/{token}/mcp", self._mcp, methods=["GET", "POST", "DELETE"]),
             ],
@@ -168,11 +183,15 @@ class Gateway:
         # Compared as bytes: a header is latin-1, and compare_digest refuses
         # strings that are not ASCII (a 500 for a key with an accent).
         given = request.headers.get("authorization", "").encode("latin-1")
-        if link is None or (key and not secrets.compare_digest(given, f"Bearer {token}".encode())):
+        bearer = secrets.compare_digest(given, f"Bearer {token}".encode())
+        api_key = request.headers.get("x-api-key", "").encode("latin-1")
+        anthropic_key = secrets.compare_digest(api_key, token.encode())
+        if link is None or (key and not (bearer or anthropic_key)):
             raise GatewayRefusal(
                 401,
                 "unknown key or rollout: this gateway serves a rollout only while it acts,"
-                " with the OPENAI_BASE_URL and OPENAI_API_KEY it was given",
+                " with the OPENAI_BASE_URL and OPENAI_API_KEY (or ANTHROPIC_BASE_URL and"
+                " ANTHROPIC_API_KEY) it was given",
                 kind="authentication_error",
             )
         return link
@@ -197,9 +216,24 @@ class Gateway:
         try:
             link = self._link(request)
             body = await self._body(request)
+            if not isinstance(body.get("messages"), list):
+                raise GatewayRefusal(400, "the request body has no 'messages' list")
         except GatewayRefusal as exc:
             return _error(exc)
-        return _Answer(link, body)
+        return _Answer(link, body, body, _encoded, _error)
+
+    async def _messages(self, request: Request) -> Response:
+        """Anthropic's Messages API: translated to a chat completion and back."""
+        try:
+            link = self._link(request)
+            asked = await self._body(request)
+            try:
+                body = anthropic.chat_request(asked)
+            except anthropic.Untranslatable as exc:
+                raise GatewayRefusal(400, str(exc)) from None
+        except GatewayRefusal as exc:
+            return _anthropic_error(exc)
+        return _Answer(link, body, asked, _encoded_message, _anthropic_error)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         chunks: list[bytes] = []
@@ -217,8 +251,8 @@ class Gateway:
             body = json.loads(b"".join(chunks))
         except ValueError:
             raise GatewayRefusal(400, "the request body is not JSON") from None
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            raise GatewayRefusal(400, "the request body has no 'messages' list")
+        if not isinstance(body, dict):
+            raise GatewayRefusal(400, "the request body is not a JSON object")
         return body
 
 
@@ -233,16 +267,35 @@ class _Relayed(Response):
         await self.link.relay(scope, receive, send, self.http)
 
 
+#: How an answer goes out: the server's chat completion and what the agent asked
+#: (in its dialect) → the status, headers and body parts.
+_Encoder = Callable[
+    [dict[str, Any], dict[str, Any]], tuple[int, list[tuple[bytes, bytes]], list[bytes]]
+]
+
+
 class _Answer(Response):
     """A chat completion, asked for while the agent waits and recorded once sent.
 
-    The agent's disconnect (watched while the server answers and while the
-    answer is sent) cancels the call: nothing is recorded.
+    ``body`` is what the server is asked (a chat completion request); ``asked``
+    what the agent sent, in its dialect, which ``encode`` answers and ``refuse``
+    turns a refusal into. The agent's disconnect (watched while the server
+    answers and while the answer is sent) cancels the call: nothing is recorded.
     """
 
-    def __init__(self, link: Link, body: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        link: Link,
+        body: dict[str, Any],
+        asked: dict[str, Any],
+        encode: _Encoder,
+        refuse: Callable[[GatewayRefusal], Response],
+    ) -> None:
         self.link = link
-        self.asked = body
+        self.sent = body
+        self.asked = asked
+        self.encode = encode
+        self.refuse = refuse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = anyio.Event()
@@ -256,8 +309,8 @@ class _Answer(Response):
 
             tg.start_soon(watch)
             try:
-                async with self.link.complete(self.asked) as pending:
-                    status, headers, parts = _encoded(pending.answer, self.asked)
+                async with self.link.complete(self.sent) as pending:
+                    status, headers, parts = self.encode(pending.answer, self.asked)
                     await send(
                         {"type": "http.response.start", "status": status, "headers": headers}
                     )
@@ -269,7 +322,7 @@ class _Answer(Response):
                         if not gone.is_set():
                             pending.received()
             except GatewayRefusal as exc:
-                await _error(exc)(scope, receive, send)
+                await self.refuse(exc)(scope, receive, send)
             tg.cancel_scope.cancel()
 
 
@@ -290,16 +343,42 @@ def _encoded(
     return 200, headers, [event.encode() for event in _events(answer, usage=usage)]
 
 
+def _encoded_message(
+    answer: dict[str, Any], asked: dict[str, Any]
+) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
+    """``answer`` as the Messages API's ``message`` (or its events, for a streamed call)."""
+    message = anthropic.message_answer(answer)
+    if not asked.get("stream"):
+        body = json.dumps(message, ensure_ascii=False).encode()
+        length = str(len(body)).encode()
+        return 200, [(b"content-type", b"application/json"), (b"content-length", length)], [body]
+    headers = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+    ]
+    return 200, headers, [event.encode() for event in anthropic.message_events(message)]
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own refusals (an unknown route, a method not allowed) in OpenAI's shape."""
+    """Starlette's own refusals (an unknown route, a method not allowed) in OpenAI's
+    shape (Anthropic's under ``/v1/messages``)."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     # Not the path: it holds the rollout's token.
     said = (
-        f"{exc.detail}: this gateway serves POST {{OPENAI_BASE_URL}}/chat/completions"
-        " and GET {OPENAI_BASE_URL}/models"
+        f"{exc.detail}: this gateway serves POST {{OPENAI_BASE_URL}}/chat/completions,"
+        " POST {ANTHROPIC_BASE_URL}/v1/messages and GET {OPENAI_BASE_URL}/models"
     )
-    return _error(GatewayRefusal(exc.status_code, said, kind=kind), headers=exc.headers)
+    refusal = GatewayRefusal(exc.status_code, said, kind=kind)
+    if "/v1/messages" in request.url.path:
+        return _anthropic_error(refusal, headers=exc.headers)
+    return _error(refusal, headers=exc.headers)
+
+
+def _anthropic_error(exc: GatewayRefusal, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        anthropic.error_body(exc.status, exc.message), status_code=exc.status, headers=headers
+    )
 
 
 def _error(exc: GatewayRefusal, headers: Mapping[str, str] | None = None) -> JSONResponse:

@@ -70,7 +70,8 @@ def check_unique_keys(tasks: Sequence[TaskSpec]) -> None:
 
 @dataclass(frozen=True, slots=True)
 class BatchCounts:
-    """A snapshot of a batch, for progress displays."""
+    """A snapshot of a batch, for progress displays. ``failed`` leaves out the
+    ``cancelled`` (:attr:`RolloutResult.outcome`)."""
 
     total: int
     queued: int
@@ -78,10 +79,11 @@ class BatchCounts:
     running: int
     done: int
     failed: int
+    cancelled: int = 0
 
     @property
     def finished(self) -> int:
-        return self.done + self.failed
+        return self.done + self.failed + self.cancelled
 
 
 class ResultStream:
@@ -360,7 +362,7 @@ class Batch(ResultStream):
     def counts(self) -> BatchCounts:
         phases = Counter(r.phase for r in self.rollouts)
         results = [r.result for r in self.rollouts if r.result is not None]
-        failed = sum(1 for r in results if r.status == "failed")
+        outcomes = Counter(r.outcome for r in results)
         return BatchCounts(
             total=self.total,
             queued=phases[Phase.PENDING],
@@ -370,8 +372,9 @@ class Batch(ResultStream):
             - phases[Phase.PROVISIONING]
             - phases[Phase.WAITING]
             - len(results),
-            done=len(results) - failed,
-            failed=failed,
+            done=outcomes["completed"],
+            failed=outcomes["failed"],
+            cancelled=outcomes["cancelled"],
         )
 
     async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:

@@ -10,6 +10,10 @@ that holds only ``PATH``, ``HOME``, ``LANG`` and:
   goes to the policy servers, held while the policy is paused, recorded as
   one of the rollout's ``turns`` (token ids and logprobs asked for as
   ``policy.*`` says), refused once the rollout has ended;
+- ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``: the same rollout's root and
+  key for a Claude-style agent (the ``anthropic`` SDK reads both): its
+  ``/v1/messages`` calls are translated to the policy server's chat route and
+  recorded alike;
 - ``FLEETROLL_MCP_URL``: the instance's MCP endpoint for the task's modality,
   through the rollout's relay (:mod:`fleetroll.rollout.agent_link`);
 - ``FLEETROLL_TASK_FILE``: a JSON file with the task's key, prompt, modality
@@ -234,11 +238,14 @@ class CommandAgent:
             mcp_url=mcp_url,
             max_request_bytes=self._gateway.max_request_bytes,
         )
-        with self._gateway.open(link) as (base_url, key, relay_url):
+        with self._gateway.open(link) as opened:
+            base_url, key, relay_url = opened
             env = {name: os.environ[name] for name in _PASSED if name in os.environ}
             env |= {
                 "OPENAI_BASE_URL": base_url,
                 "OPENAI_API_KEY": key,
+                "ANTHROPIC_BASE_URL": opened.anthropic_base_url,
+                "ANTHROPIC_API_KEY": key,
                 "FLEETROLL_MCP_URL": relay_url,  # the instance's, through the rollout's relay
                 "FLEETROLL_TASK_FILE": str(task_file),
                 "FLEETROLL_ANSWER_FILE": str(answer_file),

@@ -348,7 +348,7 @@ class Rollout:
 
         self._enter(Phase.RESETTING)
         with self.progress.platform_wait("resetting the instance"):
-            failed = await stages.reset(e, instance, self.progress)
+            failed = await stages.reset(e, instance, self.task, self.progress)
         if failed is not None:
             return self._set_up_failed(failed)
 

@@ -110,8 +110,11 @@ async def provision(
         progress.timings.provision_s = time.monotonic() - began
 
 
-async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> SetupFailure | None:
-    """Reset the instance. A failure is only logged where the instance is fresh anyway
+async def reset(
+    ctx: RolloutContext, instance: Instance, task: TaskSpec, progress: Progress
+) -> SetupFailure | None:
+    """Reset the instance to ``task``'s start (its ``seed`` and ``timestamp``, if
+    any). A failure is only logged where the instance is fresh anyway
     (a Fleet instance); where the reset is what makes it fresh
     (:attr:`~fleetroll.environments.provider.Instance.reset_required`, a shared server),
     it is why set-up stopped (``reset_failed``): never scored on a state left by
@@ -119,7 +122,7 @@ async def reset(ctx: RolloutContext, instance: Instance, progress: Progress) -> 
     timeout = ctx.config.timeouts.reset_s
     began = time.monotonic()
     try:
-        await ctx.provider.reset(instance)
+        await ctx.provider.reset(instance, task)
     except Exception as exc:  # the provider's error, whatever it is, is the news
         ctx.events.emit(
             "fleet_env_reset_failed",
@@ -275,7 +278,7 @@ async def _verifier_failed(
         lost = not await ctx.provider.is_alive(instance)
         progress.fail(
             FailureReason.INSTANCE_LOST if lost else FailureReason.VERIFIER_ERROR,
-            f"the verifier could not run: {verdict.outcome.error}",
+            f"the verifier gave no reward: {verdict.outcome.error}",
         )
 
 

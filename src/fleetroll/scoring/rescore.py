@@ -19,6 +19,7 @@ from fleetroll.results import REWARD_ERROR_SEPARATOR, SCORED_REASONS, FailureRea
 from fleetroll.scoring.checks import ScoreInputs
 from fleetroll.scoring.components import Scorer
 from fleetroll.tasks import TaskSpec
+from fleetroll.tasks.verifier_results import verifier_reward
 
 __all__ = ["rescorable", "rescore_all", "rescore_result"]
 
@@ -48,7 +49,11 @@ async def rescore_result(
         return result
     assert task.rewards is not None and result.rewards is not None
     stored = result.rewards
-    kept = {spec.name: stored.get(spec.name) for spec in task.rewards if spec.kind == "verifier"}
+    kept = {
+        spec.name: _stored_verifier(stored.get(spec.name))
+        for spec in task.rewards
+        if spec.kind == "verifier"
+    }
     inputs = ScoreInputs(
         prompt=task.prompt,
         transcript=result.transcript,
@@ -88,6 +93,17 @@ async def rescore_result(
             "cost": cost,
         }
     )
+
+
+def _stored_verifier(value: float | None) -> float | None:
+    """A stored verifier value, read as the rollout read it (a hand-edited or
+    corrupted one, NaN say, is no reward: the sum is then null, with the reason)."""
+    if value is None:
+        return None
+    try:
+        return verifier_reward(value)
+    except ValueError:
+        return None
 
 
 async def rescore_all(

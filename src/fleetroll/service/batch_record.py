@@ -7,6 +7,7 @@ keeps them by id.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -142,7 +143,7 @@ class _Stored:
         return self._finished
 
     def counts(self) -> PoolCounts:
-        return PoolCounts(self.total, 0, 0, 0, 0, 0)
+        return PoolCounts(self.total, 0, 0, 0, 0, 0, 0)
 
     async def view(self, rollout_id: str, *, messages: bool = True) -> RolloutView:
         key, sample = self._rollouts[rollout_id]
@@ -280,8 +281,8 @@ class BatchRecord:
     def state(self) -> BatchState:
         c = self.batch.counts()
         newest = [r for r in self.newest() if r.rollout_id not in self._pending]
-        failed = sum(1 for r in newest if r.status == "failed")
-        done = len(newest) - failed
+        outcomes = Counter(r.outcome for r in newest)
+        ended = len(newest)
         return BatchState(
             batch_id=self.batch_id,
             status=self.status,
@@ -290,9 +291,10 @@ class BatchRecord:
                 total=self.total,
                 queued=c.queued,
                 provisioning=c.provisioning,
-                running=max(0, self.total - c.queued - c.provisioning - done - failed),
-                done=done,
-                failed=failed,
+                running=max(0, self.total - c.queued - c.provisioning - ended),
+                done=outcomes["completed"],
+                failed=outcomes["failed"],
+                cancelled=outcomes["cancelled"],
             ),
             results=len(self.results),
             error=self.error,

@@ -594,6 +594,12 @@ class BatchRegistry:
         except TaskFileError as exc:
             # Paths as the client gave them: relative to tasks_root, not the server's layout.
             reason = str(exc).replace(f"{service.tasks_root.resolve()}{os.sep}", "")
+            if not await anyio.Path(path).exists():
+                # Where it was looked for, by the setting's name (its path is the server's).
+                reason += (
+                    "; tasks_file is a path under the service's service.tasks_root"
+                    " (a file or a folder of them)"
+                )
             raise ApiError(422, reason, loc=["body", "tasks_file"], type="task_error") from None
 
 

@@ -2,6 +2,8 @@
 
 Counters accumulate over the service's life; gauges are read when scraped.
 Labels carry only statuses and failure reasons: never an id, a URL or a key.
+A cancelled rollout counts as ``status="cancelled"`` (``reason="cancelled"``), not
+as failed.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class Metrics:
     def observe(self, result: RolloutResult) -> None:
         """Count one finished rollout (batch or session)."""
         reason = result.failure_reason.value if result.failure_reason else ""
-        self.rollouts[(result.status, reason)] += 1
+        # A cancelled rollout did not fail: its status is a state of its own.
+        self.rollouts[(result.outcome, reason)] += 1
         if result.instance_id is not None:  # it was provisioned: its latency counts
             seconds = result.timings.provision_s
             self._provision_count += 1
@@ -51,7 +54,8 @@ class Metrics:
         admission: AdmissionState | None = None,
     ) -> str:
         lines = [
-            "# HELP fleetroll_rollouts_total Rollouts ended, by status and failure reason.",
+            "# HELP fleetroll_rollouts_total Rollouts ended, by status (completed, failed,"
+            " cancelled) and failure reason.",
             "# TYPE fleetroll_rollouts_total counter",
         ]
         for (status, reason), n in sorted(self.rollouts.items()):

@@ -109,6 +109,12 @@ class TaskObject(BaseModel):
     )
     requires_final_answer: bool | None = None
     metadata: dict[str, Any] | None = None
+    seed: int | None = Field(
+        None, ge=0, description="Sent with every reset of the task's instance (Fleet's reset)"
+    )
+    timestamp: int | None = Field(
+        None, ge=0, description="Unix seconds: the point in time every reset sets the clock to"
+    )
 
     def record(self) -> dict[str, Any]:
         """The task as the client sent it (only the fields it set)."""
@@ -268,7 +274,11 @@ class BatchCounts(BaseModel):
     provisioning: int
     running: int
     done: int
-    failed: int
+    failed: int = Field(description="Rollouts that failed; cancelled ones are not counted here")
+    cancelled: int = Field(
+        default=0,
+        description="Rollouts cancelled (failure_reason cancelled): neither done nor failed",
+    )
 
 
 class BatchState(BaseModel):

@@ -61,7 +61,7 @@ _KNOWN_FIELDS: Final = frozenset(
         "key", "prompt", "env_id", "version", "env_key", "data_id", "data_version", "data_key",
         "modality", "task_modality", "verifier_func", "max_steps", "env_variables", "solution",
         "requires_final_answer", "metadata", "environment", "verifier",
-        "verifier_code", "ttl_seconds", "rewards",
+        "verifier_code", "ttl_seconds", "rewards", "seed", "timestamp",
     }
 )  # fmt: skip
 _T = TypeVar("_T")
@@ -103,6 +103,10 @@ class TaskSpec(BaseModel):
     #: Composite rewards: the components whose weighted sum is the reward
     #: (:mod:`fleetroll.tasks.rewards`); None: the verifier's reward, as it is.
     rewards: tuple[RewardSpec, ...] | None = None
+    #: The seed and the point in time (Unix seconds) every reset of the task's
+    #: instance asks for (Fleet's ``reset(seed, timestamp)``); None: the platform's.
+    seed: int | None = Field(default=None, ge=0)
+    timestamp: int | None = Field(default=None, ge=0)
 
     @property
     def judged(self) -> bool:
@@ -265,22 +269,27 @@ def _holds_task_files(folder: Path) -> bool:
 def load_tasks(
     path: str | Path, *, modalities: Collection[str], limits: TaskLimits = _NO_LIMITS
 ) -> list[TaskSpec]:
-    """Read and validate every task of a file, before anything runs.
+    """Read and validate every task of a file (or a folder's), before anything runs.
 
     The file holds JSON Lines (one task per line, blank lines skipped) or a JSON
     array, recognised by its first non-blank character ``[`` whatever the
     extension. For an array, errors give the line the item starts on and say
-    which item it is. Blocking: async code calls it in a worker thread.
+    which item it is. A folder means its ``*.jsonl`` and ``*.json`` files, as
+    ``fleetroll run`` and ``tasks_file`` read one (:func:`load_task_paths`).
+    Blocking: async code calls it in a worker thread.
 
     Args:
-        path: the task file.
+        path: the task file, or a folder of them.
         modalities: the modality names routed here (``Settings.modalities``' keys).
         limits: sizes and counts refused before the work (default: none).
 
     Raises:
         TaskFileError: the file cannot be read, is over a limit, is not valid
-            JSON, holds no tasks, holds an invalid task, or uses one key twice.
+            JSON, holds no tasks, holds an invalid task, or uses one key twice;
+            a folder holds no task file.
     """
+    if Path(path).is_dir():
+        return load_task_paths([path], modalities, limits)
     return list(_load(Path(path), modalities, limits, _Verifiers(limits.max_verifier_bytes)))
 
 
@@ -476,6 +485,20 @@ def _parse(
     ttl = record.get("ttl_seconds")
     if ttl is not None and (type(ttl) is not int or ttl < 1):
         raise where.error(f"must be a whole number ≥ 1, got {_describe(ttl)}", "ttl_seconds")
+    # Fleet's exports carry them in metadata; the short form at the top level.
+    seed = _agreed(
+        {"seed": record.get("seed"), "metadata.seed": metadata.get("seed")}, where, _whole
+    )
+    timestamp = _agreed(
+        {"timestamp": record.get("timestamp"), "metadata.timestamp": metadata.get("timestamp")},
+        where,
+        _whole,
+    )
+    if mcp is not None and (seed is not None or timestamp is not None):
+        given = "seed" if seed is not None else "timestamp"
+        at = given if record.get(given) is not None else f"metadata.{given}"
+        reason = "is sent with a Fleet instance's reset; a task with an 'environment' has none"
+        raise where.error(reason, at)
     verifier = record.get("verifier_func")
     if verifier is not None and record.get("verifier_code") is not None:
         raise where.error("give 'verifier_func' or 'verifier_code', not both", "verifier_code")
@@ -507,6 +530,8 @@ def _parse(
         verifier=None if mcp is None else mcp[1],
         ttl_seconds=ttl,
         rewards=rewards,
+        seed=seed,
+        timestamp=timestamp,
     )
 
 
@@ -557,6 +582,13 @@ def _string(value: object, field: str, where: Where) -> str:
 def _boolean(value: object, field: str, where: Where) -> bool:
     if not isinstance(value, bool):
         raise where.error(f"must be true or false, got {_describe(value)}", field)
+    return value
+
+
+def _whole(value: object, field: str, where: Where) -> int:
+    if type(value) is not int or value < 0:
+        what = "of seconds since 1970 (Unix time)" if field.endswith("timestamp") else "≥ 0"
+        raise where.error(f"must be a whole number {what}, got {_describe(value)}", field)
     return value
 
 

@@ -384,6 +384,7 @@ class _EnvCompletions:
     env: str
     completed: int = 0
     failed: int = 0
+    cancelled: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
     costs: dict[str, Any] = field(default_factory=lambda: dict.fromkeys(COST_FIELDS, 0))
     #: Scored rollouts per tenth of [0, 1] (rewards beyond it: the first or last).
@@ -398,7 +399,9 @@ class _EnvCompletions:
         """Count one row of the sweep (one failure reason and reward bin)."""
         n, reason = row["n"], row["failure_reason"]
         self.completed += n
-        if reason is not None:
+        if reason == "cancelled":
+            self.cancelled += n  # not let finish: it did not fail
+        elif reason is not None:
             self.failed += n
             self.reasons[reason] = self.reasons.get(reason, 0) + n
         if row["bin"] is not None:
@@ -413,7 +416,11 @@ class _EnvCompletions:
 
     def failures(self) -> EnvFailures:
         return EnvFailures(
-            env=self.env, completed=self.completed, failed=self.failed, reasons=self.reasons
+            env=self.env,
+            completed=self.completed,
+            failed=self.failed,
+            reasons=self.reasons,
+            cancelled=self.cancelled,
         )
 
     def cost(self) -> EnvCost:
@@ -440,6 +447,8 @@ def _totals(
 ) -> Totals:
     completed = sum(env.completed for env in by_env.values())
     failed = sum(env.failed for env in by_env.values())
+    cancelled = sum(env.cancelled for env in by_env.values())
+    ran = completed - cancelled  # those let finish: the failure rate's base
     scored = sum(env.scored for env in by_env.values())
     return Totals(
         started=sum(b.started for b in timeline.buckets),
@@ -448,7 +457,8 @@ def _totals(
         lost=unfinished.lost,
         rerun=unfinished.rerun,
         failed=failed,
-        failed_pct=100.0 * failed / completed if completed else None,
+        cancelled=cancelled,
+        failed_pct=100.0 * failed / ran if ran else None,
         reward_mean=sum(env.reward_sum for env in by_env.values()) / scored if scored else None,
         rewarded=scored,
     )

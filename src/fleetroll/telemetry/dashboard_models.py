@@ -62,7 +62,10 @@ class Totals:
     (:mod:`fleetroll.telemetry.writers`), which ``in_flight`` leaves out;
     ``rerun`` those whose lost start ran again to completion (``--resume``
     after a kill -9), neither lost nor in flight, as ``fleetroll stats
-    --check`` counts them.
+    --check`` counts them. ``completed`` counts every completion (each
+    rollout's results, whatever they were); ``cancelled`` those that were cancelled
+    (not let finish), which ``failed`` and ``failed_pct`` leave out: the
+    rate is of the completions that ran to their end.
     """
 
     started: int = 0
@@ -71,6 +74,7 @@ class Totals:
     lost: int = 0
     rerun: int = 0
     failed: int = 0
+    cancelled: int = 0
     failed_pct: float | None = None
     reward_mean: float | None = None
     rewarded: int = 0
@@ -98,12 +102,14 @@ class Timeline:
 
 @dataclass(frozen=True, slots=True)
 class EnvFailures:
-    """An environment's completions, failed ones, and how many failed for each reason."""
+    """An environment's completions, failed ones, and how many failed for each reason;
+    the cancelled ones apart (neither failed nor among the reasons)."""
 
     env: str
     completed: int
     failed: int
     reasons: dict[str, int]
+    cancelled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +191,11 @@ class CostPanel:
 
 @dataclass(frozen=True, slots=True)
 class Progress:
-    """The current batch against its total, with a recent rate and an ETA."""
+    """The current batch against its total, with a recent rate and an ETA.
+
+    ``done`` counts its rollouts with a result; ``failed`` and ``cancelled``
+    those of them whose latest result failed, or was cancelled (not failed).
+    """
 
     batch_id: str
     total: int
@@ -199,6 +209,7 @@ class Progress:
     rate_per_min: float | None
     eta_s: float | None
     eta_window_s: float
+    cancelled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -269,7 +280,7 @@ class Unfinished:
 
 @dataclass(frozen=True, slots=True)
 class FailedRollout:
-    """One of the latest failed rollouts."""
+    """One of the latest failed rollouts (a cancelled one did not fail: never here)."""
 
     time: str
     rollout_id: str

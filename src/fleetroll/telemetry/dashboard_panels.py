@@ -151,11 +151,15 @@ def progress(
     batch_id, last_start, first_start, total, rollouts, pid, host = rows[0]
     lost = lost_by_batch.get(batch_id, 0)
     p["batch"] = batch_id
-    ((done, failed),) = run(
-        "SELECT COUNT(DISTINCT rollout_id), "
-        "COUNT(DISTINCT rollout_id) FILTER (WHERE failure_reason IS NOT NULL) "
-        f"FROM {events} WHERE service_name = :service AND batch_id = :batch "
-        "AND message = :completed",
+    # Each rollout by its latest result (SQLite: the bare column of a MAX() aggregate
+    # comes from the row holding the max): one cancelled then re-run is what it became.
+    ((done, failed, cancelled),) = run(
+        "SELECT COUNT(*), "
+        "COUNT(*) FILTER (WHERE failure_reason IS NOT NULL AND failure_reason != 'cancelled'), "
+        "COUNT(*) FILTER (WHERE failure_reason = 'cancelled') FROM ("
+        f"SELECT failure_reason, MAX(start_timestamp) FROM {events} "
+        "WHERE service_name = :service AND batch_id = :batch AND message = :completed "
+        "GROUP BY rollout_id)",
         {**p, "completed": _COMPLETED},
     ).rows
     ((finished,),) = run(
@@ -196,6 +200,7 @@ def progress(
         total=total,
         done=int(done),
         failed=int(failed),
+        cancelled=int(cancelled),
         lost=lost,
         remaining=remaining,
         state=state,
@@ -323,12 +328,12 @@ def _reruns(run: Run, events: str, batch: str | None, service_name: str) -> int:
 def latest_errors(
     run: Run, events: str, where: str, params: Mapping[str, Any], n: int
 ) -> list[FailedRollout]:
-    """The ``n`` most recent failed rollouts (newest first)."""
+    """The ``n`` most recent failed rollouts (newest first); cancelled ones did not fail."""
     rows = run(
         "SELECT start_timestamp AS time, rollout_id, batch_id, env_key AS env, "
         f"failure_reason, error_message AS message FROM {events} "
         f"WHERE message = '{_COMPLETED}' AND {where} "
-        "AND failure_reason IS NOT NULL "
+        "AND failure_reason IS NOT NULL AND failure_reason != 'cancelled' "
         "ORDER BY start_timestamp DESC LIMIT :errors",
         {**params, "errors": n},
     ).rows

@@ -54,6 +54,7 @@ BASE_ATTRIBUTES = (
 #: Every event name fleetroll emits (documented in docs/telemetry.md).
 EVENT_NAMES: Final[frozenset[str]] = frozenset(
     {
+        "fleet_job_started",
         "fleet_batch_started",
         "fleet_batch_completed",
         "fleet_rollout_started",

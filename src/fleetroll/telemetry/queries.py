@@ -35,6 +35,7 @@ __all__ = [
     "COST_SUMS_SQL",
     "STATS_SQL",
     "CheckResult",
+    "LostBatch",
     "NoSuchBatchError",
     "QueryError",
     "QueryResult",
@@ -535,6 +536,39 @@ SELECT COUNT(*), COALESCE(SUM(started > 1), 0) FROM (
 """
 
 
+#: The batches that ended (``fleet_batch_completed``), each at its latest end.
+_BATCHES_ENDED_SQL: Final = """
+SELECT attributes->>'batch_id', MAX(start_timestamp) FROM records
+WHERE service_name = :service AND message = 'fleet_batch_completed'
+  AND attributes->>'batch_id' IS NOT NULL{batch}
+GROUP BY 1
+"""
+
+#: Between a run of steps' id and a step's number in the step's batch id
+#: (``fleetroll.pool.journal.step_batch_id``, a layer above this one).
+_STEP: Final = "-step"
+
+#: How each batch's latest job can be resumed (``fleet_job_started``).
+_RESUMES_SQL: Final = """
+SELECT attributes->>'batch_id', attributes->>'resume_command', attributes->>'journal',
+    MAX(start_timestamp)
+FROM records
+WHERE service_name = :service AND message = 'fleet_job_started'
+  AND attributes->>'batch_id' IS NOT NULL
+GROUP BY 1
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class LostBatch:
+    """The lost rollouts of one batch, and how to run them again."""
+
+    batch_id: str | None
+    rollout_ids: list[str]
+    #: The command that resumes the batch (its job's ``--resume``), or what to do.
+    resume: str
+
+
 @dataclass(frozen=True, slots=True)
 class CheckResult:
     """The invariant of docs/telemetry.md: each start of a rollout id has one completion.
@@ -542,7 +576,9 @@ class CheckResult:
     A rollout started and completed once, or re-run after a resume (started
     twice, completed twice), passes; so does one whose process died before it
     completed (:attr:`lost`: that process could emit nothing more), and one
-    re-run to completion after such a lost start.
+    re-run to completion after such a lost start. Checked ``live``, a rollout
+    still running (:attr:`running`: its process alive, its batch not ended,
+    started less than ``max_age_s`` ago) passes too.
     """
 
     rollouts: int
@@ -557,6 +593,12 @@ class CheckResult:
     #: ``(rollout_id, batch_id)`` of rollouts never completed whose process is
     #: gone (killed): lost, not in flight; they do not break the invariant.
     lost: list[tuple[str, str | None]] = field(default_factory=list)
+    #: Checked live: rollouts started, not completed, and still running.
+    running: list[str] = field(default_factory=list)
+    #: The lost rollouts by batch, each with the command that resumes it.
+    lost_batches: list[LostBatch] = field(default_factory=list)
+    #: Checked live: how old a start may be and still be running (None: not live).
+    max_age_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -576,11 +618,21 @@ class CheckResult:
                 head = f"ok: {self.rollouts} rollouts, all started and completed once"
             if self.lost:
                 head = f"ok: {self.rollouts} rollouts, every start completed once or lost"
+            if self.running:
+                head += f"; {len(self.running)} running"
             return "\n".join([head, *self._describe_lost()])
         lines = [f"FAILED: {self.rollouts} rollouts; the started/completed invariant is broken"]
+        if self.running:
+            lines[0] += f" ({len(self.running)} running)"
         lines += self._describe_lost()
+        never = "started but never completed"
+        if self.max_age_s is not None:
+            never += (
+                f" (their process alive, yet their batch ended or they started over"
+                f" {self.max_age_s:g} s ago)"
+            )
         for label, ids in (
-            ("started but never completed", self.never_completed),
+            (never, self.never_completed),
             ("completed more than once", self.completed_more_than_once),
             ("completed without being started", self.completed_without_start),
         ):
@@ -591,23 +643,66 @@ class CheckResult:
         return "\n".join(lines)
 
     def _describe_lost(self) -> list[str]:
-        by_batch: dict[str, list[str]] = defaultdict(list)
-        for rid, batch in self.lost:
-            by_batch[batch or "?"].append(rid)
         lines = []
-        for batch, ids in by_batch.items():
-            more = f" (and {len(ids) - 20} more)" if len(ids) > 20 else ""
+        for group in self.lost_batches:
+            ids = group.rollout_ids
+            more = f" (and {len(ids) - 5} more)" if len(ids) > 5 else ""
             lines.append(
-                f"  {len(ids)} lost in batch {batch} (started, never completed, their process"
-                f" is gone): {', '.join(ids[:20])}{more}"
+                f"  {len(ids)} lost in batch {group.batch_id or '?'} (started, never completed,"
+                f" their process is gone): {', '.join(ids[:5])}{more}"
             )
+            lines.append(f"    resume: {group.resume}")
         return lines
 
 
+def _lost_batches(
+    lost: Sequence[tuple[str, str | None]], resumes: Mapping[str, tuple[str | None, str | None]]
+) -> list[LostBatch]:
+    """``lost`` grouped by batch, with how each batch resumes (``resumes``: by batch id,
+    its job's resume command and journal)."""
+    by_batch: dict[str | None, list[str]] = defaultdict(list)
+    for rid, batch in lost:
+        by_batch[batch].append(rid)
+    groups = []
+    for batch, ids in by_batch.items():
+        command, journal = resumes.get(batch or "", (None, None))
+        if command is None and batch is not None:
+            # A step of a run of steps (``<run>-step-<n>``): the run resumes it.
+            run = next((b for b in resumes if batch.startswith(f"{b}{_STEP}")), None)
+            if run is not None:
+                command, journal = resumes[run]
+        if command is not None:
+            resume = command
+        elif journal is not None:
+            resume = (
+                f"its journal is {journal}: `fleetroll run` with the same tasks and"
+                f" options, --out {journal} --resume, runs them"
+            )
+        else:
+            resume = (
+                "resubmit it with the same batch_id (fleetroll serve: POST /v1/batches, or"
+                " FleetrollClient.run_batch(..., batch_id=...)); a `fleetroll run` without"
+                " --out kept no journal: run it again"
+            )
+        groups.append(LostBatch(batch, ids, resume))
+    return groups
+
+
 def check(
-    db: str | os.PathLike[str], batch_id: str | None = None, *, service_name: str = "fleetroll"
+    db: str | os.PathLike[str],
+    batch_id: str | None = None,
+    *,
+    service_name: str = "fleetroll",
+    live_max_age_s: float | None = None,
+    now: float | None = None,
 ) -> CheckResult:
     """Check that every start of each rollout id has exactly one completion.
+
+    With ``live_max_age_s`` (a running service's health check), a rollout
+    started and not completed whose process is not known to be gone is
+    ``running``, not an offence, unless its batch ended
+    (``fleet_batch_completed`` after its start) or it started more than
+    ``live_max_age_s`` before ``now`` (epoch seconds; default: the clock).
 
     Raises:
         NoSuchBatchError: ``batch_id`` names no batch in the store.
@@ -626,6 +721,8 @@ def check(
         else:
             twice.append(rid)
     lost: list[tuple[str, str | None]] = []
+    running: list[str] = []
+    resumes: dict[str, tuple[str | None, str | None]] = {}
     if never:  # which of them lost their process (killed) rather than being in flight
         gaps = writers.unfinished(
             lambda sql, p: _run(db, sql, p).rows, batch_id=batch_id, service_name=service_name
@@ -638,4 +735,36 @@ def check(
             if rid in explained and not explained[rid].completed
         ]
         never = [rid for rid in never if rid not in explained]
-    return CheckResult(int(rollouts), never, twice, orphan, int(rerun), sorted(lost))
+        if live_max_age_s is not None and never:
+            at = time.time() if now is None else now
+            ended = dict(_run(db, _sql(_BATCHES_ENDED_SQL, batch_id), params).rows)
+            alive = {gap.rollout_id: gap for gap in gaps if not gap.lost}
+            for rid in never:
+                gap = alive.get(rid)
+                if gap is None:
+                    continue
+                batch_end = ended.get(gap.batch_id)
+                if (batch_end is None or batch_end < gap.started_at) and at - _epoch(
+                    gap.started_at
+                ) <= live_max_age_s:
+                    running.append(rid)
+            never = [rid for rid in never if rid not in set(running)]
+        if lost:
+            for bid, command, journal, _ in _run(db, _RESUMES_SQL, params).rows:
+                resumes[str(bid)] = (command, journal)
+    lost.sort()
+    return CheckResult(
+        int(rollouts),
+        never,
+        twice,
+        orphan,
+        int(rerun),
+        lost,
+        running,
+        _lost_batches(lost, resumes),
+        live_max_age_s,
+    )
+
+
+def _epoch(timestamp: str) -> float:
+    return datetime.fromisoformat(timestamp).timestamp()

@@ -83,6 +83,7 @@ DEBUG, INFO, WARNING, ERROR = logging.DEBUG, logging.INFO, logging.WARNING, logg
 
 #: Console level of events whose level does not depend on their attributes.
 CONSOLE_LEVELS: Final[Mapping[str, int]] = {
+    "fleet_job_started": DEBUG,  # for the store: how to resume the job's batch
     "fleet_rollout_started": DEBUG,
     "fleet_provisioning_completed": DEBUG,
     "fleet_env_created": DEBUG,

@@ -81,6 +81,8 @@ class FakeProvider:
         self.states: dict[str, FakeState] = {}
         self.released: list[str] = []
         self.resets = 0
+        #: Each reset's (seed, timestamp), in order.
+        self.reset_points: list[tuple[int | None, int | None]] = []
         self._ids = itertools.count(1)
 
     @staticmethod
@@ -123,9 +125,10 @@ class FakeProvider:
             reset_required=self.reset_required,
         )
 
-    async def reset(self, instance: Instance) -> None:
+    async def reset(self, instance: Instance, task: TaskSpec) -> None:
         await anyio.lowlevel.checkpoint()
         self.resets += 1
+        self.reset_points.append((task.seed, task.timestamp))
         if self.reset_error is not None:
             raise self.reset_error
         await self._maybe_hang("reset")

@@ -20,7 +20,6 @@ import json
 import re
 import sqlite3
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any
 
 from PIL import Image, ImageDraw
@@ -183,13 +182,10 @@ def _problem(conn: sqlite3.Connection) -> tuple[str, str] | None:
 
 def _record(conn: sqlite3.Connection, action: str, payload: dict[str, Any]) -> None:
     conn.execute(
-        "INSERT INTO submissions (form, action, payload_json, created_at) VALUES (?, ?, ?, ?)",
-        (
-            _get(conn, "form"),
-            action,
-            json.dumps(payload, sort_keys=True),
-            datetime.now(UTC).isoformat(timespec="seconds"),
-        ),
+        # fleet_now(): the instance's clock (its reset's timestamp, when pinned).
+        "INSERT INTO submissions (form, action, payload_json, created_at)"
+        " VALUES (?, ?, ?, fleet_now())",
+        (_get(conn, "form"), action, json.dumps(payload, sort_keys=True)),
     )
 
 

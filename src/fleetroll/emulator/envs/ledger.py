@@ -1,13 +1,17 @@
 """``ledger``: a small-business bookkeeping app (tool_use).
 
 State is a SQLite database: ``accounts``, ``transactions`` and ``invoices``.
-Amounts are dollars on the API and integer cents in the database. Tools that
+Amounts are dollars on the API and integer cents in the database. A new
+transaction's date defaults to the instance's today and its ``reference`` is
+drawn from the instance's random source, so a reset's ``seed`` and
+``timestamp`` decide both (:mod:`fleetroll.emulator.instances`). Tools that
 get bad arguments (unknown account, non-positive amount, bad date, paying a
 void invoice...) answer with an MCP tool error, like a real API would.
 """
 
 from __future__ import annotations
 
+import random
 import re
 import sqlite3
 from datetime import date
@@ -38,7 +42,8 @@ CREATE TABLE transactions (
     description TEXT NOT NULL,
     from_account TEXT NOT NULL,
     to_account TEXT NOT NULL,
-    amount_cents INTEGER NOT NULL
+    amount_cents INTEGER NOT NULL,
+    reference TEXT
 );
 CREATE TABLE invoices (
     id INTEGER PRIMARY KEY,
@@ -120,15 +125,20 @@ def _cents(amount: float, what: str = "amount") -> int:
     return cents
 
 
-def _date(value: str | None) -> str:
+def _date(value: str | None, today: date | None = None) -> str:
     if value is None:
-        return date.today().isoformat()
+        return (today or date.today()).isoformat()
     if not _DATE.match(value):
         raise ToolError(f"date must be YYYY-MM-DD, got {value!r}")
     try:
         return date.fromisoformat(value).isoformat()
     except ValueError:
         raise ToolError(f"{value!r} is not a real date") from None
+
+
+def _reference(rng: random.Random) -> str:
+    """A transaction's bank reference, from the instance's random source."""
+    return f"TX-{rng.getrandbits(40):010X}"
 
 
 def _dollars(cents: int) -> float:
@@ -286,9 +296,10 @@ class LedgerEnv(SampleEnv):
             ctx: Context,
             date: str | None = None,
         ) -> dict[str, Any]:
-            conn = (await gate.enter(ctx)).conn
+            inst = await gate.enter(ctx)
+            conn = inst.conn
             cents = _cents(amount)
-            day = _date(date)
+            day = _date(date, inst.now().date())
             src = _account(conn, from_account)
             dst = _account(conn, to_account)
             if src[0] == dst[0]:
@@ -299,10 +310,11 @@ class LedgerEnv(SampleEnv):
                     f"needed {_dollars(cents)}"
                 )
             _apply(conn, src[1], dst[1], cents)
+            reference = _reference(inst.rng)
             cur = conn.execute(
                 "INSERT INTO transactions (date, description, from_account, to_account,"
-                " amount_cents) VALUES (?, ?, ?, ?, ?)",
-                (day, description, src[1], dst[1], cents),
+                " amount_cents, reference) VALUES (?, ?, ?, ?, ?, ?)",
+                (day, description, src[1], dst[1], cents, reference),
             )
             return {
                 "transaction_id": cur.lastrowid,
@@ -310,6 +322,7 @@ class LedgerEnv(SampleEnv):
                 "from_account": src[1],
                 "to_account": dst[1],
                 "amount": _dollars(cents),
+                "reference": reference,
             }
 
         @server.tool(
@@ -387,7 +400,8 @@ class LedgerEnv(SampleEnv):
         async def mark_invoice_paid(
             invoice_id: int, deposit_account: str, ctx: Context
         ) -> dict[str, Any]:
-            conn = (await gate.enter(ctx)).conn
+            inst = await gate.enter(ctx)
+            conn = inst.conn
             inv = _invoice(conn, invoice_id)
             if inv[4] != "open":
                 raise ToolError(f"invoice {invoice_id} is {inv[4]}, not open")
@@ -397,12 +411,13 @@ class LedgerEnv(SampleEnv):
             _apply(conn, "Sales", dst[1], inv[2])
             conn.execute(
                 "INSERT INTO transactions (date, description, from_account, to_account,"
-                " amount_cents) VALUES (?, ?, 'Sales', ?, ?)",
+                " amount_cents, reference) VALUES (?, ?, 'Sales', ?, ?, ?)",
                 (
-                    date.today().isoformat(),
+                    inst.now().date().isoformat(),
                     f"Payment of invoice #{inv[0]} ({inv[1]})",
                     dst[1],
                     inv[2],
+                    _reference(inst.rng),
                 ),
             )
             conn.execute(

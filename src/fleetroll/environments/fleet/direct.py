@@ -131,8 +131,8 @@ class DirectEnv:
     heartbeat_region: str | None
     control: DirectControl
 
-    async def reset(self) -> Reset:
-        return await self.control.reset(self)
+    async def reset(self, seed: int | None = None, timestamp: int | None = None) -> Reset:
+        return await self.control.reset(self, seed=seed, timestamp=timestamp)
 
     async def close(self) -> None:
         await self.control.delete(self.instance_id)
@@ -370,8 +370,11 @@ class DirectControl:
         """``DELETE /v1/env/instances/{id}`` (``AsyncEnv.close``)."""
         await self.call("DELETE", f"/v1/env/instances/{instance_id}")
 
-    async def reset(self, env: DirectEnv) -> Reset:
-        """``POST {manager}/reset`` (``AsyncEnv.reset()``: no seed, no timestamp).
+    async def reset(
+        self, env: DirectEnv, *, seed: int | None = None, timestamp: int | None = None
+    ) -> Reset:
+        """``POST {manager}/reset`` (``AsyncEnv.reset(seed, timestamp)``: its
+        ``ResetRequest``, both fields always sent, null when not given).
 
         An error answer is not raised as a status, as with the SDK's instance
         client: its body is read as a reset answer (which fails to parse).
@@ -382,7 +385,7 @@ class DirectControl:
         if token:
             headers[RUNNER_TOKEN_HEADER] = token
         headers["Content-Type"] = _JSON
-        body = {"timestamp": None, "seed": None}
+        body = {"timestamp": timestamp, "seed": seed}  # ResetRequest's order
         url = f"{env.urls.manager}/reset"
         data = _dumps(body)
         response = await self._wire.request(

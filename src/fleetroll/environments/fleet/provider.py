@@ -303,14 +303,15 @@ class FleetProvider:
     def _env(self, instance: Instance) -> FleetEnv:
         return self._control.env_of(instance.handle)
 
-    async def reset(self, instance: Instance) -> None:
-        """Reset the instance to its seed state (``timeouts.reset_s``).
+    async def reset(self, instance: Instance, task: TaskSpec) -> None:
+        """Reset the instance to its seed state, at ``task``'s ``seed`` and
+        ``timestamp`` (Fleet's ``ResetRequest``; None: the platform's) (``timeouts.reset_s``).
 
         Raises:
             RolloutError: Fleet answered that the reset did not succeed.
         """
         with fail_after(self._config.timeouts.reset_s):
-            answer = await self._env(instance).reset()
+            answer = await self._env(instance).reset(seed=task.seed, timestamp=task.timestamp)
         if not answer.success:  # the instance's state is not its seed's
             raise RolloutError(
                 f"Fleet could not reset the instance: {answer.message}", operation="reset"

@@ -13,14 +13,15 @@ one key with different verifiers are each scored by their own. The code is
 parsed once per content, in a worker thread (a large or hostile source must
 not stall the event loop), and only up to ``pool.max_verifier_bytes``.
 
-A verifier that cannot run gives ``reward=None`` and an error, never 0.
+A verifier that cannot run gives ``reward=None`` and an error, never 0; what
+one returns is read by :func:`fleetroll.tasks.verifier_results.verifier_reward`
+(a number as it is, a boolean, a dict's ``score``, ``reward`` or ``value``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import inspect
-import math
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from fleetroll._internal.retrying import Decision, decide
 from fleetroll.environments.provider import Verdict
 from fleetroll.results import VerifierOutcome
 from fleetroll.tasks import TaskSpec
+from fleetroll.tasks.verifier_results import verifier_reward
 
 __all__ = ["Verifier", "verifier_signature"]
 
@@ -157,17 +159,6 @@ def _compile(code: str, sha256: str) -> _Compiled:
     return _Compiled(function, takes_answer)
 
 
-def _reward(result: Any) -> float | None:
-    """A finite float from what a verifier returned, or None."""
-    if isinstance(result, dict):
-        result = result.get("score")
-    if isinstance(result, bool):
-        return float(result)
-    if isinstance(result, int | float) and math.isfinite(result):
-        return float(result)
-    return None
-
-
 def _decision(exc: BaseException) -> Decision:
     """The SDK's types first (its wrapper of transport errors has no status), then the table."""
     if isinstance(exc, fleet_errors.FleetTimeoutError | fleet_errors.FleetRateLimitError):
@@ -279,13 +270,9 @@ class Verifier:
         )
         if not response.success:
             return Verdict(None, outcome, (response.error or {}).get("type", "VerifierFailed"))
-        reward = _reward(response.result)
-        if reward is None:
-            outcome = outcome.model_copy(
-                update={
-                    "success": False,
-                    "error": f"the verifier returned {response.result!r}, not a score",
-                }
-            )
+        try:
+            reward = verifier_reward(response.result)
+        except ValueError as exc:
+            outcome = outcome.model_copy(update={"success": False, "error": str(exc)})
             return Verdict(None, outcome, "BadScore")
         return Verdict(reward, outcome)

@@ -26,8 +26,9 @@ instances from one rollout to the next:
 * at most ``provisioning.warm_instances`` idle instances of each kind are kept,
   each for ``provisioning.warm_idle_s``; closing the pool releases them all.
 
-The reset happens when the instance is given back, so the next rollout's own
-reset (:meth:`WarmPool.reset`) has nothing left to do; its verifier sees only
+The reset happens when the instance is given back (to the seed and timestamp
+of the task it served), so the next rollout's own reset (:meth:`WarmPool.reset`)
+has nothing left to do unless its task asks for another; its verifier sees only
 its own rollout's changes, as on a fresh instance. The batch's orphan sweep
 by ``run_id`` waits while this pool still holds an instance of that run (it
 would delete it under the rollout it went to): it runs once the last is
@@ -104,6 +105,8 @@ class _Held:
     instance: Instance
     key: Hashable
     run_id: str | None
+    #: The task it serves (or last served): a reset for reuse is to its seed and time.
+    task: TaskSpec
     #: Not handed to another rollout from then on: half its TTL has passed.
     reuse_until: float
     #: When it became idle (monotonic), while it is.
@@ -174,8 +177,9 @@ class WarmPool:
         self._limits = ReuseLimits.of(provisioning, timeouts)
         self._kinds: defaultdict[Hashable, _Kind] = defaultdict(_Kind)
         self._held: dict[str, _Held] = {}
-        #: Reset when given back, untouched since: the next rollout's reset is done.
-        self._just_reset: set[str] = set()
+        #: Reset when given back, untouched since, with the (seed, timestamp) it
+        #: was reset to: the next rollout's reset is done if it asks for the same.
+        self._just_reset: dict[str, tuple[int | None, int | None]] = {}
         #: Orphan sweeps put off while an instance of their run_id is held.
         self._deferred: set[str] = set()
         self._tg: TaskGroup | None = None
@@ -204,13 +208,14 @@ class WarmPool:
     async def is_alive(self, instance: Instance) -> bool:
         return await self._inner.is_alive(instance)
 
-    async def reset(self, instance: Instance) -> None:
-        """Reset it, unless it was reset when it was given back and nothing has
-        touched it since (the first reset of a reused instance's rollout)."""
-        if instance.instance_id in self._just_reset:
-            self._just_reset.discard(instance.instance_id)
+    async def reset(self, instance: Instance, task: TaskSpec) -> None:
+        """Reset it, unless it was reset when it was given back, to ``task``'s seed
+        and timestamp, and nothing has touched it since (the first reset of a
+        reused instance's rollout)."""
+        point = self._just_reset.pop(instance.instance_id, None)
+        if point is not None and point == (task.seed, task.timestamp):
             return
-        await self._inner.reset(instance)
+        await self._inner.reset(instance, task)
 
     # -- provisioning -------------------------------------------------------
 
@@ -228,6 +233,7 @@ class WarmPool:
         while True:
             held = self._take_idle(kind)
             if held is not None:
+                held.task = task
                 return held.instance
             now = time.monotonic()
             deadline = max(arrived, kind.moved) + self._limits.wait_s
@@ -239,6 +245,7 @@ class WarmPool:
                 return await self._create(task, key, kind, run_id, growing=True)
             held = await self._wait(kind, deadline - now)
             if held is not None:
+                held.task = task
                 return held.instance
         return await self._create(task, key, kind, run_id)
 
@@ -294,7 +301,7 @@ class WarmPool:
         self._shed(kind)
         ttl = task.ttl_seconds or self._modalities[task.modality].ttl_s
         self._held[instance.instance_id] = _Held(
-            instance, key, run_id, reuse_until=instance.created_mono + ttl / 2
+            instance, key, run_id, task, reuse_until=instance.created_mono + ttl / 2
         )
         return instance
 
@@ -355,12 +362,14 @@ class WarmPool:
         return None
 
     async def _recycle(self, held: _Held) -> None:
-        """Reset ``held`` to its seed, then hand it on, or keep it idle; released
-        when the reset fails (or the pool closes meanwhile)."""
+        """Reset ``held`` to its seed (the seed and timestamp of the task it served:
+        the next is most often another sample of it), then hand it on, or keep it
+        idle; released when the reset fails (or the pool closes meanwhile)."""
         began = time.monotonic()
+        task = held.task
         try:
             with fail_after(self._limits.reset_s):
-                await self._inner.reset(held.instance)
+                await self._inner.reset(held.instance, task)
         except anyio.get_cancelled_exc_class():
             await self._release(held, "closing")
             raise
@@ -376,7 +385,7 @@ class WarmPool:
             await self._release(held, "reset_failed")
             return
         held.instance = dataclasses.replace(held.instance, uses=held.instance.uses + 1)
-        self._just_reset.add(held.instance.instance_id)
+        self._just_reset[held.instance.instance_id] = (task.seed, task.timestamp)
         self._events.emit(
             "fleet_instance_recycled",
             instance_id=held.instance.instance_id,
@@ -414,7 +423,7 @@ class WarmPool:
         kind.out -= 1
         self._wake_if_none_out(kind)
         self._held.pop(held.instance.instance_id, None)
-        self._just_reset.discard(held.instance.instance_id)
+        self._just_reset.pop(held.instance.instance_id, None)
         self._events.emit(
             "fleet_instance_recycled",
             instance_id=held.instance.instance_id,

@@ -9,12 +9,12 @@
 * :func:`process_transport`: an MCP transport over a running server's pipes,
   its lines read by :class:`LineReader` (linear time, each capped).
 * :func:`reward_number`, :func:`tool_reward`, :func:`no_reward`: a verifier's answer
-  read as a reward (a finite number), or a verdict without one.
+  read as a reward (:mod:`fleetroll.tasks.verifier_results`: a finite number, a
+  boolean, an object's ``score``, ``reward`` or ``value``), or a verdict without one.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -35,6 +35,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from fleetroll.environments.provider import Verdict
 from fleetroll.errors import ProvisionError
 from fleetroll.results import VerifierOutcome
+from fleetroll.tasks.verifier_results import verifier_reward, verifier_reward_text
 from fleetroll.tools.session import AnswerLimits, ToolResult
 
 if TYPE_CHECKING:
@@ -362,17 +363,33 @@ def no_reward(error: str, stdout: str, error_type: str = "VerifierError") -> Ver
 
 
 def reward_number(text: str) -> float | None:
+    """The reward a line or a reward file states
+    (:func:`~fleetroll.tasks.verifier_results.verifier_reward_text`), or None."""
     try:
-        value = float(text.strip())
+        return verifier_reward_text(text)
     except ValueError:
         return None
-    return value if math.isfinite(value) else None
 
 
-def tool_reward(answer: ToolResult) -> float | None:
+def tool_reward(answer: ToolResult) -> float:
+    """The reward a verifier tool answered: its structured content read by
+    :func:`~fleetroll.tasks.verifier_results.verifier_reward` (a bare value is
+    wrapped as ``{"result": ...}`` by MCP), else its text.
+
+    Raises:
+        ValueError: neither holds a reward; the message says what the tool answered.
+    """
     structured = answer.structured
-    if isinstance(structured, Mapping):
-        structured = structured.get("result")
-    if isinstance(structured, int | float) and not isinstance(structured, bool):
-        return float(structured) if math.isfinite(structured) else None
-    return reward_number(answer.text)
+    if isinstance(structured, Mapping) and set(structured) == {"result"}:
+        structured = structured["result"]
+    if structured is not None:
+        try:
+            return verifier_reward(structured)
+        except ValueError:
+            if not answer.text.strip():
+                raise
+    try:
+        return verifier_reward_text(answer.text)
+    except ValueError:
+        shown = answer.text.strip()[:80]
+        raise ValueError(f"the verifier tool answered {shown!r}, not a reward") from None

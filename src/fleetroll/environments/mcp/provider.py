@@ -81,6 +81,7 @@ from fleetroll.settings import (
 )
 from fleetroll.tasks import TaskSpec
 from fleetroll.tasks.mcp import McpEnvironment, McpVerifier, ToolCallSpec
+from fleetroll.tasks.verifier_results import verifier_reward_text
 from fleetroll.telemetry.events import Events, Redactor
 from fleetroll.telemetry.retries import retry_emitter
 from fleetroll.tools.mcp_client import SdkClient
@@ -370,7 +371,7 @@ class McpProvider:
 
     # -- the rollout -----------------------------------------------------------
 
-    async def reset(self, instance: Instance) -> None:
+    async def reset(self, instance: Instance, task: TaskSpec) -> None:
         """Run a ``url`` server's ``environment.reset`` (``timeouts.reset_s``).
 
         A ``command`` server starts fresh: nothing to do. Errors name the
@@ -555,17 +556,17 @@ class McpProvider:
                 why = f"exited with status {ran.returncode}; " if ran.returncode else ""
                 error = f"the verifier {why}wrote no {verifier.reward_file}: {exc}"
                 return no_reward(redact(error + self._tail(ran.stderr, redact)), stdout)
-            reward = reward_number(text.strip())
-            if reward is None:
-                error = f"{verifier.reward_file} holds no number: {text.strip()[:80]!r}"
-                return no_reward(redact(error), stdout)
+            try:
+                reward = verifier_reward_text(text)
+            except ValueError as exc:
+                return no_reward(redact(f"{verifier.reward_file}: {exc}"), stdout)
             return Verdict(reward, VerifierOutcome(success=True, stdout=stdout))
         if ran.returncode != 0:
             error = f"the verifier exited with status {ran.returncode}" + self._tail(
                 ran.stderr, redact
             )
             return no_reward(error, stdout, "VerifierCrashed")
-        reward = next(
+        printed = next(
             (
                 n
                 for line in reversed(ran.stdout.splitlines())
@@ -573,9 +574,13 @@ class McpProvider:
             ),
             None,
         )
-        if reward is None:
-            return no_reward("the verifier printed no number", stdout)
-        return Verdict(reward, VerifierOutcome(success=True, stdout=stdout))
+        if printed is None:
+            return no_reward(
+                "the verifier printed no reward (a number, true/false, or a JSON object"
+                " with 'score', 'reward' or 'value')",
+                stdout,
+            )
+        return Verdict(printed, VerifierOutcome(success=True, stdout=stdout))
 
     async def _verify_tool(
         self, handle: McpHandle, tool: ToolCallSpec, redact: Redactor
@@ -591,9 +596,10 @@ class McpProvider:
         text = redact(answer.text[-OUTPUT_KEPT:])
         if answer.is_error:
             return no_reward(f"the verifier tool {tool.name} failed: {text[:300]}", text)
-        reward = tool_reward(answer)
-        if reward is None:
-            return no_reward(f"the verifier tool {tool.name} gave no number: {text[:80]!r}", text)
+        try:
+            reward = tool_reward(answer)
+        except ValueError as exc:
+            return no_reward(redact(f"the verifier tool {tool.name}: {exc}"), text)
         return Verdict(reward, VerifierOutcome(success=True, stdout=text))
 
     async def _run(

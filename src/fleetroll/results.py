@@ -278,6 +278,14 @@ class RolloutResult(BaseModel):
     final_answer: str | None = None
     timings: Timings = Field(default_factory=Timings)
     verifier: VerifierOutcome | None = None
+    system_prompt: str | None = Field(
+        default=None,
+        description="The system message the model's first call was sent; null: none, or no call",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="The tools as the model's first call was sent them (OpenAI's tools list)",
+    )
     transcript: list[dict[str, Any]] = Field(default_factory=list)
     turns: list[Turn] = Field(
         default_factory=list,
@@ -307,9 +315,9 @@ def writable_result(result: RolloutResult) -> RolloutResult:
     (the journal, the results stream, the events' ``end``, the dashboard).
     Its stand-in is its rollout's failure, ``result_error`` with reward null,
     its ids, counts, timings and costs kept, ``error`` naming the field and
-    what the rollout had ended as; its transcript, turns and verifier output
-    are left out. A rollout's machine keeps this as its result, so every view
-    serves what the journal holds.
+    what the rollout had ended as; its transcript, turns, verifier output,
+    system prompt and tools are left out. A rollout's machine keeps this as
+    its result, so every view serves what the journal holds.
     """
     try:
         result.model_dump_json()
@@ -321,7 +329,7 @@ def writable_result(result: RolloutResult) -> RolloutResult:
     error = (
         f"its result could not be written as JSON: {where}; it had ended {utf8_safe(ended)}"
         + (f" with reward {result.reward:g}" if result.reward is not None else "")
-        + " (its transcript, turns and verifier output are left out)"
+        + " (its transcript, turns, verifier output, system prompt and tools are left out)"
     )
     return RolloutResult(
         rollout_id=utf8_safe(result.rollout_id),

@@ -159,10 +159,11 @@ async def test_rows_answer_the_requests_in_order_by_task_and_sample_even_with_sh
     for row, (key, index) in zip(rows, requests, strict=True):
         assert row["rollout_id"] in {rollout_id(f"b1-{n}", key, index) for n in (0, 1)}
         if key == c:
-            assert row["reward"] is None and row["status"] == "policy_error"
+            assert row["reward"] is None and row["status"] == "failed"
+            assert row["failure_reason"] == "policy_error"
             assert set(row["completion_mask"]) <= {0} and row["advantage"] == 0.0
         else:
-            assert row["reward"] is not None and row["status"] == "completed"
+            assert row["reward"] is not None and row["status"] == "scored"
             assert row["prompt_ids"] and 1 in row["completion_mask"]
             n = len(row["completion_ids"])
             assert len(row["completion_mask"]) == len(row["completion_logprobs"]) == n

@@ -55,7 +55,7 @@ async def test_rows_come_from_ray_actors_and_carry_the_synced_version(
     assert version == 1 and sync.versions == [1]
     for rows, expected in ((before, 0), (after, 1)):
         for row in rows:
-            assert row["status"] == "completed" and 1 in row["completion_mask"]
+            assert row["status"] == "scored" and 1 in row["completion_mask"]
             versions = {
                 v
                 for v, m in zip(

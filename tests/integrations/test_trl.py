@@ -145,7 +145,7 @@ def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_ver
         for i in range(len(prompts)):
             mask = out["env_mask"][i]
             assert len(mask) == len(out["completion_ids"][i]) == len(out["logprobs"][i])
-            assert out["fleetroll_status"][i] == "completed"
+            assert out["fleetroll_status"][i] == "scored"
             assert out["fleetroll_reward"][i] is not None
             versions = out["fleetroll_policy_versions"][i]
             generated = [v for v, m in zip(versions, mask, strict=True) if m]

@@ -483,6 +483,32 @@ async def test_a_call_asking_for_several_choices_records_each_as_a_turn() -> Non
     assert [t.usage for t in result.turns] == [sent["usage"], None]
 
 
+async def test_the_result_keeps_the_system_message_and_tools_of_the_agent_s_first_call() -> None:
+    tools = [{"type": "function", "function": {"name": "note", "parameters": {"type": "object"}}}]
+    script = CALLS + (
+        f"tools = {tools!r}\n"
+        "def asks(system, tools):\n"
+        "    body = {'messages': [{'role': 'system', 'content': system},"
+        " {'role': 'user', 'content': 'hi'}], 'tools': tools}\n"
+        "    return call('/chat/completions', body)\n"
+        "first = asks('You are an agent.', tools)\n"
+        "done({'answer': [first, asks('Another.', [])]})\n"
+    )
+    command = [sys.executable, "-c", script]
+    async with agent_rollout(command, script=[completion("one"), completion("two")]) as (
+        eng,
+        agent,
+        server,
+    ):
+        result = await run(eng, agent)
+
+    assert result.final_answer is not None, result.error
+    assert len(server.requests) == len(result.turns) == 2
+    assert server.requests[0]["tools"] == tools
+    assert result.system_prompt == "You are an agent."
+    assert result.tools == tools
+
+
 async def test_concurrent_calls_of_one_agent_cannot_pass_max_steps() -> None:
     everyone_asked = anyio.Event()
     asked = 0

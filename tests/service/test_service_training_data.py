@@ -84,6 +84,10 @@ async def test_an_allowed_agent_command_scores_every_task_with_the_server_s_exac
     assert sum(len(r.turns) for r in results) == len(replies) == len(requests)
     # The agent's calls asked for the training data the service's settings ask for.
     assert all(q["return_token_ids"] and q["logprobs"] and q["model"] == "served" for q in requests)
+    # Each result (as streamed over HTTP) keeps the tools the agent sent, and no system
+    # prompt: the example agent sends none.
+    assert requests[0]["tools"]
+    assert all(r.tools == requests[0]["tools"] and r.system_prompt is None for r in results)
     assert emulator.ledger.running == 0
 
 

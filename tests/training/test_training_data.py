@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import anyio
@@ -18,10 +19,11 @@ import pytest
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies import AssistantTurn, OpenAIChatPolicy, ToolCall, ToolSpec, TurnData
 from fleetroll.pool.assembly import chat_policy_config
-from fleetroll.rollout.progress import Progress
+from fleetroll.rollout.progress import Progress, RolloutIds
 from fleetroll.rollout.transcript import Transcript
 from fleetroll.settings import load_settings
 from fleetroll.tasks import TaskSpec
+from fleetroll.telemetry.events import Redactor
 from fleetroll.testing.fake_openai import (
     FakeChatServer,
     VllmShape,
@@ -131,7 +133,7 @@ def test_the_settings_reach_the_policy() -> None:
 
 
 async def test_vllm_s_token_ids_and_logprobs_are_parsed_exactly() -> None:
-    policy, _ = mock_policy(
+    policy, bodies = mock_policy(
         lambda body: httpx.Response(200, json=VLLM_ANSWER),
         return_token_ids=True,
         logprobs=True,
@@ -149,6 +151,7 @@ async def test_vllm_s_token_ids_and_logprobs_are_parsed_exactly() -> None:
             (("{", -0.25), ("x", -1.75)),
             (("</tool_call>", -0.5), ("x", -2.0)),
         ),
+        tools=tuple(bodies[0]["tools"]),
     )
     assert turn.tool_calls[0].arguments == {"amount": 5}
 
@@ -157,13 +160,16 @@ async def test_an_openai_like_server_gives_nulls_and_one_warning_per_missing_fie
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     answer = completion("done")  # no token ids, no logprobs
-    policy, _ = mock_policy(
+    policy, bodies = mock_policy(
         lambda body: httpx.Response(200, json=answer), return_token_ids=True, logprobs=True
     )
     with caplog.at_level(logging.WARNING, logger="fleetroll.policies.openai"):
         turns = [await act(policy) for _ in range(5)]
 
-    assert {t.data for t in turns} == {TurnData(model="fake-model", finish_reason="stop")}
+    shown = tuple(bodies[0]["tools"])
+    assert {t.data for t in turns} == {
+        TurnData(model="fake-model", finish_reason="stop", tools=shown)
+    }
     warnings = [r.getMessage() for r in caplog.records if r.name == "fleetroll.policies.openai"]
     assert len(warnings) == 1
     assert "prompt_token_ids, completion_token_ids, logprobs" in warnings[0]
@@ -172,11 +178,54 @@ async def test_an_openai_like_server_gives_nulls_and_one_warning_per_missing_fie
 async def test_token_data_not_asked_for_is_not_warned_about(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    policy, _ = mock_policy(lambda body: httpx.Response(200, json=completion("done")))
+    policy, bodies = mock_policy(lambda body: httpx.Response(200, json=completion("done")))
     with caplog.at_level(logging.WARNING, logger="fleetroll.policies.openai"):
         turn = await act(policy)
-    assert turn.data == TurnData(model="fake-model", finish_reason="stop")
+    assert turn.data == TurnData(
+        model="fake-model", finish_reason="stop", tools=tuple(bodies[0]["tools"])
+    )
     assert not [r for r in caplog.records if r.name == "fleetroll.policies.openai"]
+
+
+async def test_a_turn_says_what_its_call_showed_the_model_besides_the_conversation() -> None:
+    policy, bodies = mock_policy(
+        lambda body: httpx.Response(200, json=completion("done")), system_prompt="Be brief."
+    )
+    turn = await act(policy)
+    own = [{"role": "system", "content": "Mine."}, *PROMPT]
+    with_own = await act(policy, own)
+
+    assert turn.data is not None and with_own.data is not None
+    assert bodies[0]["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert turn.data.system_prompt == "Be brief."
+    assert turn.data.tools == tuple(bodies[0]["tools"])
+    assert turn.data.tools == (
+        {
+            "type": "function",
+            "function": {
+                "name": "record_transaction",
+                "description": "Move money.",
+                "parameters": {"type": "object", "properties": {"amount": {"type": "number"}}},
+            },
+        },
+    )
+    assert with_own.data.system_prompt == "Mine."  # the transcript's own, not prepended
+
+
+async def test_a_forwarded_request_s_turns_show_the_agent_s_system_message_and_tools() -> None:
+    policy, _ = mock_policy(lambda body: httpx.Response(200, json=completion("done")))
+    parts = [{"type": "text", "text": "You are"}, {"type": "text", "text": "an agent."}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    body = {"messages": [{"role": "system", "content": parts}, *PROMPT], "tools": tools}
+
+    with anyio.fail_after(TEST_DEADLINE_S):
+        _, (turn,) = await policy.forward(body)
+        _, (bare,) = await policy.forward({"messages": PROMPT})
+
+    assert turn.data is not None and bare.data is not None
+    assert turn.data.system_prompt == "You are\nan agent."
+    assert turn.data.tools == tuple(tools)
+    assert bare.data.system_prompt is None and bare.data.tools is None
 
 
 async def test_a_length_finish_with_cut_arguments_is_an_arguments_error_not_a_crash() -> None:
@@ -486,3 +535,56 @@ async def test_a_chat_answer_over_max_answer_bytes_is_a_policy_error_read_no_fur
 def test_the_answer_cap_setting_reaches_the_policy() -> None:
     settings = load_settings(policy={"kind": "openai", "max_answer_bytes": 4096})
     assert OpenAIChatPolicy.from_config(chat_policy_config(settings)).max_answer_bytes == 4096
+
+
+def test_a_result_keeps_what_its_first_call_showed_the_model_redacted() -> None:
+    secret = "sk-shown-secret-1234"
+    schema = MappingProxyType({"type": "object", "properties": {"n": {"type": "integer"}}})
+    first = {
+        "type": "function",
+        "function": {"name": "f", "description": f"key {secret}", "parameters": schema},
+    }
+    shared = {"type": "object", "properties": {"x": {"type": "string"}}}
+    second = {"type": "function", "function": {"name": "g", "parameters": shared}}
+    progress = Progress()
+    progress.transcript.add_prompt("Pay the rent.")
+    for system, tools in (("Be brief.", (first, second)), ("Later.", None)):
+        turn = AssistantTurn(content="ok", data=TurnData(system_prompt=system, tools=tools))
+        progress.record_turn(turn, policy_version=0, latency_s=0.0)
+    progress.reward = 1.0
+
+    result = progress.result(
+        RolloutIds(batch_id="b", rollout_id="r"),
+        TASK,
+        None,
+        redact=Redactor([secret]),
+        keep_images=False,
+    )
+
+    assert result.system_prompt == "Be brief."
+    assert result.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "description": "key [REDACTED]",
+                "parameters": {"type": "object", "properties": {"n": {"type": "integer"}}},
+            },
+        },
+        second,
+    ]
+    assert type(result.tools[0]["function"]["parameters"]) is dict
+    # What needed no redaction is the listing's own object (shared by rollouts), not a copy.
+    assert result.tools[1]["function"]["parameters"] is shared
+    assert json.loads(result.model_dump_json())["tools"] == result.tools
+
+
+def test_a_result_of_no_model_call_shows_nothing() -> None:
+    progress = Progress()
+    progress.record_turn(AssistantTurn(content="scripted"), policy_version=0, latency_s=0.0)
+    progress.reward = 1.0
+    result = progress.result(
+        RolloutIds(batch_id="b", rollout_id="r"), TASK, None, redact=str, keep_images=False
+    )
+
+    assert result.system_prompt is None and result.tools is None

@@ -36,8 +36,11 @@ turns, the tool answers), ``completion_mask`` (1 for the model's tokens),
 ``completion_logprobs`` (the server's, None where the mask is 0),
 ``completion_policy_versions`` (per token, None where the mask is 0),
 ``reward`` (None for a failed rollout), ``advantage`` (group-normalised over
-the scored rows; 0 for a failed one) and ``status`` (``completed`` or the
-failure reason). A failed rollout is still a row, with its mask all 0, so the
+the scored rows; 0 for a failed one), ``status`` (``scored``, ``failed``, or
+what else made the row: :data:`fleetroll.training.trajectory.ROW_STATUSES`),
+``failure_reason``, ``dropped_tokens`` and ``drift``: the rows of
+:func:`fleetroll.training_rows` with ``group_size`` (docs/results.md,
+"Training rows"). A failed rollout is still a row, with its mask all 0, so the
 trainer's group keeps its size; when no model call happened its
 ``prompt_ids`` and ``completion_ids`` are empty: :func:`fill_empty_row` fills
 them with the trainer's tokenizer (the prompt, and one end token).
@@ -48,10 +51,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import math
 import os
 import queue
-import statistics
 import threading
 import uuid
 from collections import defaultdict
@@ -59,7 +60,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, NamedTuple, Self, TypeVar
+from typing import Any, NamedTuple, Self, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -73,11 +74,11 @@ from fleetroll.pool.assembly import policy_from_settings
 from fleetroll.pool.batch import rollout_id
 from fleetroll.pool.batch_pool import open_batch_pool
 from fleetroll.pool.rollout_pool import Batch, RolloutPool
-from fleetroll.results import FailureReason, RolloutResult, Trajectory, TrajectorySegment
+from fleetroll.results import RolloutResult
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks, parse_tasks
 from fleetroll.telemetry.events import Events
-from fleetroll.training.trajectory import ADVANTAGE_EPS, stitch
+from fleetroll.training.trajectory import Drift, training_rows
 from fleetroll.training.weight_sync import WeightSync, sync_weights
 
 __all__ = [
@@ -93,9 +94,6 @@ __all__ = [
 
 #: One trainer row (see the module's docstring for its keys).
 Row = dict[str, Any]
-#: What a rollout whose chat template drifted becomes (``token_in`` avoids drift):
-#: its first segment, a masked row (``drop``), or its last turn alone.
-Drift = Literal["first_segment", "drop", "last_turn"]
 
 _T = TypeVar("_T")
 
@@ -344,7 +342,7 @@ class Rollouts:
         answered: dict[Request, Row] = {}
         for key, indices in wanted.items():
             group = sorted(by_task[key], key=lambda r: r.sample_index)
-            rows = _training_rows([group], group_size=len(indices), drift=self.drift)
+            rows = training_rows([group], group_size=len(indices), drift=self.drift)
             for index, row in zip(sorted(indices), rows, strict=True):
                 answered[Request(key, index)] = row
         return [answered[Request(key, index)] for key, index in requests]
@@ -373,92 +371,6 @@ def _by_task(
             raise ValueError(f"sample {index} of task {key!r} is asked twice")
         wanted[key].add(index)
     return dict(wanted)
-
-
-# TODO(t39-rows): fleetroll.training.trajectory.training_rows(..., group_size=G,
-# drift=...) replaces this, with the same contract.
-def _training_rows(
-    groups: Sequence[Sequence[RolloutResult]], *, group_size: int, drift: Drift
-) -> list[Row]:
-    """Exactly ``group_size`` rows per group, in sample order: its lowest-ranked
-    scored samples, then (when too few) its lowest-ranked failed ones, masked."""
-    rows: list[Row] = []
-    for group in groups:
-        ranked = sorted(group, key=lambda r: r.sample_index)
-        built = [(r, _row(r, drift)) for r in ranked]
-        scored = [(r, row) for r, row in built if row["reward"] is not None]
-        failed = [
-            (r, row)
-            for r, row in built
-            if row["reward"] is None and r.failure_reason is not FailureReason.SUPERSEDED
-        ]
-        kept = scored[:group_size]
-        kept += failed[: group_size - len(kept)]
-        if len(kept) < group_size:
-            raise ValueError(f"a group of {len(ranked)} results cannot fill {group_size} rows")
-        rewards = [row["reward"] for _, row in kept if row["reward"] is not None]
-        mean = statistics.fmean(rewards) if rewards else 0.0
-        std = statistics.pstdev(rewards) if rewards else 0.0
-        for _, row in sorted(kept, key=lambda pair: pair[0].sample_index):
-            if row["reward"] is not None:
-                row["advantage"] = (row["reward"] - mean) / (std + ADVANTAGE_EPS)
-            rows.append(row)
-    return rows
-
-
-def _row(result: RolloutResult, drift: Drift) -> Row:
-    status = result.failure_reason.value if result.failure_reason else "completed"
-    reward = result.reward if result.reward is not None and math.isfinite(result.reward) else None
-    row: Row = {
-        "rollout_id": result.rollout_id,
-        "group_id": result.group_id,
-        "task_key": result.task_key,
-        "sample_index": result.sample_index,
-        "prompt_ids": [],
-        "completion_ids": [],
-        "completion_mask": [],
-        "completion_logprobs": [],
-        "completion_policy_versions": [],
-        "reward": reward,
-        "advantage": 0.0,
-        "status": status,
-    }
-    trajectory = result.trajectory or stitch(result.turns)
-    if trajectory is None:  # no model call, or no token ids: nothing to train on
-        if result.turns and result.turns[0].prompt_token_ids:
-            row["prompt_ids"] = list(result.turns[0].prompt_token_ids)
-        row["reward"] = None
-        return row
-    segment: TrajectorySegment | Trajectory = trajectory
-    masked = False
-    if trajectory.drift:
-        if drift == "last_turn":
-            segment = trajectory.segments[-1]
-        masked = drift == "drop"
-    first = result.turns[segment.first_turn if isinstance(segment, TrajectorySegment) else 0]
-    cut = len(first.prompt_token_ids or [])
-    if drift == "last_turn" and trajectory.drift:
-        last = segment.last_turn if isinstance(segment, TrajectorySegment) else 0
-        cut = len(result.turns[last].prompt_token_ids or [])
-    ids, mask = list(segment.input_ids), list(segment.loss_mask)
-    if drift == "last_turn" and trajectory.drift:  # only the last turn's completion in the loss
-        mask = [0] * cut + mask[cut:]
-    row["prompt_ids"] = ids[:cut]
-    row["completion_ids"] = ids[cut:]
-    if masked or reward is None:
-        row["completion_mask"] = [0] * len(ids[cut:])
-        row["completion_logprobs"] = [None] * len(ids[cut:])
-        row["completion_policy_versions"] = [None] * len(ids[cut:])
-        row["reward"] = None
-        return row
-    row["completion_mask"] = mask[cut:]
-    row["completion_logprobs"] = [
-        lp if m else None for lp, m in zip(segment.logprobs[cut:], mask[cut:], strict=True)
-    ]
-    row["completion_policy_versions"] = [
-        v if m else None for v, m in zip(segment.policy_versions[cut:], mask[cut:], strict=True)
-    ]
-    return row
 
 
 class BlockingRollouts:

@@ -45,7 +45,7 @@ from fleetroll.policies.turns import (
 from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskSpec
 
-__all__ = ["ChatPolicyConfig", "OpenAIChatPolicy", "PolicyRecipe"]
+__all__ = ["ChatPolicyConfig", "OpenAIChatPolicy", "PolicyRecipe", "shown"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 #: What servers say when a prompt is longer than the model's context: vLLM ("This
@@ -321,10 +321,10 @@ class OpenAIChatPolicy:
         history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         sent: list[int] | None = None
         kind: Endpoint
+        body = self._body(messages, tools)
         try:
             with fail_after(self.timeout_s) as scope:
                 if self.token_in and history is not None and not self._has_images(messages):
-                    body = self._body(messages, tools)
                     added = len(body["messages"]) - len(messages)
                     body["tokens"] = sent = await token_prompt(
                         self._http,
@@ -336,7 +336,7 @@ class OpenAIChatPolicy:
                     )
                     kind, content = "tokens", self._http.encode(body, self.url)
                 else:
-                    kind, content = "chat", self._request(messages, tools)
+                    kind, content = "chat", self._encoded(body, messages)
                 payload, server = await self._http.post(
                     content, deadline=scope.deadline, affinity=affinity, kind=kind
                 )
@@ -354,12 +354,15 @@ class OpenAIChatPolicy:
                 transient=True,
             ) from None
         turn = self._reader.parse(payload, url=endpoint(server, "chat"))
-        if sent is not None and turn.data is not None and turn.data.prompt_token_ids is None:
+        if turn.data is None:
+            return turn
+        update: dict[str, Any] = shown(body)
+        if sent is not None and turn.data.prompt_token_ids is None:
             # The prompt is the ids we sent, whether or not the server echoed them.
-            turn = replace(turn, data=replace(turn.data, prompt_token_ids=tuple(sent)))
-        if turn.data is None or len(self.servers.servers) == 1:
-            return turn  # one server: nothing to say where the turn went
-        return replace(turn, data=replace(turn.data, server=server.name))
+            update["prompt_token_ids"] = tuple(sent)
+        if len(self.servers.servers) > 1:  # with one server: nothing to say where it went
+            update["server"] = server.name
+        return replace(turn, data=replace(turn.data, **update))
 
     async def forward(
         self, body: Mapping[str, Any], *, affinity: Affinity | None = None
@@ -407,13 +410,13 @@ class OpenAIChatPolicy:
             replace(self._reader.parse(payload, url=url, choice=index), usage=None)
             for index in range(1, len(payload["choices"]))  # checked by the first parse
         ]
+        update: dict[str, Any] = shown(sent)
         if len(self.servers.servers) > 1:
-            turns = [
-                replace(turn, data=replace(turn.data, server=server.name))
-                if turn.data is not None
-                else turn
-                for turn in turns
-            ]
+            update["server"] = server.name
+        turns = [
+            replace(turn, data=replace(turn.data, **update)) if turn.data is not None else turn
+            for turn in turns
+        ]
         return payload, tuple(turns)
 
     # ------------------------------------------------------------- request
@@ -444,7 +447,12 @@ class OpenAIChatPolicy:
 
     def _request(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> bytes:
         """The request body, reusing each message's encoding when the transcript keeps it."""
-        body = self._body(messages, tools)
+        return self._encoded(self._body(messages, tools), messages)
+
+    def _encoded(self, body: Mapping[str, Any], messages: Sequence[Message]) -> bytes:
+        """``body`` (made of ``messages``) as JSON, reusing each message's encoding
+        when the transcript keeps it."""
+        body = dict(body)
         if not isinstance(messages, EncodedMessages) or "messages" in self._extra_body:
             return self._http.encode(body, self.url)
         sent = body.pop("messages")
@@ -471,3 +479,30 @@ class OpenAIChatPolicy:
             " set, but /tokenize does not expand image placeholders); said once",
         )
         return images
+
+
+def shown(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a chat request ``body`` shows the model besides the conversation: its
+    system message (its text; parts' texts joined by newlines, as vLLM renders
+    them) and its ``tools`` as sent, as :class:`TurnData` fields."""
+    messages = body.get("messages")
+    system: str | None = None
+    if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
+        first = messages[0]
+        if first.get("role") == "system":
+            content = first.get("content")
+            if isinstance(content, str):
+                system = content
+            elif isinstance(content, Sequence):
+                system = "\n".join(
+                    str(part.get("text", ""))
+                    for part in content
+                    if isinstance(part, Mapping) and part.get("type", "text") == "text"
+                )
+    tools = body.get("tools")
+    listed = (
+        tuple(tool for tool in tools if isinstance(tool, Mapping))
+        if isinstance(tools, Sequence) and not isinstance(tools, str) and tools
+        else None
+    )
+    return {"system_prompt": system, "tools": listed}

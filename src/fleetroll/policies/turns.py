@@ -78,6 +78,13 @@ class TurnData:
     #: The policy server that answered (its API root, without credentials),
     #: when there are many (``policy.base_urls``); None with one.
     server: str | None = None
+    #: What the call showed the model besides the conversation's own
+    #: messages: the system message it was sent (None: none), and the tools
+    #: as sent (OpenAI's ``tools`` list; None: none). A result keeps its first
+    #: call's, so turn 0 re-renders from the result alone. (The tools, dicts,
+    #: are left out of the hash.)
+    system_prompt: str | None = None
+    tools: tuple[Mapping[str, Any], ...] | None = field(default=None, hash=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,10 +9,10 @@ string that came from outside.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fleetroll._internal.deadlines import now
 from fleetroll.policies import AssistantTurn
@@ -67,6 +67,9 @@ class Progress:
     #: The policy version of the first policy call (staleness is measured from
     #: it), for every policy: the scripted one records no ``turns``.
     first_policy_version: int | None = None
+    #: What the first recorded call showed the model besides the transcript:
+    #: its system message and its tools as sent (``TurnData``); None until then.
+    shown: tuple[str | None, tuple[Mapping[str, Any], ...] | None] | None = None
     #: The prompt+completion tokens of the last turn, as the server counted them,
     #: and the transcript's length once that turn was added (context estimate).
     _context_tokens: int = 0
@@ -114,6 +117,8 @@ class Progress:
         data = turn.data
         if data is None:  # not a model server's answer (the scripted policy)
             return
+        if self.shown is None:
+            self.shown = (data.system_prompt, data.tools)
         self.turns.append(
             Turn(
                 index=len(self.turns),
@@ -194,6 +199,7 @@ class Progress:
                     "error": None if verifier.error is None else redact(verifier.error),
                 }
             )
+        system_prompt, tools = self.shown or (None, None)
         return RolloutResult(
             rollout_id=ids.rollout_id,
             batch_id=ids.batch_id,
@@ -216,6 +222,8 @@ class Progress:
             final_answer=None if self.final_answer is None else redact(self.final_answer),
             timings=self.timings.model_copy(),
             verifier=verifier,
+            system_prompt=None if system_prompt is None else redact(system_prompt),
+            tools=None if tools is None else [_plain(tool, redact) for tool in tools],
             transcript=self.transcript.export(redact, keep_images=keep_images),
             turns=[
                 turn
@@ -230,3 +238,27 @@ class Progress:
 
 def _list(values: tuple[T, ...] | None) -> list[T] | None:
     return None if values is None else list(values)
+
+
+def _plain(value: Any, redact: Callable[[str], str]) -> Any:
+    """``value`` (a tool as sent: JSON's types, mappings and sequences of any
+    kind) as plain dicts and lists, each string value redacted (keys kept).
+
+    A dict or list in which nothing changed is ``value`` itself, not a copy:
+    the rollouts of one environment share its listed schemas
+    (:mod:`fleetroll.tools.mcp_common`), and so do their results.
+    """
+    if isinstance(value, str):
+        clean = redact(value)
+        return value if clean == value else clean
+    if isinstance(value, Mapping):
+        items = {str(key): _plain(item, redact) for key, item in value.items()}
+        if type(value) is dict and all(items[k] is v for k, v in value.items()):
+            return value
+        return items
+    if isinstance(value, list | tuple):
+        elements = [_plain(item, redact) for item in value]
+        if type(value) is list and all(a is b for a, b in zip(elements, value, strict=True)):
+            return value
+        return elements
+    return value

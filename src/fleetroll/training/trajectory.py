@@ -19,16 +19,29 @@ import math
 import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
-from fleetroll.results import RolloutResult, Trajectory, TrajectorySegment, Turn
+from fleetroll.results import FailureReason, RolloutResult, Trajectory, TrajectorySegment, Turn
 from fleetroll.training.groups import Group
 
-__all__ = ["stitch", "training_rows"]
+__all__ = ["DRIFT_POLICIES", "ROW_STATUSES", "Drift", "RowStatus", "stitch", "training_rows"]
 
 #: Added to a group's reward standard deviation, so a uniform group's
 #: advantages are 0 rather than a division by zero.
 ADVANTAGE_EPS = 1e-6
+
+#: What :func:`training_rows` with ``group_size`` makes of a drifted rollout.
+Drift = Literal["drop", "first_segment", "last_turn"]
+DRIFT_POLICIES: tuple[str, ...] = get_args(Drift)
+
+#: A row's ``status`` (:func:`training_rows` with ``group_size``): ``scored``
+#: (trained on: its model tokens under the mask), ``failed`` (no reward: an
+#: infrastructure failure), ``padding`` (no rollout: the group had fewer
+#: results than rows), and scored rollouts whose row has no completion:
+#: ``drift_dropped`` (``drift="drop"``), ``no_token_ids`` (the server returned
+#: none), ``unusable`` (a turn's ``training_data_error``).
+RowStatus = Literal["scored", "failed", "padding", "drift_dropped", "no_token_ids", "unusable"]
+ROW_STATUSES: tuple[str, ...] = get_args(RowStatus)
 
 
 @dataclass(slots=True)
@@ -150,30 +163,228 @@ def _followed(turns: Sequence[Turn]) -> Sequence[Turn]:
 
 
 def training_rows(
-    groups: Iterable[Group | Sequence[RolloutResult]], *, eps: float = ADVANTAGE_EPS
+    groups: Iterable[Group | Sequence[RolloutResult]],
+    *,
+    eps: float = ADVANTAGE_EPS,
+    group_size: int | None = None,
+    drift: Drift = "first_segment",
 ) -> list[dict[str, Any]]:
-    """The rows a trainer consumes: one per scored rollout (one per segment when
-    its chat template drifted), with its group-normalised advantage.
+    """The rows a trainer consumes, with group-normalised advantages.
 
-    ``advantage = (reward - mean) / (std + eps)`` over the group's rewards
-    (population standard deviation, as :class:`~fleetroll.Group` reports it).
-    Rollouts without a reward (infrastructure failures) or without token ids
-    are left out; the others' trajectory is the result's ``trajectory``, or
-    stitched from its ``turns`` when the setting was off.
+    ``advantage = (reward - mean) / (std + eps)`` over the group's scored
+    rewards (population standard deviation, as :class:`~fleetroll.Group`
+    reports it). A result's sequence is its ``trajectory``, or stitched from
+    its ``turns`` when ``policy.trajectory`` was off.
+
+    **With** ``group_size=G`` (the trainer's shape, e.g. TRL's
+    ``num_generations``): exactly G rows per group, in ``sample_index`` order,
+    one sequence per rollout, split into the prompt (the ids before the first
+    generated token: turn 0's prompt) and the completion (the rest: the
+    model's tokens under ``completion_mask`` 1, tool answers and template
+    tokens under 0). A group's rows are its scored results (the G
+    lowest-ranked, as the group keeps them; ``superseded`` results never
+    appear), then, to fill G, its unscored ones (infrastructure failures,
+    lowest-ranked first) as rows with reward None, advantage 0.0 and no
+    completion, then ``padding`` rows when fewer than G results remain (a
+    :class:`~fleetroll.Group` holds only its scored results: pass the group's
+    results instead to have each failure's row carry its rollout). ``drift``
+    says what to do with a rollout whose chat template re-rendered its
+    history (``trajectory.drift``; ``policy.token_in`` avoids it):
+
+    - ``"drop"``: the rollout's row has no completion (status ``drift_dropped``);
+    - ``"first_segment"``: the first consistent segment (the later model
+      tokens are dropped and counted);
+    - ``"last_turn"``: the last turn alone, its prompt ids and completion.
 
     Each row is a plain dict: ``rollout_id``, ``group_id``, ``task_key``,
-    ``segment`` (0 unless the template drifted), ``input_ids``, ``loss_mask``,
-    ``logprobs`` (null where masked or not returned), ``policy_versions``,
-    ``reward`` and ``advantage``.
+    ``sample_index``, ``prompt_ids``, ``completion_ids``, ``completion_mask``,
+    ``completion_logprobs`` (None where masked or not returned),
+    ``completion_policy_versions`` (None where masked), ``reward`` (None
+    unless scored), ``advantage``, ``status`` (:data:`ROW_STATUSES`),
+    ``failure_reason``, ``dropped_tokens`` (the rollout's model tokens not
+    under this row's mask) and ``drift`` (None, or the drift turn, the number
+    of segments, the policy applied and the model tokens it dropped). The
+    lists are aligned, one entry per completion token.
+
+    **Without** ``group_size`` (the rows of earlier versions): one row per
+    scored rollout with token ids, one per segment when it drifted, with
+    ``segment``, ``input_ids``, ``loss_mask``, ``logprobs``,
+    ``policy_versions``, ``reward`` and ``advantage``; unscored rollouts are
+    left out (``drift`` is not used).
 
     Args:
-        groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or lists of results.
+        groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or
+            lists of one group's results (with ``group_size``, all of them:
+            failures and ``superseded`` ones included).
         eps: added to the standard deviation.
+        group_size: the rows each group must give (G >= 1); None: the rows above.
+        drift: what a drifted rollout's row holds (with ``group_size``).
+
+    Raises:
+        ValueError: ``group_size`` < 1, an unknown ``drift``, or a list whose
+            results belong to different groups.
     """
+    if drift not in DRIFT_POLICIES:
+        raise ValueError(
+            f"drift must be one of {', '.join(map(repr, DRIFT_POLICIES))}, not {drift!r}"
+        )
+    if group_size is None:
+        return _segment_rows(groups, eps)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ValueError(
+            f"group_size must be an integer >= 1 (the rows per group), not {group_size!r}"
+        )
+    rows: list[dict[str, Any]] = []
+    for group in groups:
+        rows += _group_rows(group, group_size, drift, eps)
+    return rows
+
+
+def _scored(result: RolloutResult) -> bool:
+    return result.reward is not None and math.isfinite(result.reward)
+
+
+def _group_rows(
+    group: Group | Sequence[RolloutResult], size: int, drift: Drift, eps: float
+) -> list[dict[str, Any]]:
+    """Exactly ``size`` rows for one group, in sample order (padding last)."""
+    if isinstance(group, Group):
+        results = list(group.results)
+        group_id: str | None = group.group_id
+        task_key: str | None = group.task_key
+    else:
+        results = list(group)
+        owners = {(r.group_id, r.task_key) for r in results}
+        if len(owners) > 1:
+            keys = ", ".join(sorted({repr(key) for _, key in owners}))
+            raise ValueError(
+                f"a group's results must be of one group (one task of one batch), not of {keys}:"
+                " pass one list per group"
+            )
+        group_id, task_key = next(iter(owners), (None, None))
+    live = [r for r in results if r.failure_reason is not FailureReason.SUPERSEDED]
+    scored = sorted((r for r in live if _scored(r)), key=lambda r: r.sample_index)[:size]
+    failed = sorted((r for r in live if not _scored(r)), key=lambda r: r.sample_index)
+    kept = sorted(scored + failed[: size - len(scored)], key=lambda r: r.sample_index)
+    rewards = [float(r.reward) for r in scored if r.reward is not None]
+    mean = statistics.fmean(rewards) if rewards else 0.0
+    std = statistics.pstdev(rewards) if rewards else 0.0
+    rows = []
+    for result in kept:
+        row = _rollout_row(result, drift)
+        if _scored(result):
+            reward = float(result.reward or 0.0)
+            row["reward"] = reward
+            row["advantage"] = (reward - mean) / (std + eps)
+        rows.append(row)
+    rows += [_padding_row(group_id, task_key) for _ in range(size - len(kept))]
+    return rows
+
+
+def _row(
+    result: RolloutResult | None,
+    status: RowStatus,
+    prompt: Sequence[int] = (),
+    completion: TrajectorySegment | None = None,
+) -> dict[str, Any]:
+    """A row of ``result`` (None: padding): ``completion``, a sequence, split at
+    its first model token into the prompt and the completion; without one,
+    ``prompt`` and no completion. Reward None and advantage 0.0 until scored."""
+    ids: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float | None] = []
+    versions: list[int | None] = []
+    if completion is not None:
+        start = next(
+            (i for i, m in enumerate(completion.loss_mask) if m), len(completion.input_ids)
+        )
+        prompt = completion.input_ids[:start]
+        ids = completion.input_ids[start:]
+        mask = completion.loss_mask[start:]
+        logprobs = completion.logprobs[start:]
+        versions = completion.policy_versions[start:]
+    return {
+        "rollout_id": None if result is None else result.rollout_id,
+        "group_id": None if result is None else result.group_id,
+        "task_key": None if result is None else result.task_key,
+        "sample_index": None if result is None else result.sample_index,
+        "prompt_ids": list(prompt),
+        "completion_ids": list(ids),
+        "completion_mask": list(mask),
+        "completion_logprobs": list(logprobs),
+        "completion_policy_versions": list(versions),
+        "reward": None,
+        "advantage": 0.0,
+        "status": status,
+        "failure_reason": (
+            None if result is None or result.failure_reason is None else result.failure_reason.value
+        ),
+        "dropped_tokens": 0,
+        "drift": None,
+    }
+
+
+def _padding_row(group_id: str | None, task_key: str | None) -> dict[str, Any]:
+    row = _row(None, "padding")
+    row.update(group_id=group_id, task_key=task_key)
+    return row
+
+
+def _rollout_row(result: RolloutResult, drift: Drift) -> dict[str, Any]:
+    """One rollout's row, reward and advantage left to the group."""
+    turns = _followed(result.turns) if result.turns else []
+    first_prompt = (turns[0].prompt_token_ids or []) if turns else []
+    generated = sum(len(turn.completion_token_ids or ()) for turn in turns)
+    if not _scored(result):
+        row = _row(result, "failed", first_prompt)
+    else:
+        trajectory = result.trajectory or stitch(result.turns)
+        if trajectory is None:
+            row = _row(result, "no_token_ids", first_prompt)
+        elif any(turn.training_data_error is not None for turn in turns):
+            row = _row(result, "unusable", first_prompt)
+        elif not trajectory.drift:
+            row = _row(result, "scored", completion=_whole(trajectory))
+        else:
+            if drift == "drop":
+                row = _row(result, "drift_dropped", first_prompt)
+            elif drift == "first_segment":
+                row = _row(result, "scored", completion=_whole(trajectory))
+            else:
+                last = _Building(first_turn=turns[-1].index)
+                last.extend(turns[-1].prompt_token_ids or [])
+                last.generated(turns[-1], turns[-1].completion_token_ids or [])
+                row = _row(result, "scored", completion=last.done())
+            row["drift"] = {
+                "turn": trajectory.drift_turn,
+                "segments": len(trajectory.segments),
+                "policy": drift,
+                "dropped_tokens": generated - sum(row["completion_mask"]),
+            }
+    row["dropped_tokens"] = generated - sum(row["completion_mask"])
+    return row
+
+
+def _whole(trajectory: Trajectory) -> TrajectorySegment:
+    """A trajectory's top-level sequence (its first segment, with drift) as a segment."""
+    return TrajectorySegment(
+        first_turn=0,
+        last_turn=0,
+        input_ids=trajectory.input_ids,
+        loss_mask=trajectory.loss_mask,
+        logprobs=trajectory.logprobs,
+        policy_versions=trajectory.policy_versions,
+    )
+
+
+def _segment_rows(
+    groups: Iterable[Group | Sequence[RolloutResult]], eps: float
+) -> list[dict[str, Any]]:
+    """``training_rows`` without ``group_size``: one row per scored segment."""
     rows: list[dict[str, Any]] = []
     for group in groups:
         results = group.results if isinstance(group, Group) else list(group)
-        scored = [r for r in results if r.reward is not None and math.isfinite(r.reward)]
+        scored = [r for r in results if _scored(r)]
         if not scored:
             continue
         rewards = [float(r.reward) for r in scored if r.reward is not None]

@@ -312,20 +312,36 @@ class ModelServer:
         finish = "length"
         # transformers 5 names the KV cache ``cache`` (``past_key_values`` before).
         name = "cache" if "cache" in inspect.signature(model.forward).parameters else None
-        with torch.inference_mode():
-            out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True)
-            for _ in range(max_tokens):
-                logits = out.logits[0, -1].float()
-                token, processed = _sample(logits, temperature, top_p, top_k, generator)
-                if forced is not None:  # the forced token, with the model's own logprob
-                    token = forced[len(ids)]
+        if forced is not None:  # one forward pass over the forced tokens (teacher forcing)
+            forced = forced[:max_tokens]
+            with torch.inference_mode():
+                every = model(input_ids=torch.tensor([[*prompt_ids, *forced[:-1]]])).logits
+            for position, token in enumerate(forced):
+                logits = every[0, len(prompt_ids) - 1 + position].float()
+                _, processed = _sample(logits, temperature, top_p, top_k, generator)
                 shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
                 ids.append(token)
                 logprobs.append(float(shown[token]))
                 if top_logprobs:
                     values, indices = torch.topk(shown, top_logprobs)
                     tops.append(tuple(zip(indices.tolist(), values.tolist(), strict=True)))
-                if token in self._end_ids or (forced is not None and len(ids) == len(forced)):
+            finish = "stop" if forced[-1] in self._end_ids else "length"
+        with torch.inference_mode():
+            steps = 0 if forced is not None else max_tokens
+            out = (
+                model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True) if steps else None
+            )
+            for _ in range(steps):
+                assert out is not None
+                logits = out.logits[0, -1].float()
+                token, processed = _sample(logits, temperature, top_p, top_k, generator)
+                shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
+                ids.append(token)
+                logprobs.append(float(shown[token]))
+                if top_logprobs:
+                    values, indices = torch.topk(shown, top_logprobs)
+                    tops.append(tuple(zip(indices.tolist(), values.tolist(), strict=True)))
+                if token in self._end_ids:
                     finish = "stop"
                     break
                 cache = out.cache if name else out.past_key_values

@@ -153,3 +153,44 @@ async def test_a_tokenizer_that_is_not_there_is_one_line(tmp_path: Path) -> None
         await load_template(str(tmp_path / "nowhere"))
     assert "\n" not in str(caught.value)
     assert str(caught.value).startswith(f"policy.tokenizer {str(tmp_path / 'nowhere')!r}")
+
+
+#: A template that strips an earlier assistant message's reasoning (as Qwen3's
+#: does), so the history renders differently once new messages follow it.
+STRIPPING = (
+    "{%- for message in messages %}{%- set content = message.content or '' %}"
+    "{%- if message.role == 'assistant' and not loop.last and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1] %}{%- endif %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def test_a_template_that_rerenders_history_keeps_the_ids_sent_and_says_so(
+    model_dir: Path,
+) -> None:
+    from transformers import AutoTokenizer
+
+    from fleetroll.policies.chat_template import ChatTemplate
+    from fleetroll.policies.token_in import local_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    tokenizer.chat_template = STRIPPING
+    template = ChatTemplate(tokenizer, "stripping")
+    user = {"role": "user", "content": "hi"}
+    first = local_prompt(template, {"model": "m", "messages": [user]}, None, added=0)
+    generated = tokenizer.encode("<think>hmm</think>ok<|im_end|>", add_special_tokens=False)
+    assistant = {"role": "assistant", "content": "<think>hmm</think>ok"}
+    body = {"model": "m", "messages": [user, assistant, {"role": "tool", "content": "42"}]}
+    history = TokenTurn(
+        index=1,
+        prompt_token_ids=tuple(first.ids),
+        completion_token_ids=tuple(generated),
+        finish_reason="stop",
+    )
+    second = local_prompt(template, body, history, added=0)
+    rest = tokenizer.encode(
+        "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    assert second.rerendered
+    assert second.ids == [*first.ids, *generated, *rest]

@@ -37,8 +37,8 @@ _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
 
 #: The routes of a policy server: its chat completions, and token-in's
 #: completion with a token prompt and vLLM's ``/tokenize`` (at the server's
-#: root, not under ``/v1``).
-Endpoint = Literal["chat", "tokens", "tokenize"]
+#: root, not under ``/v1``), or (``token_in = "completions"``) its completions.
+Endpoint = Literal["chat", "tokens", "tokenize", "completions"]
 
 
 def endpoint(server: Server, kind: Endpoint, *, shown: bool = True) -> str:
@@ -46,6 +46,8 @@ def endpoint(server: Server, kind: Endpoint, *, shown: bool = True) -> str:
     base = server.name if shown else server.url
     if kind == "tokenize":
         return base.removesuffix("/v1") + "/tokenize"
+    if kind == "completions":
+        return base + "/completions"
     return base + ("/chat/completions/tokens" if kind == "tokens" else "/chat/completions")
 
 
@@ -173,7 +175,12 @@ class ChatTransport:
                             last = response
                             status = response.status_code
                             problem = f"{shown} answered HTTP {status}: {_excerpt(body)}"
-                            if kind != "chat" and status in NO_ROUTE:
+                            if kind == "completions" and status in NO_ROUTE:
+                                problem += (
+                                    '; policy.token_in = "completions" needs a server with'
+                                    f" POST {shown}: serve one or set policy.token_in = false"
+                                )
+                            elif kind != "chat" and status in NO_ROUTE:
                                 problem += (
                                     "; policy.token_in needs a server with POST"
                                     f" {endpoint(server, 'tokens')} and"

@@ -23,7 +23,7 @@ from fleetroll.errors import PolicyError
 from fleetroll.policies.chat_http import OPERATION
 from fleetroll.policies.turns import AssistantTurn, ToolCall, TurnData
 
-__all__ = ["CompletionReader", "ints"]
+__all__ = ["CompletionReader", "ints", "training_problems"]
 
 #: The policy's logger: its warnings are about the policy's server.
 _log = logging.getLogger("fleetroll.policies.openai")
@@ -112,7 +112,7 @@ class CompletionReader:
         prompt_ids = ints(payload.get("prompt_token_ids", choice.get("prompt_token_ids")))
         completion_ids = ints(choice.get("token_ids"))
         logprobs, top = _logprobs(choice.get("logprobs"))
-        problems = _training_problems(prompt_ids, completion_ids, logprobs, top)
+        problems = training_problems(prompt_ids, completion_ids, logprobs, top)
         # A NaN is no number to train on (nor valid JSON): such a list is dropped.
         finite = logprobs if logprobs is None or all(map(math.isfinite, logprobs)) else None
         top_finite = top
@@ -255,7 +255,7 @@ def _logprobs(
     return tuple(logprobs), (tuple(top) if top else None)
 
 
-def _training_problems(
+def training_problems(
     prompt_ids: tuple[int, ...] | None,
     completion_ids: tuple[int, ...] | None,
     logprobs: tuple[float, ...] | None,

@@ -18,8 +18,9 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
-from typing import Any, NamedTuple, Self
+from typing import Any, Literal, NamedTuple, Self
 
+import anyio.to_thread
 import httpx
 from pydantic import SecretStr
 
@@ -27,6 +28,7 @@ import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies.chat_http import OPERATION, ChatTransport, Endpoint, endpoint
+from fleetroll.policies.chat_template import ChatTemplate, load_template
 from fleetroll.policies.completions import CompletionReader
 from fleetroll.policies.servers import (
     Affinity,
@@ -34,7 +36,14 @@ from fleetroll.policies.servers import (
     ServerLimits,
     current_affinity,
 )
-from fleetroll.policies.token_in import has_images, token_prompt
+from fleetroll.policies.token_in import (
+    completion_body,
+    has_images,
+    local_prompt,
+    read_completion,
+    token_prompt,
+)
+from fleetroll.policies.tool_parsers import PARSERS
 from fleetroll.policies.turns import (
     AssistantTurn,
     EncodedMessages,
@@ -141,6 +150,15 @@ class OpenAIChatPolicy:
             ``/chat/completions/tokens`` (prime-rl's vLLM route). Implies
             ``return_token_ids``; needs a transcript that keeps token ids
             (:class:`~fleetroll.policies.turns.TokenHistory`, as a rollout's does).
+            ``"completions"``: the same on any server with ``/v1/completions``:
+            every call's prompt rendered here with ``tokenizer``'s chat template
+            and sent as ids, the generated ids kept exactly, tool calls parsed
+            here by ``tool_parser`` (:mod:`~fleetroll.policies.token_in`).
+        tokenizer: with ``token_in = "completions"``, the model's Hugging Face
+            tokenizer (a directory or a hub name; None: ``model``), loaded once
+            per process at the first call.
+        tool_parser: with ``token_in = "completions"``, the parser of the
+            model's tool calls (:data:`~fleetroll.policies.tool_parsers.PARSERS`).
 
     Raises:
         ValueError: a number is out of range.
@@ -168,7 +186,9 @@ class OpenAIChatPolicy:
         top_logprobs: int | None = None,
         max_answer_bytes: int = 64 * 1024 * 1024,
         servers: PolicyServers | None = None,
-        token_in: bool = False,
+        token_in: bool | Literal["completions"] = False,
+        tokenizer: str | None = None,
+        tool_parser: str = "hermes",
     ) -> None:
         if servers is None:
             if base_url is None:
@@ -188,8 +208,22 @@ class OpenAIChatPolicy:
         self.max_answer_bytes = max_answer_bytes
         #: The first server's endpoint (each call's own is its server's).
         self.url = endpoint(servers.servers[0], "chat")
+        if token_in not in (True, False, "completions"):
+            raise ValueError(f'token_in must be true, false or "completions", not {token_in!r}')
+        if tool_parser not in PARSERS:
+            raise ValueError(
+                f"no tool parser {tool_parser!r} (policy.tool_parser: {', '.join(sorted(PARSERS))})"
+            )
+        if token_in == "completions" and max_tokens is None and "max_tokens" not in extra_body:
+            raise ValueError(
+                'policy.token_in = "completions" needs policy.max_tokens: /v1/completions'
+                " generates only 16 tokens when a request sets none (vLLM's default)"
+            )
         self.token_in = token_in
-        return_token_ids = return_token_ids or token_in
+        self.tokenizer = tokenizer or model
+        self._parser = PARSERS[tool_parser]
+        self._template: ChatTemplate | None = None
+        return_token_ids = return_token_ids or bool(token_in)
         self.model = model
         self._sampling = {
             name: value
@@ -264,6 +298,8 @@ class OpenAIChatPolicy:
             top_logprobs=policy.top_logprobs,
             max_answer_bytes=policy.max_answer_bytes,
             token_in=policy.token_in,
+            tokenizer=policy.tokenizer,
+            tool_parser=policy.tool_parser,
         )
         made._recipe = PolicyRecipe(uuid.uuid4().hex, config, cls)
         return made
@@ -324,7 +360,33 @@ class OpenAIChatPolicy:
         body = self._body(messages, tools)
         try:
             with fail_after(self.timeout_s) as scope:
-                if self.token_in and history is not None and not self._has_images(messages):
+                if self.token_in == "completions" and not self._has_images(messages):
+                    kind = "completions"
+                    template = await self.template()
+                    added = len(body["messages"]) - len(messages)
+                    prompt = await anyio.to_thread.run_sync(
+                        lambda: local_prompt(template, body, history, added=added)
+                    )
+                    sent = prompt.ids
+                    if prompt.rerendered:
+                        self._reader.warn_once(
+                            [] if "rerendered" in self._reader.warned else ["rerendered"],
+                            "%s: the chat template renders earlier messages differently once"
+                            " new ones follow (%s): the new messages' ids were rendered after a"
+                            " stand-in history, the ids already sent kept; said once",
+                        )
+                    request = completion_body(
+                        body,
+                        sent,
+                        template,
+                        sampling=self._sampling,
+                        training=self._training,
+                        extra=self._extra_body,
+                    )
+                    content = self._http.encode(request, self.url)
+                elif (
+                    self.token_in is True and history is not None and not self._has_images(messages)
+                ):
                     added = len(body["messages"]) - len(messages)
                     body["tokens"] = sent = await token_prompt(
                         self._http,
@@ -353,7 +415,18 @@ class OpenAIChatPolicy:
                 operation=OPERATION,
                 transient=True,
             ) from None
-        turn = self._reader.parse(payload, url=endpoint(server, "chat"))
+        if kind == "completions":
+            assert sent is not None
+            turn = read_completion(
+                payload,
+                url=endpoint(server, "completions"),
+                sent=sent,
+                template=await self.template(),
+                parser=self._parser,
+                reader=self._reader,
+            )
+        else:
+            turn = self._reader.parse(payload, url=endpoint(server, "chat"))
         if turn.data is None:
             return turn
         update: dict[str, Any] = shown(body)
@@ -419,6 +492,17 @@ class OpenAIChatPolicy:
         ]
         return payload, tuple(turns)
 
+    async def template(self) -> ChatTemplate:
+        """The model's chat template (``token_in = "completions"``), loaded once
+        per process (:func:`~fleetroll.policies.chat_template.load_template`).
+
+        Raises:
+            PolicyError: it cannot be loaded (not transient).
+        """
+        if self._template is None:
+            self._template = await load_template(self.tokenizer)
+        return self._template
+
     # ------------------------------------------------------------- request
 
     def _body(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:
@@ -476,7 +560,7 @@ class OpenAIChatPolicy:
         self._reader.warn_once(
             [] if not images or "token_in" in self._reader.warned else ["token_in"],
             "%s: a conversation with images is sent as messages, not token ids (policy.%s is"
-            " set, but /tokenize does not expand image placeholders); said once",
+            " set, but a text template does not expand image placeholders); said once",
         )
         return images
 

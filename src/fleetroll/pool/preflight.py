@@ -8,7 +8,9 @@ and before the pool makes its first instance:
   answers, the key is accepted, and every distinct ``env_key:version`` of the
   batch is in its environment listing;
 * for ``policy.kind = "openai"``, the policy endpoint answers ``GET /models``;
-  with ``policy.token_in``, it also serves token-in's two routes.
+  with ``policy.token_in``, it also serves token-in's two routes (with
+  ``token_in = "completions"``: ``/v1/completions``, and ``policy.tokenizer``
+  loads here).
 
 Every problem found is one line of one :class:`~fleetroll.errors.PreflightError`;
 no line holds a key. ``fleetroll run --no-preflight`` skips all of this.
@@ -39,9 +41,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "PreflightCache",
+    "check_completions",
     "check_endpoint",
     "check_policy",
     "check_token_in",
+    "check_tokenizer",
     "missing_environments",
     "preflight",
 ]
@@ -74,14 +78,58 @@ async def check_policy(
 
     async def check(index: int, base_url: str) -> None:
         found = await check_endpoint(base_url, api_key, timeout_s)
-        if not found and policy.token_in:
+        if not found and policy.token_in == "completions":
+            found = await check_completions(base_url, api_key, timeout_s)
+        elif not found and policy.token_in:
             found = await check_token_in(base_url, policy.model, api_key, timeout_s)
         problems[index] = found
 
     async with anyio.create_task_group() as tg:
         for index, base_url in enumerate(policy.servers):
             tg.start_soon(check, index, base_url)
-    return [line for index in sorted(problems) for line in problems[index]]
+    lines = [line for index in sorted(problems) for line in problems[index]]
+    if policy.token_in == "completions":
+        lines += await check_tokenizer(policy.tokenizer or policy.model)
+    return lines
+
+
+async def check_tokenizer(name: str) -> list[str]:
+    """With ``policy.token_in = "completions"``: the tokenizer ``name`` loads
+    (in this process, once: the policy reuses it) and has a chat template."""
+    from fleetroll.errors import PolicyError
+    from fleetroll.policies.chat_template import load_template
+
+    try:
+        await load_template(name)
+    except PolicyError as exc:
+        return [str(exc)]
+    return []
+
+
+async def check_completions(
+    base_url: str, api_key: SecretStr | None, timeout_s: float
+) -> list[str]:
+    """With ``policy.token_in = "completions"``: the endpoint serves ``POST
+    {base_url}/completions``. Nothing is generated: an empty body, which a
+    server with the route refuses as invalid (400/422) and one without it
+    answers 404 or 405."""
+    url = f"{base_url.rstrip('/')}/completions"
+    headers = {"Authorization": f"Bearer {api_key.get_secret_value()}"} if api_key else {}
+    try:
+        with anyio.fail_after(timeout_s):
+            async with httpx.AsyncClient(timeout=timeout_s) as http:
+                status = (await http.post(url, json={}, headers=headers)).status_code
+    except TimeoutError:
+        return [f"the policy endpoint's POST {_shown(url)} did not answer within {timeout_s:g} s"]
+    except (httpx.HTTPError, ValueError) as exc:
+        return [f"the policy endpoint's POST {_shown(url)} failed with {type(exc).__name__}"]
+    if status in (404, 405):
+        return [
+            f'policy.token_in = "completions" needs POST {_shown(url)}, which answered'
+            f" {status}: serve the model with an OpenAI-compatible server that has"
+            " /v1/completions (vLLM, SGLang) or set policy.token_in = false"
+        ]
+    return []
 
 
 async def check_token_in(

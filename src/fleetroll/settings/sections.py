@@ -422,7 +422,16 @@ class PolicySettings(_Section):
     #: ``/tokenize``) to ``/chat/completions/tokens``, so a chat template that
     #: re-renders history cannot drift. Needs a server with both routes
     #: (docs/configuration.md); asks for token ids as ``return_token_ids`` does.
-    token_in: bool = False
+    #: ``"completions"``: the same on any server with ``/v1/completions``: the
+    #: chat template rendered here with ``tokenizer``, tool calls parsed here
+    #: with ``tool_parser``, every call's prompt sent as token ids.
+    token_in: bool | Literal["completions"] = False
+    #: ``token_in = "completions"``: the model's Hugging Face tokenizer (a local
+    #: directory or a hub name), loaded once per process. None: ``model``.
+    tokenizer: str | None = None
+    #: ``token_in = "completions"``: how tool calls are read off the model's text
+    #: (``hermes``: Qwen's ``<tool_call>{json}</tool_call>``, as vLLM's parser).
+    tool_parser: Literal["hermes"] = "hermes"
     #: Only the last this many screenshots are sent to the model; older ones are
     #: replaced by a short text placeholder (in the transcript too). None: all.
     max_images: int | None = Field(None, ge=0)
@@ -448,6 +457,21 @@ class PolicySettings(_Section):
     #: of its reach), "subreaper", its orphans kept and ended by its init, "auto"
     #: (the namespace where one can be made, else the subreaper with a warning).
     agent_sandbox: Literal["auto", "namespace", "subreaper"] = "auto"
+
+    @field_validator("token_in", mode="before")
+    @classmethod
+    def _token_in_mode(cls, value: object) -> object:
+        if isinstance(value, str):
+            lowered = value.strip().lower()
+            if lowered in ("true", "1", "yes", "on"):
+                return True
+            if lowered in ("false", "0", "no", "off", ""):
+                return False
+            if lowered == "completions":
+                return "completions"
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f'policy.token_in must be true, false or "completions", not {value!r}')
 
     @field_validator("base_urls")
     @classmethod

@@ -45,6 +45,15 @@ fleetroll's policy reads:
   SGLang's ``{"weight_version": ...}``; ``POST /reset_prefix_cache`` (vLLM's,
   after a reload) answers 200 (nothing is cached across requests here).
 
+**Forced continuations (tests only).** The random model never writes a tool
+call; ``ModelServer(forced=...)`` takes a function of each prompt's ids that
+answers a text (or None: sample as usual). The completion is then that
+text's ids and the end of message, cut at ``max_tokens``: the tokens are
+forced, but each one's logprob (and ``top_logprobs``) is still the real
+model's for that token at that position, so logprob checks stay honest.
+Every completion, forced or sampled, is logged in
+:attr:`ModelServer.generations` with its prompt.
+
 Every answer carries the header ``X-Weight-Version``: for a completion, the
 version of the weights that generated all of it (a generation keeps the
 weights it started with; an update applies to the next one).
@@ -85,7 +94,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -151,12 +160,15 @@ class ModelServer:
         logprobs_mode: vLLM's ``--logprobs-mode``: ``raw_logprobs`` (its
             default) or ``processed_logprobs`` (what TRL's trainer computes).
         host: the address to bind (a free port is chosen).
+        forced: tests only: the text a prompt's completion is forced to (see
+            the module's docstring), None to sample.
 
     Attributes:
         base_url: ``http://127.0.0.1:<port>/v1``, set once started.
         root_url: the same without ``/v1`` (``/tokenize``, weight updates).
         version: the weights' version: 0, then +1 per update.
         requests: ``(path, body)`` of every POST received, in order.
+        generations: ``(prompt ids, generation)`` of every completion made, in order.
     """
 
     def __init__(
@@ -169,6 +181,7 @@ class ModelServer:
         default_max_tokens: int = 64,
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
         host: str = "127.0.0.1",
+        forced: Callable[[Sequence[int]], str | None] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.model_name = model_name or self.model_path.name
@@ -180,6 +193,8 @@ class ModelServer:
         self.version = 0
         self.weight_version = "0"
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.generations: list[tuple[tuple[int, ...], Generation]] = []
+        self._forced = forced
         self._host = host
         self._seed = seed
         self._model: Any = None
@@ -283,6 +298,10 @@ class ModelServer:
         import torch
 
         model, version = weights or self._weights()
+        forced: list[int] | None = None
+        if self._forced is not None and (text := self._forced(prompt_ids)) is not None:
+            end = self._tokenizer.convert_tokens_to_ids("<|im_end|>")
+            forced = [*self._encode(text), end]
         processed_logprobs = self.logprobs_mode == "processed_logprobs"
         if seed is None:
             seed = self._seed * 1_000_003 + next(self._sampling_seeds)
@@ -293,9 +312,27 @@ class ModelServer:
         finish = "length"
         # transformers 5 names the KV cache ``cache`` (``past_key_values`` before).
         name = "cache" if "cache" in inspect.signature(model.forward).parameters else None
+        if forced is not None:  # one forward pass over the forced tokens (teacher forcing)
+            forced = forced[:max_tokens]
+            with torch.inference_mode():
+                every = model(input_ids=torch.tensor([[*prompt_ids, *forced[:-1]]])).logits
+            for position, token in enumerate(forced):
+                logits = every[0, len(prompt_ids) - 1 + position].float()
+                _, processed = _sample(logits, temperature, top_p, top_k, generator)
+                shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
+                ids.append(token)
+                logprobs.append(float(shown[token]))
+                if top_logprobs:
+                    values, indices = torch.topk(shown, top_logprobs)
+                    tops.append(tuple(zip(indices.tolist(), values.tolist(), strict=True)))
+            finish = "stop" if forced[-1] in self._end_ids else "length"
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True)
-            for _ in range(max_tokens):
+            steps = 0 if forced is not None else max_tokens
+            out = (
+                model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True) if steps else None
+            )
+            for _ in range(steps):
+                assert out is not None
                 logits = out.logits[0, -1].float()
                 token, processed = _sample(logits, temperature, top_p, top_k, generator)
                 shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
@@ -313,7 +350,9 @@ class ModelServer:
                     use_cache=True,
                     **{name or "past_key_values": cache},
                 )
-        return Generation(tuple(ids), tuple(logprobs), tuple(tops), finish, version)
+        made = Generation(tuple(ids), tuple(logprobs), tuple(tops), finish, version)
+        self.generations.append((tuple(prompt_ids), made))
+        return made
 
     def _weights(self) -> tuple[Any, int]:
         """The model now served and its version, read together."""

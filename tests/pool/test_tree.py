@@ -13,11 +13,14 @@ import anyio
 import pytest
 
 from fleetroll.emulator import Emulator, FaultProfile
-from fleetroll.policies import AssistantTurn, ScriptedPolicy, ToolSpec
+from fleetroll.policies import AssistantTurn, OpenAIChatPolicy, ScriptedPolicy, ToolSpec
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import FailureReason
 from fleetroll.settings import config_dir, load_settings
 from fleetroll.tasks import TaskSpec, load_tasks
+from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion, tool_call
+from fleetroll.training.trajectory import training_rows
 
 pytestmark = pytest.mark.slow
 
@@ -127,3 +130,56 @@ async def test_run_tree_refuses_a_branch_point_or_width_below_one() -> None:
             await pool.run_tree(MONTH_END, ScriptedPolicy(), branch_at=0, width=2)
         with pytest.raises(ValueError, match="width must be at least 1"):
             await pool.run_tree(MONTH_END, ScriptedPolicy(), branch_at=1, width=0)
+
+
+def _first_step_then_done(body: dict[str, Any]) -> Any:
+    """The root's call makes the month-end's first step; a branch's own call answers."""
+    step = (MONTH_END.solution or ())[0]
+    if not any(m.get("role") == "assistant" for m in body.get("messages") or ()):
+        return completion(tool_calls=[tool_call(step.name, dict(step.arguments), id="call_0")])
+    return completion("done")
+
+
+@pytest.mark.parametrize("token_in", [False, True], ids=["chat", "token_in"])
+async def test_branch_rows_hold_the_prefix_once_masked_out_and_their_own_tokens(
+    token_in: bool,
+) -> None:
+    async with (
+        Emulator() as emu,
+        FakeChatServer(_first_step_then_done, vllm=VllmShape(token_in=token_in)) as server,
+    ):
+        settings = load_settings(
+            policy={
+                "kind": "openai",
+                "base_url": server.base_url,
+                "return_token_ids": True,
+                "logprobs": True,
+                "trajectory": True,
+                "token_in": token_in,
+            }
+        )
+        async with (
+            RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
+            OpenAIChatPolicy.from_config(chat_policy_config(settings)) as policy,
+        ):
+            with anyio.fail_after(120):
+                tree = await pool.run_tree(MONTH_END, policy, branch_at=1, width=4)
+    [prefix_turn] = tree.root.turns
+    prefix_ids = [*(prefix_turn.prompt_token_ids or []), *(prefix_turn.completion_token_ids or [])]
+    assert len(tree.branches) == 4
+    for branch in tree.branches:
+        assert branch.failure_reason is None and branch.reward == 0.0, branch.error
+        # Its turns are its own call only; its prompt continues the prefix's very tokens.
+        [own] = branch.turns
+        assert own.prompt_token_ids is not None and own.completion_token_ids is not None
+        assert branch.prefix_tokens == len(own.prompt_token_ids) > len(prefix_ids)
+        assert own.prompt_token_ids[: len(prefix_ids)] == prefix_ids
+    rows = training_rows(tree.groups)
+    assert len(rows) == 4
+    by_id = {b.rollout_id: b for b in tree.branches}
+    for row in rows:
+        branch = by_id[row["rollout_id"]]
+        shared, own_ids = branch.prefix_tokens or 0, branch.turns[0].completion_token_ids or []
+        assert row["input_ids"] == [*(branch.turns[0].prompt_token_ids or []), *own_ids]
+        assert row["loss_mask"] == [0] * shared + [1] * len(own_ids)
+        assert row["group_id"] == tree.groups[0].group_id

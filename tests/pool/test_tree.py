@@ -183,3 +183,23 @@ async def test_branch_rows_hold_the_prefix_once_masked_out_and_their_own_tokens(
         assert row["input_ids"] == [*(branch.turns[0].prompt_token_ids or []), *own_ids]
         assert row["loss_mask"] == [0] * shared + [1] * len(own_ids)
         assert row["group_id"] == tree.groups[0].group_id
+
+
+async def test_a_tree_on_ray_actors_replays_and_branches_as_in_process(local_ray: None) -> None:
+    from fleetroll.pool.ray.executor import ray_pool
+
+    async with (
+        Emulator() as emu,
+        ray_pool(SETTINGS, api_key=emu.api_key, base_url=emu.base_url, num_actors=1) as pool,
+    ):
+        with anyio.fail_after(300):
+            tree = await pool.run_tree(MONTH_END, ScriptedPolicy(), branch_at=2, width=2)
+    root = tree.root
+    assert root.failure_reason is FailureReason.MAX_STEPS and root.steps == 2
+    assert len(tree.branches) == 2
+    for branch in tree.branches:
+        assert branch.failure_reason is None and branch.reward == 1.0, branch.error
+        assert branch.parent_rollout_id == root.rollout_id and branch.branch_step == 2
+        assert branch.transcript[: len(root.transcript)] == root.transcript
+    [group] = tree.groups
+    assert group.rewards == [1.0, 1.0]

@@ -300,7 +300,7 @@ class RolloutResult(BaseModel):
     )
     branch_step: int | None = Field(
         default=None,
-        description="A branch: the steps of the shared prefix it replayed before sampling; else null",
+        description="A branch: the prefix steps it replayed before sampling; else null",
     )
     prefix_messages: int | None = Field(
         default=None,

@@ -425,7 +425,7 @@ class InstanceStore:
         """An instance's random source: from ``seed`` (0 when None), or unseeded
         when None and the profile's ``unseeded_random`` is on."""
         if seed is None and self._unseeded:
-            return random.Random()  # noqa: S311 - a test's nondeterminism, not security
+            return random.Random()
         return random.Random(0 if seed is None else seed)
 
     def _end(self, inst: Instance, status: InstanceStatus, how: str) -> None:

@@ -65,7 +65,7 @@ class BranchPolicy:
     policy: Policy
 
     async def act(
-        self, task: TaskSpec, messages: Sequence[Message], tools: Sequence[ToolSpec]
+        self, task: TaskSpec, messages: Sequence[Mapping[str, Any]], tools: Sequence[ToolSpec]
     ) -> AssistantTurn:
         """The wrapped policy's turn (asked only once the prefix was replayed)."""
         return await self.policy.act(task, messages, tools)
@@ -154,9 +154,7 @@ def first_difference(got: Sequence[Message], want: Sequence[Message]) -> str | N
         return None
     for index, (a, b) in enumerate(zip(got, want, strict=False)):
         if a != b:
-            return (
-                f"answer {index + 1} was {_excerpt(a)} where the prefix had {_excerpt(b)}"
-            )
+            return f"answer {index + 1} was {_excerpt(a)} where the prefix had {_excerpt(b)}"
     return f"{len(got)} answer messages where the prefix had {len(want)}"
 
 

@@ -83,7 +83,7 @@ from fleetroll.results import FailureReason, RolloutResult
 from fleetroll.rollout.branching import BranchPolicy, prefix_of
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
-from fleetroll.rollout.machine import RolloutIds
+from fleetroll.rollout.machine import Agent, RolloutIds
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -523,13 +523,19 @@ class RolloutPool:
         Returns when every branch has ended.
 
         Raises:
-            ValueError: ``branch_at`` or ``width`` below 1.
+            ValueError: ``branch_at`` or ``width`` below 1, or ``policy`` is an
+                agent of its own (:class:`~fleetroll.rollout.machine.Agent`).
             PoolFullError, ConfigError: as :meth:`run_batch`.
         """
         if branch_at < 1:
             raise ValueError(f"branch_at must be at least 1 (a step to share), not {branch_at}")
         if width < 1:
             raise ValueError(f"width must be at least 1, not {width}")
+        if isinstance(policy, Agent):
+            raise ValueError(
+                "run_tree replays the prefix in fleetroll's own loop: an agent of its own"
+                " (an agent command) cannot be branched; give a policy (scripted or openai)"
+            )
         tree_id = tree_id or uuid.uuid4().hex[:12]
         began = anyio.current_time()
         root_task = task.model_copy(update={"max_steps": branch_at})

@@ -130,7 +130,7 @@ async def test_run_tree_refuses_a_branch_point_or_width_below_one() -> None:
             await pool.run_tree(MONTH_END, ScriptedPolicy(), branch_at=0, width=2)
         with pytest.raises(ValueError, match="width must be at least 1"):
             await pool.run_tree(MONTH_END, ScriptedPolicy(), branch_at=1, width=0)
-        with pytest.raises(ValueError, match="an agent of its own .* cannot be branched"):
+        with pytest.raises(ValueError, match=r"an agent of its own .* cannot be branched"):
             await pool.run_tree(MONTH_END, OwnAgent(), branch_at=1, width=2)  # type: ignore[arg-type]
 
 

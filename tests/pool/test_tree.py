@@ -116,6 +116,17 @@ async def test_a_nondeterministic_environment_gives_replay_diverged_never_a_rewa
     assert group.results == [] and group.failed == 4 and not group.complete
 
 
+async def test_a_seeded_task_replays_equal_on_the_same_nondeterministic_environment() -> None:
+    seeded = MONTH_END.model_copy(update={"seed": 7, "timestamp": 1_764_547_200})
+    async with Emulator(FaultProfile(unseeded_random=True)) as emu, pool_for(emu) as pool:
+        with anyio.fail_after(120):
+            tree = await pool.run_tree(seeded, ScriptedPolicy(), branch_at=1, width=2)
+    assert len(tree.branches) == 2
+    for branch in tree.branches:
+        assert branch.failure_reason is None and branch.reward == 1.0, branch.error
+        assert branch.transcript[: branch.prefix_messages] == tree.root.transcript
+
+
 async def test_a_root_that_ends_before_the_branch_point_has_no_branches() -> None:
     async with Emulator() as emu, pool_for(emu) as pool:
         with anyio.fail_after(60):

@@ -77,6 +77,12 @@ class FailureReason(StrEnum):
     #: lone surrogate, which UTF-8 cannot encode): journaled and streamed as
     #: this failure instead, not scored; ``error`` names the field.
     RESULT_ERROR = "result_error"
+    #: A branch of a rollout tree (``RolloutPool.run_tree``): replaying the
+    #: shared prefix's tool calls on its instance, the environment answered
+    #: otherwise than it had for the prefix (a nondeterministic environment, or
+    #: a reset that did not restore the state): not scored; ``error`` names the
+    #: step and the first answer that differed.
+    REPLAY_DIVERGED = "replay_diverged"
 
 
 #: How a rollout ended, as every count of rollouts splits them: ``cancelled``
@@ -296,6 +302,25 @@ class RolloutResult(BaseModel):
         default=None,
         description="The turns as one token sequence, with policy.trajectory; else null",
     )
+    parent_rollout_id: str | None = Field(
+        default=None,
+        description="A branch of a rollout tree: the rollout whose prefix it replayed; else null",
+    )
+    branch_step: int | None = Field(
+        default=None,
+        description="A branch: the prefix steps it replayed before sampling; else null",
+    )
+    prefix_messages: int | None = Field(
+        default=None,
+        description="A branch: how many transcript messages the shared prefix is; else null",
+    )
+    prefix_tokens: int | None = Field(
+        default=None,
+        description=(
+            "A branch: the token ids of the shared prefix (its first own turn's prompt,"
+            " masked out of its trajectory); null without token ids"
+        ),
+    )
 
     @property
     def outcome(self) -> Outcome:
@@ -351,6 +376,9 @@ def writable_result(result: RolloutResult) -> RolloutResult:
         steps=result.steps,
         tool_errors=result.tool_errors,
         tool_failures=result.tool_failures,
+        parent_rollout_id=result.parent_rollout_id,
+        branch_step=result.branch_step,
+        prefix_messages=result.prefix_messages,
         timings=Timings.model_validate(result.timings.model_dump()),
         cost=Cost.model_validate(result.cost.model_dump()),
     )

@@ -158,6 +158,21 @@ def main() -> None:
     " rollout of the others (superseded; those groups come with cut: true). Start more"
     " tasks than N. Bias: groups whose episodes run faster are kept.",
 )
+@click.option(
+    "--branch-at",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="K",
+    help="Branching rollouts: per task, one rollout to step K, then --width branches that"
+    " replay its first K steps (answers checked: replay_diverged if they differ) and go on.",
+)
+@click.option(
+    "--width",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="W",
+    help="Branches per branch point with --branch-at [default: 4].",
+)
 @ray_options
 @CONFIG_OPTION
 def run(
@@ -175,6 +190,8 @@ def run(
     no_preflight: bool,
     agent_command: str | None,
     groups_target: int | None,
+    branch_at: int | None,
+    width: int | None,
     ray_address: str | None,
     ray_actors: int | None,
     config_file: Path | None,
@@ -197,6 +214,12 @@ def run(
     """
     if (steps is None) != (batch_tasks is None):
         raise Failed("--steps and --batch-tasks go together: give both (or neither)")
+    if width is not None and branch_at is None:
+        raise Failed("--width is the branches of --branch-at K: give --branch-at too")
+    if branch_at is not None:
+        _check_tree_options(
+            samples=samples, steps=steps, resume=resume, agent=agent_command, groups=groups_target
+        )
     settings = job_settings(
         config_file,
         policy_kind=policy_kind,
@@ -223,6 +246,19 @@ def run(
                 f"--groups {groups_target} is more than the {per_batch} {given}:"
                 " start more tasks than the groups you need"
             )
+        if branch_at is not None:
+            _run_trees(
+                settings,
+                tasks,
+                branch_at=branch_at,
+                width=width or 4,
+                out=out,
+                profile=profile,
+                preflight=not no_preflight,
+                ray_address=ray_address,
+                ray_actors=ray_actors,
+            )
+            return
         sampling = None
         if batch_tasks is not None:
             from fleetroll.training.sampler import SamplerConfig, TaskSampler
@@ -258,6 +294,72 @@ def run(
         )
         print_report(report, console, settings)
     exit_as_ended(report)
+
+
+def _check_tree_options(
+    *, samples: int, steps: int | None, resume: bool, agent: str | None, groups: int | None
+) -> None:
+    """What --branch-at does not go with, said before anything starts."""
+    clashes = {
+        "--samples": samples != 1,
+        "--steps": steps is not None,
+        "--resume": resume,
+        "--agent-command": agent is not None,
+        "--groups": groups is not None,
+    }
+    if given := [name for name, clash in clashes.items() if clash]:
+        raise Failed(
+            f"--branch-at runs one tree per task and does not take {', '.join(given)}"
+            " (--width sets the branches per tree)"
+        )
+
+
+def _run_trees(
+    settings: Any,
+    tasks: Any,
+    *,
+    branch_at: int,
+    width: int,
+    out: Path | None,
+    profile: str | None,
+    preflight: bool,
+    ray_address: str | None,
+    ray_actors: int | None,
+) -> None:
+    """``run --branch-at``: one tree per task, then the closing tables."""
+    import functools
+
+    import anyio
+    from rich.console import Console
+
+    from fleetroll.cli.run import cost_table, summary_table
+    from fleetroll.jobs.tree import run_tree_job, tree_results
+
+    job = functools.partial(
+        run_tree_job,
+        settings,
+        tasks,
+        branch_at=branch_at,
+        width=width,
+        out=out,
+        profile=profile,
+        preflight=preflight,
+        ray_address=ray_address,
+        ray_actors=ray_actors,
+    )
+    console = Console(stderr=True, soft_wrap=True)
+    with reported():
+        trees = anyio.run(job)
+    results = tree_results(trees)
+    console.print(summary_table(results))
+    console.print(cost_table(results))
+    branched = sum(1 for tree in trees if tree.branches)
+    console.print(
+        f"fleetroll: {len(trees)} trees ({branched} reached step {branch_at} and branched),"
+        f" {len(results)} results"
+    )
+    where = f"{out} (each root, then its branches)" if out else "not kept (pass --out FILE)"
+    console.print(f"fleetroll: results: {where}")
 
 
 def _check_agent_command(command: str, settings: Any) -> None:

@@ -215,7 +215,9 @@ class InstanceStore:
         *,
         keep_ended: int = 1024,
         keep_ended_s: float = 600.0,
+        unseeded_random: bool = False,
     ) -> None:
+        self._unseeded = unseeded_random
         self._dir = data_dir
         self._ledger = ledger
         self._instances: dict[str, Instance] = {}
@@ -273,6 +275,7 @@ class InstanceStore:
             db_path=db_path,
             conn=conn,
             created_mono=now,
+            rng=self._rng(None),
             ttl_s=ttl_s,
             dies_at_mono=None if dies_after_s is None else now + dies_after_s,
             heartbeat_interval=heartbeat_interval,
@@ -412,11 +415,18 @@ class InstanceStore:
         Closing the old connection also rolls back a transaction left open.
         """
         inst.seed, inst.timestamp = seed, timestamp
-        inst.rng = random.Random(0 if seed is None else seed)
+        inst.rng = self._rng(seed)
         inst.conn.close()
         inst.conn = open_db(inst.db_path, inst.now)
         self._seeded(inst.env, inst.data_key).backup(inst.conn)
         inst.updated_at = _now_iso()
+
+    def _rng(self, seed: int | None) -> random.Random:
+        """An instance's random source: from ``seed`` (0 when None), or unseeded
+        when None and the profile's ``unseeded_random`` is on."""
+        if seed is None and self._unseeded:
+            return random.Random()
+        return random.Random(0 if seed is None else seed)
 
     def _end(self, inst: Instance, status: InstanceStatus, how: str) -> None:
         inst.status = status

@@ -169,6 +169,7 @@ class Emulator:
             self.ledger,
             keep_ended=self._keep_ended_instances,
             keep_ended_s=self._keep_ended_s,
+            unseeded_random=self.profile.unseeded_random,
         )
         self.app = EmulatorApp(
             self._envs,

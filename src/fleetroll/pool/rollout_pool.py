@@ -53,6 +53,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
 
@@ -79,9 +80,10 @@ from fleetroll.pool.batch import (
 )
 from fleetroll.pool.executor import Executor, ExecutorContext, LocalExecutor, RolloutHandle
 from fleetroll.results import FailureReason, RolloutResult
+from fleetroll.rollout.branching import BranchPolicy, prefix_of
 from fleetroll.rollout.engine import RolloutEngine
 from fleetroll.rollout.env_session import EnvSession
-from fleetroll.rollout.machine import RolloutIds
+from fleetroll.rollout.machine import Agent, RolloutIds
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
@@ -94,11 +96,30 @@ __all__ = [
     "Group",
     "ResultStream",
     "RolloutPool",
+    "Tree",
     "check_capacity",
     "check_unique_keys",
     "group_id",
     "rollout_id",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """A rollout tree (:meth:`RolloutPool.run_tree`): a root cut at its branch
+    point and the branches that replayed its prefix and sampled on.
+
+    ``groups`` holds one group per branch point (the ``width`` branches of one
+    point), for step-level advantages; empty when the root did not reach the
+    branch point (it ended sooner: nothing to branch from).
+    """
+
+    #: The root: the prefix's rollout, stopped at the branch point
+    #: (``max_steps``, scored on the state it reached); or ended sooner.
+    root: RolloutResult
+    #: The branches, in the order they ended (each with ``parent_rollout_id``).
+    branches: list[RolloutResult] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)
 
 
 class RolloutPool:
@@ -474,6 +495,71 @@ class RolloutPool:
         return evaluate(
             results, k=k, success_threshold=success_threshold, policy_version=policy_version
         )
+
+    async def run_tree(
+        self,
+        task: TaskSpec,
+        policy: Policy,
+        *,
+        branch_at: int,
+        width: int,
+        tree_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> Tree:
+        """Sample a tree: one rollout to step ``branch_at``, then ``width`` branches from there.
+
+        The root runs its first ``branch_at`` steps (model turns with their tool
+        calls and answers: the shared prefix) and stops there (``max_steps``).
+        Each branch is a rollout of ``task`` on a fresh or reset instance (the
+        pool's instance reuse and warm pool serve them) that first replays the
+        prefix's tool calls, checking every answer equal to the root's, then
+        samples on with ``policy`` from the prefix's conversation. An answer that
+        differs ends that branch as ``replay_diverged``, not scored
+        (:mod:`fleetroll.rollout.branching`). Deterministic replay needs a task
+        whose reset restores one state: a ``seed`` and ``timestamp``.
+
+        The root is batch ``{tree_id}-root`` (one rollout), the branches batch
+        ``{tree_id}-b{branch_at}``, whose one group is the branch point's.
+        Returns when every branch has ended.
+
+        Raises:
+            ValueError: ``branch_at`` or ``width`` below 1, or ``policy`` is an
+                agent of its own (:class:`~fleetroll.rollout.machine.Agent`).
+            PoolFullError, ConfigError: as :meth:`run_batch`.
+        """
+        if branch_at < 1:
+            raise ValueError(f"branch_at must be at least 1 (a step to share), not {branch_at}")
+        if width < 1:
+            raise ValueError(f"width must be at least 1, not {width}")
+        if isinstance(policy, Agent):
+            raise ValueError(
+                "run_tree replays the prefix in fleetroll's own loop: an agent of its own"
+                " (an agent command) cannot be branched; give a policy (scripted or openai)"
+            )
+        tree_id = tree_id or uuid.uuid4().hex[:12]
+        began = anyio.current_time()
+        root_task = task.model_copy(update={"max_steps": branch_at})
+        batch = self.run_batch(
+            [root_task], policy, batch_id=f"{tree_id}-root", oversample=0, deadline_s=deadline_s
+        )
+        async with batch:
+            [root] = await batch.results()
+        if root.failure_reason is not FailureReason.MAX_STEPS or root.steps < branch_at:
+            return Tree(root=root)  # it ended before the branch point: nothing to branch from
+        left = None if deadline_s is None else max(0.0, deadline_s - (anyio.current_time() - began))
+        branch = BranchPolicy(prefix_of(root, branch_at), policy)
+        batch = self.run_batch(
+            [task],
+            branch,
+            samples_per_task=width,
+            batch_id=f"{tree_id}-b{branch_at}",
+            oversample=0,
+            deadline_s=left,
+        )
+        async with batch:
+            branches = await batch.results()
+            groups = [g async for g in batch.groups()]
+        return Tree(root=root, branches=branches, groups=groups)
 
     async def _run_batch(self, batch: Batch, policy: Policy) -> None:
         self.events.emit(

@@ -54,6 +54,7 @@ from fleetroll.environments.provider import Instance
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
 from fleetroll.policies.servers import sticky
 from fleetroll.results import FailureReason, RolloutResult, writable_result
+from fleetroll.rollout.branching import BranchPolicy, Prefix, first_difference
 from fleetroll.rollout.events import EventPage, RolloutEventLog
 from fleetroll.rollout.phases import NEXT, Phase, RolloutView, crash_reason, view_of
 from fleetroll.rollout.progress import Progress, RolloutIds
@@ -386,6 +387,8 @@ class Rollout:
 
     async def _act_turns(self, policy: Policy) -> None:
         config = self.engine.config
+        if isinstance(policy, BranchPolicy) and not await self._replay(policy.prefix):
+            return
         timeout = config.timeouts.policy_s
         max_context = config.policy.max_context_tokens
         while not self.progress.finished and self.progress.reason is None:
@@ -416,6 +419,32 @@ class Rollout:
             turn, latency = asked
             self.live.turn(turn, latency_s=latency, policy_version=version)
             await self.apply(turn)
+
+    async def _replay(self, prefix: Prefix) -> bool:
+        """Apply the prefix's turns again, checking each step's answers against
+        the prefix's (:mod:`fleetroll.rollout.branching`); whether it replayed equal.
+
+        A difference ends the rollout as ``replay_diverged`` (not scored).
+        """
+        p = self.progress
+        p.branch = prefix
+        redact, keep = self.engine.redactor, self.engine.config.pool.transcript_images
+        for number, (turn, want) in enumerate(zip(prefix.turns, prefix.answers, strict=True), 1):
+            start = len(p.transcript)
+            await self.apply(turn)
+            if p.reason is not None:  # a tool failure, the deadline: its own end
+                return False
+            got = p.transcript.export(redact, keep_images=keep)[start + 1 :]
+            if (where := first_difference(got, want)) is not None:
+                self.fail(
+                    FailureReason.REPLAY_DIVERGED,
+                    f"replaying step {number} of the shared prefix (rollout"
+                    f" {prefix.parent_rollout_id}'s), the environment answered otherwise:"
+                    f" {where}. Its state after a reset is not the prefix's (a task"
+                    " without a seed or timestamp, or a nondeterministic environment)",
+                )
+                return False
+        return not p.finished
 
     async def admit_policy_call(self) -> int:
         """Wait while the policy is paused; the policy version to record on the call.

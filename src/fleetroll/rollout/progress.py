@@ -26,6 +26,7 @@ from fleetroll.results import (
     Turn,
     VerifierOutcome,
 )
+from fleetroll.rollout.branching import Prefix
 from fleetroll.rollout.transcript import CHARS_PER_TOKEN, Transcript
 from fleetroll.tasks import TaskSpec
 from fleetroll.training.trajectory import stitch
@@ -80,6 +81,8 @@ class Progress:
     #: The wait on the platform during which :attr:`deadline` passed, and how
     #: far into it (s): see :meth:`platform_wait`.
     overrun: tuple[str, float] | None = None
+    #: A branch of a rollout tree: the prefix it replayed (:mod:`fleetroll.rollout.branching`).
+    branch: Prefix | None = None
 
     @contextmanager
     def platform_wait(self, what: str) -> Iterator[None]:
@@ -233,7 +236,21 @@ class Progress:
             ],
             cost=self.cost.model_copy(),
             trajectory=stitch(self.turns) if trajectory else None,
+            **self._branch_fields(),
         )
+
+    def _branch_fields(self) -> dict[str, int | str | None]:
+        """A branch's place in its tree (none for other rollouts)."""
+        prefix = self.branch
+        if prefix is None:
+            return {}
+        first = self.turns[0].prompt_token_ids if self.turns else None
+        return {
+            "parent_rollout_id": prefix.parent_rollout_id,
+            "branch_step": prefix.steps,
+            "prefix_messages": prefix.messages,
+            "prefix_tokens": None if first is None else len(first),
+        }
 
 
 def _list(values: tuple[T, ...] | None) -> list[T] | None:

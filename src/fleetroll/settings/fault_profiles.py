@@ -78,6 +78,10 @@ class FaultProfile(BaseModel):
     tool_hang_s: Seconds = 3600.0
     #: Probability that a tool call answers with an injected MCP tool error.
     p_tool_error: Probability = 0.0
+    #: A nondeterministic environment: an instance reset (or made) without a
+    #: ``seed`` draws its random values (the ledger's transaction references)
+    #: from an unseeded source, different every time; with a seed, seeded as ever.
+    unseeded_random: bool = False
     #: The first this many ``tools/list`` requests of each instance answer a
     #: JSON-RPC internal error (a server still loading its tools).
     list_tools_failures: int = Field(default=0, ge=0)

@@ -25,7 +25,7 @@ the instance. What a call does is the link's business (the rollout's: hold
 while the policy is paused, forward, record the turn); the gateway only
 routes, checks the key and speaks HTTP. Every error, an unknown route
 included, has OpenAI's shape (``{"error": {"message", "type", "code"}}``)
-(Anthropic's under ``/v1/messages``).
+(Anthropic's under ``/v1/messages``, the Responses API's under ``/v1/responses``).
 
 A call's turn is recorded only once its answer was sent whole to the agent
 (:meth:`Pending.received`): an agent that disconnects before (it gave up, its
@@ -396,7 +396,7 @@ def _encoded_response(
 
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (an unknown route, a method not allowed) in OpenAI's
-    shape (Anthropic's under ``/v1/messages``)."""
+    shape (Anthropic's under ``/v1/messages``, the Responses API's under ``/v1/responses``)."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     # Not the path: it holds the rollout's token.

@@ -299,8 +299,13 @@ async def test_on_ray_every_rollout_s_trace_is_posted_with_its_transcript_redact
     assert Redactor.MASK in str(by_rollout[with_secret.rollout_id].messages)
 
 
-#: The example agents: on OpenAI's chat completions, and on Anthropic's Messages API.
-AGENTS = {"openai": AGENT, "anthropic": AGENT.with_name("agent_anthropic_mcp.py")}
+#: The example agents: on OpenAI's chat completions, Anthropic's Messages API and
+#: OpenAI's Responses API.
+AGENTS = {
+    "openai": AGENT,
+    "anthropic": AGENT.with_name("agent_anthropic_mcp.py"),
+    "responses": AGENT.with_name("agent_responses_mcp.py"),
+}
 
 
 @pytest.mark.parametrize("dialect", sorted(AGENTS))

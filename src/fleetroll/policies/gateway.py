@@ -5,6 +5,7 @@ serving each rollout that acts through a command under its own root::
 
     POST /r/{token}/v1/chat/completions   (streaming and not)
     POST /r/{token}/v1/messages           (Anthropic's Messages API, streaming and not)
+    POST /r/{token}/v1/responses          (OpenAI's Responses API, streaming and not)
     GET  /r/{token}/v1/models
     *    /r/{token}/mcp                   (the rollout's MCP relay)
 
@@ -14,14 +15,17 @@ gateway accepts for it (``Authorization: Bearer {token}``, or ``x-api-key:
 A Messages call is translated to a chat completion and back
 (:mod:`fleetroll.policies.anthropic_messages`), so it is recorded exactly as one;
 its errors, an untranslatable request included (400), have Anthropic's shape
-(``{"type": "error", "error": {"type", "message"}}``). The MCP relay is reached
+(``{"type": "error", "error": {"type", "message"}}``). A Responses call is
+translated the same way (:mod:`fleetroll.policies.openai_responses`); its
+errors have that API's shape (``{"error": {"message", "type", "param",
+"code"}}``). The MCP relay is reached
 by its URL alone (an MCP client
 sends no key), and hands the request to the :class:`Link`, which forwards it to
 the instance. What a call does is the link's business (the rollout's: hold
 while the policy is paused, forward, record the turn); the gateway only
 routes, checks the key and speaks HTTP. Every error, an unknown route
 included, has OpenAI's shape (``{"error": {"message", "type", "code"}}``)
-(Anthropic's under ``/v1/messages``).
+(Anthropic's under ``/v1/messages``, the Responses API's under ``/v1/responses``).
 
 A call's turn is recorded only once its answer was sent whole to the agent
 (:meth:`Pending.received`): an agent that disconnects before (it gave up, its
@@ -53,6 +57,7 @@ from starlette.types import Receive, Scope, Send
 
 from fleetroll._internal.serving import serve_asgi
 from fleetroll.policies import anthropic_messages as anthropic
+from fleetroll.policies import openai_responses as responses
 
 __all__ = ["Gateway", "GatewayRefusal", "Link", "Opened", "Pending"]
 
@@ -135,6 +140,7 @@ class Gateway:
             routes=[
                 Route("/r/{token}/v1/chat/completions", self._chat, methods=["POST"]),
                 Route("/r/{token}/v1/messages", self._messages, methods=["POST"]),
+                Route("/r/{token}/v1/responses", self._responses, methods=["POST"]),
                 Route("/r/{token}/v1/models", self._models, methods=["GET"]),
                 Route("/r/{token}/mcp", self._mcp, methods=["GET", "POST", "DELETE"]),
             ],
@@ -234,6 +240,19 @@ class Gateway:
         except GatewayRefusal as exc:
             return _anthropic_error(exc)
         return _Answer(link, body, asked, _encoded_message, _anthropic_error)
+
+    async def _responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: translated to a chat completion and back."""
+        try:
+            link = self._link(request)
+            asked = await self._body(request)
+            try:
+                body = responses.chat_request(asked)
+            except responses.Untranslatable as exc:
+                raise GatewayRefusal(400, str(exc)) from None
+        except GatewayRefusal as exc:
+            return _responses_error(exc)
+        return _Answer(link, body, asked, _encoded_response, _responses_error)
 
     async def _body(self, request: Request) -> dict[str, Any]:
         chunks: list[bytes] = []
@@ -359,19 +378,38 @@ def _encoded_message(
     return 200, headers, [event.encode() for event in anthropic.message_events(message)]
 
 
+def _encoded_response(
+    answer: dict[str, Any], asked: dict[str, Any]
+) -> tuple[int, list[tuple[bytes, bytes]], list[bytes]]:
+    """``answer`` as the Responses API's ``response`` (or its events, for a streamed call)."""
+    response = responses.response_answer(answer, asked)
+    if not asked.get("stream"):
+        body = json.dumps(response, ensure_ascii=False).encode()
+        length = str(len(body)).encode()
+        return 200, [(b"content-type", b"application/json"), (b"content-length", length)], [body]
+    headers = [
+        (b"content-type", b"text/event-stream; charset=utf-8"),
+        (b"cache-control", b"no-cache"),
+    ]
+    return 200, headers, [event.encode() for event in responses.response_events(response)]
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own refusals (an unknown route, a method not allowed) in OpenAI's
-    shape (Anthropic's under ``/v1/messages``)."""
+    shape (Anthropic's under ``/v1/messages``, the Responses API's under ``/v1/responses``)."""
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     # Not the path: it holds the rollout's token.
     said = (
         f"{exc.detail}: this gateway serves POST {{OPENAI_BASE_URL}}/chat/completions,"
-        " POST {ANTHROPIC_BASE_URL}/v1/messages and GET {OPENAI_BASE_URL}/models"
+        " POST {OPENAI_BASE_URL}/responses, POST {ANTHROPIC_BASE_URL}/v1/messages"
+        " and GET {OPENAI_BASE_URL}/models"
     )
     refusal = GatewayRefusal(exc.status_code, said, kind=kind)
     if "/v1/messages" in request.url.path:
         return _anthropic_error(refusal, headers=exc.headers)
+    if "/v1/responses" in request.url.path:
+        return _responses_error(refusal, headers=exc.headers)
     return _error(refusal, headers=exc.headers)
 
 
@@ -379,6 +417,11 @@ def _anthropic_error(exc: GatewayRefusal, headers: Mapping[str, str] | None = No
     return JSONResponse(
         anthropic.error_body(exc.status, exc.message), status_code=exc.status, headers=headers
     )
+
+
+def _responses_error(exc: GatewayRefusal, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    body = responses.error_body(exc.message, kind=exc.kind)
+    return JSONResponse(body, status_code=exc.status, headers=headers)
 
 
 def _error(exc: GatewayRefusal, headers: Mapping[str, str] | None = None) -> JSONResponse:

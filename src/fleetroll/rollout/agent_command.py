@@ -9,7 +9,8 @@ that holds only ``PATH``, ``HOME``, ``LANG`` and:
   :mod:`fleetroll.policies.gateway` and its key (never the real server's): every call
   goes to the policy servers, held while the policy is paused, recorded as
   one of the rollout's ``turns`` (token ids and logprobs asked for as
-  ``policy.*`` says), refused once the rollout has ended;
+  ``policy.*`` says), refused once the rollout has ended; its ``/responses``
+  (OpenAI's Responses API) is translated to the chat route and recorded alike;
 - ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``: the same rollout's root and
   key for a Claude-style agent (the ``anthropic`` SDK reads both): its
   ``/v1/messages`` calls are translated to the policy server's chat route and

@@ -158,6 +158,105 @@ def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_ver
     assert any(not torch.equal(calls[0][0][name], calls[1][0][name]) for name in calls[0][0])
 
 
+@pytest.fixture
+def served_without_token_route(tmp_path: Path) -> Iterator[tuple[Path, ModelServer]]:
+    """A plain server: /v1/chat/completions and /v1/completions, no token route."""
+    path = save_tiny_model(tmp_path / "tiny", seed=0)
+    with anyio.from_thread.start_blocking_portal() as portal:
+        server = ModelServer(path, default_max_tokens=8, token_route=False)
+        with portal.wrap_async_context_manager(server):
+            yield path, server
+
+
+def test_on_a_faulty_fleet_and_a_plain_server_each_batch_has_g_rows_per_prompt(
+    served_without_token_route: tuple[Path, ModelServer],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Token-in through /v1/completions (no token route on the server), verifiers
+    that fail half the time: every TRL batch still has exactly G rows per prompt,
+    a failed rollout a row with nothing under the mask and no reward, and every
+    other row's logprobs are the model's."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path, server = served_without_token_route
+    settings = load_settings(
+        policy={
+            "kind": "openai",
+            "base_url": server.base_url,
+            "model": server.model_name,
+            "temperature": 1.0,
+            "max_tokens": 8,
+            "token_in": "completions",
+            "tokenizer": str(path),
+        },
+        emulator={
+            "profile": "faulty",
+            "profiles": {"faulty": {"seed": 3, "p_verifier_error": 0.5}},
+        },
+        telemetry={"db_path": os.devnull},
+    )
+    model, tokenizer = load_tiny_model(path)
+    task_records = _records()[:2]
+    calls: list[tuple[dict[str, Any], list[Any], dict[str, Any]]] = []
+
+    with fleetroll_trl.RolloutFunc(
+        task_records, settings, weight_sync=VLLMReloadSync(settings.policy.servers)
+    ) as rollouts:
+
+        def recorded(prompts: list[Any], trainer: Any) -> dict[str, Any]:
+            out = rollouts(prompts, trainer)
+            calls.append((copy.deepcopy(trainer.model.state_dict()), prompts, out))
+            return out
+
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "out"),
+            num_generations=2,
+            per_device_train_batch_size=4,
+            max_steps=2,
+            learning_rate=1e-2,
+            temperature=1.0,
+            use_cpu=True,
+            report_to=[],
+            save_strategy="no",
+            logging_steps=1,
+        )
+        trainer = GRPOTrainer(
+            model=model,
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=fleetroll_trl.dataset(task_records),
+            rollout_func=recorded,
+            reward_funcs=[fleetroll_trl.reward, token_mean],
+        )
+        trainer.train()
+
+    assert trainer.state.global_step == 2 and len(calls) == 2
+    assert not any(route == "/v1/chat/completions/tokens" for route, _ in server.requests)
+    fresh, _ = load_tiny_model(path)
+    statuses = []
+    for weights, prompts, out in calls:
+        keys = [next(m["task_key"] for m in p) for p in prompts]
+        assert len(keys) == 4 and keys[0] == keys[1] and keys[2] == keys[3]
+        for name in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "fleetroll_reward"):
+            assert len(out[name]) == len(prompts)
+        for i in range(len(prompts)):
+            mask = out["env_mask"][i]
+            status = out["fleetroll_status"][i]
+            statuses.append(status)
+            assert len(mask) == len(out["completion_ids"][i]) == len(out["logprobs"][i])
+            if status == "scored":
+                assert out["fleetroll_reward"][i] is not None and any(mask)
+                ours = recomputed(weights, fresh, out["prompt_ids"][i], out["completion_ids"][i])
+                on = torch.tensor(mask, dtype=torch.bool)
+                assert torch.allclose(ours[on], torch.tensor(out["logprobs"][i])[on], atol=1e-4)
+            else:
+                assert status == "failed" and out["fleetroll_reward"][i] is None
+                assert not any(mask)
+    assert "failed" in statuses and "scored" in statuses
+
+
 def _records() -> list[dict[str, Any]]:
     import json
 

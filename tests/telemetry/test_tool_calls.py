@@ -21,7 +21,7 @@ from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
 from fleetroll.service.metrics import Metrics
 from fleetroll.settings import config_dir
-from fleetroll.settings.fault_profiles import FaultProfile, Latency
+from fleetroll.settings.fault_profiles import FaultProfile
 from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import open_telemetry, queries
 from fleetroll.telemetry.dashboard import read_snapshot
@@ -37,7 +37,7 @@ async def run_ledger(db: Path, metrics: Metrics, *, tool_calls: bool) -> list[Ro
     ledger = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=settings.modalities)
     # Tasks whose solutions call the slow tool and fast ones.
     tasks = [t for t in ledger if t.key in {"ledger-004", "ledger-006", "ledger-010"}]
-    profile = FaultProfile(slow_tools={SLOW: Latency(min_s=0.4)})
+    profile = FaultProfile(slow_tools={SLOW: 0.4})
     async with (
         open_telemetry(settings.telemetry, extra_sinks=[metrics]) as events,
         Emulator(profile) as emu,

@@ -121,7 +121,7 @@ class JsonConsole(Console):
     def is_terminal(self) -> bool:
         return False
 
-    def print(self, *objects: Any, **_: Any) -> None:  # type: ignore[override]
+    def print(self, *objects: Any, **_: Any) -> None:
         from fleetroll.telemetry.console import json_line
 
         out = sys.stderr

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Literal
 
 import anyio
 
-from fleetroll.settings.fault_profiles import FaultProfile, Latency
+from fleetroll.settings.fault_profiles import FaultProfile
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -53,10 +53,6 @@ class FaultInjector:
 
     def tool_latency(self) -> float:
         return self.profile.tool_latency.draw(self._rng)
-
-    def draw(self, latency: Latency) -> float:
-        """A delay from ``latency`` (e.g. a ``slow_tools`` entry)."""
-        return latency.draw(self._rng)
 
     def death_after(self) -> float | None:
         """Seconds after creation at which a new instance dies, or None."""

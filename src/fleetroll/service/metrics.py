@@ -112,7 +112,7 @@ class Metrics:
         self._environment = _Bounded(label_values)
         self._tool = _Bounded(label_values)
         self._create: dict[str, Histogram] = {}
-        self._instance_s: Counter[str] = Counter()
+        self._instance_s: dict[str, float] = {}
         self._tools: dict[tuple[str, str], Histogram] = {}
 
     def observe(self, result: RolloutResult) -> None:
@@ -128,7 +128,9 @@ class Metrics:
             if create is None:
                 create = self._create[environment] = Histogram(PROVISION_BUCKETS)
             create.observe(seconds)
-        self._instance_s[environment] += result.cost.instance_s
+        self._instance_s[environment] = (
+            self._instance_s.get(environment, 0.0) + result.cost.instance_s
+        )
 
     def emit(self, event: Event) -> None:
         """Time a ``fleet_tool_call`` (other events are not this sink's)."""

@@ -103,8 +103,7 @@ class ToolGate:
         latency = faults.tool_latency()
         slow = faults.profile.slow_tools
         if slow and request is not None:
-            extra = slow.get(str(request.scope.get(TOOL_SCOPE_KEY)))
-            latency += faults.draw(extra) if extra is not None else 0.0
+            latency += slow.get(str(request.scope.get(TOOL_SCOPE_KEY)), 0.0)
         if latency:
             await anyio.sleep(latency)
         if faults.chance(faults.profile.p_tool_hang):

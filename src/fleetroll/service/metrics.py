@@ -12,8 +12,8 @@ as failed.
 Per rollout (from its result, on both executors): ``fleetroll_rollouts_total``,
 ``fleetroll_create_seconds`` (time to a ready instance) and
 ``fleetroll_instance_seconds_total``, by environment. Per tool call (from the
-``fleet_tool_call`` events of this process: :class:`Metrics` is an event sink;
-rollouts on Ray actors record theirs in the store only):
+``fleet_tool_call`` events: :class:`Metrics` is an event sink of the service's
+events, into which the Ray executor re-emits its actors' events too):
 ``fleetroll_tool_call_seconds`` by environment and tool.
 """
 

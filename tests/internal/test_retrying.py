@@ -393,6 +393,57 @@ async def test_a_service_busy_past_the_budget_fails_with_its_status(
     assert error is not None and error.status_code == 503 and requests == 2 and len(logs) == 1
 
 
+async def cancel_while_down(down: int, *, reconnect_s: float) -> tuple[ServiceError | None, int]:
+    """``DELETE /v1/batches/b1`` to a service whose first ``down`` connections are
+    refused (a restart), then answered; max_retries 1. Its error, the requests."""
+    requests = 0
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        nonlocal requests
+        requests += 1
+        if requests <= down:
+            raise httpx.ConnectError("connection refused", request=request)
+        return httpx.Response(200, json={})
+
+    async with (
+        httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http,
+        FleetrollClient(
+            "http://service.test",
+            max_retries=1,
+            backoff_initial_s=0.001,
+            backoff_max_s=0.001,
+            reconnect_s=reconnect_s,
+            http_client=http,
+        ) as client,
+    ):
+        try:
+            with anyio.fail_after(30):
+                await client.batch("b1").cancel()
+        except ServiceError as exc:
+            return exc, requests
+    return None, requests
+
+
+async def test_a_restarting_service_is_waited_for_past_max_retries_within_reconnect_s() -> None:
+    error, requests = await cancel_while_down(20, reconnect_s=60)
+    assert error is None and requests == 21
+
+
+async def test_without_reconnect_s_an_unreachable_service_gets_max_retries_only() -> None:
+    error, requests = await cancel_while_down(20, reconnect_s=0)
+    assert error is not None and "gave up after 2 attempts" in str(error) and requests == 2
+
+
+async def test_a_service_down_for_longer_than_reconnect_s_is_given_up_on() -> None:
+    error, requests = await cancel_while_down(10**9, reconnect_s=0.05)
+    assert error is not None and "ConnectError" in str(error) and requests > 2
+
+
+def test_a_negative_reconnect_s_is_refused() -> None:
+    with pytest.raises(ValueError, match="reconnect_s must be >= 0"):
+        FleetrollClient("http://service.test", reconnect_s=-1)
+
+
 # -- the verifier ----------------------------------------------------------------------
 
 

@@ -185,6 +185,10 @@ async def test_two_actors_run_a_hundred_rollouts_with_one_result_each_and_no_lea
     assert limiter["peak"] <= CREATE_LIMIT
     assert ledger["peak_concurrent_creates"] <= CREATE_LIMIT
     assert_pairs(sink)
+    # Every tool call measured on the actors reaches the driver's events (and /metrics).
+    measured = sink.named("fleet_tool_call")
+    assert {e.attributes["rollout_id"] for e in measured} == set(ids)
+    assert all(e.attributes["outcome"] == "ok" for e in measured)
 
 
 async def test_a_killed_actor_s_rollouts_run_again_once_or_end_cancelled_if_their_batch_was(

@@ -119,3 +119,45 @@ async def test_a_second_serve_on_the_same_state_dir_is_refused_in_one_line(tmp_p
     assert "Traceback" not in said
     assert "is in use by another fleetroll serve" in said
     assert len(said.strip().splitlines()) == 1, said
+
+
+async def test_a_client_rides_through_a_10_s_restart_of_serve_and_delivers_each_result_once(
+    tmp_path: Path,
+) -> None:
+    # The client as a trainer makes it (its defaults: reconnect_s), reading all along:
+    # no resume call, no second form; the service is down for about 10 s.
+    port = free_port()
+    seen: list[RolloutResult] = []
+    eight, finished = anyio.Event(), anyio.Event()
+    async with FleetrollClient(f"http://127.0.0.1:{port}", token=TOKEN) as client:
+        assert client.reconnect_s >= 60
+        batch = client.run_batch(TASKS, POLICY, samples_per_task=SAMPLES, batch_id=BATCH)
+
+        async def read() -> None:
+            async for result in batch:
+                seen.append(result)
+                if len(seen) == 8:
+                    eight.set()
+            finished.set()
+
+        async with anyio.create_task_group() as tg:
+            async with serving(tmp_path, port) as (first, _):
+                tg.start_soon(read)
+                with anyio.fail_after(120):
+                    await eight.wait()
+                down_at = anyio.current_time()
+                first.send_signal(signal.SIGTERM)
+                with anyio.fail_after(60):
+                    await first.wait()
+            # The outage itself is what this test is about: keep the service down ~10 s.
+            await anyio.sleep(max(0.0, 10.0 - (anyio.current_time() - down_at)))
+            assert not finished.is_set()
+            async with serving(tmp_path, port):
+                with anyio.fail_after(180):
+                    await finished.wait()
+
+    expected = {rollout_id(BATCH, t.key, n) for t in TASKS for n in range(SAMPLES)}
+    delivered = Counter(r.rollout_id for r in seen)
+    assert set(delivered) == expected
+    assert set(delivered.values()) == {1}, "a rollout was delivered twice"
+    assert batch.reconnects >= 1 and batch.resubmits == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -468,15 +469,15 @@ async def test_a_cancelled_batch_counts_its_cancelled_rollouts_apart_from_the_fa
 
 
 def rollout_counters(text: str) -> Counter[str]:
-    """``fleetroll_rollouts_total``'s samples of a ``/metrics`` answer, by labels."""
+    """``fleetroll_rollouts_total``'s samples of a ``/metrics`` answer, by status and
+    reason (summed over environments)."""
     prefix = "fleetroll_rollouts_total"
-    return Counter(
-        {
-            labels.removeprefix(prefix): int(value)
-            for labels, value in (line.rsplit(" ", 1) for line in text.splitlines())
-            if labels.startswith(prefix + "{")
-        }
-    )
+    counts: Counter[str] = Counter()
+    for labels, value in (line.rsplit(" ", 1) for line in text.splitlines()):
+        if labels.startswith(prefix + "{"):
+            status_reason = re.sub(r',environment="[^"]*"', "", labels.removeprefix(prefix))
+            counts[status_reason] += int(value)
+    return counts
 
 
 async def test_metrics_count_a_cancelled_rollout_as_cancelled_not_failed(

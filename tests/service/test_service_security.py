@@ -274,7 +274,8 @@ async def test_metrics_count_rollouts_and_provisioning_in_prometheus_text(
     samples = dict(
         line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
     )
-    assert int(samples['fleetroll_rollouts_total{status="completed",reason=""}']) >= 2
+    completed = 'fleetroll_rollouts_total{status="completed",reason="",environment="ledger"}'
+    assert int(samples[completed]) >= 2
     assert int(samples["fleetroll_provision_seconds_count"]) >= 2
     assert (
         samples['fleetroll_provision_seconds_bucket{le="+Inf"}']

@@ -111,7 +111,11 @@ async def run_scenario(
             "discovery_wait_s": scenario.discovery_wait_s,
             "wall_limit_s": scenario.wall_limit_s,
             "telemetry": (
-                "both" if scenario.telemetry_off_too else ("on" if scenario.telemetry else "off")
+                "both"
+                if scenario.telemetry_off_too
+                else "tool-calls"
+                if scenario.tool_calls_off_too
+                else ("on" if scenario.telemetry else "off")
             ),
             # The CLI's (fleetroll._internal.gc_policy): the process's collector.
             "gc_policy": load_settings(config_file).pool.gc_policy,
@@ -150,6 +154,9 @@ async def run_scenario(
         if scenario.telemetry_off_too:
             bare = replace(scenario, telemetry=False)
             systems.append(("fleetroll-telemetry-off", run_fleetroll, bare))
+        if scenario.tool_calls_off_too:
+            fewer = replace(scenario, tool_calls=False)
+            systems.append(("fleetroll-tool-calls-off", run_fleetroll, fewer))
         for name in ("fresh-session", "cpu-floor"):
             if name in baselines:
                 systems.append((name, BASELINE_SYSTEMS[name], scenario))
@@ -249,6 +256,7 @@ def with_overrides(
     wall_limit_s: float | None,
     telemetry: bool | None = None,
     telemetry_off_too: bool = False,
+    tool_calls_off_too: bool = False,
     repeat: int = 1,
 ) -> Scenario:
     """``scenario`` with the command line's overrides applied.
@@ -267,5 +275,6 @@ def with_overrides(
         wall_limit_s=scenario.wall_limit_s if wall_limit_s is None else wall_limit_s,
         telemetry=scenario.telemetry if telemetry is None else telemetry,
         telemetry_off_too=telemetry_off_too,
+        tool_calls_off_too=tool_calls_off_too,
         repeat=repeat,
     )

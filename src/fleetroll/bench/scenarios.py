@@ -82,6 +82,11 @@ class Scenario:
             lines dropped); off, with no sink at all.
         telemetry_off_too: also run fleetroll with no sink at all, as the
             system ``fleetroll-telemetry-off``, right after each telemetry-on run.
+        tool_calls: with telemetry, one ``fleet_tool_call`` record per tool call
+            (``telemetry.tool_calls``).
+        tool_calls_off_too: also run fleetroll with telemetry but no per-call
+            records, as the system ``fleetroll-tool-calls-off``, in the same rounds:
+            what those records cost.
         repeat: rounds of every system at each concurrency; each round starts
             with the next system (a rotation), so a machine whose speed drifts
             within minutes charges no system more than another, and the report
@@ -108,6 +113,8 @@ class Scenario:
     screenshot_kb: int = 100
     telemetry: bool = True
     telemetry_off_too: bool = False
+    tool_calls: bool = True
+    tool_calls_off_too: bool = False
     repeat: int = 1
 
     def with_profile(self, settings: Settings, name: str | None) -> Scenario:

@@ -101,7 +101,7 @@ async def run_fleetroll(ctx: RunContext) -> Outcome:
     scenario = ctx.scenario
     policy = ctx.policy()
     async with (
-        _telemetry(ctx.settings, on=scenario.telemetry) as events,
+        _telemetry(ctx.settings, on=scenario.telemetry, tool_calls=scenario.tool_calls) as events,
         RolloutPool(
             ctx.settings, api_key=ctx.api_key, base_url=ctx.base_url, events=events
         ) as pool,
@@ -137,14 +137,19 @@ async def run_fleetroll(ctx: RunContext) -> Outcome:
 
 
 @asynccontextmanager
-async def _telemetry(settings: Settings, *, on: bool) -> AsyncIterator[Events]:
+async def _telemetry(
+    settings: Settings, *, on: bool, tool_calls: bool = True
+) -> AsyncIterator[Events]:
     """The telemetry ``fleetroll run`` sets up (its store in a temporary folder, its
-    console's lines dropped), or none: what a user's run costs, or the floor."""
+    console's lines dropped), or none: what a user's run costs, or the floor.
+    ``tool_calls``: ``telemetry.tool_calls``."""
     if not on:
         yield Events()
         return
     with tempfile.TemporaryDirectory(prefix="fleetroll-bench-") as folder:
-        telemetry = settings.telemetry.model_copy(update={"db_path": Path(folder) / "t.db"})
+        telemetry = settings.telemetry.model_copy(
+            update={"db_path": Path(folder) / "t.db", "tool_calls": tool_calls}
+        )
         local = settings.model_copy(update={"telemetry": telemetry})
         async with open_telemetry(
             local.telemetry,

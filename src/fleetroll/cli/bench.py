@@ -98,12 +98,14 @@ def _has_matplotlib() -> bool:
 )
 @click.option(
     "--telemetry",
-    type=click.Choice(["on", "off", "both"]),
+    type=click.Choice(["on", "off", "both", "tool-calls"]),
     default="on",
     show_default=True,
     help=(
         "fleetroll with the telemetry `fleetroll run` sets up (store, console), or none;"
-        " both: each run twice, the second as fleetroll-telemetry-off."
+        " both: each run twice, the second as fleetroll-telemetry-off; tool-calls: each"
+        " run twice, the second as fleetroll-tool-calls-off (telemetry on, no"
+        " fleet_tool_call records): what the per-call records cost."
     ),
 )
 @click.option(
@@ -161,6 +163,7 @@ def bench(
                 wall_limit_s=wall_limit,
                 telemetry=telemetry != "off",
                 telemetry_off_too=telemetry == "both",
+                tool_calls_off_too=telemetry == "tool-calls",
                 repeat=repeat,
             )
             for name in scenario_names or ("smoke",)

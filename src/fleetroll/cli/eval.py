@@ -125,12 +125,10 @@ def eval_command(
     )
     with reported():
         tasks = job_tasks(settings, tasks_paths, profile=profile, out=out, samples=k, resume=False)
-    from rich.console import Console
-
-    from fleetroll.cli.run import exit_as_ended, print_report, run_command
+    from fleetroll.cli.run import exit_as_ended, job_console, print_report, run_command
     from fleetroll.evaluation import evaluate, report_markdown
 
-    console = Console(stderr=True, soft_wrap=True)
+    console = job_console(settings)
     with reported():
         job = run_command(
             settings,

@@ -266,14 +266,12 @@ def run(
             sampling = SamplerConfig.from_settings(settings.sampling, batch_tasks)
             TaskSampler(tasks, sampling)  # a config these tasks cannot meet, said now
     # Imported once the input is known good: a bad task file costs no more.
-    from rich.console import Console
-
     from fleetroll._internal.gc_policy import gc_policy
-    from fleetroll.cli.run import exit_as_ended, print_report, run_command
+    from fleetroll.cli.run import exit_as_ended, job_console, print_report, run_command
     from fleetroll.jobs.steps import Steps
 
     plan = Steps(steps, sampling) if steps is not None and sampling is not None else None
-    console = Console(stderr=True, soft_wrap=True)
+    console = job_console(settings)
     # This process is ours: the collector's policy too (pool.gc_policy).
     with reported(), gc_policy(settings.pool.gc_policy):
         report = run_command(

@@ -73,6 +73,16 @@ class Failed(click.ClickException):
     """Bad input or configuration: a clear message and exit code 2."""
 
     exit_code = 2
+    #: Said as one JSON line (``telemetry.console = "json"``, once the settings are read).
+    as_json = False
+
+    def show(self, file: Any = None) -> None:
+        if not type(self).as_json:
+            super().show(file)
+            return
+        from fleetroll.telemetry.console import json_line
+
+        click.echo(json_line("error", self.format_message()), file=file, err=True)
 
 
 def load_command_settings(config_file: Path | None, **overrides: Any) -> Settings:
@@ -94,7 +104,9 @@ def load_command_settings(config_file: Path | None, **overrides: Any) -> Setting
         Proxies.from_environment()
     except ValueError as exc:
         raise Failed(str(exc)) from None
-    configure_console_logging(settings.telemetry.console_level)
+    as_json = settings.telemetry.console == "json"
+    configure_console_logging(settings.telemetry.console_level, as_json=as_json)
+    Failed.as_json = as_json
     return settings
 
 

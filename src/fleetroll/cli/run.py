@@ -12,11 +12,13 @@ from __future__ import annotations
 import functools
 import os
 import statistics
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 from rich.console import Console
@@ -101,6 +103,41 @@ def exit_as_ended(report: JobReport) -> None:
         raise SystemExit(130)
     if report.stopped is not None:
         raise SystemExit(1)
+
+
+class JsonConsole(Console):
+    """A job's console when ``telemetry.console = "json"``: every line one JSON object.
+
+    Notices, progress and the closing summary lines are events (``level``,
+    ``event``: the text, ``logger``: ``fleetroll.cli``); the closing tables are
+    left out (their numbers are in the results and telemetry). Never a
+    terminal, so progress is a line every so often, never a spinner.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(stderr=True, soft_wrap=True, force_terminal=False)
+
+    @property
+    def is_terminal(self) -> bool:
+        return False
+
+    def print(self, *objects: Any, **_: Any) -> None:
+        from fleetroll.telemetry.console import json_line
+
+        out = sys.stderr
+        for thing in objects:
+            if isinstance(thing, str):
+                text = thing.removeprefix("fleetroll: ")
+                out.write(json_line("info", text, logger="fleetroll.cli") + "\n")
+        out.flush()
+
+
+def job_console(settings: Settings) -> Console:
+    """The console of ``fleetroll run`` and ``fleetroll eval`` (stderr), as
+    ``telemetry.console`` asks: for people, or one JSON object a line."""
+    if settings.telemetry.console == "json":
+        return JsonConsole()
+    return Console(stderr=True, soft_wrap=True)
 
 
 @dataclass(frozen=True, slots=True)

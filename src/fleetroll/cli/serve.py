@@ -93,6 +93,7 @@ async def _serve(
     from fleetroll.rollout.agent_process import AgentRecords
     from fleetroll.service.app import Service
     from fleetroll.service.asgi import create_app
+    from fleetroll.service.metrics import Metrics
     from fleetroll.service.server import serve_app
     from fleetroll.service.state import open_store
     from fleetroll.telemetry import open_telemetry
@@ -105,9 +106,14 @@ async def _serve(
         records = AgentRecords(store.root / "agents")
         await anyio.to_thread.run_sync(records.open)
         stack.callback(records.close)
+        # /metrics times every tool call from the same events the store gets.
+        metrics = Metrics(settings.service.metrics_label_values)
         events = await stack.enter_async_context(
             open_telemetry(
-                settings.telemetry, secrets=settings.secrets(), logfire_token=settings.logfire_token
+                settings.telemetry,
+                secrets=settings.secrets(),
+                logfire_token=settings.logfire_token,
+                extra_sinks=[metrics],
             )
         )
         fleet = await open_fleet(stack, settings, profile)
@@ -130,7 +136,7 @@ async def _serve(
         )
         # Once started: what start-up made is frozen (this process is ours).
         stack.enter_context(gc_policy(settings.pool.gc_policy))
-        service = Service(pool, settings, store=store, agent_records=records)
+        service = Service(pool, settings, store=store, agent_records=records, metrics=metrics)
         url = await stack.enter_async_context(
             serve_app(create_app(service), host, port, before_stop=service.stop)
         )

@@ -27,7 +27,10 @@ of its fields, or None for the server's configured policy.
 A results stream that breaks (a proxy, a network blip, a server restart
 behind a load balancer) is reopened on its own with ``?after=<cursor>``:
 nothing is lost and nothing arrives twice; a batch the service's restart
-interrupted is submitted again, so its rollouts without a result run. Retries are bounded, with
+interrupted is submitted again, so its rollouts without a result run. A
+service that does not answer at all (a restart) is waited for up to
+``reconnect_s`` (120 s) from the first failed attempt; the loop reading the
+batch notices nothing. Retries are bounded, with
 exponential backoff and full jitter (``fleetroll._internal.retrying``, defaults from
 ``[retries]``); a batch submission is retried safely
 because the batch id is chosen here, before the first attempt.
@@ -104,6 +107,12 @@ class FleetrollClient:
             ``[retries]`` ``client_backoff_*``). Each retry is a debug record
             on the ``fleetroll.retries`` logger (operation ``client`` or
             ``client_stream``).
+        reconnect_s: how long a service that does not answer at all (refused
+            connections, cut streams: a ``serve`` restart, a network outage) is
+            waited for, from the first failure in a row, before giving up;
+            batches, groups and event streams then resume from their cursor,
+            each result delivered once. Longer than ``max_retries`` allows
+            on its own; 0 leaves only ``max_retries``.
         http_client: an ``httpx.AsyncClient`` to use and leave open (tests, proxies).
     """
 
@@ -118,6 +127,7 @@ class FleetrollClient:
         max_retries: int | None = None,
         backoff_initial_s: float | None = None,
         backoff_max_s: float | None = None,
+        reconnect_s: float = 120.0,
         http_client: httpx.AsyncClient | None = None,
     ) -> None:
         defaults = RetrySettings()
@@ -125,12 +135,15 @@ class FleetrollClient:
             max_retries = defaults.client_max_retries
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, not {max_retries}")
+        if reconnect_s < 0:
+            raise ValueError(f"reconnect_s must be >= 0, not {reconnect_s}")
         self.base_url = base_url.rstrip("/")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.timeout_s = timeout_s
         self.stream_read_timeout_s = stream_read_timeout_s
         self.session_timeout_s = session_timeout_s
         self.max_retries = max_retries
+        self.reconnect_s = reconnect_s
         self._budget = retrying.Budget(
             max_retries + 1,
             defaults.client_backoff_initial_s if backoff_initial_s is None else backoff_initial_s,
@@ -156,6 +169,7 @@ class FleetrollClient:
             session_timeout_s=session_timeout_s,
             budget=self._budget,
             http=self._http,
+            reconnect_s=reconnect_s,
         )
 
     def __repr__(self) -> str:
@@ -319,9 +333,7 @@ class FleetrollClient:
             nonlocal response, lines
             tries = 0
             try:
-                async for attempt in retrying.attempts(
-                    "client_stream", self._budget, classify=decision
-                ):
+                async for attempt in self._service.attempts("client_stream", decision):
                     with attempt:
                         tries = attempt.num
                         try:
@@ -344,7 +356,7 @@ class FleetrollClient:
             except StreamCut as exc:
                 raise ServiceError(
                     f"lost the events stream of rollout {rollout_id} {tries} times in a row"
-                    f" ({exc}); resume later with client.follow({rollout_id!r}, after={cursor})"
+                    f" ({exc}); resume with client.follow({rollout_id!r}, after={cursor})"
                 ) from exc.__cause__
             raise AssertionError("unreachable: attempts either return or raise")
 

@@ -10,7 +10,7 @@ the client's budget.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import suppress
 from types import TracebackType
 from typing import Any, Self
@@ -59,6 +59,7 @@ class ServiceConnection:
         session_timeout_s: float,
         budget: retrying.Budget,
         http: httpx.AsyncClient,
+        reconnect_s: float = 0.0,
     ) -> None:
         self.base_url = base_url
         self.headers = dict(headers)
@@ -67,10 +68,46 @@ class ServiceConnection:
         self.session_timeout_s = session_timeout_s
         self.budget = budget
         self.http = http
+        #: How long an unreachable service (a restart) is waited for, from the
+        #: first failure in a row; 0: only ``budget``'s attempts.
+        self.reconnect_s = reconnect_s
 
     def url(self, path: str) -> str:
         """The absolute URL of ``path`` on the service."""
         return self.base_url + path
+
+    def attempts(
+        self, operation: retrying.Operation, classify: Callable[[BaseException], Decision]
+    ) -> AsyncIterator[retrying.Attempt]:
+        """Attempts at one request or stream read, after ``classify``.
+
+        A service that answers "later" (429, 503) has the budget's attempts; a
+        service that does not answer at all (refused or cut connections, a cut
+        stream: it restarts) is tried again until ``reconnect_s`` has passed,
+        or for the budget's attempts when that is longer.
+        """
+        limit = self.budget.attempts
+        failures = 0
+        first_failed: float | None = None
+
+        def decision(exc: BaseException) -> Decision:
+            nonlocal failures, first_failed
+            failures += 1
+            now = anyio.current_time()
+            first_failed = now if first_failed is None else first_failed
+            verdict = classify(exc)
+            if not verdict.transient or limit is None or failures < limit:
+                return verdict
+            # The window, from the first failure in a row, bounds it, not the count.
+            if self.reconnect_s > 0 and _unreachable(exc) and now - first_failed < self.reconnect_s:
+                return verdict
+            return Decision(False, verdict.status_code)
+
+        b = self.budget
+        unbounded = retrying.Budget(None, b.backoff_initial_s, b.backoff_max_s)
+        return retrying.attempts(
+            operation, unbounded if self.reconnect_s > 0 else b, classify=decision
+        )
 
     async def call(
         self,
@@ -94,7 +131,7 @@ class ServiceConnection:
             return Decision(False)
 
         try:
-            async for attempt in retrying.attempts("client", self.budget, classify=decision):
+            async for attempt in self.attempts("client", decision):
                 with attempt:
                     tries, retry_after = attempt.num, None
                     response = await self.http.request(
@@ -329,9 +366,7 @@ class RemoteBatch:
             return Decision(False)
 
         try:
-            async for attempt in retrying.attempts(
-                "client_stream", self._client.budget, classify=decision
-            ):
+            async for attempt in self._client.attempts("client_stream", decision):
                 with attempt:
                     tries = attempt.num
                     if cut:
@@ -356,8 +391,8 @@ class RemoteBatch:
         except StreamCut as exc:
             raise ServiceError(
                 f"lost the results stream of batch {self.batch_id} {tries} times in a"
-                f" row ({exc}); resume later with"
-                f" client.batch({self.batch_id!r}, after={self.cursor})"
+                f" row ({exc}); iterate the batch again to resume from where it stopped"
+                f" (FleetrollClient(reconnect_s=...) waits longer for a restart)"
             ) from exc.__cause__
         return message
 
@@ -515,6 +550,11 @@ def _error(method: str, path: str, response: httpx.Response) -> ServiceError:
     return ServiceError(
         f"{method} {path}: HTTP {status}: {detail}", status_code=status, detail=str(detail)
     )
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the service did not answer (down, restarting, the network)."""
+    return isinstance(exc, StreamCut | httpx.TransportError)
 
 
 def describe_failure(exc: BaseException) -> str:

@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from fleetroll.emulator.computer import register_computer_tool
-from fleetroll.emulator.envs.base import INSTANCE_SCOPE_KEY, SampleEnv, ToolGate
+from fleetroll.emulator.envs.base import INSTANCE_SCOPE_KEY, TOOL_SCOPE_KEY, SampleEnv, ToolGate
 from fleetroll.emulator.faults import FaultInjector
 from fleetroll.emulator.instances import InstanceStore
 from fleetroll.emulator.ledger import Ledger
@@ -120,14 +120,19 @@ class McpRouter:
             )
             await response(scope, receive, send)
             return
-        if self._faults.profile.list_tools_failures and scope.get("method") == "POST":
+        tool: str | None = None
+        profile = self._faults.profile
+        if (profile.list_tools_failures or profile.slow_tools) and scope.get("method") == "POST":
             body = await _body(receive)
             if await self._fail_listing(instance_id, body, scope, receive, send):
                 return
+            tool = _called_tool(body)
             receive = _replay(body, receive)
         app = self._apps[(inst.env.key, endpoint)]
         scope = dict(scope, path=_MCP_PATH, raw_path=_MCP_PATH.encode(), root_path="")
         scope[INSTANCE_SCOPE_KEY] = instance_id
+        if tool is not None:
+            scope[TOOL_SCOPE_KEY] = tool
         await app(scope, receive, send)
 
     async def _fail_listing(
@@ -148,6 +153,19 @@ class McpRouter:
         response = JSONResponse({"jsonrpc": "2.0", "id": message.get("id"), "error": error})
         await response(scope, receive, send)
         return True
+
+
+def _called_tool(body: bytes) -> str | None:
+    """The tool a ``tools/call`` request names (for ``slow_tools``), else None."""
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(message, dict) or message.get("method") != "tools/call":
+        return None
+    params = message.get("params")
+    name = params.get("name") if isinstance(params, dict) else None
+    return name if isinstance(name, str) else None
 
 
 def _without_tracing(server: MCPServer) -> None:

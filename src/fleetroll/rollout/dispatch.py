@@ -11,6 +11,11 @@
   ``pool.on_tool_failure = "continue"`` (``instance_lost`` when the instance
   died).
 
+Every call that goes to the environment is one ``fleet_tool_call`` record
+(tool, duration, outcome ``ok``/``error``/``failed``; the environment and
+modality are the rollout's bound attributes), unless ``telemetry.tool_calls``
+is false.
+
 A call driven from outside (the env-style API) answers a :class:`StepResult`.
 """
 
@@ -80,6 +85,7 @@ async def dispatch(
         try:
             result = await session.call(call.name, call.arguments)
         except ToolCallFailed as exc:
+            _measured(events, call.name, time.monotonic() - began, "failed")
             await tool_call_failed(
                 call.name,
                 exc,
@@ -94,6 +100,7 @@ async def dispatch(
             return result
         finally:
             progress.timings.tools_s += time.monotonic() - began
+        _measured(events, call.name, time.monotonic() - began, "error" if result.is_error else "ok")
         if result.is_error:
             events.emit(
                 "fleet_mcp_tool_error",
@@ -106,6 +113,17 @@ async def dispatch(
         progress.tool_errors += 1
     progress.transcript.add_answer(call, result)
     return result
+
+
+def _measured(events: Events, name: str, duration_s: float, outcome: str) -> None:
+    """One ``fleet_tool_call`` record (cheap: no record at all when turned off)."""
+    if events.enabled("fleet_tool_call"):
+        events.emit(
+            "fleet_tool_call",
+            tool_name=name,
+            duration_s=round(duration_s, 6),
+            outcome=outcome,
+        )
 
 
 async def tool_call_failed(

@@ -80,6 +80,8 @@ class Service:
         agent_records: where batches' agent commands are noted, opened by the
             caller for longer than the pool runs (``fleetroll serve``'s are in
             ``service.state_dir/agents``), so a start ends what a killed one left.
+        metrics: what ``GET /metrics`` reads (default: a new one); give the one
+            that is also a sink of the pool's events, so it times tool calls.
     """
 
     def __init__(
@@ -89,10 +91,11 @@ class Service:
         *,
         store: BatchStore | None = None,
         agent_records: AgentRecords | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.pool = pool
         self.settings = settings
-        self.metrics = Metrics()
+        self.metrics = metrics or Metrics(settings.service.metrics_label_values)
         self.redact = Redactor(settings.secrets())
         self.batches = BatchRegistry(
             pool,

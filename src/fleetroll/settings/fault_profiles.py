@@ -73,6 +73,9 @@ class FaultProfile(BaseModel):
     #: MCP endpoints answer 503 for this long after an instance is created.
     mcp_warmup_s: Seconds = 0.0
     tool_latency: Latency = Latency()
+    #: Seconds more for some tools' calls, by tool name (on top of
+    #: ``tool_latency``): a deliberately slow tool, for finding it in telemetry.
+    slow_tools: dict[str, Seconds] = Field(default_factory=dict)
     #: Probability that a tool call hangs for ``tool_hang_s``.
     p_tool_hang: Probability = 0.0
     tool_hang_s: Seconds = 3600.0

@@ -529,11 +529,17 @@ class TelemetrySettings(_Section):
     environment: str = "training_rollouts"
     #: Console lines at or above this level (see fleetroll.telemetry.sinks).
     console_level: Literal["debug", "info", "warning", "error"] = "info"
+    #: ``text`` for people; ``json``: every line fleetroll writes to stderr is one
+    #: JSON object (events, log records, notices, progress), for a log shipper.
+    console: Literal["text", "json"] = "text"
     #: On a terminal, failed rollouts are summed up per failure reason: one
     #: line with a count at most this often per reason.
     console_repeat_s: float = Field(10.0, gt=0)
     #: Send records to Logfire cloud when LOGFIRE_TOKEN is set; false keeps them local.
     send_to_logfire: bool = True
+    #: One ``fleet_tool_call`` record per tool call (tool, duration, outcome):
+    #: what the slowest-tools query and ``/metrics``' tool histogram read.
+    tool_calls: bool = True
     #: The store commits a batch every this many seconds or records, whichever comes first.
     flush_interval_s: float = Field(0.2, gt=0)
     flush_records: int = Field(512, ge=1)
@@ -661,6 +667,9 @@ class ServiceSettings(_Section):
     #: Finished batches whose results stay readable (oldest forgotten first,
     #: with their files in ``state_dir``).
     keep_finished_batches: int = Field(64, ge=0)
+    #: ``/metrics``: environments (and, apart, tools) with a label of their own,
+    #: the first seen; any later one is labelled ``other`` (bounded cardinality).
+    metrics_label_values: int = Field(20, ge=1, le=1000)
     #: ``fleetroll serve`` keeps each batch's request and results here (one
     #: journal per batch), locked while it runs, and reads them back at start-up.
     state_dir: Path = Path(".fleetroll/service")

@@ -258,6 +258,7 @@ def read_snapshot(
         provisioning=_provisioning(scope),
         rewards=_rewards(scope, by_env),
         slowest=_slowest(scope),
+        slowest_tools=panel.slowest_tools(run, scope.params),
         cost=_cost([by_env[env].cost() for env in sorted(by_env)]),
         progress=panel.progress(
             run,
@@ -578,6 +579,7 @@ def empty_snapshot(
         provisioning=Provisioning(count=0, p50_s=None, p95_s=None, max_s=None, bins=[]),
         rewards=Rewards(envs=[]),
         slowest=[],
+        slowest_tools=[],
         cost=CostPanel(envs=[], total=Cost()),
         progress=None,
         throughput=[],

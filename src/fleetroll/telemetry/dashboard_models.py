@@ -32,6 +32,7 @@ __all__ = [
     "Provisioning",
     "Rewards",
     "SlowRollout",
+    "SlowTool",
     "Snapshot",
     "ThroughputPoint",
     "Timeline",
@@ -146,6 +147,19 @@ class Rewards:
     """The rewards of each environment, binned over one range so they compare."""
 
     envs: list[EnvRewards]
+
+
+@dataclass(frozen=True, slots=True)
+class SlowTool:
+    """A tool of an environment, by its calls' mean duration (``fleet_tool_call``)."""
+
+    tool: str
+    env: str | None
+    calls: int
+    mean_s: float
+    max_s: float
+    #: Calls answered with an error, or not answered at all.
+    not_ok: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +356,7 @@ class Snapshot:
     provisioning: Provisioning
     rewards: Rewards
     slowest: list[SlowRollout]
+    slowest_tools: list[SlowTool]
     cost: CostPanel
     progress: Progress | None
     throughput: list[ThroughputPoint]

@@ -16,6 +16,8 @@ columns read from ``records`` on an older store), and answers one panel of
 - :func:`unfinished_panel`: rollouts stuck (running longer than a threshold,
   with phase, age, instance) and lost (their process is gone);
 - :func:`latest_errors`: the most recent failed rollouts;
+- :func:`slowest_tools`: the tools with the longest mean call, per environment
+  (``fleet_tool_call`` records; empty when ``telemetry.tool_calls`` is off);
 - :func:`admission`: each environment version's circuit breaker, from its
   latest ``fleet_env_quarantined``/``fleet_env_recovered`` event, and the
   learnt create rate's latest changes (``fleet_create_rate``).
@@ -37,6 +39,7 @@ from fleetroll.telemetry.dashboard_models import (
     Groups,
     Progress,
     RateChange,
+    SlowTool,
     ThroughputPoint,
     Unfinished,
     UnfinishedRollout,
@@ -53,6 +56,7 @@ __all__ = [
     "eta",
     "latest_errors",
     "progress",
+    "slowest_tools",
     "throughput",
     "unfinished_panel",
     "uniform_groups",
@@ -338,6 +342,33 @@ def latest_errors(
         {**params, "errors": n},
     ).rows
     return [FailedRollout(*row) for row in rows]
+
+
+#: Tools shown at most in the slowest-tools panel.
+SLOWEST_TOOLS: Final = 10
+
+
+def slowest_tools(run: Run, params: Mapping[str, Any]) -> list[SlowTool]:
+    """The tools whose calls took longest on average (per environment), slowest first.
+
+    ``params`` are the snapshot's (``service``, ``since``, ``batch``; None: any)."""
+    where = ["service_name = :service", "message = 'fleet_tool_call'"]
+    if params.get("since") is not None:
+        where.append("start_timestamp >= :since")
+    if params.get("batch") is not None:
+        where.append("attributes->>'batch_id' = :batch")
+    rows = run(
+        "SELECT attributes->>'tool_name' AS tool, attributes->>'env_key' AS env, COUNT(*), "
+        "AVG(attributes->>'duration_s') AS mean_s, MAX(attributes->>'duration_s'), "
+        "COUNT(*) FILTER (WHERE attributes->>'outcome' != 'ok') "
+        f"FROM records WHERE {' AND '.join(where)} "
+        "GROUP BY 1, 2 ORDER BY mean_s DESC LIMIT :tools",
+        {**params, "tools": SLOWEST_TOOLS},
+    ).rows
+    return [
+        SlowTool(str(tool), env, int(n), float(mean or 0.0), float(top or 0.0), int(bad))
+        for tool, env, n, mean, top, bad in rows
+    ]
 
 
 def admission(run: Run, params: Mapping[str, Any], gauges: Mapping[str, Any] | None) -> Admission:

@@ -70,6 +70,7 @@ EVENT_NAMES: Final[frozenset[str]] = frozenset(
         "fleet_env_recovered",
         "fleet_env_created",
         "fleet_env_reset_failed",
+        "fleet_tool_call",
         "fleet_tool_call_failed",
         "fleet_mcp_tool_error",
         "fleet_verifier_failed",
@@ -255,9 +256,25 @@ def _sensitive_name(key: str) -> bool:
 class Events:
     """The one way fleetroll emits telemetry events."""
 
-    def __init__(self, sinks: Sequence[EventSink] = (), redactor: Redactor | None = None) -> None:
+    def __init__(
+        self,
+        sinks: Sequence[EventSink] = (),
+        redactor: Redactor | None = None,
+        *,
+        off: Iterable[str] = (),
+    ) -> None:
+        """``off``: event names not recorded (see :meth:`enabled`), e.g. ``fleet_tool_call``
+        when ``telemetry.tool_calls`` is false."""
         self._sinks = list(sinks)
         self._redact = redactor or Redactor()
+        self._off = frozenset(off)
+        unknown = sorted(self._off - EVENT_NAMES)
+        if unknown:
+            raise ValueError(f"unknown telemetry events to turn off: {', '.join(unknown)}")
+
+    def enabled(self, name: str) -> bool:
+        """Whether ``name`` is recorded: the caller of a frequent event skips building it."""
+        return name not in self._off
 
     @property
     def sinks(self) -> tuple[EventSink, ...]:
@@ -298,6 +315,8 @@ class Events:
             )
         attrs = self._redact.attributes({**_base.get(), **attributes})
         event = Event(name, level, attrs)
+        if name in self._off:
+            return event
         for sink in self._sinks:
             try:
                 sink.emit(event)

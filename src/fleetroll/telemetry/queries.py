@@ -33,6 +33,7 @@ __all__ = [
     "CHECK_SQL",
     "COST_FIELDS",
     "COST_SUMS_SQL",
+    "SLOWEST_TOOLS_SQL",
     "STATS_SQL",
     "CheckResult",
     "LostBatch",
@@ -44,6 +45,7 @@ __all__ = [
     "check",
     "query",
     "schema",
+    "slowest_tools",
     "stats",
 ]
 
@@ -507,6 +509,46 @@ def batch_costs(
     _require_batch(db, batch_id, service_name)
     params = {"service": service_name, "batch_id": batch_id}
     return _run(db, _sql(BATCH_COST_SQL, batch_id), params).dicts()
+
+
+#: Each tool of each environment by its mean duration, slowest first
+#: (``fleet_tool_call`` records); ``{batch}`` as above.
+SLOWEST_TOOLS_SQL: Final = """
+SELECT
+    attributes->>'tool_name' AS tool,
+    attributes->>'env_key' AS env_key,
+    COUNT(*) AS calls,
+    AVG(attributes->>'duration_s') AS mean_s,
+    MAX(attributes->>'duration_s') AS max_s,
+    COUNT(*) FILTER (WHERE attributes->>'outcome' != 'ok') AS not_ok
+FROM records
+WHERE service_name = :service AND message = 'fleet_tool_call'{batch}
+GROUP BY 1, 2
+ORDER BY mean_s DESC, calls DESC
+LIMIT :limit
+"""
+
+
+def slowest_tools(
+    db: str | os.PathLike[str],
+    batch_id: str | None = None,
+    *,
+    service_name: str = "fleetroll",
+    limit: int = 10,
+) -> list[dict[str, Any]]:
+    """The ``limit`` slowest tools, by their calls' mean duration (``fleet_tool_call``).
+
+    Each row: ``tool, env_key, calls, mean_s, max_s`` and ``not_ok`` (calls
+    answered with an error or not answered at all). Empty when
+    ``telemetry.tool_calls`` was off.
+
+    Raises:
+        NoSuchBatchError: ``batch_id`` names no batch in the store.
+        StoreError: there is no store at ``db``, or it cannot be read.
+    """
+    _require_batch(db, batch_id, service_name)
+    params = {"service": service_name, "batch_id": batch_id, "limit": limit}
+    return _run(db, _sql(SLOWEST_TOOLS_SQL, batch_id), params).dicts()
 
 
 # -- the invariant ------------------------------------------------------------------

@@ -9,6 +9,13 @@ settings, ``Settings.secrets()``). With no Logfire cloud, events go straight int
 the local store as the rows Logfire's logs of them would make
 (:class:`~fleetroll.telemetry.sinks.StoreSink`: no span per event).
 
+With ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or its ``_TRACES_``/``_LOGS_`` forms) set,
+no Logfire account is needed: the OpenTelemetry SDK's own OTLP/HTTP exporters,
+which Logfire sets up from those variables (``OTEL_EXPORTER_OTLP_HEADERS``,
+``OTEL_EXPORTER_OTLP_PROTOCOL`` and the rest are theirs), send each event as a
+span (Logfire's log of it) and as an OpenTelemetry log record; the local store
+gets the same rows. Nothing is sent to Logfire without a token.
+
 Logfire is configured with ``local=True``: each set-up owns its own Logfire
 instance and tracer provider, and the process-wide ``logfire`` object is left
 alone. Setting telemetry up twice in one process (tests, or a trainer that
@@ -28,7 +35,8 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
+import os
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from types import TracebackType
@@ -40,12 +48,29 @@ from pydantic import SecretStr
 
 from fleetroll.settings import TelemetrySettings
 from fleetroll.telemetry.events import Events, EventSink, Redactor
-from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink, StoreSink
+from fleetroll.telemetry.sinks import ConsoleSink, LogfireSink, OtlpLogSink, StoreSink
 from fleetroll.telemetry.store import SQLiteSpanProcessor, is_disabled
 
-__all__ = ["Telemetry", "open_telemetry"]
+__all__ = ["Telemetry", "open_telemetry", "otlp_destinations"]
 
 _log = logging.getLogger(__name__)
+
+
+def otlp_destinations(environ: Mapping[str, str] | None = None) -> set[str]:
+    """Which signals (``traces``, ``logs``) the OpenTelemetry environment variables
+    send to an OTLP endpoint: ``OTEL_EXPORTER_OTLP_ENDPOINT`` both, the
+    ``..._TRACES_ENDPOINT``/``..._LOGS_ENDPOINT`` one each; ``OTEL_TRACES_EXPORTER``/
+    ``OTEL_LOGS_EXPORTER`` other than ``otlp`` turn one off (as Logfire reads them)."""
+    env = os.environ if environ is None else environ
+    out = set()
+    for signal in ("traces", "logs"):
+        endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get(
+            f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"
+        )
+        exporter = env.get(f"OTEL_{signal.upper()}_EXPORTER", "").lower()
+        if endpoint and exporter in ("otlp", ""):
+            out.add(signal)
+    return out
 
 
 @functools.cache
@@ -133,20 +158,32 @@ class Telemetry:
             if self.store is not None:
                 self.store.shutdown()
             raise
-        self.console = ConsoleSink(t.console_level, file=console, repeat_s=t.console_repeat_s)
+        self.otlp = otlp_destinations()
+        self.console = ConsoleSink(
+            t.console_level,
+            file=console,
+            repeat_s=t.console_repeat_s,
+            as_json=t.console == "json",
+        )
         self.events = Events(
-            [*self._logfire_sinks(send), self.console, *extra_sinks], self.redactor
+            [*self._logfire_sinks(send), self.console, *extra_sinks],
+            self.redactor,
+            off=() if t.tool_calls else ("fleet_tool_call",),
         )
         self._closed = False
 
     def _logfire_sinks(self, send: bool) -> list[EventSink]:
-        """Events as Logfire logs when Logfire sends them somewhere; else straight
-        into the local store as the same rows (no span per event), or nowhere."""
-        if send:
-            return [LogfireSink(self.logfire)]
-        if self.store is not None:
-            return [StoreSink(self.logfire, self.store)]
-        return []
+        """Events as Logfire logs when Logfire sends them somewhere (its cloud, or
+        an OTLP endpoint), and as OTLP log records to an OTLP logs endpoint; else
+        straight into the local store as the same rows (no span per event), or nowhere."""
+        sinks: list[EventSink] = []
+        if send or "traces" in self.otlp:
+            sinks.append(LogfireSink(self.logfire))
+        elif self.store is not None:
+            sinks.append(StoreSink(self.logfire, self.store))
+        if "logs" in self.otlp:
+            sinks.append(OtlpLogSink(self.logfire))
+        return sinks
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Push every record emitted so far to the store (and Logfire cloud); blocking.

@@ -33,6 +33,7 @@ Stdlib logging goes to the same place, at the same level:
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import time
@@ -43,6 +44,7 @@ from typing import Any, Final, TextIO
 import logfire
 import structlog
 from logfire._internal.stack_info import get_user_stack_info
+from opentelemetry._logs import SeverityNumber
 from opentelemetry.trace import get_current_span
 
 from fleetroll.telemetry.events import Event
@@ -95,6 +97,7 @@ CONSOLE_LEVELS: Final[Mapping[str, int]] = {
     "fleet_retry": DEBUG,
     "fleet_make_failed": DEBUG,
     "fleet_env_reset_failed": DEBUG,
+    "fleet_tool_call": DEBUG,
     "fleet_tool_call_failed": DEBUG,
     "fleet_mcp_tool_error": DEBUG,
     "fleet_verifier_failed": DEBUG,
@@ -192,6 +195,41 @@ class LogfireSink:
         self._logfire.log(event.level, event.name, attributes=dict(event.attributes))
 
 
+class OtlpLogSink:
+    """Each event as an OpenTelemetry log record (body: the event name; its
+    attributes), to the OTLP log exporter Logfire sets up from
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_LOGS_ENDPOINT``."""
+
+    _SEVERITY: Final[Mapping[str, tuple[int, str]]] = {
+        "debug": (5, "DEBUG"),
+        "info": (9, "INFO"),
+        "warn": (13, "WARN"),
+        "error": (17, "ERROR"),
+    }
+
+    def __init__(self, instance: logfire.Logfire) -> None:
+        provider = instance.config.get_logger_provider()
+        self._logger = provider.get_logger("fleetroll")
+
+    def emit(self, event: Event) -> None:
+        number, text = self._SEVERITY.get(event.level, (9, "INFO"))
+        self._logger.emit(
+            timestamp=int(event.timestamp * 1e9),
+            severity_number=SeverityNumber(number),
+            severity_text=text,
+            body=event.name,
+            attributes={k: _otel_value(v) for k, v in event.attributes.items() if v is not None},
+            event_name=event.name,
+        )
+
+
+def _otel_value(value: Any) -> Any:
+    """An attribute value OpenTelemetry takes (a scalar); anything else as JSON text."""
+    if isinstance(value, str | bool | int | float):
+        return value
+    return json.dumps(value, default=str)
+
+
 _RESERVED: Final = frozenset({"event", "level", "timestamp"})  # structlog's own keys
 
 
@@ -235,6 +273,7 @@ class ConsoleSink:
         summarize: bool | None = None,
         repeat_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        as_json: bool = False,
     ) -> None:
         """Print events at or above ``level`` (``debug``, ``info``, ``warning``, ``error``).
 
@@ -244,6 +283,9 @@ class ConsoleSink:
             repeat_s: with ``summarize``, a reason's count is printed at most
                 this often.
             clock: monotonic seconds (tests pass their own).
+            as_json: each line one JSON object (``timestamp``, ``level``,
+                ``event`` and the event's attributes), never summed up: for a
+                log shipper (``telemetry.console = "json"``).
 
         Raises:
             ValueError: ``level`` is not one of those names.
@@ -256,17 +298,27 @@ class ConsoleSink:
         terminal = bool(getattr(stream, "isatty", lambda: False)())
         if colors is None:
             colors = terminal
-        self.summarize = terminal if summarize is None else summarize
+        self.summarize = (terminal if summarize is None else summarize) and not as_json
         self._repeat_s = repeat_s
         self._clock = clock
         self._tallies: dict[str, _Tally] = {}
-        self._logger: Any = structlog.wrap_logger(
-            _StderrLogger(file),
-            processors=[
+        processors: list[Any] = (
+            [
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+                structlog.processors.add_log_level,
+                structlog.processors.JSONRenderer(default=str, ensure_ascii=False),
+            ]
+            if as_json
+            else [
                 structlog.processors.add_log_level,
                 structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
                 structlog.dev.ConsoleRenderer(colors=colors, sort_keys=False, pad_event_to=28),
-            ],
+            ]
+        )
+        self._json = as_json
+        self._logger: Any = structlog.wrap_logger(
+            _StderrLogger(file),
+            processors=processors,
             wrapper_class=structlog.make_filtering_bound_logger(self.level),
             cache_logger_on_first_use=True,
         )
@@ -275,7 +327,7 @@ class ConsoleSink:
         level = console_level(event)
         if level < self.level:
             return
-        if event.name == "fleet_rollout_completed" and level >= WARNING:
+        if event.name == "fleet_rollout_completed" and level >= WARNING and not self._json:
             self._failed(level, event.attributes)
             return
         if event.name == "fleet_batch_completed":

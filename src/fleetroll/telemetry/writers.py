@@ -47,6 +47,7 @@ _PHASE_OF_EVENT: Final[Mapping[str, str]] = {
     "fleet_provisioning_completed": "acting",
     "fleet_env_created": "acting",
     "fleet_env_reset_failed": "acting",
+    "fleet_tool_call": "acting",
     "fleet_tool_call_failed": "acting",
     "fleet_mcp_tool_error": "acting",
     "fleet_rollout_restarted": "provisioning",

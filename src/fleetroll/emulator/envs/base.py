@@ -26,10 +26,12 @@ if TYPE_CHECKING:
     from fleetroll.emulator.instances import Instance, InstanceStore
     from fleetroll.emulator.ledger import Ledger
 
-__all__ = ["INSTANCE_SCOPE_KEY", "SampleEnv", "ToolGate", "create_schema"]
+__all__ = ["INSTANCE_SCOPE_KEY", "TOOL_SCOPE_KEY", "SampleEnv", "ToolGate", "create_schema"]
 
 #: Key of the ASGI scope entry that carries the instance id to MCP tools.
 INSTANCE_SCOPE_KEY = "fleetroll.instance_id"
+#: The called tool's name, in the request scope when ``slow_tools`` needs it.
+TOOL_SCOPE_KEY = "fleetroll.tool_name"
 
 
 def create_schema(conn: sqlite3.Connection, schema: str) -> None:
@@ -99,6 +101,9 @@ class ToolGate:
             raise ToolError(f"instance {instance_id} is not running")
         faults = self._faults
         latency = faults.tool_latency()
+        slow = faults.profile.slow_tools
+        if slow and request is not None:
+            latency += slow.get(str(request.scope.get(TOOL_SCOPE_KEY)), 0.0)
         if latency:
             await anyio.sleep(latency)
         if faults.chance(faults.profile.p_tool_hang):

@@ -89,7 +89,12 @@ class ExecutorWorker:
         self._generation = -1
         concurrency = settings.pool.concurrency
         self._context = ExecutorContext(
-            Events([self._buffer]),
+            # telemetry.tool_calls honoured here: an actor does not ship records
+            # the driver's telemetry would drop.
+            Events(
+                [self._buffer],
+                off=() if settings.telemetry.tool_calls else ("fleet_tool_call",),
+            ),
             admission,
             self._gate,
             anyio.CapacityLimiter(concurrency),

@@ -89,6 +89,7 @@ __all__ = [
     "Row",
     "fill_empty_row",
     "load_task_list",
+    "outcome_of",
     "prompt_messages",
 ]
 
@@ -554,6 +555,16 @@ def shared_rollouts(
         if found is None or found._closed.is_set():
             found = _SHARED[key] = BlockingRollouts(tasks, settings, **options)
         return found
+
+
+def outcome_of(row: Row) -> str:
+    """How the row's rollout ended, for a trainer's own "why" field: ``completed``
+    for a rollout that ended well, else its failure reason (``policy_error``,
+    ``timeout``, ...), else the row's status (``padding``, ``drift_dropped``, ...)."""
+    reason: str | None = row.get("failure_reason")
+    if reason is not None:
+        return reason
+    return "completed" if row["status"] == "scored" else str(row["status"])
 
 
 def turns_of(row: Row) -> int:

@@ -45,6 +45,7 @@ from fleetroll.integrations.core import (
     check_temperature,
     fill_empty_row,
     load_task_list,
+    outcome_of,
     prompt_messages,
 )
 from fleetroll.settings import Settings, load_settings
@@ -134,7 +135,7 @@ class FleetrollGenerator(GeneratorInterface):  # type: ignore[misc]  # skyrl is 
             "response_ids": [list(row["completion_ids"]) for row in rows],
             "rewards": rewards,
             "loss_masks": [list(row["completion_mask"]) for row in rows],
-            "stop_reasons": [row["status"] for row in rows],
+            "stop_reasons": [outcome_of(row) for row in rows],
             "rollout_metrics": {
                 "fleetroll/failed": failed,
                 "fleetroll/reward_mean": sum(scored) / len(scored) if scored else None,

@@ -28,7 +28,12 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fleetroll.integrations.core import BlockingRollouts, check_temperature, prompt_messages
+from fleetroll.integrations.core import (
+    BlockingRollouts,
+    check_temperature,
+    outcome_of,
+    prompt_messages,
+)
 from fleetroll.settings import Settings, load_settings
 from fleetroll.tasks import TaskSpec
 
@@ -144,12 +149,12 @@ class FleetrollEnv(vf.Environment):  # type: ignore[misc]  # verifiers is untype
         ]
         state["completion"] = []
         state["fleetroll_reward"] = row["reward"]
-        state["fleetroll_status"] = row["status"]
+        state["fleetroll_status"] = outcome_of(row)
         state["fleetroll_rollout_id"] = row["rollout_id"]
         if row["reward"] is None:
-            state["error"] = vf.InfraError(f"fleetroll rollout failed: {row['status']}")
+            state["error"] = vf.InfraError(f"fleetroll rollout failed: {outcome_of(row)}")
         state["is_completed"] = True
-        state["stop_condition"] = row["status"]
+        state["stop_condition"] = outcome_of(row)
         return state
 
     def close(self) -> None:

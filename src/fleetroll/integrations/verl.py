@@ -46,6 +46,7 @@ from fleetroll.integrations.core import (
     check_temperature,
     fill_empty_row,
     load_task_list,
+    outcome_of,
     prompt_messages,
     shared_rollouts,
     turns_of,
@@ -145,7 +146,7 @@ class FleetrollAgentLoop(AgentLoopBase):  # type: ignore[misc]  # verl is untype
             metrics=AgentLoopMetrics(),
             extra_fields={
                 "fleetroll_rollout_id": row["rollout_id"],
-                "fleetroll_status": row["status"],
+                "fleetroll_status": outcome_of(row),
                 "fleetroll_reward": row["reward"],
             },
         )

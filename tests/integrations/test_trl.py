@@ -195,10 +195,13 @@ def test_on_a_faulty_fleet_and_a_plain_server_each_batch_has_g_rows_per_prompt(
             "profile": "faulty",
             "profiles": {"faulty": {"seed": 3, "p_verifier_error": 0.5}},
         },
+        # Each verifier call tried once: half the rollouts fail, and with 16 of
+        # them, both kinds of row are all but sure to be there (2 in 65536 not).
+        retries={"verifier_attempts": 1},
         telemetry={"db_path": os.devnull},
     )
     model, tokenizer = load_tiny_model(path)
-    task_records = _records()[:2]
+    task_records = _records()[:4]
     calls: list[tuple[dict[str, Any], list[Any], dict[str, Any]]] = []
 
     with fleetroll_trl.RolloutFunc(
@@ -213,7 +216,7 @@ def test_on_a_faulty_fleet_and_a_plain_server_each_batch_has_g_rows_per_prompt(
         args = GRPOConfig(
             output_dir=str(tmp_path / "out"),
             num_generations=2,
-            per_device_train_batch_size=4,
+            per_device_train_batch_size=8,
             max_steps=2,
             learning_rate=1e-2,
             temperature=1.0,
@@ -238,7 +241,7 @@ def test_on_a_faulty_fleet_and_a_plain_server_each_batch_has_g_rows_per_prompt(
     statuses = []
     for weights, prompts, out in calls:
         keys = [next(m["task_key"] for m in p) for p in prompts]
-        assert len(keys) == 4 and keys[0] == keys[1] and keys[2] == keys[3]
+        assert len(keys) == 8 and all(keys[i] == keys[i + 1] for i in range(0, 8, 2))
         for name in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "fleetroll_reward"):
             assert len(out[name]) == len(prompts)
         for i in range(len(prompts)):

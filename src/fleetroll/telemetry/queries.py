@@ -569,14 +569,8 @@ HAVING started != completed
 ORDER BY 1
 """
 
-_ROLLOUTS_SQL: Final = """
-SELECT COUNT(*), COALESCE(SUM(started > 1), 0) FROM (
-    SELECT COUNT(*) AS started FROM records
-    WHERE service_name = :service AND message = 'fleet_rollout_started'{batch}
-    GROUP BY attributes->>'rollout_id'
-)
-"""
-
+#: :data:`CHECK_SQL` for every rollout, the ones that hold too.
+_EVERY_ROLLOUT_SQL: Final = CHECK_SQL.replace("HAVING started != completed\n", "")
 
 #: The batches that ended (``fleet_batch_completed``), each at its latest end.
 _BATCHES_ENDED_SQL: Final = """
@@ -752,9 +746,15 @@ def check(
     """
     _require_batch(db, batch_id, service_name)
     params = {"service": service_name, "batch_id": batch_id}
-    (rollouts, rerun) = _run(db, _sql(_ROLLOUTS_SQL, batch_id), params).rows[0]
+    # One query, so the counts agree with each other while another process
+    # writes the store (two reads could see a flush land between them).
+    counted = _run(db, _sql(_EVERY_ROLLOUT_SQL, batch_id), params).rows
+    rollouts = sum(1 for _, started, _ in counted if started > 0)
+    rerun = sum(1 for _, started, _ in counted if started > 1)
     never, twice, orphan = [], [], []
-    for rollout_id, started, completed in _run(db, _sql(CHECK_SQL, batch_id), params).rows:
+    for rollout_id, started, completed in counted:
+        if started == completed:
+            continue
         rid = str(rollout_id)
         if started > completed:
             never.append(rid)

@@ -86,20 +86,23 @@ def recomputed(
     return logprobs.gather(1, torch.tensor(completion).unsqueeze(1)).squeeze(1)
 
 
-def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_versions(
-    served: tuple[Path, ModelServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+Call = tuple[dict[str, Any], list[Any], dict[str, Any]]
+
+
+def train_two_steps(
+    task_records: list[dict[str, Any]],
+    settings: Settings,
+    model: Any,
+    tokenizer: Any,
+    tmp_path: Path,
+    batch_size: int,
+) -> tuple[Any, list[Call], int]:
+    """TRL's usual script plus the integration's lines (marked ``# fleetroll``), for
+    2 steps of 2 generations a prompt; each call to the rollout function kept with
+    the weights it ran with. Returns the trainer, the calls and the last policy version."""
     from trl import GRPOConfig, GRPOTrainer
 
-    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental"
-    path, server = served
-    settings = settings_for(server)
-    model, tokenizer = load_tiny_model(path)
-    task_records = _records()[:2]
-
-    # What the test keeps of each call: the weights it ran with, what it answered.
-    calls: list[tuple[dict[str, Any], list[Any], dict[str, Any]]] = []
-
+    calls: list[Call] = []
     with fleetroll_trl.RolloutFunc(  # fleetroll
         task_records, settings, weight_sync=VLLMReloadSync(settings.policy.servers)
     ) as rollouts:
@@ -112,7 +115,7 @@ def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_ver
         args = GRPOConfig(
             output_dir=str(tmp_path / "out"),
             num_generations=2,
-            per_device_train_batch_size=4,
+            per_device_train_batch_size=batch_size,
             max_steps=2,
             learning_rate=1e-2,
             temperature=1.0,
@@ -130,7 +133,19 @@ def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_ver
             reward_funcs=[fleetroll_trl.reward, token_mean],  # fleetroll (+ the trainer's own)
         )
         trainer.train()
-        version = rollouts.policy_version
+        return trainer, calls, rollouts.policy_version
+
+
+def test_grpo_trains_two_steps_on_fleetroll_rollouts_with_exact_logprobs_and_versions(
+    served: tuple[Path, ModelServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental"
+    path, server = served
+    settings = settings_for(server)
+    model, tokenizer = load_tiny_model(path)
+    task_records = _records()[:2]
+
+    trainer, calls, version = train_two_steps(task_records, settings, model, tokenizer, tmp_path, 4)
 
     assert trainer.state.global_step == 2
     assert version == 1 and server.version == 1
@@ -177,8 +192,6 @@ def test_on_a_faulty_fleet_and_a_plain_server_each_batch_has_g_rows_per_prompt(
     that fail half the time: every TRL batch still has exactly G rows per prompt,
     a failed rollout a row with nothing under the mask and no reward, and every
     other row's logprobs are the model's."""
-    from trl import GRPOConfig, GRPOTrainer
-
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     path, server = served_without_token_route
     settings = load_settings(
@@ -202,38 +215,7 @@ def test_on_a_faulty_fleet_and_a_plain_server_each_batch_has_g_rows_per_prompt(
     )
     model, tokenizer = load_tiny_model(path)
     task_records = _records()[:4]
-    calls: list[tuple[dict[str, Any], list[Any], dict[str, Any]]] = []
-
-    with fleetroll_trl.RolloutFunc(
-        task_records, settings, weight_sync=VLLMReloadSync(settings.policy.servers)
-    ) as rollouts:
-
-        def recorded(prompts: list[Any], trainer: Any) -> dict[str, Any]:
-            out = rollouts(prompts, trainer)
-            calls.append((copy.deepcopy(trainer.model.state_dict()), prompts, out))
-            return out
-
-        args = GRPOConfig(
-            output_dir=str(tmp_path / "out"),
-            num_generations=2,
-            per_device_train_batch_size=8,
-            max_steps=2,
-            learning_rate=1e-2,
-            temperature=1.0,
-            use_cpu=True,
-            report_to=[],
-            save_strategy="no",
-            logging_steps=1,
-        )
-        trainer = GRPOTrainer(
-            model=model,
-            args=args,
-            processing_class=tokenizer,
-            train_dataset=fleetroll_trl.dataset(task_records),
-            rollout_func=recorded,
-            reward_funcs=[fleetroll_trl.reward, token_mean],
-        )
-        trainer.train()
+    trainer, calls, _ = train_two_steps(task_records, settings, model, tokenizer, tmp_path, 8)
 
     assert trainer.state.global_step == 2 and len(calls) == 2
     assert not any(route == "/v1/chat/completions/tokens" for route, _ in server.requests)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -30,10 +31,10 @@ RESPONSES_AGENT = EXAMPLES / "agent_responses_mcp.py"
 LEDGER = [TASKS["ledger-001"], TASKS["ledger-002"]]
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["not_streaming", "streaming"])
-async def test_the_anthropic_agent_solves_the_tasks_with_the_server_s_exact_token_ids(
-    streaming: bool,
-) -> None:
+async def solved_by_an_agent(agent: Path, *, streaming: bool) -> list[dict[str, Any]]:
+    """The ledger tasks, twice each, by ``agent`` through the gateway on the emulator:
+    every one solved, every turn's token ids and logprobs the server's own.
+    Returns the requests the policy server received."""
     async with (
         Emulator() as emu,
         FakeChatServer(solving(LEDGER), vllm=VllmShape()) as server,
@@ -41,13 +42,13 @@ async def test_the_anthropic_agent_solves_the_tasks_with_the_server_s_exact_toke
         policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
         policy |= {"return_token_ids": True, "logprobs": True}
         settings = load_settings(policy=policy, pool={"concurrency": 4})
-        argv = [sys.executable, str(AGENT), *(["--stream"] if streaming else [])]
+        argv = [sys.executable, str(agent), *(["--stream"] if streaming else [])]
         async with (
             RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
-            CommandAgent.from_config(argv, chat_policy_config(settings)) as agent,
+            CommandAgent.from_config(argv, chat_policy_config(settings)) as runner,
         ):
             with anyio.fail_after(180):
-                results = await pool.run_batch(LEDGER, agent, samples_per_task=2).results()
+                results = await pool.run_batch(LEDGER, runner, samples_per_task=2).results()
         replies, requests = list(server.replies), list(server.requests)
         assert emu.ledger.running == 0
 
@@ -57,6 +58,14 @@ async def test_the_anthropic_agent_solves_the_tasks_with_the_server_s_exact_toke
     assert all(r.final_answer == "done" for r in results)
     sent, recorded = sent_and_recorded(replies, results)
     assert recorded == sent and sum(len(r.turns) for r in results) == len(replies)
+    return requests
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["not_streaming", "streaming"])
+async def test_the_anthropic_agent_solves_the_tasks_with_the_server_s_exact_token_ids(
+    streaming: bool,
+) -> None:
+    requests = await solved_by_an_agent(AGENT, streaming=streaming)
     # Each call was translated to the chat route: the tools as functions, the tool
     # results as tool messages, the training fields the policy asks for.
     assert all(q["model"] == "served" and q["return_token_ids"] and q["logprobs"] for q in requests)
@@ -142,29 +151,7 @@ async def test_what_the_gateway_cannot_serve_gets_anthropic_s_error_shape_never_
 async def test_the_responses_agent_solves_the_tasks_with_the_server_s_exact_token_ids(
     streaming: bool,
 ) -> None:
-    async with (
-        Emulator() as emu,
-        FakeChatServer(solving(LEDGER), vllm=VllmShape()) as server,
-    ):
-        policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
-        policy |= {"return_token_ids": True, "logprobs": True}
-        settings = load_settings(policy=policy, pool={"concurrency": 4})
-        argv = [sys.executable, str(RESPONSES_AGENT), *(["--stream"] if streaming else [])]
-        async with (
-            RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url) as pool,
-            CommandAgent.from_config(argv, chat_policy_config(settings)) as agent,
-        ):
-            with anyio.fail_after(180):
-                results = await pool.run_batch(LEDGER, agent, samples_per_task=2).results()
-        replies, requests = list(server.replies), list(server.requests)
-        assert emu.ledger.running == 0
-
-    assert sorted((r.task_key, r.status, r.reward) for r in results) == sorted(
-        (t.key, "completed", 1.0) for t in LEDGER for _ in range(2)
-    ), [r.error for r in results]
-    assert all(r.final_answer == "done" for r in results)
-    sent, recorded = sent_and_recorded(replies, results)
-    assert recorded == sent and sum(len(r.turns) for r in results) == len(replies)
+    requests = await solved_by_an_agent(RESPONSES_AGENT, streaming=streaming)
     # Each call was translated to the chat route: the instructions as the system
     # prompt, the tools as functions, each function_call_output as a tool message
     # answering its call_id, the training fields the policy asks for.

@@ -154,11 +154,13 @@ async def built_in_and_agent(
     *,
     vllm: VllmShape | None = None,
     policy_settings: dict[str, Any] | None = None,
+    sink: MemorySink | None = None,
 ) -> dict[str, RolloutResult]:
     """One rollout of ``TOOL_USE`` by the built-in loop and one by the example agent
     (plain ``openai`` and ``mcp``, through the gateway and its MCP relay), side by
     side on the emulator with ``profile``, the policy server playing ``script``
-    shaped as ``vllm``, the policy's settings ``policy_settings`` on top."""
+    shaped as ``vllm``, the policy's settings ``policy_settings`` on top; their
+    events to ``sink`` if given."""
     results: dict[str, RolloutResult] = {}
     async with (
         Emulator(profile) as emu,
@@ -167,7 +169,7 @@ async def built_in_and_agent(
         policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
         policy |= policy_settings or {}
         settings = load_settings(timeouts=timeouts, provisioning=PROVISIONING, policy=policy)
-        events = Events([MemorySink()])
+        events = Events([sink or MemorySink()])
         provider = fleet_provider(settings, events, api_key=emu.api_key, base_url=emu.base_url)
         async with (
             RolloutEngine.open(rollout_config(settings), events, provider) as eng,
@@ -212,13 +214,26 @@ async def test_an_agent_s_tool_call_waiting_when_the_deadline_passes_is_platform
 @pytest.mark.timeout(300)
 async def test_an_agent_s_tool_call_past_call_tool_s_is_a_tool_failure() -> None:
     timeouts = {**TIMEOUTS, "call_tool_s": 2.0}
-    results = await built_in_and_agent(HANGING_TOOLS, timeouts, solving([TOOL_USE]))
+    sink = MemorySink()
+    results = await built_in_and_agent(HANGING_TOOLS, timeouts, solving([TOOL_USE]), sink=sink)
 
     assert outcome(results["built_in"]) == ("failed", FailureReason.TOOL_FAILURE, None)
     assert outcome(results["agent"]) == outcome(results["built_in"])
     agent = results["agent"]
     assert (agent.cost.tool_calls, agent.tool_failures) == (1, 1)
     assert "call_tool_s" in (agent.error or "")
+    # Each rollout's call is one fleet_tool_call, failed after call_tool_s, and one
+    # fleet_tool_call_failed, both with the rollout's attributes (the relay's too).
+    tool = TOOL_USE.solution[0].name if TOOL_USE.solution else None
+    for name in ("fleet_tool_call", "fleet_tool_call_failed"):
+        events = sink.named(name)
+        assert sorted(e.attributes["rollout_id"] for e in events) == ["agent", "built_in"]
+        assert {(e.attributes["tool_name"], e.attributes["env_key"]) for e in events} == {
+            (tool, TOOL_USE.env_key)
+        }
+    for event in sink.named("fleet_tool_call"):
+        assert event.attributes["outcome"] == "failed"
+        assert event.attributes["duration_s"] >= 2.0
 
 
 @pytest.mark.timeout(300)

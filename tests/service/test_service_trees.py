@@ -19,7 +19,7 @@ from fleetroll.client import FleetrollClient, ServiceError
 from fleetroll.emulator import Emulator
 from fleetroll.policies import OpenAIChatPolicy
 from fleetroll.pool.assembly import chat_policy_config
-from fleetroll.pool.rollout_pool import RolloutPool, Tree
+from fleetroll.pool.rollout_pool import RolloutPool, Tree, rollout_id
 from fleetroll.results import FailureReason
 from fleetroll.settings import load_settings
 from fleetroll.testing.fake_openai import FakeChatServer, VllmShape, completion, tool_call
@@ -188,6 +188,11 @@ async def test_a_cancelled_tree_ends_its_root_cancelled_and_starts_no_branch(
         twin = await http.post("/v1/trees", json=_tree(tree_id="slow", policy=slow))
         other = await http.post("/v1/trees", json=_tree(tree_id="slow", width=3, policy=slow))
         running_state = (await http.get("/v1/trees/slow")).json()
+        # Its rollouts' live events are served as a batch's are.
+        root_id = rollout_id("slow-root", MONTH_END.key, 0)
+        with anyio.fail_after(30):
+            async with http.stream("GET", f"/v1/rollouts/{root_id}/events") as events:
+                first = json.loads(await anext(events.aiter_lines()))
         cancelled = await http.delete("/v1/trees/slow")
         with anyio.fail_after(60):
             lines = (await http.get("/v1/trees/slow/results")).text.splitlines()
@@ -198,9 +203,29 @@ async def test_a_cancelled_tree_ends_its_root_cancelled_and_starts_no_branch(
     assert twin.status_code == 200 and twin.json()["created"] is False
     assert other.status_code == 409 and "already exists" in other.json()["detail"]
     assert running_state["status"] == "running" and running_state["root"] is None
+    assert events.status_code == 200
+    assert first["type"] == "event" and first["event"]["kind"] == "phase"
     assert cancelled.status_code == 202 and cancelled.json()["cancel_requested"] is True
     [root_line, end] = [json.loads(line) for line in lines if "heartbeat" not in line]
     assert root_line["cursor"] == 1
     assert root_line["result"]["failure_reason"] == "cancelled"
     assert end == {"type": "end", "cursor": 1, "status": "cancelled"}
     assert state["status"] == "cancelled" and state["branches"] == [] and state["groups"] == []
+
+
+async def test_a_client_that_leaves_a_tree_before_its_end_cancels_it(emulator: Emulator) -> None:
+    slow = {"kind": "scripted", "think_time_s": 3600}
+    async with running_service(emulator) as running, FleetrollClient(running.url) as client:
+        with anyio.fail_after(60):
+            async with client.start_tree(MONTH_END, slow, branch_at=1, width=2) as tree:
+                assert (await tree.status()).status == "running"
+            [root] = [
+                r
+                async for r in client.start_tree(
+                    MONTH_END, slow, branch_at=1, width=2, tree_id=tree.tree_id
+                )
+            ]
+            state = await tree.status()
+    assert state.status == "cancelled" and state.cancel_requested
+    assert root.failure_reason is FailureReason.CANCELLED
+    assert state.root == root and state.branches == []

@@ -395,7 +395,7 @@ class RemoteBatch:
         except StreamCut as exc:
             raise ServiceError(
                 f"lost the results stream of {self._noun} {self.batch_id} {tries} times in a"
-                f" row ({exc}); iterate the batch again to resume from where it stopped"
+                f" row ({exc}); iterate the {self._noun} again to resume from where it stopped"
                 f" (FleetrollClient(reconnect_s=...) waits longer for a restart)"
             ) from exc.__cause__
         return message

@@ -165,10 +165,11 @@ class Service:
                 self.stop()
                 # Let each batch's consumer see its batch to the end (the pool answers
                 # a cancelled batch at once), so nothing is left half-read.
+                wait_s = self.settings.timeouts.release_s + _SLACK_S
                 with anyio.CancelScope(shield=True):
-                    wait_s = self.settings.timeouts.release_s + _SLACK_S
-                    await self.trees.cancel_all(wait_s)
-                    await self.batches.cancel_all(wait_s)
+                    async with anyio.create_task_group() as ending:
+                        ending.start_soon(self.trees.cancel_all, wait_s)
+                        ending.start_soon(self.batches.cancel_all, wait_s)
                 tg.cancel_scope.cancel()
 
     def stop(self) -> None:

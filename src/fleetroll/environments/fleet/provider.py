@@ -192,7 +192,8 @@ class _Create:
     #: Cut short by the provider's task group closing before it was answered.
     cut: bool = False
     #: Sent and never answered (a deadline, a broken connection, a cut): it may
-    #: have made an instance whose id nobody learnt.
+    #: have made an instance whose id nobody learnt (or what it made could not
+    #: be released): its tag is swept again.
     unanswered: bool = False
     env: FleetEnv | None = None
     error: Exception | None = None
@@ -295,7 +296,8 @@ class FleetProvider:
         self._create_ended: anyio.Event | None = None
         #: Places held by creates whose rollout left: given back when they end.
         self._held_by_creates: set[Ticket] = set()
-        #: Tags (``run_id``) with a create that got no answer since their last sweep.
+        #: Tags (``run_id``) that may have an instance nobody holds since their
+        #: last sweep: a create that got no answer, or whose instance's release failed.
         self._unanswered: set[str] = set()
         #: Tags whose batch's sweep ran while creates of theirs were in flight:
         #: swept again when the last of those ends, if one went unanswered.
@@ -804,6 +806,8 @@ class FleetProvider:
             self._live.discard(env.instance_id)
             instance = Instance(env.instance_id, 0, 0.0, time.monotonic(), env)
             outcome = "released" if await self._release(instance) else "release_failed"
+            # Tried again by the sweep of its tag (at the latest as the background closes).
+            create.unanswered = create.unanswered or outcome == "release_failed"
         ticket = create.ticket
         if ticket is not None:
             self._held_by_creates.discard(ticket)

@@ -736,6 +736,9 @@ class FleetProvider:
                     )
         except Exception as exc:  # the caller's to raise
             create.error = exc
+            if create.env is not None:  # made, then something failed: not handed out
+                env, create.env = create.env, None
+                await self._close(env)
         except anyio.get_cancelled_exc_class():
             if create in self._creates:  # our task group closes under it
                 create.cut = True

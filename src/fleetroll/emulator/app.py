@@ -462,6 +462,11 @@ class EmulatorApp:
             self._made_by_request[request_id] = inst.instance_id
             while len(self._made_by_request) > _KEEP_REQUEST_IDS:
                 self._made_by_request.popitem(last=False)
+        # Made, but its answer is late: a client whose deadline passes meanwhile
+        # never learns the instance's id.
+        delay = faults.profile.create_answer_delay_s
+        if delay and await hang(request, delay):
+            outcome = "answer_lost"
         return JSONResponse(inst.to_response(self.base_url)), outcome
 
     async def _make_database(self, database: NewDatabase) -> None:

@@ -104,18 +104,24 @@ class MixedProvider:
         """While open, the Fleet provider's background work runs (from when it is
         built): heartbeats keep its instances alive, and creates whose rollout was
         cancelled end there (what they made is released). A pool holds it open; on
-        exit those creates are waited for (``timeouts.release_s`` at most)."""
-        async with anyio.create_task_group() as tg:
-            self._background = tg
-            if self._fleet is not None:
-                self._fleet.start(tg)
-            try:
-                yield
-            finally:
-                self._background = None
+        exit those creates are waited for (``timeouts.release_s`` at most), then
+        the tags of creates that got no answer are swept (what they may have
+        made; ``timeouts.release_s`` twice at most)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._background = tg
                 if self._fleet is not None:
-                    await self._fleet.settle()  # shielded and bounded
-                tg.cancel_scope.cancel()
+                    self._fleet.start(tg)
+                try:
+                    yield
+                finally:
+                    self._background = None
+                    if self._fleet is not None:
+                        await self._fleet.settle()  # shielded and bounded
+                    tg.cancel_scope.cancel()
+        finally:
+            if self._fleet is not None:
+                await self._fleet.collect_unanswered()  # shielded and bounded
 
     @property
     def mcp(self) -> McpProvider:

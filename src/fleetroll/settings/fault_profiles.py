@@ -68,6 +68,10 @@ class FaultProfile(BaseModel):
     #: A create whose client left (a cancelled request) still makes its instance
     #: once its latency is over, as Fleet goes on with it; off: none is made.
     creates_outlive_clients: bool = False
+    #: Seconds a create's answer is held back after its instance is made: longer
+    #: than the client's deadline, the instance runs and its client never learns
+    #: its id (an answer lost in flight).
+    create_answer_delay_s: Seconds = 0.0
 
     # -- MCP and tools ------------------------------------------------------
     #: MCP endpoints answer 503 for this long after an instance is created.

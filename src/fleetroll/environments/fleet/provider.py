@@ -33,6 +33,12 @@ Fleet. It takes a :class:`FleetConfig`, what it reads of the settings
   budget) returns at once and leaves the create to end. The create keeps its
   admission place and create slot until then; what it made is released as soon
   as it is answered (``fleet_create_abandoned`` names it).
+* A create that got no answer (its deadline passed, its connection broke, the
+  pool closed under it) may still have made an instance nobody knows the id
+  of: its tag (``run_id``) is swept once no create of that tag is in flight any
+  more and its batch's own sweep (:meth:`FleetProvider.sweep`) ran, and at the
+  latest when the provider's background closes (:meth:`FleetProvider.collect_unanswered`).
+  An instance is held (no sweep takes it) from the moment its create is answered.
 """
 
 from __future__ import annotations
@@ -117,6 +123,18 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
+#: What a sweep lists: running instances, and those still starting.
+_SWEPT_STATUSES = ("running", "pending")
+
+
+def _no_answer(exc: Exception) -> bool:
+    """Whether a create that raised ``exc`` went without an answer from Fleet (its
+    deadline, a broken connection) or its instance was left starting: it may have
+    made an instance whose id we do not hold."""
+    if isinstance(exc, TimeoutError | fleet_errors.FleetTimeoutError):
+        return True
+    return isinstance(exc, fleet_errors.FleetAPIError) and exc.status_code is None
+
 
 class CreateGate(Protocol):
     """Admission for instance creates: a concurrency slot, then the rate.
@@ -173,6 +191,10 @@ class _Create:
     abandoned: str | None = None
     #: Cut short by the provider's task group closing before it was answered.
     cut: bool = False
+    #: Sent and never answered (a deadline, a broken connection, a cut): it may
+    #: have made an instance whose id nobody learnt (or what it made could not
+    #: be released): its tag is swept again.
+    unanswered: bool = False
     env: FleetEnv | None = None
     error: Exception | None = None
 
@@ -274,6 +296,12 @@ class FleetProvider:
         self._create_ended: anyio.Event | None = None
         #: Places held by creates whose rollout left: given back when they end.
         self._held_by_creates: set[Ticket] = set()
+        #: Tags (``run_id``) that may have an instance nobody holds since their
+        #: last sweep: a create that got no answer, or whose instance's release failed.
+        self._unanswered: set[str] = set()
+        #: Tags whose batch's sweep ran while creates of theirs were in flight:
+        #: swept again when the last of those ends, if one went unanswered.
+        self._sweep_later: set[str] = set()
 
     def start(self, tg: TaskGroup) -> None:
         """Run the provider's background work in ``tg`` until :meth:`settle`:
@@ -286,8 +314,9 @@ class FleetProvider:
         """Wait for the create requests still running in :meth:`start`'s task
         group to end and what they made to be released (shielded, at most
         ``timeouts.release_s``): for its owner, before it closes that group
-        (which cuts those left; their instances, if any, carry the run's tag for
-        the next start's collection). Creates from now on run in their rollout's task."""
+        (which cuts those left; what they may have made is swept by
+        :meth:`collect_unanswered` once it is closed). Creates from now on run
+        in their rollout's task."""
         self._background = None
         with anyio.CancelScope(shield=True), anyio.move_on_after(self._config.timeouts.release_s):
             while self._creates:
@@ -687,7 +716,16 @@ class FleetProvider:
             with create.scope:
                 async with self._gate.slot(read_create_error):
                     create.sent, create.began = True, time.monotonic()
-                    create.env = await make()
+                    try:
+                        create.env = await make()
+                    except Exception as exc:
+                        create.unanswered = _no_answer(exc)
+                        raise
+                    except anyio.get_cancelled_exc_class():
+                        create.unanswered = True  # sent, then cut: Fleet may make it
+                        raise
+                # Held from now on: no sweep takes it before its rollout does.
+                self._live.add(create.env.instance_id)
                 await self._share_runner_token(create.env)
                 if create.env.status != "running" or create.env.urls is None:
                     # Not usable: give it back before trying again.
@@ -698,6 +736,9 @@ class FleetProvider:
                     )
         except Exception as exc:  # the caller's to raise
             create.error = exc
+            if create.env is not None:  # made, then something failed: not handed out
+                env, create.env = create.env, None
+                await self._close(env)
         except anyio.get_cancelled_exc_class():
             if create in self._creates:  # our task group closes under it
                 create.cut = True
@@ -720,8 +761,23 @@ class FleetProvider:
 
     def _ended(self, create: _Create) -> None:
         self._creates.discard(create)
+        tag = create.run_id
+        if create.unanswered and tag is not None:
+            self._unanswered.add(tag)
+        if tag in self._sweep_later and not self._in_flight(tag):
+            # Its batch's sweep ran before this create ended: sweep again now.
+            self._sweep_later.discard(tag)
+            if tag in self._unanswered and self._background is not None:
+                self._background.start_soon(self._sweep_unanswered, tag)
         if self._create_ended is not None:
             self._create_ended.set()
+
+    def _in_flight(self, tag: str) -> bool:
+        return any(create.run_id == tag for create in self._creates)
+
+    async def _sweep_unanswered(self, tag: str) -> None:
+        self._unanswered.discard(tag)
+        await self._sweep([tag], f"sweep of {tag} (a create without an answer)")
 
     def _abandon(self, create: _Create, tg: TaskGroup, why: str) -> None:
         """The rollout waiting for ``create`` left: a create not sent yet is called
@@ -749,8 +805,12 @@ class FleetProvider:
         env, create.env = create.env, None
         outcome = "cut" if create.cut else "failed"
         if env is not None:
+            self.heartbeats.drop(env.instance_id)
+            self._live.discard(env.instance_id)
             instance = Instance(env.instance_id, 0, 0.0, time.monotonic(), env)
             outcome = "released" if await self._release(instance) else "release_failed"
+            # Tried again by the sweep of its tag (at the latest as the background closes).
+            create.unanswered = create.unanswered or outcome == "release_failed"
         ticket = create.ticket
         if ticket is not None:
             self._held_by_creates.discard(ticket)
@@ -857,9 +917,31 @@ class FleetProvider:
 
         Instances nobody knows about end up there: a create whose answer never
         came back (our deadline fired first), or those of a worker that died.
-        Returns how many were released.
+        A create of ``run_id`` still in flight (its rollout left it) is swept
+        after again when it ends without an answer. Returns how many were released.
         """
+        if self._in_flight(run_id):
+            self._sweep_later.add(run_id)
+        else:
+            self._unanswered.discard(run_id)  # this sweep comes after all of them
         return len(await self._sweep([run_id], f"sweep of {run_id}"))
+
+    async def collect_unanswered(self) -> list[str]:
+        """Sweep every tag with a create that got no answer since its last sweep,
+        once no create is in flight (the provider's background closed); never
+        raises. Returns the ids released.
+
+        Such a create may have made an instance whose id never came back (its
+        answer came after our deadline, or the pool closed under it): nothing
+        else would release it. What cannot be released is reported
+        (``fleet_instance_release_failed``).
+        """
+        tags = sorted(self._unanswered)
+        self._unanswered.clear()
+        self._sweep_later.clear()
+        if not tags:
+            return []
+        return await self._sweep(tags, "collecting the instances of creates without an answer")
 
     async def collect(self, run_id: str) -> list[str]:
         """Release the running instances of ``run_id`` and of every tag under it
@@ -885,15 +967,18 @@ class FleetProvider:
         return []
 
     async def _sweep(self, tags: Sequence[str], what: str) -> list[str]:
+        """Release the instances of ``tags`` this provider does not hold (shielded,
+        ``timeouts.release_s`` twice at most); what is left is reported, never raised."""
         released: list[str] = []
-        with (
-            anyio.CancelScope(shield=True),
-            anyio.move_on_after(self._config.timeouts.release_s * 2),
-        ):
-            orphans: list[AsyncEnv] = []
+        limit = self._config.timeouts.release_s * 2
+        orphans: list[AsyncEnv] = []
+        listed = False
+        with anyio.CancelScope(shield=True), anyio.move_on_after(limit) as scope:
             try:
                 for tag in tags:
-                    orphans += await self.fleet.instances(status="running", run_id=tag)
+                    # Starting ones too: Fleet goes on making what a create began.
+                    for status in _SWEPT_STATUSES:
+                        orphans += await self.fleet.instances(status=status, run_id=tag)
             except Exception as exc:  # best effort: report it
                 self._events.emit(
                     "fleet_instance_release_failed",
@@ -901,6 +986,7 @@ class FleetProvider:
                     error_message=f"{what} failed: {exc}"[:500],
                 )
                 return released
+            listed = True
             for env in orphans:
                 if env.instance_id in self._live:
                     continue  # a live rollout's (or a warm instance's)
@@ -918,6 +1004,22 @@ class FleetProvider:
                 self._events.emit(
                     "fleet_instance_released", instance_id=env.instance_id, orphan=True
                 )
+        if scope.cancelled_caught:  # out of time: say what may be left running
+            why = f"{what} ran out of its {limit:g} s (timeouts.release_s twice)"
+            if not listed:
+                self._events.emit(
+                    "fleet_instance_release_failed",
+                    level="error",
+                    error_message=f"{why} listing the instances of {', '.join(tags)}"[:500],
+                )
+            for env in orphans:
+                if env.instance_id not in self._live and env.instance_id not in released:
+                    self._events.emit(
+                        "fleet_instance_release_failed",
+                        level="error",
+                        instance_id=env.instance_id,
+                        error_message=why[:500],
+                    )
         return released
 
     async def _close(self, env: FleetEnv) -> None:

@@ -28,6 +28,7 @@ from fleetroll._internal.deadlines import fail_after
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies.chat_http import OPERATION, ChatTransport, Endpoint, endpoint
 from fleetroll.policies.completions import CompletionReader
+from fleetroll.policies.gate import WeightUpdateMode, current_gate
 from fleetroll.policies.servers import (
     Affinity,
     PolicyServers,
@@ -41,6 +42,7 @@ from fleetroll.policies.turns import (
     Message,
     TokenHistory,
     ToolSpec,
+    TurnData,
 )
 from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskSpec
@@ -141,6 +143,16 @@ class OpenAIChatPolicy:
             ``/chat/completions/tokens`` (prime-rl's vLLM route). Implies
             ``return_token_ids``; needs a transcript that keeps token ids
             (:class:`~fleetroll.policies.turns.TokenHistory`, as a rollout's does).
+        weight_update: ``policy.weight_update``. With ``"abort"``, an answer
+            whose ``finish_reason`` is ``"abort"`` (a weight update aborted it on
+            the server) is resumed: once the update is over (the rollout's gate,
+            :func:`~fleetroll.policies.gate.current_gate`), the same call goes
+            on from its partial output, its prompt being the old prompt plus the
+            tokens kept (``/chat/completions/tokens``), and the turn is the
+            parts joined, each token with the version that produced it
+            (``TurnData.token_versions``). Implies ``return_token_ids``.
+        max_token_staleness: a partial output more than this many versions behind
+            the one it would resume on is sampled again rather than kept.
 
     Raises:
         ValueError: a number is out of range.
@@ -169,6 +181,8 @@ class OpenAIChatPolicy:
         max_answer_bytes: int = 64 * 1024 * 1024,
         servers: PolicyServers | None = None,
         token_in: bool = False,
+        weight_update: WeightUpdateMode = "pause",
+        max_token_staleness: int | None = None,
     ) -> None:
         if servers is None:
             if base_url is None:
@@ -189,7 +203,9 @@ class OpenAIChatPolicy:
         #: The first server's endpoint (each call's own is its server's).
         self.url = endpoint(servers.servers[0], "chat")
         self.token_in = token_in
-        return_token_ids = return_token_ids or token_in
+        self.weight_update = weight_update
+        self.max_token_staleness = max_token_staleness
+        return_token_ids = return_token_ids or token_in or weight_update == "abort"
         self.model = model
         self._sampling = {
             name: value
@@ -264,6 +280,8 @@ class OpenAIChatPolicy:
             top_logprobs=policy.top_logprobs,
             max_answer_bytes=policy.max_answer_bytes,
             token_in=policy.token_in,
+            weight_update=policy.weight_update,
+            max_token_staleness=policy.max_token_staleness,
         )
         made._recipe = PolicyRecipe(uuid.uuid4().hex, config, cls)
         return made
@@ -318,6 +336,8 @@ class OpenAIChatPolicy:
                 is not a chat completion (not transient).
         """
         affinity = current_affinity()  # the rollout's, bound by policy_servers.sticky()
+        gate = current_gate()
+        started = gate.version if gate is not None else None
         history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         sent: list[int] | None = None
         kind: Endpoint
@@ -340,6 +360,18 @@ class OpenAIChatPolicy:
                 payload, server = await self._http.post(
                     content, deadline=scope.deadline, affinity=affinity, kind=kind
                 )
+                turn = self._reader.parse(payload, url=endpoint(server, "chat"))
+                if sent is not None and turn.data is not None and not turn.data.prompt_token_ids:
+                    # The prompt is the ids we sent, whether or not the server echoed them.
+                    turn = replace(turn, data=replace(turn.data, prompt_token_ids=tuple(sent)))
+                if (
+                    self.weight_update == "abort"
+                    and turn.data is not None
+                    and turn.data.finish_reason == "abort"
+                ):
+                    turn = await self._resume(
+                        turn, messages, tools, started, deadline=scope.deadline, affinity=affinity
+                    )
         except PolicyError as exc:
             if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
                 raise ContextOverflowError(str(exc), operation=OPERATION, transient=False) from exc
@@ -353,10 +385,6 @@ class OpenAIChatPolicy:
                 operation=OPERATION,
                 transient=True,
             ) from None
-        turn = self._reader.parse(payload, url=endpoint(server, "chat"))
-        if sent is not None and turn.data is not None and turn.data.prompt_token_ids is None:
-            # The prompt is the ids we sent, whether or not the server echoed them.
-            turn = replace(turn, data=replace(turn.data, prompt_token_ids=tuple(sent)))
         if turn.data is None or len(self.servers.servers) == 1:
             return turn  # one server: nothing to say where the turn went
         return replace(turn, data=replace(turn.data, server=server.name))
@@ -416,6 +444,68 @@ class OpenAIChatPolicy:
             ]
         return payload, tuple(turns)
 
+    async def _resume(
+        self,
+        turn: AssistantTurn,
+        messages: Sequence[Message],
+        tools: Sequence[ToolSpec],
+        started: int | None,
+        *,
+        deadline: float,
+        affinity: Affinity | None,
+    ) -> AssistantTurn:
+        """Resume an aborted call from its partial output on the new weights, until
+        an answer that was not aborted; the turn is the parts joined."""
+        data = turn.data
+        assert data is not None  # the caller checked
+        prompt = data.prompt_token_ids
+        if prompt is None or data.completion_token_ids is None:
+            raise PolicyError(
+                f"{self.url} aborted a generation without its token ids: policy.weight_update"
+                " = 'abort' resumes from them (the server must return return_token_ids)",
+                operation=OPERATION,
+                transient=False,
+            )
+        parts = [turn]
+        versions = [_part_versions(data, started)]
+        notes: list[str] = []
+        ended: str | None = None
+        while (last := parts[-1].data) is not None and last.finish_reason == "abort":
+            gate = current_gate()
+            version = (await gate.admit())[0] if gate is not None else None
+            kept = [i for part in parts for i in (part.data.completion_token_ids or ())]  # type: ignore[union-attr]
+            oldest = min((v for vs in versions for v in vs if v is not None), default=None)
+            limit = self.max_token_staleness
+            too_old = limit is not None and version is not None and oldest is not None
+            if kept and too_old and version - oldest > limit:  # type: ignore[operator]
+                notes.append(
+                    f"{len(kept)} tokens of version {oldest} sampled again on version"
+                    f" {version} (policy.max_token_staleness = {limit})"
+                )
+                parts, versions, kept = [], [], []
+            body = self._body(messages, tools)
+            body["tokens"] = [*prompt, *kept]
+            if kept:
+                notes.append(f"aborted after {len(kept)} tokens, resumed on version {version}")
+            left = body.get("max_tokens")
+            if isinstance(left, int) and kept:
+                if left - len(kept) < 1:  # nothing left to sample: the answer ran to its length
+                    ended = "length"
+                    break
+                body["max_tokens"] = left - len(kept)
+            payload, server = await self._http.post(
+                self._http.encode(body, self.url),
+                deadline=deadline,
+                affinity=affinity,
+                kind="tokens",
+            )
+            part = self._reader.parse(payload, url=endpoint(server, "chat"))
+            parts.append(part)
+            if part.data is None:
+                break
+            versions.append(_part_versions(part.data, version))
+        return _joined(parts, versions, prompt, "; ".join(notes) or None, ended)
+
     # ------------------------------------------------------------- request
 
     def _body(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:
@@ -471,3 +561,57 @@ class OpenAIChatPolicy:
             " set, but /tokenize does not expand image placeholders); said once",
         )
         return images
+
+
+def _part_versions(data: TurnData, version: int | None) -> list[int | None]:
+    """The versions of a part's tokens: the server's when it says, else the
+    version the part started on (an abort lands before any update applies)."""
+    ids = data.completion_token_ids or ()
+    if data.token_versions is not None:
+        return list(data.token_versions)
+    return [version] * len(ids)
+
+
+def _joined(
+    parts: Sequence[AssistantTurn],
+    versions: Sequence[Sequence[int | None]],
+    prompt: tuple[int, ...],
+    note: str | None,
+    ended: str | None,
+) -> AssistantTurn:
+    """One turn of an aborted call's parts: their tokens, logprobs and versions in
+    order, the text joined, the tool calls of every part, the last part's ending."""
+    datas = [part.data for part in parts if part.data is not None]
+    last = datas[-1] if datas else None
+
+    def joined(name: str) -> tuple[Any, ...] | None:
+        values = [getattr(data, name) for data in datas]
+        if any(value is None for value in values):
+            return None
+        return tuple(item for value in values for item in value)
+
+    usage: dict[str, int] = {}
+    for part in parts:
+        for key, value in (part.usage or {}).items():
+            usage[key] = usage.get(key, 0) + value
+    if parts and parts[0].usage and "prompt_tokens" in parts[0].usage:
+        usage["prompt_tokens"] = len(prompt)
+    content = "".join(part.content or "" for part in parts) or None
+    data = TurnData(
+        model=last.model if last else None,
+        finish_reason=ended or (last.finish_reason if last else None),
+        prompt_token_ids=prompt,
+        completion_token_ids=joined("completion_token_ids"),
+        logprobs=joined("logprobs"),
+        top_logprobs=joined("top_logprobs"),
+        training_data_error="; ".join(d.training_data_error for d in datas if d.training_data_error)
+        or None,
+        token_versions=tuple(v for vs in versions for v in vs),
+        token_versions_note=note,
+    )
+    return AssistantTurn(
+        content=content,
+        tool_calls=tuple(call for part in parts for call in part.tool_calls),
+        usage=usage or None,
+        data=data,
+    )

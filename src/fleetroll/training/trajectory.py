@@ -40,6 +40,7 @@ class _Building:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     policy_versions: list[int | None] = field(default_factory=list)
+    token_versions: list[int | None] = field(default_factory=list)
     last_turn: int = 0
 
     def extend(self, ids: Sequence[int]) -> None:
@@ -48,6 +49,7 @@ class _Building:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [None] * len(ids)
         self.policy_versions += [None] * len(ids)
+        self.token_versions += [None] * len(ids)
 
     def generated(self, turn: Turn, ids: Sequence[int]) -> None:
         """The model's tokens of ``turn``: in the loss, with their logprobs and version."""
@@ -58,6 +60,10 @@ class _Building:
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.policy_versions += [turn.policy_version] * len(ids)
+        versions: Sequence[int | None] = turn.token_versions or ()
+        if len(versions) != len(ids):  # not recorded: null, never guessed
+            versions = [None] * len(ids)
+        self.token_versions += versions
         self.last_turn = turn.index
 
     def done(self) -> TrajectorySegment:
@@ -68,6 +74,7 @@ class _Building:
             loss_mask=self.loss_mask,
             logprobs=self.logprobs,
             policy_versions=self.policy_versions,
+            token_versions=self.token_versions,
         )
 
 
@@ -118,6 +125,7 @@ def stitch(turns: Sequence[Turn]) -> Trajectory | None:
         loss_mask=first.loss_mask,
         logprobs=first.logprobs,
         policy_versions=first.policy_versions,
+        token_versions=first.token_versions,
         drift=drift_turn is not None,
         drift_turn=drift_turn,
         segments=segments if drift_turn is not None else [],
@@ -164,7 +172,8 @@ def training_rows(
     Each row is a plain dict: ``rollout_id``, ``group_id``, ``task_key``,
     ``segment`` (0 unless the template drifted), ``input_ids``, ``loss_mask``,
     ``logprobs`` (null where masked or not returned), ``policy_versions``,
-    ``reward`` and ``advantage``.
+    ``token_versions`` (the version that produced each token, null where masked
+    or unproven), ``reward`` and ``advantage``.
 
     Args:
         groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or lists of results.
@@ -195,6 +204,7 @@ def training_rows(
                         "loss_mask": list(segment.loss_mask),
                         "logprobs": list(segment.logprobs),
                         "policy_versions": list(segment.policy_versions),
+                        "token_versions": list(segment.token_versions),
                         "reward": reward,
                         "advantage": (reward - mean) / (std + eps),
                     }

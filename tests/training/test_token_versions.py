@@ -82,7 +82,7 @@ async def test_in_flight_pauses_hold_no_call_but_count_as_updates() -> None:
     held = PolicyGate(mode="abort")
     async with held.paused_calls():
         assert held.paused
-    with pytest.raises(ValueError, match="policy.weight_update"):
+    with pytest.raises(ValueError, match=r"policy\.weight_update"):
         PolicyGate(mode="later")  # type: ignore[arg-type]
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -32,7 +33,7 @@ from training_helpers import TASKS  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 24
+MAX_TOKENS = 32
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +68,12 @@ def starts(ids: list[int], prefix: list[int]) -> bool:
 
 
 async def run_with_an_update(
-    model_dir: Path, perturbed: Path, mode: str
+    model_dir: Path, perturbed: Path, mode: str, trigger: str
 ) -> tuple[list[RolloutResult], ModelServer, int]:
     """Three rollouts; once the server is a few tokens into the first
-    generation, the weights are synced (``sync_weights``) under ``mode``."""
+    generation, the weights are updated under ``mode``: by ``sync_weights``, or
+    (``trigger="pool"``) as a trainer that pushes its own weights does, inside
+    ``pool.policy_paused()`` then ``set_policy_version``."""
     tasks = [t for t in TASKS.values() if t.env_key == "ledger"][:3]
     server = ModelServer(model_dir, in_flight_updates=mode == "in_flight", decode_delay_s=0.03)
     async with server, Emulator() as emu:
@@ -97,8 +100,13 @@ async def run_with_an_update(
                 while not any(p.endswith("/chat/completions") for p, _ in server.requests):
                     await anyio.sleep(0.01)
                 await anyio.sleep(8 * 0.03)  # a few tokens into the first generation
-                sync = SGLangDiskSync(server.base_url)
-                assert await sync_weights(pool, sync, perturbed) == 1
+                if trigger == "sync_weights":
+                    sync = SGLangDiskSync(server.base_url)
+                    assert await sync_weights(pool, sync, perturbed) == 1
+                else:
+                    async with pool.policy_paused():
+                        await server.update_weights(perturbed)
+                        await pool.set_policy_version(1)
                 results = await batch.results()
         assert emu.ledger.running == 0
         created = emu.ledger.created
@@ -107,12 +115,21 @@ async def run_with_an_update(
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("mode", ["abort", "in_flight", "pause"])
+@pytest.mark.parametrize(
+    ("mode", "trigger"),
+    [
+        ("abort", "sync_weights"),
+        ("abort", "pool"),
+        ("in_flight", "sync_weights"),
+        ("in_flight", "pool"),
+        ("pause", "sync_weights"),
+    ],
+)
 async def test_every_kept_token_carries_the_version_of_the_weights_that_produced_it(
-    model_dir: Path, perturbed: Path, mode: str
+    model_dir: Path, perturbed: Path, mode: str, trigger: str
 ) -> None:
     models = {0: load_tiny_model(model_dir)[0], 1: load_tiny_model(perturbed)[0]}
-    results, server, created = await run_with_an_update(model_dir, perturbed, mode)
+    results, server, created = await run_with_an_update(model_dir, perturbed, mode, trigger)
 
     # No rollout lost or run twice: one result and one instance per task, each
     # turn one first request (an aborted one resumes on the token route).
@@ -175,3 +192,22 @@ async def test_every_kept_token_carries_the_version_of_the_weights_that_produced
     rows = training_rows([results])
     for row in rows:
         assert len(row["token_versions"]) == len(row["input_ids"])
+
+
+async def test_a_client_that_goes_away_aborts_its_generation(model_dir: Path) -> None:
+    """vLLM's abort on disconnect: the test server stops generating for a
+    client that closed its connection."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 200,
+        "temperature": 1.0,
+    }
+    async with ModelServer(model_dir, decode_delay_s=0.02) as server:
+        async with httpx.AsyncClient(timeout=60) as client:
+            with anyio.move_on_after(0.5):
+                await client.post(f"{server.base_url}/chat/completions", json=body)
+        with anyio.fail_after(30):
+            while not server.aborted:
+                await anyio.sleep(0.05)
+        assert 0 < server.aborted_tokens < 200

@@ -714,9 +714,12 @@ class ModelServer:
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(watch)
             try:
-                return await self._generate_each(prompt, n, seed, sampling, top, weights, event)
+                generations = await self._generate_each(
+                    prompt, n, seed, sampling, top, weights, event
+                )
             finally:
                 tasks.cancel_scope.cancel()
+        return generations
 
     async def _generate_each(
         self,

@@ -169,6 +169,7 @@ class WeightUpdateRow(_Model):
     tokens_per_s: float = Field(description="generated tokens per second of wall time")
     idle_share: float = Field(description="1 - the server's generating time / wall time")
     updates: int = Field(description="weight updates pushed during the batch")
+    update_s: float = Field(description="mean seconds of one sync_weights")
     aborted: int = Field(description="generations aborted on the server")
     kept_tokens: int = Field(description="tokens the aborted generations had made (resumed)")
     straddling_turns: int = Field(description="turns whose tokens span two versions")

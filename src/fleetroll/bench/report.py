@@ -140,14 +140,15 @@ def _weight_update_table(record: WeightUpdateRecord) -> list[str]:
         f"{record.rollouts} rollouts per mode at C={record.concurrency}, max_tokens"
         f" {record.max_tokens}, new weights every {record.update_every_s:g} s.",
         "",
-        "| policy.weight_update | wall | tokens/s | server idle | updates | aborted"
+        "| policy.weight_update | wall | tokens/s | server idle | updates (s each) | aborted"
         " (tokens kept) | turns spanning 2 versions | stale |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in record.rows:
         lines.append(
             f"| {r.mode} | {r.wall_s:.1f} s | {r.tokens_per_s:.0f} | {r.idle_share:.0%} |"
-            f" {r.updates} | {r.aborted} ({r.kept_tokens}) | {r.straddling_turns} | {r.stale} |"
+            f" {r.updates} ({r.update_s:.2f}) | {r.aborted} ({r.kept_tokens}) |"
+            f" {r.straddling_turns} | {r.stale} |"
         )
     return lines
 

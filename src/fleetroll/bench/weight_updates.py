@@ -19,9 +19,11 @@ Needs the ``train`` extra (torch, transformers).
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -54,12 +56,17 @@ async def weight_update_bench(
     concurrency = scenario.concurrency[0]
     with tempfile.TemporaryDirectory(prefix="fleetroll-bench-weights-") as folder:
         weights = [save_tiny_model(Path(folder) / f"step-{seed}", seed=seed) for seed in (0, 1)]
+        # Unmeasured, no update: imports, the first forward passes, the emulator's
+        # first instances would otherwise be charged to the first mode.
+        warm_up = replace(scenario, rollouts=scenario.samples_per_task, update_every_s=math.inf)
+        await _run_mode(warm_up, "pause", weights, concurrency, config_file)
         rows = []
         for mode in MODES:
             row = await _run_mode(scenario, mode, weights, concurrency, config_file)
             echo(
                 f"  {mode}: {row.tokens_per_s:.0f} tokens/s, server idle {row.idle_share:.0%},"
-                f" {row.updates} updates, {row.aborted} aborted ({row.kept_tokens} tokens kept)"
+                f" {row.updates} updates ({row.update_s:.2f} s each), {row.aborted} aborted"
+                f" ({row.kept_tokens} tokens kept)"
             )
             rows.append(row)
     return WeightUpdateRecord(
@@ -81,6 +88,7 @@ async def _run_mode(
     tasks, samples = bench_tasks(scenario.rollouts, scenario.steps, scenario.samples_per_task)
     server = ModelServer(weights[0], in_flight_updates=mode == "in_flight")
     updates = 0
+    pushing = 0.0
     async with server, Emulator() as emu:
         settings = load_settings(
             config_file,
@@ -107,10 +115,12 @@ async def _run_mode(
                 async with anyio.create_task_group() as trainer:
 
                     async def push_periodically() -> None:
-                        nonlocal updates
+                        nonlocal updates, pushing
                         while True:
                             await anyio.sleep(scenario.update_every_s)
+                            pushed = time.monotonic()
                             await sync_weights(pool, sync, weights[(updates + 1) % 2])
+                            pushing += time.monotonic() - pushed
                             updates += 1
 
                     trainer.start_soon(push_periodically)
@@ -128,6 +138,7 @@ async def _run_mode(
         tokens_per_s=tokens / wall if wall > 0 else 0.0,
         idle_share=max(0.0, 1.0 - busy / wall) if wall > 0 else 0.0,
         updates=updates,
+        update_s=pushing / updates if updates else 0.0,
         aborted=server.aborted,
         kept_tokens=server.aborted_tokens,
         straddling_turns=sum(1 for t in turns if len(set(t.token_versions or ())) > 1),

@@ -268,18 +268,18 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType(
             Scenario(
                 name="weight-updates",
                 description=(
-                    "the tiny model's test server, weights pushed every 2 s: generation "
+                    "the tiny model's test server, weights pushed every 0.5 s: generation "
                     "throughput and server idle share under pause, abort and in_flight"
                 ),
                 kind="weight-update",
-                rollouts=8,
+                rollouts=16,
                 concurrency=(4,),
                 steps=1,
                 samples_per_task=4,
                 baselines=(),
                 wall_limit_s=300.0,
-                update_every_s=2.0,
-                max_tokens=32,
+                update_every_s=0.5,
+                max_tokens=48,
             ),
         )
     }

@@ -4,8 +4,10 @@ and rows, the gate's modes and ``policy.max_token_staleness``."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
+from fleetroll.errors import WeightSyncError
 from fleetroll.policies.completions import token_versions
 from fleetroll.policies.gate import PolicyGate
 from fleetroll.policies.turns import AssistantTurn, TurnData
@@ -14,6 +16,7 @@ from fleetroll.rollout import staleness
 from fleetroll.rollout.progress import Progress
 from fleetroll.settings import load_settings
 from fleetroll.training.trajectory import stitch, training_rows
+from fleetroll.training.weight_sync import abort_generations
 
 
 def turn(
@@ -101,3 +104,27 @@ def test_the_settings_default_to_todays_pause() -> None:
     policy = load_settings().policy
     assert (policy.weight_update, policy.max_token_staleness) == ("pause", None)
     assert load_settings(policy={"weight_update": "in_flight"}).policy.weight_update == "in_flight"
+
+
+async def test_aborting_on_a_server_without_abort_request_fails_naming_it() -> None:
+    seen: list[tuple[str, bytes]] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.content))
+        if request.url.host == "sglang":
+            return httpx.Response(200)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    servers = ["http://sglang:30000/v1", "http://vllm:8000/v1"]
+    with pytest.raises(WeightSyncError) as caught:
+        await abort_generations(
+            servers, api_key="sk-abort-secret", transport=httpx.MockTransport(answer)
+        )
+    assert sorted(url for url, _ in seen) == [
+        "http://sglang:30000/abort_request",
+        "http://vllm:8000/abort_request",
+    ]
+    assert all(body == b'{"abort_all":true}' for _, body in seen)
+    assert list(caught.value.failed) == ["http://vllm:8000"]
+    assert "no /abort_request route" in str(caught.value)
+    assert "sk-abort-secret" not in str(caught.value)

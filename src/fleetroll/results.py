@@ -174,6 +174,13 @@ class Turn(BaseModel):
     #: ``n`` > 1 choices (an agent of its own may): then each choice is a turn,
     #: in order, the same call's siblings sharing its prompt.
     choice: int = 0
+    #: The policy version of the weights that produced each completion token
+    #: (``policy.weight_update``): the server's own per-token report when it
+    #: gives one, else the call's version where no update can have happened
+    #: during it; null where it cannot be proven (``token_versions_note`` says why).
+    token_versions: list[int | None] | None = None
+    #: Why ``token_versions`` holds nulls (or what was resumed after an abort).
+    token_versions_note: str | None = None
 
 
 class TrajectorySegment(BaseModel):
@@ -196,6 +203,9 @@ class TrajectorySegment(BaseModel):
     logprobs: list[float | None]
     #: The policy version of the call that produced the token; null where masked.
     policy_versions: list[int | None]
+    #: The version of the weights that produced each token (a call's tokens may
+    #: span an update with ``policy.weight_update``); null where masked or unproven.
+    token_versions: list[int | None] = Field(default_factory=list)
 
 
 class Trajectory(BaseModel):
@@ -213,6 +223,8 @@ class Trajectory(BaseModel):
     loss_mask: list[int]
     logprobs: list[float | None]
     policy_versions: list[int | None]
+    #: As the segment's: the version that produced each token; null where masked or unproven.
+    token_versions: list[int | None] = Field(default_factory=list)
     #: False when every turn's prompt ids extend the previous turn's prompt and
     #: completion ids; true when a chat template re-rendered the history.
     drift: bool = False

@@ -23,7 +23,7 @@ from fleetroll.errors import PolicyError
 from fleetroll.policies.chat_http import OPERATION
 from fleetroll.policies.turns import AssistantTurn, ToolCall, TurnData
 
-__all__ = ["CompletionReader", "ints", "training_problems"]
+__all__ = ["CompletionReader", "ints", "token_versions", "training_problems"]
 
 #: The policy's logger: its warnings are about the policy's server.
 _log = logging.getLogger("fleetroll.policies.openai")
@@ -126,6 +126,7 @@ class CompletionReader:
             logprobs=finite,
             top_logprobs=top_finite,
             training_data_error="; ".join(problems) or None,
+            token_versions=token_versions(choice, completion_ids),
         )
         self.warn_once(
             [p for p in problems if p.split(":")[0] not in self.warned],
@@ -209,6 +210,18 @@ def ints(value: object) -> tuple[int, ...] | None:
     ):
         return None
     return tuple(value)
+
+
+def token_versions(
+    choice: Mapping[str, Any], completion_ids: tuple[int, ...] | None
+) -> tuple[int | None, ...] | None:
+    """A choice's ``token_versions`` (the weights' version per generated token, as a
+    server that updates weights between tokens reports it), when it is a list of
+    ints as long as ``token_ids``; None otherwise (never guessed)."""
+    versions = ints(choice.get("token_versions"))
+    if versions is None or completion_ids is None or len(versions) != len(completion_ids):
+        return None
+    return versions
 
 
 def _number(value: object) -> float | None:

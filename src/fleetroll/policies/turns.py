@@ -78,6 +78,12 @@ class TurnData:
     #: The policy server that answered (its API root, without credentials),
     #: when there are many (``policy.base_urls``); None with one.
     server: str | None = None
+    #: The weights' version that produced each completion token, as the server
+    #: reported it (a ``token_versions`` list beside ``token_ids``) or as an
+    #: aborted call's resumption knows it; None when not known.
+    token_versions: tuple[int | None, ...] | None = None
+    #: Why ``token_versions`` holds nulls, or what happened (an abort, a resumption).
+    token_versions_note: str | None = None
     #: What the call showed the model besides the conversation's own
     #: messages: the system message it was sent (None: none), and the tools
     #: as sent (OpenAI's ``tools`` list; None: none). A result keeps its first

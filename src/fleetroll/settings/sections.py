@@ -457,6 +457,17 @@ class PolicySettings(_Section):
     #: of its reach), "subreaper", its orphans kept and ended by its init, "auto"
     #: (the namespace where one can be made, else the subreaper with a warning).
     agent_sandbox: Literal["auto", "namespace", "subreaper"] = "auto"
+    #: What a weight update (``sync_weights``, ``pool.policy_paused()``) does to
+    #: generations in flight: "pause" holds new policy calls while running ones
+    #: finish on the old weights; "abort" holds them too, aborts the running ones
+    #: on the servers (``/abort_request``) and resumes each from its partial
+    #: output on the new weights (token-in); "in_flight" holds nothing: the
+    #: servers switch between tokens or between turns (docs/training.md).
+    weight_update: Literal["pause", "abort", "in_flight"] = "pause"
+    #: A rollout whose oldest generated token is more than this many policy
+    #: versions behind when it ends is dropped as ``stale``; with "abort", a
+    #: partial output older than this is not resumed but sampled again. None: no bound.
+    max_token_staleness: int | None = Field(None, ge=0)
 
     @field_validator("token_in", mode="before")
     @classmethod

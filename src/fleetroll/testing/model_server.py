@@ -58,6 +58,21 @@ Every answer carries the header ``X-Weight-Version``: for a completion, the
 version of the weights that generated all of it (a generation keeps the
 weights it started with; an update applies to the next one).
 
+**Weight updates in flight** (``in_flight_updates=True``): an update applies
+between two decoding steps of the generations running (the sequence so far is
+run again through the new weights, so every later token is exactly the new
+weights' own), and each choice says which version produced each token:
+``token_versions``, beside ``token_ids`` (the header is then the last
+token's version). Every choice carries ``token_versions`` in either mode.
+
+**Aborts**: SGLang's ``POST /abort_request`` (``{"rid": ...}`` or
+``{"abort_all": true}``; this server's request ids are the answers' ``id``)
+stops the generations running or queued at their next decoding step; each
+answers what it generated so far with ``finish_reason: "abort"`` (as vLLM and
+SGLang do). A client that disconnects aborts its generation too (vLLM's abort
+on disconnect). ``decode_delay_s`` slows every decoding step, so a test can
+land an update or an abort in the middle of a generation.
+
 **Logprobs** are by default the raw model's: ``log_softmax(logits)`` of the
 sampled token, in float32, on the logits the model gives for that position,
 the input of the temperature (before temperature, top-k or top-p: vLLM's
@@ -127,8 +142,10 @@ class Generation:
         token_ids: the generated ids, the end token included when it ended on one.
         logprobs: each generated token's raw logprob (see the module's docstring).
         top_logprobs: per token, the ``(id, logprob)`` of the k likeliest tokens.
-        finish_reason: ``"stop"`` (an end token) or ``"length"``.
-        version: the version of the weights that generated it.
+        finish_reason: ``"stop"`` (an end token), ``"length"`` or ``"abort"``.
+        version: the version of the weights that generated its first token
+            (the last one's, with updates in flight).
+        token_versions: the version of the weights that generated each token.
     """
 
     token_ids: tuple[int, ...]
@@ -136,6 +153,7 @@ class Generation:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
     finish_reason: str
     version: int
+    token_versions: tuple[int, ...] = ()
 
 
 class _BadRequest(Exception):
@@ -159,6 +177,9 @@ class ModelServer:
             none (vLLM's is the rest of the context; this keeps tests quick).
         logprobs_mode: vLLM's ``--logprobs-mode``: ``raw_logprobs`` (its
             default) or ``processed_logprobs`` (what TRL's trainer computes).
+        in_flight_updates: apply a weight update between decoding steps of the
+            generations running (default: a generation keeps its weights).
+        decode_delay_s: seconds slept after each decoding step (tests).
         host: the address to bind (a free port is chosen).
         forced: tests only: the text a prompt's completion is forced to (see
             the module's docstring), None to sample.
@@ -180,6 +201,8 @@ class ModelServer:
         seed: int = 0,
         default_max_tokens: int = 64,
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
+        in_flight_updates: bool = False,
+        decode_delay_s: float = 0.0,
         host: str = "127.0.0.1",
         forced: Callable[[Sequence[int]], str | None] | None = None,
     ) -> None:
@@ -188,6 +211,17 @@ class ModelServer:
         self.token_route = token_route
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
+        self.in_flight_updates = in_flight_updates
+        self.decode_delay_s = decode_delay_s
+        #: Every model served so far, by version (a test recomputes logprobs with them).
+        self.models: dict[int, Any] = {}
+        #: Generations aborted so far (``/abort_request`` or a disconnect), and
+        #: the tokens they had generated.
+        self.aborted = 0
+        self.aborted_tokens = 0
+        #: Seconds spent generating (the bench's busy share).
+        self.busy_s = 0.0
+        self._aborts: dict[str, threading.Event] = {}
         self.base_url = ""
         self.root_url = ""
         self.version = 0
@@ -239,6 +273,7 @@ class ModelServer:
                 Route("/update_weights_from_disk", self._update_from_disk, methods=["POST"]),
                 Route("/get_weight_version", self._get_weight_version, methods=["GET"]),
                 Route("/reset_prefix_cache", self._reset_prefix_cache, methods=["POST"]),
+                Route("/abort_request", self._abort_request, methods=["POST"]),
             ]
         )
         try:
@@ -260,6 +295,7 @@ class ModelServer:
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self._model = _load_model(self.model_path)
+        self.models[0] = self._model
         config = self._model.config
         self._max_model_len = int(getattr(config, "max_position_embeddings", 4096))
         ends = {self._tokenizer.eos_token_id}
@@ -290,18 +326,23 @@ class ModelServer:
         seed: int | None = None,
         top_logprobs: int = 0,
         weights: tuple[Any, int] | None = None,
+        abort: threading.Event | None = None,
     ) -> Generation:
         """Sample one completion of ``prompt_ids`` (blocking; the routes call it
         in a worker thread, one at a time) with the weights now served, or with
         ``weights`` (a model and its version: a request's completions all use
-        the weights it started with)."""
+        the weights it started with, unless ``in_flight_updates``). ``abort``
+        set: it stops at the next decoding step (``finish_reason: "abort"``)."""
         import torch
 
+        began = time.monotonic()
         model, version = weights or self._weights()
         forced: list[int] | None = None
         if self._forced is not None and (text := self._forced(prompt_ids)) is not None:
             end = self._tokenizer.convert_tokens_to_ids("<|im_end|>")
             forced = [*self._encode(text), end]
+        first_version = version
+        versions: list[int] = []
         processed_logprobs = self.logprobs_mode == "processed_logprobs"
         if seed is None:
             seed = self._seed * 1_000_003 + next(self._sampling_seeds)
@@ -321,6 +362,7 @@ class ModelServer:
                 _, processed = _sample(logits, temperature, top_p, top_k, generator)
                 shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
                 ids.append(token)
+                versions.append(version)
                 logprobs.append(float(shown[token]))
                 if top_logprobs:
                     values, indices = torch.topk(shown, top_logprobs)
@@ -333,10 +375,20 @@ class ModelServer:
             )
             for _ in range(steps):
                 assert out is not None
+                if abort is not None and abort.is_set():
+                    finish = "abort"
+                    break
+                if self.in_flight_updates and (now := self._weights())[1] != version:
+                    # The update lands between two steps: the sequence so far runs
+                    # through the new weights (no stale KV cache), so each later
+                    # token is exactly what they give.
+                    model, version = now
+                    out = model(input_ids=torch.tensor([[*prompt_ids, *ids]]), use_cache=True)
                 logits = out.logits[0, -1].float()
                 token, processed = _sample(logits, temperature, top_p, top_k, generator)
                 shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
                 ids.append(token)
+                versions.append(version)
                 logprobs.append(float(shown[token]))
                 if top_logprobs:
                     values, indices = torch.topk(shown, top_logprobs)
@@ -344,15 +396,30 @@ class ModelServer:
                 if token in self._end_ids:
                     finish = "stop"
                     break
+                if self.decode_delay_s:
+                    time.sleep(self.decode_delay_s)
                 cache = out.cache if name else out.past_key_values
                 out = model(
                     input_ids=torch.tensor([[token]]),
                     use_cache=True,
                     **{name or "past_key_values": cache},
                 )
-        made = Generation(tuple(ids), tuple(logprobs), tuple(tops), finish, version)
+        self.busy_s += time.monotonic() - began
+        if finish == "abort":
+            self.aborted += 1
+            self.aborted_tokens += len(ids)
+        shown_version = version if self.in_flight_updates else first_version
+        made = Generation(
+            tuple(ids), tuple(logprobs), tuple(tops), finish, shown_version, tuple(versions)
+        )
         self.generations.append((tuple(prompt_ids), made))
         return made
+
+    def abort_all(self) -> int:
+        """Abort every generation running or queued; return how many were asked."""
+        for event in self._aborts.values():
+            event.set()
+        return len(self._aborts)
 
     def _weights(self) -> tuple[Any, int]:
         """The model now served and its version, read together."""
@@ -367,6 +434,7 @@ class ModelServer:
             with self._swap:
                 self._model = model
                 self.version += 1
+                self.models[self.version] = model
                 self.weight_version = weight_version or str(self.version)
             return self.version
 
@@ -426,9 +494,11 @@ class ModelServer:
             top = _int(body.get("top_logprobs"), "top_logprobs", default=0)
             want_logprobs = body.get("logprobs") is True
             weights = self._weights()
-            generations = await self._generate_n(
-                prompt, body, sampling, top if want_logprobs else 0, weights
-            )
+            rid = f"chatcmpl-{next(self._ids)}"
+            async with self._abortable(request, rid) as abort:
+                generations = await self._generate_n(
+                    prompt, body, sampling, top if want_logprobs else 0, weights, (abort, request)
+                )
         except _BadRequest as exc:
             return _error(400, str(exc))
         parse_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
@@ -457,11 +527,12 @@ class ModelServer:
                     "finish_reason": finish,
                     "stop_reason": None,
                     "token_ids": list(generation.token_ids) if wants_ids else None,
+                    "token_versions": list(generation.token_versions),
                 }
             )
         completion_tokens = sum(len(g.token_ids) for g in generations)
         answer = {
-            "id": f"chatcmpl-{next(self._ids)}",
+            "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or self.model_name,
@@ -474,7 +545,7 @@ class ModelServer:
             "prompt_logprobs": None,
             "prompt_token_ids": prompt if wants_ids else None,
         }
-        return self._json(answer, version=weights[1])
+        return self._json(answer, version=generations[-1].version)
 
     async def _completions(self, request: Request) -> Response:
         try:
@@ -489,10 +560,14 @@ class ModelServer:
             logprobs = body.get("logprobs")
             top = None if logprobs is None else _int(logprobs, "logprobs", default=0)
             weights = self._weights()
-            batches = [
-                await self._generate_n(prompt, body, sampling, top or 0, weights)
-                for prompt in prompts
-            ]
+            rid = f"cmpl-{next(self._ids)}"
+            async with self._abortable(request, rid) as abort:
+                batches = [
+                    await self._generate_n(
+                        prompt, body, sampling, top or 0, weights, (abort, request)
+                    )
+                    for prompt in prompts
+                ]
         except _BadRequest as exc:
             return _error(400, str(exc))
         wants_ids = body.get("return_token_ids") is True
@@ -512,6 +587,7 @@ class ModelServer:
                         "prompt_logprobs": None,
                         "prompt_token_ids": prompt if wants_ids else None,
                         "token_ids": list(generation.token_ids) if wants_ids else None,
+                        "token_versions": list(generation.token_versions),
                     }
                 )
         prompt_tokens = sum(
@@ -519,7 +595,7 @@ class ModelServer:
         )
         completion_tokens = sum(len(g.token_ids) for batch in batches for g in batch)
         answer = {
-            "id": f"cmpl-{next(self._ids)}",
+            "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": body.get("model") or self.model_name,
@@ -530,7 +606,33 @@ class ModelServer:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
-        return self._json(answer, version=weights[1])
+        return self._json(answer, version=batches[-1][-1].version)
+
+    async def _abort_request(self, request: Request) -> Response:
+        """SGLang's ``/abort_request``: ``{"rid": ...}`` or ``{"abort_all": true}``."""
+        try:
+            body = await self._body(request)
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        if body.get("abort_all") is True:
+            self.abort_all()
+        elif isinstance(rid := body.get("rid"), str):
+            if (event := self._aborts.get(rid)) is not None:
+                event.set()
+        else:
+            return _error(400, "give 'rid' (a request id) or 'abort_all': true")
+        return Response(status_code=200)
+
+    @contextlib.asynccontextmanager
+    async def _abortable(self, request: Request, rid: str) -> AsyncIterator[threading.Event]:
+        """An abort flag for the request ``rid``, set by ``/abort_request`` or by the
+        client's disconnect (vLLM aborts a request whose client went away)."""
+        event = threading.Event()
+        self._aborts[rid] = event
+        try:
+            yield event
+        finally:
+            del self._aborts[rid]
 
     async def _collective_rpc(self, request: Request) -> Response:
         """vLLM's dev-mode ``/collective_rpc``: only ``reload_weights`` is known."""
@@ -632,11 +734,43 @@ class ModelServer:
         sampling: dict[str, Any],
         top: int,
         weights: tuple[Any, int],
+        abort: tuple[threading.Event, Request] | None = None,
     ) -> list[Generation]:
         n = _int(body.get("n"), "n", default=1)
         seed = body.get("seed")
         if seed is not None:
             seed = _int(seed, "seed", default=0)
+        if abort is None:
+            return await self._generate_each(prompt, n, seed, sampling, top, weights, None)
+        event, request = abort
+
+        async def watch() -> None:  # a client that went away: its generation stops
+            while not event.is_set():
+                if await request.is_disconnected():
+                    event.set()
+                    return
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(watch)
+            try:
+                generations = await self._generate_each(
+                    prompt, n, seed, sampling, top, weights, event
+                )
+            finally:
+                tasks.cancel_scope.cancel()
+        return generations
+
+    async def _generate_each(
+        self,
+        prompt: list[int],
+        n: int,
+        seed: int | None,
+        sampling: dict[str, Any],
+        top: int,
+        weights: tuple[Any, int],
+        abort: threading.Event | None,
+    ) -> list[Generation]:
         generations = []
         for index in range(n):
             choice_seed = None if seed is None else seed + index
@@ -648,6 +782,7 @@ class ModelServer:
                         seed=choice_seed,
                         top_logprobs=top,
                         weights=weights,
+                        abort=abort,
                         **sampling,
                     ),
                     limiter=self._generating,

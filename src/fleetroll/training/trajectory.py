@@ -53,6 +53,7 @@ class _Building:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     policy_versions: list[int | None] = field(default_factory=list)
+    token_versions: list[int | None] = field(default_factory=list)
     last_turn: int = 0
 
     def extend(self, ids: Sequence[int]) -> None:
@@ -61,6 +62,7 @@ class _Building:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [None] * len(ids)
         self.policy_versions += [None] * len(ids)
+        self.token_versions += [None] * len(ids)
 
     def generated(self, turn: Turn, ids: Sequence[int]) -> None:
         """The model's tokens of ``turn``: in the loss, with their logprobs and version."""
@@ -71,6 +73,10 @@ class _Building:
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.policy_versions += [turn.policy_version] * len(ids)
+        versions: Sequence[int | None] = turn.token_versions or ()
+        if len(versions) != len(ids):  # not recorded: null, never guessed
+            versions = [None] * len(ids)
+        self.token_versions += versions
         self.last_turn = turn.index
 
     def done(self) -> TrajectorySegment:
@@ -81,6 +87,7 @@ class _Building:
             loss_mask=self.loss_mask,
             logprobs=self.logprobs,
             policy_versions=self.policy_versions,
+            token_versions=self.token_versions,
         )
 
 
@@ -131,6 +138,7 @@ def stitch(turns: Sequence[Turn]) -> Trajectory | None:
         loss_mask=first.loss_mask,
         logprobs=first.logprobs,
         policy_versions=first.policy_versions,
+        token_versions=first.token_versions,
         drift=drift_turn is not None,
         drift_turn=drift_turn,
         segments=segments if drift_turn is not None else [],
@@ -209,8 +217,9 @@ def training_rows(
     **Without** ``group_size`` (the rows of earlier versions): one row per
     scored rollout with token ids, one per segment when it drifted, with
     ``segment``, ``input_ids``, ``loss_mask``, ``logprobs``,
-    ``policy_versions``, ``reward`` and ``advantage``; unscored rollouts are
-    left out (``drift`` is not used).
+    ``policy_versions``, ``token_versions`` (the version that produced each
+    token, None where masked or unproven), ``reward`` and ``advantage``;
+    unscored rollouts are left out (``drift`` is not used).
 
     Args:
         groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or
@@ -374,6 +383,7 @@ def _whole(trajectory: Trajectory) -> TrajectorySegment:
         loss_mask=trajectory.loss_mask,
         logprobs=trajectory.logprobs,
         policy_versions=trajectory.policy_versions,
+        token_versions=trajectory.token_versions,
     )
 
 
@@ -406,6 +416,7 @@ def _segment_rows(
                         "loss_mask": list(segment.loss_mask),
                         "logprobs": list(segment.logprobs),
                         "policy_versions": list(segment.policy_versions),
+                        "token_versions": list(segment.token_versions),
                         "reward": reward,
                         "advantage": (reward - mean) / (std + eps),
                     }

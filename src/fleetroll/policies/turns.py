@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from fleetroll.results import RoutedExperts
+
 __all__ = [
     "AssistantTurn",
     "EncodedMessages",
@@ -78,6 +80,9 @@ class TurnData:
     #: The policy server that answered (its API root, without credentials),
     #: when there are many (``policy.base_urls``); None with one.
     server: str | None = None
+    #: The experts each token (prompt then completion) was routed to, when the
+    #: server returned them (a mixture-of-experts model).
+    routed_experts: RoutedExperts | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -131,6 +131,7 @@ class Progress:
                 training_data_error=data.training_data_error,
                 server=data.server,
                 choice=choice,
+                routed_experts=data.routed_experts,
             )
         )
 

@@ -35,6 +35,10 @@ fleetroll's policy reads:
   TRL's ``VLLMClient.generate`` uses (a batch of token prompts,
   ``return_tokens_as_token_ids``: tokens shown as ``token_id:N``, in the chat
   route's logprobs too);
+- with ``return_routed_experts`` (a mixture-of-experts model: vLLM's
+  ``--enable-return-routed-experts``), ``prompt_routed_experts`` and each
+  choice's ``routed_experts``, ``[tokens][layers][top_k]``, the router's own
+  top-k per token (:func:`routed_experts_of` recomputes them);
 - ``GET /health``: 200;
 - weight updates, each loading a ``save_pretrained`` directory, swapping the
   model and bumping the version: vLLM's ``POST /collective_rpc`` with
@@ -101,7 +105,7 @@ from starlette.routing import Route
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll._internal.serving import serve_asgi
 
-__all__ = ["Generation", "ModelServer", "parse_hermes_tool_calls"]
+__all__ = ["Generation", "ModelServer", "parse_hermes_tool_calls", "routed_experts_of"]
 
 _STARTUP_TIMEOUT_S = 10.0
 _SHUTDOWN_TIMEOUT_S = 5.0
@@ -120,6 +124,9 @@ class Generation:
         top_logprobs: per token, the ``(id, logprob)`` of the k likeliest tokens.
         finish_reason: ``"stop"`` (an end token) or ``"length"``.
         version: the version of the weights that generated it.
+        prompt_routed_experts, routed_experts: with ``return_routed_experts``
+            (a mixture-of-experts model), per prompt / generated token, per MoE
+            layer, the ``top_k`` experts its router picked (highest weight first).
     """
 
     token_ids: tuple[int, ...]
@@ -127,6 +134,8 @@ class Generation:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
     finish_reason: str
     version: int
+    prompt_routed_experts: list[list[list[int]]] | None = None
+    routed_experts: list[list[list[int]]] | None = None
 
 
 class _BadRequest(Exception):
@@ -151,6 +160,11 @@ class ModelServer:
         logprobs_mode: vLLM's ``--logprobs-mode``: ``raw_logprobs`` (its
             default) or ``processed_logprobs`` (what TRL's trainer computes).
         host: the address to bind (a free port is chosen).
+        return_routed_experts: vLLM's ``--enable-return-routed-experts``: the
+            model must be a mixture of experts (``TinyModelSpec(num_experts=...)``);
+            every answer carries ``prompt_routed_experts`` (top level; on each
+            choice too in ``/v1/completions``) and each choice's ``routed_experts``,
+            ``[tokens][layers][top_k]`` as the router computed them.
 
     Attributes:
         base_url: ``http://127.0.0.1:<port>/v1``, set once started.
@@ -169,6 +183,7 @@ class ModelServer:
         default_max_tokens: int = 64,
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
         host: str = "127.0.0.1",
+        return_routed_experts: bool = False,
     ) -> None:
         self.model_path = Path(model_path)
         self.model_name = model_name or self.model_path.name
@@ -181,6 +196,7 @@ class ModelServer:
         self.weight_version = "0"
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self._host = host
+        self.return_routed_experts = return_routed_experts
         self._seed = seed
         self._model: Any = None
         self._tokenizer: Any = None
@@ -251,6 +267,11 @@ class ModelServer:
         for source in (config.eos_token_id, self._model.generation_config.eos_token_id):
             ends.update(source if isinstance(source, list) else [source])
         self._end_ids = frozenset(i for i in ends if isinstance(i, int))
+        if self.return_routed_experts and not getattr(config, "num_experts", 0):
+            raise RuntimeError(
+                "return_routed_experts needs a mixture-of-experts model"
+                " (save_tiny_model(..., TinyModelSpec(num_experts=4)))"
+            )
 
     # -- the model
 
@@ -293,8 +314,14 @@ class ModelServer:
         finish = "length"
         # transformers 5 names the KV cache ``cache`` (``past_key_values`` before).
         name = "cache" if "cache" in inspect.signature(model.forward).parameters else None
+        routing = {"output_router_logits": True} if self.return_routed_experts else {}
+        top_k = int(getattr(model.config, "num_experts_per_tok", 0))
+        prompt_routes: list[list[list[int]]] | None = None
+        routes: list[list[list[int]]] = []
         with torch.inference_mode():
-            out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True)
+            out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True, **routing)
+            if routing:
+                prompt_routes = _routes(out, top_k)
             for _ in range(max_tokens):
                 logits = out.logits[0, -1].float()
                 token, processed = _sample(logits, temperature, top_p, top_k, generator)
@@ -312,8 +339,28 @@ class ModelServer:
                     input_ids=torch.tensor([[token]]),
                     use_cache=True,
                     **{name or "past_key_values": cache},
+                    **routing,
                 )
-        return Generation(tuple(ids), tuple(logprobs), tuple(tops), finish, version)
+                if routing:
+                    routes += _routes(out, top_k)
+            if routing and len(routes) < len(ids):  # the last token: routed, as vLLM does
+                cache = out.cache if name else out.past_key_values
+                out = model(
+                    input_ids=torch.tensor([[ids[-1]]]),
+                    use_cache=True,
+                    **{name or "past_key_values": cache},
+                    **routing,
+                )
+                routes += _routes(out, top_k)
+        return Generation(
+            tuple(ids),
+            tuple(logprobs),
+            tuple(tops),
+            finish,
+            version,
+            prompt_routed_experts=prompt_routes,
+            routed_experts=routes if routing else None,
+        )
 
     def _weights(self) -> tuple[Any, int]:
         """The model now served and its version, read together."""
@@ -420,6 +467,8 @@ class ModelServer:
                     "token_ids": list(generation.token_ids) if wants_ids else None,
                 }
             )
+            if generation.routed_experts is not None:
+                choices[-1]["routed_experts"] = generation.routed_experts
         completion_tokens = sum(len(g.token_ids) for g in generations)
         answer = {
             "id": f"chatcmpl-{next(self._ids)}",
@@ -435,6 +484,8 @@ class ModelServer:
             "prompt_logprobs": None,
             "prompt_token_ids": prompt if wants_ids else None,
         }
+        if generations[0].prompt_routed_experts is not None:
+            answer["prompt_routed_experts"] = generations[0].prompt_routed_experts
         return self._json(answer, version=weights[1])
 
     async def _completions(self, request: Request) -> Response:
@@ -475,6 +526,9 @@ class ModelServer:
                         "token_ids": list(generation.token_ids) if wants_ids else None,
                     }
                 )
+                if generation.routed_experts is not None:
+                    choices[-1]["prompt_routed_experts"] = generation.prompt_routed_experts
+                    choices[-1]["routed_experts"] = generation.routed_experts
         prompt_tokens = sum(
             len(prompt) * len(g) for prompt, g in zip(prompts, batches, strict=True)
         )
@@ -722,6 +776,26 @@ def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
             message["tool_calls"] = calls
         prepared.append(message)
     return prepared
+
+
+def _routes(out: Any, top_k: int) -> list[list[list[int]]]:
+    """Per position of a forward pass, per MoE layer, the ``top_k`` experts its
+    router picked (Qwen2-MoE: the top k of ``softmax(router_logits)``, highest first)."""
+    import torch
+
+    per_layer = [torch.topk(logits.float(), top_k, dim=-1).indices for logits in out.router_logits]
+    stacked = torch.stack(per_layer, dim=1)  # [positions, layers, top_k]
+    return [[list(map(int, layer)) for layer in position] for position in stacked.tolist()]
+
+
+def routed_experts_of(model: Any, ids: Sequence[int]) -> list[list[list[int]]]:
+    """What ``model``'s routers pick for each of ``ids`` in one forward pass (no
+    cache): per token, per MoE layer, the top ``num_experts_per_tok`` experts."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(ids)]), output_router_logits=True)
+    return _routes(out, int(model.config.num_experts_per_tok))
 
 
 def _sample(

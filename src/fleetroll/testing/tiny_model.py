@@ -2,7 +2,9 @@
 
 Everything is made on this machine, from a seed: no download, no hub. The
 model is a :class:`transformers.Qwen2ForCausalLM` built from a config (a few
-layers, hidden size 64) with random weights drawn from a seeded generator;
+layers, hidden size 64; with ``TinyModelSpec(num_experts=...)`` a
+:class:`transformers.Qwen2MoeForCausalLM`, a mixture of experts) with random
+weights drawn from a seeded generator;
 the tokenizer is a byte-level BPE trained with the ``tokenizers`` library on
 a small built-in corpus (agent and tool-calling text), so any text encodes
 and decodes back exactly. It carries Qwen2.5's chat tokens and a Qwen2.5-style
@@ -149,6 +151,11 @@ class TinyModelSpec:
     vocab_merges: int = 256
     initializer_range: float = 0.2
     max_position_embeddings: int = 4096
+    #: A mixture of experts when > 0 (:class:`transformers.Qwen2MoeForCausalLM`:
+    #: every layer's MLP is this many experts of ``intermediate_size``, of which
+    #: the router picks ``num_experts_per_tok`` per token); 0: dense Qwen2.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
 
 
 def build_tiny_tokenizer(
@@ -202,7 +209,7 @@ def build_tiny_model(
         spec = TinyModelSpec(**{**_fields(spec), "seed": seed})
     tokenizer = build_tiny_tokenizer(corpus, vocab_merges=spec.vocab_merges)
     ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -217,11 +224,27 @@ def build_tiny_model(
         pad_token_id=ids("<|endoftext|>"),
         torch_dtype="float32",
     )
+    config: Any = Qwen2Config(**common)
+    architecture: Any = Qwen2ForCausalLM
+    if spec.num_experts:
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(
+            **common,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.intermediate_size,
+            shared_expert_intermediate_size=spec.intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+        )
+        architecture = Qwen2MoeForCausalLM
     # The weights come from this seed alone: the global generator is saved and
     # restored around the initialisation, so callers' random state is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = Qwen2ForCausalLM(config)
+        model = architecture(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")],
         pad_token_id=ids("<|endoftext|>"),

@@ -21,10 +21,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fleetroll.results import RolloutResult, Trajectory, TrajectorySegment, Turn
+from fleetroll.results import RolloutResult, RoutedExperts, Trajectory, TrajectorySegment, Turn
 from fleetroll.training.groups import Group
 
-__all__ = ["stitch", "training_rows"]
+__all__ = ["routed_experts_list", "stitch", "training_rows"]
 
 #: Added to a group's reward standard deviation, so a uniform group's
 #: advantages are 0 rather than a division by zero.
@@ -113,15 +113,73 @@ def stitch(turns: Sequence[Turn]) -> Trajectory | None:
     assert current is not None, "there is at least one turn"
     segments.append(current.done())
     first = segments[0]
-    return Trajectory(
-        input_ids=first.input_ids,
-        loss_mask=first.loss_mask,
-        logprobs=first.logprobs,
-        policy_versions=first.policy_versions,
-        drift=drift_turn is not None,
-        drift_turn=drift_turn,
-        segments=segments if drift_turn is not None else [],
+    return _with_experts(
+        turns,
+        Trajectory(
+            input_ids=first.input_ids,
+            loss_mask=first.loss_mask,
+            logprobs=first.logprobs,
+            policy_versions=first.policy_versions,
+            drift=drift_turn is not None,
+            drift_turn=drift_turn,
+            segments=segments if drift_turn is not None else [],
+        ),
     )
+
+
+def _with_experts(turns: Sequence[Turn], trajectory: Trajectory) -> Trajectory:
+    """``trajectory`` with its tokens' routed experts, when some turn has them.
+
+    Each token's row comes from the turn that added it to the sequence (its
+    prompt's new part, from that turn's prefill; its completion, from its
+    decoding), as stitching takes the ids; -1 rows for a turn without experts.
+    """
+    routed = [turn.routed_experts for turn in turns if turn.routed_experts is not None]
+    if not routed:
+        return trajectory
+    layers, top_k = routed[0].layers, routed[0].top_k
+    if any((r.layers, r.top_k) != (layers, top_k) for r in routed):
+        return trajectory  # a model change mid-rollout: no one shape to give
+    spans = [(s.first_turn, s.last_turn, len(s.input_ids)) for s in trajectory.segments]
+    if not spans:
+        spans = [(turns[0].index, turns[-1].index, len(trajectory.input_ids))]
+    done = [
+        _segment_experts([t for t in turns if first <= t.index <= last], length, layers, top_k)
+        for first, last, length in spans
+    ]
+    if trajectory.segments:
+        return trajectory.model_copy(
+            update={
+                "routed_experts": done[0],
+                "segments": [
+                    s.model_copy(update={"routed_experts": e})
+                    for s, e in zip(trajectory.segments, done, strict=True)
+                ],
+            }
+        )
+    return trajectory.model_copy(update={"routed_experts": done[0]})
+
+
+def _segment_experts(turns: Sequence[Turn], length: int, layers: int, top_k: int) -> RoutedExperts:
+    """The rows of a segment's ``length`` tokens, stitched from its ``turns``."""
+    stride = 2 * layers * top_k
+    out = bytearray()
+    for turn in turns:
+        size = len(turn.prompt_token_ids or ()) + len(turn.completion_token_ids or ())
+        raw = turn.routed_experts.raw() if turn.routed_experts is not None else b""
+        if len(raw) != size * stride:
+            raw = b"\xff" * (size * stride)  # no (usable) rows: -1
+        # Rows the segment already has (the turn's prompt repeats them) are skipped.
+        out += raw[len(out) :]
+    out = out[: length * stride]
+    return RoutedExperts.from_raw(bytes(out), layers=layers, top_k=top_k)
+
+
+def routed_experts_list(value: RoutedExperts | dict[str, Any]) -> list[list[list[int]]]:
+    """Routed experts (a row's ``routed_experts``, a turn's or a trajectory's) as
+    nested lists ``[tokens][layers][top_k]``, -1 where the server returned none."""
+    experts = value if isinstance(value, RoutedExperts) else RoutedExperts(**value)
+    return experts.rows()
 
 
 def _followed(turns: Sequence[Turn]) -> Sequence[Turn]:
@@ -164,7 +222,9 @@ def training_rows(
     Each row is a plain dict: ``rollout_id``, ``group_id``, ``task_key``,
     ``segment`` (0 unless the template drifted), ``input_ids``, ``loss_mask``,
     ``logprobs`` (null where masked or not returned), ``policy_versions``,
-    ``reward`` and ``advantage``.
+    ``reward`` and ``advantage``; with a mixture-of-experts server that returned
+    them, ``routed_experts`` too (:class:`~fleetroll.results.RoutedExperts` as a
+    dict, aligned with ``input_ids``: decode with :func:`routed_experts_list`).
 
     Args:
         groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or lists of results.
@@ -199,4 +259,8 @@ def training_rows(
                         "advantage": (reward - mean) / (std + eps),
                     }
                 )
+                if segment.routed_experts is not None:
+                    # Compact (base64 int16 [tokens, layers, top_k]): routed_experts_list
+                    # or numpy.frombuffer decodes it; absent without experts.
+                    rows[-1]["routed_experts"] = segment.routed_experts.model_dump()
     return rows

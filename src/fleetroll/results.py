@@ -30,6 +30,7 @@ __all__ = [
     "Trajectory",
     "TrajectorySegment",
     "Turn",
+    "TurnImage",
     "VerifierOutcome",
     "writable_result",
 ]
@@ -211,6 +212,27 @@ class RoutedExperts(BaseModel):
         ]
 
 
+class TurnImage(BaseModel):
+    """An image the model saw, as it saw it, and where its placeholder tokens sit.
+
+    ``start``/``end`` (end excluded) index the placeholder tokens (Qwen2-VL's
+    ``<|image_pad|>`` run, one per 28x28 block) in the turn's
+    ``prompt_token_ids``, or in a trajectory's ``input_ids``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: int
+    end: int
+    #: The size after the resize (``policy.image_max_pixels``): what the model saw.
+    width: int
+    height: int
+    #: The SHA-256 of the PNG (``data`` decoded).
+    sha256: str
+    #: The PNG, base64.
+    data: str
+
+
 def _drop_absent(
     model: BaseModel, handler: Any, info: SerializationInfo, names: tuple[str, ...]
 ) -> Any:
@@ -262,10 +284,13 @@ class Turn(BaseModel):
     #: ``prompt_token_ids + completion_token_ids`` was routed to. The key is
     #: absent when the server returned none.
     routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the images of the prompt, in order, with
+    #: their placeholder spans in ``prompt_token_ids`` (the key is absent otherwise).
+    images: list[TurnImage] | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any, info: SerializationInfo) -> Any:
-        return _drop_absent(self, handler, info, ("routed_experts",))
+        return _drop_absent(self, handler, info, ("routed_experts", "images"))
 
 
 class TrajectorySegment(BaseModel):
@@ -291,10 +316,13 @@ class TrajectorySegment(BaseModel):
     #: The routed experts of every token (aligned with ``input_ids``), when the
     #: server returned them; the key is absent otherwise.
     routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the images of the prompt, in order, with
+    #: their placeholder spans in ``prompt_token_ids`` (the key is absent otherwise).
+    images: list[TurnImage] | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any, info: SerializationInfo) -> Any:
-        return _drop_absent(self, handler, info, ("routed_experts",))
+        return _drop_absent(self, handler, info, ("routed_experts", "images"))
 
 
 class Trajectory(BaseModel):
@@ -322,10 +350,13 @@ class Trajectory(BaseModel):
     #: The routed experts of every token (aligned with ``input_ids``), when the
     #: server returned them for some turn; the key is absent otherwise.
     routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the images of the prompt, in order, with
+    #: their placeholder spans in ``prompt_token_ids`` (the key is absent otherwise).
+    images: list[TurnImage] | None = None
 
     @model_serializer(mode="wrap")
     def _serialize(self, handler: Any, info: SerializationInfo) -> Any:
-        return _drop_absent(self, handler, info, ("routed_experts",))
+        return _drop_absent(self, handler, info, ("routed_experts", "images"))
 
 
 class Cost(BaseModel):

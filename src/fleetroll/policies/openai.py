@@ -13,6 +13,7 @@ Import it from :mod:`fleetroll.policies` or :mod:`fleetroll`.
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
 from typing import Any, NamedTuple, Self
 
+import anyio.to_thread
 import httpx
 from pydantic import SecretStr
 
@@ -28,6 +30,7 @@ from fleetroll._internal.deadlines import fail_after
 from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies.chat_http import OPERATION, ChatTransport, Endpoint, endpoint
 from fleetroll.policies.completions import CompletionReader
+from fleetroll.policies.images import PreparedImage, image_spans, prepare_messages
 from fleetroll.policies.servers import (
     Affinity,
     PolicyServers,
@@ -41,7 +44,9 @@ from fleetroll.policies.turns import (
     Message,
     TokenHistory,
     ToolSpec,
+    TurnData,
 )
+from fleetroll.results import TurnImage
 from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskSpec
 
@@ -141,6 +146,11 @@ class OpenAIChatPolicy:
             ``/chat/completions/tokens`` (prime-rl's vLLM route). Implies
             ``return_token_ids``; needs a transcript that keeps token ids
             (:class:`~fleetroll.policies.turns.TokenHistory`, as a rollout's does).
+        image_max_pixels: a vision-language policy (``policy.image_max_pixels``):
+            every image is resized by Qwen2-VL's rule to at most this many pixels
+            before it is sent (:mod:`fleetroll.policies.images`), each turn keeps
+            those images and their placeholder spans (``TurnData.images``), and
+            token-in stays on with images (the images go in ``multi_modal_data``).
 
     Raises:
         ValueError: a number is out of range.
@@ -169,6 +179,7 @@ class OpenAIChatPolicy:
         max_answer_bytes: int = 64 * 1024 * 1024,
         servers: PolicyServers | None = None,
         token_in: bool = False,
+        image_max_pixels: int | None = None,
     ) -> None:
         if servers is None:
             if base_url is None:
@@ -189,6 +200,7 @@ class OpenAIChatPolicy:
         #: The first server's endpoint (each call's own is its server's).
         self.url = endpoint(servers.servers[0], "chat")
         self.token_in = token_in
+        self.image_max_pixels = image_max_pixels
         return_token_ids = return_token_ids or token_in
         self.model = model
         self._sampling = {
@@ -264,6 +276,7 @@ class OpenAIChatPolicy:
             top_logprobs=policy.top_logprobs,
             max_answer_bytes=policy.max_answer_bytes,
             token_in=policy.token_in,
+            image_max_pixels=policy.image_max_pixels,
         )
         made._recipe = PolicyRecipe(uuid.uuid4().hex, config, cls)
         return made
@@ -321,10 +334,18 @@ class OpenAIChatPolicy:
         history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         sent: list[int] | None = None
         kind: Endpoint
+        images: list[PreparedImage] = []
+        prepared: Sequence[Message] = messages
+        if self.image_max_pixels is not None and has_images(messages):
+            prepared, images = await self._prepare_images(messages)
         try:
             with fail_after(self.timeout_s) as scope:
-                if self.token_in and history is not None and not self._has_images(messages):
-                    body = self._body(messages, tools)
+                if (
+                    self.token_in
+                    and history is not None
+                    and (images or not self._has_images(messages))
+                ):
+                    body = self._body(prepared, tools)
                     added = len(body["messages"]) - len(messages)
                     body["tokens"] = sent = await token_prompt(
                         self._http,
@@ -334,7 +355,11 @@ class OpenAIChatPolicy:
                         deadline=scope.deadline,
                         affinity=affinity,
                     )
+                    if images:  # vLLM's multimodal prompt: the ids and the images
+                        body["multi_modal_data"] = {"image": [image.url for image in images]}
                     kind, content = "tokens", self._http.encode(body, self.url)
+                elif images:
+                    kind, content = "chat", self._http.encode(self._body(prepared, tools), self.url)
                 else:
                     kind, content = "chat", self._request(messages, tools)
                 payload, server = await self._http.post(
@@ -357,6 +382,8 @@ class OpenAIChatPolicy:
         if sent is not None and turn.data is not None and turn.data.prompt_token_ids is None:
             # The prompt is the ids we sent, whether or not the server echoed them.
             turn = replace(turn, data=replace(turn.data, prompt_token_ids=tuple(sent)))
+        if images and turn.data is not None:
+            turn = replace(turn, data=_with_images(turn.data, images))
         if turn.data is None or len(self.servers.servers) == 1:
             return turn  # one server: nothing to say where the turn went
         return replace(turn, data=replace(turn.data, server=server.name))
@@ -461,6 +488,26 @@ class OpenAIChatPolicy:
         pieces += [b"],", rest[1:]]
         return b"".join(pieces)
 
+    async def _prepare_images(
+        self, messages: Sequence[Message]
+    ) -> tuple[list[Message], list[PreparedImage]]:
+        """``messages`` with their images resized (``image_max_pixels``), off the loop.
+
+        Raises:
+            PolicyError: an image is not a base64 data URL of an image (not transient).
+        """
+        assert self.image_max_pixels is not None
+        try:
+            return await anyio.to_thread.run_sync(
+                lambda: prepare_messages(messages, max_pixels=self.image_max_pixels or 0)
+            )
+        except ValueError as exc:
+            raise PolicyError(
+                f"an image could not be prepared for the model (policy.image_max_pixels): {exc}",
+                operation=OPERATION,
+                transient=False,
+            ) from None
+
     def _has_images(self, messages: Sequence[Message]) -> bool:
         """Whether the conversation holds images (:func:`~.token_in.has_images`):
         those go by messages, not ids. Said once per policy."""
@@ -471,3 +518,29 @@ class OpenAIChatPolicy:
             " set, but /tokenize does not expand image placeholders); said once",
         )
         return images
+
+
+def _with_images(data: TurnData, images: Sequence[PreparedImage]) -> TurnData:
+    """``data`` with the prompt's images and their placeholder spans in its
+    ``prompt_token_ids``; a ``training_data_error`` when they are not found."""
+    spans = image_spans(data.prompt_token_ids or (), [image.placeholders for image in images])
+    if spans is None:
+        problem = (
+            "image placeholders not found in prompt_token_ids: expected runs of"
+            f" {[image.placeholders for image in images]} tokens (is the model a Qwen2-VL-style"
+            " one, and policy.image_max_pixels within the server's max_pixels?)"
+        )
+        error = "; ".join(filter(None, (data.training_data_error, problem)))
+        return replace(data, training_data_error=error)
+    kept = tuple(
+        TurnImage(
+            start=start,
+            end=end,
+            width=image.width,
+            height=image.height,
+            sha256=image.sha256,
+            data=base64.b64encode(image.png).decode("ascii"),
+        )
+        for image, (start, end) in zip(images, spans, strict=True)
+    )
+    return replace(data, images=kept)

@@ -132,6 +132,7 @@ class Progress:
                 server=data.server,
                 choice=choice,
                 routed_experts=data.routed_experts,
+                images=None if data.images is None else list(data.images),
             )
         )
 

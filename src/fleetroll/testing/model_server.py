@@ -89,7 +89,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -104,6 +104,7 @@ from starlette.routing import Route
 
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll._internal.serving import serve_asgi
+from fleetroll.policies.images import PreparedImage, decode_data_url, prepare_image
 
 __all__ = ["Generation", "ModelServer", "parse_hermes_tool_calls", "routed_experts_of"]
 
@@ -160,6 +161,18 @@ class ModelServer:
         logprobs_mode: vLLM's ``--logprobs-mode``: ``raw_logprobs`` (its
             default) or ``processed_logprobs`` (what TRL's trainer computes).
         host: the address to bind (a free port is chosen).
+        vision: a vision-language-shaped server (Qwen2-VL's prompt; the model
+            needs ``TinyModelSpec(vision=True)``'s tokens): each image of a
+            message is resized by Qwen2-VL's rule (at most ``image_max_pixels``)
+            and becomes ``<|vision_start|>``, ``<|image_pad|>`` once per 28x28
+            block, ``<|vision_end|>`` (in ``/tokenize`` too); the tokens route
+            takes the ids with those placeholders and the images in
+            ``multi_modal_data.image`` (checked against each other). There is no
+            vision tower: the model reads the placeholders as tokens.
+        forced: tests only: a scripted continuation. Given a chat request's body,
+            it returns a text (or None: sample as usual); each choice is then
+            that text's tokens and ``<|im_end|>``, not sampled ones, with the
+            model's own logprobs for them (so logprob checks stay honest).
         return_routed_experts: vLLM's ``--enable-return-routed-experts``: the
             model must be a mixture of experts (``TinyModelSpec(num_experts=...)``);
             every answer carries ``prompt_routed_experts`` (top level; on each
@@ -184,6 +197,9 @@ class ModelServer:
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
         host: str = "127.0.0.1",
         return_routed_experts: bool = False,
+        vision: bool = False,
+        image_max_pixels: int = 28 * 28 * 1280,
+        forced: Callable[[Mapping[str, Any]], str | None] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.model_name = model_name or self.model_path.name
@@ -197,6 +213,12 @@ class ModelServer:
         self.requests: list[tuple[str, dict[str, Any]]] = []
         self._host = host
         self.return_routed_experts = return_routed_experts
+        self.vision = vision
+        self.forced = forced
+        self.image_max_pixels = image_max_pixels
+        #: With ``vision``: every image a completion received, as the model saw it
+        #: (after this server's resize), in order.
+        self.received_images: list[PreparedImage] = []
         self._seed = seed
         self._model: Any = None
         self._tokenizer: Any = None
@@ -267,6 +289,10 @@ class ModelServer:
         for source in (config.eos_token_id, self._model.generation_config.eos_token_id):
             ends.update(source if isinstance(source, list) else [source])
         self._end_ids = frozenset(i for i in ends if isinstance(i, int))
+        if self.vision and self._tokenizer.convert_tokens_to_ids("<|image_pad|>") is None:
+            raise RuntimeError(
+                "vision needs a tokenizer with <|image_pad|> (TinyModelSpec(vision=True))"
+            )
         if self.return_routed_experts and not getattr(config, "num_experts", 0):
             raise RuntimeError(
                 "return_routed_experts needs a mixture-of-experts model"
@@ -296,6 +322,7 @@ class ModelServer:
         seed: int | None = None,
         top_logprobs: int = 0,
         weights: tuple[Any, int] | None = None,
+        forced: Sequence[int] | None = None,
     ) -> Generation:
         """Sample one completion of ``prompt_ids`` (blocking; the routes call it
         in a worker thread, one at a time) with the weights now served, or with
@@ -322,9 +349,11 @@ class ModelServer:
             out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True, **routing)
             if routing:
                 prompt_routes = _routes(out, top_k)
-            for _ in range(max_tokens):
+            for step in range(max_tokens if forced is None else len(forced)):
                 logits = out.logits[0, -1].float()
                 token, processed = _sample(logits, temperature, top_p, top_k, generator)
+                if forced is not None:
+                    token = forced[step]
                 shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
                 ids.append(token)
                 logprobs.append(float(shown[token]))
@@ -427,15 +456,23 @@ class ModelServer:
             body = await self._body(request)
             if request.url.path.endswith("/tokens"):
                 prompt = _token_list(body.get("tokens"), "tokens")
+                if self.vision:
+                    self._check_images(prompt, body)
             else:
-                prompt = self._chat_prompt(body, generation=body.get("add_generation_prompt", True))
+                prompt = self._chat_prompt(
+                    body, generation=body.get("add_generation_prompt", True), record=True
+                )
             sampling = self._sampling(body, default_max_tokens=self.default_max_tokens)
             self._check_context(len(prompt), sampling["max_tokens"])
             top = _int(body.get("top_logprobs"), "top_logprobs", default=0)
             want_logprobs = body.get("logprobs") is True
             weights = self._weights()
+            text = self.forced(body) if self.forced is not None else None
+            forced = None
+            if text is not None:
+                forced = [*self._encode(text), self._tokenizer.convert_tokens_to_ids("<|im_end|>")]
             generations = await self._generate_n(
-                prompt, body, sampling, top if want_logprobs else 0, weights
+                prompt, body, sampling, top if want_logprobs else 0, weights, forced=forced
             )
         except _BadRequest as exc:
             return _error(400, str(exc))
@@ -604,21 +641,81 @@ class ModelServer:
     def _decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def _chat_prompt(self, body: Mapping[str, Any], *, generation: bool) -> list[int]:
+    def _image(self, url: object) -> PreparedImage:
+        try:
+            return prepare_image(decode_data_url(str(url)), max_pixels=self.image_max_pixels)
+        except ValueError as exc:
+            raise _BadRequest(f"an image could not be read: {exc}") from None
+
+    def _images_of(self, messages: list[Any]) -> list[PreparedImage]:
+        return [
+            self._image((part.get("image_url") or {}).get("url"))
+            for message in messages
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+            for part in message["content"]
+            if isinstance(part, dict) and part.get("type") == "image_url"
+        ]
+
+    def _pad_runs(self, ids: Sequence[int]) -> list[int]:
+        pad = self._tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        runs: list[int] = []
+        previous = None
+        for token in ids:
+            if token == pad:
+                if previous == pad:
+                    runs[-1] += 1
+                else:
+                    runs.append(1)
+            previous = token
+        return runs
+
+    def _check_images(self, prompt: list[int], body: Mapping[str, Any]) -> None:
+        """The tokens route's multimodal prompt: one placeholder run per image,
+        as long as the image's 28x28 blocks after this server's resize."""
+        data = body.get("multi_modal_data") or {}
+        urls = data.get("image") if isinstance(data, dict) else None
+        images = [self._image(url) for url in urls or ()]
+        runs = self._pad_runs(prompt)
+        if runs != [image.placeholders for image in images]:
+            raise _BadRequest(
+                f"the prompt's image placeholders ({runs}) do not match the images'"
+                f" ({[image.placeholders for image in images]})"
+            )
+        self.received_images += images
+
+    def _chat_prompt(
+        self, body: Mapping[str, Any], *, generation: bool, record: bool = False
+    ) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _BadRequest("'messages' (a non-empty list) is required")
         tools = body.get("tools") or None
         try:
             text = self._tokenizer.apply_chat_template(
-                _template_messages(messages),
+                _template_messages(
+                    messages,
+                    image_text="<|vision_start|><|image_pad|><|vision_end|>"
+                    if self.vision
+                    else None,
+                ),
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=generation,
             )
         except Exception as exc:  # a template error: the request's fault, as in vLLM
             raise _BadRequest(f"the chat template failed: {exc}") from None
-        return self._encode(str(text))
+        ids = self._encode(str(text))
+        if not self.vision:
+            return ids
+        images = self._images_of(messages)
+        pad = self._tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        counts = iter(image.placeholders for image in images)
+        expanded: list[int] = []
+        for token in ids:
+            expanded += [pad] * next(counts) if token == pad else [token]
+        if record:
+            self.received_images += images
+        return expanded
 
     def _sampling(self, body: Mapping[str, Any], *, default_max_tokens: int) -> dict[str, Any]:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -647,6 +744,7 @@ class ModelServer:
         sampling: dict[str, Any],
         top: int,
         weights: tuple[Any, int],
+        forced: Sequence[int] | None = None,
     ) -> list[Generation]:
         n = _int(body.get("n"), "n", default=1)
         seed = body.get("seed")
@@ -663,6 +761,7 @@ class ModelServer:
                         seed=choice_seed,
                         top_logprobs=top,
                         weights=weights,
+                        forced=forced,
                         **sampling,
                     ),
                     limiter=self._generating,
@@ -751,7 +850,7 @@ def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]
     return (content or None), calls
 
 
-def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def _template_messages(messages: list[Any], image_text: str | None = None) -> list[dict[str, Any]]:
     """Messages as a Hugging Face template takes them (as vLLM prepares them): tool
     calls' JSON ``arguments`` decoded to objects, content parts joined into text."""
     prepared = []
@@ -762,7 +861,11 @@ def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, list):
             message["content"] = "\n".join(
-                str(part.get("text", "")) for part in content if isinstance(part, dict)
+                image_text
+                if image_text is not None and part.get("type") == "image_url"
+                else str(part.get("text", ""))
+                for part in content
+                if isinstance(part, dict)
             )
         calls = []
         for call in message.get("tool_calls") or ():

@@ -38,6 +38,7 @@ __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "SPECIAL_TOKENS",
     "TOOL_TOKENS",
+    "VISION_TOKENS",
     "TinyModelSpec",
     "build_tiny_model",
     "build_tiny_tokenizer",
@@ -48,6 +49,10 @@ __all__ = [
 #: Control tokens (special: decoding with ``skip_special_tokens`` drops them).
 #: ``<|endoftext|>`` pads; ``<|im_end|>`` ends a message (the end of a completion).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: Qwen2-VL's vision tokens (special), added with ``TinyModelSpec(vision=True)``:
+#: a prompt holds ``<|vision_start|>``, ``<|image_pad|>`` once per 28x28 block
+#: of the resized image, ``<|vision_end|>``.
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 #: Tool markup: added tokens (one id each) that stay in decoded text, as in
 #: Qwen2.5's tokenizer, so a hermes parser finds them in a completion's text.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -156,10 +161,14 @@ class TinyModelSpec:
     #: the router picks ``num_experts_per_tok`` per token); 0: dense Qwen2.
     num_experts: int = 0
     num_experts_per_tok: int = 2
+    #: The tokenizer also carries :data:`VISION_TOKENS` (a vision-language-shaped
+    #: model's prompt; there is no vision tower: the test server expands the
+    #: placeholders and the model reads them as tokens).
+    vision: bool = False
 
 
 def build_tiny_tokenizer(
-    corpus: Iterable[str] = (), *, vocab_merges: int = 256
+    corpus: Iterable[str] = (), *, vocab_merges: int = 256, vision: bool = False
 ) -> PreTrainedTokenizerBase:
     """A byte-level BPE tokenizer trained here on the built-in corpus plus ``corpus``.
 
@@ -181,7 +190,8 @@ def build_tiny_tokenizer(
     )
     texts = [*_CORPUS, *corpus]
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in SPECIAL_TOKENS])
+    special = SPECIAL_TOKENS + (VISION_TOKENS if vision else ())
+    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in special])
     tokenizer.add_tokens([AddedToken(token, normalized=False) for token in TOOL_TOKENS])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -207,7 +217,7 @@ def build_tiny_model(
     spec = spec or TinyModelSpec()
     if seed is not None:
         spec = TinyModelSpec(**{**_fields(spec), "seed": seed})
-    tokenizer = build_tiny_tokenizer(corpus, vocab_merges=spec.vocab_merges)
+    tokenizer = build_tiny_tokenizer(corpus, vocab_merges=spec.vocab_merges, vision=spec.vision)
     ids = tokenizer.convert_tokens_to_ids
     common = dict(
         vocab_size=len(tokenizer),

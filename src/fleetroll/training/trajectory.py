@@ -134,6 +134,7 @@ def _with_experts(turns: Sequence[Turn], trajectory: Trajectory) -> Trajectory:
     prompt's new part, from that turn's prefill; its completion, from its
     decoding), as stitching takes the ids; -1 rows for a turn without experts.
     """
+    trajectory = _with_images(turns, trajectory)
     routed = [turn.routed_experts for turn in turns if turn.routed_experts is not None]
     if not routed:
         return trajectory
@@ -158,6 +159,20 @@ def _with_experts(turns: Sequence[Turn], trajectory: Trajectory) -> Trajectory:
             }
         )
     return trajectory.model_copy(update={"routed_experts": done[0]})
+
+
+def _with_images(turns: Sequence[Turn], trajectory: Trajectory) -> Trajectory:
+    """``trajectory`` (and each segment) with the images of its last turn's prompt:
+    that prompt starts its ``input_ids``, so the spans hold there as they are."""
+    if all(turn.images is None for turn in turns):
+        return trajectory
+    by_index = {turn.index: turn.images for turn in turns}
+    if not trajectory.segments:
+        return trajectory.model_copy(update={"images": by_index.get(turns[-1].index)})
+    segments = [
+        s.model_copy(update={"images": by_index.get(s.last_turn)}) for s in trajectory.segments
+    ]
+    return trajectory.model_copy(update={"images": segments[0].images, "segments": segments})
 
 
 def _segment_experts(turns: Sequence[Turn], length: int, layers: int, top_k: int) -> RoutedExperts:
@@ -224,7 +239,10 @@ def training_rows(
     ``logprobs`` (null where masked or not returned), ``policy_versions``,
     ``reward`` and ``advantage``; with a mixture-of-experts server that returned
     them, ``routed_experts`` too (:class:`~fleetroll.results.RoutedExperts` as a
-    dict, aligned with ``input_ids``: decode with :func:`routed_experts_list`).
+    dict, aligned with ``input_ids``: decode with :func:`routed_experts_list`);
+    with images (``policy.image_max_pixels``), ``images``: each image as the
+    model saw it (:class:`~fleetroll.results.TurnImage` as a dict) with its
+    placeholder span in ``input_ids``.
 
     Args:
         groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or lists of results.
@@ -259,6 +277,9 @@ def training_rows(
                         "advantage": (reward - mean) / (std + eps),
                     }
                 )
+                if segment.images is not None:
+                    # Each image (base64 PNG, as the model saw it) and its span in input_ids.
+                    rows[-1]["images"] = [image.model_dump() for image in segment.images]
                 if segment.routed_experts is not None:
                     # Compact (base64 int16 [tokens, layers, top_k]): routed_experts_list
                     # or numpy.frombuffer decodes it; absent without experts.

@@ -39,6 +39,9 @@ fleetroll's policy reads:
   ``--enable-return-routed-experts``), ``prompt_routed_experts`` and each
   choice's ``routed_experts``, ``[tokens][layers][top_k]``, the router's own
   top-k per token (:func:`routed_experts_of` recomputes them);
+- with ``vision``: a Qwen2-VL-shaped prompt: each image becomes
+  ``<|image_pad|>`` once per 28x28 block after the processor's resize (in
+  ``/tokenize`` too); the tokens route takes ``multi_modal_data.image``;
 - ``GET /health``: 200;
 - weight updates, each loading a ``save_pretrained`` directory, swapping the
   model and bumping the version: vLLM's ``POST /collective_rpc`` with

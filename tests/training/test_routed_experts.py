@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,6 +108,7 @@ def test_misaligned_experts_are_dropped_with_a_reason() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 async def test_a_moe_servers_routed_experts_reach_turns_trajectories_and_rows(
     tmp_path: Path,
 ) -> None:
@@ -125,17 +127,27 @@ async def test_a_moe_servers_routed_experts_reach_turns_trajectories_and_rows(
 
     path = save_tiny_model(tmp_path / "tiny-moe", TinyModelSpec(num_experts=4))
     task = TASKS["ledger-010"]
+    steps = (task.solution or ())[:2]
+
+    def forced(body: dict[str, Any]) -> str:
+        """The task's first two steps as tool calls, then "done": three turns."""
+        turn = sum(1 for m in body["messages"] if m.get("role") == "assistant")
+        if turn >= len(steps):
+            return "done"
+        call = {"name": steps[turn].name, "arguments": dict(steps[turn].arguments)}
+        return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
     async with (
         Emulator() as emu,
-        ModelServer(path, default_max_tokens=12, return_routed_experts=True) as server,
+        ModelServer(path, return_routed_experts=True, forced=forced) as server,
     ):
         policy = {
             "kind": "openai",
             "base_url": server.base_url,
             "model": server.model_name,
             "trajectory": True,
+            "token_in": True,
             "logprobs": True,
-            "max_tokens": 12,
         }
         settings = load_settings(policy=policy)
         events = Events([MemorySink()])
@@ -148,7 +160,8 @@ async def test_a_moe_servers_routed_experts_reach_turns_trajectories_and_rows(
             result = await eng.rollout(task, ids).run(model)
         served = server.model
 
-    assert result.turns and result.trajectory is not None
+    assert len(result.turns) == 3 and result.trajectory is not None
+    assert not result.trajectory.drift
     for t in result.turns:
         assert t.routed_experts is not None and t.training_data_error is None
         tokens = [*(t.prompt_token_ids or []), *(t.completion_token_ids or [])]

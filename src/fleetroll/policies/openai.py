@@ -13,6 +13,7 @@ Import it from :mod:`fleetroll.policies` or :mod:`fleetroll`.
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,7 @@ from fleetroll.policies.chat_http import OPERATION, ChatTransport, Endpoint, end
 from fleetroll.policies.chat_template import ChatTemplate, load_template
 from fleetroll.policies.completions import CompletionReader
 from fleetroll.policies.gate import WeightUpdateMode, current_gate
+from fleetroll.policies.images import PreparedImage, image_spans, prepare_messages
 from fleetroll.policies.resumption import joined, part_versions
 from fleetroll.policies.servers import (
     Affinity,
@@ -53,7 +55,9 @@ from fleetroll.policies.turns import (
     Message,
     TokenHistory,
     ToolSpec,
+    TurnData,
 )
+from fleetroll.results import TurnImage
 from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskSpec
 
@@ -173,6 +177,11 @@ class OpenAIChatPolicy:
             (``TurnData.token_versions``). Implies ``return_token_ids``.
         max_token_staleness: a partial output more than this many versions behind
             the one it would resume on is sampled again rather than kept.
+        image_max_pixels: a vision-language policy (``policy.image_max_pixels``):
+            every image is resized by Qwen2-VL's rule to at most this many pixels
+            before it is sent (:mod:`fleetroll.policies.images`), each turn keeps
+            those images and their placeholder spans (``TurnData.images``), and
+            token-in stays on with images (the images go in ``multi_modal_data``).
 
     Raises:
         ValueError: a number is out of range.
@@ -205,6 +214,7 @@ class OpenAIChatPolicy:
         tool_parser: str = "hermes",
         weight_update: WeightUpdateMode = "pause",
         max_token_staleness: int | None = None,
+        image_max_pixels: int | None = None,
     ) -> None:
         if servers is None:
             if base_url is None:
@@ -239,6 +249,7 @@ class OpenAIChatPolicy:
         self.tokenizer = tokenizer or model
         self._parser = PARSERS[tool_parser]
         self._template: ChatTemplate | None = None
+        self.image_max_pixels = image_max_pixels
         self.weight_update = weight_update
         self.max_token_staleness = max_token_staleness
         return_token_ids = return_token_ids or bool(token_in) or weight_update == "abort"
@@ -320,6 +331,7 @@ class OpenAIChatPolicy:
             tool_parser=policy.tool_parser,
             weight_update=policy.weight_update,
             max_token_staleness=policy.max_token_staleness,
+            image_max_pixels=policy.image_max_pixels,
         )
         made._recipe = PolicyRecipe(uuid.uuid4().hex, config, cls)
         return made
@@ -379,7 +391,12 @@ class OpenAIChatPolicy:
         history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         sent: list[int] | None = None
         kind: Endpoint
-        body = self._body(messages, tools)
+        images: list[PreparedImage] = []
+        prepared: Sequence[Message] = messages
+        if self.image_max_pixels is not None and has_images(messages):
+            prepared, images = await self._prepare_images(messages)
+        body = self._body(prepared, tools)
+        multimodal = {"image": [image.url for image in images]} if images else None
         try:
             with fail_after(self.timeout_s) as scope:
                 if self.token_in == "completions" and not self._has_images(messages):
@@ -407,7 +424,9 @@ class OpenAIChatPolicy:
                     )
                     content = self._http.encode(request, self.url)
                 elif (
-                    self.token_in is True and history is not None and not self._has_images(messages)
+                    self.token_in is True
+                    and history is not None
+                    and (images or not self._has_images(messages))
                 ):
                     added = len(body["messages"]) - len(messages)
                     body["tokens"] = sent = await token_prompt(
@@ -418,7 +437,11 @@ class OpenAIChatPolicy:
                         deadline=scope.deadline,
                         affinity=affinity,
                     )
+                    if multimodal:  # vLLM's multimodal prompt: the ids and the images
+                        body["multi_modal_data"] = multimodal
                     kind, content = "tokens", self._http.encode(body, self.url)
+                elif images:  # resized: not the transcript's own encoding
+                    kind, content = "chat", self._http.encode(body, self.url)
                 else:
                     kind, content = "chat", self._encoded(body, messages)
                 payload, server = await self._http.post(
@@ -431,7 +454,13 @@ class OpenAIChatPolicy:
                     and turn.data.finish_reason == "abort"
                 ):
                     turn = await self._resume(
-                        turn, body, kind, started, deadline=scope.deadline, affinity=affinity
+                        turn,
+                        body,
+                        kind,
+                        started,
+                        multimodal=multimodal,
+                        deadline=scope.deadline,
+                        affinity=affinity,
                     )
         except PolicyError as exc:
             if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
@@ -448,10 +477,11 @@ class OpenAIChatPolicy:
             ) from None
         if turn.data is None:
             return turn
+        data = _with_images(turn.data, images) if images else turn.data
         update: dict[str, Any] = shown(body)
         if len(self.servers.servers) > 1:  # with one server: nothing to say where it went
             update["server"] = server.name
-        return replace(turn, data=replace(turn.data, **update))
+        return replace(turn, data=replace(data, **update))
 
     async def forward(
         self, body: Mapping[str, Any], *, affinity: Affinity | None = None
@@ -546,13 +576,15 @@ class OpenAIChatPolicy:
         kind: Endpoint,
         started: int | None,
         *,
+        multimodal: Mapping[str, Any] | None,
         deadline: float,
         affinity: Affinity | None,
     ) -> AssistantTurn:
         """Resume an aborted call from its partial output on the new weights, until
         an answer that was not aborted; the turn is the parts joined
         (:mod:`~fleetroll.policies.resumption`). ``body`` is the chat request
-        the call was made of; each resumption goes to the token route (with
+        the call was made of (``multimodal``: its images, for vLLM's
+        ``multi_modal_data``); each resumption goes to the token route (with
         ``token_in = "completions"``: to ``/v1/completions``, and the joined
         text's tool calls are parsed once, here)."""
         data = turn.data
@@ -595,6 +627,8 @@ class OpenAIChatPolicy:
                 )
             else:
                 request = {**body, "tokens": ids}
+                if multimodal:  # the prompt's image placeholders need their images
+                    request["multi_modal_data"] = multimodal
             if kept:
                 notes.append(f"aborted after {len(kept)} tokens, resumed on version {version}")
             left = request.get("max_tokens")
@@ -681,6 +715,26 @@ class OpenAIChatPolicy:
         pieces += [b"],", rest[1:]]
         return b"".join(pieces)
 
+    async def _prepare_images(
+        self, messages: Sequence[Message]
+    ) -> tuple[list[Message], list[PreparedImage]]:
+        """``messages`` with their images resized (``image_max_pixels``), off the loop.
+
+        Raises:
+            PolicyError: an image is not a base64 data URL of an image (not transient).
+        """
+        assert self.image_max_pixels is not None
+        try:
+            return await anyio.to_thread.run_sync(
+                lambda: prepare_messages(messages, max_pixels=self.image_max_pixels or 0)
+            )
+        except ValueError as exc:
+            raise PolicyError(
+                f"an image could not be prepared for the model (policy.image_max_pixels): {exc}",
+                operation=OPERATION,
+                transient=False,
+            ) from None
+
     def _has_images(self, messages: Sequence[Message]) -> bool:
         """Whether the conversation holds images (:func:`~.token_in.has_images`):
         those go by messages, not ids. Said once per policy."""
@@ -718,3 +772,29 @@ def shown(body: Mapping[str, Any]) -> dict[str, Any]:
         else None
     )
     return {"system_prompt": system, "tools": listed}
+
+
+def _with_images(data: TurnData, images: Sequence[PreparedImage]) -> TurnData:
+    """``data`` with the prompt's images and their placeholder spans in its
+    ``prompt_token_ids``; a ``training_data_error`` when they are not found."""
+    spans = image_spans(data.prompt_token_ids or (), [image.placeholders for image in images])
+    if spans is None:
+        problem = (
+            "image placeholders not found in prompt_token_ids: expected runs of"
+            f" {[image.placeholders for image in images]} tokens (is the model a Qwen2-VL-style"
+            " one, and policy.image_max_pixels within the server's max_pixels?)"
+        )
+        error = "; ".join(filter(None, (data.training_data_error, problem)))
+        return replace(data, training_data_error=error)
+    kept = tuple(
+        TurnImage(
+            start=start,
+            end=end,
+            width=image.width,
+            height=image.height,
+            sha256=image.sha256,
+            data=base64.b64encode(image.png).decode("ascii"),
+        )
+        for image, (start, end) in zip(images, spans, strict=True)
+    )
+    return replace(data, images=kept)

@@ -36,7 +36,7 @@ def joined(
 ) -> AssistantTurn:
     """One turn of an aborted call's parts: their tokens, logprobs and versions in
     order, the text joined, the tool calls of every part, the last part's ending
-    (``ended`` instead, when given)."""
+    (``ended`` instead, when given) and routed experts (when they cover the turn)."""
     datas = [part.data for part in parts if part.data is not None]
     last = datas[-1] if datas else None
 
@@ -53,17 +53,25 @@ def joined(
     if parts and parts[0].usage and "prompt_tokens" in parts[0].usage:
         usage["prompt_tokens"] = len(prompt)
     content = "".join(part.content or "" for part in parts) or None
+    completion = chained("completion_token_ids")
+    # The last part's prompt is the whole prompt and the tokens kept, so its
+    # routed experts cover the joined turn (the kept tokens' rows as the
+    # resumption's prefill routed them).
+    experts = last.routed_experts if last else None
+    if experts is not None and experts.tokens != len(prompt) + len(completion or ()):
+        experts = None
     data = TurnData(
         model=last.model if last else None,
         finish_reason=ended or (last.finish_reason if last else None),
         prompt_token_ids=prompt,
-        completion_token_ids=chained("completion_token_ids"),
+        completion_token_ids=completion,
         logprobs=chained("logprobs"),
         top_logprobs=chained("top_logprobs"),
         training_data_error="; ".join(d.training_data_error for d in datas if d.training_data_error)
         or None,
         token_versions=tuple(v for vs in versions for v in vs),
         token_versions_note=note,
+        routed_experts=experts,
     )
     return AssistantTurn(
         content=content,

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from fleetroll.results import RoutedExperts, TurnImage
+
 __all__ = [
     "AssistantTurn",
     "EncodedMessages",
@@ -91,6 +93,12 @@ class TurnData:
     #: are left out of the hash.)
     system_prompt: str | None = None
     tools: tuple[Mapping[str, Any], ...] | None = field(default=None, hash=False)
+    #: The experts each token (prompt then completion) was routed to, when the
+    #: server returned them (a mixture-of-experts model).
+    routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the prompt's images as the model saw
+    #: them, with their placeholder spans in ``prompt_token_ids``.
+    images: tuple[TurnImage, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,6 +150,8 @@ class Progress:
                 server=data.server,
                 choice=choice,
                 **_token_versions(data, policy_version, proven),
+                routed_experts=data.routed_experts,
+                images=None if data.images is None else list(data.images),
             )
         )
 

@@ -435,6 +435,12 @@ class PolicySettings(_Section):
     #: Only the last this many screenshots are sent to the model; older ones are
     #: replaced by a short text placeholder (in the transcript too). None: all.
     max_images: int | None = Field(None, ge=0)
+    #: For a vision-language policy (Qwen2-VL-style): resize every image by
+    #: Qwen2-VL's rule to at most this many pixels before the model sees it (the
+    #: same pixels go into the turns' ``images``), and keep token-in on with
+    #: images (the ids with the images' placeholders, plus the images). None:
+    #: images go as they are, and a conversation with images as messages.
+    image_max_pixels: int | None = Field(None, ge=56 * 56)
     #: A rollout whose next prompt would pass this many tokens ends with
     #: ``context_overflow`` (scored). None: only the server's own limit applies.
     max_context_tokens: int | None = Field(None, ge=1)

@@ -8,6 +8,7 @@ Skipped without the ``train`` extra (torch, transformers).
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from fleetroll.pool.rollout_pool import RolloutPool  # noqa: E402
 from fleetroll.results import RolloutResult  # noqa: E402
 from fleetroll.settings import load_settings  # noqa: E402
 from fleetroll.telemetry import Events, MemorySink  # noqa: E402
-from fleetroll.testing.model_server import ModelServer  # noqa: E402
+from fleetroll.testing.model_server import ForcedRequest, ModelServer  # noqa: E402
 from fleetroll.testing.tiny_model import load_tiny_model, save_tiny_model  # noqa: E402
 from fleetroll.training.trajectory import training_rows  # noqa: E402
 from fleetroll.training.weight_sync import SGLangDiskSync, sync_weights  # noqa: E402
@@ -211,3 +212,50 @@ async def test_a_client_that_goes_away_aborts_its_generation(model_dir: Path) ->
             while not server.aborted:
                 await anyio.sleep(0.05)
         assert 0 < server.aborted_tokens < 200
+
+
+async def test_an_aborted_completion_resumes_on_v1_completions_its_cut_tool_call_parsed_whole(
+    model_dir: Path,
+) -> None:
+    """``token_in = "completions"`` with ``weight_update = "abort"``: the aborted
+    part's ids go back as the resumed ``/v1/completions`` prompt, and a tool
+    call the abort cut in two is parsed from the joined text."""
+    call = '<tool_call>\n{"name": "list_accounts", "arguments": {"kind": "checking"}}\n</tool_call>'
+    first: list[int] = []
+
+    def forced(request: ForcedRequest) -> str:
+        if not first:  # the first generation: aborted a few tokens in
+            first.extend(request.prompt_ids)
+            threading.Timer(0.3, server.abort_all).start()
+            return call
+        done = server.tokenizer.decode(list(request.prompt_ids[len(first) :]))
+        assert call.startswith(done)
+        return call[len(done) :]
+
+    server = ModelServer(model_dir, token_route=False, decode_delay_s=0.1, forced=forced)
+    async with (
+        server,
+        OpenAIChatPolicy(
+            base_url=server.base_url,
+            model=server.model_name,
+            token_in="completions",
+            tokenizer=str(model_dir),
+            max_tokens=MAX_TOKENS * 4,
+            weight_update="abort",
+        ) as policy,
+    ):
+        with anyio.fail_after(120):
+            turn = await policy.act(TASKS["ledger-010"], [{"role": "user", "content": "hi"}], [])
+
+    sent = [body for path, body in server.requests if path == "/v1/completions"]
+    (_, aborted), (_, resumed) = server.generations
+    assert aborted.finish_reason == "abort" and aborted.token_ids
+    assert len(sent) == 2 and sent[1]["prompt"] == [*first, *aborted.token_ids]
+    assert turn.data is not None
+    assert turn.data.prompt_token_ids == tuple(first)
+    assert turn.data.completion_token_ids == aborted.token_ids + resumed.token_ids
+    assert turn.data.token_versions == (0,) * len(turn.data.completion_token_ids)
+    assert turn.data.finish_reason == "tool_calls"
+    assert [(c.name, c.arguments) for c in turn.tool_calls] == [
+        ("list_accounts", {"kind": "checking"})
+    ]

@@ -73,6 +73,9 @@ def test_a_turn_keeps_the_servers_versions_else_the_calls_where_proven_else_null
     )
     rows = training_rows([[result]])
     assert [row["token_versions"] for row in rows] == [expected]
+    (row,) = training_rows([[result]], group_size=1)
+    assert row["prompt_ids"] == [1, 2]
+    assert row["completion_token_versions"] == expected[2:]
 
 
 async def test_in_flight_pauses_hold_no_call_but_count_as_updates() -> None:

@@ -295,7 +295,9 @@ def training_rows(
     Each row is a plain dict: ``rollout_id``, ``group_id``, ``task_key``,
     ``sample_index``, ``prompt_ids``, ``completion_ids``, ``completion_mask``,
     ``completion_logprobs`` (None where masked or not returned),
-    ``completion_policy_versions`` (None where masked), ``reward`` (None
+    ``completion_policy_versions`` (None where masked),
+    ``completion_token_versions`` (the version of the weights that produced
+    each token, None where masked or unproven), ``reward`` (None
     unless scored), ``advantage``, ``status`` (:data:`ROW_STATUSES`),
     ``failure_reason``, ``dropped_tokens`` (the rollout's model tokens not
     under this row's mask) and ``drift`` (None, or the drift turn, the number
@@ -399,6 +401,7 @@ def _row(
     mask: list[int] = []
     logprobs: list[float | None] = []
     versions: list[int | None] = []
+    token_versions: list[int | None] = []
     if completion is not None:
         start = next(
             (i for i, m in enumerate(completion.loss_mask) if m), len(completion.input_ids)
@@ -408,6 +411,9 @@ def _row(
         mask = completion.loss_mask[start:]
         logprobs = completion.logprobs[start:]
         versions = completion.policy_versions[start:]
+        token_versions = completion.token_versions[start:]
+        if len(completion.token_versions) != len(completion.input_ids):  # none recorded
+            token_versions = [None] * len(ids)
     row: dict[str, Any] = {
         "rollout_id": None if result is None else result.rollout_id,
         "group_id": None if result is None else result.group_id,
@@ -418,6 +424,7 @@ def _row(
         "completion_mask": list(mask),
         "completion_logprobs": list(logprobs),
         "completion_policy_versions": list(versions),
+        "completion_token_versions": list(token_versions),
         "reward": None,
         "advantage": 0.0,
         "status": status,

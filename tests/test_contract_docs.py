@@ -182,6 +182,15 @@ def test_every_status_the_service_answers_is_documented() -> None:
     assert answered - {"200", "201", "202"} <= names("http-api.md", "Errors")
 
 
+def test_the_serve_synopsis_names_every_option_of_serve_and_nothing_else() -> None:
+    from fleetroll.cli.serve import serve
+
+    text = (DOCS / "http-api.md").read_text(encoding="utf-8")
+    synopsis = text.split("```text\nfleetroll serve ", 1)[1].split("```", 1)[0]
+    options = {o for p in serve.params for o in p.opts if o.startswith("--") and o != "--help"}
+    assert set(re.findall(r"--[a-z][a-z-]*", synopsis)) == options
+
+
 async def test_the_documented_mcp_tools_are_the_server_s() -> None:
     server = build_mcp_server(None)  # type: ignore[arg-type]  # listing touches no service
     tools = {tool.name for tool in await server.list_tools()}

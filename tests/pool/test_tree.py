@@ -135,6 +135,33 @@ async def test_a_root_that_ends_before_the_branch_point_has_no_branches() -> Non
     assert tree.branches == [] and tree.groups == []
 
 
+async def test_start_tree_gives_the_root_then_each_branch_as_it_ends_and_the_tree() -> None:
+    async with Emulator() as emu, pool_for(emu) as pool:
+        with anyio.fail_after(120):
+            run = pool.start_tree(MONTH_END, ScriptedPolicy(), branch_at=1, width=2, tree_id="t")
+            async with run:
+                results = [r async for r in run]
+    assert run.tree is not None
+    assert [r.batch_id for r in results] == ["t-root", "t-b1", "t-b1"]
+    assert results == [run.tree.root, *run.tree.branches]
+    assert [b.batch_id for b in run.batches] == ["t-root", "t-b1"]
+    [group] = run.tree.groups
+    assert group.rewards == [1.0, 1.0]
+
+
+async def test_a_tree_cancelled_once_its_root_ended_starts_no_branch() -> None:
+    async with Emulator() as emu, pool_for(emu) as pool:
+        with anyio.fail_after(60):
+            run = pool.start_tree(MONTH_END, ScriptedPolicy(), branch_at=1, width=2)
+            async with run:
+                root = await anext(run)
+                run.cancel()
+                rest = [r async for r in run]
+    assert root.failure_reason is FailureReason.MAX_STEPS
+    assert rest == [] and len(run.batches) == 1
+    assert run.tree is not None and run.tree.branches == [] and run.tree.groups == []
+
+
 async def test_run_tree_refuses_a_branch_point_or_width_below_one() -> None:
     async with RolloutPool(SETTINGS, api_key="unused", base_url="http://127.0.0.1:9") as pool:
         with pytest.raises(ValueError, match="branch_at must be at least 1"):

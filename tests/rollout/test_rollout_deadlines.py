@@ -76,7 +76,9 @@ def assert_timings_add_up(t: Timings) -> None:
 async def test_a_deadline_that_passes_while_the_platform_is_awaited_is_never_scored(
     task: TaskSpec, hangs: tuple[Operation, ...], wait: str
 ) -> None:
-    result = await run(task, hangs=hangs, timeouts={**PATIENT, "rollout_s": 0.2})
+    # 1 s, not 0.2: on a loaded machine the steps before the hanging one (in-memory
+    # fakes) took over 0.2 s, and the deadline passed in the wrong wait.
+    result = await run(task, hangs=hangs, timeouts={**PATIENT, "rollout_s": 1.0})
 
     assert result.failure_reason is FailureReason.PLATFORM_TIMEOUT
     assert result.reward is None and result.verifier is None

@@ -111,16 +111,16 @@ def serve_env(state: Path) -> dict[str, str]:
 
 @asynccontextmanager
 async def serving(
-    tmp_path: Path, port: int, emu: Emulator | None = None
+    tmp_path: Path, port: int, *args: str, emu: Emulator | None = None
 ) -> AsyncIterator[tuple[Process, list[str]]]:
     """``fleetroll serve`` on ``port`` over ``tmp_path/state``, once it listens; its stderr.
 
-    On ``emu`` (this process's emulator) if given, else on its embedded one.
-    Killed at the end if still running."""
+    ``args``: more of its options. On ``emu`` (this process's emulator) if given,
+    else on its embedded one. Killed at the end if still running."""
     env = serve_env(tmp_path / "state")
     if emu is not None:
         env |= {"FLEET_BASE_URL": emu.base_url, "FLEET_API_KEY": emu.api_key}
-    command = [sys.executable, "-m", "fleetroll", "serve", "--port", str(port)]
+    command = [sys.executable, "-m", "fleetroll", "serve", "--port", str(port), *args]
     said: list[str] = []
     process = await anyio.open_process(
         command,

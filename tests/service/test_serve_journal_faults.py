@@ -86,7 +86,7 @@ async def test_a_full_disk_stops_the_batch_loudly_and_a_restart_delivers_nothing
     url = f"http://127.0.0.1:{port}"
     journal = tmp_path / "state" / "batches" / f"{BATCH}.jsonl"
     total = len(TASKS) * SAMPLES
-    async with serving(tmp_path, port, emulator) as (first, said):
+    async with serving(tmp_path, port, emu=emulator) as (first, said):
 
         def fill_the_disk(n: int) -> None:
             if n == 8:  # from now on nothing more fits in the journal
@@ -123,7 +123,7 @@ async def test_a_full_disk_stops_the_batch_loudly_and_a_restart_delivers_nothing
         first.kill()
 
     async with (
-        serving(tmp_path, port, emulator),
+        serving(tmp_path, port, emu=emulator),
         httpx.AsyncClient(base_url=url, headers=AUTH, timeout=30) as http,
     ):
         # The reader goes on from its cursor: nothing again, the batch is interrupted.

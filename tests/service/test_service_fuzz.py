@@ -70,7 +70,7 @@ async def fuzzed(emulator: Emulator, tmp_path: Path) -> AsyncIterator[Running]:
 def fuzz(document: dict[str, Any], base_url: str, known: dict[str, str]) -> dict[str, int]:
     """Run every operation's examples (blocking: a worker thread); answers by status.
 
-    Operations on a batch or a session run a third time with ``known`` ids, so
+    Operations on a batch, a tree or a session run a third time with ``known`` ids, so
     the fuzz also reaches live objects, not only 404s.
     """
     checks = [
@@ -127,7 +127,14 @@ async def test_a_bounded_fuzz_run_finds_no_server_error_and_no_hang(
         batch = await http.post("/v1/batches", json=seed)
         await http.get("/v1/batches/fuzz/results")  # to its end line
         session = await http.post("/v1/sessions", json={"task": task})
-    known = {"batch_id": batch.json()["batch_id"], "session_id": session.json()["session_id"]}
+        seed_tree = {"task": task, "branch_at": 1, "width": 2, "tree_id": "fuzz-tree"}
+        tree = await http.post("/v1/trees", json=seed_tree | {"policy": {"think_time_s": 0}})
+        await http.get("/v1/trees/fuzz-tree/results")  # to its end line
+    known = {
+        "batch_id": batch.json()["batch_id"],
+        "session_id": session.json()["session_id"],
+        "tree_id": tree.json()["tree_id"],
+    }
     with anyio.fail_after(RUN_DEADLINE_S):
         statuses = await anyio.to_thread.run_sync(
             fuzz, document, fuzzed.url, known, abandon_on_cancel=True

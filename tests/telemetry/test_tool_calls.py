@@ -2,13 +2,15 @@
 slowest-tools query, the dashboard and ``/metrics``' histogram show.
 
 The emulator over loopback makes ``list_invoices`` slow (``slow_tools``); the
-scripted policy plays the ledger tasks' solutions; telemetry goes to a real
-store, and the service's :class:`~fleetroll.service.metrics.Metrics` is a sink
-of the same events, as ``fleetroll serve`` wires it.
+scripted policy plays the ledger tasks' solutions (or the example agent
+command does, its tool calls through the rollout's MCP relay); telemetry goes
+to a real store, and the service's :class:`~fleetroll.service.metrics.Metrics`
+is a sink of the same events, as ``fleetroll serve`` wires it.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import anyio
@@ -17,34 +19,36 @@ from telemetry_helpers import local_settings
 
 from fleetroll.emulator import Emulator
 from fleetroll.policies import ScriptedPolicy
+from fleetroll.pool.assembly import chat_policy_config
 from fleetroll.pool.rollout_pool import RolloutPool
 from fleetroll.results import RolloutResult
+from fleetroll.rollout.agent_command import CommandAgent
 from fleetroll.service.metrics import Metrics
-from fleetroll.settings import config_dir
 from fleetroll.settings.fault_profiles import FaultProfile
-from fleetroll.tasks import load_tasks
 from fleetroll.telemetry import open_telemetry, queries
 from fleetroll.telemetry.dashboard import read_snapshot
 from fleetroll.telemetry.events import Events, MemorySink
+from fleetroll.testing.fake_openai import FakeChatServer, VllmShape
+from training_helpers import AGENT, solving
+from training_helpers import TASKS as SHIPPED
 
 pytestmark = pytest.mark.slow
 
 SLOW = "list_invoices"
+# Tasks whose solutions call the slow tool and fast ones.
+TASKS = [SHIPPED[key] for key in ("ledger-004", "ledger-006", "ledger-010")]
+PROFILE = FaultProfile(slow_tools={SLOW: 0.4})
 
 
 async def run_ledger(db: Path, metrics: Metrics, *, tool_calls: bool) -> list[RolloutResult]:
     settings = local_settings(db, telemetry={"tool_calls": tool_calls})
-    ledger = load_tasks(config_dir() / "tasks" / "ledger.jsonl", modalities=settings.modalities)
-    # Tasks whose solutions call the slow tool and fast ones.
-    tasks = [t for t in ledger if t.key in {"ledger-004", "ledger-006", "ledger-010"}]
-    profile = FaultProfile(slow_tools={SLOW: 0.4})
     async with (
         open_telemetry(settings.telemetry, extra_sinks=[metrics]) as events,
-        Emulator(profile) as emu,
+        Emulator(PROFILE) as emu,
         RolloutPool(settings, api_key=emu.api_key, base_url=emu.base_url, events=events) as pool,
     ):
         with anyio.fail_after(120):
-            return await pool.run_batch(tasks, ScriptedPolicy(), batch_id="slow").results()
+            return await pool.run_batch(TASKS, ScriptedPolicy(), batch_id="slow").results()
 
 
 def histogram(text: str, tool: str) -> tuple[float, int]:
@@ -118,6 +122,54 @@ async def test_tool_call_records_can_be_turned_off(tmp_path: Path) -> None:
     assert "fleetroll_tool_call_seconds_count" not in metrics.render(
         in_flight=0, sessions_open=0, batches={}
     )
+
+
+async def test_an_agent_command_s_tool_calls_through_the_relay_are_each_one_record(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "telemetry.db"
+    async with FakeChatServer(solving(TASKS), vllm=VllmShape()) as server:
+        policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
+        settings = local_settings(db, policy=policy, pool={"concurrency": 3})
+        argv = [sys.executable, str(AGENT)]
+        async with (
+            open_telemetry(settings.telemetry) as events,
+            Emulator(PROFILE) as emu,
+            RolloutPool(
+                settings, api_key=emu.api_key, base_url=emu.base_url, events=events
+            ) as pool,
+            CommandAgent.from_config(argv, chat_policy_config(settings)) as agent,
+        ):
+            with anyio.fail_after(180):
+                results = await pool.run_batch(TASKS, agent, batch_id="agent").results()
+    assert sorted((r.task_key, r.status, r.reward) for r in results) == sorted(
+        (t.key, "completed", 1.0) for t in TASKS
+    ), [r.error for r in results]
+
+    # One record per tool call the agent made, each with the rollout's attributes,
+    # its duration and its outcome.
+    records = queries.query(
+        db,
+        "SELECT attributes->>'rollout_id' AS rollout_id, attributes->>'tool_name' AS tool,"
+        " attributes->>'env_key' AS env_key, attributes->>'modality' AS modality,"
+        " attributes->>'duration_s' AS duration_s, attributes->>'outcome' AS outcome"
+        " FROM records WHERE message = 'fleet_tool_call'",
+    ).dicts()
+    for r in results:
+        mine = [x for x in records if x["rollout_id"] == r.rollout_id]
+        solution = next(t.solution for t in TASKS if t.key == r.task_key)
+        assert sorted(x["tool"] for x in mine) == sorted(s.name for s in solution or ())
+        assert len(mine) == r.cost.tool_calls
+    assert {(x["env_key"], x["modality"], x["outcome"]) for x in records} == {
+        ("ledger", "tool_use", "ok")
+    }
+    assert all(x["duration_s"] > 0 for x in records)
+    assert min(x["duration_s"] for x in records if x["tool"] == SLOW) >= 0.4
+
+    rows = queries.slowest_tools(db, "agent")
+    assert rows[0]["tool"] == SLOW and rows[0]["mean_s"] >= 0.4 > rows[1]["mean_s"]
+    assert sum(row["calls"] for row in rows) == len(records)
+    assert all(row["not_ok"] == 0 for row in rows)
 
 
 def test_metrics_labels_are_bounded_first_come_then_other() -> None:

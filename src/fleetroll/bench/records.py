@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleetroll.results import Timings
 
 __all__ = [
+    "BUSY_CORES",
     "PHASES",
     "Machine",
     "Percentiles",
@@ -29,6 +30,9 @@ __all__ = [
 
 #: Per-phase timings reported, by their :class:`~fleetroll.results.Timings` field.
 PHASES = ("provision_s", "reset_s", "policy_s", "tools_s", "verify_s", "total_s")
+#: CPU used by other processes during a run, in cores on average, above which
+#: its numbers are marked provisional (someone else was using the machine).
+BUSY_CORES = 0.15
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from fleetroll.bench.records import (
+    BUSY_CORES,
     PHASES,
     PolicyTurnRecord,
     RunRecord,
@@ -14,7 +17,16 @@ from fleetroll.bench.records import (
     WeightUpdateRecord,
 )
 
-__all__ = ["PLOT_HINT", "markdown", "plot", "write_report"]
+__all__ = [
+    "MIN_ROUNDS",
+    "PLOT_HINT",
+    "PlotData",
+    "Point",
+    "markdown",
+    "plot",
+    "plot_data",
+    "write_report",
+]
 
 PLOT_HINT = "PNG plots need matplotlib: pip install 'fleetroll[bench]' (or pip install matplotlib)"
 
@@ -191,10 +203,94 @@ def markdown(report: ScenarioReport) -> str:
     return "\n".join(lines)
 
 
-def plot(report: ScenarioReport, path: Path) -> bool:
-    """Throughput and overhead against concurrency, one line per system.
+#: The fewest rounds (``--repeat``) of each system at each concurrency for a plot
+#: that is not provisional: fewer leave too little to say how much a number varies.
+MIN_ROUNDS = 3
 
-    Returns False (and draws nothing) when matplotlib is not installed.
+
+@dataclass(frozen=True, slots=True)
+class Point:
+    """One system at one concurrency: the median of its rounds and their range."""
+
+    x: int
+    median: float
+    low: float
+    high: float
+    rounds: int
+
+
+@dataclass(frozen=True, slots=True)
+class PlotData:
+    """What :func:`plot` draws, by system: throughput and overhead against concurrency.
+
+    Each point is the median of the system's rounds at that concurrency, its
+    error bar their range (min to max). Both axes start at 0 (``ylim``). The
+    plot is provisional (``provisional`` says why, else None) when a run was
+    (the machine busy with others: above :data:`~fleetroll.bench.records.BUSY_CORES`
+    cores of their CPU during it) or a point has fewer than :data:`MIN_ROUNDS` rounds.
+    """
+
+    throughput: dict[str, list[Point]]
+    overhead: dict[str, list[Point]]
+    throughput_ylim: tuple[float, float]
+    overhead_ylim: tuple[float, float]
+    provisional: str | None
+
+
+def _point(x: int, values: list[float]) -> Point:
+    return Point(x, statistics.median(values), min(values), max(values), len(values))
+
+
+def _ylim(series: dict[str, list[Point]], least_top: float) -> tuple[float, float]:
+    """From 0 to a little over the highest error bar (``least_top`` at least)."""
+    top = max((p.high for points in series.values() for p in points), default=0.0)
+    return 0.0, max(top * 1.1, least_top)
+
+
+def plot_data(report: ScenarioReport) -> PlotData:
+    """The points, axes and provisional mark of ``report``'s plot (see :class:`PlotData`)."""
+    groups: dict[str, dict[int, list[RunRecord]]] = {}
+    for r in report.runs:
+        x = r.concurrency or r.requested
+        groups.setdefault(r.system, {}).setdefault(x, []).append(r)
+    throughput: dict[str, list[Point]] = {}
+    overhead: dict[str, list[Point]] = {}
+    for system, by_x in groups.items():
+        throughput[system] = [
+            _point(x, [r.rollouts_per_s for r in runs]) for x, runs in sorted(by_x.items())
+        ]
+        overheads = [
+            _point(x, known)
+            for x, runs in sorted(by_x.items())
+            if (known := [r.overhead for r in runs if r.overhead])
+        ]
+        if overheads:
+            overhead[system] = overheads
+    reasons = []
+    busy = sum(r.provisional for r in report.runs)
+    if busy:
+        reasons.append(
+            f"{busy} of {len(report.runs)} runs on a busy machine"
+            f" (others' CPU over {BUSY_CORES} cores)"
+        )
+    fewest = min((p.rounds for points in throughput.values() for p in points), default=0)
+    if fewest < MIN_ROUNDS:
+        reasons.append(f"{fewest} round(s) at a point, fewer than {MIN_ROUNDS} (--repeat)")
+    return PlotData(
+        throughput=throughput,
+        overhead=overhead,
+        throughput_ylim=_ylim(throughput, least_top=1.0),
+        overhead_ylim=_ylim(overhead, least_top=1.2),
+        provisional="; ".join(reasons) or None,
+    )
+
+
+def plot(report: ScenarioReport, path: Path) -> bool:
+    """Throughput and overhead against concurrency, one line per system (:func:`plot_data`).
+
+    A provisional plot says so, and why, under its title and in the PNG's
+    ``Description``. Returns False (and draws nothing) when matplotlib is not
+    installed.
     """
     try:
         import matplotlib
@@ -203,26 +299,40 @@ def plot(report: ScenarioReport, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    runs = report.runs
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    for system in dict.fromkeys(r.system for r in runs):
-        mine = sorted(
-            (r for r in runs if r.system == system), key=lambda r: r.concurrency or r.requested
-        )
-        xs = [r.concurrency or r.requested for r in mine]
-        left.plot(xs, [r.rollouts_per_s for r in mine], marker="o", label=system)
-        overheads = [(x, r.overhead) for x, r in zip(xs, mine, strict=True) if r.overhead]
-        if overheads:
-            right.plot(*zip(*overheads, strict=True), marker="o", label=system)
+    data = plot_data(report)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.4), constrained_layout=True)
+    for ax, series in ((left, data.throughput), (right, data.overhead)):
+        for system, points in series.items():
+            ax.errorbar(
+                [p.x for p in points],
+                [p.median for p in points],
+                yerr=[
+                    [p.median - p.low for p in points],
+                    [p.high - p.median for p in points],
+                ],
+                marker="o",
+                capsize=4,
+                label=system,
+            )
     left.set(xlabel="concurrency", ylabel="scored rollouts / s", title="throughput")
     right.set(xlabel="concurrency", ylabel="makespan / ideal", title="overhead")
+    left.set_ylim(*data.throughput_ylim)
+    right.set_ylim(*data.overhead_ylim)
     right.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend()
-    fig.suptitle(f"fleetroll bench: {report.scenario}")
-    fig.savefig(path, dpi=90)
+    title = f"fleetroll bench: {report.scenario} (median of rounds, bars: min to max)"
+    description = title
+    if data.provisional is not None:
+        mark = f"PROVISIONAL: {data.provisional}"
+        title += "\n" + mark
+        description += ". " + mark
+        fig.suptitle(title, color="firebrick")
+    else:
+        fig.suptitle(title)
+    fig.savefig(path, dpi=90, metadata={"Description": description})
     plt.close(fig)
     return True
 

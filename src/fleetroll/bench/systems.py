@@ -32,7 +32,14 @@ from fleetroll.bench.measure import (
     process_tree_cpu_s,
     reset_peak_rss,
 )
-from fleetroll.bench.records import PHASES, Percentiles, RunRecord, Sample, load_average
+from fleetroll.bench.records import (
+    BUSY_CORES,
+    PHASES,
+    Percentiles,
+    RunRecord,
+    Sample,
+    load_average,
+)
 from fleetroll.bench.scenarios import Scenario
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.policies import ScriptedPolicy
@@ -49,9 +56,6 @@ __all__ = ["Outcome", "RunContext", "System", "measure_run", "run_fleetroll"]
 DEADLINE_SLACK_S = 5.0
 #: How long after a run the ledger is read (lets a cut-off run's last closes land).
 _SETTLE_S = 1.0
-#: CPU used by other processes during a run, in cores on average, above which
-#: its numbers are marked provisional (someone else was using the machine).
-_BUSY_CORES = 0.15
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,7 +349,7 @@ def _record(
         deadline_budget_s=budget,
         load_average_before=load,
         other_cpu_utilisation=None if others is None else round(others / makespan, 3),
-        provisional=others is None or others / makespan > _BUSY_CORES,
+        provisional=others is None or others / makespan > BUSY_CORES,
         ledger={
             k: ledger.get(k)
             for k in (

@@ -20,7 +20,7 @@ import anyio
 from mcp import Client
 
 from fleetroll.bench.measure import CpuClock, machine_cpu_s, percentile, process_tree_cpu_s
-from fleetroll.bench.records import ToolCallRecord, ToolCallStats, load_average
+from fleetroll.bench.records import BUSY_CORES, ToolCallRecord, ToolCallStats, load_average
 from fleetroll.bench.scenarios import Scenario, bench_tasks
 from fleetroll.emulator.process import EmulatorProcess
 from fleetroll.environments.fleet.provider import FleetProvider
@@ -35,7 +35,6 @@ _TOOL = "get_balance"
 _ARGUMENTS = {"account": "Checking"}
 _WARM_UP = 20
 _FRESH_SESSION_CALLS = 50
-_BUSY_CORES = 0.15
 
 
 class _Series:
@@ -137,5 +136,5 @@ async def tool_call_bench(scenario: Scenario, calls: int, settings: Settings) ->
         ratio_p50=round(ours_stats.wall_p50_ms / bare_stats.wall_p50_ms, 3),
         load_average_before=load,
         other_cpu_utilisation=None if others is None else round(max(0.0, others) / elapsed, 3),
-        provisional=others is None or others / elapsed > _BUSY_CORES,
+        provisional=others is None or others / elapsed > BUSY_CORES,
     )

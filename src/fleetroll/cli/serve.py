@@ -7,6 +7,7 @@ import at its end (so this module must not import that one at load time).
 from __future__ import annotations
 
 import signal
+import tempfile
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -34,12 +35,22 @@ __all__ = ["serve"]
 @click.option(
     "--profile", default=None, help="Emulator fault profile, when running on the embedded emulator."
 )
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help=(
+        "Keep what serve writes here, made if missing: the telemetry store"
+        " (DIR/telemetry.db) and the batches' journals (DIR/service)."
+    ),
+)
 @ray_options
 def serve(
     host: str | None,
     port: int | None,
     config_file: Path | None,
     profile: str | None,
+    state_dir: Path | None,
     ray_address: str | None,
     ray_actors: int | None,
 ) -> None:
@@ -51,10 +62,15 @@ def serve(
     route but /healthz wants `Authorization: Bearer <token>`: the token is
     FLEETROLL_SERVICE_TOKEN, else the one in service.token_file (made on first
     use, readable by you only; binding anything but loopback needs
-    FLEETROLL_SERVICE_TOKEN). Exit code 2 for bad configuration.
+    FLEETROLL_SERVICE_TOKEN). --state-dir DIR sets telemetry.db_path and
+    service.state_dir under DIR. Exit code 2 for bad configuration.
     """
     try:
         settings = load_settings(config_file)
+        if state_dir is not None:
+            state_dir = state_dir.expanduser()
+            _writable(state_dir)
+            settings = settings.with_state_dir(state_dir)
         host = host or settings.service.host
         port = settings.service.port if port is None else port
         check_bind(host, settings.service_token)
@@ -77,6 +93,21 @@ def serve(
         raise Failed(str(exc)) from None
 
 
+def _writable(root: Path) -> None:
+    """Make ``root`` (and its parents) if missing, and check this process can write in it.
+
+    Raises:
+        Failed: it cannot (one line: the folder and the system's reason).
+    """
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise Failed(f"--state-dir {root}: not a folder serve can write in ({reason})") from None
+
+
 async def _serve(
     settings: Settings,
     host: str,
@@ -97,6 +128,7 @@ async def _serve(
     from fleetroll.service.server import serve_app
     from fleetroll.service.state import open_store
     from fleetroll.telemetry import open_telemetry
+    from fleetroll.telemetry.store import is_disabled
 
     async with AsyncExitStack() as stack:
         # First: a folder another service holds is refused before anything starts.
@@ -149,6 +181,8 @@ async def _serve(
         click.echo(f"  API: {url}/openapi.json   MCP: {url}/mcp   (Ctrl-C to stop)", err=True)
         restored = service.batches.restored
         click.echo(f"  batches kept in {store.root} ({restored} read back)", err=True)
+        db = settings.telemetry.db_path
+        click.echo(f"  telemetry store: {'off' if is_disabled(db) else db}", err=True)
         click.echo(
             f"  run id {store.run_id}: released {len(left)} instance(s) an earlier start left",
             err=True,

@@ -43,6 +43,10 @@ and ``batch.groups()`` for each GRPO group as soon as it is complete, and
 ``await client.run_eval(tasks, k=8, max_concurrency=16, policy_version=v)``
 for pass@k at a known version beside the training batches.
 
+``await client.run_tree(task, policy, branch_at=1, width=4)`` samples a
+rollout tree on the service and returns the same ``Tree`` as
+``RolloutPool.run_tree`` (``client.start_tree(...)`` streams its results).
+
 ``async for event in client.follow(rollout_id)`` watches one rollout live:
 its phases, policy turns and tool calls (timings, redacted previews), then
 its end; a cut stream is reopened after the last event's cursor.
@@ -69,6 +73,7 @@ from fleetroll.client.remote import (
     RemoteBatch,
     RemoteGroups,
     RemoteSession,
+    RemoteTree,
     ServiceConnection,
     StreamCut,
     describe_failure,
@@ -80,8 +85,16 @@ from fleetroll.rollout.events import RolloutEvent
 from fleetroll.service.models import PolicyConfig
 from fleetroll.settings import RetrySettings
 from fleetroll.tasks import TaskSpec
+from fleetroll.training.groups import Tree
 
-__all__ = ["FleetrollClient", "RemoteBatch", "RemoteGroups", "RemoteSession", "ServiceError"]
+__all__ = [
+    "FleetrollClient",
+    "RemoteBatch",
+    "RemoteGroups",
+    "RemoteSession",
+    "RemoteTree",
+    "ServiceError",
+]
 
 #: How long an idle connection to the service is reused (it keeps them 65 s).
 _KEEPALIVE_S = 15.0
@@ -287,6 +300,70 @@ class FleetrollClient:
         query = urlencode({"k": k, "success_threshold": success_threshold})
         record = await self._call("GET", f"/v1/batches/{batch.batch_id}/eval?{query}")
         return replace(EvalReport.from_json(record), results=results)
+
+    def start_tree(
+        self,
+        task: TaskSpec | Mapping[str, Any],
+        policy: PolicyConfig | ScriptedPolicy | Mapping[str, Any] | None = None,
+        *,
+        branch_at: int,
+        width: int,
+        tree_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> RemoteTree:
+        """A rollout tree on the service (``POST /v1/trees``), as
+        ``RolloutPool.start_tree`` in-process; it is submitted when first iterated
+        (or entered). Iterate it for the root's result, then each branch's as it
+        ends; ``await tree.tree()`` for the whole :class:`~fleetroll.training.groups.Tree`.
+
+        Submitting an identical request under the same ``tree_id`` again returns
+        the same tree (retries are safe: the id is chosen here); different
+        content under it is a 409. The service keeps trees in memory: after its
+        restart the tree is unknown (404), submit it again to run it anew.
+
+        Raises:
+            TypeError: as :meth:`run_batch`.
+        """
+        payload: dict[str, Any] = {
+            "task": _task_record(task),
+            "branch_at": branch_at,
+            "width": width,
+            "tree_id": tree_id or uuid.uuid4().hex[:12],
+        }
+        if policy is not None:
+            payload["policy"] = _policy_record(policy)
+        if deadline_s is not None:
+            payload["deadline_s"] = deadline_s
+        return RemoteTree(self._service, payload["tree_id"], payload)
+
+    async def run_tree(
+        self,
+        task: TaskSpec | Mapping[str, Any],
+        policy: PolicyConfig | ScriptedPolicy | Mapping[str, Any] | None = None,
+        *,
+        branch_at: int,
+        width: int,
+        tree_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> Tree:
+        """Sample a tree on the service, as ``RolloutPool.run_tree`` in-process: one
+        rollout to step ``branch_at``, then ``width`` branches that replay its prefix
+        and sample on. Returns the same :class:`~fleetroll.training.groups.Tree`
+        (``root``, ``branches`` in the order they ended, ``groups``) once every
+        branch has ended; cancelled on the service if this call is.
+
+        Raises:
+            ServicePreflightError: the service's pre-flight refused the task.
+            ServiceError: 422 (``branch_at`` or ``width`` below 1, an invalid
+                task), 409 (``tree_id`` holds another tree), or the branches
+                could not start (the service's pool was full).
+            TypeError: as :meth:`run_batch`.
+        """
+        tree = self.start_tree(
+            task, policy, branch_at=branch_at, width=width, tree_id=tree_id, deadline_s=deadline_s
+        )
+        async with tree:
+            return await tree.tree()
 
     def batch(self, batch_id: str, *, after: int = 0) -> RemoteBatch:
         """An existing batch, its results read from cursor ``after`` on (e.g. after a restart).

@@ -24,15 +24,16 @@ from fleetroll.errors import InstanceLostError, ServiceError, ServicePreflightEr
 from fleetroll.policies.turns import ToolCall, ToolSpec
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.env_session import StepResult
-from fleetroll.service.models import BatchState
+from fleetroll.service.models import BatchState, TreeState
 from fleetroll.tools.session import ToolResult
-from fleetroll.training.groups import Group
+from fleetroll.training.groups import Group, Tree
 
 __all__ = [
     "RETRY_STATUSES",
     "RemoteBatch",
     "RemoteGroups",
     "RemoteSession",
+    "RemoteTree",
     "ServiceConnection",
     "StreamCut",
     "describe_failure",
@@ -227,8 +228,11 @@ class RemoteBatch:
         #: The stream's query parameters besides ``after``.
         self._params: Mapping[str, str] = {}
 
-    #: The NDJSON stream this object reads.
+    #: The NDJSON stream this object reads, under ``{_collection}/{id}/``.
     _stream = "results"
+    _collection = "/v1/batches"
+    #: What it is, for messages.
+    _noun = "batch"
 
     async def submit(self) -> Self:
         """Submit the batch (once; iterating or entering does it for you).
@@ -390,15 +394,17 @@ class RemoteBatch:
                         raise StreamCut(describe_failure(exc)) from exc
         except StreamCut as exc:
             raise ServiceError(
-                f"lost the results stream of batch {self.batch_id} {tries} times in a"
-                f" row ({exc}); iterate the batch again to resume from where it stopped"
+                f"lost the results stream of {self._noun} {self.batch_id} {tries} times in a"
+                f" row ({exc}); iterate the {self._noun} again to resume from where it stopped"
                 f" (FleetrollClient(reconnect_s=...) waits longer for a restart)"
             ) from exc.__cause__
         return message
 
     async def _connect(self) -> None:
         response = await self._client.open_stream(
-            f"/v1/batches/{self.batch_id}/{self._stream}", after=self.cursor, params=self._params
+            f"{self._collection}/{self.batch_id}/{self._stream}",
+            after=self.cursor,
+            params=self._params,
         )
         self._response = response
         self._lines = response.aiter_lines()
@@ -449,6 +455,82 @@ class RemoteGroups(RemoteBatch):
 
     async def __anext__(self) -> Group:  # type: ignore[override]
         return Group.model_validate(await self._next_item("group"))
+
+
+class RemoteTree(RemoteBatch):
+    """A rollout tree on the service (``POST /v1/trees``): an async iterator of its
+    results, the root first, then each branch as it ends; :meth:`tree` gives the
+    whole :class:`~fleetroll.training.groups.Tree`, as ``RolloutPool.run_tree`` does.
+
+    Leaving ``async with tree`` before its end cancels it (as in-process).
+
+    Attributes:
+        tree_id: the tree's id (chosen by the client unless given).
+        root_batch_id, branches_batch_id: its batches' ids, once submitted.
+        cursor, reconnects: as :class:`RemoteBatch`'s.
+    """
+
+    _collection = "/v1/trees"
+    _noun = "tree"
+
+    def __init__(self, client: ServiceConnection, tree_id: str, payload: dict[str, Any]) -> None:
+        super().__init__(client, tree_id, payload=payload)
+        self.root_batch_id: str | None = None
+        self.branches_batch_id: str | None = None
+
+    @property
+    def tree_id(self) -> str:
+        return self.batch_id
+
+    async def submit(self) -> Self:
+        """Submit the tree (once; iterating or entering does it for you).
+
+        Raises:
+            ServicePreflightError: the service's pre-flight refused the task.
+            ServiceError: 422 (an invalid task, branch_at or width, an agent
+                command), 409 (the id holds another tree).
+        """
+        if self._payload is not None:
+            created = await self._client.call("POST", "/v1/trees", json=self._payload)
+            self.total = int(created["rollouts"])
+            self.root_batch_id = str(created["root_batch_id"])
+            self.branches_batch_id = str(created["branches_batch_id"])
+            self._payload = None
+        return self
+
+    async def status(self) -> TreeState:  # type: ignore[override]
+        """The tree so far: its status, root, branches (and groups once over)."""
+        await self.submit()
+        return TreeState.model_validate(await self._client.call("GET", f"/v1/trees/{self.tree_id}"))
+
+    async def cancel(self) -> None:
+        """Cancel what still runs (no branch starts after it); iteration still yields
+        every result."""
+        await self.submit()
+        await self._client.call("DELETE", f"/v1/trees/{self.tree_id}")
+
+    async def tree(self) -> Tree:
+        """The tree once it is over (the rest of its results read first).
+
+        Raises:
+            ServiceError: the branches could not start (the service's pool was
+                full), as ``run_tree`` raises ``PoolFullError`` in-process.
+        """
+        async for _ in self:
+            pass
+        state = await self.status()
+        if state.error is not None:
+            raise ServiceError(state.error)
+        if state.root is None:
+            raise ServiceError(f"tree {self.tree_id} ended without its root's result")
+        return Tree(root=state.root, branches=state.branches, groups=state.groups)
+
+    def groups(self, *, after: int = 0, complete_only: bool = False) -> RemoteGroups:
+        raise NotImplementedError("a tree's groups come with tree() (TreeState.groups)")
+
+    async def _resubmit(self, missing: int) -> None:
+        self._ended = True
+        raise ServiceError(f"tree {self.tree_id} was interrupted; submit it again to run it anew")
 
 
 class RemoteSession:

@@ -53,7 +53,6 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Self
 
@@ -87,7 +86,7 @@ from fleetroll.rollout.machine import Agent, RolloutIds
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
-from fleetroll.training.groups import Group, GroupTracker
+from fleetroll.training.groups import Group, GroupTracker, Tree
 from fleetroll.training.weight_sync import abort_generations
 
 __all__ = [
@@ -98,6 +97,7 @@ __all__ = [
     "ResultStream",
     "RolloutPool",
     "Tree",
+    "TreeRun",
     "check_capacity",
     "check_unique_keys",
     "group_id",
@@ -105,22 +105,119 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class Tree:
-    """A rollout tree (:meth:`RolloutPool.run_tree`): a root cut at its branch
-    point and the branches that replayed its prefix and sampled on.
+class TreeRun:
+    """A rollout tree as it runs (:meth:`RolloutPool.start_tree`): an async
+    iterator of its results, the root first, then each branch as it ends.
 
-    ``groups`` holds one group per branch point (the ``width`` branches of one
-    point), for step-level advantages; empty when the root did not reach the
-    branch point (it ended sooner: nothing to branch from).
+    Its root batch starts when it is made; its branches once the root reached
+    the branch point. :meth:`cancel` (or leaving ``async with run``) stops it:
+    what runs ends ``cancelled``, and no branch starts after it. Read to its
+    end, :attr:`tree` holds the :class:`Tree` (``groups`` included).
     """
 
-    #: The root: the prefix's rollout, stopped at the branch point
-    #: (``max_steps``, scored on the state it reached); or ended sooner.
-    root: RolloutResult
-    #: The branches, in the order they ended (each with ``parent_rollout_id``).
-    branches: list[RolloutResult] = field(default_factory=list)
-    groups: list[Group] = field(default_factory=list)
+    def __init__(
+        self,
+        pool: RolloutPool,
+        task: TaskSpec,
+        policy: Policy,
+        *,
+        branch_at: int,
+        width: int,
+        tree_id: str,
+        deadline_s: float | None,
+    ) -> None:
+        self.tree_id = tree_id
+        self.branch_at = branch_at
+        self.width = width
+        #: The root's batch (one rollout) and the branches' (``width`` rollouts).
+        self.root_batch_id = f"{tree_id}-root"
+        self.branches_batch_id = f"{tree_id}-b{branch_at}"
+        #: The tree once read to its end (None before).
+        self.tree: Tree | None = None
+        self._pool = pool
+        self._task = task
+        self._policy = policy
+        self._deadline_s = deadline_s
+        self._began = anyio.current_time()
+        self._cancelled = False
+        self._root: RolloutResult | None = None
+        self._branches: list[RolloutResult] = []
+        root_task = task.model_copy(update={"max_steps": branch_at})
+        #: Its batches so far: the root's, then the branches'.
+        self.batches: list[Batch] = [
+            pool.run_batch(
+                [root_task],
+                policy,
+                batch_id=self.root_batch_id,
+                oversample=0,
+                deadline_s=deadline_s,
+            )
+        ]
+
+    def cancel(self) -> None:
+        """Cancel what runs; no branch starts after this. Every result still arrives."""
+        self._cancelled = True
+        self.batches[-1].cancel()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.cancel()
+
+    def __aiter__(self) -> Self:
+        return self
+
+    async def __anext__(self) -> RolloutResult:
+        """The root's result, then (from the branch point) each branch's.
+
+        Raises:
+            PoolFullError: the branches would take the pool past
+                ``pool.max_queued_rollouts`` (other batches filled it meanwhile).
+        """
+        if self._root is None:
+            [root] = await self.batches[0].results()
+            self._root = root
+            if (
+                self._cancelled
+                or root.failure_reason is not FailureReason.MAX_STEPS
+                or root.steps < self.branch_at
+            ):
+                self.tree = Tree(root=root)  # it ended before the branch point, or was cancelled
+            return root
+        if self.tree is None and self._cancelled and len(self.batches) == 1:
+            self.tree = Tree(root=self._root)  # cancelled once the root had ended
+        if self.tree is not None:
+            raise StopAsyncIteration
+        if len(self.batches) == 1:
+            self.batches.append(self._branch(self._root))
+        batch = self.batches[1]
+        try:
+            result = await anext(batch)
+        except StopAsyncIteration:
+            groups = [g async for g in batch.groups()]
+            self.tree = Tree(root=self._root, branches=self._branches, groups=groups)
+            raise
+        self._branches.append(result)
+        return result
+
+    def _branch(self, root: RolloutResult) -> Batch:
+        """Start the branches from ``root``'s prefix, within what the deadline left."""
+        spent = anyio.current_time() - self._began
+        left = None if self._deadline_s is None else max(0.0, self._deadline_s - spent)
+        return self._pool.run_batch(
+            [self._task],
+            BranchPolicy(prefix_of(root, self.branch_at), self._policy),
+            samples_per_task=self.width,
+            batch_id=self.branches_batch_id,
+            oversample=0,
+            deadline_s=left,
+        )
 
 
 class RolloutPool:
@@ -544,12 +641,40 @@ class RolloutPool:
 
         The root is batch ``{tree_id}-root`` (one rollout), the branches batch
         ``{tree_id}-b{branch_at}``, whose one group is the branch point's.
-        Returns when every branch has ended.
+        Returns when every branch has ended; :meth:`start_tree` gives the
+        results as they end.
 
         Raises:
             ValueError: ``branch_at`` or ``width`` below 1, or ``policy`` is an
                 agent of its own (:class:`~fleetroll.rollout.machine.Agent`).
             PoolFullError, ConfigError: as :meth:`run_batch`.
+        """
+        run = self.start_tree(
+            task, policy, branch_at=branch_at, width=width, tree_id=tree_id, deadline_s=deadline_s
+        )
+        async with run:
+            async for _ in run:
+                pass
+        assert run.tree is not None  # read to its end
+        return run.tree
+
+    def start_tree(
+        self,
+        task: TaskSpec,
+        policy: Policy,
+        *,
+        branch_at: int,
+        width: int,
+        tree_id: str | None = None,
+        deadline_s: float | None = None,
+    ) -> TreeRun:
+        """Start a tree (as :meth:`run_tree`), its root now: its results as they end.
+
+        Iterate the :class:`TreeRun` for the root, then each branch as it ends;
+        read to its end, its ``tree`` is what :meth:`run_tree` returns.
+
+        Raises:
+            ValueError, PoolFullError, ConfigError: as :meth:`run_tree`.
         """
         if branch_at < 1:
             raise ValueError(f"branch_at must be at least 1 (a step to share), not {branch_at}")
@@ -560,30 +685,15 @@ class RolloutPool:
                 "run_tree replays the prefix in fleetroll's own loop: an agent of its own"
                 " (an agent command) cannot be branched; give a policy (scripted or openai)"
             )
-        tree_id = tree_id or uuid.uuid4().hex[:12]
-        began = anyio.current_time()
-        root_task = task.model_copy(update={"max_steps": branch_at})
-        batch = self.run_batch(
-            [root_task], policy, batch_id=f"{tree_id}-root", oversample=0, deadline_s=deadline_s
+        return TreeRun(
+            self,
+            task,
+            policy,
+            branch_at=branch_at,
+            width=width,
+            tree_id=tree_id or uuid.uuid4().hex[:12],
+            deadline_s=deadline_s,
         )
-        async with batch:
-            [root] = await batch.results()
-        if root.failure_reason is not FailureReason.MAX_STEPS or root.steps < branch_at:
-            return Tree(root=root)  # it ended before the branch point: nothing to branch from
-        left = None if deadline_s is None else max(0.0, deadline_s - (anyio.current_time() - began))
-        branch = BranchPolicy(prefix_of(root, branch_at), policy)
-        batch = self.run_batch(
-            [task],
-            branch,
-            samples_per_task=width,
-            batch_id=f"{tree_id}-b{branch_at}",
-            oversample=0,
-            deadline_s=left,
-        )
-        async with batch:
-            branches = await batch.results()
-            groups = [g async for g in batch.groups()]
-        return Tree(root=root, branches=branches, groups=groups)
 
     async def _run_batch(self, batch: Batch, policy: Policy) -> None:
         self.events.emit(

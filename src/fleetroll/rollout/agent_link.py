@@ -20,7 +20,10 @@ ends as the built-in loop's would on the same faults:
   ``timeouts.list_tools_s``) and one that gets no answer is a tool failure as
   the built-in loop's (``tool_failure``, ``instance_lost``, or an error the
   agent sees with ``pool.on_tool_failure = "continue"``); the rollout's deadline
-  passing while a request waits on the instance is ``platform_timeout``.
+  passing while a request waits on the instance is ``platform_timeout``; each
+  ``tools/call`` answered or failed is one ``fleet_tool_call`` record, as the
+  built-in loop's (its seconds until its answer, ``ok``, ``error`` or
+  ``failed``), carrying the rollout's event attributes.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ from fleetroll.policies.gateway import GatewayRefusal
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.policies.servers import Affinity
 from fleetroll.results import FailureReason
-from fleetroll.rollout.dispatch import tool_call_failed
+from fleetroll.rollout.dispatch import record_tool_call, tool_call_failed
 from fleetroll.rollout.machine import Rollout
 from fleetroll.rollout.transcript import CHARS_PER_TOKEN, _text_chars
+from fleetroll.telemetry.events import Events
 from fleetroll.tools.session import describe
 
 __all__ = ["AgentLink"]
@@ -95,6 +99,11 @@ class _Exchange:
     tools: dict[Any, str]
     answered: set[Any] = field(default_factory=set)
     errors: int = 0
+    #: When the request was sent (``time.monotonic()``).
+    began: float = 0.0
+    #: ``tools/call`` requests by id: seconds until their answer (or their
+    #: failure) and the ``fleet_tool_call`` outcome, ``ok``, ``error`` or ``failed``.
+    outcomes: dict[Any, tuple[float, str]] = field(default_factory=dict)
     _buffer: bytes = b""
 
     @property
@@ -113,11 +122,23 @@ class _Exchange:
             ):
                 continue
             key = message.get("id")
-            if isinstance(key, str | int) and key in self.ids:
+            if isinstance(key, str | int) and key in self.ids and key not in self.answered:
                 self.answered.add(key)
+                if key not in self.tools:
+                    continue
                 result = message.get("result")
-                if key in self.tools and isinstance(result, dict) and result.get("isError"):
-                    self.errors += 1
+                failed = isinstance(result, dict) and bool(result.get("isError"))
+                self.errors += failed
+                outcome = "error" if failed or "error" in message else "ok"
+                self.outcomes[key] = (time.monotonic() - self.began, outcome)
+
+    def unanswered_failed(self) -> list[str]:
+        """Mark the ``tools/call`` requests without an answer ``failed``; their tools."""
+        took = time.monotonic() - self.began
+        failed = [key for key in self.tools if key not in self.answered]
+        for key in failed:
+            self.outcomes[key] = (took, "failed")
+        return [self.tools[key] for key in failed]
 
     def sse(self, chunk: bytes) -> None:
         """Server-Sent Events as they arrive: each event's data is a message."""
@@ -167,6 +188,9 @@ class AgentLink:
         self._scopes: set[anyio.CancelScope] = set()
         #: The relayed requests waiting on the instance: what, and since when (``now()``).
         self._waits: dict[int, tuple[str, float]] = {}
+        #: The rollout's event attributes (this link's requests are served in the
+        #: gateway's tasks, outside the rollout's context).
+        self._bound = Events.bound()
         #: The prompt+completion tokens of the last recorded call, as the server
         #: counted them (``policy.max_context_tokens``); None before any count.
         self._context_tokens: int | None = None
@@ -335,6 +359,7 @@ class AgentLink:
         started: list[bool] = []
 
         async def forward() -> None:
+            exchange.began = time.monotonic()
             upstream = await http.send(request, stream=True)
             try:
                 sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
@@ -360,7 +385,7 @@ class AgentLink:
                     await upstream.aclose()
 
         key = id(exchange)
-        with anyio.CancelScope() as cancel:
+        with anyio.CancelScope() as cancel, Events.bind(**self._bound):
             self._scopes.add(cancel)
             if what is not None:
                 self._waits[key] = (what, now())
@@ -380,6 +405,11 @@ class AgentLink:
             finally:
                 self._scopes.discard(cancel)
                 self._waits.pop(key, None)
+                # Each call answered or failed, as the built-in loop's; one cut short
+                # by the agent leaving or the rollout ending has no outcome.
+                events = self.rollout.engine.events
+                for call, (took, outcome) in exchange.outcomes.items():
+                    record_tool_call(events, exchange.tools[call], took, outcome)
         self.rollout.progress.tool_errors += exchange.errors
         if cancel.cancelled_caught and not started:  # the rollout ended first
             await _refuse(send, 409, "this rollout has ended: its MCP relay is closed")
@@ -405,7 +435,7 @@ class AgentLink:
         rollout = self.rollout
         instance = rollout.instance
         config = rollout.engine.config
-        for name in exchange.tools.values():
+        for name in exchange.unanswered_failed():
             assert instance is not None, "acting, so provisioned"
             # Recorded even if the agent leaves meanwhile; is_alive is one request.
             with anyio.move_on_after(config.timeouts.release_s, shield=True):

@@ -14,7 +14,8 @@
 Every call that goes to the environment is one ``fleet_tool_call`` record
 (tool, duration, outcome ``ok``/``error``/``failed``; the environment and
 modality are the rollout's bound attributes), unless ``telemetry.tool_calls``
-is false.
+is false: :func:`record_tool_call`, which the MCP relay of an agent of its own
+uses too.
 
 A call driven from outside (the env-style API) answers a :class:`StepResult`.
 """
@@ -36,7 +37,7 @@ from fleetroll.telemetry.events import Events
 from fleetroll.tools.routing import SUBMIT_FINAL_ANSWER, Route
 from fleetroll.tools.session import ToolCallFailed, ToolResult, ToolSession
 
-__all__ = ["StepResult", "dispatch", "tool_call_failed"]
+__all__ = ["StepResult", "dispatch", "record_tool_call", "tool_call_failed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +86,7 @@ async def dispatch(
         try:
             result = await session.call(call.name, call.arguments)
         except ToolCallFailed as exc:
-            _measured(events, call.name, time.monotonic() - began, "failed")
+            record_tool_call(events, call.name, time.monotonic() - began, "failed")
             await tool_call_failed(
                 call.name,
                 exc,
@@ -100,7 +101,8 @@ async def dispatch(
             return result
         finally:
             progress.timings.tools_s += time.monotonic() - began
-        _measured(events, call.name, time.monotonic() - began, "error" if result.is_error else "ok")
+        outcome = "error" if result.is_error else "ok"
+        record_tool_call(events, call.name, time.monotonic() - began, outcome)
         if result.is_error:
             events.emit(
                 "fleet_mcp_tool_error",
@@ -115,8 +117,13 @@ async def dispatch(
     return result
 
 
-def _measured(events: Events, name: str, duration_s: float, outcome: str) -> None:
-    """One ``fleet_tool_call`` record (cheap: no record at all when turned off)."""
+def record_tool_call(events: Events, name: str, duration_s: float, outcome: str) -> None:
+    """One ``fleet_tool_call`` record (cheap: no record at all when turned off).
+
+    ``outcome``: ``ok``, ``error`` (answered with an error) or ``failed`` (no
+    answer). The built-in loop's and the MCP relay's of an agent of its own
+    (:mod:`fleetroll.rollout.agent_link`).
+    """
     if events.enabled("fleet_tool_call"):
         events.emit(
             "fleet_tool_call",

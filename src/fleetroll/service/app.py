@@ -36,6 +36,7 @@ from fleetroll.errors import OperationTimeout
 from fleetroll.policies import Policy
 from fleetroll.policies.gateway import Gateway
 from fleetroll.pool.assembly import chat_policy_config, policy_from_settings
+from fleetroll.pool.batch_pool import RunningBatch
 from fleetroll.pool.rollout_pool import RolloutPool, group_id, rollout_id
 from fleetroll.results import RolloutResult
 from fleetroll.rollout.agent_command import CommandAgent
@@ -53,6 +54,7 @@ from fleetroll.service.requests import parse_one, request_policy
 from fleetroll.service.sessions import SessionRegistry
 from fleetroll.service.state import BatchStore
 from fleetroll.service.training import PauseLeases
+from fleetroll.service.trees import TreeRegistry
 from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry import Redactor
@@ -67,13 +69,14 @@ _WAIT_SLACK_S = 30.0
 
 
 class Service:
-    """What the routes (and the MCP tools) share: the pool, batches, sessions.
+    """What the routes (and the MCP tools) share: the pool, batches, trees, sessions.
 
     Run it with :meth:`running` (the app's lifespan does): its task group
-    holds one consumer task per batch and one actor task per session.
+    holds one consumer task per batch and per tree, and one actor task per session.
 
     Args:
-        pool: runs the batches of ``POST /v1/batches``, the MCP tools' rollouts
+        pool: runs the batches of ``POST /v1/batches``, the trees of
+            ``POST /v1/trees``, the MCP tools' rollouts
             and the sessions (these in this process, whatever its executor).
         store: where batches and their results are kept across restarts
             (:func:`fleetroll.service.state.open_store`; default: memory only).
@@ -97,18 +100,20 @@ class Service:
         self.settings = settings
         self.metrics = metrics or Metrics(settings.service.metrics_label_values)
         self.redact = Redactor(settings.secrets())
+        preflight = BatchPreflight(
+            pool,
+            service=settings.service,
+            timeouts=settings.timeouts,
+            judge=settings.judge,
+            policy=settings.policy,
+            openai_api_key=settings.openai_api_key,
+        )
+        policies = ServerPolicies(settings)
         self.batches = BatchRegistry(
             pool,
             self.metrics,
-            preflight=BatchPreflight(
-                pool,
-                service=settings.service,
-                timeouts=settings.timeouts,
-                judge=settings.judge,
-                policy=settings.policy,
-                openai_api_key=settings.openai_api_key,
-            ),
-            policies=ServerPolicies(settings),
+            preflight=preflight,
+            policies=policies,
             service=settings.service,
             pool_settings=settings.pool,
             timeouts=settings.timeouts,
@@ -116,6 +121,15 @@ class Service:
             store=store,
         )
         self.batches.agent_records = agent_records
+        #: Rollout trees (``POST /v1/trees``), refused while the batches' store fails.
+        self.trees = TreeRegistry(
+            pool,
+            self.metrics,
+            preflight=preflight,
+            policies=policies,
+            service=settings.service,
+            refusing=lambda: self.batches.store_error,
+        )
         self.sessions = SessionRegistry(
             pool, self.metrics, self.redact, service=settings.service, timeouts=settings.timeouts
         )
@@ -142,6 +156,7 @@ class Service:
     async def _running(self) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
             self.batches.tg = tg
+            self.trees.tg = tg
             self.sessions.tg = tg
             self.pauses.tg = tg
             try:
@@ -150,13 +165,17 @@ class Service:
                 self.stop()
                 # Let each batch's consumer see its batch to the end (the pool answers
                 # a cancelled batch at once), so nothing is left half-read.
+                wait_s = self.settings.timeouts.release_s + _SLACK_S
                 with anyio.CancelScope(shield=True):
-                    await self.batches.cancel_all(self.settings.timeouts.release_s + _SLACK_S)
+                    async with anyio.create_task_group() as ending:
+                        ending.start_soon(self.trees.cancel_all, wait_s)
+                        ending.start_soon(self.batches.cancel_all, wait_s)
                 tg.cancel_scope.cancel()
 
     def stop(self) -> None:
         """End every results stream (the server is about to stop)."""
         self.batches.stop()
+        self.trees.stop()
 
     def policy_state(self) -> PolicyState:
         """The policy version and pauses (on Ray too: the pool's gate is mirrored
@@ -251,16 +270,19 @@ class Service:
 
     async def rollout_events(self, rollout_id: str, *, after: int, wait_s: float) -> EventPage:
         """A rollout's live events after cursor ``after`` (waiting up to ``wait_s`` for one),
-        of any batch or MCP rollout, wherever it runs (this process, or a Ray actor).
+        of any batch, tree or MCP rollout, wherever it runs (this process, or a Ray actor).
 
         Raises:
             ApiError: 404 (no such rollout), 504 (its Ray actor did not answer in time).
         """
         mcp = self.rollouts.get(rollout_id)
         records = [self.batches.get(mcp)] if mcp is not None else list(self.batches)
-        for record in records:
+        batches: list[RunningBatch] = [record.batch for record in records]
+        if mcp is None:  # a tree's rollouts too (its root's batch, then its branches')
+            batches += [batch for tree in self.trees for batch in tree.run.batches]
+        for batch in batches:
             try:
-                return await record.batch.events(rollout_id, after=after, wait_s=wait_s)
+                return await batch.events(rollout_id, after=after, wait_s=wait_s)
             except KeyError:
                 continue
             except OperationTimeout as exc:

@@ -45,6 +45,11 @@ __all__ = [
     "StreamLine",
     "TaskObject",
     "ToolInfo",
+    "TreeCreated",
+    "TreeRequest",
+    "TreeState",
+    "TreeStatus",
+    "TreeStreamLine",
     "ValidationErrorBody",
 ]
 
@@ -54,6 +59,12 @@ BATCH_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 #: ``interrupted``: the service stopped while the batch ran (a restart); some
 #: rollouts have no result, and resubmitting the batch runs exactly those.
 BatchStatus = Literal["running", "finished", "cancelled", "interrupted"]
+
+#: ``failed``: the branches could not start (the pool was full by then); ``error`` says so.
+TreeStatus = Literal["running", "finished", "cancelled", "failed"]
+
+#: Tree ids become batch ids with ``-root`` or ``-b<k>`` after them.
+TREE_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$"
 
 #: A task in the short form, as the OpenAPI document shows it.
 EXAMPLE_TASK: dict[str, Any] = {
@@ -357,6 +368,110 @@ class EventStreamLine(BaseModel):
     cursor: int = Field(ge=0)
     event: dict[str, Any] | None = None
     missed: int | None = None
+
+
+class TreeRequest(_Request):
+    """``POST /v1/trees``: a rollout tree (``RolloutPool.run_tree``) on one task."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "task": EXAMPLE_TASK,
+                    "branch_at": 1,
+                    "width": 4,
+                    "policy": {"kind": "scripted"},
+                    "tree_id": "tree-1",
+                }
+            ]
+        }
+    )
+
+    task: TaskObject
+    branch_at: int = Field(
+        ge=1,
+        le=100_000,
+        description="The branch point k: the root's first k steps are the shared prefix",
+    )
+    width: int = Field(
+        4,
+        ge=1,
+        le=100_000,
+        description="Branches from the branch point; at most service.max_batch_rollouts",
+    )
+    policy: PolicyConfig | None = None
+    tree_id: str | None = Field(
+        None,
+        pattern=TREE_ID_PATTERN,
+        description="Idempotency key: resubmitting the same request returns the same tree",
+    )
+    deadline_s: float | None = Field(
+        None, gt=0, le=7 * 86400, description="Cancel what is still running after this long"
+    )
+    agent_command: list[_Word] | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description=(
+            "Refused (422): a tree replays its prefix in fleetroll's own loop, so an agent"
+            " command cannot be branched; give a scripted or openai policy"
+        ),
+    )
+
+
+class TreeCreated(BaseModel):
+    tree_id: str
+    rollouts: int = Field(description="Rollouts at most: the root and width branches")
+    created: bool = Field(description="False when an identical earlier request made it")
+    root_batch_id: str = Field(description="The root's batch ({tree_id}-root)")
+    branches_batch_id: str = Field(description="The branches' batch ({tree_id}-b{branch_at})")
+
+
+class TreeState(BaseModel):
+    """``GET /v1/trees/{id}``: the tree so far, as ``RolloutPool.run_tree`` returns it."""
+
+    tree_id: str
+    status: TreeStatus = Field(
+        description="running until the root and every branch ended; then finished, or"
+        " cancelled if it was; failed: the branches could not start (error)"
+    )
+    cancel_requested: bool
+    branch_at: int
+    width: int
+    root_batch_id: str
+    branches_batch_id: str
+    root: RolloutResult | None = Field(
+        None, description="The root once it ended: stopped at the branch point (max_steps)"
+    )
+    branches: list[RolloutResult] = Field(
+        default_factory=list, description="The branches that ended, in the order they ended"
+    )
+    groups: list[Group] = Field(
+        default_factory=list,
+        description="Once every branch ended: one group per branch point (its branches);"
+        " empty when the root ended before the branch point",
+    )
+    results: int = Field(description="Results available: the cursor of the latest one")
+    error: str | None = Field(
+        default=None, description="Why the branches did not start (failed); null otherwise"
+    )
+
+
+class TreeStreamLine(BaseModel):
+    """One line of ``GET /v1/trees/{id}/results`` (NDJSON), as :class:`StreamLine`.
+
+    * ``{"type": "result", "cursor": n, "result": {...}}``: the n-th result: the
+      root is cursor 1, the branches follow as they end.
+    * ``{"type": "heartbeat", "cursor": n}``: nothing new yet.
+    * ``{"type": "end", "cursor": n, "status": ...}``: the last line; with
+      ``"error"`` when the branches could not start.
+    """
+
+    type: Literal["result", "heartbeat", "end"]
+    cursor: int = Field(ge=0)
+    result: RolloutResult | None = None
+    status: TreeStatus | None = None
+    error: str | None = None
 
 
 class PolicyState(BaseModel):

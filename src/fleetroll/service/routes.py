@@ -53,6 +53,10 @@ from fleetroll.service.models import (
     StatsResult,
     StepRequest,
     StreamLine,
+    TreeCreated,
+    TreeRequest,
+    TreeState,
+    TreeStreamLine,
     ValidationErrorBody,
 )
 from fleetroll.service.query import run_query, run_stats
@@ -137,6 +141,7 @@ class Endpoint:
 #: The description of each path parameter, by name.
 PATH_PARAMETERS: Final = {
     "batch_id": "The batch's id",
+    "tree_id": "The tree's id",
     "session_id": "The session's id",
     "pause_id": "The pause's id (from POST /v1/policy/pauses)",
     "rollout_id": "The rollout's id",
@@ -301,6 +306,41 @@ async def groups(api: Api, request: Request) -> Response:
     return StreamingResponse(lines, media_type=NDJSON, headers=_STREAM_HEADERS)
 
 
+async def create_tree(api: Api, request: Request) -> Response:
+    body = await _parse(request, TreeRequest)
+    task = await api.service.check_task(body.task.record(), loc=["body", "task"])
+    record, created = await api.service.trees.submit(body, task)
+    run = record.run
+    answer = TreeCreated(
+        tree_id=record.tree_id,
+        rollouts=1 + run.width,
+        created=created,
+        root_batch_id=run.root_batch_id,
+        branches_batch_id=run.branches_batch_id,
+    )
+    return _json(answer, 201 if created else 200)
+
+
+async def get_tree(api: Api, request: Request) -> Response:
+    return _json(api.service.trees.get(request.path_params["tree_id"]).state())
+
+
+async def cancel_tree(api: Api, request: Request) -> Response:
+    return _json(api.service.trees.cancel(request.path_params["tree_id"]).state(), 202)
+
+
+async def tree_results(api: Api, request: Request) -> Response:
+    service = api.service
+    record = service.trees.get(request.path_params["tree_id"])
+    after = _cursor(request, len(record.results), "results", "this tree's")
+    lines = record.lines(
+        after,
+        heartbeat_s=service.settings.service.stream_heartbeat_s,
+        stopping=lambda: service.trees.stopping,
+    )
+    return StreamingResponse(lines, media_type=NDJSON, headers=_STREAM_HEADERS)
+
+
 def _number(request: Request, name: str, default: float, *, whole: bool = False) -> float:
     """A number query parameter (a whole number ≥ 1 with ``whole``).
 
@@ -459,6 +499,7 @@ async def stats(api: Api, request: Request) -> Response:
 # ---------------------------------------------------------------- the table
 
 _NO_BATCH = "No such batch (unknown, or finished long ago and forgotten)"
+_NO_TREE = "No such tree (unknown, finished long ago and forgotten, or before a restart)"
 _NO_SESSION = "No such session"
 _NO_PAUSE = "No such pause (released, or its lease expired)"
 _ENDED = "The session has ended: DELETE it for its result"
@@ -635,6 +676,78 @@ ROUTES: Final[tuple[Endpoint, ...]] = (
             409: "The batch is still running: read its results to the end, then ask again",
             422: _INVALID,
         },
+    ),
+    Endpoint(
+        "POST",
+        "/v1/trees",
+        create_tree,
+        "createTree",
+        "Start a rollout tree: a root to step branch_at, then width branches (idempotent"
+        " with tree_id)",
+        description=(
+            "As RolloutPool.run_tree: the root runs its first `branch_at` steps (the shared"
+            " prefix) and stops there; then `width` branches each replay the prefix on a"
+            " fresh or reset instance, every answer checked equal to the root's"
+            " (`replay_diverged` otherwise), and sample on. The root is batch"
+            " `{tree_id}-root`, the branches batch `{tree_id}-b{branch_at}`. Trees are"
+            " kept in memory: after a restart the id is unknown, and submitting it again"
+            " runs it anew."
+        ),
+        answers={
+            201: "The tree started (its root runs)",
+            200: "An identical request already started it",
+        },
+        answer=TreeCreated,
+        body=TreeRequest,
+        errors={
+            409: "The tree_id is taken by a different request, or a running batch holds"
+            " the id of its root's batch",
+            422: "Invalid request: each problem with its location; an agent_command (a tree"
+            " cannot branch an agent of its own); width over service.max_batch_rollouts;"
+            " or the pre-flight refused the task (type preflight_error, nothing provisioned)",
+            503: "The pool is full (pool.max_queued_rollouts): retry after Retry-After"
+            " seconds; or the service cannot write service.state_dir (a full disk) and"
+            " takes no new rollouts until it is restarted",
+        },
+    ),
+    Endpoint(
+        "GET",
+        "/v1/trees/{tree_id}",
+        get_tree,
+        "getTree",
+        "A tree's status, its root and the branches that ended (and its groups at the end)",
+        answers={200: "The tree"},
+        answer=TreeState,
+        errors={404: _NO_TREE},
+    ),
+    Endpoint(
+        "DELETE",
+        "/v1/trees/{tree_id}",
+        cancel_tree,
+        "cancelTree",
+        "Cancel a tree (no branch starts after it; every result still arrives)",
+        answers={202: "Cancelling"},
+        answer=TreeState,
+        errors={404: _NO_TREE},
+    ),
+    Endpoint(
+        "GET",
+        "/v1/trees/{tree_id}/results",
+        tree_results,
+        "streamTreeResults",
+        "The tree's results as NDJSON: the root (cursor 1), then each branch as it ends",
+        description=(
+            "One JSON object per line (TreeStreamLine), as a batch's results stream:"
+            " `result` lines with their `cursor`, `heartbeat` lines while idle, and an"
+            " `end` line (its `status`; `error` when the branches could not start)."
+            " A stream that stops without an `end` line was cut: reconnect with"
+            " `?after=<last cursor>`."
+        ),
+        answers={200: "NDJSON: one TreeStreamLine per line"},
+        answer=TreeStreamLine,
+        media=NDJSON,
+        query=(_after("results"),),
+        errors={404: _NO_TREE, 422: _INVALID},
     ),
     Endpoint(
         "GET",

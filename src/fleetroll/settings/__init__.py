@@ -41,6 +41,8 @@ from pydantic_settings import (
 
 from fleetroll.errors import ConfigError
 from fleetroll.settings.sections import (
+    SERVICE_FOLDER,
+    STORE_FILE,
     AdmissionSettings,
     BreakerSettings,
     EmulatorSettings,
@@ -286,6 +288,19 @@ class Settings(BaseSettings):
         everywhere without naming it again.
         """
         return tuple(_secret_values(self))
+
+    def with_state_dir(self, root: Path) -> Settings:
+        """These settings with what ``fleetroll serve`` keeps under ``root``
+        (``--state-dir``), laid out as under ``.fleetroll/`` by default: the
+        telemetry store ``root/telemetry.db`` (``telemetry.db_path``) and the
+        service's folder ``root/service`` (``service.state_dir``: the batches'
+        journals, the agents' records, the run id)."""
+        return self.model_copy(
+            update={
+                "telemetry": self.telemetry.model_copy(update={"db_path": root / STORE_FILE}),
+                "service": self.service.model_copy(update={"state_dir": root / SERVICE_FOLDER}),
+            }
+        )
 
     def require_fleet_api_key(self) -> str:
         """The key for a configured Fleet (not the embedded emulator).

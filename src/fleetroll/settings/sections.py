@@ -16,6 +16,9 @@ from fleetroll.errors import ConfigError
 from fleetroll.settings.fault_profiles import FaultProfile
 
 __all__ = [
+    "SERVICE_FOLDER",
+    "STATE_ROOT",
+    "STORE_FILE",
     "AdmissionSettings",
     "BreakerSettings",
     "EmulatorSettings",
@@ -34,6 +37,13 @@ __all__ = [
     "TraceSettings",
     "VerifierLimits",
 ]
+
+#: Where fleetroll keeps what it writes by default (relative: to the working
+#: directory), and the names inside it: the telemetry store and ``fleetroll
+#: serve``'s folder (``serve --state-dir`` puts both under another root).
+STATE_ROOT = Path(".fleetroll")
+STORE_FILE = "telemetry.db"
+SERVICE_FOLDER = "service"
 
 
 @dataclass(frozen=True, slots=True)
@@ -540,7 +550,7 @@ class TelemetrySettings(_Section):
     """Telemetry (docs/telemetry.md): the local store, Logfire cloud, the console."""
 
     #: The local SQLite store; ``/dev/null`` (``os.devnull``) turns it off.
-    db_path: Path = Path(".fleetroll/telemetry.db")
+    db_path: Path = STATE_ROOT / STORE_FILE
     #: ``deployment_environment`` of every record (Logfire's ``environment``);
     #: the reference's name, which existing dashboards filter on.
     environment: str = "training_rollouts"
@@ -689,7 +699,7 @@ class ServiceSettings(_Section):
     metrics_label_values: int = Field(20, ge=1, le=1000)
     #: ``fleetroll serve`` keeps each batch's request and results here (one
     #: journal per batch), locked while it runs, and reads them back at start-up.
-    state_dir: Path = Path(".fleetroll/service")
+    state_dir: Path = STATE_ROOT / SERVICE_FOLDER
     #: Ended sessions whose result a late ``DELETE`` can still fetch.
     keep_ended_sessions: int = Field(256, ge=0)
     #: An idle results stream sends a heartbeat line this often.

@@ -79,6 +79,7 @@ from fleetroll.results import FailureReason, RolloutResult
 __all__ = [
     "Group",
     "GroupTracker",
+    "Tree",
     "cut_error",
     "groups_of",
     "not_needed_error",
@@ -377,3 +378,22 @@ def _superseded(result: RolloutResult, why: str) -> RolloutResult:
             "error": f"{why}; it had ended {_ended(result)}",
         }
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Tree:
+    """A rollout tree (:meth:`fleetroll.pool.rollout_pool.RolloutPool.run_tree`, or
+    ``FleetrollClient.run_tree`` over HTTP): a root cut at its branch
+    point and the branches that replayed its prefix and sampled on.
+
+    ``groups`` holds one group per branch point (the ``width`` branches of one
+    point), for step-level advantages; empty when the root did not reach the
+    branch point (it ended sooner: nothing to branch from).
+    """
+
+    #: The root: the prefix's rollout, stopped at the branch point
+    #: (``max_steps``, scored on the state it reached); or ended sooner.
+    root: RolloutResult
+    #: The branches, in the order they ended (each with ``parent_rollout_id``).
+    branches: list[RolloutResult] = field(default_factory=list)
+    groups: list[Group] = field(default_factory=list)

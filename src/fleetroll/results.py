@@ -8,10 +8,14 @@ a fake signal.
 
 from __future__ import annotations
 
+import base64
+import sys
+from array import array
+from collections.abc import Sequence
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, model_serializer
 
 from fleetroll._internal.utf8 import utf8_safe
 
@@ -21,10 +25,12 @@ __all__ = [
     "FailureReason",
     "Outcome",
     "RolloutResult",
+    "RoutedExperts",
     "Timings",
     "Trajectory",
     "TrajectorySegment",
     "Turn",
+    "TurnImage",
     "VerifierOutcome",
     "writable_result",
 ]
@@ -141,6 +147,111 @@ class VerifierOutcome(BaseModel):
     error: str | None = None
 
 
+class RoutedExperts(BaseModel):
+    """The experts a mixture-of-experts model routed each token to, compactly.
+
+    ``data`` is the base64 of a little-endian int16 array of shape
+    ``[tokens, layers, top_k]`` (row-major): row ``i`` is token ``i``'s experts
+    at every MoE layer, in the router's order (highest weight first), -1 where
+    the server returned none for that token. In a turn, the rows are aligned
+    with ``prompt_token_ids + completion_token_ids``; in a trajectory, with
+    ``input_ids``. Decode it with
+    ``numpy.frombuffer(base64.b64decode(data), "<i2").reshape(tokens, layers, top_k)``
+    or :func:`fleetroll.training.trajectory.routed_experts_list`.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: int
+    layers: int
+    top_k: int
+    data: str
+
+    @classmethod
+    def from_raw(cls, raw: bytes, *, layers: int, top_k: int) -> Self:
+        """From the little-endian int16 bytes of ``[tokens, layers, top_k]``."""
+        stride = 2 * layers * top_k
+        if stride == 0 or len(raw) % stride:
+            raise ValueError(f"{len(raw)} bytes are no whole rows of {layers}x{top_k} experts")
+        return cls(
+            tokens=len(raw) // stride,
+            layers=layers,
+            top_k=top_k,
+            data=base64.b64encode(raw).decode("ascii"),
+        )
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[Sequence[Sequence[int]]], *, layers: int, top_k: int) -> Self:
+        """From nested lists ``[tokens][layers][top_k]`` (vLLM's JSON shape).
+
+        Raises:
+            ValueError: a row is not ``layers`` x ``top_k`` ints in int16's range.
+        """
+        values = array("h")
+        for row in rows:
+            if len(row) != layers or any(len(experts) != top_k for experts in row):
+                raise ValueError(f"a token's experts are not {layers} layers x {top_k}")
+            for experts in row:
+                try:
+                    values.extend(experts)
+                except (TypeError, OverflowError):
+                    raise ValueError(f"expert ids must be small ints, not {experts!r}") from None
+        if sys.byteorder != "little":
+            values.byteswap()
+        return cls.from_raw(values.tobytes(), layers=layers, top_k=top_k)
+
+    def raw(self) -> bytes:
+        """The little-endian int16 bytes of ``[tokens, layers, top_k]``."""
+        return base64.b64decode(self.data)
+
+    def rows(self) -> list[list[list[int]]]:
+        """The experts as nested lists ``[tokens][layers][top_k]``."""
+        values = array("h")
+        values.frombytes(self.raw())
+        if sys.byteorder != "little":
+            values.byteswap()
+        flat = values.tolist()
+        k, per_token = self.top_k, self.layers * self.top_k
+        return [
+            [flat[t + layer * k : t + (layer + 1) * k] for layer in range(self.layers)]
+            for t in range(0, len(flat), per_token)
+        ]
+
+
+class TurnImage(BaseModel):
+    """An image the model saw, as it saw it, and where its placeholder tokens sit.
+
+    ``start``/``end`` (end excluded) index the placeholder tokens (Qwen2-VL's
+    ``<|image_pad|>`` run, one per 28x28 block) in the turn's
+    ``prompt_token_ids``, or in a trajectory's ``input_ids``.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    start: int
+    end: int
+    #: The size after the resize (``policy.image_max_pixels``): what the model saw.
+    width: int
+    height: int
+    #: The SHA-256 of the PNG (``data`` decoded).
+    sha256: str
+    #: The PNG, base64.
+    data: str
+
+
+def _drop_absent(
+    model: BaseModel, handler: Any, info: SerializationInfo, names: tuple[str, ...]
+) -> Any:
+    """The model dumped without ``names`` where they are None: a field a server
+    may never return adds no key to results that lack it."""
+    dumped = handler(model)
+    if isinstance(dumped, dict):
+        for name in names:
+            if name in dumped and dumped[name] is None:
+                del dumped[name]
+    return dumped
+
+
 class Turn(BaseModel):
     """One policy call: what a trainer needs to compute a loss without re-tokenising.
 
@@ -174,6 +285,25 @@ class Turn(BaseModel):
     #: ``n`` > 1 choices (an agent of its own may): then each choice is a turn,
     #: in order, the same call's siblings sharing its prompt.
     choice: int = 0
+    #: The policy version of the weights that produced each completion token
+    #: (``policy.weight_update``): the server's own per-token report when it
+    #: gives one, else the call's version where no update can have happened
+    #: during it; null where it cannot be proven (``token_versions_note`` says why).
+    token_versions: list[int | None] | None = None
+    #: Why ``token_versions`` holds nulls (or what was resumed after an abort).
+    token_versions_note: str | None = None
+    #: With a mixture-of-experts policy whose server returns them (vLLM's
+    #: ``--enable-return-routed-experts``): the experts each token of
+    #: ``prompt_token_ids + completion_token_ids`` was routed to. The key is
+    #: absent when the server returned none.
+    routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the images of the prompt, in order, with
+    #: their placeholder spans in ``prompt_token_ids`` (the key is absent otherwise).
+    images: list[TurnImage] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any, info: SerializationInfo) -> Any:
+        return _drop_absent(self, handler, info, ("routed_experts", "images"))
 
 
 class TrajectorySegment(BaseModel):
@@ -196,6 +326,19 @@ class TrajectorySegment(BaseModel):
     logprobs: list[float | None]
     #: The policy version of the call that produced the token; null where masked.
     policy_versions: list[int | None]
+    #: The version of the weights that produced each token (a call's tokens may
+    #: span an update with ``policy.weight_update``); null where masked or unproven.
+    token_versions: list[int | None] = Field(default_factory=list)
+    #: The routed experts of every token (aligned with ``input_ids``), when the
+    #: server returned them; the key is absent otherwise.
+    routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the images of the prompt, in order, with
+    #: their placeholder spans in ``prompt_token_ids`` (the key is absent otherwise).
+    images: list[TurnImage] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any, info: SerializationInfo) -> Any:
+        return _drop_absent(self, handler, info, ("routed_experts", "images"))
 
 
 class Trajectory(BaseModel):
@@ -213,6 +356,8 @@ class Trajectory(BaseModel):
     loss_mask: list[int]
     logprobs: list[float | None]
     policy_versions: list[int | None]
+    #: As the segment's: the version that produced each token; null where masked or unproven.
+    token_versions: list[int | None] = Field(default_factory=list)
     #: False when every turn's prompt ids extend the previous turn's prompt and
     #: completion ids; true when a chat template re-rendered the history.
     drift: bool = False
@@ -220,6 +365,16 @@ class Trajectory(BaseModel):
     drift_turn: int | None = None
     #: With drift: the consistent segments, in order. Empty without drift.
     segments: list[TrajectorySegment] = Field(default_factory=list)
+    #: The routed experts of every token (aligned with ``input_ids``), when the
+    #: server returned them for some turn; the key is absent otherwise.
+    routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the images of the prompt, in order, with
+    #: their placeholder spans in ``prompt_token_ids`` (the key is absent otherwise).
+    images: list[TurnImage] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any, info: SerializationInfo) -> Any:
+        return _drop_absent(self, handler, info, ("routed_experts", "images"))
 
 
 class Cost(BaseModel):

@@ -30,7 +30,7 @@ from fleetroll.pool.preflight import check_policy  # noqa: E402
 from fleetroll.pool.rollout_pool import RolloutPool  # noqa: E402
 from fleetroll.results import RolloutResult  # noqa: E402
 from fleetroll.settings import load_settings  # noqa: E402
-from fleetroll.testing.model_server import ModelServer  # noqa: E402
+from fleetroll.testing.model_server import ForcedRequest, ModelServer  # noqa: E402
 from fleetroll.testing.tiny_model import load_tiny_model, save_tiny_model  # noqa: E402
 from fleetroll.training.trajectory import stitch, training_rows  # noqa: E402
 from training_helpers import TASKS  # noqa: E402
@@ -56,8 +56,8 @@ def ledger_agent(model_dir: Path) -> Any:
     freely for the first task, forced for the others."""
     _, tokenizer = load_tiny_model(model_dir)
 
-    def forced(prompt_ids: Sequence[int]) -> str | None:
-        text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    def forced(request: ForcedRequest) -> str | None:
+        text = tokenizer.decode(list(request.prompt_ids), skip_special_tokens=False)
         task = next(t for t in LEDGER if t.prompt in text)
         answered = text.count("</tool_response>")
         if answered == 0:

@@ -24,6 +24,7 @@ ROW_KEYS = {
     "completion_mask",
     "completion_logprobs",
     "completion_policy_versions",
+    "completion_token_versions",
     "reward",
     "advantage",
     "status",

@@ -163,6 +163,33 @@ class PolicyTurnRecord(_Model):
     rows: list[PolicyTurnRow]
 
 
+class WeightUpdateRow(_Model):
+    """One ``policy.weight_update`` mode of the weight-update benchmark."""
+
+    mode: str
+    rollouts: int
+    wall_s: float
+    generated_tokens: int
+    tokens_per_s: float = Field(description="generated tokens per second of wall time")
+    idle_share: float = Field(description="1 - the server's generating time / wall time")
+    updates: int = Field(description="weight updates pushed during the batch")
+    update_s: float = Field(description="mean seconds of one sync_weights")
+    aborted: int = Field(description="generations aborted on the server")
+    kept_tokens: int = Field(description="tokens the aborted generations had made (resumed)")
+    straddling_turns: int = Field(description="turns whose tokens span two versions")
+    stale: int = Field(description="rollouts dropped as stale")
+
+
+class WeightUpdateRecord(_Model):
+    """Generation throughput and server idle share under each weight-update mode."""
+
+    rollouts: int
+    concurrency: int
+    max_tokens: int
+    update_every_s: float
+    rows: list[WeightUpdateRow]
+
+
 class Machine(_Model):
     nproc: int
     cpu_model: str
@@ -200,6 +227,7 @@ class ScenarioReport(_Model):
     summary: list[SystemSummary] = Field(default_factory=list)
     tool_calls: ToolCallRecord | None = None
     policy_turns: PolicyTurnRecord | None = None
+    weight_updates: WeightUpdateRecord | None = None
 
 
 def load_average() -> float | None:

@@ -14,6 +14,7 @@ from fleetroll.bench.records import (
     ScenarioReport,
     SystemSummary,
     ToolCallRecord,
+    WeightUpdateRecord,
 )
 
 __all__ = [
@@ -146,6 +147,24 @@ def _policy_turn_table(record: PolicyTurnRecord) -> list[str]:
     return lines
 
 
+def _weight_update_table(record: WeightUpdateRecord) -> list[str]:
+    lines = [
+        f"{record.rollouts} rollouts per mode at C={record.concurrency}, max_tokens"
+        f" {record.max_tokens}, new weights every {record.update_every_s:g} s.",
+        "",
+        "| policy.weight_update | wall | tokens/s | server idle | updates (s each) | aborted"
+        " (tokens kept) | turns spanning 2 versions | stale |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in record.rows:
+        lines.append(
+            f"| {r.mode} | {r.wall_s:.1f} s | {r.tokens_per_s:.0f} | {r.idle_share:.0%} |"
+            f" {r.updates} ({r.update_s:.2f}) | {r.aborted} ({r.kept_tokens}) |"
+            f" {r.straddling_turns} | {r.stale} |"
+        )
+    return lines
+
+
 def markdown(report: ScenarioReport) -> str:
     """A markdown summary of one scenario's report."""
     m = report.machine
@@ -179,6 +198,8 @@ def markdown(report: ScenarioReport) -> str:
         lines += [*_tool_call_table(report.tool_calls), ""]
     if report.policy_turns is not None:
         lines += [*_policy_turn_table(report.policy_turns), ""]
+    if report.weight_updates is not None:
+        lines += [*_weight_update_table(report.weight_updates), ""]
     return "\n".join(lines)
 
 

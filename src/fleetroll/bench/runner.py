@@ -143,6 +143,15 @@ async def run_scenario(
         )
         return report
 
+    if scenario.kind == "weight-update":
+        from fleetroll.bench.weight_updates import weight_update_bench  # needs torch
+
+        echo(f"{scenario.name}: {scenario.rollouts} rollouts per mode, {scenario.description}")
+        report.weight_updates = await weight_update_bench(
+            scenario, config_file=config_file, echo=echo
+        )
+        return report
+
     tasks, samples = bench_tasks(scenario.rollouts, scenario.steps, scenario.samples_per_task)
     n = len(tasks) * samples
     echo(f"{scenario.name}: {n} rollouts ({len(tasks)} tasks x {samples}), {scenario.description}")

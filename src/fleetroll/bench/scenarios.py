@@ -64,7 +64,10 @@ class Scenario:
             per-call micro-benchmark; ``rollouts`` is then the number of calls)
             or ``policy-turn`` (CPU per policy turn against turn index, no
             emulator; ``rollouts`` fresh rollouts of ``steps`` turns, each
-            answered with a screenshot of ``screenshot_kb`` KB).
+            answered with a screenshot of ``screenshot_kb`` KB), or
+            ``weight-update`` (the batch under each ``policy.weight_update``
+            mode on the tiny model's test server, weights pushed every
+            ``update_every_s``: :mod:`fleetroll.bench.weight_updates`).
         profile: the emulator's faults and latencies.
         profile_name: a profile of the settings (``[emulator.profiles.NAME]``)
             used instead of ``profile``.
@@ -95,7 +98,7 @@ class Scenario:
 
     name: str
     description: str
-    kind: Literal["batch", "tool-call", "policy-turn"] = "batch"
+    kind: Literal["batch", "tool-call", "policy-turn", "weight-update"] = "batch"
     rollouts: int = 8
     concurrency: tuple[int, ...] = (8,)
     steps: int = 5
@@ -116,6 +119,9 @@ class Scenario:
     tool_calls: bool = True
     tool_calls_off_too: bool = False
     repeat: int = 1
+    #: ``weight-update``: seconds between two weight pushes, and each turn's ``max_tokens``.
+    update_every_s: float = 1.0
+    max_tokens: int = 32
 
     def with_profile(self, settings: Settings, name: str | None) -> Scenario:
         """This scenario with its named profile resolved (``name`` wins over its own).
@@ -265,6 +271,22 @@ SCENARIOS: Mapping[str, Scenario] = MappingProxyType(
                 steps=30,
                 baselines=(),
                 screenshot_kb=100,
+            ),
+            Scenario(
+                name="weight-updates",
+                description=(
+                    "the tiny model's test server, weights pushed every 0.5 s: generation "
+                    "throughput and server idle share under pause, abort and in_flight"
+                ),
+                kind="weight-update",
+                rollouts=16,
+                concurrency=(4,),
+                steps=1,
+                samples_per_task=4,
+                baselines=(),
+                wall_limit_s=300.0,
+                update_every_s=0.5,
+                max_tokens=48,
             ),
         )
     }

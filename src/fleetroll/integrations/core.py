@@ -35,6 +35,8 @@ row: with oversampling, an extra may stand in for a failed sample),
 turns, the tool answers), ``completion_mask`` (1 for the model's tokens),
 ``completion_logprobs`` (the server's, None where the mask is 0),
 ``completion_policy_versions`` (per token, None where the mask is 0),
+``completion_token_versions`` (per token, the version of the weights that
+produced it: None where the mask is 0 or it is not proven),
 ``reward`` (None for a failed rollout), ``advantage`` (group-normalised over
 the scored rows; 0 for a failed one), ``status`` (``scored``, ``failed``, or
 what else made the row: :data:`fleetroll.training.trajectory.ROW_STATUSES`),
@@ -158,6 +160,8 @@ def fill_empty_row(row: Row, *, prompt_ids: Sequence[int], end_token_id: int) ->
         filled["completion_mask"] = [0]
         filled["completion_logprobs"] = [None]
         filled["completion_policy_versions"] = [None]
+        if "completion_token_versions" in row:
+            filled["completion_token_versions"] = [None]
     return filled
 
 

@@ -15,15 +15,22 @@ import json
 import logging
 import math
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from fleetroll._internal.excerpts import shorten as _shorten
 from fleetroll.errors import PolicyError
 from fleetroll.policies.chat_http import OPERATION
 from fleetroll.policies.turns import AssistantTurn, ToolCall, TurnData
+from fleetroll.results import RoutedExperts
 
-__all__ = ["CompletionReader", "ints", "training_problems"]
+__all__ = [
+    "CompletionReader",
+    "ints",
+    "routed_experts",
+    "token_versions",
+    "training_problems",
+]
 
 #: The policy's logger: its warnings are about the policy's server.
 _log = logging.getLogger("fleetroll.policies.openai")
@@ -113,6 +120,14 @@ class CompletionReader:
         completion_ids = ints(choice.get("token_ids"))
         logprobs, top = _logprobs(choice.get("logprobs"))
         problems = training_problems(prompt_ids, completion_ids, logprobs, top)
+        experts, experts_problem = routed_experts(
+            payload.get("prompt_routed_experts", choice.get("prompt_routed_experts")),
+            choice.get("routed_experts"),
+            prompt_ids,
+            completion_ids,
+        )
+        if experts_problem:
+            problems.append(experts_problem)
         # A NaN is no number to train on (nor valid JSON): such a list is dropped.
         finite = logprobs if logprobs is None or all(map(math.isfinite, logprobs)) else None
         top_finite = top
@@ -126,6 +141,8 @@ class CompletionReader:
             logprobs=finite,
             top_logprobs=top_finite,
             training_data_error="; ".join(problems) or None,
+            token_versions=token_versions(choice, completion_ids),
+            routed_experts=experts,
         )
         self.warn_once(
             [p for p in problems if p.split(":")[0] not in self.warned],
@@ -211,6 +228,18 @@ def ints(value: object) -> tuple[int, ...] | None:
     return tuple(value)
 
 
+def token_versions(
+    choice: Mapping[str, Any], completion_ids: tuple[int, ...] | None
+) -> tuple[int | None, ...] | None:
+    """A choice's ``token_versions`` (the weights' version per generated token, as a
+    server that updates weights between tokens reports it), when it is a list of
+    ints as long as ``token_ids``; None otherwise (never guessed)."""
+    versions = ints(choice.get("token_versions"))
+    if versions is None or completion_ids is None or len(versions) != len(completion_ids):
+        return None
+    return versions
+
+
 def _number(value: object) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
@@ -293,3 +322,57 @@ def _int_fields(usage: Mapping[str, Any]) -> dict[str, int]:
         for key, value in usage.items()
         if isinstance(value, int) and not isinstance(value, bool)
     }
+
+
+def routed_experts(
+    prompt: object,
+    completion: object,
+    prompt_ids: Sequence[int] | None,
+    completion_ids: Sequence[int] | None,
+) -> tuple[RoutedExperts | None, str | None]:
+    """The experts each token was routed to, compactly, and what is wrong with them.
+
+    vLLM answers ``prompt_routed_experts`` (``[prompt_len][layers][top_k]``, at
+    the top level) and each choice's ``routed_experts`` (``[gen_len][layers][top_k]``);
+    (``/v1/completions``: the prompt's on each choice too); the result's rows are
+    aligned with ``prompt_ids + completion_ids``, -1 for tokens the server gave
+    no row (no prompt routes; the last token, which an engine may never feed
+    back). (None, None) when the server returned none.
+    """
+    if completion is None and prompt is None:
+        return None, None
+    if prompt_ids is None or completion_ids is None:
+        return None, "routed_experts without token ids: dropped (ask for return_token_ids)"
+    shape = _expert_shape(completion if completion is not None else prompt)
+    if shape is None:
+        return None, "malformed routed_experts: not [tokens][layers][top_k] ints (dropped)"
+    layers, top_k = shape
+    missing = [[-1] * top_k for _ in range(layers)]
+    prompt_rows = prompt if isinstance(prompt, list) else [missing] * len(prompt_ids)
+    completion_rows = (
+        completion if isinstance(completion, list) else [missing] * len(completion_ids)
+    )
+    if len(completion_rows) == len(completion_ids) - 1:  # the last token never fed back
+        completion_rows = [*completion_rows, missing]
+    if len(prompt_rows) != len(prompt_ids) or len(completion_rows) != len(completion_ids):
+        return None, (
+            "routed_experts not aligned with the token ids:"
+            f" {len(prompt_rows)}+{len(completion_rows)} rows for"
+            f" {len(prompt_ids)}+{len(completion_ids)} tokens (dropped)"
+        )
+    try:
+        return RoutedExperts.from_rows(
+            [*prompt_rows, *completion_rows], layers=layers, top_k=top_k
+        ), None
+    except ValueError as exc:
+        return None, f"malformed routed_experts: {exc} (dropped)"
+
+
+def _expert_shape(rows: object) -> tuple[int, int] | None:
+    """``(layers, top_k)`` of the first row of ``[tokens][layers][top_k]``."""
+    if not isinstance(rows, list) or not rows:
+        return None
+    first = rows[0]
+    if not isinstance(first, list) or not first or not isinstance(first[0], list):
+        return None
+    return len(first), len(first[0])

@@ -15,16 +15,47 @@ Example::
     async with pool.policy_paused():
         await trainer.sync_weights()
         pool.policy_version += 1
+
+What a pause does depends on ``policy.weight_update`` (:attr:`PolicyGate.mode`):
+``"pause"`` holds new calls, ``"abort"`` holds them too (the pool then aborts
+the running ones on the servers, and each resumes once the pause ends:
+:func:`current_gate` is how a policy waits for that), ``"in_flight"`` holds
+nothing (it only marks that an update happened, so a call that spans one and
+whose server reports no per-token versions is not credited to one version).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from contextvars import ContextVar
+from typing import Literal
 
 import anyio
 
-__all__ = ["PolicyGate"]
+__all__ = ["PolicyGate", "WeightUpdateMode", "current_gate", "gate_of_rollout"]
+
+WeightUpdateMode = Literal["pause", "abort", "in_flight"]
+_MODES = ("pause", "abort", "in_flight")
+
+#: The gate of the rollout this task runs (set by the rollout around its policy calls).
+_CURRENT: ContextVar[PolicyGate | None] = ContextVar("fleetroll_policy_gate", default=None)
+
+
+def current_gate() -> PolicyGate | None:
+    """The gate of the rollout whose policy call this is (None outside a rollout):
+    an aborted call waits on it for the update to end before it resumes."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def gate_of_rollout(gate: PolicyGate) -> Iterator[None]:
+    """Make ``gate`` the :func:`current_gate` for the block."""
+    token = _CURRENT.set(gate)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
 
 
 class PolicyGate:
@@ -34,9 +65,16 @@ class PolicyGate:
 
     Args:
         version: the version recorded on turns until the trainer sets another.
+        mode: ``policy.weight_update``: what a pause does (see the module).
     """
 
-    def __init__(self, version: int = 0) -> None:
+    def __init__(self, version: int = 0, mode: WeightUpdateMode = "pause") -> None:
+        if mode not in _MODES:
+            raise ValueError(f"policy.weight_update is one of {', '.join(_MODES)}, not {mode!r}")
+        self.mode: WeightUpdateMode = mode
+        #: Weight updates begun so far (pauses entered, in any mode): a call that
+        #: sees it change did not run on one version only.
+        self.updates = 0
         self._version = version
         self._pauses = 0
         self._open = anyio.Event()
@@ -73,8 +111,18 @@ class PolicyGate:
 
         Calls already running finish; calls that would start wait in
         :meth:`admit` until the last pause ends, even if the block raises or
-        is cancelled.
+        is cancelled. In ``in_flight`` mode nothing is held: the block only
+        counts as an update (:attr:`updates`).
         """
+        self.updates += 1
+        if self.mode == "in_flight":
+            self._tell()
+            try:
+                yield
+            finally:
+                self.updates += 1
+                self._tell()
+            return
         self._pauses += 1
         if self._pauses == 1:
             self._open = anyio.Event()

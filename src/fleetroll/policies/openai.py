@@ -13,6 +13,7 @@ Import it from :mod:`fleetroll.policies` or :mod:`fleetroll`.
 
 from __future__ import annotations
 
+import base64
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -30,9 +31,13 @@ from fleetroll.errors import ContextOverflowError, PolicyError
 from fleetroll.policies.chat_http import OPERATION, ChatTransport, Endpoint, endpoint
 from fleetroll.policies.chat_template import ChatTemplate, load_template
 from fleetroll.policies.completions import CompletionReader
+from fleetroll.policies.gate import WeightUpdateMode, current_gate
+from fleetroll.policies.images import PreparedImage, image_spans, prepare_messages
+from fleetroll.policies.resumption import joined, part_versions
 from fleetroll.policies.servers import (
     Affinity,
     PolicyServers,
+    Server,
     ServerLimits,
     current_affinity,
 )
@@ -50,7 +55,9 @@ from fleetroll.policies.turns import (
     Message,
     TokenHistory,
     ToolSpec,
+    TurnData,
 )
+from fleetroll.results import TurnImage
 from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskSpec
 
@@ -159,6 +166,22 @@ class OpenAIChatPolicy:
             per process at the first call.
         tool_parser: with ``token_in = "completions"``, the parser of the
             model's tool calls (:data:`~fleetroll.policies.tool_parsers.PARSERS`).
+        weight_update: ``policy.weight_update``. With ``"abort"``, an answer
+            whose ``finish_reason`` is ``"abort"`` (a weight update aborted it on
+            the server) is resumed: once the update is over (the rollout's gate,
+            :func:`~fleetroll.policies.gate.current_gate`), the same call goes
+            on from its partial output, its prompt being the old prompt plus the
+            tokens kept (``/chat/completions/tokens``, or
+            ``/v1/completions`` with ``token_in = "completions"``), and the turn is the
+            parts joined, each token with the version that produced it
+            (``TurnData.token_versions``). Implies ``return_token_ids``.
+        max_token_staleness: a partial output more than this many versions behind
+            the one it would resume on is sampled again rather than kept.
+        image_max_pixels: a vision-language policy (``policy.image_max_pixels``):
+            every image is resized by Qwen2-VL's rule to at most this many pixels
+            before it is sent (:mod:`fleetroll.policies.images`), each turn keeps
+            those images and their placeholder spans (``TurnData.images``), and
+            token-in stays on with images (the images go in ``multi_modal_data``).
 
     Raises:
         ValueError: a number is out of range.
@@ -189,6 +212,9 @@ class OpenAIChatPolicy:
         token_in: bool | Literal["completions"] = False,
         tokenizer: str | None = None,
         tool_parser: str = "hermes",
+        weight_update: WeightUpdateMode = "pause",
+        max_token_staleness: int | None = None,
+        image_max_pixels: int | None = None,
     ) -> None:
         if servers is None:
             if base_url is None:
@@ -223,7 +249,10 @@ class OpenAIChatPolicy:
         self.tokenizer = tokenizer or model
         self._parser = PARSERS[tool_parser]
         self._template: ChatTemplate | None = None
-        return_token_ids = return_token_ids or bool(token_in)
+        self.image_max_pixels = image_max_pixels
+        self.weight_update = weight_update
+        self.max_token_staleness = max_token_staleness
+        return_token_ids = return_token_ids or bool(token_in) or weight_update == "abort"
         self.model = model
         self._sampling = {
             name: value
@@ -300,6 +329,9 @@ class OpenAIChatPolicy:
             token_in=policy.token_in,
             tokenizer=policy.tokenizer,
             tool_parser=policy.tool_parser,
+            weight_update=policy.weight_update,
+            max_token_staleness=policy.max_token_staleness,
+            image_max_pixels=policy.image_max_pixels,
         )
         made._recipe = PolicyRecipe(uuid.uuid4().hex, config, cls)
         return made
@@ -354,10 +386,17 @@ class OpenAIChatPolicy:
                 is not a chat completion (not transient).
         """
         affinity = current_affinity()  # the rollout's, bound by policy_servers.sticky()
+        gate = current_gate()
+        started = gate.version if gate is not None else None
         history = messages.last_token_turn() if isinstance(messages, TokenHistory) else None
         sent: list[int] | None = None
         kind: Endpoint
-        body = self._body(messages, tools)
+        images: list[PreparedImage] = []
+        prepared: Sequence[Message] = messages
+        if self.image_max_pixels is not None and has_images(messages):
+            prepared, images = await self._prepare_images(messages)
+        body = self._body(prepared, tools)
+        multimodal = {"image": [image.url for image in images]} if images else None
         try:
             with fail_after(self.timeout_s) as scope:
                 if self.token_in == "completions" and not self._has_images(messages):
@@ -385,7 +424,9 @@ class OpenAIChatPolicy:
                     )
                     content = self._http.encode(request, self.url)
                 elif (
-                    self.token_in is True and history is not None and not self._has_images(messages)
+                    self.token_in is True
+                    and history is not None
+                    and (images or not self._has_images(messages))
                 ):
                     added = len(body["messages"]) - len(messages)
                     body["tokens"] = sent = await token_prompt(
@@ -396,12 +437,31 @@ class OpenAIChatPolicy:
                         deadline=scope.deadline,
                         affinity=affinity,
                     )
+                    if multimodal:  # vLLM's multimodal prompt: the ids and the images
+                        body["multi_modal_data"] = multimodal
                     kind, content = "tokens", self._http.encode(body, self.url)
+                elif images:  # resized: not the transcript's own encoding
+                    kind, content = "chat", self._http.encode(body, self.url)
                 else:
                     kind, content = "chat", self._encoded(body, messages)
                 payload, server = await self._http.post(
                     content, deadline=scope.deadline, affinity=affinity, kind=kind
                 )
+                turn = await self._read(payload, server, kind, sent)
+                if (
+                    self.weight_update == "abort"
+                    and turn.data is not None
+                    and turn.data.finish_reason == "abort"
+                ):
+                    turn = await self._resume(
+                        turn,
+                        body,
+                        kind,
+                        started,
+                        multimodal=multimodal,
+                        deadline=scope.deadline,
+                        affinity=affinity,
+                    )
         except PolicyError as exc:
             if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
                 raise ContextOverflowError(str(exc), operation=OPERATION, transient=False) from exc
@@ -415,27 +475,13 @@ class OpenAIChatPolicy:
                 operation=OPERATION,
                 transient=True,
             ) from None
-        if kind == "completions":
-            assert sent is not None
-            turn = read_completion(
-                payload,
-                url=endpoint(server, "completions"),
-                sent=sent,
-                template=await self.template(),
-                parser=self._parser,
-                reader=self._reader,
-            )
-        else:
-            turn = self._reader.parse(payload, url=endpoint(server, "chat"))
         if turn.data is None:
             return turn
+        data = _with_images(turn.data, images) if images else turn.data
         update: dict[str, Any] = shown(body)
-        if sent is not None and turn.data.prompt_token_ids is None:
-            # The prompt is the ids we sent, whether or not the server echoed them.
-            update["prompt_token_ids"] = tuple(sent)
         if len(self.servers.servers) > 1:  # with one server: nothing to say where it went
             update["server"] = server.name
-        return replace(turn, data=replace(turn.data, **update))
+        return replace(turn, data=replace(data, **update))
 
     async def forward(
         self, body: Mapping[str, Any], *, affinity: Affinity | None = None
@@ -503,6 +549,122 @@ class OpenAIChatPolicy:
             self._template = await load_template(self.tokenizer)
         return self._template
 
+    async def _read(
+        self, payload: Any, server: Server, kind: Endpoint, sent: list[int] | None
+    ) -> AssistantTurn:
+        """The turn of an answer from ``kind``'s route; its prompt is the ids
+        ``sent``, whether or not the server echoed them."""
+        if kind == "completions":
+            assert sent is not None
+            return read_completion(
+                payload,
+                url=endpoint(server, "completions"),
+                sent=sent,
+                template=await self.template(),
+                parser=self._parser,
+                reader=self._reader,
+            )
+        turn = self._reader.parse(payload, url=endpoint(server, "chat"))
+        if sent is not None and turn.data is not None and not turn.data.prompt_token_ids:
+            turn = replace(turn, data=replace(turn.data, prompt_token_ids=tuple(sent)))
+        return turn
+
+    async def _resume(
+        self,
+        turn: AssistantTurn,
+        body: Mapping[str, Any],
+        kind: Endpoint,
+        started: int | None,
+        *,
+        multimodal: Mapping[str, Any] | None,
+        deadline: float,
+        affinity: Affinity | None,
+    ) -> AssistantTurn:
+        """Resume an aborted call from its partial output on the new weights, until
+        an answer that was not aborted; the turn is the parts joined
+        (:mod:`~fleetroll.policies.resumption`). ``body`` is the chat request
+        the call was made of (``multimodal``: its images, for vLLM's
+        ``multi_modal_data``); each resumption goes to the token route (with
+        ``token_in = "completions"``: to ``/v1/completions``, and the joined
+        text's tool calls are parsed once, here)."""
+        data = turn.data
+        assert data is not None  # the caller checked
+        prompt = data.prompt_token_ids
+        if prompt is None or data.completion_token_ids is None:
+            raise PolicyError(
+                f"{self.url} aborted a generation without its token ids: policy.weight_update"
+                " = 'abort' resumes from them (the server must return return_token_ids)",
+                operation=OPERATION,
+                transient=False,
+            )
+        local = kind == "completions"
+        parts = [turn]
+        versions = [part_versions(data, started)]
+        notes: list[str] = []
+        ended: str | None = None
+        while (last := parts[-1].data) is not None and last.finish_reason == "abort":
+            gate = current_gate()
+            version = (await gate.admit())[0] if gate is not None else None
+            kept = [i for part in parts for i in (part.data.completion_token_ids or ())]  # type: ignore[union-attr]
+            oldest = min((v for vs in versions for v in vs if v is not None), default=None)
+            limit = self.max_token_staleness
+            too_old = limit is not None and version is not None and oldest is not None
+            if kept and too_old and version - oldest > limit:  # type: ignore[operator]
+                notes.append(
+                    f"{len(kept)} tokens of version {oldest} sampled again on version"
+                    f" {version} (policy.max_token_staleness = {limit})"
+                )
+                parts, versions, kept = [], [], []
+            ids = [*prompt, *kept]
+            if local:
+                request = completion_body(
+                    body,
+                    ids,
+                    await self.template(),
+                    sampling=self._sampling,
+                    training=self._training,
+                    extra=self._extra_body,
+                )
+            else:
+                request = {**body, "tokens": ids}
+                if multimodal:  # the prompt's image placeholders need their images
+                    request["multi_modal_data"] = multimodal
+            if kept:
+                notes.append(f"aborted after {len(kept)} tokens, resumed on version {version}")
+            left = request.get("max_tokens")
+            if isinstance(left, int) and kept:
+                if left - len(kept) < 1:  # nothing left to sample: the answer ran to its length
+                    ended = "length"
+                    break
+                request["max_tokens"] = left - len(kept)
+            payload, server = await self._http.post(
+                self._http.encode(request, self.url),
+                deadline=deadline,
+                affinity=affinity,
+                kind="completions" if local else "tokens",
+            )
+            part = await self._read(payload, server, "completions" if local else "tokens", ids)
+            parts.append(part)
+            if part.data is None:
+                break
+            versions.append(part_versions(part.data, version))
+        whole = joined(parts, versions, prompt, "; ".join(notes) or None, ended)
+        if not local or whole.data is None or whole.data.completion_token_ids is None:
+            return whole
+        # A tool call may straddle two parts: the joined text is parsed as one answer.
+        content, calls = self._parser(
+            (await self.template()).decode(whole.data.completion_token_ids)
+        )
+        finish = whole.data.finish_reason
+        if finish in ("stop", "tool_calls"):
+            finish = "tool_calls" if calls else "stop"
+        return replace(
+            whole,
+            content=content,
+            tool_calls=tuple(calls),
+            data=replace(whole.data, finish_reason=finish),
+        )
+
     # ------------------------------------------------------------- request
 
     def _body(self, messages: Sequence[Message], tools: Sequence[ToolSpec]) -> dict[str, Any]:
@@ -553,6 +715,26 @@ class OpenAIChatPolicy:
         pieces += [b"],", rest[1:]]
         return b"".join(pieces)
 
+    async def _prepare_images(
+        self, messages: Sequence[Message]
+    ) -> tuple[list[Message], list[PreparedImage]]:
+        """``messages`` with their images resized (``image_max_pixels``), off the loop.
+
+        Raises:
+            PolicyError: an image is not a base64 data URL of an image (not transient).
+        """
+        assert self.image_max_pixels is not None
+        try:
+            return await anyio.to_thread.run_sync(
+                lambda: prepare_messages(messages, max_pixels=self.image_max_pixels or 0)
+            )
+        except ValueError as exc:
+            raise PolicyError(
+                f"an image could not be prepared for the model (policy.image_max_pixels): {exc}",
+                operation=OPERATION,
+                transient=False,
+            ) from None
+
     def _has_images(self, messages: Sequence[Message]) -> bool:
         """Whether the conversation holds images (:func:`~.token_in.has_images`):
         those go by messages, not ids. Said once per policy."""
@@ -590,3 +772,29 @@ def shown(body: Mapping[str, Any]) -> dict[str, Any]:
         else None
     )
     return {"system_prompt": system, "tools": listed}
+
+
+def _with_images(data: TurnData, images: Sequence[PreparedImage]) -> TurnData:
+    """``data`` with the prompt's images and their placeholder spans in its
+    ``prompt_token_ids``; a ``training_data_error`` when they are not found."""
+    spans = image_spans(data.prompt_token_ids or (), [image.placeholders for image in images])
+    if spans is None:
+        problem = (
+            "image placeholders not found in prompt_token_ids: expected runs of"
+            f" {[image.placeholders for image in images]} tokens (is the model a Qwen2-VL-style"
+            " one, and policy.image_max_pixels within the server's max_pixels?)"
+        )
+        error = "; ".join(filter(None, (data.training_data_error, problem)))
+        return replace(data, training_data_error=error)
+    kept = tuple(
+        TurnImage(
+            start=start,
+            end=end,
+            width=image.width,
+            height=image.height,
+            sha256=image.sha256,
+            data=base64.b64encode(image.png).decode("ascii"),
+        )
+        for image, (start, end) in zip(images, spans, strict=True)
+    )
+    return replace(data, images=kept)

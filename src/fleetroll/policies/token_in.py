@@ -25,7 +25,13 @@ from fleetroll._internal.excerpts import shorten as _shorten
 from fleetroll.errors import PolicyError
 from fleetroll.policies.chat_http import OPERATION, ChatTransport, endpoint
 from fleetroll.policies.chat_template import ChatTemplate
-from fleetroll.policies.completions import CompletionReader, ints, training_problems
+from fleetroll.policies.completions import (
+    CompletionReader,
+    ints,
+    routed_experts,
+    token_versions,
+    training_problems,
+)
 from fleetroll.policies.servers import Affinity
 from fleetroll.policies.tool_parsers import ToolParser
 from fleetroll.policies.turns import AssistantTurn, Message, TokenTurn, TurnData
@@ -206,6 +212,14 @@ def read_completion(
         finish = "tool_calls"  # as a chat route answers it
     logprobs, top = _legacy_logprobs(choice.get("logprobs"))
     problems = training_problems(prompt, completion, logprobs, top)
+    experts, experts_problem = routed_experts(
+        payload.get("prompt_routed_experts", choice.get("prompt_routed_experts")),
+        choice.get("routed_experts"),
+        prompt,
+        completion,
+    )
+    if experts_problem:
+        problems.append(experts_problem)
     if logprobs is not None and not all(map(math.isfinite, logprobs)):
         logprobs = None
     if top is not None and not all(math.isfinite(n) for a in top for _, n in a):
@@ -237,6 +251,8 @@ def read_completion(
             logprobs=logprobs if "logprobs" in asked else None,
             top_logprobs=top if "top_logprobs" in asked else None,
             training_data_error="; ".join(problems) or None,
+            token_versions=token_versions(choice, completion),
+            routed_experts=experts,
         ),
     )
 

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from fleetroll.results import RoutedExperts, TurnImage
+
 __all__ = [
     "AssistantTurn",
     "EncodedMessages",
@@ -78,6 +80,12 @@ class TurnData:
     #: The policy server that answered (its API root, without credentials),
     #: when there are many (``policy.base_urls``); None with one.
     server: str | None = None
+    #: The weights' version that produced each completion token, as the server
+    #: reported it (a ``token_versions`` list beside ``token_ids``) or as an
+    #: aborted call's resumption knows it; None when not known.
+    token_versions: tuple[int | None, ...] | None = None
+    #: Why ``token_versions`` holds nulls, or what happened (an abort, a resumption).
+    token_versions_note: str | None = None
     #: What the call showed the model besides the conversation's own
     #: messages: the system message it was sent (None: none), and the tools
     #: as sent (OpenAI's ``tools`` list; None: none). A result keeps its first
@@ -85,6 +93,12 @@ class TurnData:
     #: are left out of the hash.)
     system_prompt: str | None = None
     tools: tuple[Mapping[str, Any], ...] | None = field(default=None, hash=False)
+    #: The experts each token (prompt then completion) was routed to, when the
+    #: server returned them (a mixture-of-experts model).
+    routed_experts: RoutedExperts | None = None
+    #: With ``policy.image_max_pixels``: the prompt's images as the model saw
+    #: them, with their placeholder spans in ``prompt_token_ids``.
+    images: tuple[TurnImage, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

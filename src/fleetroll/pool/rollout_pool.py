@@ -87,6 +87,7 @@ from fleetroll.settings import Settings
 from fleetroll.tasks import TaskSpec
 from fleetroll.telemetry.events import Events
 from fleetroll.training.groups import Group, GroupTracker, Tree
+from fleetroll.training.weight_sync import abort_generations
 
 __all__ = [
     "Batch",
@@ -287,7 +288,7 @@ class RolloutPool:
             settings.admission, CreateLimits.from_settings(settings.provisioning), self.events
         )
         #: The policy version recorded on turns, and the trainer's pause on policy calls.
-        self.policy_gate = PolicyGate()
+        self.policy_gate = PolicyGate(mode=settings.policy.weight_update)
         #: Running batches, and the last ``pool.keep_finished_batches`` drained ones.
         self.batches = BatchMap[Batch](settings.pool.keep_finished_batches)
 
@@ -341,8 +342,22 @@ class RolloutPool:
                 ``timeouts.ray_call_s`` (the version is set: it reaches that
                 actor with its next rollout, or when it answers).
         """
+        aborting = self.policy_gate.mode == "abort" and not self.policy_gate.paused
         self.policy_gate.version = value
         await self._executor.gate_synced()
+        if aborting:  # a bump outside a pause: the calls running now resume on it
+            await self._abort_generations()
+
+    async def _abort_generations(self) -> None:
+        """``policy.weight_update = "abort"``: every generation running on the policy
+        servers stops (SGLang's ``/abort_request``) and its call resumes from its
+        partial output once the policy calls may start again."""
+        key = self.settings.openai_api_key
+        await abort_generations(
+            self.settings.policy.servers,
+            api_key=key.get_secret_value() if key is not None else None,
+            timeout_s=self.settings.timeouts.weight_sync_s,
+        )
 
     @asynccontextmanager
     async def policy_paused(self) -> AsyncIterator[None]:
@@ -356,12 +371,21 @@ class RolloutPool:
         pause ends), and once the block is left calls start again everywhere
         (every actor confirmed the pause's end, unless another pause holds).
 
+        With ``policy.weight_update = "abort"`` the generations running on the
+        policy servers are aborted once the pause holds, each call resuming from
+        its partial output after the block; with ``"in_flight"`` nothing is held
+        (the servers take the weights between tokens) and the block only marks
+        an update.
+
         Raises:
             OperationTimeout: a live Ray actor did not confirm within
                 ``timeouts.ray_call_s``.
+            WeightSyncError: (``abort``) a policy server did not take the abort.
         """
         async with self.policy_gate.paused_calls():
             await self._executor.gate_synced()
+            if self.policy_gate.mode == "abort":
+                await self._abort_generations()
             try:
                 yield
             finally:

@@ -47,7 +47,7 @@ class RolloutEngine:
         self.admission = admission
         #: The policy version recorded on turns, and the trainer's pause on policy
         #: calls (a pool's, :mod:`fleetroll.pool.executor`).
-        self.policy_gate = policy_gate or PolicyGate()
+        self.policy_gate = policy_gate or PolicyGate(mode=config.policy.weight_update)
         #: Telemetry's redactor, knowing ``config.secrets`` too; results go
         #: through it (an ``Events`` built without secrets knows none).
         self.redactor: Redactor = events.redactor.extended(config.secrets)

@@ -52,6 +52,7 @@ import fleetroll.rollout.staleness as staleness
 from fleetroll._internal.retrying import reporting as report_retries
 from fleetroll.environments.provider import Instance
 from fleetroll.policies import AssistantTurn, Policy, ToolCall, ToolSpec
+from fleetroll.policies.gate import gate_of_rollout
 from fleetroll.policies.servers import sticky
 from fleetroll.results import FailureReason, RolloutResult, writable_result
 from fleetroll.rollout.branching import BranchPolicy, Prefix, first_difference
@@ -270,6 +271,8 @@ class Rollout:
                 )
                 restart = staleness.check(self.progress, limit, now, may_restart=may_restart)
                 if not restart:
+                    token_limit = self.engine.config.policy.max_token_staleness
+                    staleness.check_tokens(self.progress, token_limit, now)
                     await self._guarded(self._score())
             except anyio.get_cancelled_exc_class():
                 reason, error = self._stop or (FailureReason.CANCELLED, "the rollout was cancelled")
@@ -383,7 +386,9 @@ class Rollout:
             if isinstance(policy, Agent):  # an agent of its own acts (--agent-command)
                 await policy.drive(self)
             else:
-                await self._act_turns(policy)
+                # An aborted call waits on the rollout's gate before it resumes.
+                with gate_of_rollout(self.engine.policy_gate):
+                    await self._act_turns(policy)
 
     async def _act_turns(self, policy: Policy) -> None:
         config = self.engine.config
@@ -413,6 +418,7 @@ class Rollout:
                 self.tools,
                 timeout_s=timeout,
                 policy_version=version,
+                gate=self.engine.policy_gate,
             )
             if asked is None:
                 return

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from fleetroll._internal.deadlines import now
 from fleetroll.policies import AssistantTurn
+from fleetroll.policies.turns import TurnData
 from fleetroll.results import (
     REWARD_ERROR_SEPARATOR,
     SCORED_REASONS,
@@ -101,12 +102,21 @@ class Progress:
                 self.overrun = (what, self.deadline - began)
 
     def record_turn(
-        self, turn: AssistantTurn, *, policy_version: int, latency_s: float, choice: int = 0
+        self,
+        turn: AssistantTurn,
+        *,
+        policy_version: int,
+        latency_s: float,
+        choice: int = 0,
+        proven: bool = True,
     ) -> None:
         """Count a policy call and keep its training data; call before adding the turn.
 
         ``choice`` > 0: another choice of the call just recorded (``n`` > 1), kept
-        as a turn of its own; the call is not counted again.
+        as a turn of its own; the call is not counted again. ``proven``: no weight
+        update can have applied during the call, so a server that reports no
+        per-token versions produced every token with ``policy_version``; else
+        those tokens' versions are null (with a note).
         """
         if not choice:
             self.cost.policy_calls += 1
@@ -139,6 +149,9 @@ class Progress:
                 training_data_error=data.training_data_error,
                 server=data.server,
                 choice=choice,
+                **_token_versions(data, policy_version, proven),
+                routed_experts=data.routed_experts,
+                images=None if data.images is None else list(data.images),
             )
         )
 
@@ -279,3 +292,22 @@ def _plain(value: Any, redact: Callable[[str], str]) -> Any:
             return value
         return elements
     return value
+
+
+def _token_versions(data: TurnData, policy_version: int, proven: bool) -> dict[str, Any]:
+    """A turn's ``token_versions`` and their note: the server's (or the policy's,
+    after an abort) when given, else ``policy_version`` where proven, else null."""
+    versions = data.token_versions
+    note = data.token_versions_note
+    ids = data.completion_token_ids
+    if versions is None and ids is not None:
+        if proven:
+            versions = (policy_version,) * len(ids)
+        else:
+            versions = (None,) * len(ids)
+            note = (
+                "the weights were updated during the call (policy.weight_update = in_flight)"
+                " and the server reports no token_versions: which version produced each token"
+                " is unknown"
+            )
+    return {"token_versions": _list(versions), "token_versions_note": note}

@@ -365,14 +365,18 @@ async def ask_policy(
     *,
     timeout_s: float,
     policy_version: int,
+    gate: PolicyGate | None = None,
 ) -> tuple[AssistantTurn, float] | None:
     """One policy call of the acting phase, timed and recorded on ``progress``.
 
     Returns the turn and the call's latency (s), or None when the call failed:
     the failure is recorded (``context_overflow``, or ``policy_error`` for an
     error, a timeout or a bug of the policy's: the policy is an adapter, its
-    bugs are its failures).
+    bugs are its failures). ``gate``: the rollout's; with ``policy.weight_update
+    = "in_flight"``, a call during which an update began or the version changed
+    records no version for tokens its server did not tag.
     """
+    before = (gate.updates, gate.version) if gate is not None else None
     began = time.monotonic()
     try:
         with fail_after(timeout_s):
@@ -392,7 +396,8 @@ async def ask_policy(
     finally:
         latency = time.monotonic() - began
         progress.timings.policy_s += latency
-    progress.record_turn(turn, policy_version=policy_version, latency_s=latency)
+    proven = gate is None or gate.mode != "in_flight" or before == (gate.updates, gate.version)
+    progress.record_turn(turn, policy_version=policy_version, latency_s=latency, proven=proven)
     return turn, latency
 
 

@@ -445,6 +445,12 @@ class PolicySettings(_Section):
     #: Only the last this many screenshots are sent to the model; older ones are
     #: replaced by a short text placeholder (in the transcript too). None: all.
     max_images: int | None = Field(None, ge=0)
+    #: For a vision-language policy (Qwen2-VL-style): resize every image by
+    #: Qwen2-VL's rule to at most this many pixels before the model sees it (the
+    #: same pixels go into the turns' ``images``), and keep token-in on with
+    #: images (the ids with the images' placeholders, plus the images). None:
+    #: images go as they are, and a conversation with images as messages.
+    image_max_pixels: int | None = Field(None, ge=56 * 56)
     #: A rollout whose next prompt would pass this many tokens ends with
     #: ``context_overflow`` (scored). None: only the server's own limit applies.
     max_context_tokens: int | None = Field(None, ge=1)
@@ -467,6 +473,17 @@ class PolicySettings(_Section):
     #: of its reach), "subreaper", its orphans kept and ended by its init, "auto"
     #: (the namespace where one can be made, else the subreaper with a warning).
     agent_sandbox: Literal["auto", "namespace", "subreaper"] = "auto"
+    #: What a weight update (``sync_weights``, ``pool.policy_paused()``) does to
+    #: generations in flight: "pause" holds new policy calls while running ones
+    #: finish on the old weights; "abort" holds them too, aborts the running ones
+    #: on the servers (``/abort_request``) and resumes each from its partial
+    #: output on the new weights (token-in); "in_flight" holds nothing: the
+    #: servers switch between tokens or between turns (docs/training.md).
+    weight_update: Literal["pause", "abort", "in_flight"] = "pause"
+    #: A rollout whose oldest generated token is more than this many policy
+    #: versions behind when it ends is dropped as ``stale``; with "abort", a
+    #: partial output older than this is not resumed but sampled again. None: no bound.
+    max_token_staleness: int | None = Field(None, ge=0)
 
     @field_validator("token_in", mode="before")
     @classmethod

@@ -35,6 +35,13 @@ fleetroll's policy reads:
   TRL's ``VLLMClient.generate`` uses (a batch of token prompts,
   ``return_tokens_as_token_ids``: tokens shown as ``token_id:N``, in the chat
   route's logprobs too);
+- with ``return_routed_experts`` (a mixture-of-experts model: vLLM's
+  ``--enable-return-routed-experts``), ``prompt_routed_experts`` and each
+  choice's ``routed_experts``, ``[tokens][layers][top_k]``, the router's own
+  top-k per token (:func:`routed_experts_of` recomputes them);
+- with ``vision``: a Qwen2-VL-shaped prompt: each image becomes
+  ``<|image_pad|>`` once per 28x28 block after the processor's resize (in
+  ``/tokenize`` too); the tokens route takes ``multi_modal_data.image``;
 - ``GET /health``: 200;
 - weight updates, each loading a ``save_pretrained`` directory, swapping the
   model and bumping the version: vLLM's ``POST /collective_rpc`` with
@@ -46,9 +53,12 @@ fleetroll's policy reads:
   after a reload) answers 200 (nothing is cached across requests here).
 
 **Forced continuations (tests only).** The random model never writes a tool
-call; ``ModelServer(forced=...)`` takes a function of each prompt's ids that
-answers a text (or None: sample as usual). The completion is then that
-text's ids and the end of message, cut at ``max_tokens``: the tokens are
+call; ``ModelServer(forced=...)`` takes a function of each completion's
+:class:`ForcedRequest` (its prompt's ids, on every route, and the request's
+body: a chat request's messages) that answers a text (or None: sample as
+usual). The completion is then that text's ids and the end of message, cut
+at ``max_tokens``, decoded step by step as a sampled one is (so aborts,
+updates in flight and routed experts apply to it alike): the tokens are
 forced, but each one's logprob (and ``top_logprobs``) is still the real
 model's for that token at that position, so logprob checks stay honest.
 Every completion, forced or sampled, is logged in
@@ -57,6 +67,21 @@ Every completion, forced or sampled, is logged in
 Every answer carries the header ``X-Weight-Version``: for a completion, the
 version of the weights that generated all of it (a generation keeps the
 weights it started with; an update applies to the next one).
+
+**Weight updates in flight** (``in_flight_updates=True``): an update applies
+between two decoding steps of the generations running (the sequence so far is
+run again through the new weights, so every later token is exactly the new
+weights' own), and each choice says which version produced each token:
+``token_versions``, beside ``token_ids`` (the header is then the last
+token's version). Every choice carries ``token_versions`` in either mode.
+
+**Aborts**: SGLang's ``POST /abort_request`` (``{"rid": ...}`` or
+``{"abort_all": true}``; this server's request ids are the answers' ``id``)
+stops the generations running or queued at their next decoding step; each
+answers what it generated so far with ``finish_reason: "abort"`` (as vLLM and
+SGLang do). A client that disconnects aborts its generation too (vLLM's abort
+on disconnect). ``decode_delay_s`` slows every decoding step, so a test can
+land an update or an abort in the middle of a generation.
 
 **Logprobs** are by default the raw model's: ``log_softmax(logits)`` of the
 sampled token, in float32, on the logits the model gives for that position,
@@ -109,8 +134,15 @@ from starlette.routing import Route
 
 from fleetroll._internal.exit_stack import exit_transparently
 from fleetroll._internal.serving import serve_asgi
+from fleetroll.policies.images import PreparedImage, decode_data_url, prepare_image
 
-__all__ = ["Generation", "ModelServer", "parse_hermes_tool_calls"]
+__all__ = [
+    "ForcedRequest",
+    "Generation",
+    "ModelServer",
+    "parse_hermes_tool_calls",
+    "routed_experts_of",
+]
 
 _STARTUP_TIMEOUT_S = 10.0
 _SHUTDOWN_TIMEOUT_S = 5.0
@@ -127,8 +159,13 @@ class Generation:
         token_ids: the generated ids, the end token included when it ended on one.
         logprobs: each generated token's raw logprob (see the module's docstring).
         top_logprobs: per token, the ``(id, logprob)`` of the k likeliest tokens.
-        finish_reason: ``"stop"`` (an end token) or ``"length"``.
-        version: the version of the weights that generated it.
+        finish_reason: ``"stop"`` (an end token), ``"length"`` or ``"abort"``.
+        version: the version of the weights that generated its first token
+            (the last one's, with updates in flight).
+        token_versions: the version of the weights that generated each token.
+        prompt_routed_experts, routed_experts: with ``return_routed_experts``
+            (a mixture-of-experts model), per prompt / generated token, per MoE
+            layer, the ``top_k`` experts its router picked (highest weight first).
     """
 
     token_ids: tuple[int, ...]
@@ -136,6 +173,25 @@ class Generation:
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...]
     finish_reason: str
     version: int
+    token_versions: tuple[int, ...] = ()
+    prompt_routed_experts: list[list[list[int]]] | None = None
+    routed_experts: list[list[list[int]]] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ForcedRequest:
+    """What a ``forced`` callable is given: one completion's request.
+
+    Attributes:
+        prompt_ids: the prompt as the model reads it (the chat template
+            applied, images' placeholders expanded; or the ids sent), one
+            prompt of a ``/v1/completions`` batch.
+        body: the request's JSON body as sent (a chat request's ``messages``
+            and ``tools``, a token route's ``tokens``, a completion's ``prompt``).
+    """
+
+    prompt_ids: tuple[int, ...]
+    body: Mapping[str, Any]
 
 
 class _BadRequest(Exception):
@@ -159,9 +215,27 @@ class ModelServer:
             none (vLLM's is the rest of the context; this keeps tests quick).
         logprobs_mode: vLLM's ``--logprobs-mode``: ``raw_logprobs`` (its
             default) or ``processed_logprobs`` (what TRL's trainer computes).
+        in_flight_updates: apply a weight update between decoding steps of the
+            generations running (default: a generation keeps its weights).
+        decode_delay_s: seconds slept after each decoding step (tests).
         host: the address to bind (a free port is chosen).
-        forced: tests only: the text a prompt's completion is forced to (see
-            the module's docstring), None to sample.
+        vision: a vision-language-shaped server (Qwen2-VL's prompt; the model
+            needs ``TinyModelSpec(vision=True)``'s tokens): each image of a
+            message is resized by Qwen2-VL's rule (at most ``image_max_pixels``)
+            and becomes ``<|vision_start|>``, ``<|image_pad|>`` once per 28x28
+            block, ``<|vision_end|>`` (in ``/tokenize`` too); the tokens route
+            takes the ids with those placeholders and the images in
+            ``multi_modal_data.image`` (checked against each other). There is no
+            vision tower: the model reads the placeholders as tokens.
+        forced: tests only: a scripted continuation. Given each completion's
+            :class:`ForcedRequest` (its prompt's ids and the request's body),
+            it returns a text, or None to sample as usual (see the module's
+            docstring).
+        return_routed_experts: vLLM's ``--enable-return-routed-experts``: the
+            model must be a mixture of experts (``TinyModelSpec(num_experts=...)``);
+            every answer carries ``prompt_routed_experts`` (top level; on each
+            choice too in ``/v1/completions``) and each choice's ``routed_experts``,
+            ``[tokens][layers][top_k]`` as the router computed them.
 
     Attributes:
         base_url: ``http://127.0.0.1:<port>/v1``, set once started.
@@ -180,14 +254,30 @@ class ModelServer:
         seed: int = 0,
         default_max_tokens: int = 64,
         logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs",
+        in_flight_updates: bool = False,
+        decode_delay_s: float = 0.0,
         host: str = "127.0.0.1",
-        forced: Callable[[Sequence[int]], str | None] | None = None,
+        return_routed_experts: bool = False,
+        vision: bool = False,
+        image_max_pixels: int = 28 * 28 * 1280,
+        forced: Callable[[ForcedRequest], str | None] | None = None,
     ) -> None:
         self.model_path = Path(model_path)
         self.model_name = model_name or self.model_path.name
         self.token_route = token_route
         self.default_max_tokens = default_max_tokens
         self.logprobs_mode = logprobs_mode
+        self.in_flight_updates = in_flight_updates
+        self.decode_delay_s = decode_delay_s
+        #: Every model served so far, by version (a test recomputes logprobs with them).
+        self.models: dict[int, Any] = {}
+        #: Generations aborted so far (``/abort_request`` or a disconnect), and
+        #: the tokens they had generated.
+        self.aborted = 0
+        self.aborted_tokens = 0
+        #: Seconds spent generating (the bench's busy share).
+        self.busy_s = 0.0
+        self._aborts: dict[str, threading.Event] = {}
         self.base_url = ""
         self.root_url = ""
         self.version = 0
@@ -196,6 +286,12 @@ class ModelServer:
         self.generations: list[tuple[tuple[int, ...], Generation]] = []
         self._forced = forced
         self._host = host
+        self.return_routed_experts = return_routed_experts
+        self.vision = vision
+        self.image_max_pixels = image_max_pixels
+        #: With ``vision``: every image a completion received, as the model saw it
+        #: (after this server's resize), in order.
+        self.received_images: list[PreparedImage] = []
         self._seed = seed
         self._model: Any = None
         self._tokenizer: Any = None
@@ -239,6 +335,7 @@ class ModelServer:
                 Route("/update_weights_from_disk", self._update_from_disk, methods=["POST"]),
                 Route("/get_weight_version", self._get_weight_version, methods=["GET"]),
                 Route("/reset_prefix_cache", self._reset_prefix_cache, methods=["POST"]),
+                Route("/abort_request", self._abort_request, methods=["POST"]),
             ]
         )
         try:
@@ -260,12 +357,22 @@ class ModelServer:
 
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         self._model = _load_model(self.model_path)
+        self.models[0] = self._model
         config = self._model.config
         self._max_model_len = int(getattr(config, "max_position_embeddings", 4096))
         ends = {self._tokenizer.eos_token_id}
         for source in (config.eos_token_id, self._model.generation_config.eos_token_id):
             ends.update(source if isinstance(source, list) else [source])
         self._end_ids = frozenset(i for i in ends if isinstance(i, int))
+        if self.vision and self._tokenizer.convert_tokens_to_ids("<|image_pad|>") is None:
+            raise RuntimeError(
+                "vision needs a tokenizer with <|image_pad|> (TinyModelSpec(vision=True))"
+            )
+        if self.return_routed_experts and not getattr(config, "num_experts", 0):
+            raise RuntimeError(
+                "return_routed_experts needs a mixture-of-experts model"
+                " (save_tiny_model(..., TinyModelSpec(num_experts=4)))"
+            )
 
     # -- the model
 
@@ -290,18 +397,22 @@ class ModelServer:
         seed: int | None = None,
         top_logprobs: int = 0,
         weights: tuple[Any, int] | None = None,
+        abort: threading.Event | None = None,
+        forced: Sequence[int] | None = None,
     ) -> Generation:
         """Sample one completion of ``prompt_ids`` (blocking; the routes call it
         in a worker thread, one at a time) with the weights now served, or with
         ``weights`` (a model and its version: a request's completions all use
-        the weights it started with)."""
+        the weights it started with, unless ``in_flight_updates``). ``abort``
+        set: it stops at the next decoding step (``finish_reason: "abort"``).
+        ``forced``: the ids to generate instead of sampled ones (cut at
+        ``max_tokens``), each with the model's own logprob."""
         import torch
 
+        began = time.monotonic()
         model, version = weights or self._weights()
-        forced: list[int] | None = None
-        if self._forced is not None and (text := self._forced(prompt_ids)) is not None:
-            end = self._tokenizer.convert_tokens_to_ids("<|im_end|>")
-            forced = [*self._encode(text), end]
+        first_version = version
+        versions: list[int] = []
         processed_logprobs = self.logprobs_mode == "processed_logprobs"
         if seed is None:
             seed = self._seed * 1_000_003 + next(self._sampling_seeds)
@@ -312,31 +423,32 @@ class ModelServer:
         finish = "length"
         # transformers 5 names the KV cache ``cache`` (``past_key_values`` before).
         name = "cache" if "cache" in inspect.signature(model.forward).parameters else None
-        if forced is not None:  # one forward pass over the forced tokens (teacher forcing)
-            forced = forced[:max_tokens]
-            with torch.inference_mode():
-                every = model(input_ids=torch.tensor([[*prompt_ids, *forced[:-1]]])).logits
-            for position, token in enumerate(forced):
-                logits = every[0, len(prompt_ids) - 1 + position].float()
-                _, processed = _sample(logits, temperature, top_p, top_k, generator)
-                shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
-                ids.append(token)
-                logprobs.append(float(shown[token]))
-                if top_logprobs:
-                    values, indices = torch.topk(shown, top_logprobs)
-                    tops.append(tuple(zip(indices.tolist(), values.tolist(), strict=True)))
-            finish = "stop" if forced[-1] in self._end_ids else "length"
+        routing = {"output_router_logits": True} if self.return_routed_experts else {}
+        experts_k = int(getattr(model.config, "num_experts_per_tok", 0))
+        prompt_routes: list[list[list[int]]] | None = None
+        routes: list[list[list[int]]] = []
         with torch.inference_mode():
-            steps = 0 if forced is not None else max_tokens
-            out = (
-                model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True) if steps else None
-            )
-            for _ in range(steps):
-                assert out is not None
+            out = model(input_ids=torch.tensor([list(prompt_ids)]), use_cache=True, **routing)
+            if routing:
+                prompt_routes = _routes(out, experts_k)
+            steps = max_tokens if forced is None else min(len(forced), max_tokens)
+            for step in range(steps):
+                if abort is not None and abort.is_set():
+                    finish = "abort"
+                    break
+                if self.in_flight_updates and (now := self._weights())[1] != version:
+                    # The update lands between two steps: the sequence so far runs
+                    # through the new weights (no stale KV cache), so each later
+                    # token is exactly what they give.
+                    model, version = now
+                    out = model(input_ids=torch.tensor([[*prompt_ids, *ids]]), use_cache=True)
                 logits = out.logits[0, -1].float()
                 token, processed = _sample(logits, temperature, top_p, top_k, generator)
+                if forced is not None:
+                    token = forced[step]
                 shown = processed if processed_logprobs else torch.log_softmax(logits, dim=-1)
                 ids.append(token)
+                versions.append(version)
                 logprobs.append(float(shown[token]))
                 if top_logprobs:
                     values, indices = torch.topk(shown, top_logprobs)
@@ -344,15 +456,49 @@ class ModelServer:
                 if token in self._end_ids:
                     finish = "stop"
                     break
+                if self.decode_delay_s:
+                    time.sleep(self.decode_delay_s)
                 cache = out.cache if name else out.past_key_values
                 out = model(
                     input_ids=torch.tensor([[token]]),
                     use_cache=True,
                     **{name or "past_key_values": cache},
+                    **routing,
                 )
-        made = Generation(tuple(ids), tuple(logprobs), tuple(tops), finish, version)
+                if routing:
+                    routes += _routes(out, experts_k)
+            if routing and len(routes) < len(ids):  # the last token: routed, as vLLM does
+                cache = out.cache if name else out.past_key_values
+                out = model(
+                    input_ids=torch.tensor([[ids[-1]]]),
+                    use_cache=True,
+                    **{name or "past_key_values": cache},
+                    **routing,
+                )
+                routes += _routes(out, experts_k)
+        self.busy_s += time.monotonic() - began
+        if finish == "abort":
+            self.aborted += 1
+            self.aborted_tokens += len(ids)
+        shown_version = version if self.in_flight_updates else first_version
+        made = Generation(
+            tuple(ids),
+            tuple(logprobs),
+            tuple(tops),
+            finish,
+            shown_version,
+            tuple(versions),
+            prompt_routed_experts=prompt_routes,
+            routed_experts=routes if routing else None,
+        )
         self.generations.append((tuple(prompt_ids), made))
         return made
+
+    def abort_all(self) -> int:
+        """Abort every generation running or queued; return how many were asked."""
+        for event in self._aborts.values():
+            event.set()
+        return len(self._aborts)
 
     def _weights(self) -> tuple[Any, int]:
         """The model now served and its version, read together."""
@@ -367,6 +513,7 @@ class ModelServer:
             with self._swap:
                 self._model = model
                 self.version += 1
+                self.models[self.version] = model
                 self.weight_version = weight_version or str(self.version)
             return self.version
 
@@ -419,16 +566,22 @@ class ModelServer:
             body = await self._body(request)
             if request.url.path.endswith("/tokens"):
                 prompt = _token_list(body.get("tokens"), "tokens")
+                if self.vision:
+                    self._check_images(prompt, body)
             else:
-                prompt = self._chat_prompt(body, generation=body.get("add_generation_prompt", True))
+                prompt = self._chat_prompt(
+                    body, generation=body.get("add_generation_prompt", True), record=True
+                )
             sampling = self._sampling(body, default_max_tokens=self.default_max_tokens)
             self._check_context(len(prompt), sampling["max_tokens"])
             top = _int(body.get("top_logprobs"), "top_logprobs", default=0)
             want_logprobs = body.get("logprobs") is True
             weights = self._weights()
-            generations = await self._generate_n(
-                prompt, body, sampling, top if want_logprobs else 0, weights
-            )
+            rid = f"chatcmpl-{next(self._ids)}"
+            async with self._abortable(request, rid) as abort:
+                generations = await self._generate_n(
+                    prompt, body, sampling, top if want_logprobs else 0, weights, (abort, request)
+                )
         except _BadRequest as exc:
             return _error(400, str(exc))
         parse_tools = bool(body.get("tools")) and body.get("tool_choice") != "none"
@@ -457,11 +610,14 @@ class ModelServer:
                     "finish_reason": finish,
                     "stop_reason": None,
                     "token_ids": list(generation.token_ids) if wants_ids else None,
+                    "token_versions": list(generation.token_versions),
                 }
             )
+            if generation.routed_experts is not None:
+                choices[-1]["routed_experts"] = generation.routed_experts
         completion_tokens = sum(len(g.token_ids) for g in generations)
         answer = {
-            "id": f"chatcmpl-{next(self._ids)}",
+            "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or self.model_name,
@@ -474,7 +630,9 @@ class ModelServer:
             "prompt_logprobs": None,
             "prompt_token_ids": prompt if wants_ids else None,
         }
-        return self._json(answer, version=weights[1])
+        if generations[0].prompt_routed_experts is not None:
+            answer["prompt_routed_experts"] = generations[0].prompt_routed_experts
+        return self._json(answer, version=generations[-1].version)
 
     async def _completions(self, request: Request) -> Response:
         try:
@@ -489,10 +647,14 @@ class ModelServer:
             logprobs = body.get("logprobs")
             top = None if logprobs is None else _int(logprobs, "logprobs", default=0)
             weights = self._weights()
-            batches = [
-                await self._generate_n(prompt, body, sampling, top or 0, weights)
-                for prompt in prompts
-            ]
+            rid = f"cmpl-{next(self._ids)}"
+            async with self._abortable(request, rid) as abort:
+                batches = [
+                    await self._generate_n(
+                        prompt, body, sampling, top or 0, weights, (abort, request)
+                    )
+                    for prompt in prompts
+                ]
         except _BadRequest as exc:
             return _error(400, str(exc))
         wants_ids = body.get("return_token_ids") is True
@@ -512,14 +674,18 @@ class ModelServer:
                         "prompt_logprobs": None,
                         "prompt_token_ids": prompt if wants_ids else None,
                         "token_ids": list(generation.token_ids) if wants_ids else None,
+                        "token_versions": list(generation.token_versions),
                     }
                 )
+                if generation.routed_experts is not None:
+                    choices[-1]["prompt_routed_experts"] = generation.prompt_routed_experts
+                    choices[-1]["routed_experts"] = generation.routed_experts
         prompt_tokens = sum(
             len(prompt) * len(g) for prompt, g in zip(prompts, batches, strict=True)
         )
         completion_tokens = sum(len(g.token_ids) for batch in batches for g in batch)
         answer = {
-            "id": f"cmpl-{next(self._ids)}",
+            "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": body.get("model") or self.model_name,
@@ -530,7 +696,33 @@ class ModelServer:
                 "total_tokens": prompt_tokens + completion_tokens,
             },
         }
-        return self._json(answer, version=weights[1])
+        return self._json(answer, version=batches[-1][-1].version)
+
+    async def _abort_request(self, request: Request) -> Response:
+        """SGLang's ``/abort_request``: ``{"rid": ...}`` or ``{"abort_all": true}``."""
+        try:
+            body = await self._body(request)
+        except _BadRequest as exc:
+            return _error(400, str(exc))
+        if body.get("abort_all") is True:
+            self.abort_all()
+        elif isinstance(rid := body.get("rid"), str):
+            if (event := self._aborts.get(rid)) is not None:
+                event.set()
+        else:
+            return _error(400, "give 'rid' (a request id) or 'abort_all': true")
+        return Response(status_code=200)
+
+    @contextlib.asynccontextmanager
+    async def _abortable(self, request: Request, rid: str) -> AsyncIterator[threading.Event]:
+        """An abort flag for the request ``rid``, set by ``/abort_request`` or by the
+        client's disconnect (vLLM aborts a request whose client went away)."""
+        event = threading.Event()
+        self._aborts[rid] = event
+        try:
+            yield event
+        finally:
+            del self._aborts[rid]
 
     async def _collective_rpc(self, request: Request) -> Response:
         """vLLM's dev-mode ``/collective_rpc``: only ``reload_weights`` is known."""
@@ -589,21 +781,81 @@ class ModelServer:
     def _decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def _chat_prompt(self, body: Mapping[str, Any], *, generation: bool) -> list[int]:
+    def _image(self, url: object) -> PreparedImage:
+        try:
+            return prepare_image(decode_data_url(str(url)), max_pixels=self.image_max_pixels)
+        except ValueError as exc:
+            raise _BadRequest(f"an image could not be read: {exc}") from None
+
+    def _images_of(self, messages: list[Any]) -> list[PreparedImage]:
+        return [
+            self._image((part.get("image_url") or {}).get("url"))
+            for message in messages
+            if isinstance(message, dict) and isinstance(message.get("content"), list)
+            for part in message["content"]
+            if isinstance(part, dict) and part.get("type") == "image_url"
+        ]
+
+    def _pad_runs(self, ids: Sequence[int]) -> list[int]:
+        pad = self._tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        runs: list[int] = []
+        previous = None
+        for token in ids:
+            if token == pad:
+                if previous == pad:
+                    runs[-1] += 1
+                else:
+                    runs.append(1)
+            previous = token
+        return runs
+
+    def _check_images(self, prompt: list[int], body: Mapping[str, Any]) -> None:
+        """The tokens route's multimodal prompt: one placeholder run per image,
+        as long as the image's 28x28 blocks after this server's resize."""
+        data = body.get("multi_modal_data") or {}
+        urls = data.get("image") if isinstance(data, dict) else None
+        images = [self._image(url) for url in urls or ()]
+        runs = self._pad_runs(prompt)
+        if runs != [image.placeholders for image in images]:
+            raise _BadRequest(
+                f"the prompt's image placeholders ({runs}) do not match the images'"
+                f" ({[image.placeholders for image in images]})"
+            )
+        self.received_images += images
+
+    def _chat_prompt(
+        self, body: Mapping[str, Any], *, generation: bool, record: bool = False
+    ) -> list[int]:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _BadRequest("'messages' (a non-empty list) is required")
         tools = body.get("tools") or None
         try:
             text = self._tokenizer.apply_chat_template(
-                _template_messages(messages),
+                _template_messages(
+                    messages,
+                    image_text="<|vision_start|><|image_pad|><|vision_end|>"
+                    if self.vision
+                    else None,
+                ),
                 tools=tools,
                 tokenize=False,
                 add_generation_prompt=generation,
             )
         except Exception as exc:  # a template error: the request's fault, as in vLLM
             raise _BadRequest(f"the chat template failed: {exc}") from None
-        return self._encode(str(text))
+        ids = self._encode(str(text))
+        if not self.vision:
+            return ids
+        images = self._images_of(messages)
+        pad = self._tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        counts = iter(image.placeholders for image in images)
+        expanded: list[int] = []
+        for token in ids:
+            expanded += [pad] * next(counts) if token == pad else [token]
+        if record:
+            self.received_images += images
+        return expanded
 
     def _sampling(self, body: Mapping[str, Any], *, default_max_tokens: int) -> dict[str, Any]:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -632,11 +884,49 @@ class ModelServer:
         sampling: dict[str, Any],
         top: int,
         weights: tuple[Any, int],
+        abort: tuple[threading.Event, Request] | None = None,
     ) -> list[Generation]:
         n = _int(body.get("n"), "n", default=1)
         seed = body.get("seed")
         if seed is not None:
             seed = _int(seed, "seed", default=0)
+        forced = None
+        if self._forced is not None:
+            forced = await anyio.to_thread.run_sync(
+                self._forced_ids, ForcedRequest(tuple(prompt), body), limiter=self._generating
+            )
+        if abort is None:
+            return await self._generate_each(prompt, n, seed, sampling, top, weights, None, forced)
+        event, request = abort
+
+        async def watch() -> None:  # a client that went away: its generation stops
+            while not event.is_set():
+                if await request.is_disconnected():
+                    event.set()
+                    return
+                await anyio.sleep(0.05)
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(watch)
+            try:
+                generations = await self._generate_each(
+                    prompt, n, seed, sampling, top, weights, event, forced
+                )
+            finally:
+                tasks.cancel_scope.cancel()
+        return generations
+
+    async def _generate_each(
+        self,
+        prompt: list[int],
+        n: int,
+        seed: int | None,
+        sampling: dict[str, Any],
+        top: int,
+        weights: tuple[Any, int],
+        abort: threading.Event | None,
+        forced: Sequence[int] | None,
+    ) -> list[Generation]:
         generations = []
         for index in range(n):
             choice_seed = None if seed is None else seed + index
@@ -648,12 +938,23 @@ class ModelServer:
                         seed=choice_seed,
                         top_logprobs=top,
                         weights=weights,
+                        abort=abort,
+                        forced=forced,
                         **sampling,
                     ),
                     limiter=self._generating,
                 )
             )
         return generations
+
+    def _forced_ids(self, request: ForcedRequest) -> list[int] | None:
+        """The ids a completion is forced to (the text the ``forced`` callable
+        answers, then ``<|im_end|>``), or None to sample."""
+        assert self._forced is not None
+        text = self._forced(request)
+        if text is None:
+            return None
+        return [*self._encode(text), self._tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
     def _token_text(self, token_id: int, as_ids: bool = False) -> str:
         """A token as vLLM shows it in logprobs (``token_id:N`` with
@@ -736,7 +1037,7 @@ def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]
     return (content or None), calls
 
 
-def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
+def _template_messages(messages: list[Any], image_text: str | None = None) -> list[dict[str, Any]]:
     """Messages as a Hugging Face template takes them (as vLLM prepares them): tool
     calls' JSON ``arguments`` decoded to objects, content parts joined into text."""
     prepared = []
@@ -747,7 +1048,11 @@ def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, list):
             message["content"] = "\n".join(
-                str(part.get("text", "")) for part in content if isinstance(part, dict)
+                image_text
+                if image_text is not None and part.get("type") == "image_url"
+                else str(part.get("text", ""))
+                for part in content
+                if isinstance(part, dict)
             )
         calls = []
         for call in message.get("tool_calls") or ():
@@ -761,6 +1066,26 @@ def _template_messages(messages: list[Any]) -> list[dict[str, Any]]:
             message["tool_calls"] = calls
         prepared.append(message)
     return prepared
+
+
+def _routes(out: Any, top_k: int) -> list[list[list[int]]]:
+    """Per position of a forward pass, per MoE layer, the ``top_k`` experts its
+    router picked (Qwen2-MoE: the top k of ``softmax(router_logits)``, highest first)."""
+    import torch
+
+    per_layer = [torch.topk(logits.float(), top_k, dim=-1).indices for logits in out.router_logits]
+    stacked = torch.stack(per_layer, dim=1)  # [positions, layers, top_k]
+    return [[list(map(int, layer)) for layer in position] for position in stacked.tolist()]
+
+
+def routed_experts_of(model: Any, ids: Sequence[int]) -> list[list[list[int]]]:
+    """What ``model``'s routers pick for each of ``ids`` in one forward pass (no
+    cache): per token, per MoE layer, the top ``num_experts_per_tok`` experts."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(ids)]), output_router_logits=True)
+    return _routes(out, int(model.config.num_experts_per_tok))
 
 
 def _sample(

@@ -2,7 +2,9 @@
 
 Everything is made on this machine, from a seed: no download, no hub. The
 model is a :class:`transformers.Qwen2ForCausalLM` built from a config (a few
-layers, hidden size 64) with random weights drawn from a seeded generator;
+layers, hidden size 64; with ``TinyModelSpec(num_experts=...)`` a
+:class:`transformers.Qwen2MoeForCausalLM`, a mixture of experts) with random
+weights drawn from a seeded generator;
 the tokenizer is a byte-level BPE trained with the ``tokenizers`` library on
 a small built-in corpus (agent and tool-calling text), so any text encodes
 and decodes back exactly. It carries Qwen2.5's chat tokens and a Qwen2.5-style
@@ -36,6 +38,7 @@ __all__ = [
     "DEFAULT_SYSTEM_PROMPT",
     "SPECIAL_TOKENS",
     "TOOL_TOKENS",
+    "VISION_TOKENS",
     "TinyModelSpec",
     "build_tiny_model",
     "build_tiny_tokenizer",
@@ -46,6 +49,10 @@ __all__ = [
 #: Control tokens (special: decoding with ``skip_special_tokens`` drops them).
 #: ``<|endoftext|>`` pads; ``<|im_end|>`` ends a message (the end of a completion).
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+#: Qwen2-VL's vision tokens (special), added with ``TinyModelSpec(vision=True)``:
+#: a prompt holds ``<|vision_start|>``, ``<|image_pad|>`` once per 28x28 block
+#: of the resized image, ``<|vision_end|>``.
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 #: Tool markup: added tokens (one id each) that stay in decoded text, as in
 #: Qwen2.5's tokenizer, so a hermes parser finds them in a completion's text.
 TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -149,10 +156,19 @@ class TinyModelSpec:
     vocab_merges: int = 256
     initializer_range: float = 0.2
     max_position_embeddings: int = 4096
+    #: A mixture of experts when > 0 (:class:`transformers.Qwen2MoeForCausalLM`:
+    #: every layer's MLP is this many experts of ``intermediate_size``, of which
+    #: the router picks ``num_experts_per_tok`` per token); 0: dense Qwen2.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    #: The tokenizer also carries :data:`VISION_TOKENS` (a vision-language-shaped
+    #: model's prompt; there is no vision tower: the test server expands the
+    #: placeholders and the model reads them as tokens).
+    vision: bool = False
 
 
 def build_tiny_tokenizer(
-    corpus: Iterable[str] = (), *, vocab_merges: int = 256
+    corpus: Iterable[str] = (), *, vocab_merges: int = 256, vision: bool = False
 ) -> PreTrainedTokenizerBase:
     """A byte-level BPE tokenizer trained here on the built-in corpus plus ``corpus``.
 
@@ -174,7 +190,8 @@ def build_tiny_tokenizer(
     )
     texts = [*_CORPUS, *corpus]
     tokenizer.train_from_iterator(texts, trainer=trainer)
-    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in SPECIAL_TOKENS])
+    special = SPECIAL_TOKENS + (VISION_TOKENS if vision else ())
+    tokenizer.add_special_tokens([AddedToken(token, normalized=False) for token in special])
     tokenizer.add_tokens([AddedToken(token, normalized=False) for token in TOOL_TOKENS])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
@@ -200,9 +217,9 @@ def build_tiny_model(
     spec = spec or TinyModelSpec()
     if seed is not None:
         spec = TinyModelSpec(**{**_fields(spec), "seed": seed})
-    tokenizer = build_tiny_tokenizer(corpus, vocab_merges=spec.vocab_merges)
+    tokenizer = build_tiny_tokenizer(corpus, vocab_merges=spec.vocab_merges, vision=spec.vision)
     ids = tokenizer.convert_tokens_to_ids
-    config = Qwen2Config(
+    common = dict(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -217,11 +234,27 @@ def build_tiny_model(
         pad_token_id=ids("<|endoftext|>"),
         torch_dtype="float32",
     )
+    config: Any = Qwen2Config(**common)
+    architecture: Any = Qwen2ForCausalLM
+    if spec.num_experts:
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        config = Qwen2MoeConfig(
+            **common,
+            num_experts=spec.num_experts,
+            num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.intermediate_size,
+            shared_expert_intermediate_size=spec.intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+        )
+        architecture = Qwen2MoeForCausalLM
     # The weights come from this seed alone: the global generator is saved and
     # restored around the initialisation, so callers' random state is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        model = Qwen2ForCausalLM(config)
+        model = architecture(config)
     model.generation_config = GenerationConfig(
         eos_token_id=[ids("<|im_end|>"), ids("<|endoftext|>")],
         pad_token_id=ids("<|endoftext|>"),

@@ -21,10 +21,25 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from fleetroll.results import FailureReason, RolloutResult, Trajectory, TrajectorySegment, Turn
+from fleetroll.results import (
+    FailureReason,
+    RolloutResult,
+    RoutedExperts,
+    Trajectory,
+    TrajectorySegment,
+    Turn,
+)
 from fleetroll.training.groups import Group
 
-__all__ = ["DRIFT_POLICIES", "ROW_STATUSES", "Drift", "RowStatus", "stitch", "training_rows"]
+__all__ = [
+    "DRIFT_POLICIES",
+    "ROW_STATUSES",
+    "Drift",
+    "RowStatus",
+    "routed_experts_list",
+    "stitch",
+    "training_rows",
+]
 
 #: Added to a group's reward standard deviation, so a uniform group's
 #: advantages are 0 rather than a division by zero.
@@ -53,6 +68,7 @@ class _Building:
     loss_mask: list[int] = field(default_factory=list)
     logprobs: list[float | None] = field(default_factory=list)
     policy_versions: list[int | None] = field(default_factory=list)
+    token_versions: list[int | None] = field(default_factory=list)
     last_turn: int = 0
 
     def extend(self, ids: Sequence[int]) -> None:
@@ -61,6 +77,7 @@ class _Building:
         self.loss_mask += [0] * len(ids)
         self.logprobs += [None] * len(ids)
         self.policy_versions += [None] * len(ids)
+        self.token_versions += [None] * len(ids)
 
     def generated(self, turn: Turn, ids: Sequence[int]) -> None:
         """The model's tokens of ``turn``: in the loss, with their logprobs and version."""
@@ -71,6 +88,10 @@ class _Building:
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.policy_versions += [turn.policy_version] * len(ids)
+        versions: Sequence[int | None] = turn.token_versions or ()
+        if len(versions) != len(ids):  # not recorded: null, never guessed
+            versions = [None] * len(ids)
+        self.token_versions += versions
         self.last_turn = turn.index
 
     def done(self) -> TrajectorySegment:
@@ -81,6 +102,7 @@ class _Building:
             loss_mask=self.loss_mask,
             logprobs=self.logprobs,
             policy_versions=self.policy_versions,
+            token_versions=self.token_versions,
         )
 
 
@@ -126,15 +148,89 @@ def stitch(turns: Sequence[Turn]) -> Trajectory | None:
     assert current is not None, "there is at least one turn"
     segments.append(current.done())
     first = segments[0]
-    return Trajectory(
-        input_ids=first.input_ids,
-        loss_mask=first.loss_mask,
-        logprobs=first.logprobs,
-        policy_versions=first.policy_versions,
-        drift=drift_turn is not None,
-        drift_turn=drift_turn,
-        segments=segments if drift_turn is not None else [],
+    return _with_experts(
+        turns,
+        Trajectory(
+            input_ids=first.input_ids,
+            loss_mask=first.loss_mask,
+            logprobs=first.logprobs,
+            policy_versions=first.policy_versions,
+            token_versions=first.token_versions,
+            drift=drift_turn is not None,
+            drift_turn=drift_turn,
+            segments=segments if drift_turn is not None else [],
+        ),
     )
+
+
+def _with_experts(turns: Sequence[Turn], trajectory: Trajectory) -> Trajectory:
+    """``trajectory`` with its tokens' routed experts, when some turn has them.
+
+    Each token's row comes from the turn that added it to the sequence (its
+    prompt's new part, from that turn's prefill; its completion, from its
+    decoding), as stitching takes the ids; -1 rows for a turn without experts.
+    """
+    trajectory = _with_images(turns, trajectory)
+    routed = [turn.routed_experts for turn in turns if turn.routed_experts is not None]
+    if not routed:
+        return trajectory
+    layers, top_k = routed[0].layers, routed[0].top_k
+    if any((r.layers, r.top_k) != (layers, top_k) for r in routed):
+        return trajectory  # a model change mid-rollout: no one shape to give
+    spans = [(s.first_turn, s.last_turn, len(s.input_ids)) for s in trajectory.segments]
+    if not spans:
+        spans = [(turns[0].index, turns[-1].index, len(trajectory.input_ids))]
+    done = [
+        _segment_experts([t for t in turns if first <= t.index <= last], length, layers, top_k)
+        for first, last, length in spans
+    ]
+    if trajectory.segments:
+        return trajectory.model_copy(
+            update={
+                "routed_experts": done[0],
+                "segments": [
+                    s.model_copy(update={"routed_experts": e})
+                    for s, e in zip(trajectory.segments, done, strict=True)
+                ],
+            }
+        )
+    return trajectory.model_copy(update={"routed_experts": done[0]})
+
+
+def _with_images(turns: Sequence[Turn], trajectory: Trajectory) -> Trajectory:
+    """``trajectory`` (and each segment) with the images of its last turn's prompt:
+    that prompt starts its ``input_ids``, so the spans hold there as they are."""
+    if all(turn.images is None for turn in turns):
+        return trajectory
+    by_index = {turn.index: turn.images for turn in turns}
+    if not trajectory.segments:
+        return trajectory.model_copy(update={"images": by_index.get(turns[-1].index)})
+    segments = [
+        s.model_copy(update={"images": by_index.get(s.last_turn)}) for s in trajectory.segments
+    ]
+    return trajectory.model_copy(update={"images": segments[0].images, "segments": segments})
+
+
+def _segment_experts(turns: Sequence[Turn], length: int, layers: int, top_k: int) -> RoutedExperts:
+    """The rows of a segment's ``length`` tokens, stitched from its ``turns``."""
+    stride = 2 * layers * top_k
+    out = bytearray()
+    for turn in turns:
+        size = len(turn.prompt_token_ids or ()) + len(turn.completion_token_ids or ())
+        raw = turn.routed_experts.raw() if turn.routed_experts is not None else b""
+        if len(raw) != size * stride:
+            raw = b"\xff" * (size * stride)  # no (usable) rows: -1
+        # Rows the segment already has (the turn's prompt repeats them) are skipped.
+        out += raw[len(out) :]
+    out = out[: length * stride]
+    return RoutedExperts.from_raw(bytes(out), layers=layers, top_k=top_k)
+
+
+def routed_experts_list(value: RoutedExperts | dict[str, Any]) -> list[list[list[int]]]:
+    """Routed experts (a row's ``routed_experts``, a turn's or a trajectory's) as
+    nested lists ``[tokens][layers][top_k]``, -1 where the server returned none."""
+    experts = value if isinstance(value, RoutedExperts) else RoutedExperts(**value)
+    return experts.rows()
 
 
 def _followed(turns: Sequence[Turn]) -> Sequence[Turn]:
@@ -199,18 +295,29 @@ def training_rows(
     Each row is a plain dict: ``rollout_id``, ``group_id``, ``task_key``,
     ``sample_index``, ``prompt_ids``, ``completion_ids``, ``completion_mask``,
     ``completion_logprobs`` (None where masked or not returned),
-    ``completion_policy_versions`` (None where masked), ``reward`` (None
+    ``completion_policy_versions`` (None where masked),
+    ``completion_token_versions`` (the version of the weights that produced
+    each token, None where masked or unproven), ``reward`` (None
     unless scored), ``advantage``, ``status`` (:data:`ROW_STATUSES`),
     ``failure_reason``, ``dropped_tokens`` (the rollout's model tokens not
     under this row's mask) and ``drift`` (None, or the drift turn, the number
     of segments, the policy applied and the model tokens it dropped). The
-    lists are aligned, one entry per completion token.
+    lists are aligned, one entry per completion token. With a
+    mixture-of-experts server that returned them, ``routed_experts`` too
+    (:class:`~fleetroll.results.RoutedExperts` as a dict, aligned with
+    ``prompt_ids + completion_ids``: decode with :func:`routed_experts_list`);
+    with images (``policy.image_max_pixels``), ``images``: each image as the
+    model saw it (:class:`~fleetroll.results.TurnImage` as a dict) with its
+    placeholder span in ``prompt_ids + completion_ids``. Both keys are absent
+    otherwise.
 
     **Without** ``group_size`` (the rows of earlier versions): one row per
     scored rollout with token ids, one per segment when it drifted, with
     ``segment``, ``input_ids``, ``loss_mask``, ``logprobs``,
-    ``policy_versions``, ``reward`` and ``advantage``; unscored rollouts are
-    left out (``drift`` is not used).
+    ``policy_versions``, ``token_versions`` (the version that produced each
+    token, None where masked or unproven), ``reward`` and ``advantage`` (and
+    ``routed_experts`` and ``images`` as above, aligned with ``input_ids``);
+    unscored rollouts are left out (``drift`` is not used).
 
     Args:
         groups: :class:`~fleetroll.Group` objects (``batch.groups()``) or
@@ -294,6 +401,7 @@ def _row(
     mask: list[int] = []
     logprobs: list[float | None] = []
     versions: list[int | None] = []
+    token_versions: list[int | None] = []
     if completion is not None:
         start = next(
             (i for i, m in enumerate(completion.loss_mask) if m), len(completion.input_ids)
@@ -303,7 +411,10 @@ def _row(
         mask = completion.loss_mask[start:]
         logprobs = completion.logprobs[start:]
         versions = completion.policy_versions[start:]
-    return {
+        token_versions = completion.token_versions[start:]
+        if len(completion.token_versions) != len(completion.input_ids):  # none recorded
+            token_versions = [None] * len(ids)
+    row: dict[str, Any] = {
         "rollout_id": None if result is None else result.rollout_id,
         "group_id": None if result is None else result.group_id,
         "task_key": None if result is None else result.task_key,
@@ -313,6 +424,7 @@ def _row(
         "completion_mask": list(mask),
         "completion_logprobs": list(logprobs),
         "completion_policy_versions": list(versions),
+        "completion_token_versions": list(token_versions),
         "reward": None,
         "advantage": 0.0,
         "status": status,
@@ -322,6 +434,14 @@ def _row(
         "dropped_tokens": 0,
         "drift": None,
     }
+    if completion is not None and completion.routed_experts is not None:
+        # Compact (base64 int16 [tokens, layers, top_k]), aligned with
+        # prompt_ids + completion_ids; absent without experts.
+        row["routed_experts"] = completion.routed_experts.model_dump()
+    if completion is not None and completion.images is not None:
+        # Each image (base64 PNG, as the model saw it), its span in prompt_ids + completion_ids.
+        row["images"] = [image.model_dump() for image in completion.images]
+    return row
 
 
 def _padding_row(group_id: str | None, task_key: str | None) -> dict[str, Any]:
@@ -354,7 +474,10 @@ def _rollout_row(result: RolloutResult, drift: Drift) -> dict[str, Any]:
                 last = _Building(first_turn=turns[-1].index)
                 last.extend(turns[-1].prompt_token_ids or [])
                 last.generated(turns[-1], turns[-1].completion_token_ids or [])
-                row = _row(result, "scored", completion=last.done())
+                alone = last.done().model_copy(
+                    update={"routed_experts": turns[-1].routed_experts, "images": turns[-1].images}
+                )
+                row = _row(result, "scored", completion=alone)
             row["drift"] = {
                 "turn": trajectory.drift_turn,
                 "segments": len(trajectory.segments),
@@ -374,6 +497,9 @@ def _whole(trajectory: Trajectory) -> TrajectorySegment:
         loss_mask=trajectory.loss_mask,
         logprobs=trajectory.logprobs,
         policy_versions=trajectory.policy_versions,
+        token_versions=trajectory.token_versions,
+        routed_experts=trajectory.routed_experts,
+        images=trajectory.images,
     )
 
 
@@ -406,8 +532,16 @@ def _segment_rows(
                         "loss_mask": list(segment.loss_mask),
                         "logprobs": list(segment.logprobs),
                         "policy_versions": list(segment.policy_versions),
+                        "token_versions": list(segment.token_versions),
                         "reward": reward,
                         "advantage": (reward - mean) / (std + eps),
                     }
                 )
+                if segment.images is not None:
+                    # Each image (base64 PNG, as the model saw it) and its span in input_ids.
+                    rows[-1]["images"] = [image.model_dump() for image in segment.images]
+                if segment.routed_experts is not None:
+                    # Compact (base64 int16 [tokens, layers, top_k]): routed_experts_list
+                    # or numpy.frombuffer decodes it; absent without experts.
+                    rows[-1]["routed_experts"] = segment.routed_experts.model_dump()
     return rows

@@ -74,6 +74,7 @@ __all__ = [
     "SupportsRemotePolicyUpdate",
     "VLLMReloadSync",
     "WeightSync",
+    "abort_generations",
     "sync_weights",
 ]
 
@@ -155,6 +156,54 @@ async def sync_weights(
         await sync.push(source, version=new)
         await pool.set_policy_version(new)
     return new
+
+
+async def abort_generations(
+    base_urls: str | Sequence[str],
+    *,
+    api_key: str | None = None,
+    timeout_s: float = 30.0,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> None:
+    """Abort every generation running on each policy server: SGLang's ``POST
+    /abort_request {"abort_all": true}`` (the test server's too). Each aborted
+    request answers what it generated so far with ``finish_reason: "abort"``
+    (``policy.weight_update = "abort"`` resumes it from there).
+
+    Raises:
+        WeightSyncError: a server refused, has no such route or did not answer
+            within ``timeout_s`` (every such server named, never a credential).
+    """
+    urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    failed: dict[str, str] = {}
+
+    async def one(client: httpx.AsyncClient, root: str) -> None:
+        try:
+            with fail_after(timeout_s):
+                answer = await client.post(
+                    f"{root}/abort_request", json={"abort_all": True}, headers=headers
+                )
+        except anyio.get_cancelled_exc_class():
+            raise
+        except Exception as exc:  # the boundary: one line per server
+            failed[_shown(root)] = _why(exc, timeout_s)
+            return
+        if answer.status_code == 404:
+            failed[_shown(root)] = (
+                "no /abort_request route (SGLang's; policy.weight_update = 'abort' needs it)"
+            )
+        elif not answer.is_success:
+            failed[_shown(root)] = (
+                f"abort refused: HTTP {answer.status_code}: {error_excerpt(answer.content)}"
+            )
+
+    client = httpx.AsyncClient(transport=transport, timeout=timeout_s)
+    async with client, anyio.create_task_group() as tasks:
+        for root in dict.fromkeys(_root(url) for url in urls):
+            tasks.start_soon(one, client, root)
+    if failed:
+        raise WeightSyncError(failed)
 
 
 # ---------------------------------------------------------------- HTTP syncs

@@ -83,7 +83,7 @@ class ExecutorWorker:
             settings.timeouts.ray_call_s,
             limits=CreateLimits.from_settings(settings.provisioning),
         )
-        self._gate = PolicyGate()
+        self._gate = PolicyGate(mode=settings.policy.weight_update)
         self._pause: AsyncExitStack | None = None
         #: The driver's gate generation last mirrored (older states are dropped).
         self._generation = -1

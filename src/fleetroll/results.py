@@ -9,13 +9,23 @@ a fake signal.
 from __future__ import annotations
 
 import base64
+import hashlib
+import os
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
+from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, SerializationInfo, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializationInfo,
+    model_serializer,
+    model_validator,
+)
 
 from fleetroll._internal.utf8 import utf8_safe
 
@@ -32,6 +42,7 @@ __all__ = [
     "Turn",
     "TurnImage",
     "VerifierOutcome",
+    "map_images",
     "writable_result",
 ]
 
@@ -233,10 +244,60 @@ class TurnImage(BaseModel):
     #: The size after the resize (``policy.image_max_pixels``): what the model saw.
     width: int
     height: int
-    #: The SHA-256 of the PNG (``data`` decoded).
+    #: The SHA-256 of the PNG (``data`` decoded, or the file at ``path``).
     sha256: str
-    #: The PNG, base64.
-    data: str
+    #: The PNG, base64 (``policy.image_store = "inline"``); the key is absent
+    #: when the image is a file (``path``).
+    data: str | None = None
+    #: With ``policy.image_store = "files"``, in a journal: the PNG's file,
+    #: relative to the journal's folder (``<journal>.images/<sha256>.png``, one
+    #: file per distinct image), and its length in bytes; the keys are absent
+    #: when the image is inline (``data``).
+    path: str | None = None
+    nbytes: int | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        if (self.data is None) == (self.path is None):
+            raise ValueError("an image has either its bytes (data) or its file (path), not both")
+        return self
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: Any, info: SerializationInfo) -> Any:
+        return _drop_absent(self, handler, info, ("data", "path", "nbytes"))
+
+    def png(self, root: str | os.PathLike[str] | None = None) -> bytes:
+        """The PNG's bytes: ``data`` decoded, or the file at ``path`` under
+        ``root`` (the journal's folder), checked against ``sha256``.
+
+        Raises:
+            ValueError: the image is a file and ``root`` is None, or the file's
+                bytes are not the image's (a different SHA-256).
+            OSError: the file cannot be read.
+        """
+        if self.data is not None:
+            return base64.b64decode(self.data)
+        if root is None:
+            raise ValueError(
+                f"the image {self.path} is a file beside its journal: say where the journal's"
+                " folder is (root)"
+            )
+        where = Path(root, str(self.path))
+        data = where.read_bytes()
+        if hashlib.sha256(data).hexdigest() != self.sha256:
+            raise ValueError(f"{where}: its bytes are not the image's (SHA-256 {self.sha256})")
+        return data
+
+    def inline(self, root: str | os.PathLike[str] | None = None) -> TurnImage:
+        """This image with its bytes in ``data`` (itself when they already are).
+
+        Raises:
+            ValueError, OSError: as :meth:`png`.
+        """
+        if self.data is not None:
+            return self
+        data = base64.b64encode(self.png(root)).decode("ascii")
+        return self.model_copy(update={"data": data, "path": None, "nbytes": None})
 
 
 def _drop_absent(
@@ -484,6 +545,32 @@ class RolloutResult(BaseModel):
         if self.failure_reason is FailureReason.CANCELLED:
             return "cancelled"
         return self.status
+
+
+def map_images(result: RolloutResult, change: Callable[[TurnImage], TurnImage]) -> RolloutResult:
+    """``result`` with ``change`` applied to every image of its turns and its
+    trajectory (segments included); ``result`` itself when it has none."""
+
+    def each(images: list[TurnImage] | None) -> list[TurnImage] | None:
+        return None if images is None else [change(image) for image in images]
+
+    turns = result.turns
+    if any(turn.images for turn in turns):
+        turns = [
+            turn.model_copy(update={"images": each(turn.images)}) if turn.images else turn
+            for turn in turns
+        ]
+    trajectory = result.trajectory
+    if trajectory is not None and (
+        trajectory.images or any(segment.images for segment in trajectory.segments)
+    ):
+        segments = [s.model_copy(update={"images": each(s.images)}) for s in trajectory.segments]
+        trajectory = trajectory.model_copy(
+            update={"images": each(trajectory.images), "segments": segments}
+        )
+    if turns is result.turns and trajectory is result.trajectory:
+        return result
+    return result.model_copy(update={"turns": turns, "trajectory": trajectory})
 
 
 def writable_result(result: RolloutResult) -> RolloutResult:

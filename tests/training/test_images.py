@@ -10,7 +10,6 @@ its images the pixels the server received.
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import random
@@ -170,7 +169,38 @@ async def test_a_computer_use_batch_keeps_token_in_and_each_image_with_its_exact
     for image, got in zip(seen, received, strict=True):
         assert (image.width, image.height) == (got.width, got.height)
         with (
-            Image.open(io.BytesIO(base64.b64decode(image.data))) as a,
+            Image.open(io.BytesIO(image.png())) as a,
             Image.open(io.BytesIO(got.png)) as b,
         ):
             assert a.tobytes() == b.tobytes()
+    await journaled_as_files(tmp_path / "out" / "results.jsonl", results, received)
+
+
+async def journaled_as_files(path: Path, results: list[Any], received: list[Any]) -> None:
+    """``results`` through a journal with ``policy.image_store = "files"``: one
+    file per distinct image, the lines without the bytes, and the images read
+    back (rows, results) byte-equal to what the server received."""
+    import anyio
+
+    from fleetroll.pool.journal import Journal, images_folder, inline_images, read_journal
+    from fleetroll.training.trajectory import row_images, training_rows
+
+    async with anyio.create_task_group() as tg, Journal(path, tg, images="files") as journal:
+        for result in results:
+            journal.append(result)
+    distinct = {got.sha256 for got in received}
+    files = sorted(images_folder(path).iterdir())
+    assert [f.name for f in files] == sorted(f"{sha}.png" for sha in distinct)
+    read = read_journal(path)
+    by_sha = {got.sha256: got.png for got in received}
+    for result in read:
+        for turn in result.turns:
+            assert turn.images and all(image.data is None for image in turn.images)
+            assert [image.png(path.parent) for image in turn.images] == [
+                by_sha[image.sha256] for image in turn.images
+            ]
+        (row,) = training_rows([[result]])
+        trajectory = result.trajectory
+        assert trajectory is not None and trajectory.images
+        assert row_images(row, journal=path) == [by_sha[i.sha256] for i in trajectory.images]
+    assert [inline_images(r, path.parent) for r in read] == results

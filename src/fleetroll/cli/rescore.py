@@ -46,7 +46,7 @@ def rescore(
     result per rollout (a resumed journal's last line).
     """
     from fleetroll.errors import FleetrollError
-    from fleetroll.pool.journal import read_journal, write_results
+    from fleetroll.pool.journal import read_journal, rebased_images, write_results
     from fleetroll.tasks import load_task_paths
 
     settings = load_command_settings(config_file)
@@ -88,8 +88,10 @@ def rescore(
             )
 
     rescored = anyio.run(job)
+    # Image files (policy.image_store = "files") stay beside RESULTS: --out names them.
+    kept = [rebased_images(r, results_path.parent, out.parent) for r in rescored]
     try:
-        write_results(out, rescored)
+        write_results(out, kept)
     except OSError as exc:
         raise Failed(f"{out}: cannot write: {exc.strerror or exc}") from None
     touched = sum(rescorable(r, tasks[r.task_key]) for r in results)

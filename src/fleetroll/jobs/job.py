@@ -253,7 +253,12 @@ async def _open_drive(
     journal_failed = anyio.Event()  # a write failed: the batch stops (nothing more is kept)
     journal = None
     if out is not None:
-        journal = Journal(out, background, on_failed=lambda _: journal_failed.set())
+        journal = Journal(
+            out,
+            background,
+            on_failed=lambda _: journal_failed.set(),
+            images=settings.policy.image_store,
+        )
         await stack.enter_async_context(journal)
     stop_after = settings.pool.stop_after_same_failures
     return Drive(journal, list(claimed.previous), output, stop_after, journal_failed)

@@ -22,6 +22,16 @@ written, so a reader is never shown a result the disk does not hold.
 A rollout may have several lines (a resumed batch re-runs the rollouts it
 had cancelled): the last one is its result.
 
+With ``images="files"`` (``policy.image_store``), the images of turns and
+trajectories are not written into the lines: each PNG is a file of its own in
+``<journal>.images/``, named by its SHA-256 (the same screenshot in many turns,
+or many rollouts, is one file), written and fsynced before the line that
+names it; the line holds its reference (``path``, relative to the journal's
+folder, with ``sha256`` and ``nbytes``). :func:`inline_images` (and
+:meth:`~fleetroll.results.TurnImage.png`) read them back. The results the
+journal hands back (:meth:`Journal.append`, ``on_written``) keep their images
+inline: only the disk differs.
+
 One run writes a journal at a time: :func:`claim_journal` takes an
 exclusive lock on the file for the run's lifetime, and keeps the batch's
 identity (its id, samples, and a digest of each task's content) in a
@@ -48,14 +58,20 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from fleetroll.errors import ConfigError, JournalError
-from fleetroll.results import FailureReason, RolloutResult, writable_result
+from fleetroll.results import (
+    FailureReason,
+    RolloutResult,
+    TurnImage,
+    map_images,
+    writable_result,
+)
 from fleetroll.tasks import TaskSpec
 from fleetroll.training.sampler import SamplerState
 
@@ -65,18 +81,24 @@ __all__ = [
     "JournalClaim",
     "JournalError",
     "claim_journal",
+    "images_folder",
+    "inline_images",
     "journal_line",
     "meta_path",
     "read_journal",
     "read_lines",
     "read_sampler_state",
+    "rebased_images",
     "sampler_path",
     "step_batch_id",
+    "stored_images",
     "write_results",
     "write_sampler_state",
 ]
 
 _MAX_LINES_PER_WRITE = 512
+#: A result queued for the journal: as handed back, its line, its image files.
+_Queued = tuple[RolloutResult, bytes, list[tuple[str, bytes]]]
 _log = logging.getLogger(__name__)
 _META_FORMAT = 1
 _STEP = "-step"
@@ -160,6 +182,60 @@ def write_results(path: Path, results: Iterable[RolloutResult]) -> None:
 def meta_path(path: Path) -> Path:
     """Where the journal at ``path`` keeps its batch's identity."""
     return path.with_name(path.name + ".meta.json")
+
+
+def images_folder(path: Path) -> Path:
+    """Where the journal at ``path`` keeps its images as files (``policy.image_store``)."""
+    return path.with_name(path.name + ".images")
+
+
+#: One image to write beside a journal: its SHA-256 and its PNG.
+ImageFile = tuple[str, bytes]
+
+
+def stored_images(result: RolloutResult, path: Path) -> tuple[RolloutResult, list[ImageFile]]:
+    """``result`` as the journal at ``path`` holds it with ``images="files"``:
+    every inline image replaced by its file's reference, and the files to
+    write (each distinct image once)."""
+    files: dict[str, bytes] = {}
+    folder = images_folder(path).name
+
+    def to_file(image: TurnImage) -> TurnImage:
+        if image.data is None:
+            return image  # a file already
+        png = image.png()
+        files.setdefault(image.sha256, png)
+        return image.model_copy(
+            update={"data": None, "path": f"{folder}/{image.sha256}.png", "nbytes": len(png)}
+        )
+
+    stored = map_images(result, to_file)
+    return stored, list(files.items())
+
+
+def inline_images(result: RolloutResult, root: Path) -> RolloutResult:
+    """``result`` with every image that is a file (``policy.image_store =
+    "files"``) read back into ``data``; ``root`` is the journal's folder.
+
+    Raises:
+        ValueError: a file's bytes are not its image's.
+        OSError: a file cannot be read.
+    """
+    return map_images(result, lambda image: image.inline(root))
+
+
+def rebased_images(result: RolloutResult, old: Path, new: Path) -> RolloutResult:
+    """``result``, read from a file in folder ``old``, as a file in folder
+    ``new`` holds it: each image file's ``path`` made relative to ``new``
+    (the files stay where they are)."""
+
+    def rebase(image: TurnImage) -> TurnImage:
+        if image.path is None:
+            return image
+        path = os.path.relpath(os.path.join(old, image.path), new)
+        return image.model_copy(update={"path": Path(path).as_posix()})
+
+    return map_images(result, rebase) if old.resolve() != new.resolve() else result
 
 
 def sampler_path(path: Path) -> Path:
@@ -522,6 +598,10 @@ class Journal:
         async with Journal(path, tg) as journal:
             journal.append(result)
 
+    ``images="files"`` keeps every image of turns and trajectories as a file
+    in :func:`images_folder`, named by its SHA-256 and written before the first
+    line that names it; the lines hold references (:func:`stored_images`).
+
     ``on_written`` hears of each result once it is on disk: a service shows a
     result to its readers only then, so a crash never takes back what a reader
     saw. A write that fails is final: the file is cut back to its last whole
@@ -537,16 +617,20 @@ class Journal:
         *,
         on_written: Callable[[Sequence[RolloutResult]], None] | None = None,
         on_failed: Callable[[OSError], None] | None = None,
+        images: Literal["inline", "files"] = "inline",
     ) -> None:
         self.path = path
+        self.images = images
+        #: The images already on disk beside the journal (by SHA-256).
+        self._image_files: set[str] = set()
         self._tg = task_group
         #: Called on the loop with each group of results once they are on disk.
         self._on_written = on_written
         #: Called on the loop, once, when a write failed (nothing is written after it).
         self._on_failed = on_failed
-        self._send: MemoryObjectSendStream[tuple[RolloutResult, bytes]]
-        self._receive: MemoryObjectReceiveStream[tuple[RolloutResult, bytes]]
-        self._send, self._receive = anyio.create_memory_object_stream[tuple[RolloutResult, bytes]](
+        self._send: MemoryObjectSendStream[_Queued]
+        self._receive: MemoryObjectReceiveStream[_Queued]
+        self._send, self._receive = anyio.create_memory_object_stream[_Queued](
             max_buffer_size=float("inf")
         )
         self._done = anyio.Event()
@@ -598,7 +682,12 @@ class Journal:
                 kept.error,
                 FailureReason.RESULT_ERROR.value,
             )
-        self._send.send_nowait((kept, line))
+        files: list[ImageFile] = []
+        if self.images == "files":
+            stored, files = stored_images(kept, self.path)
+            if stored is not kept:
+                line = stored.model_dump_json().encode() + b"\n"
+        self._send.send_nowait((kept, line, files))
         return kept
 
     async def _writer(self) -> None:
@@ -615,8 +704,16 @@ class Journal:
                                 group.append(self._receive.receive_nowait())
                             except (anyio.WouldBlock, anyio.EndOfStream):
                                 break
-                        data = b"".join(line for _, line in group)
+                        data = b"".join(line for _, line, _ in group)
+                        files = [file for _, _, files in group for file in files]
                         try:
+                            if files:  # on disk before any line that names them
+                                await anyio.to_thread.run_sync(
+                                    _write_images,
+                                    images_folder(self.path),
+                                    files,
+                                    self._image_files,
+                                )
                             await anyio.to_thread.run_sync(_write, fd, data)
                         except OSError:
                             # What got out of the failed write was never acknowledged:
@@ -628,7 +725,7 @@ class Journal:
                         # On disk now: what a watcher of a run (and its tests) can wait on.
                         _log.debug("journal %s: %d results written", self.path, self.written)
                         if self._on_written is not None:
-                            self._on_written([result for result, _ in group])
+                            self._on_written([result for result, _, _ in group])
                 except OSError as exc:
                     self._error = exc
                     if self._on_failed is not None:
@@ -663,6 +760,33 @@ def _open_append(path: Path) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     _truncate_partial_tail(path)
     return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+
+def _write_images(folder: Path, files: Sequence[ImageFile], written: set[str]) -> None:
+    """Each image not yet in ``folder`` written as ``<sha256>.png`` (whole or not
+    at all: a temporary file renamed), fsynced with the folder; ``written``
+    (the images known on disk) gains them."""
+    new = False
+    for sha256, png in files:
+        if sha256 in written:
+            continue
+        target = folder / f"{sha256}.png"
+        if not target.exists():  # a resumed run's, or another rollout's
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".tmp")
+            with tmp.open("wb") as f:
+                f.write(png)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            new = True
+        written.add(sha256)
+    if new:
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _write(fd: int, data: bytes) -> None:

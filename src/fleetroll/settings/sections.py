@@ -451,6 +451,12 @@ class PolicySettings(_Section):
     #: images (the ids with the images' placeholders, plus the images). None:
     #: images go as they are, and a conversation with images as messages.
     image_max_pixels: int | None = Field(None, ge=56 * 56)
+    #: How a journal (``fleetroll run --out``) keeps the turns' and
+    #: trajectories' images: "inline", base64 PNG in each line; "files", each
+    #: distinct PNG once as ``<journal>.images/<sha256>.png``, the lines holding
+    #: its reference (``path``, ``sha256``, ``nbytes``). Results in memory and
+    #: over HTTP always carry the bytes (docs/results.md).
+    image_store: Literal["inline", "files"] = "inline"
     #: A rollout whose next prompt would pass this many tokens ends with
     #: ``context_overflow`` (scored). None: only the server's own limit applies.
     max_context_tokens: int | None = Field(None, ge=1)

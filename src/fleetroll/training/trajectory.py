@@ -16,9 +16,11 @@ Pure functions over plain data: no tokenizer, no deep-learning dependency.
 from __future__ import annotations
 
 import math
+import os
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args
 
 from fleetroll.results import (
@@ -28,6 +30,7 @@ from fleetroll.results import (
     Trajectory,
     TrajectorySegment,
     Turn,
+    TurnImage,
 )
 from fleetroll.training.groups import Group
 
@@ -37,6 +40,7 @@ __all__ = [
     "Drift",
     "RowStatus",
     "routed_experts_list",
+    "row_images",
     "stitch",
     "training_rows",
 ]
@@ -308,7 +312,9 @@ def training_rows(
     ``prompt_ids + completion_ids``: decode with :func:`routed_experts_list`);
     with images (``policy.image_max_pixels``), ``images``: each image as the
     model saw it (:class:`~fleetroll.results.TurnImage` as a dict) with its
-    placeholder span in ``prompt_ids + completion_ids``. Both keys are absent
+    placeholder span in ``prompt_ids + completion_ids`` (its PNG inline, or,
+    read from a ``policy.image_store = "files"`` journal, a file beside it:
+    :func:`row_images` gives the bytes either way). Both keys are absent
     otherwise.
 
     **Without** ``group_size`` (the rows of earlier versions): one row per
@@ -439,7 +445,7 @@ def _row(
         # prompt_ids + completion_ids; absent without experts.
         row["routed_experts"] = completion.routed_experts.model_dump()
     if completion is not None and completion.images is not None:
-        # Each image (base64 PNG, as the model saw it), its span in prompt_ids + completion_ids.
+        # Each image (base64 PNG, or its file: row_images), its span in prompt_ids + completion_ids.
         row["images"] = [image.model_dump() for image in completion.images]
     return row
 
@@ -538,10 +544,28 @@ def _segment_rows(
                     }
                 )
                 if segment.images is not None:
-                    # Each image (base64 PNG, as the model saw it) and its span in input_ids.
+                    # Each image (base64 PNG, or its file: row_images) and its span in input_ids.
                     rows[-1]["images"] = [image.model_dump() for image in segment.images]
                 if segment.routed_experts is not None:
                     # Compact (base64 int16 [tokens, layers, top_k]): routed_experts_list
                     # or numpy.frombuffer decodes it; absent without experts.
                     rows[-1]["routed_experts"] = segment.routed_experts.model_dump()
     return rows
+
+
+def row_images(
+    row: Mapping[str, Any], *, journal: str | os.PathLike[str] | None = None
+) -> list[bytes]:
+    """The PNG bytes of a training row's images (its ``images``), in order, as
+    the model saw them: decoded when inline, read from their files beside
+    ``journal`` (the results file the row's rollout was read from) when the
+    journal keeps them as files (``policy.image_store = "files"``), each
+    checked against its SHA-256. Empty when the row has no images.
+
+    Raises:
+        ValueError: an image is a file and ``journal`` is None, or a file's
+            bytes are not its image's.
+        OSError: a file cannot be read.
+    """
+    root = None if journal is None else Path(journal).parent
+    return [TurnImage.model_validate(image).png(root) for image in row.get("images") or ()]

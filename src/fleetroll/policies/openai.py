@@ -14,6 +14,7 @@ Import it from :mod:`fleetroll.policies` or :mod:`fleetroll`.
 from __future__ import annotations
 
 import base64
+import json
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -499,6 +500,14 @@ class OpenAIChatPolicy:
         ``usage``, which is the call's, on the first only), with the same
         retries, servers and deadline as :meth:`act`.
 
+        As :meth:`act` does: with ``image_max_pixels``, the request's images
+        are resized before the server sees them and each turn keeps them with
+        their placeholder spans; with ``weight_update = "abort"``, an answer the
+        server aborted (a single choice) is resumed on the new weights once the
+        :func:`~fleetroll.policies.gate.current_gate`'s pause ends, and the
+        answer returned is the joined one (its text, tool calls, token ids and
+        ``token_versions``; its ``logprobs`` left out: the turn holds them).
+
         Raises:
             PolicyError: as :meth:`act`; ContextOverflowError included.
         """
@@ -507,11 +516,39 @@ class OpenAIChatPolicy:
         sent["model"] = self.model
         sent.update(self._training)
         sent.update(self._extra_body)
+        images: list[PreparedImage] = []
+        messages = sent.get("messages")
+        if (
+            self.image_max_pixels is not None
+            and isinstance(messages, list)
+            and has_images(messages)
+        ):
+            prepared, images = await self._prepare_images(messages)
+            sent["messages"] = prepared
+        gate = current_gate()
+        started = gate.version if gate is not None else None
         try:
             with fail_after(self.timeout_s) as scope:
                 payload, server = await self._http.post(
                     self._http.encode(sent, self.url), deadline=scope.deadline, affinity=affinity
                 )
+                first = self._reader.parse(payload, url=endpoint(server, "chat"))
+                if (
+                    self.weight_update == "abort"
+                    and first.data is not None
+                    and first.data.finish_reason == "abort"
+                    and len(payload["choices"]) == 1
+                ):
+                    first = await self._resume(
+                        first,
+                        sent,
+                        "chat",
+                        started,
+                        multimodal={"image": [image.url for image in images]} if images else None,
+                        deadline=scope.deadline,
+                        affinity=affinity,
+                    )
+                    payload = _answer_of(payload, first)
         except PolicyError as exc:
             if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
                 raise ContextOverflowError(str(exc), operation=OPERATION, transient=False) from exc
@@ -524,7 +561,7 @@ class OpenAIChatPolicy:
                 transient=True,
             ) from None
         url = endpoint(server, "chat")
-        turns = [self._reader.parse(payload, url=url)]
+        turns = [first]
         turns += [
             replace(self._reader.parse(payload, url=url, choice=index), usage=None)
             for index in range(1, len(payload["choices"]))  # checked by the first parse
@@ -533,7 +570,9 @@ class OpenAIChatPolicy:
         if len(self.servers.servers) > 1:
             update["server"] = server.name
         turns = [
-            replace(turn, data=replace(turn.data, **update)) if turn.data is not None else turn
+            replace(turn, data=replace(_with_images(turn.data, images), **update))
+            if turn.data is not None
+            else turn
             for turn in turns
         ]
         return payload, tuple(turns)
@@ -774,9 +813,49 @@ def shown(body: Mapping[str, Any]) -> dict[str, Any]:
     return {"system_prompt": system, "tools": listed}
 
 
+def _answer_of(payload: Mapping[str, Any], turn: AssistantTurn) -> dict[str, Any]:
+    """``payload`` (an aborted answer's first part) as the whole answer ``turn``
+    (the parts joined, :func:`~fleetroll.policies.resumption.joined`) says it:
+    its message, ending, token ids, versions and usage; no ``logprobs``."""
+    data = turn.data
+    assert data is not None  # a resumed turn has its data
+    choice = dict(payload["choices"][0])
+    message = dict(choice.get("message") or {})
+    message["content"] = turn.content
+    message.pop("tool_calls", None)
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.name,
+                    "arguments": call.raw_arguments
+                    if call.raw_arguments is not None
+                    else json.dumps(dict(call.arguments)),
+                },
+            }
+            for call in turn.tool_calls
+        ]
+    choice.update(message=message, finish_reason=data.finish_reason, logprobs=None)
+    if data.completion_token_ids is not None:
+        choice["token_ids"] = list(data.completion_token_ids)
+    if data.token_versions is not None:
+        choice["token_versions"] = list(data.token_versions)
+    answer = {**payload, "choices": [choice]}
+    if data.prompt_token_ids is not None:
+        answer["prompt_token_ids"] = list(data.prompt_token_ids)
+    if turn.usage is not None:
+        answer["usage"] = dict(turn.usage)
+    return answer
+
+
 def _with_images(data: TurnData, images: Sequence[PreparedImage]) -> TurnData:
     """``data`` with the prompt's images and their placeholder spans in its
-    ``prompt_token_ids``; a ``training_data_error`` when they are not found."""
+    ``prompt_token_ids``; a ``training_data_error`` when they are not found.
+    ``data`` itself without images."""
+    if not images:
+        return data
     spans = image_spans(data.prompt_token_ids or (), [image.placeholders for image in images])
     if spans is None:
         problem = (

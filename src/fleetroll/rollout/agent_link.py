@@ -41,6 +41,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from fleetroll._internal.deadlines import now
 from fleetroll.errors import ContextOverflowError, PolicyError, ToolCallFailed
+from fleetroll.policies.gate import gate_of_rollout
 from fleetroll.policies.gateway import GatewayRefusal
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.policies.servers import Affinity
@@ -274,7 +275,10 @@ class AgentLink:
         self._refuse_if_ended()
         began = time.monotonic()
         try:
-            answer, turns = await self.policy.forward(body, affinity=self.affinity)
+            # The rollout's gate, as its built-in loop's calls see it: an aborted
+            # answer (policy.weight_update = "abort") resumes once the update ends.
+            with gate_of_rollout(rollout.engine.policy_gate):
+                answer, turns = await self.policy.forward(body, affinity=self.affinity)
         except ContextOverflowError as exc:
             self._overflowed(str(exc))
             raise GatewayRefusal(400, str(exc)) from None  # the server's answer, as it said it

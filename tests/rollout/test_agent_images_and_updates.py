@@ -56,6 +56,34 @@ with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
 """
 
 
+#: Two chat completions through the gateway (not streamed), each user message
+#: with a screenshot (argv[1], then argv[2]); the second continues the first
+#: (its answer sent back as it came), as an agent that keeps its history does.
+TWO_CALLS = """
+import base64, json, os, sys, urllib.request
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+
+def shot(path, text):
+    with open(path, "rb") as f:
+        url = "data:image/png;base64," + base64.b64encode(f.read()).decode()
+    return {"role": "user", "content": [{"type": "text", "text": text},
+                                        {"type": "image_url", "image_url": {"url": url}}]}
+
+def call(messages):
+    body = {"model": "any", "max_tokens": 8, "messages": messages}
+    request = urllib.request.Request(base + "/chat/completions", json.dumps(body).encode(), {
+        "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+    return json.load(urllib.request.urlopen(request, timeout=120))["choices"][0]["message"]
+
+messages = [shot(sys.argv[1], "What is on the screen?")]
+messages.append(call(messages))
+messages.append(shot(sys.argv[2], "And now?"))
+last = call(messages)
+with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
+    f.write(last.get("content") or "")
+"""
+
+
 def png(width: int, height: int) -> bytes:
     image = Image.new("RGB", (width, height), (10, 200, 30))
     for x in range(0, width, 7):
@@ -91,32 +119,42 @@ async def run_agent(
     return result
 
 
-async def test_an_agent_s_images_are_resized_and_recorded_with_their_spans(
+async def test_an_agent_s_images_keep_token_in_and_are_recorded_with_their_spans(
     tmp_path: Path,
 ) -> None:
     max_pixels = 28 * 28 * 12
-    shot = tmp_path / "shot.png"
-    shot.write_bytes(png(300, 200))
+    shots = [tmp_path / "one.png", tmp_path / "two.png"]
+    shots[0].write_bytes(png(300, 200))
+    shots[1].write_bytes(png(200, 300))
     model = save_tiny_model(tmp_path / "tiny-vl", TinyModelSpec(vision=True))
     async with ModelServer(model, vision=True, image_max_pixels=max_pixels) as server:
-        policy = {"image_max_pixels": max_pixels, "trajectory": True}
-        result = await run_agent(server, policy, [sys.executable, "-c", ONE_CALL, str(shot)])
+        policy = {"image_max_pixels": max_pixels, "trajectory": True, "token_in": True}
+        argv = [sys.executable, "-c", TWO_CALLS, *map(str, shots)]
+        result = await run_agent(server, policy, argv)
+        paths = [p for p, _ in server.requests if p.startswith("/v1/chat")]
         received = list(server.received_images)
         pad = server.tokenizer.convert_tokens_to_ids("<|image_pad|>")
 
     assert result.status == "completed", result.error
-    (turn,) = result.turns
-    assert turn.training_data_error is None and turn.images is not None
-    (image,) = turn.images
-    # Resized by Qwen2-VL's rule before the server saw it: within max_pixels, and
-    # the very PNG the server received.
-    assert image.width * image.height <= max_pixels < 300 * 200
-    (got,) = received
-    assert image.png() == got.png and image.sha256 == got.sha256
-    prompt = turn.prompt_token_ids or []
-    assert [i for i, t in enumerate(prompt) if t == pad] == list(range(image.start, image.end))
-    assert image.end - image.start == (image.width // 28) * (image.height // 28)
-    assert result.trajectory is not None and result.trajectory.images == turn.images
+    # Token-in kept: the second call, continuing the first, went as token ids.
+    assert paths == ["/v1/chat/completions", "/v1/chat/completions/tokens"]
+    first, second = result.turns
+    assert [len(t.images or ()) for t in result.turns] == [1, 2]
+    for turn in result.turns:
+        assert turn.training_data_error is None and turn.images is not None
+        prompt = turn.prompt_token_ids or []
+        runs = [i for i, t in enumerate(prompt) if t == pad]
+        assert sorted(i for im in turn.images for i in range(im.start, im.end)) == runs
+        for image in turn.images:
+            # Resized by Qwen2-VL's rule before the server saw it.
+            assert image.width * image.height <= max_pixels < 300 * 200
+            assert image.end - image.start == (image.width // 28) * (image.height // 28)
+    # The very PNGs the server received, in order (the first call's, then the second's).
+    seen = [image for turn in result.turns for image in turn.images or ()]
+    assert [image.png() for image in seen] == [got.png for got in received]
+    assert second.prompt_token_ids[: len(first.prompt_token_ids or [])] == first.prompt_token_ids  # type: ignore[index]
+    trajectory = result.trajectory
+    assert trajectory is not None and not trajectory.drift and trajectory.images == second.images
 
 
 async def test_an_agent_s_aborted_call_is_resumed_and_its_tokens_carry_their_versions(

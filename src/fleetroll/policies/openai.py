@@ -55,6 +55,7 @@ from fleetroll.policies.turns import (
     EncodedMessages,
     Message,
     TokenHistory,
+    TokenTurn,
     ToolSpec,
     TurnData,
 )
@@ -485,7 +486,11 @@ class OpenAIChatPolicy:
         return replace(turn, data=replace(data, **update))
 
     async def forward(
-        self, body: Mapping[str, Any], *, affinity: Affinity | None = None
+        self,
+        body: Mapping[str, Any],
+        *,
+        affinity: Affinity | None = None,
+        history: TokenTurn | None = None,
     ) -> tuple[dict[str, Any], tuple[AssistantTurn, ...]]:
         """One chat completion for a request someone else wrote (an agent's,
         through :mod:`fleetroll.policies.gateway`): its messages, tools and sampling as
@@ -507,6 +512,11 @@ class OpenAIChatPolicy:
         :func:`~fleetroll.policies.gate.current_gate`'s pause ends, and the
         answer returned is the joined one (its text, tool calls, token ids and
         ``token_versions``; its ``logprobs`` left out: the turn holds them).
+        With ``token_in = True`` and a ``history`` (the caller's last call, whose
+        prompt and completion the request's messages continue: ``history.index``
+        is its assistant message's), the request goes to the token route as
+        :meth:`act`'s does, images included (their ids with the placeholders,
+        plus the images).
 
         Raises:
             PolicyError: as :meth:`act`; ContextOverflowError included.
@@ -529,10 +539,27 @@ class OpenAIChatPolicy:
         started = gate.version if gate is not None else None
         try:
             with fail_after(self.timeout_s) as scope:
+                kind: Endpoint = "chat"
+                ids: list[int] | None = None
+                if self.token_in is True and history is not None:
+                    sent["tokens"] = ids = await token_prompt(
+                        self._http,
+                        sent,
+                        history,
+                        added=0,
+                        deadline=scope.deadline,
+                        affinity=affinity,
+                    )
+                    if images:  # vLLM's multimodal prompt: the ids and the images
+                        sent["multi_modal_data"] = {"image": [image.url for image in images]}
+                    kind = "tokens"
                 payload, server = await self._http.post(
-                    self._http.encode(sent, self.url), deadline=scope.deadline, affinity=affinity
+                    self._http.encode(sent, self.url),
+                    deadline=scope.deadline,
+                    affinity=affinity,
+                    kind=kind,
                 )
-                first = self._reader.parse(payload, url=endpoint(server, "chat"))
+                first = await self._read(payload, server, kind, ids)
                 if (
                     self.weight_update == "abort"
                     and first.data is not None
@@ -542,7 +569,7 @@ class OpenAIChatPolicy:
                     first = await self._resume(
                         first,
                         sent,
-                        "chat",
+                        kind,
                         started,
                         multimodal={"image": [image.url for image in images]} if images else None,
                         deadline=scope.deadline,

@@ -45,6 +45,7 @@ from fleetroll.policies.gate import gate_of_rollout
 from fleetroll.policies.gateway import GatewayRefusal
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.policies.servers import Affinity
+from fleetroll.policies.turns import AssistantTurn, TokenTurn
 from fleetroll.results import FailureReason
 from fleetroll.rollout.dispatch import record_tool_call, tool_call_failed
 from fleetroll.rollout.machine import Rollout
@@ -89,6 +90,43 @@ class _Pending:
 
     def received(self) -> None:
         self.got = True
+
+
+@dataclass(frozen=True, slots=True)
+class _LastCall:
+    """An agent's last recorded call, which its next may continue (token-in)."""
+
+    messages: list[Any]
+    #: The message the agent was answered.
+    answer: dict[str, Any]
+    ids: TokenTurn
+
+
+def _same_answer(message: Any, answer: dict[str, Any]) -> bool:
+    """Whether ``message`` is the assistant message ``answer`` as the agent sends
+    it back: the same text (none and empty alike) and the same tool calls (ids,
+    names, arguments as JSON values); other fields (an SDK's ``refusal``) aside."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return False
+    if (message.get("content") or None) != (answer.get("content") or None):
+        return False
+
+    def calls(m: dict[str, Any]) -> list[tuple[Any, Any, Any]] | None:
+        out = []
+        for call in m.get("tool_calls") or ():
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict):
+                return None
+            arguments = function.get("arguments")
+            try:
+                parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except ValueError:
+                parsed = arguments
+            out.append((call.get("id"), function.get("name"), parsed))
+        return out
+
+    mine = calls(message)
+    return mine is not None and mine == calls(answer)
 
 
 @dataclass
@@ -195,6 +233,9 @@ class AgentLink:
         #: The prompt+completion tokens of the last recorded call, as the server
         #: counted them (``policy.max_context_tokens``); None before any count.
         self._context_tokens: int | None = None
+        #: The last recorded call (``policy.token_in``): its messages, the
+        #: message it answered, and its ids; None before one with ids.
+        self._last: _LastCall | None = None
 
     def end(self) -> None:
         """The acting phase is over: refuse calls from now on, and cancel those in flight.
@@ -244,7 +285,9 @@ class AgentLink:
             with anyio.CancelScope() as scope:
                 self._scopes.add(scope)
                 try:
-                    answer, turns, version, latency = await self._forward(body)
+                    answer, turns, version, latency = await self._forward(
+                        body, self._continued(body["messages"])
+                    )
                 finally:
                     self._scopes.discard(scope)
             if scope.cancelled_caught:
@@ -261,6 +304,7 @@ class AgentLink:
                     observations=observed,
                     others=turns[1:],
                 )
+                self._remember(body["messages"], answer, turns[0])
                 usage = turns[0].usage
                 if usage is not None and "prompt_tokens" in usage:
                     self._context_tokens = usage["prompt_tokens"] + usage.get(
@@ -269,7 +313,40 @@ class AgentLink:
         finally:
             self._reserved -= 1
 
-    async def _forward(self, body: dict[str, Any]) -> tuple[dict[str, Any], Any, int, float]:
+    def _remember(self, messages: list[Any], answer: dict[str, Any], turn: AssistantTurn) -> None:
+        """Keep the call just recorded for token-in: its messages, the message
+        the agent was answered (the first choice's) and its ids."""
+        data = turn.data
+        choices = answer.get("choices")
+        message = choices[0].get("message") if isinstance(choices, list) and choices else None
+        if (
+            data is None
+            or data.prompt_token_ids is None
+            or data.completion_token_ids is None
+            or not isinstance(message, dict)
+        ):
+            self._last = None
+            return
+        ids = TokenTurn(
+            len(messages), data.prompt_token_ids, data.completion_token_ids, data.finish_reason
+        )
+        self._last = _LastCall(list(messages), message, ids)
+
+    def _continued(self, messages: list[Any]) -> TokenTurn | None:
+        """The last call's ids when ``messages`` continue it (``policy.token_in``):
+        its messages as they were, then the answer it got, then more; else None
+        (an agent that rewrote or dropped its history goes as messages)."""
+        last = self._last
+        if last is None or self.policy.token_in is not True:
+            return None
+        end = len(last.messages)
+        if len(messages) <= end + 1 or messages[:end] != last.messages:
+            return None
+        return last.ids if _same_answer(messages[end], last.answer) else None
+
+    async def _forward(
+        self, body: dict[str, Any], history: TokenTurn | None
+    ) -> tuple[dict[str, Any], Any, int, float]:
         rollout = self.rollout
         version = await rollout.admit_policy_call()
         self._refuse_if_ended()
@@ -278,7 +355,9 @@ class AgentLink:
             # The rollout's gate, as its built-in loop's calls see it: an aborted
             # answer (policy.weight_update = "abort") resumes once the update ends.
             with gate_of_rollout(rollout.engine.policy_gate):
-                answer, turns = await self.policy.forward(body, affinity=self.affinity)
+                answer, turns = await self.policy.forward(
+                    body, affinity=self.affinity, history=history
+                )
         except ContextOverflowError as exc:
             self._overflowed(str(exc))
             raise GatewayRefusal(400, str(exc)) from None  # the server's answer, as it said it

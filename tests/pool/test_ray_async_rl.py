@@ -10,6 +10,7 @@ One module, so Ray starts once (``local_ray``) for its tests.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ from fleetroll.policies import OpenAIChatPolicy  # noqa: E402
 from fleetroll.pool.assembly import chat_policy_config  # noqa: E402
 from fleetroll.pool.ray.executor import ray_pool  # noqa: E402
 from fleetroll.results import RolloutResult  # noqa: E402
+from fleetroll.rollout.agent_command import CommandAgent  # noqa: E402
 from fleetroll.settings import load_settings  # noqa: E402
 from fleetroll.tasks import TaskSpec  # noqa: E402
 from fleetroll.testing.model_server import (  # noqa: E402
@@ -67,10 +69,12 @@ async def on_ray(
     policy: dict[str, Any],
     *,
     update: Path | None = None,
+    agent: list[str] | None = None,
 ) -> list[RolloutResult]:
-    """``tasks`` on two Ray actors with the built-in openai policy on ``server``;
-    with ``update``, the weights are updated (``pool.policy_paused()``, version 1)
-    a few tokens into the first generation."""
+    """``tasks`` on two Ray actors with the built-in openai policy on ``server``
+    (the agent command ``agent`` instead, when given); with ``update``, the
+    weights are updated (``pool.policy_paused()``, version 1) a few tokens into
+    the first generation."""
     base = {"kind": "openai", "base_url": server.base_url, "model": server.model_name}
     settings = load_settings(
         provisioning={"backoff_initial_s": 0.05, "backoff_max_s": 0.5},
@@ -79,7 +83,11 @@ async def on_ray(
     async with (
         Emulator() as emu,
         ray_pool(settings, api_key=emu.api_key, base_url=emu.base_url, num_actors=2) as pool,
-        OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model,
+        (
+            OpenAIChatPolicy.from_config(chat_policy_config(settings))
+            if agent is None
+            else CommandAgent.from_config(agent, chat_policy_config(settings))
+        ) as model,
     ):
         with anyio.fail_after(400):
             batch = pool.run_batch(tasks, model)
@@ -193,3 +201,39 @@ async def test_on_ray_the_routed_experts_of_every_token_reach_turns_and_trajecto
     trajectory = result.trajectory
     assert trajectory is not None and trajectory.routed_experts is not None
     assert trajectory.routed_experts.rows() == routed_experts_of(served, trajectory.input_ids)
+
+
+#: One chat completion through the gateway (not streamed); its ending and token
+#: ids as the final answer.
+ONE_CALL = """
+import json, os, urllib.request
+base, key = os.environ["OPENAI_BASE_URL"], os.environ["OPENAI_API_KEY"]
+body = {"model": "any", "max_tokens": 32, "messages": [{"role": "user", "content": "hi"}]}
+request = urllib.request.Request(base + "/chat/completions", json.dumps(body).encode(), {
+    "Authorization": "Bearer " + key, "Content-Type": "application/json"})
+choice = json.load(urllib.request.urlopen(request, timeout=120))["choices"][0]
+with open(os.environ["FLEETROLL_ANSWER_FILE"], "w") as f:
+    json.dump({"finish": choice["finish_reason"], "token_ids": choice.get("token_ids")}, f)
+"""
+
+
+async def test_on_ray_an_agent_s_aborted_call_is_resumed_and_its_tokens_carry_their_versions(
+    local_ray: None, tmp_path: Path
+) -> None:
+    model_dir = save_tiny_model(tmp_path / "tiny", seed=0)
+    step = save_tiny_model(tmp_path / "step-1", seed=1)
+    server = ModelServer(model_dir, decode_delay_s=0.03)
+    async with server:
+        policy = {"weight_update": "abort", "temperature": 1.0, "return_token_ids": True}
+        argv = [sys.executable, "-c", ONE_CALL]
+        (result,) = await on_ray(server, [TASKS["ledger-001"]], policy, update=step, agent=argv)
+        paths = [p for p, _ in server.requests]
+        aborted = server.aborted
+    assert result.status == "completed", result.error
+    (turn,) = result.turns
+    ids, versions = turn.completion_token_ids or [], turn.token_versions or []
+    assert aborted == 1 and paths.count("/v1/chat/completions/tokens") == 1
+    assert versions[0] == 0 and versions[-1] == 1 and sorted(versions) == versions
+    assert len(versions) == len(ids) and "aborted after" in (turn.token_versions_note or "")
+    answer = json.loads(result.final_answer or "{}")
+    assert answer["finish"] != "abort" and answer["token_ids"] == ids

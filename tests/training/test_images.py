@@ -204,3 +204,66 @@ async def journaled_as_files(path: Path, results: list[Any], received: list[Any]
         assert trajectory is not None and trajectory.images
         assert row_images(row, journal=path) == [by_sha[i.sha256] for i in trajectory.images]
     assert [inline_images(r, path.parent) for r in read] == results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+async def test_fleetroll_run_with_image_store_files_journals_each_distinct_image_once(
+    tmp_path: Path,
+) -> None:
+    """``fleetroll run --out`` with ``policy.image_store = "files"`` (the job's
+    journal takes the setting): the images beside the journal, the report's
+    results with their bytes, the two the same once read back."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import anyio
+
+    from fleetroll.jobs.job import run_job
+    from fleetroll.policies import OpenAIChatPolicy
+    from fleetroll.pool.assembly import chat_policy_config
+    from fleetroll.pool.journal import images_folder, inline_images, read_journal
+    from fleetroll.settings import load_settings
+    from fleetroll.testing.model_server import ForcedRequest, ModelServer
+    from fleetroll.testing.tiny_model import TinyModelSpec, save_tiny_model
+    from training_helpers import TASKS
+
+    tasks = [t for t in TASKS.values() if t.modality == "computer_use"][:2]
+    by_prompt = {t.prompt: t for t in tasks}
+
+    def forced(request: ForcedRequest) -> str:
+        body = request.body
+        prompt = next(m["content"] for m in body["messages"] if m.get("role") == "user")
+        return solution_text(by_prompt[prompt], body)
+
+    max_pixels = 28 * 28 * 12
+    path = save_tiny_model(tmp_path / "tiny-vl", TinyModelSpec(vision=True))
+    out = tmp_path / "run" / "results.jsonl"
+    async with ModelServer(path, vision=True, image_max_pixels=max_pixels, forced=forced) as server:
+        policy = {
+            "kind": "openai",
+            "base_url": server.base_url,
+            "model": server.model_name,
+            "trajectory": True,
+            "token_in": True,
+            "image_max_pixels": max_pixels,
+            "image_store": "files",
+        }
+        settings = load_settings(policy=policy)
+        async with OpenAIChatPolicy.from_config(chat_policy_config(settings)) as model:
+            with anyio.fail_after(300):
+                report = await run_job(settings, tasks, model, out=out)
+        received = {image.sha256: image.png for image in server.received_images}
+
+    assert all(r.status == "completed" and r.turns for r in report.results)
+    assert sorted(f.name for f in images_folder(out).iterdir()) == sorted(
+        f"{sha}.png" for sha in received
+    )
+    journaled = read_journal(out)
+    for result in journaled:
+        for turn in result.turns:
+            assert turn.images and all(i.data is None and i.path for i in turn.images)
+            assert all(i.png(out.parent) == received[i.sha256] for i in turn.images)
+    by_id = {r.rollout_id: r for r in report.results}
+    assert [inline_images(r, out.parent) for r in journaled] == [
+        by_id[r.rollout_id] for r in journaled
+    ]

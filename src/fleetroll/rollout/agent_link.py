@@ -42,7 +42,7 @@ from starlette.types import Message, Receive, Scope, Send
 from fleetroll._internal.deadlines import now
 from fleetroll.errors import ContextOverflowError, PolicyError, ToolCallFailed
 from fleetroll.policies.gateway import GatewayRefusal
-from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.policies.openai import OpenAIChatPolicy, Streamed
 from fleetroll.policies.servers import Affinity
 from fleetroll.results import FailureReason
 from fleetroll.rollout.dispatch import record_tool_call, tool_call_failed
@@ -88,6 +88,52 @@ class _Pending:
 
     def received(self) -> None:
         self.got = True
+
+
+class _Stream:
+    """A streamed answer on its way to the agent
+    (:class:`fleetroll.policies.gateway.Streaming`): the policy's chunks, or a
+    whole answer (``whole``, with the :class:`_Pending` that records it)."""
+
+    def __init__(
+        self,
+        whole: dict[str, Any] | None,
+        pending: _Pending | None,
+        link: AgentLink | None = None,
+        streamed: Streamed | None = None,
+    ) -> None:
+        self.whole = whole
+        self._pending = pending
+        self._link = link
+        self._streamed = streamed
+        self.got = False
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        if self._streamed is None or self.whole is not None:
+            return
+        assert self._link is not None
+        try:
+            async for chunk in self._streamed.chunks():
+                yield chunk
+        except PolicyError as exc:
+            self._link._policy_failed(str(exc))
+            raise GatewayRefusal(502, str(exc), kind="api_error") from None
+
+    def answer(self) -> dict[str, Any]:
+        if self.whole is not None:
+            return self.whole
+        assert self._streamed is not None
+        try:
+            return self._streamed.result()[0]
+        except PolicyError as exc:
+            assert self._link is not None
+            self._link._policy_failed(str(exc))
+            raise GatewayRefusal(502, str(exc), kind="api_error") from None
+
+    def received(self) -> None:
+        self.got = True
+        if self._pending is not None:
+            self._pending.received()
 
 
 @dataclass
@@ -218,8 +264,8 @@ class AgentLink:
 
     # -- policy calls -------------------------------------------------------
 
-    @asynccontextmanager
-    async def complete(self, body: dict[str, Any]) -> AsyncIterator[_Pending]:
+    def _check_call(self, body: dict[str, Any]) -> None:
+        """Refuse a call past the step budget or the context (ending the rollout)."""
         rollout = self.rollout
         self._refuse_if_ended()
         limit = rollout.max_steps
@@ -238,6 +284,75 @@ class AgentLink:
                 )
                 self._overflowed(error)
                 raise GatewayRefusal(400, error)
+
+    def _recorded(
+        self, body: dict[str, Any], turns: Sequence[Any], version: int, latency: float
+    ) -> None:
+        """Record a call the agent received (its first choice's turn, then the others)."""
+        observed = _after_last_assistant(body["messages"])
+        self.rollout.record_call(
+            turns[0],
+            policy_version=version,
+            latency_s=latency,
+            observations=observed,
+            others=turns[1:],
+        )
+        usage = turns[0].usage
+        if usage is not None and "prompt_tokens" in usage:
+            self._context_tokens = usage["prompt_tokens"] + usage.get("completion_tokens", 0)
+
+    @asynccontextmanager
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[_Stream]:
+        """A streamed call (:meth:`fleetroll.policies.gateway.Link.stream`): the
+        server's chunks relayed as they come when the policy streams tokens
+        (:attr:`~fleetroll.policies.openai.OpenAIChatPolicy.streams_tokens`),
+        else :meth:`complete`'s whole answer. Recorded as :meth:`complete`
+        records; a failure once the chunks flow ends the rollout as
+        ``policy_error`` and the agent's stream with an error event."""
+        if not self.policy.streams_tokens:
+            async with self.complete(body) as pending:
+                yield _Stream(pending.answer, pending)
+            return
+        rollout = self.rollout
+        self._check_call(body)
+        self._reserved += 1
+        began: float | None = None
+        flowing = False
+        try:
+            with anyio.CancelScope() as scope:
+                self._scopes.add(scope)
+                try:
+                    version = await rollout.admit_policy_call()
+                    self._refuse_if_ended()
+                    began = time.monotonic()
+                    async with self.policy.stream(body, affinity=self.affinity) as streamed:
+                        self._refuse_if_ended()  # it ended while the server began
+                        pending = _Stream(streamed.whole, None, self, streamed)
+                        flowing = True
+                        yield pending
+                    if pending.got and not self.ended.is_set():
+                        _, turns = streamed.result()
+                        self._recorded(body, turns, version, time.monotonic() - began)
+                except ContextOverflowError as exc:
+                    self._overflowed(str(exc))
+                    if not flowing:
+                        raise GatewayRefusal(400, str(exc)) from None
+                except PolicyError as exc:
+                    self._policy_failed(str(exc))
+                    if not flowing:
+                        raise GatewayRefusal(502, str(exc), kind="api_error") from None
+                finally:
+                    self._scopes.discard(scope)
+                    if began is not None:
+                        rollout.progress.timings.policy_s += time.monotonic() - began
+            if scope.cancelled_caught and not flowing:
+                raise GatewayRefusal(409, "this rollout has ended: no more policy calls")
+        finally:
+            self._reserved -= 1
+
+    @asynccontextmanager
+    async def complete(self, body: dict[str, Any]) -> AsyncIterator[_Pending]:
+        self._check_call(body)
         self._reserved += 1
         try:
             with anyio.CancelScope() as scope:
@@ -252,19 +367,7 @@ class AgentLink:
             pending = _Pending(answer)
             yield pending
             if pending.got and not self.ended.is_set():
-                observed = _after_last_assistant(body["messages"])
-                rollout.record_call(
-                    turns[0],
-                    policy_version=version,
-                    latency_s=latency,
-                    observations=observed,
-                    others=turns[1:],
-                )
-                usage = turns[0].usage
-                if usage is not None and "prompt_tokens" in usage:
-                    self._context_tokens = usage["prompt_tokens"] + usage.get(
-                        "completion_tokens", 0
-                    )
+                self._recorded(body, turns, version, latency)
         finally:
             self._reserved -= 1
 

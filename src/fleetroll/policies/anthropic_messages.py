@@ -364,7 +364,7 @@ class MessageStream:
         out: list[str] = []
         if self._base is None:
             self._base = str(chunk.get("id", "fleetroll"))
-            start = {
+            start: dict[str, Any] = {
                 "id": f"msg_{self._base}",
                 "type": "message",
                 "role": "assistant",

@@ -480,7 +480,12 @@ class ResponseStream:
         base = self._base
         reasoning = delta.get("reasoning_content") or delta.get("reasoning")
         if isinstance(reasoning, str) and reasoning:
-            item = {"type": "reasoning", "id": f"rs_{base}", "summary": [], "content": []}
+            item: dict[str, Any] = {
+                "type": "reasoning",
+                "id": f"rs_{base}",
+                "summary": [],
+                "content": [],
+            }
             at = self._item(out, ("reasoning", 0), item)
             out.append(
                 self._event(
@@ -560,8 +565,8 @@ class ResponseStream:
             out.append(
                 self._event("response.output_item.done", {"output_index": index, "item": item})
             )
-        done = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        out.append(self._event(done, {"response": response}))
+        ended = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        out.append(self._event(ended, {"response": response}))
         return out
 
     def error(self, message: str, *, kind: str = "api_error") -> list[str]:

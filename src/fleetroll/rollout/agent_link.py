@@ -327,10 +327,10 @@ class AgentLink:
                     began = time.monotonic()
                     async with self.policy.stream(body, affinity=self.affinity) as streamed:
                         self._refuse_if_ended()  # it ended while the server began
-                        pending = _Stream(streamed.whole, None, self, streamed)
+                        relayed = _Stream(streamed.whole, None, self, streamed)
                         flowing = True
-                        yield pending
-                    if pending.got and not self.ended.is_set():
+                        yield relayed
+                    if relayed.got and not self.ended.is_set():
                         _, turns = streamed.result()
                         self._recorded(body, turns, version, time.monotonic() - began)
                 except ContextOverflowError as exc:

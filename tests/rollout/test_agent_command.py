@@ -37,6 +37,7 @@ from fleetroll.telemetry import Events, MemorySink
 from fleetroll.testing.fake_openai import (
     FakeChatServer,
     FakeError,
+    FakeRawResponse,
     Script,
     VllmShape,
     completion,
@@ -421,6 +422,21 @@ async def test_a_streamed_answer_keeps_every_field_the_server_sent(tmp_path: Pat
     assert [t.completion_token_ids for t in result.turns] == [
         r["choices"][0]["token_ids"] for r in srv.replies
     ]
+
+
+async def test_a_server_failing_mid_stream_fails_the_rollout_with_no_turn_and_no_resend() -> None:
+    first = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "served"}
+    first["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]
+    broken = FakeRawResponse(f"data: {json.dumps(first)}\n\n", media_type="text/event-stream")
+    script = CALLS + "ask('hi', stream=True)\ndone('the stream ended')\n"
+    command = [sys.executable, "-c", script]
+    async with agent_rollout(command, script=[broken, completion("again")]) as (eng, agent, srv):
+        result = await run(eng, agent)
+
+    # Asked as a stream, once: a failure after the first chunk is never re-sent.
+    assert [q["stream"] for q in srv.requests] == [True]
+    assert result.failure_reason == "policy_error" and result.turns == []
+    assert "ended before its 'data: [DONE]'" in (result.error or "")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

@@ -380,7 +380,11 @@ class EventStream:
             yield chunk
 
     async def _next(self) -> dict[str, Any] | None:
-        """The next chunk; None at ``[DONE]`` or the stream's end."""
+        """The next chunk; None at ``[DONE]``.
+
+        Raises:
+            PolicyError: the stream broke, or ended before ``[DONE]`` (transient).
+        """
         assert self._events is not None
         try:
             data = await anext(self._events, None)
@@ -389,7 +393,13 @@ class EventStream:
             raise PolicyError(
                 self._transport.redact(problem), operation=OPERATION, transient=True
             ) from exc
-        if data is None or data.strip() == b"[DONE]":
+        if data is None:
+            raise PolicyError(
+                f"the stream from {self._shown} ended before its 'data: [DONE]'",
+                operation=OPERATION,
+                transient=True,
+            )
+        if data.strip() == b"[DONE]":
             return None
         try:
             chunk = json.loads(data)
@@ -408,13 +418,13 @@ class EventStream:
         self._first = await self._next()
         if self._first is None:
             raise PolicyError(
-                f"{self._shown} ended its stream before its first chunk",
+                f"{self._shown} ended its stream ('data: [DONE]') before its first chunk",
                 operation=OPERATION,
                 transient=True,
             )
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        """Each chunk, as it comes, until ``[DONE]`` (or the stream's end).
+        """Each chunk, as it comes, until ``[DONE]``.
 
         Raises:
             PolicyError: as :meth:`ChatTransport.stream` says.

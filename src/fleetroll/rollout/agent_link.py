@@ -99,24 +99,24 @@ class _Stream:
         self,
         whole: dict[str, Any] | None,
         pending: _Pending | None,
-        link: AgentLink | None = None,
         streamed: Streamed | None = None,
     ) -> None:
         self.whole = whole
         self._pending = pending
-        self._link = link
         self._streamed = streamed
         self.got = False
+        #: Why the stream failed once it flowed: the rollout ends (``policy_error``)
+        #: when the block does, after the agent got the error event.
+        self.failed: str | None = None
 
     async def chunks(self) -> AsyncIterator[dict[str, Any]]:
         if self._streamed is None or self.whole is not None:
             return
-        assert self._link is not None
         try:
             async for chunk in self._streamed.chunks():
                 yield chunk
         except PolicyError as exc:
-            self._link._policy_failed(str(exc))
+            self.failed = str(exc)
             raise GatewayRefusal(502, str(exc), kind="api_error") from None
 
     def answer(self) -> dict[str, Any]:
@@ -126,8 +126,7 @@ class _Stream:
         try:
             return self._streamed.result()[0]
         except PolicyError as exc:
-            assert self._link is not None
-            self._link._policy_failed(str(exc))
+            self.failed = str(exc)
             raise GatewayRefusal(502, str(exc), kind="api_error") from None
 
     def received(self) -> None:
@@ -327,10 +326,12 @@ class AgentLink:
                     began = time.monotonic()
                     async with self.policy.stream(body, affinity=self.affinity) as streamed:
                         self._refuse_if_ended()  # it ended while the server began
-                        relayed = _Stream(streamed.whole, None, self, streamed)
+                        relayed = _Stream(streamed.whole, None, streamed)
                         flowing = True
                         yield relayed
-                    if relayed.got and not self.ended.is_set():
+                    if relayed.failed is not None:  # the agent got its error event first
+                        self._policy_failed(relayed.failed)
+                    elif relayed.got and not self.ended.is_set():
                         _, turns = streamed.result()
                         self._recorded(body, turns, version, time.monotonic() - began)
                 except ContextOverflowError as exc:

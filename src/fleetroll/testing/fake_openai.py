@@ -556,8 +556,9 @@ _PIECE = re.compile(r"\s*\S+|\s+")
 
 def streamed_chunks(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """A chat completion as vLLM streams it (``chat.completion.chunk``): per choice,
-    a first chunk with the role (the answer's own fields, ``prompt_token_ids``
-    among them, on the very first), then one chunk per token with its ``token_ids``
+    a first chunk with the role and the message's other fields (``reasoning_content``
+    whole; the answer's own fields, ``prompt_token_ids`` among them, on the very
+    first), then one chunk per token with its ``token_ids``, ``token_versions``
     and ``logprobs`` entry and a piece of the content (a word with the spaces
     before it), the tool calls' deltas (id and name, then the arguments in two
     pieces), a last with ``finish_reason``; a usage chunk when ``body`` asks."""
@@ -572,8 +573,11 @@ def streamed_chunks(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[
     for index, whole in enumerate(answer.get("choices") or ()):
         message = whole.get("message") or {}
         ids = whole.get("token_ids")
+        versions = whole.get("token_versions")
         entries = (whole.get("logprobs") or {}).get("content")
-        first: dict[str, Any] = {"index": index, "delta": {"role": "assistant", "content": ""}}
+        others = {k: v for k, v in message.items() if k not in ("role", "content", "tool_calls")}
+        delta = {"role": "assistant", "content": "", **others}  # reasoning_content whole
+        first: dict[str, Any] = {"index": index, "delta": delta}
         if ids is not None:
             first["token_ids"] = []
         chunks.append({**base, **own, "choices": [first]})
@@ -587,6 +591,8 @@ def streamed_chunks(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[
                 choice["delta"]["content"] = pieces[position]
             if ids is not None:
                 choice["token_ids"] = ids[position : position + 1]
+            if versions is not None:
+                choice["token_versions"] = versions[position : position + 1]
             if entries is not None:
                 choice["logprobs"] = {"content": entries[position : position + 1]}
             chunks.append({**base, "choices": [choice]})
@@ -603,7 +609,8 @@ def streamed_chunks(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[
                 chunks.append(
                     {**base, "choices": [{"index": index, "delta": {"tool_calls": [piece]}}]}
                 )
-        last = {k: v for k, v in whole.items() if k not in ("message", "token_ids", "logprobs")}
+        per_token = ("message", "token_ids", "token_versions", "logprobs")
+        last = {k: v for k, v in whole.items() if k not in per_token}
         chunks.append({**base, "choices": [{**last, "index": index, "delta": {}}]})
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("include_usage") and "usage" in answer:

@@ -493,8 +493,8 @@ class OpenAIChatPolicy:
         sent (this policy's ``temperature``, ``top_p``, ``max_tokens`` where it
         sets none), but this policy's ``model``, its training fields
         (``return_token_ids``, ``logprobs``...) asked for as :meth:`act` asks,
-        and its ``extra_body`` on top. Streaming is the caller's business: the
-        server is asked for one answer.
+        and its ``extra_body`` on top. The server is asked for one answer
+        (:meth:`stream` asks for it chunk by chunk).
 
         Returns the server's answer (as it sent it) and a turn parsed from each
         of its choices (one unless the request asked for ``n`` > 1; the

@@ -10,7 +10,11 @@ ends as the built-in loop's would on the same faults:
   count: past ``max_steps`` a call is refused and the rollout ends as
   ``max_steps``); its turn is recorded only once the agent received the answer;
   a policy failure (the server's error, its deadline) ends the rollout as
-  ``policy_error``, whatever the agent does next; a prompt longer than the
+  ``policy_error``, whatever the agent does next; a streamed call is relayed
+  chunk by chunk as the server streams it (:meth:`AgentLink.stream`; whole
+  where the policy's settings need whole answers), recorded from its chunks
+  joined, and a failure once its chunks flow reaches the agent as its
+  dialect's error event before the rollout ends; a prompt longer than the
   model's context (the server's context-length error, which the agent still
   gets, or an estimate over ``policy.max_context_tokens`` before the call, as
   the built-in loop's) ends it as ``context_overflow``, scored;

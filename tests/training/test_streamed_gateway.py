@@ -262,3 +262,45 @@ async def test_a_server_failing_mid_stream_ends_the_agent_s_stream_with_an_error
                             seen.append(event.type)
     assert "text" in seen or "content_block_delta" in seen
     assert link.turns == []
+
+
+@pytest.mark.timeout(300)
+async def test_a_streamed_call_keeps_each_token_s_version_across_an_update_in_flight(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The weights change between the third and fourth tokens of each generation
+    (``in_flight_updates``): the streamed call's turn has the server's per-token
+    versions, as the non-streamed call's has."""
+    newer = save_tiny_model(tmp_path / "newer", seed=1)
+    server: ModelServer
+
+    def update_after_three(generated: int) -> None:
+        if generated == 3:
+            anyio.from_thread.run(server.update_weights, newer)
+
+    hold = Hold()
+    hold.seen()  # nothing held: this test is about the versions
+    server = ModelServer(
+        model_dir, forced=forced, in_flight_updates=True, after_token=update_after_three
+    )
+    async with (
+        server,
+        OpenAIChatPolicy(
+            base_url=server.base_url, model="served", return_token_ids=True, logprobs=True
+        ) as policy,
+        Gateway(max_request_bytes=1 << 20) as gateway,
+    ):
+        link = Recorded(policy)
+        with gateway.open(link) as opened, anyio.fail_after(120):
+            await chat_agent(opened.base_url, opened.key, hold)
+        with anyio.fail_after(120):
+            _, (whole,) = await policy.forward(link.bodies[0])
+        [(_, streamed_generation), (_, whole_generation)] = server.generations
+
+    [turn] = link.turns
+    assert turn.data is not None and whole.data is not None
+    versions = turn.data.token_versions
+    assert versions is not None and versions[:4] == (0, 0, 0, 1) and set(versions) == {0, 1}
+    assert versions == streamed_generation.token_versions
+    assert whole.data.token_versions == whole_generation.token_versions
+    assert whole.data.token_versions is not None and set(whole.data.token_versions) == {1, 2}

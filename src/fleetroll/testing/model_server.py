@@ -247,6 +247,10 @@ class ModelServer:
         stream_hold: tests only: awaited by a streamed answer after its first
             token's chunk, before the rest (a test holds the stream until its
             client saw that chunk: a relay that waits for whole answers deadlocks).
+        after_token: tests only: called in the generation's worker thread after
+            each token with the number generated so far, before the next step
+            (a test lands a weight update between two given tokens:
+            ``anyio.from_thread.run(server.update_weights, path)``).
 
     Attributes:
         base_url: ``http://127.0.0.1:<port>/v1``, set once started.
@@ -273,8 +277,10 @@ class ModelServer:
         image_max_pixels: int = 28 * 28 * 1280,
         forced: Callable[[ForcedRequest], str | None] | None = None,
         stream_hold: Callable[[], Awaitable[None]] | None = None,
+        after_token: Callable[[int], None] | None = None,
     ) -> None:
         self.stream_hold = stream_hold
+        self.after_token = after_token
         self.model_path = Path(model_path)
         self.model_name = model_name or self.model_path.name
         self.token_route = token_route
@@ -469,6 +475,8 @@ class ModelServer:
                 if token in self._end_ids:
                     finish = "stop"
                     break
+                if self.after_token is not None:
+                    self.after_token(len(ids))
                 if self.decode_delay_s:
                     time.sleep(self.decode_delay_s)
                 cache = out.cache if name else out.past_key_values

@@ -262,3 +262,24 @@ def test_the_incremental_responses_events_give_the_openai_sdk_the_whole_answer_s
         for i in whole["output"]
         if i["type"] == "function_call"
     ]
+
+
+@pytest.mark.parametrize(
+    ("options", "streams"),
+    [
+        ({}, True),
+        ({"weight_update": "in_flight"}, True),
+        ({"token_in": True}, True),  # not applied to forwarded calls
+        ({"weight_update": "abort"}, False),  # an aborted answer is resumed, then joined
+        ({"image_max_pixels": 28 * 28 * 16}, False),  # images prepared for the prompt
+    ],
+)
+async def test_only_the_settings_that_need_whole_answers_forward_them_whole(
+    options: dict[str, Any], streams: bool
+) -> None:
+    async with OpenAIChatPolicy(base_url="http://p.test/v1", model="m", **options) as policy:
+        assert policy.streams_tokens is streams
+        if not streams:
+            with pytest.raises(RuntimeError, match="use forward"):
+                async with policy.stream({"messages": []}):
+                    pass

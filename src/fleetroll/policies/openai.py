@@ -543,11 +543,11 @@ class OpenAIChatPolicy:
     @property
     def streams_tokens(self) -> bool:
         """Whether :meth:`stream` relays the server's chunks as they come: not with
-        ``weight_update = "abort"`` (an aborted answer is resumed, then joined),
-        ``token_in`` (the prompt goes as ids to another route) or
-        ``image_max_pixels`` (the images are prepared and their spans found in
-        the prompt), whose calls go whole through :meth:`forward`."""
-        return self.weight_update != "abort" and not self.token_in and self.image_max_pixels is None
+        ``weight_update = "abort"`` (an aborted answer is resumed, then joined)
+        or ``image_max_pixels`` (the images are prepared and their spans found
+        in the prompt), whose calls go whole through :meth:`forward`.
+        (``token_in`` does not apply to forwarded calls: they stream.)"""
+        return self.weight_update != "abort" and self.image_max_pixels is None
 
     @asynccontextmanager
     async def stream(

@@ -283,3 +283,34 @@ async def test_only_the_settings_that_need_whole_answers_forward_them_whole(
             with pytest.raises(RuntimeError, match="use forward"):
                 async with policy.stream({"messages": []}):
                     pass
+
+
+async def test_a_stream_that_breaks_before_its_first_chunk_is_tried_again() -> None:
+    asked = []
+    chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "hi"}}]}
+    last = {"id": "c", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+
+    async def flaky(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        first_try = len(asked) == 1
+
+        async def events() -> Any:
+            if first_try:
+                raise httpx.ReadError("gone")
+            for data in (chunk, last):
+                yield f"data: {json.dumps(data)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=events())
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(flaky))
+    async with (
+        http,
+        OpenAIChatPolicy(
+            base_url="http://p.test/v1", model="m", http_client=http, backoff_initial_s=0
+        ) as policy,
+    ):
+        with anyio.fail_after(30):
+            async with policy.stream({"messages": [{"role": "user", "content": "x"}]}) as s:
+                assert [c async for c in s.chunks()] == [chunk, last]
+    assert len(asked) == 2 and s.result()[1][0].content == "hi"

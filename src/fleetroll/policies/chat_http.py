@@ -45,6 +45,9 @@ ALSO_TRANSIENT = frozenset({409})
 #: What a server without token-in's routes answers them.
 NO_ROUTE = frozenset({404, 405})
 _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
+#: Closing a failed attempt's stream: bounded, shielded. Not a setting: closing a
+#: response does no I/O worth waiting for longer.
+_CLOSE_S = 5.0
 
 #: The routes of a policy server: its chat completions, and token-in's
 #: completion with a token prompt and vLLM's ``/tokenize`` (at the server's
@@ -211,8 +214,10 @@ class ChatTransport:
         last: httpx.Response | None = None
 
         def decision(exc: BaseException) -> Decision:
-            if not isinstance(exc, PolicyError) or last is None:
-                return decide(exc) if not isinstance(exc, PolicyError) else Decision(exc.transient)
+            if not isinstance(exc, PolicyError):
+                return decide(exc)
+            if last is None:  # no answer, or a stream that broke before its first chunk
+                return Decision(exc.transient)
             return Decision(exc.transient, last.status_code, retry_after_s(last.headers))
 
         opened: EventStream | None = None
@@ -222,7 +227,7 @@ class ChatTransport:
                 "policy", budget, deadline=deadline, classify=decision
             ):
                 with attempt:
-                    tries, last = attempt.num, None
+                    tries, last, opened = attempt.num, None, None
                     stack = AsyncExitStack()
                     try:
                         server = await stack.enter_async_context(self.servers.call(affinity))
@@ -237,8 +242,9 @@ class ChatTransport:
                             elif response.headers.get("content-type", "").startswith(
                                 "text/event-stream"
                             ):
-                                opened = EventStream(self, response, server, shown)
-                                await opened.first()
+                                events = EventStream(self, response, server, shown)
+                                await events.first()  # retried until it comes
+                                opened = events
                             else:  # one whole answer: relayed as such
                                 body = await self._read(response, shown)
                                 whole = self._decode(response.status_code, body, shown)
@@ -256,11 +262,10 @@ class ChatTransport:
                         if not response.is_success:
                             last = response
                             raise self._refused(response, body, server, "chat")
-                    except BaseException:
-                        opened = None
-                        with anyio.CancelScope(shield=True):
-                            await stack.aclose()
-                        raise
+                    finally:
+                        if opened is None:  # this attempt failed: its server and stream go
+                            with anyio.move_on_after(_CLOSE_S, shield=True):
+                                await stack.aclose()
         except PolicyError as exc:
             raise _counted(exc, tries, budget) from exc.__cause__
         assert opened is not None, "the attempts ended with an answer"

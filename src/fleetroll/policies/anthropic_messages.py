@@ -438,8 +438,9 @@ class MessageStream:
             _event("message_stop", {}),
         ]
 
-    def error(self, status: int, message: str) -> list[str]:
-        """The event that ends a stream the server failed in (the SDK raises it)."""
+    def error(self, status: int, message: str, kind: str) -> list[str]:
+        """The event that ends a stream the server failed in (the SDK raises it);
+        its type is ``status``'s (``kind`` is OpenAI's name for it, unused)."""
         return [_event("error", error_body(status, message))]
 
 

@@ -287,7 +287,7 @@ class Gateway:
         except GatewayRefusal as exc:
             return _anthropic_error(exc)
         return _Answer(
-            link, body, asked, _encoded_message, _anthropic_error, lambda: _MessageEvents()
+            link, body, asked, _encoded_message, _anthropic_error, anthropic.MessageStream
         )
 
     async def _responses(self, request: Request) -> Response:
@@ -302,7 +302,12 @@ class Gateway:
         except GatewayRefusal as exc:
             return _responses_error(exc)
         return _Answer(
-            link, body, asked, _encoded_response, _responses_error, lambda: _ResponseEvents(asked)
+            link,
+            body,
+            asked,
+            _encoded_response,
+            _responses_error,
+            lambda: responses.ResponseStream(asked),
         )
 
     async def _body(self, request: Request) -> dict[str, Any]:
@@ -351,7 +356,7 @@ class _Incremental(Protocol):
 
     def end(self, answer: dict[str, Any]) -> list[str]: ...
 
-    def error(self, refusal: GatewayRefusal) -> list[str]: ...
+    def error(self, status: int, message: str, kind: str) -> list[str]: ...
 
 
 _SSE_HEADERS: Final = [
@@ -416,7 +421,7 @@ class _Answer(Response):
                             await send(_more(part.encode()))
                     parts = [part.encode() for part in encoder.end(pending.answer())]
                 except GatewayRefusal as exc:  # after the first chunk: the stream's error
-                    for part in encoder.error(exc):
+                    for part in encoder.error(exc.status, exc.message, exc.kind):
                         await send(_more(part.encode()))
                     await send({"type": "http.response.body", "body": b""})
                     return
@@ -470,19 +475,8 @@ class _ChunkStream:
     def end(self, answer: dict[str, Any]) -> list[str]:
         return ["data: [DONE]\n\n"]
 
-    def error(self, refusal: GatewayRefusal) -> list[str]:
-        error = {"message": refusal.message, "type": refusal.kind, "code": refusal.status}
-        return [_sse({"error": error})]
-
-
-class _MessageEvents(anthropic.MessageStream):
-    def error(self, refusal: GatewayRefusal) -> list[str]:  # type: ignore[override]
-        return super().error(refusal.status, refusal.message)
-
-
-class _ResponseEvents(responses.ResponseStream):
-    def error(self, refusal: GatewayRefusal) -> list[str]:  # type: ignore[override]
-        return super().error(refusal.message, kind=refusal.kind)
+    def error(self, status: int, message: str, kind: str) -> list[str]:
+        return [_sse({"error": {"message": message, "type": kind, "code": status}})]
 
 
 def _encoded(

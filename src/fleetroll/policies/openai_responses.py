@@ -569,8 +569,9 @@ class ResponseStream:
         out.append(self._event(ended, {"response": response}))
         return out
 
-    def error(self, message: str, *, kind: str = "api_error") -> list[str]:
-        """The event that ends a stream the server failed in (the SDK raises it)."""
+    def error(self, status: int, message: str, kind: str) -> list[str]:
+        """The event that ends a stream the server failed in (the SDK raises it);
+        ``status`` is the HTTP status the failure would have had (unused)."""
         body = error_body(message, kind=kind)
         return [self._event("error", {**body["error"], "error": body["error"]})]
 

@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from agent_helpers import end_marked, marked, new_mark
-from fleetroll.policies.gate import PolicyGate
+from fleetroll.policies.gate import PolicyGate, WeightUpdateMode
 from fleetroll.policies.openai import OpenAIChatPolicy
 from fleetroll.pool.assembly import chat_policy_config, rollout_config
 from fleetroll.pool.rollout_pool import RolloutPool
@@ -37,6 +37,7 @@ from fleetroll.telemetry import Events, MemorySink
 from fleetroll.testing.fake_openai import (
     FakeChatServer,
     FakeError,
+    FakeRawResponse,
     Script,
     VllmShape,
     completion,
@@ -103,12 +104,15 @@ async def agent_rollout(
     script: Script | None = None,
     token_ids: bool = False,
     kill_grace_s: float = 0.5,
+    streaming_server: bool = False,
+    weight_update: WeightUpdateMode = "pause",
     **overrides: Any,
 ) -> AsyncIterator[tuple[RolloutEngine, CommandAgent, FakeChatServer]]:
     settings = load_settings(**overrides)
     events = Events([MemorySink()])
+    shape = VllmShape(stream=streaming_server)
     async with (
-        FakeChatServer(script or [completion("hello")] * 4, vllm=VllmShape()) as server,
+        FakeChatServer(script or [completion("hello")] * 4, vllm=shape) as server,
         RolloutEngine.open(
             rollout_config(settings),
             events,
@@ -125,6 +129,7 @@ async def agent_rollout(
                 return_token_ids=token_ids,
                 temperature=0.3,
                 extra_body={"top_k": 5},
+                weight_update=weight_update,
             ),
             kill_grace_s=kill_grace_s,
             max_answer_file_bytes=answer_bytes,
@@ -421,6 +426,56 @@ async def test_a_streamed_answer_keeps_every_field_the_server_sent(tmp_path: Pat
     assert [t.completion_token_ids for t in result.turns] == [
         r["choices"][0]["token_ids"] for r in srv.replies
     ]
+
+
+@pytest.mark.parametrize("weight_update", ["pause", "abort"])
+async def test_a_streamed_call_is_relayed_token_by_token_unless_the_settings_need_whole_answers(
+    tmp_path: Path, weight_update: WeightUpdateMode
+) -> None:
+    kept = tmp_path / "seen.json"
+    script = CALLS + (
+        "seen = ask('hi', stream=True, stream_options={'include_usage': True})\n"
+        f"json.dump(seen, open({str(kept)!r}, 'w'))\n"
+        "done('ok')\n"
+    )
+    command = [sys.executable, "-c", script]
+    reply = completion("the answer is four")
+    async with agent_rollout(
+        command, script=[reply], streaming_server=True, weight_update=weight_update
+    ) as (eng, agent, server):
+        result = await run(eng, agent)
+
+    assert result.failure_reason is None, result.error
+    status, text = json.loads(kept.read_text())
+    chunks = events_of(text)
+    sent = server.replies[0]
+    [turn] = result.turns
+    assert turn.completion_token_ids == sent["choices"][0]["token_ids"]
+    assert status == 200 and chunks[-1]["usage"] == sent["usage"]
+    said = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert said == "the answer is four"
+    if weight_update == "pause":  # streamed from the server, a chunk per token
+        assert server.requests[0]["stream"] is True
+        assert len(chunks) > 4
+    else:  # an aborted answer is resumed and joined: asked and relayed whole
+        assert "stream" not in server.requests[0]
+        [whole, _] = chunks
+        assert whole["choices"][0]["delta"]["content"] == "the answer is four"
+
+
+async def test_a_server_failing_mid_stream_fails_the_rollout_with_no_turn_and_no_resend() -> None:
+    first = {"id": "c1", "object": "chat.completion.chunk", "created": 0, "model": "served"}
+    first["choices"] = [{"index": 0, "delta": {"role": "assistant", "content": "Hel"}}]
+    broken = FakeRawResponse(f"data: {json.dumps(first)}\n\n", media_type="text/event-stream")
+    script = CALLS + "ask('hi', stream=True)\ndone('the stream ended')\n"
+    command = [sys.executable, "-c", script]
+    async with agent_rollout(command, script=[broken, completion("again")]) as (eng, agent, srv):
+        result = await run(eng, agent)
+
+    # Asked as a stream, once: a failure after the first chunk is never re-sent.
+    assert [q["stream"] for q in srv.requests] == [True]
+    assert result.failure_reason == "policy_error" and result.turns == []
+    assert "ended before its 'data: [DONE]'" in (result.error or "")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

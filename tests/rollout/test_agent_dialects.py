@@ -1,9 +1,9 @@
 """A Claude-style agent (the real ``anthropic`` SDK, examples/agent_anthropic_mcp.py)
 through the gateway's ``/v1/messages``, and a Codex-style one (the real ``openai``
 SDK's Responses API, examples/agent_responses_mcp.py) through its ``/v1/responses``:
-each solves the example tool-use tasks on the emulator, streamed and not, every call
-recorded with the server's exact token ids and logprobs; and what the gateway cannot
-serve gets the dialect's error shape."""
+each solves the example tool-use tasks on the emulator, streamed (from a server that
+streams a chunk per token) and not, every call recorded with the server's exact token
+ids and logprobs; and what the gateway cannot serve gets the dialect's error shape."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ async def solved_by_an_agent(agent: Path, *, streaming: bool) -> list[dict[str, 
     Returns the requests the policy server received."""
     async with (
         Emulator() as emu,
-        FakeChatServer(solving(LEDGER), vllm=VllmShape()) as server,
+        FakeChatServer(solving(LEDGER), vllm=VllmShape(stream=streaming)) as server,
     ):
         policy = {"kind": "openai", "base_url": server.base_url, "model": "served"}
         policy |= {"return_token_ids": True, "logprobs": True}
@@ -58,6 +58,8 @@ async def solved_by_an_agent(agent: Path, *, streaming: bool) -> list[dict[str, 
     assert all(r.final_answer == "done" for r in results)
     sent, recorded = sent_and_recorded(replies, results)
     assert recorded == sent and sum(len(r.turns) for r in results) == len(replies)
+    # A streamed call was streamed from the server (chunk by chunk, assembled for its turn).
+    assert all(q.get("stream", False) is streaming for q in requests)
     return requests
 
 

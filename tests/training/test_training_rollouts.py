@@ -302,7 +302,7 @@ async def fleetroll_run(
         for k, v in os.environ.items()
         if not k.startswith(("FLEET_", "FLEETROLL_", "LOGFIRE_", "OPENAI_"))
     }
-    async with FakeChatServer(solving(tasks), vllm=VllmShape()) as server:
+    async with FakeChatServer(solving(tasks), vllm=VllmShape(stream=True)) as server:
         env |= {
             "FLEETROLL_TELEMETRY__DB_PATH": os.devnull,
             "FLEETROLL_POLICY__RETURN_TOKEN_IDS": "true",
@@ -359,7 +359,8 @@ async def test_the_example_agent_scores_every_task_as_the_built_in_loop_with_the
     assert {t.model for r in results for t in r.turns} == {"served"}
     # The gateway asked for the training data the settings ask for, for the agent.
     assert all(q["return_token_ids"] and q["logprobs"] for q in requests)
-    assert all("stream" not in q for q in requests)
+    # A streamed call is streamed from the server, chunk by chunk (assembled for its turn).
+    assert all(q.get("stream", False) is streaming for q in requests)
     # The tool answers the agent got over MCP are in its transcript, as it sent them
     # back in its next request (the gateway's view), one per tool call.
     for result in results:

@@ -12,7 +12,8 @@ logprobs the server's, exactly as for ``/v1/chat/completions``);
 (``text``, ``tool_use`` and ``thinking`` blocks, ``stop_reason``, ``usage``),
 and :func:`message_events` into the events a streamed call gets
 (``message_start``, ``content_block_start``/``_delta``/``_stop``,
-``message_delta``, ``message_stop``). :func:`error_body` is Anthropic's error
+``message_delta``, ``message_stop``); :class:`MessageStream` gives those events
+as a streamed answer's chunks come, token by token. :func:`error_body` is Anthropic's error
 shape. A request that cannot be translated (a content block or a tool kind
 with no chat equivalent, a malformed field) raises :class:`Untranslatable`,
 which the gateway answers with that shape and status 400. Pure functions.
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 __all__ = [
+    "MessageStream",
     "Untranslatable",
     "chat_request",
     "error_body",
@@ -341,6 +343,105 @@ def message_events(message: Mapping[str, Any]) -> Iterator[str]:
         "message_delta", {"delta": stopped, "usage": {"output_tokens": usage["output_tokens"]}}
     )
     yield _event("message_stop", {})
+
+
+class MessageStream:
+    """A streamed chat completion's chunks as a streamed call's events, as they
+    come: ``message_start`` at the first chunk, a block opened at its first delta
+    (``thinking``, ``text``, a ``tool_use`` per call, its arguments as
+    ``input_json_delta`` pieces) and closed when another begins, then, at
+    :meth:`end`, ``message_delta`` (the stop reason and usage
+    :func:`message_answer` gives the whole answer) and ``message_stop``. Only
+    the first choice is shown, as :func:`message_answer` does."""
+
+    def __init__(self) -> None:
+        self._base: str | None = None
+        self._index = -1
+        self._open: tuple[str, int] | None = None
+
+    def chunk(self, chunk: Mapping[str, Any]) -> list[str]:
+        """The events of one chunk (``chat.completion.chunk``, parsed)."""
+        out: list[str] = []
+        if self._base is None:
+            self._base = str(chunk.get("id", "fleetroll"))
+            start: dict[str, Any] = {
+                "id": f"msg_{self._base}",
+                "type": "message",
+                "role": "assistant",
+                "model": chunk.get("model"),
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {"input_tokens": 0, "output_tokens": 0},
+            }
+            out.append(_event("message_start", {"message": start}))
+        choice = next(
+            (
+                c
+                for c in chunk.get("choices") or ()
+                if isinstance(c, Mapping) and not c.get("index")
+            ),
+            None,
+        )
+        delta = choice.get("delta") if choice is not None else None
+        if not isinstance(delta, Mapping):
+            return out
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            out += self._to(("thinking", 0), {"type": "thinking", "thinking": "", "signature": ""})
+            piece = {"type": "thinking_delta", "thinking": reasoning}
+            out.append(_event("content_block_delta", {"index": self._index, "delta": piece}))
+        if isinstance(delta.get("content"), str) and delta["content"]:
+            out += self._to(("text", 0), {"type": "text", "text": ""})
+            piece = {"type": "text_delta", "text": delta["content"]}
+            out.append(_event("content_block_delta", {"index": self._index, "delta": piece}))
+        for call in delta.get("tool_calls") or ():
+            if not isinstance(call, Mapping):
+                continue
+            number = call.get("index", 0)
+            function = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+            assert isinstance(function, Mapping)
+            if self._open != ("tool", number):
+                call_id = call.get("id") or f"toolu_{self._base}_{number}"
+                block = {"type": "tool_use", "id": call_id, "name": function.get("name")}
+                out += self._to(("tool", number), {**block, "input": {}})
+            arguments = function.get("arguments")
+            if isinstance(arguments, str) and arguments:
+                piece = {"type": "input_json_delta", "partial_json": arguments}
+                out.append(_event("content_block_delta", {"index": self._index, "delta": piece}))
+        return out
+
+    def _to(self, block: tuple[str, int], opened: dict[str, Any]) -> list[str]:
+        """Open ``block`` unless it is the open one (closing that first)."""
+        if self._open == block:
+            return []
+        out = self._close()
+        self._index += 1
+        self._open = block
+        out.append(_event("content_block_start", {"index": self._index, "content_block": opened}))
+        return out
+
+    def _close(self) -> list[str]:
+        if self._open is None:
+            return []
+        self._open = None
+        return [_event("content_block_stop", {"index": self._index})]
+
+    def end(self, answer: Mapping[str, Any]) -> list[str]:
+        """The last events, once the stream assembled into ``answer`` (a chat completion)."""
+        message = message_answer(answer)
+        usage = message["usage"]
+        stopped = {"stop_reason": message["stop_reason"], "stop_sequence": message["stop_sequence"]}
+        return [
+            *self._close(),
+            _event("message_delta", {"delta": stopped, "usage": usage}),
+            _event("message_stop", {}),
+        ]
+
+    def error(self, status: int, message: str, kind: str) -> list[str]:
+        """The event that ends a stream the server failed in (the SDK raises it);
+        its type is ``status``'s (``kind`` is OpenAI's name for it, unused)."""
+        return [_event("error", error_body(status, message))]
 
 
 def _event(kind: str, data: dict[str, Any]) -> str:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any, Literal
 
+import anyio
 import httpx
 from pydantic import SecretStr
 
@@ -23,8 +25,17 @@ from fleetroll._internal.excerpts import error_excerpt as _excerpt
 from fleetroll._internal.retrying import Decision, decide, retry_after_s, transient_status
 from fleetroll.errors import PolicyError
 from fleetroll.policies.servers import Affinity, PolicyServers, Server
+from fleetroll.policies.streaming import sse_data
 
-__all__ = ["ALSO_TRANSIENT", "NO_ROUTE", "OPERATION", "ChatTransport", "Endpoint", "endpoint"]
+__all__ = [
+    "ALSO_TRANSIENT",
+    "NO_ROUTE",
+    "OPERATION",
+    "ChatTransport",
+    "Endpoint",
+    "EventStream",
+    "endpoint",
+]
 
 #: The operation a policy's errors and retries are reported as.
 OPERATION = "policy"
@@ -34,6 +45,9 @@ ALSO_TRANSIENT = frozenset({409})
 #: What a server without token-in's routes answers them.
 NO_ROUTE = frozenset({404, 405})
 _BEARER = re.compile(r"(?i)bearer\s+[^\s\"',;]+")
+#: Closing a failed attempt's stream: bounded, shielded. Not a setting: closing a
+#: response does no I/O worth waiting for longer.
+_CLOSE_S = 5.0
 
 #: The routes of a policy server: its chat completions, and token-in's
 #: completion with a token prompt and vLLM's ``/tokenize`` (at the server's
@@ -173,35 +187,115 @@ class ChatTransport:
                             self.servers.succeeded(server)
                         if not response.is_success:
                             last = response
-                            status = response.status_code
-                            problem = f"{shown} answered HTTP {status}: {_excerpt(body)}"
-                            if kind == "completions" and status in NO_ROUTE:
-                                problem += (
-                                    '; policy.token_in = "completions" needs a server with'
-                                    f" POST {shown}: serve one or set policy.token_in = false"
-                                )
-                            elif kind != "chat" and status in NO_ROUTE:
-                                problem += (
-                                    "; policy.token_in needs a server with POST"
-                                    f" {endpoint(server, 'tokens')} and"
-                                    f" {endpoint(server, 'tokenize')} (prime-rl's vLLM"
-                                    " server): serve one or set policy.token_in = false"
-                                )
-                            raise PolicyError(
-                                self.redact(problem),
-                                operation=OPERATION,
-                                transient=transient_status(status) or status in ALSO_TRANSIENT,
-                            )
+                            raise self._refused(response, body, server, kind)
             return self._decode(response.status_code, body, shown), server
         except PolicyError as exc:
-            if not exc.transient:
-                raise
-            of = f"attempt {tries} of {budget.attempts}"
-            if budget.attempts is not None and tries < budget.attempts:
-                of += "; a retry would pass the policy deadline"
-            raise PolicyError(f"{exc} ({of})", operation=OPERATION, transient=True) from (
-                exc.__cause__
+            raise _counted(exc, tries, budget) from exc.__cause__
+
+    @asynccontextmanager
+    async def stream(
+        self, content: bytes, *, deadline: float, affinity: Affinity | None
+    ) -> AsyncIterator[EventStream]:
+        """POST a streamed chat completion (``content`` says ``stream: true``): the
+        events as they come, once the first has come.
+
+        Retried as :meth:`post` is until the server's first event (or its whole
+        answer: a server that answers one JSON body to a streamed request is
+        :attr:`EventStream.whole`); a failure after it is the call's, never a
+        silent re-send. The server is held (its call cap) for the block.
+
+        Raises:
+            PolicyError: as :meth:`post`, on entering; from the events, the
+                stream broke (transient), or passed ``max_answer_bytes`` or
+                sent something that is not a chunk (not transient).
+        """
+        budget = self.budget
+        tries = 0
+        last: httpx.Response | None = None
+
+        def decision(exc: BaseException) -> Decision:
+            if not isinstance(exc, PolicyError):
+                return decide(exc)
+            if last is None:  # no answer, or a stream that broke before its first chunk
+                return Decision(exc.transient)
+            return Decision(exc.transient, last.status_code, retry_after_s(last.headers))
+
+        opened: EventStream | None = None
+        stack = AsyncExitStack()
+        try:
+            async for attempt in retrying.attempts(
+                "policy", budget, deadline=deadline, classify=decision
+            ):
+                with attempt:
+                    tries, last, opened = attempt.num, None, None
+                    stack = AsyncExitStack()
+                    try:
+                        server = await stack.enter_async_context(self.servers.call(affinity))
+                        url, shown = endpoint(server, "chat", shown=False), endpoint(server, "chat")
+                        headers = self._headers() | {"Accept": "text/event-stream"}
+                        try:
+                            response = await stack.enter_async_context(
+                                self.client.stream("POST", url, content=content, headers=headers)
+                            )
+                            if not response.is_success:
+                                body = await self._read(response, shown)
+                            elif response.headers.get("content-type", "").startswith(
+                                "text/event-stream"
+                            ):
+                                events = EventStream(self, response, server, shown)
+                                await events.first()  # retried until it comes
+                                opened = events
+                            else:  # one whole answer: relayed as such
+                                body = await self._read(response, shown)
+                                whole = self._decode(response.status_code, body, shown)
+                                opened = EventStream(self, response, server, shown, whole=whole)
+                        except httpx.TransportError as exc:
+                            self.servers.failed(server)
+                            problem = f"could not reach {shown}: {type(exc).__name__}: {exc}"
+                            raise PolicyError(
+                                self.redact(problem), operation=OPERATION, transient=True
+                            ) from exc
+                        if response.status_code >= 500:
+                            self.servers.failed(server)
+                        else:
+                            self.servers.succeeded(server)
+                        if not response.is_success:
+                            last = response
+                            raise self._refused(response, body, server, "chat")
+                    finally:
+                        if opened is None:  # this attempt failed: its server and stream go
+                            with anyio.move_on_after(_CLOSE_S, shield=True):
+                                await stack.aclose()
+        except PolicyError as exc:
+            raise _counted(exc, tries, budget) from exc.__cause__
+        assert opened is not None, "the attempts ended with an answer"
+        async with stack:
+            yield opened
+
+    def _refused(
+        self, response: httpx.Response, body: bytes, server: Server, kind: Endpoint
+    ) -> PolicyError:
+        """The error of a ``kind`` call ``server`` refused (its status, an excerpt)."""
+        shown = endpoint(server, kind)
+        status = response.status_code
+        problem = f"{shown} answered HTTP {status}: {_excerpt(body)}"
+        if kind == "completions" and status in NO_ROUTE:
+            problem += (
+                '; policy.token_in = "completions" needs a server with'
+                f" POST {shown}: serve one or set policy.token_in = false"
             )
+        elif kind != "chat" and status in NO_ROUTE:
+            problem += (
+                "; policy.token_in needs a server with POST"
+                f" {endpoint(server, 'tokens')} and"
+                f" {endpoint(server, 'tokenize')} (prime-rl's vLLM"
+                " server): serve one or set policy.token_in = false"
+            )
+        return PolicyError(
+            self.redact(problem),
+            operation=OPERATION,
+            transient=transient_status(status) or status in ALSO_TRANSIENT,
+        )
 
     async def _read(self, response: httpx.Response, url: str) -> bytes:
         """The answer's body, counted as it arrives, up to ``max_answer_bytes``.
@@ -237,3 +331,111 @@ class ChatTransport:
                 operation=OPERATION,
                 transient=False,
             ) from None
+
+
+def _counted(exc: PolicyError, tries: int, budget: retrying.Budget) -> PolicyError:
+    """``exc`` as the call's last word: a transient one says which attempt it was."""
+    if not exc.transient:
+        return exc
+    of = f"attempt {tries} of {budget.attempts}"
+    if budget.attempts is not None and tries < budget.attempts:
+        of += "; a retry would pass the policy deadline"
+    return PolicyError(f"{exc} ({of})", operation=OPERATION, transient=True)
+
+
+class EventStream:
+    """A streamed chat completion's events, once the first came
+    (:meth:`ChatTransport.stream`).
+
+    Attributes:
+        server: the server answering.
+        whole: the server's one answer, when it answered the streamed request
+            with a JSON body (no events then).
+    """
+
+    def __init__(
+        self,
+        transport: ChatTransport,
+        response: httpx.Response,
+        server: Server,
+        shown: str,
+        *,
+        whole: Any = None,
+    ) -> None:
+        self.server = server
+        self.whole = whole
+        self._transport = transport
+        self._response = response
+        self._shown = shown
+        self._size = 0
+        self._events = sse_data(self._counted()) if whole is None else None
+        self._first: dict[str, Any] | None = None
+
+    async def _counted(self) -> AsyncIterator[bytes]:
+        cap = self._transport.max_answer_bytes
+        async for chunk in self._response.aiter_bytes():
+            self._size += len(chunk)
+            if self._size > cap:
+                raise PolicyError(
+                    f"{self._shown} streamed an answer over policy.max_answer_bytes ({cap}"
+                    " bytes): reading stopped there and the connection was closed",
+                    operation=OPERATION,
+                    transient=False,
+                )
+            yield chunk
+
+    async def _next(self) -> dict[str, Any] | None:
+        """The next chunk; None at ``[DONE]``.
+
+        Raises:
+            PolicyError: the stream broke, or ended before ``[DONE]`` (transient).
+        """
+        assert self._events is not None
+        try:
+            data = await anext(self._events, None)
+        except httpx.TransportError as exc:
+            problem = f"the stream from {self._shown} broke: {type(exc).__name__}: {exc}"
+            raise PolicyError(
+                self._transport.redact(problem), operation=OPERATION, transient=True
+            ) from exc
+        if data is None:
+            raise PolicyError(
+                f"the stream from {self._shown} ended before its 'data: [DONE]'",
+                operation=OPERATION,
+                transient=True,
+            )
+        if data.strip() == b"[DONE]":
+            return None
+        try:
+            chunk = json.loads(data)
+        except ValueError:
+            chunk = None
+        if isinstance(chunk, dict) and "error" in chunk:
+            problem = f"{self._shown} failed while streaming: {_excerpt(data)}"
+            raise PolicyError(self._transport.redact(problem), operation=OPERATION, transient=True)
+        if not isinstance(chunk, dict):
+            problem = f"{self._shown} streamed an event that is not a chunk: {_excerpt(data)}"
+            raise PolicyError(self._transport.redact(problem), operation=OPERATION, transient=False)
+        return chunk
+
+    async def first(self) -> None:
+        """Wait for the first chunk (a stream that ends before it is a broken one)."""
+        self._first = await self._next()
+        if self._first is None:
+            raise PolicyError(
+                f"{self._shown} ended its stream ('data: [DONE]') before its first chunk",
+                operation=OPERATION,
+                transient=True,
+            )
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Each chunk, as it comes, until ``[DONE]``.
+
+        Raises:
+            PolicyError: as :meth:`ChatTransport.stream` says.
+        """
+        if self._first is not None:
+            first, self._first = self._first, None
+            yield first
+        while self._events is not None and (chunk := await self._next()) is not None:
+            yield chunk

@@ -29,22 +29,37 @@ included, has OpenAI's shape (``{"error": {"message", "type", "code"}}``)
 
 A call's turn is recorded only once its answer was sent whole to the agent
 (:meth:`Pending.received`): an agent that disconnects before (it gave up, its
-client timed out) gets no turn, and its call to the server is cancelled. A
-streaming request gets the server's one answer as Server-Sent Events (per
-choice, one chunk with the whole message and every field the server sent
-with it; the answer's own top-level fields, ``prompt_token_ids`` among them,
-on the first chunk; then a usage chunk when asked, then ``[DONE]``): the
-turn is recorded from that answer, so its token ids and logprobs are exactly
-the server's.
+client timed out) gets no turn, and its call to the server is cancelled.
+
+A streaming request (``stream: true``, in any dialect) is streamed from the
+server (:meth:`Link.stream`) and relayed as it comes: each chunk, once it
+arrives, as the dialect's events (the server's ``chat.completion.chunk``
+as sent; Anthropic's ``message_start``, ``content_block_start``/``_delta``
+(``text_delta``, ``thinking_delta``, ``input_json_delta``)/``_stop``,
+``message_delta``, ``message_stop``; the Responses API's ``response.created``,
+``response.output_item.added``, ``response.output_text.delta``,
+``response.function_call_arguments.delta``, ... ``response.completed``). The
+turn is recorded from the chunks assembled (:mod:`fleetroll.policies.streaming`),
+so its token ids and logprobs are exactly the server's, as for a call not
+streamed. A server failing in the stream ends it with the dialect's error event
+(``data: {"error": ...}``; ``event: error``) and nothing is recorded. Where the
+link answers whole (a server that answers the streamed request with one JSON
+body, or a policy whose settings need whole answers:
+:attr:`~fleetroll.policies.openai.OpenAIChatPolicy.streams_tokens`), the whole
+answer goes as Server-Sent Events (per choice, one chunk with the whole message
+and every field the server sent with it; the answer's own top-level fields,
+``prompt_token_ids`` among them, on the first chunk; then a usage chunk when
+asked, then ``[DONE]``; for the other dialects, their events with each block
+whole in one delta).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, contextmanager
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol
 
 import anyio
 import httpx
@@ -59,7 +74,7 @@ from fleetroll._internal.serving import serve_asgi
 from fleetroll.policies import anthropic_messages as anthropic
 from fleetroll.policies import openai_responses as responses
 
-__all__ = ["Gateway", "GatewayRefusal", "Link", "Opened", "Pending"]
+__all__ = ["Gateway", "GatewayRefusal", "Link", "Opened", "Pending", "Streaming"]
 
 
 class GatewayRefusal(Exception):
@@ -83,6 +98,29 @@ class Pending(Protocol):
         ...
 
 
+class Streaming(Protocol):
+    """A server's answer streaming to the agent (:meth:`Link.stream`)."""
+
+    #: The server's one answer, when it sent it whole (then :meth:`chunks` is empty).
+    whole: dict[str, Any] | None
+
+    def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Each ``chat.completion.chunk`` as the server sends it.
+
+        Raises:
+            GatewayRefusal: the server failed in the stream (the call failed).
+        """
+        ...
+
+    def answer(self) -> dict[str, Any]:
+        """The chat completion the chunks made (or :attr:`whole`), once they ran out."""
+        ...
+
+    def received(self) -> None:
+        """The agent got the whole answer: record it (only then)."""
+        ...
+
+
 class Link(Protocol):
     """What the gateway needs of the rollout that owns a token."""
 
@@ -97,6 +135,15 @@ class Link(Protocol):
         Raises:
             GatewayRefusal: on entering, the call is refused (the rollout ended,
                 the server failed).
+        """
+        ...
+
+    def stream(self, body: dict[str, Any]) -> AbstractAsyncContextManager[Streaming]:
+        """:meth:`complete`, streamed: the server's chunks as they come, recorded
+        only if :meth:`Streaming.received` is called within the block.
+
+        Raises:
+            GatewayRefusal: on entering, as :meth:`complete`.
         """
         ...
 
@@ -226,7 +273,7 @@ class Gateway:
                 raise GatewayRefusal(400, "the request body has no 'messages' list")
         except GatewayRefusal as exc:
             return _error(exc)
-        return _Answer(link, body, body, _encoded, _error)
+        return _Answer(link, body, body, _encoded, _error, lambda: _ChunkStream(body))
 
     async def _messages(self, request: Request) -> Response:
         """Anthropic's Messages API: translated to a chat completion and back."""
@@ -239,7 +286,9 @@ class Gateway:
                 raise GatewayRefusal(400, str(exc)) from None
         except GatewayRefusal as exc:
             return _anthropic_error(exc)
-        return _Answer(link, body, asked, _encoded_message, _anthropic_error)
+        return _Answer(
+            link, body, asked, _encoded_message, _anthropic_error, anthropic.MessageStream
+        )
 
     async def _responses(self, request: Request) -> Response:
         """OpenAI's Responses API: translated to a chat completion and back."""
@@ -252,7 +301,14 @@ class Gateway:
                 raise GatewayRefusal(400, str(exc)) from None
         except GatewayRefusal as exc:
             return _responses_error(exc)
-        return _Answer(link, body, asked, _encoded_response, _responses_error)
+        return _Answer(
+            link,
+            body,
+            asked,
+            _encoded_response,
+            _responses_error,
+            lambda: responses.ResponseStream(asked),
+        )
 
     async def _body(self, request: Request) -> dict[str, Any]:
         chunks: list[bytes] = []
@@ -293,13 +349,32 @@ _Encoder = Callable[
 ]
 
 
+class _Incremental(Protocol):
+    """A dialect's events for a stream's chunks, as they come."""
+
+    def chunk(self, chunk: dict[str, Any]) -> list[str]: ...
+
+    def end(self, answer: dict[str, Any]) -> list[str]: ...
+
+    def error(self, status: int, message: str, kind: str) -> list[str]: ...
+
+
+_SSE_HEADERS: Final = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+
+
 class _Answer(Response):
     """A chat completion, asked for while the agent waits and recorded once sent.
 
     ``body`` is what the server is asked (a chat completion request); ``asked``
     what the agent sent, in its dialect, which ``encode`` answers and ``refuse``
-    turns a refusal into. The agent's disconnect (watched while the server
-    answers and while the answer is sent) cancels the call: nothing is recorded.
+    turns a refusal into. A streamed call (``asked`` says ``stream``) is relayed
+    chunk by chunk through ``incremental``'s encoder (:meth:`Link.stream`); a
+    server failing in it ends the stream with the encoder's error event. The
+    agent's disconnect (watched while the server answers and while the answer
+    is sent) cancels the call: nothing is recorded.
     """
 
     def __init__(
@@ -309,12 +384,53 @@ class _Answer(Response):
         asked: dict[str, Any],
         encode: _Encoder,
         refuse: Callable[[GatewayRefusal], Response],
+        incremental: Callable[[], _Incremental],
     ) -> None:
         self.link = link
         self.sent = body
         self.asked = asked
         self.encode = encode
         self.refuse = refuse
+        self.incremental = incremental
+
+    async def _whole(self, send: Send, gone: anyio.Event) -> None:
+        """Relay a call's answer once the server sent it whole."""
+        async with self.link.complete(self.sent) as pending:
+            status, headers, parts = self.encode(pending.answer, self.asked)
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+            for part in parts:
+                await send(_more(part))
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b""})
+                # uvicorn drops what is sent on a closed connection silently.
+                if not gone.is_set():
+                    pending.received()
+
+    async def _streamed(self, send: Send, gone: anyio.Event) -> None:
+        """Relay a streamed call's chunks as they come (or its whole answer)."""
+        async with self.link.stream(self.sent) as pending:
+            if pending.whole is not None:
+                status, headers, parts = self.encode(pending.whole, self.asked)
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+            else:
+                await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+                encoder = self.incremental()
+                try:
+                    async for chunk in pending.chunks():
+                        for part in encoder.chunk(chunk):
+                            await send(_more(part.encode()))
+                    parts = [part.encode() for part in encoder.end(pending.answer())]
+                except GatewayRefusal as exc:  # after the first chunk: the stream's error
+                    for part in encoder.error(exc.status, exc.message, exc.kind):
+                        await send(_more(part.encode()))
+                    await send({"type": "http.response.body", "body": b""})
+                    return
+            for body in parts:
+                await send(_more(body))
+            if not gone.is_set():
+                await send({"type": "http.response.body", "body": b""})
+                if not gone.is_set():  # uvicorn drops what is sent on a closed connection
+                    pending.received()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gone = anyio.Event()
@@ -328,21 +444,39 @@ class _Answer(Response):
 
             tg.start_soon(watch)
             try:
-                async with self.link.complete(self.sent) as pending:
-                    status, headers, parts = self.encode(pending.answer, self.asked)
-                    await send(
-                        {"type": "http.response.start", "status": status, "headers": headers}
-                    )
-                    for part in parts:
-                        await send({"type": "http.response.body", "body": part, "more_body": True})
-                    if not gone.is_set():
-                        await send({"type": "http.response.body", "body": b""})
-                        # uvicorn drops what is sent on a closed connection silently.
-                        if not gone.is_set():
-                            pending.received()
+                if self.asked.get("stream"):
+                    await self._streamed(send, gone)
+                else:
+                    await self._whole(send, gone)
             except GatewayRefusal as exc:
                 await self.refuse(exc)(scope, receive, send)
             tg.cancel_scope.cancel()
+
+
+def _more(body: bytes) -> dict[str, Any]:
+    return {"type": "http.response.body", "body": body, "more_body": True}
+
+
+class _ChunkStream:
+    """Chat completion chunks relayed as the server sent them (the usage chunk
+    only when the agent asked for it), then ``[DONE]``."""
+
+    def __init__(self, asked: dict[str, Any]) -> None:
+        opts = asked.get("stream_options")
+        self.usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+    def chunk(self, chunk: dict[str, Any]) -> list[str]:
+        if not self.usage and not chunk.get("choices") and chunk.get("usage") is not None:
+            return []  # the policy asks for the usage (its turn's); the agent did not
+        if not self.usage:
+            chunk = {k: v for k, v in chunk.items() if k != "usage"}
+        return [_sse(chunk)]
+
+    def end(self, answer: dict[str, Any]) -> list[str]:
+        return ["data: [DONE]\n\n"]
+
+    def error(self, status: int, message: str, kind: str) -> list[str]:
+        return [_sse({"error": {"message": message, "type": kind, "code": status}})]
 
 
 def _encoded(

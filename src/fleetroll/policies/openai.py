@@ -17,7 +17,8 @@ import base64
 import json
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
 from typing import Any, Literal, NamedTuple, Self
@@ -29,7 +30,7 @@ from pydantic import SecretStr
 import fleetroll._internal.retrying as retrying
 from fleetroll._internal.deadlines import fail_after
 from fleetroll.errors import ContextOverflowError, PolicyError
-from fleetroll.policies.chat_http import OPERATION, ChatTransport, Endpoint, endpoint
+from fleetroll.policies.chat_http import OPERATION, ChatTransport, Endpoint, EventStream, endpoint
 from fleetroll.policies.chat_template import ChatTemplate, load_template
 from fleetroll.policies.completions import CompletionReader
 from fleetroll.policies.gate import WeightUpdateMode, current_gate
@@ -42,6 +43,7 @@ from fleetroll.policies.servers import (
     ServerLimits,
     current_affinity,
 )
+from fleetroll.policies.streaming import ChunkAssembler
 from fleetroll.policies.token_in import (
     completion_body,
     has_images,
@@ -63,7 +65,7 @@ from fleetroll.results import TurnImage
 from fleetroll.settings import PolicySettings
 from fleetroll.tasks import TaskSpec
 
-__all__ = ["ChatPolicyConfig", "OpenAIChatPolicy", "PolicyRecipe", "shown"]
+__all__ = ["ChatPolicyConfig", "OpenAIChatPolicy", "PolicyRecipe", "Streamed", "shown"]
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
 #: What servers say when a prompt is longer than the model's context: vLLM ("This
@@ -497,8 +499,8 @@ class OpenAIChatPolicy:
         sent (this policy's ``temperature``, ``top_p``, ``max_tokens`` where it
         sets none), but this policy's ``model``, its training fields
         (``return_token_ids``, ``logprobs``...) asked for as :meth:`act` asks,
-        and its ``extra_body`` on top. Streaming is the caller's business: the
-        server is asked for one answer.
+        and its ``extra_body`` on top. The server is asked for one answer
+        (:meth:`stream` asks for it chunk by chunk).
 
         Returns the server's answer (as it sent it) and a turn parsed from each
         of its choices (one unless the request asked for ``n`` > 1; the
@@ -603,6 +605,83 @@ class OpenAIChatPolicy:
             for turn in turns
         ]
         return payload, tuple(turns)
+
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether :meth:`stream` relays the server's chunks as they come: not with
+        ``weight_update = "abort"`` (an aborted answer is resumed, then joined),
+        ``image_max_pixels`` (the images are prepared and their spans found
+        in the prompt) or ``token_in = True`` (a call that continues the last
+        goes to the token route), whose calls go whole through :meth:`forward`."""
+        return (
+            self.weight_update != "abort"
+            and self.image_max_pixels is None
+            and self.token_in is not True
+        )
+
+    @asynccontextmanager
+    async def stream(
+        self, body: Mapping[str, Any], *, affinity: Affinity | None = None
+    ) -> AsyncIterator[Streamed]:
+        """:meth:`forward`, streamed: the server is asked with ``stream: true``
+        (and ``stream_options.include_usage``) and the same request and training
+        fields, and the block gets its chunks as they come
+        (:meth:`Streamed.chunks`), then the answer and its turns
+        (:meth:`Streamed.result`), assembled from the chunks into exactly what
+        :meth:`forward` would have read (:mod:`~fleetroll.policies.streaming`).
+        A server that answers one JSON body instead gives it as
+        :attr:`Streamed.whole`. Retried (as :meth:`forward`) only until the
+        first chunk; the deadline is the whole call's, the block's time included.
+        Only when :attr:`streams_tokens`.
+
+        Raises:
+            PolicyError: as :meth:`forward` (on entering, or from the chunks: the
+                stream broke, the server failed in it, the deadline passed).
+        """
+        if not self.streams_tokens:
+            raise RuntimeError("this policy's settings need whole answers: use forward()")
+        sent: dict[str, Any] = dict(self._sampling)
+        sent.update((k, v) for k, v in body.items() if k not in ("stream", "stream_options"))
+        sent["model"] = self.model
+        sent.update(self._training)
+        sent.update(self._extra_body)
+        sent |= {"stream": True, "stream_options": {"include_usage": True}}
+        try:
+            with fail_after(self.timeout_s) as scope:
+                async with self._http.stream(
+                    self._http.encode(sent, self.url), deadline=scope.deadline, affinity=affinity
+                ) as events:
+                    yield Streamed(self, events, sent)
+        except PolicyError as exc:
+            if not exc.transient and _CONTEXT_OVERFLOW.search(str(exc)):
+                raise ContextOverflowError(str(exc), operation=OPERATION, transient=False) from exc
+            raise
+        except TimeoutError:
+            raise PolicyError(
+                f"no whole answer from {self.url} within the policy deadline of"
+                f" {self.timeout_s:g}s (retries and the streaming included); raise"
+                " timeouts.policy_s if the model is just slow",
+                operation=OPERATION,
+                transient=True,
+            ) from None
+
+    def _forwarded_turns(
+        self, payload: Any, server: Server, sent: Mapping[str, Any]
+    ) -> tuple[AssistantTurn, ...]:
+        """The turns of a forwarded call's answer (one per choice; the usage on the first)."""
+        url = endpoint(server, "chat")
+        turns = [self._reader.parse(payload, url=url)]
+        turns += [
+            replace(self._reader.parse(payload, url=url, choice=index), usage=None)
+            for index in range(1, len(payload["choices"]))  # checked by the first parse
+        ]
+        update: dict[str, Any] = shown({k: v for k, v in sent.items() if k != "stream_options"})
+        if len(self.servers.servers) > 1:
+            update["server"] = server.name
+        return tuple(
+            replace(turn, data=replace(turn.data, **update)) if turn.data is not None else turn
+            for turn in turns
+        )
 
     async def template(self) -> ChatTemplate:
         """The model's chat template (``token_in = "completions"``), loaded once
@@ -904,3 +983,45 @@ def _with_images(data: TurnData, images: Sequence[PreparedImage]) -> TurnData:
         for image, (start, end) in zip(images, spans, strict=True)
     )
     return replace(data, images=kept)
+
+
+class Streamed:
+    """A call :meth:`OpenAIChatPolicy.stream` made: its chunks, then its answer.
+
+    Attributes:
+        whole: the server's one answer, when it answered the streamed request
+            with a JSON body (then :meth:`chunks` yields nothing).
+    """
+
+    def __init__(self, policy: OpenAIChatPolicy, events: EventStream, sent: Mapping[str, Any]):
+        self._policy = policy
+        self._events = events
+        self._sent = sent
+        self._assembler = ChunkAssembler()
+        self.whole: dict[str, Any] | None = events.whole
+        self._done = events.whole is not None
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """Each chunk the server sent, as it came (``chat.completion.chunk``).
+
+        Raises:
+            PolicyError: the stream broke or the server failed in it.
+        """
+        async for chunk in self._events.chunks():
+            self._assembler.add(chunk)
+            yield chunk
+        self._done = True
+
+    def result(self) -> tuple[dict[str, Any], tuple[AssistantTurn, ...]]:
+        """The answer (the chunks assembled, or :attr:`whole`) and a turn per
+        choice, as :meth:`OpenAIChatPolicy.forward` returns them; after
+        :meth:`chunks` ran out.
+
+        Raises:
+            PolicyError: the answer is not a chat completion (not transient).
+        """
+        if not self._done:
+            raise RuntimeError("the stream is not over: read its chunks first")
+        answer = self.whole if self.whole is not None else self._assembler.answer()
+        turns = self._policy._forwarded_turns(answer, self._events.server, self._sent)
+        return answer, turns

@@ -18,7 +18,8 @@ into a ``response`` (``reasoning``, ``message`` with ``output_text`` and
 ``response.content_part.added``, ``response.output_text.delta``/``.done``,
 ``response.function_call_arguments.delta``/``.done``,
 ``response.output_item.done``, then ``response.completed`` or
-``response.incomplete``). :func:`error_body` is the API's error shape. A
+``response.incomplete``); :class:`ResponseStream` gives those events as a
+streamed answer's chunks come, token by token. :func:`error_body` is the API's error shape. A
 request that cannot be translated (a built-in tool such as ``web_search``, an
 item with no chat equivalent, ``previous_response_id`` or ``conversation``:
 the gateway stores no responses, so the agent sends its whole ``input`` each
@@ -33,6 +34,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Final
 
 __all__ = [
+    "ResponseStream",
     "Untranslatable",
     "chat_request",
     "error_body",
@@ -423,6 +425,155 @@ def response_events(response: Mapping[str, Any]) -> Iterator[str]:
         yield event("response.output_item.done", {"output_index": index, "item": item})
     done = "response.completed" if response["status"] == "completed" else "response.incomplete"
     yield event(done, {"response": response})
+
+
+class ResponseStream:
+    """A streamed chat completion's chunks as a streamed call's events, as they
+    come: ``response.created`` and ``response.in_progress`` at the first chunk,
+    an output item added at its first delta (``reasoning``, the ``message``
+    with its ``output_text`` part, a ``function_call`` per call) and its text
+    or arguments as deltas, then, at :meth:`end`, each item's ``.done`` events
+    and ``response.completed`` (``response.incomplete``) with the
+    :func:`response_answer` of the whole answer. Only the first choice is
+    shown, as :func:`response_answer` does."""
+
+    def __init__(self, asked: Mapping[str, Any]) -> None:
+        self._asked = asked
+        self._base: str | None = None
+        self._numbers = iter(range(1 << 62))
+        #: The output items opened, in order: (kind, key) → their id.
+        self._items: dict[tuple[str, int], str] = {}
+
+    def _event(self, kind: str, data: dict[str, Any]) -> str:
+        data = {"type": kind, "sequence_number": next(self._numbers), **data}
+        return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+    def chunk(self, chunk: Mapping[str, Any]) -> list[str]:
+        """The events of one chunk (``chat.completion.chunk``, parsed)."""
+        out: list[str] = []
+        if self._base is None:
+            self._base = str(chunk.get("id", "fleetroll"))
+            shell = {
+                "id": self._base,
+                "created": chunk.get("created", 0),
+                "model": chunk.get("model"),
+            }
+            started = {
+                **response_answer(shell, self._asked),
+                "status": "in_progress",
+                "completed_at": None,
+                "usage": None,
+            }
+            out.append(self._event("response.created", {"response": started}))
+            out.append(self._event("response.in_progress", {"response": started}))
+        choice = next(
+            (
+                c
+                for c in chunk.get("choices") or ()
+                if isinstance(c, Mapping) and not c.get("index")
+            ),
+            None,
+        )
+        delta = choice.get("delta") if choice is not None else None
+        if not isinstance(delta, Mapping):
+            return out
+        base = self._base
+        reasoning = delta.get("reasoning_content") or delta.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            item: dict[str, Any] = {
+                "type": "reasoning",
+                "id": f"rs_{base}",
+                "summary": [],
+                "content": [],
+            }
+            at = self._item(out, ("reasoning", 0), item)
+            out.append(
+                self._event(
+                    "response.reasoning_text.delta", {**at, "content_index": 0, "delta": reasoning}
+                )
+            )
+        if isinstance(delta.get("content"), str) and delta["content"]:
+            item = {"type": "message", "id": f"msg_{base}", "role": "assistant", "content": []}
+            key = ("message", 0)
+            fresh = key not in self._items
+            at = self._item(out, key, item)
+            where = {**at, "content_index": 0}
+            if fresh:
+                part = {"type": "output_text", "text": "", "annotations": []}
+                out.append(self._event("response.content_part.added", {**where, "part": part}))
+            text = {**where, "delta": delta["content"], "logprobs": []}
+            out.append(self._event("response.output_text.delta", text))
+        for call in delta.get("tool_calls") or ():
+            if not isinstance(call, Mapping):
+                continue
+            number = call.get("index", 0)
+            function = call.get("function") if isinstance(call.get("function"), Mapping) else {}
+            assert isinstance(function, Mapping)
+            item = {
+                "type": "function_call",
+                "id": f"fc_{base}_{number}",
+                "call_id": call.get("id") or f"call_{base}_{number}",
+                "name": function.get("name"),
+                "arguments": "",
+            }
+            at = self._item(out, ("function_call", number), item)
+            arguments = function.get("arguments")
+            if isinstance(arguments, str) and arguments:
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta", {**at, "delta": arguments}
+                    )
+                )
+        return out
+
+    def _item(self, out: list[str], key: tuple[str, int], item: dict[str, Any]) -> dict[str, Any]:
+        """Where ``key``'s item is (``item_id``, ``output_index``), added to ``out`` first."""
+        if key not in self._items:
+            self._items[key] = item["id"]
+            added = {
+                "output_index": len(self._items) - 1,
+                "item": {**item, "status": "in_progress"},
+            }
+            out.append(self._event("response.output_item.added", added))
+        index = list(self._items).index(key)
+        return {"item_id": self._items[key], "output_index": index}
+
+    def end(self, answer: Mapping[str, Any]) -> list[str]:
+        """The last events, once the stream assembled into ``answer`` (a chat completion)."""
+        response = response_answer(answer, self._asked)
+        out: list[str] = []
+        items = {item["id"]: item for item in response["output"]}
+        for index, (key, item_id) in enumerate(self._items.items()):
+            item = items.get(item_id)
+            if item is None:
+                continue
+            at = {"item_id": item_id, "output_index": index}
+            if key[0] == "function_call":
+                done = {**at, "name": item["name"], "arguments": item["arguments"]}
+                out.append(self._event("response.function_call_arguments.done", done))
+            for j, part in enumerate(
+                item.get("content") or () if key[0] != "function_call" else ()
+            ):
+                where = {**at, "content_index": j}
+                if key[0] == "message":
+                    text = {**where, "text": part["text"], "logprobs": []}
+                    out.append(self._event("response.output_text.done", text))
+                    out.append(self._event("response.content_part.done", {**where, "part": part}))
+                else:
+                    text = {**where, "text": part["text"]}
+                    out.append(self._event("response.reasoning_text.done", text))
+            out.append(
+                self._event("response.output_item.done", {"output_index": index, "item": item})
+            )
+        ended = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        out.append(self._event(ended, {"response": response}))
+        return out
+
+    def error(self, status: int, message: str, kind: str) -> list[str]:
+        """The event that ends a stream the server failed in (the SDK raises it);
+        ``status`` is the HTTP status the failure would have had (unused)."""
+        body = error_body(message, kind=kind)
+        return [self._event("error", {**body["error"], "error": body["error"]})]
 
 
 def error_body(message: str, *, kind: str = "invalid_request_error") -> dict[str, Any]:

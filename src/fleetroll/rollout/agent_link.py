@@ -10,7 +10,11 @@ ends as the built-in loop's would on the same faults:
   count: past ``max_steps`` a call is refused and the rollout ends as
   ``max_steps``); its turn is recorded only once the agent received the answer;
   a policy failure (the server's error, its deadline) ends the rollout as
-  ``policy_error``, whatever the agent does next; a prompt longer than the
+  ``policy_error``, whatever the agent does next; a streamed call is relayed
+  chunk by chunk as the server streams it (:meth:`AgentLink.stream`; whole
+  where the policy's settings need whole answers), recorded from its chunks
+  joined, and a failure once its chunks flow reaches the agent as its
+  dialect's error event before the rollout ends; a prompt longer than the
   model's context (the server's context-length error, which the agent still
   gets, or an estimate over ``policy.max_context_tokens`` before the call, as
   the built-in loop's) ends it as ``context_overflow``, scored;
@@ -43,7 +47,7 @@ from fleetroll._internal.deadlines import now
 from fleetroll.errors import ContextOverflowError, PolicyError, ToolCallFailed
 from fleetroll.policies.gate import gate_of_rollout
 from fleetroll.policies.gateway import GatewayRefusal
-from fleetroll.policies.openai import OpenAIChatPolicy
+from fleetroll.policies.openai import OpenAIChatPolicy, Streamed
 from fleetroll.policies.servers import Affinity
 from fleetroll.policies.turns import AssistantTurn, TokenTurn
 from fleetroll.results import FailureReason
@@ -127,6 +131,51 @@ def _same_answer(message: Any, answer: dict[str, Any]) -> bool:
 
     mine = calls(message)
     return mine is not None and mine == calls(answer)
+
+
+class _Stream:
+    """A streamed answer on its way to the agent
+    (:class:`fleetroll.policies.gateway.Streaming`): the policy's chunks, or a
+    whole answer (``whole``, with the :class:`_Pending` that records it)."""
+
+    def __init__(
+        self,
+        whole: dict[str, Any] | None,
+        pending: _Pending | None,
+        streamed: Streamed | None = None,
+    ) -> None:
+        self.whole = whole
+        self._pending = pending
+        self._streamed = streamed
+        self.got = False
+        #: Why the stream failed once it flowed: the rollout ends (``policy_error``)
+        #: when the block does, after the agent got the error event.
+        self.failed: str | None = None
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        if self._streamed is None or self.whole is not None:
+            return
+        try:
+            async for chunk in self._streamed.chunks():
+                yield chunk
+        except PolicyError as exc:
+            self.failed = str(exc)
+            raise GatewayRefusal(502, str(exc), kind="api_error") from None
+
+    def answer(self) -> dict[str, Any]:
+        if self.whole is not None:
+            return self.whole
+        assert self._streamed is not None
+        try:
+            return self._streamed.result()[0]
+        except PolicyError as exc:
+            self.failed = str(exc)
+            raise GatewayRefusal(502, str(exc), kind="api_error") from None
+
+    def received(self) -> None:
+        self.got = True
+        if self._pending is not None:
+            self._pending.received()
 
 
 @dataclass
@@ -260,8 +309,8 @@ class AgentLink:
 
     # -- policy calls -------------------------------------------------------
 
-    @asynccontextmanager
-    async def complete(self, body: dict[str, Any]) -> AsyncIterator[_Pending]:
+    def _check_call(self, body: dict[str, Any]) -> None:
+        """Refuse a call past the step budget or the context (ending the rollout)."""
         rollout = self.rollout
         self._refuse_if_ended()
         limit = rollout.max_steps
@@ -280,6 +329,77 @@ class AgentLink:
                 )
                 self._overflowed(error)
                 raise GatewayRefusal(400, error)
+
+    def _recorded(
+        self, body: dict[str, Any], turns: Sequence[Any], version: int, latency: float
+    ) -> None:
+        """Record a call the agent received (its first choice's turn, then the others)."""
+        observed = _after_last_assistant(body["messages"])
+        self.rollout.record_call(
+            turns[0],
+            policy_version=version,
+            latency_s=latency,
+            observations=observed,
+            others=turns[1:],
+        )
+        usage = turns[0].usage
+        if usage is not None and "prompt_tokens" in usage:
+            self._context_tokens = usage["prompt_tokens"] + usage.get("completion_tokens", 0)
+
+    @asynccontextmanager
+    async def stream(self, body: dict[str, Any]) -> AsyncIterator[_Stream]:
+        """A streamed call (:meth:`fleetroll.policies.gateway.Link.stream`): the
+        server's chunks relayed as they come when the policy streams tokens
+        (:attr:`~fleetroll.policies.openai.OpenAIChatPolicy.streams_tokens`),
+        else :meth:`complete`'s whole answer. Recorded as :meth:`complete`
+        records; a failure once the chunks flow ends the rollout as
+        ``policy_error`` and the agent's stream with an error event."""
+        if not self.policy.streams_tokens:
+            async with self.complete(body) as pending:
+                yield _Stream(pending.answer, pending)
+            return
+        rollout = self.rollout
+        self._check_call(body)
+        self._reserved += 1
+        began: float | None = None
+        flowing = False
+        try:
+            with anyio.CancelScope() as scope:
+                self._scopes.add(scope)
+                try:
+                    version = await rollout.admit_policy_call()
+                    self._refuse_if_ended()
+                    began = time.monotonic()
+                    async with self.policy.stream(body, affinity=self.affinity) as streamed:
+                        self._refuse_if_ended()  # it ended while the server began
+                        relayed = _Stream(streamed.whole, None, streamed)
+                        flowing = True
+                        yield relayed
+                    if relayed.failed is not None:  # the agent got its error event first
+                        self._policy_failed(relayed.failed)
+                    elif relayed.got and not self.ended.is_set():
+                        _, turns = streamed.result()
+                        self._recorded(body, turns, version, time.monotonic() - began)
+                except ContextOverflowError as exc:
+                    self._overflowed(str(exc))
+                    if not flowing:
+                        raise GatewayRefusal(400, str(exc)) from None
+                except PolicyError as exc:
+                    self._policy_failed(str(exc))
+                    if not flowing:
+                        raise GatewayRefusal(502, str(exc), kind="api_error") from None
+                finally:
+                    self._scopes.discard(scope)
+                    if began is not None:
+                        rollout.progress.timings.policy_s += time.monotonic() - began
+            if scope.cancelled_caught and not flowing:
+                raise GatewayRefusal(409, "this rollout has ended: no more policy calls")
+        finally:
+            self._reserved -= 1
+
+    @asynccontextmanager
+    async def complete(self, body: dict[str, Any]) -> AsyncIterator[_Pending]:
+        self._check_call(body)
         self._reserved += 1
         try:
             with anyio.CancelScope() as scope:
@@ -296,20 +416,8 @@ class AgentLink:
             pending = _Pending(answer)
             yield pending
             if pending.got and not self.ended.is_set():
-                observed = _after_last_assistant(body["messages"])
-                rollout.record_call(
-                    turns[0],
-                    policy_version=version,
-                    latency_s=latency,
-                    observations=observed,
-                    others=turns[1:],
-                )
+                self._recorded(body, turns, version, latency)
                 self._remember(body["messages"], answer, turns[0])
-                usage = turns[0].usage
-                if usage is not None and "prompt_tokens" in usage:
-                    self._context_tokens = usage["prompt_tokens"] + usage.get(
-                        "completion_tokens", 0
-                    )
         finally:
             self._reserved -= 1
 

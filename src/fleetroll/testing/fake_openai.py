@@ -35,6 +35,9 @@ earlier assistant messages leaves out, as templates that strip reasoning do.
 vLLM server: ``POST /tokenize`` (vLLM's: ``messages``, ``tools``,
 ``add_generation_prompt`` → ``tokens``) and ``POST /v1/chat/completions/tokens``
 (a chat completion whose prompt is the body's ``tokens``).
+``VllmShape(stream=True)`` streams a request that says ``stream: true`` as vLLM
+does (:func:`streamed_chunks`: a chunk per token, its id and logprob beside it);
+:attr:`FakeChatServer.replies` holds the whole answer all the same.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ from typing import Any, Self, TypeAlias
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleetroll._internal.exit_stack import exit_transparently
@@ -71,6 +74,7 @@ __all__ = [
     "VllmShape",
     "completion",
     "context_length_error",
+    "streamed_chunks",
     "tool_call",
     "tool_calling_script",
     "toy_tokenize",
@@ -132,6 +136,9 @@ class VllmShape:
         drift: a chat template that drops each completion's leading
             :data:`THINK` token when it renders the history.
         token_in: serve ``/tokenize`` and ``/v1/chat/completions/tokens``.
+        stream: answer a request with ``stream: true`` as vLLM streams it
+            (:func:`streamed_chunks`); otherwise it gets the whole answer as JSON,
+            as a server that does not stream.
     """
 
     token_ids: bool = True
@@ -141,6 +148,7 @@ class VllmShape:
     usage: bool = True
     drift: bool = False
     token_in: bool = False
+    stream: bool = False
 
 
 _TOKEN = re.compile(r"\w+|[^\w\s]")
@@ -498,6 +506,12 @@ class FakeChatServer:
             reply = _vllm_answer(self.vllm, body, reply, tokens)
         if isinstance(reply, Mapping):
             self.replies.append(dict(reply))
+            if self.vllm is not None and self.vllm.stream and body.get("stream") is True:
+                chunks = streamed_chunks(reply, body)
+                data = [f"data: {json.dumps(c, ensure_ascii=False)}\n\n" for c in chunks]
+                return StreamingResponse(
+                    _each([*data, "data: [DONE]\n\n"]), media_type="text/event-stream"
+                )
         return await self._respond(reply)
 
     async def _reply(self, number: int, body: dict[str, Any]) -> Reply:
@@ -530,6 +544,78 @@ class FakeChatServer:
                 headers=dict(reply.headers),
             )
         return JSONResponse(dict(reply))
+
+
+async def _each(parts: Sequence[str]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part.encode()
+
+
+_PIECE = re.compile(r"\s*\S+|\s+")
+
+
+def streamed_chunks(answer: Mapping[str, Any], body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A chat completion as vLLM streams it (``chat.completion.chunk``): per choice,
+    a first chunk with the role and the message's other fields (``reasoning_content``
+    whole; the answer's own fields, ``prompt_token_ids`` among them, on the very
+    first), then one chunk per token with its ``token_ids``, ``token_versions``
+    and ``logprobs`` entry and a piece of the content (a word with the spaces
+    before it), the tool calls' deltas (id and name, then the arguments in two
+    pieces), a last with ``finish_reason``; a usage chunk when ``body`` asks."""
+    base = {
+        "id": answer.get("id"),
+        "object": "chat.completion.chunk",
+        "created": answer.get("created", 0),
+        "model": answer.get("model"),
+    }
+    own = {k: v for k, v in answer.items() if k not in (*base, "choices", "usage")}
+    chunks: list[dict[str, Any]] = []
+    for index, whole in enumerate(answer.get("choices") or ()):
+        message = whole.get("message") or {}
+        ids = whole.get("token_ids")
+        versions = whole.get("token_versions")
+        entries = (whole.get("logprobs") or {}).get("content")
+        others = {k: v for k, v in message.items() if k not in ("role", "content", "tool_calls")}
+        delta = {"role": "assistant", "content": "", **others}  # reasoning_content whole
+        first: dict[str, Any] = {"index": index, "delta": delta}
+        if ids is not None:
+            first["token_ids"] = []
+        chunks.append({**base, **own, "choices": [first]})
+        own = {}
+        content = message.get("content")
+        pieces = _PIECE.findall(content) if isinstance(content, str) else []
+        tokens = len(ids) if ids is not None else len(entries or ())
+        for position in range(max(tokens, len(pieces))):
+            choice: dict[str, Any] = {"index": index, "delta": {}}
+            if position < len(pieces):
+                choice["delta"]["content"] = pieces[position]
+            if ids is not None:
+                choice["token_ids"] = ids[position : position + 1]
+            if versions is not None:
+                choice["token_versions"] = versions[position : position + 1]
+            if entries is not None:
+                choice["logprobs"] = {"content": entries[position : position + 1]}
+            chunks.append({**base, "choices": [choice]})
+        for number, call in enumerate(message.get("tool_calls") or ()):
+            function = call.get("function") or {}
+            arguments = function.get("arguments") or ""
+            half = len(arguments) // 2
+            named = {**call, "index": number, "function": {**function, "arguments": ""}}
+            for piece in (
+                named,
+                {"index": number, "function": {"arguments": arguments[:half]}},
+                {"index": number, "function": {"arguments": arguments[half:]}},
+            ):
+                chunks.append(
+                    {**base, "choices": [{"index": index, "delta": {"tool_calls": [piece]}}]}
+                )
+        per_token = ("message", "token_ids", "token_versions", "logprobs")
+        last = {k: v for k, v in whole.items() if k not in per_token}
+        chunks.append({**base, "choices": [{**last, "index": index, "delta": {}}]})
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") and "usage" in answer:
+        chunks.append({**base, "choices": [], "usage": answer["usage"]})
+    return chunks
 
 
 def _error(status: int, message: str, headers: Mapping[str, str] = _EMPTY) -> Response:

@@ -23,6 +23,14 @@ fleetroll's policy reads:
   (when the request has ``tools``); with ``return_token_ids``, the prompt's ids
   at the top level (``prompt_token_ids``) and each choice's ``token_ids``; with
   ``logprobs`` (and ``top_logprobs``), ``choices[].logprobs.content``;
+- with ``stream: true`` (either chat route), the answer as vLLM streams it:
+  ``chat.completion.chunk`` events, a first with the role (and the answer's
+  ``prompt_token_ids``), one per generated token with its text delta and,
+  beside it, its ``token_ids`` (with ``return_token_ids``), ``token_versions``
+  and ``logprobs.content`` (with ``logprobs``), the tool calls' deltas by
+  ``index`` (id and name, then the arguments in pieces), a last with
+  ``finish_reason``; a usage chunk with ``stream_options.include_usage``; then
+  ``data: [DONE]``. The completion is generated whole first, then streamed;
 - ``POST /v1/chat/completions/tokens`` (prime-rl's token-in route, unless
   ``token_route=False``): the same, the prompt being the body's ``tokens``;
 - ``POST /tokenize``: vLLM's, for ``messages`` (with ``tools`` and
@@ -119,7 +127,7 @@ import json
 import re
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -129,7 +137,7 @@ import anyio
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from fleetroll._internal.exit_stack import exit_transparently
@@ -236,6 +244,13 @@ class ModelServer:
             every answer carries ``prompt_routed_experts`` (top level; on each
             choice too in ``/v1/completions``) and each choice's ``routed_experts``,
             ``[tokens][layers][top_k]`` as the router computed them.
+        stream_hold: tests only: awaited by a streamed answer after its first
+            token's chunk, before the rest (a test holds the stream until its
+            client saw that chunk: a relay that waits for whole answers deadlocks).
+        after_token: tests only: called in the generation's worker thread after
+            each token with the number generated so far, before the next step
+            (a test lands a weight update between two given tokens:
+            ``anyio.from_thread.run(server.update_weights, path)``).
 
     Attributes:
         base_url: ``http://127.0.0.1:<port>/v1``, set once started.
@@ -261,7 +276,11 @@ class ModelServer:
         vision: bool = False,
         image_max_pixels: int = 28 * 28 * 1280,
         forced: Callable[[ForcedRequest], str | None] | None = None,
+        stream_hold: Callable[[], Awaitable[None]] | None = None,
+        after_token: Callable[[int], None] | None = None,
     ) -> None:
+        self.stream_hold = stream_hold
+        self.after_token = after_token
         self.model_path = Path(model_path)
         self.model_name = model_name or self.model_path.name
         self.token_route = token_route
@@ -456,6 +475,8 @@ class ModelServer:
                 if token in self._end_ids:
                     finish = "stop"
                     break
+                if self.after_token is not None:
+                    self.after_token(len(ids))
                 if self.decode_delay_s:
                     time.sleep(self.decode_delay_s)
                 cache = out.cache if name else out.past_key_values
@@ -632,7 +653,92 @@ class ModelServer:
         }
         if generations[0].prompt_routed_experts is not None:
             answer["prompt_routed_experts"] = generations[0].prompt_routed_experts
+        if body.get("stream") is True:
+            return StreamingResponse(
+                self._chunks(answer, generations, body),
+                media_type="text/event-stream",
+                headers={"X-Weight-Version": str(generations[-1].version)},
+            )
         return self._json(answer, version=generations[-1].version)
+
+    async def _chunks(
+        self, answer: dict[str, Any], generations: list[Generation], body: Mapping[str, Any]
+    ) -> AsyncIterator[bytes]:
+        """``answer`` streamed as vLLM streams it: a first chunk per choice with the
+        role (the answer's own fields, ``prompt_token_ids`` among them, on the very
+        first), then one chunk per token (its text, its id and version, its logprob),
+        the tool calls' deltas (a first with id and name, the arguments in two
+        pieces), a last chunk with ``finish_reason``; the usage when asked; ``[DONE]``.
+        ``stream_hold`` is awaited after the first token's chunk."""
+        base = {k: answer[k] for k in ("id", "created", "model")} | {
+            "object": "chat.completion.chunk"
+        }
+        own = {k: v for k, v in answer.items() if k not in ("id", "created", "model", "object")}
+        own = {k: v for k, v in own.items() if k not in ("choices", "usage")}
+        wants_ids = body.get("return_token_ids") is True
+
+        def sse(chunk: dict[str, Any]) -> bytes:
+            return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+
+        def choice(index: int, delta: dict[str, Any], **fields: Any) -> dict[str, Any]:
+            return {
+                "index": index,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": None,
+            } | fields
+
+        held = False
+        for index, (whole, generation) in enumerate(
+            zip(answer["choices"], generations, strict=True)
+        ):
+            first = choice(index, {"role": "assistant", "content": ""})
+            if wants_ids:
+                first["token_ids"] = []
+            yield sse({**base, **own, "choices": [first]})
+            own = {}
+            message = whole["message"]
+            content = message["content"] or ""
+            logprobs = (whole["logprobs"] or {}).get("content")
+            sent = 0
+            for position, token in enumerate(generation.token_ids):
+                text = self._decode(generation.token_ids[: position + 1])
+                upto = next(
+                    (i for i, (a, b) in enumerate(zip(text, content, strict=False)) if a != b),
+                    min(len(text), len(content)),
+                )
+                delta: dict[str, Any] = {}
+                if upto > sent:
+                    delta["content"], sent = content[sent:upto], upto
+                chunk = choice(index, delta, token_versions=[generation.token_versions[position]])
+                if wants_ids:
+                    chunk["token_ids"] = [token]
+                if logprobs is not None:
+                    chunk["logprobs"] = {"content": [logprobs[position]]}
+                yield sse({**base, "choices": [chunk]})
+                if not held and self.stream_hold is not None:
+                    held = True
+                    await self.stream_hold()
+            if sent < len(content):
+                yield sse({**base, "choices": [choice(index, {"content": content[sent:]})]})
+            for number, call in enumerate(message["tool_calls"]):
+                named = {**call, "index": number, "function": {**call["function"], "arguments": ""}}
+                arguments = call["function"]["arguments"]
+                half = len(arguments) // 2
+                for piece in (
+                    named,
+                    {"index": number, "function": {"arguments": arguments[:half]}},
+                    {"index": number, "function": {"arguments": arguments[half:]}},
+                ):
+                    yield sse({**base, "choices": [choice(index, {"tool_calls": [piece]})]})
+            last = choice(index, {}, finish_reason=whole["finish_reason"], stop_reason=None)
+            if "routed_experts" in whole:
+                last["routed_experts"] = whole["routed_experts"]
+            yield sse({**base, "choices": [last]})
+        options = body.get("stream_options")
+        if isinstance(options, dict) and options.get("include_usage"):
+            yield sse({**base, "choices": [], "usage": answer["usage"]})
+        yield b"data: [DONE]\n\n"
 
     async def _completions(self, request: Request) -> Response:
         try:

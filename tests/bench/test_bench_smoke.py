@@ -103,6 +103,7 @@ def test_the_scenario_list_names_every_scenario(tmp_path: Path) -> None:
         "create-queue-fresh",
         "tool-call",
         "policy-turn",
+        "weight-updates",
     ]
     # Its columns line up, whatever the length of a name or of its concurrency levels.
     lines = done.stdout.splitlines()

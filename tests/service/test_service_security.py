@@ -257,6 +257,10 @@ async def test_the_openapi_document_lists_every_route_with_its_schemas(served: R
         ("DELETE", "/v1/sessions/{session_id}"),
         ("POST", "/v1/query"),
         ("GET", "/v1/stats"),
+        ("POST", "/v1/trees"),
+        ("GET", "/v1/trees/{tree_id}"),
+        ("DELETE", "/v1/trees/{tree_id}"),
+        ("GET", "/v1/trees/{tree_id}/results"),
     }
     schemas = doc["components"]["schemas"]
     assert {"BatchRequest", "RolloutResult", "StreamLine", "ValidationErrorBody"} <= set(schemas)

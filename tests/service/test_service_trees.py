@@ -93,7 +93,7 @@ async def test_an_http_tree_from_fleetroll_serve_equals_the_library_s(
         port = free_port()
         async with (
             FakeChatServer(Split(), vllm=VllmShape()) as server,
-            serving(tmp_path, port, emulator),
+            serving(tmp_path, port, emu=emulator),
             FleetrollClient(f"http://127.0.0.1:{port}", token=TOKEN) as client,
         ):
             remote = client.start_tree(

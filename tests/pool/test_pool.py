@@ -80,7 +80,14 @@ async def test_hundreds_of_rollouts_yield_one_result_each_once() -> None:
         ledger = await emu.ledger()
     assert_one_result_each(results, LOAD)
     assert Counter(r.status for r in results) == {"completed": LOAD}
-    wrong = [(r.task_key, r.reward, r.tool_errors, r.error) for r in results if r.reward != 1.0]
+    # Each rollout on an instance of its own (none handed out twice), then its 1.0.
+    shared = Counter(r.instance_id for r in results) - Counter(set(r.instance_id for r in results))
+    assert not shared, shared
+    wrong = [
+        (r.task_key, r.instance_id, r.reward, r.tool_errors, r.error)
+        for r in results
+        if r.reward != 1.0
+    ]
     assert wrong == []
     assert ledger["running"] == 0 and ledger["created"] == ledger["deleted"] == LOAD
     assert ledger["peak_concurrent_creates"] <= FAST["max_concurrent_creates"]

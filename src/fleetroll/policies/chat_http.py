@@ -176,11 +176,7 @@ class ChatTransport:
                                 body = await self._read(response, shown)
                         except httpx.TransportError as exc:
                             self.servers.failed(server)
-                            # Its text can hold the URL, never the headers; redact anyway.
-                            problem = f"could not reach {shown}: {type(exc).__name__}: {exc}"
-                            raise PolicyError(
-                                self.redact(problem), operation=OPERATION, transient=True
-                            ) from exc
+                            raise self._unreachable(shown, exc) from exc
                         if response.status_code >= 500:
                             self.servers.failed(server)
                         else:  # it answered: a 4xx is the request's fault, not the server's
@@ -251,10 +247,7 @@ class ChatTransport:
                                 opened = EventStream(self, response, server, shown, whole=whole)
                         except httpx.TransportError as exc:
                             self.servers.failed(server)
-                            problem = f"could not reach {shown}: {type(exc).__name__}: {exc}"
-                            raise PolicyError(
-                                self.redact(problem), operation=OPERATION, transient=True
-                            ) from exc
+                            raise self._unreachable(shown, exc) from exc
                         if response.status_code >= 500:
                             self.servers.failed(server)
                         else:
@@ -271,6 +264,12 @@ class ChatTransport:
         assert opened is not None, "the attempts ended with an answer"
         async with stack:
             yield opened
+
+    def _unreachable(self, shown: str, exc: httpx.TransportError) -> PolicyError:
+        """A server that could not be reached (transient): its text can hold the
+        URL, never the headers; redacted anyway."""
+        problem = f"could not reach {shown}: {type(exc).__name__}: {exc}"
+        return PolicyError(self.redact(problem), operation=OPERATION, transient=True)
 
     def _refused(
         self, response: httpx.Response, body: bytes, server: Server, kind: Endpoint

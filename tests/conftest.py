@@ -35,29 +35,6 @@ def pytest_configure(config: pytest.Config) -> None:
     compileall.compile_dir(Path(fleetroll.__file__).parent, quiet=1)
 
 
-#: How a test file marks every test of it as integration (``-m "not slow"`` leaves it out).
-_SLOW_MODULE = "\npytestmark = pytest.mark.slow\n"
-
-
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    """Under ``-m "not slow"``, a file whose every test is slow is not even imported.
-
-    Its tests would be deselected after collection anyway; importing it cost the
-    unit layer most of its time (each worker imported torch, TRL, verl's hydra,
-    Ray... for tests it then dropped: ~30 s of CPU per worker). Only the exact
-    module-level mark counts, so a file this misreads is collected as before.
-    """
-    if config.getoption("markexpr", "").replace("'", '"').strip() != "not slow":
-        return None
-    if collection_path.suffix != ".py" or not collection_path.name.startswith("test_"):
-        return None
-    try:
-        text = collection_path.read_text(encoding="utf-8")
-    except OSError:
-        return None
-    return True if _SLOW_MODULE in text else None
-
-
 #: Files whose tests keep one worker longest (Ray's start and actors, the load tests,
 #: the commands run as a user runs them), scheduled first: started last, one of them
 #: would run on alone while the other workers sit idle at the end of the run.
